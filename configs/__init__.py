@@ -1,0 +1,18 @@
+"""Typed, frozen configuration models. Imports no torch and no ray.
+
+Checkpoint metadata (JSON only) is read once, while a config is validated.
+"""
+
+from configs.engine import LLMConfig
+from configs.files import ConfigError, load, validate
+from configs.speculative import AdvancedSamplingMode, DSparkDecodingConfig, SpeculativeDecodingMode
+
+__all__ = [
+    "AdvancedSamplingMode",
+    "ConfigError",
+    "DSparkDecodingConfig",
+    "LLMConfig",
+    "SpeculativeDecodingMode",
+    "load",
+    "validate",
+]

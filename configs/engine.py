@@ -1,0 +1,66 @@
+"""``LLMConfig``: what one engine serves and how much it may hold (target, KV pages, batching)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from configs.speculative import DSparkDecodingConfig, MoeBackend
+
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+KernelBackend = Literal["torch", "flashinfer"]
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class LLMConfig(BaseModel):
+    """One engine: the target checkpoint, an optional DSpark drafter, KV and batching budgets."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(description="Target checkpoint: a local Hugging Face directory (config.json, "
+                       "safetensors, tokenizer). Families: qwen3, llama.")
+    tokenizer: str | None = Field(default=None, description="Tokenizer directory; None uses the model's.")
+    speculative_config: DSparkDecodingConfig | None = Field(
+        default=None, description="DSpark drafter settings; None decodes autoregressively.")
+    dtype: DTypeName = Field(default="auto", description="Weights and activations: auto (float32 on CPU, "
+                             "bfloat16 on CUDA), float32, bfloat16, float16.")
+    device: str = Field(default="auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
+    max_model_len: Annotated[int, Field(gt=0)] | None = Field(
+        default=None, description="Longest prompt + output in tokens; None uses the model's "
+        "max_position_embeddings.")
+    page_size: Annotated[int, Field(gt=0)] = Field(default=16, description="Tokens per KV page.")
+    num_pages: Annotated[int, Field(gt=0)] | None = Field(
+        default=None, description="KV pages per cache (target, and drafter context); exclusive with "
+        "kv_cache_memory.")
+    kv_cache_memory: Annotated[int, Field(gt=0)] | None = Field(
+        default=None, description="Bytes for the target's KV pages (the drafter's context cache gets pages "
+        "of the same count); exclusive with num_pages. Default: 1 GiB on CPU, 90% of free memory on CUDA.")
+    max_num_seqs: Annotated[int, Field(gt=0)] = Field(default=64, description="Requests decoding at once.")
+    max_num_batched_tokens: Annotated[int, Field(gt=0)] = Field(
+        default=2048, description="Target tokens per step (prefill chunks + K+1 per decoding request).")
+    moe_backend: MoeBackend = Field(default="AUTO", description="MoE backend of the target's MoE layers.")
+    kernel_backend: KernelBackend = Field(
+        default="torch", description="Attention/sampling kernels: torch (reference, any device) or "
+        "flashinfer (CUDA; an error if it cannot run).")
+    seed: int = Field(default=0, description="Seed of the engine's generator for unseeded sampled requests.")
+
+    @field_validator("device")
+    @classmethod
+    def validate_device(cls, v: str) -> str:
+        if not DEVICE_PATTERN.match(v):
+            raise ValueError(f"device must be one of auto, cpu, cuda, cuda:N; got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def validate_budgets(self) -> LLMConfig:
+        if self.num_pages is not None and self.kv_cache_memory is not None:
+            raise ValueError("num_pages and kv_cache_memory are mutually exclusive: give one KV budget")
+        spec = self.speculative_config
+        if spec is not None and spec.speculative_model is None:
+            raise ValueError("speculative_config.speculative_model must name the drafter checkpoint")
+        if spec is not None and (spec.max_draft_len or 0) + 1 > self.max_num_batched_tokens:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must hold one decoding "
+                             f"request's max_draft_len + 1 = {(spec.max_draft_len or 0) + 1} tokens")
+        return self

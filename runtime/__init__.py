@@ -1,0 +1,1 @@
+"""Single-process DSpark engine (torch; never ray)."""

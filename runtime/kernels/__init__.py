@@ -1,0 +1,1 @@
+"""Kernel registry: one interface per op, a pure-torch reference always registered."""
