@@ -1,0 +1,50 @@
+"""The kernel contract: attention metadata and the ops every backend implements.
+
+A backend is a ``KernelBackend``: plain functions over tensors, no state. The pure-torch
+reference (``torch_ref``) defines the semantics; other backends must match it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class PagedAttentionMeta:
+    """Where the queries of one forward sit in the paged KV cache.
+
+    Requests are laid out back to back in the flat token dimension. Request ``b`` has
+    ``query_start_loc[b+1] - query_start_loc[b]`` query tokens, which are the *last* tokens
+    of its ``seq_lens[b]`` cached keys (their K/V are written before attention runs).
+    """
+
+    query_start_loc: torch.Tensor  # [B+1] int64, cumulative query counts
+    seq_lens: torch.Tensor  # [B] int64, cached keys visible to each request
+    page_table: torch.Tensor  # [B, max_pages] int64, page ids (padding: any valid id)
+    max_query_len: int  # host int: max query tokens of one request
+    max_seq_len: int  # host int: upper bound of seq_lens
+    causal: bool  # True: query i sees keys up to its own position; False: every visible key
+
+
+class KernelBackend(Protocol):
+    name: str
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` [T, Hkv, D] at flat slots [T] of caches [P, S, Hkv, D]."""
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: PagedAttentionMeta, scale: float, extra_k: torch.Tensor | None = None,
+                        extra_v: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over each request's cached keys, plus optional per-request
+        extra keys/values [B, X, Hkv, D] that every query of the request sees (the draft block's own
+        K/V, never cached). Returns [T, Hq, D]."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim, computed in float32, returned in x's dtype."""
+
+    def sample_exponential_race(self, probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
+        """Categorical sample per row of probs [R, V] given Exp(1) noise [R, V]: argmax(p / E)."""

@@ -1,0 +1,63 @@
+"""``LLM``: offline batched generation in one process (the engine's simplest driver)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from configs import DSparkDecodingConfig, LLMConfig, validate
+from runtime.engine import Engine
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate with a target model, speculatively when ``speculative_config`` names a DSpark drafter.
+
+    Keyword arguments are the fields of ``configs.LLMConfig`` (``dtype``, ``device``, ``max_model_len``,
+    ``page_size``, ``num_pages`` or ``kv_cache_memory``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``moe_backend``, ``kernel_backend``, ``seed``); a bad one raises ``configs.ConfigError`` naming it.
+    """
+
+    def __init__(self, model: str, speculative_config: DSparkDecodingConfig | dict | None = None, **kwargs):
+        self.config = validate(LLMConfig, {"model": str(model), "speculative_config": speculative_config, **kwargs},
+                               "LLM")
+        self.engine = Engine(self.config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Seq[str] | Seq[Seq[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order. Prompts are strings (tokenized with the target's tokenizer)
+        or token-id lists; ``sampling_params`` is one for all or one per prompt."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        per_prompt = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"sampling_params has {len(per_prompt)} entries for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, per_prompt):
+                ids.append(self.engine.add_request(self._token_ids(prompt), p))
+        except Exception:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[request_id] for request_id in ids]
+
+    def _token_ids(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.engine.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer; the model directory has none (pass token ids)")
+            return list(self.engine.tokenizer(prompt)["input_ids"])
+        return list(prompt)
+
+    def get_metrics(self) -> dict:
+        return self.engine.get_metrics()

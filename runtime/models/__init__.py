@@ -1,0 +1,1 @@
+"""Model families: dense targets (qwen3, llama) and the DSpark drafter."""

@@ -1,0 +1,157 @@
+"""Building blocks shared by the targets and the drafter: norms, RoPE, MLP, paged attention.
+
+Head counts are read from weight shapes, never from the config, so tensor parallelism can
+shard ``q/k/v/gate/up`` by rows and ``o/down`` by columns (plus an all-reduce) after
+construction without touching these modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.kernels import KernelBackend, PagedAttentionMeta
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, kernels: KernelBackend):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+
+def rope_parameters(config) -> dict:
+    """RoPE settings from a transformers config, v5 (``rope_parameters``) or v4 (``rope_theta``/``rope_scaling``)."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    return {"rope_theta": getattr(config, "rope_theta", 10000.0), **scaling}
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables at arbitrary positions, with the checkpoint's rope type (transformers' initializers)."""
+
+    def __init__(self, config, head_dim: int):
+        super().__init__()
+        params = rope_parameters(config)
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+            inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponent), 1.0
+        elif rope_type in ("linear", "llama3", "yarn", "longrope"):
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        else:
+            raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3, "
+                             "yarn, longrope")
+        # A plain attribute, not a buffer: Module.to(dtype) must not round it to bfloat16.
+        self.inv_freq = inv_freq.float()
+        self.scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] -> cos, sin: [T, head_dim], computed in float32
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos, sin: [T, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionInputs:
+    """What every attention layer of one forward needs besides its own hidden states."""
+
+    cos: torch.Tensor  # [T, D]
+    sin: torch.Tensor  # [T, D]
+    meta: PagedAttentionMeta
+    slots: torch.Tensor | None = None  # [T] cache slots for this forward's K/V (target forwards)
+    block_size: int | None = None  # draft blocks: T = B * block_size queries whose own K/V stay out of the
+    # cache and are seen, bidirectionally, as extra keys by every query of the same block
+
+
+class Attention(nn.Module):
+    """GQA attention over a paged cache; ``qk_norm`` gives Qwen3's per-head q/k RMSNorm."""
+
+    def __init__(self, config, kernels: KernelBackend, qk_norm: bool):
+        super().__init__()
+        hidden = config.hidden_size
+        self.head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(hidden, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
+        self.scale = self.head_dim ** -0.5
+        self.kernels = kernels
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, d] -> (k, v) [T, Hkv, D], k normed and rotated at its own positions."""
+        k = self.k_proj(x).view(x.shape[0], -1, self.head_dim)
+        v = self.v_proj(x).view(x.shape[0], -1, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), v
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x).view(x.shape[0], -1, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
+
+    def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], inputs: AttentionInputs) -> torch.Tensor:
+        # x: [T, d] -> [T, d]
+        q = self.project_q(x, inputs.cos, inputs.sin)
+        k, v = self.project_kv(x, inputs.cos, inputs.sin)
+        if inputs.block_size is None:
+            self.kernels.write_kv(cache[0], cache[1], inputs.slots, k, v)
+            out = self.kernels.paged_attention(q, cache[0], cache[1], inputs.meta, self.scale)
+        else:
+            shape = (-1, inputs.block_size, *k.shape[1:])  # [B, block, Hkv, D]
+            out = self.kernels.paged_attention(q, cache[0], cache[1], inputs.meta, self.scale,
+                                               k.view(shape), v.view(shape))
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block (Qwen3 / Llama)."""
+
+    def __init__(self, config, kernels: KernelBackend, qk_norm: bool):
+        super().__init__()
+        self.self_attn = Attention(config, kernels, qk_norm)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+
+    def forward(self, h: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], inputs: AttentionInputs) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cache, inputs)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,86 @@
+"""Dense decoder-only targets (``qwen3``, ``llama``) over a paged KV cache, with hidden-state capture.
+
+Module names mirror Hugging Face (``model.layers.<i>.self_attn.q_proj`` ...), so a checkpoint's
+state dict loads as is and tensor parallelism can find layers by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.kernels import KernelBackend, PagedAttentionMeta
+from runtime.models.layers import AttentionInputs, DecoderLayer, RMSNorm, RotaryEmbedding
+
+# model_type -> per-family switches
+TARGET_FAMILIES: dict[str, dict] = {
+    "qwen3": {"qk_norm": True},
+    "llama": {"qk_norm": False},
+}
+
+
+def check_target_config(config) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TARGET_FAMILIES:
+        raise ValueError(f"target model_type {model_type!r} is not supported; supported: {sorted(TARGET_FAMILIES)}")
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
+        raise ValueError(f"target layer_types {sorted(kinds)}: only full_attention layers are supported")
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, config, kernels: KernelBackend, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, kernels, qk_norm) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+
+
+class TargetModel(nn.Module):
+    """A causal LM whose forward also returns the captured outputs of ``capture_layer_ids``.
+
+    Layer id ``l`` is the output of decoder layer ``l`` (HF ``hidden_states[l + 1]``), ``-1``
+    the embedding output; the last layer cannot be captured (HF returns it final-normed).
+    """
+
+    def __init__(self, config, kernels: KernelBackend):
+        super().__init__()
+        check_target_config(config)
+        self.config = config
+        self.model = DecoderStack(config, kernels, **TARGET_FAMILIES[config.model_type])
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        head_dim = self.model.layers[0].self_attn.head_dim
+        self.rotary = RotaryEmbedding(config, head_dim)
+        self.capture_layer_ids: tuple[int, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def set_capture(self, layer_ids: list[int] | tuple[int, ...]) -> None:
+        last = self.num_layers - 1
+        for layer in layer_ids:
+            if not -1 <= layer < last:
+                raise ValueError(f"target_layer_ids {list(layer_ids)}: id {layer} is out of range; a "
+                                 f"{self.num_layers}-layer target allows -1..{last - 1} (the last layer {last} "
+                                 "is refused: its HF hidden state is final-normed)")
+        self.capture_layer_ids = tuple(layer_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: PagedAttentionMeta, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # input_ids, positions, slots: [T] -> hidden [T, d] (final-normed), captured [T, m*d] or None
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, h.dtype)
+        inputs = AttentionInputs(cos=cos, sin=sin, meta=meta, slots=slots)
+        captured = [h] if -1 in self.capture_layer_ids else []
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, caches[i], inputs)
+            if i in self.capture_layer_ids:
+                captured.append(h)
+        return self.model.norm(h), (torch.cat(captured, dim=-1) if captured else None)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [R, d] -> [R, V] in float32
+        return self.lm_head(hidden).float()

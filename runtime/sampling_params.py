@@ -1,0 +1,79 @@
+"""``SamplingParams``: per-request decoding settings (vLLM's names), validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request decodes.
+
+    ``temperature == 0`` is greedy. ``top_k`` 0 or -1, ``top_p`` 1 and ``min_p`` 0 disable their
+    filters. Penalties follow vLLM: ``repetition_penalty`` divides positive / multiplies negative
+    logits of every token seen in the prompt or output; ``presence_penalty`` and
+    ``frequency_penalty`` subtract from output tokens' logits. ``stop`` strings end the output before
+    the string; ``stop_token_ids`` and EOS (unless ``ignore_eos``) end it after the token.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        checks = [
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
+            ("temperature", _number(self.temperature) and self.temperature >= 0, "a number >= 0"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "-1 or 0 (disabled) or an integer >= 1"),
+            ("top_p", _number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", _number(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", _number(self.repetition_penalty) and self.repetition_penalty > 0, "a number > 0"),
+            ("presence_penalty", _number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", _number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+             "an integer or None"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "non-negative token ids"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "a boolean"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0 and not self.greedy
+
+    @property
+    def uses_top_p(self) -> bool:
+        return self.top_p < 1 and not self.greedy
+
+    @property
+    def uses_min_p(self) -> bool:
+        return self.min_p > 0 and not self.greedy
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

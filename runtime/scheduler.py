@@ -1,0 +1,117 @@
+"""Continuous batching with chunked prefill and recompute preemption. Pure Python, no torch.
+
+Each step: running requests first, oldest first (a decoding request feeds its anchor and drafts,
+a partly prefilled one its next chunk), then waiting requests in arrival order while the token
+budget, ``max_num_seqs`` and free pages allow. When a running request needs a page and none is
+free, the newest running request is preempted: its pages are released and it returns to the
+front of the queue to recompute its prompt and output later (nothing is lost; the output is
+unchanged because sampling noise is keyed by position, see ``runtime.noise``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from runtime.pages import PageAllocator
+from runtime.sequence import Sequence, Status
+from runtime.step_io import ScheduledRequest
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, pages: PageAllocator):
+        self.limits = limits
+        self.pages = pages
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._released: list[str] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark finished, free its pages; the runner is told to drop its state next step."""
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pages.release(seq.page_ids)
+        self._released.append(seq.request_id)
+
+    def take_released(self) -> list[str]:
+        released, self._released = self._released, []
+        return released
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.limits.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if budget <= 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            entry = self._plan(seq, budget)
+            if entry is None:
+                continue
+            while not self.pages.can_grow(seq.page_ids, entry.end_position):
+                victim = max(self.running, key=lambda s: s.arrival)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            self.pages.grow(seq.page_ids, entry.end_position)
+            scheduled.append(self._with_pages(entry, seq))
+            budget -= len(entry.token_ids)
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            entry = self._plan(seq, budget)
+            if entry is None or not self.pages.can_grow(seq.page_ids, entry.end_position):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self.pages.grow(seq.page_ids, entry.end_position)
+            scheduled.append(self._with_pages(entry, seq))
+            budget -= len(entry.token_ids)
+        return scheduled
+
+    def _plan(self, seq: Sequence, budget: int) -> ScheduledRequest | None:
+        """The tokens ``seq`` feeds this step within ``budget`` (pages not yet assigned)."""
+        if seq.is_decoding:
+            room = min(budget - 1, self.limits.max_model_len - seq.num_tokens - 1,
+                       seq.params.max_tokens - len(seq.output_token_ids) - 1)
+            drafts = seq.draft_ids[:max(room, 0)]
+            tokens, sample = [seq.last_token, *drafts], True
+        else:
+            end = min(seq.num_tokens, seq.num_computed + budget)
+            tokens, drafts, sample = seq.token_slice(seq.num_computed, end), [], end == seq.num_tokens
+        history = ((seq.prompt_token_ids, seq.output_token_ids) if sample and seq.params.uses_penalties else None)
+        return ScheduledRequest(request_id=seq.request_id, token_ids=tokens, start_position=seq.num_computed,
+                                page_ids=[], num_drafts=len(drafts), sample=sample, params=seq.params,
+                                seed=seq.seed, penalty_history=history)
+
+    @staticmethod
+    def _with_pages(entry: ScheduledRequest, seq: Sequence) -> ScheduledRequest:
+        return ScheduledRequest(**{**{f: getattr(entry, f) for f in entry.__slots__}, "page_ids": list(seq.page_ids)})
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pages.release(seq.page_ids)
+        seq.status, seq.num_computed, seq.draft_ids = Status.WAITING, 0, []
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self._released.append(seq.request_id)

@@ -1,0 +1,56 @@
+"""Per-request token state. Pure Python."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from runtime.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request.
+
+    Invariants: ``num_computed`` tokens of ``prompt + output`` are in the target's KV (and the
+    drafter's context); a request decodes when ``num_computed == len(tokens) - 1`` (the last committed
+    token is the anchor, fed next step with ``draft_ids``); ``page_ids`` cover ``num_computed``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    draft_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_computed == self.num_tokens - 1
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        head = self.prompt_token_ids[start:] if start < prompt_len else []
+        return head + self.output_token_ids[max(start - prompt_len, 0): end - prompt_len]
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]

@@ -1,0 +1,52 @@
+"""The plain-data seam between the scheduler and the model runner (lists and ints, no tensors).
+
+What crosses a process boundary (a Ray actor call in the cluster layer) is exactly these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Invariant: ``token_ids`` occupy positions ``start_position ..`` and ``page_ids`` cover them.
+    A decoding request feeds ``[anchor, d_1 .. d_k]`` (``num_drafts = k``); a prefill feeds a chunk of
+    committed tokens (``num_drafts = 0``). ``sample`` is set when the step must commit tokens:
+    every decode, and the prefill chunk that reaches the last committed token.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    page_ids: list[int]
+    num_drafts: int
+    sample: bool
+    params: SamplingParams
+    seed: int
+    # (prompt ids, output ids) before this step, only for requests that use penalties
+    penalty_history: tuple[list[int], list[int]] | None = None
+
+    @property
+    def end_position(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    requests: list[ScheduledRequest]
+    num_next_drafts: int  # block length drafted after this step for every sampled request (0: none)
+    maintain_draft_context: bool  # False once speculation is off for good: the drafter is idle
+    released_request_ids: list[str] = field(default_factory=list)  # the runner drops their state
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStepResult:
+    request_id: str
+    token_ids: list[int]  # committed this step: accepted drafts, then one target token
+    num_accepted: int  # accepted drafts among token_ids
+    next_draft_ids: list[int]  # the block proposed for the next step (after confidence truncation)

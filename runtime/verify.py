@@ -1,0 +1,51 @@
+"""Verification of a draft block against the target (pure functions over padded tensors).
+
+Shapes: B requests, K = the longest block in the batch, V vocabulary. Row ``r`` of the target
+distributions predicts the token after input ``r`` (input 0 is the anchor, input ``r`` draft ``r``).
+A request with ``k < K`` drafts has padding past ``k`` that never counts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accept_by_match(drafts: torch.Tensor, num_drafts: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
+    """Accept drafts while each equals the target's own token at its position.
+
+    drafts [B, K], num_drafts [B], target_tokens [B, K+1] (argmax, or the target's own sample) ->
+    accepted [B]. The committed tokens are ``target_tokens[:, :accepted+1]``: accepted drafts equal
+    the target's tokens, and the next one is the correction or the bonus.
+    """
+    k = drafts.shape[1]
+    in_block = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]
+    match = (drafts == target_tokens[:, :k]) & in_block
+    return match.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def accept_by_rejection(drafts: torch.Tensor, num_drafts: torch.Tensor, target_probs: torch.Tensor,
+                        draft_probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Leviathan et al.: accept draft ``j`` with probability ``min(1, p_j(d_j) / q_j(d_j))``, in order.
+
+    drafts [B, K], num_drafts [B], target_probs p [B, K+1, V], draft_probs q [B, K, V] (the
+    distributions the drafts were drawn from), uniforms [B, K] in (0, 1) -> accepted [B].
+    """
+    k = drafts.shape[1]
+    p = target_probs[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # [B, K]
+    q = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
+    in_block = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]
+    accept = (uniforms * q < p) & in_block
+    return accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p - q))`` per row [R, V]; ``p`` itself where the residual has no mass (p == q)."""
+    residual = (target_probs - draft_probs).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 1e-8, residual, target_probs)
+    return residual / residual.sum(-1, keepdim=True)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, L, ...], index [B] -> x[b, index[b]] as [B, ...]."""
+    return x[torch.arange(x.shape[0], device=x.device), index]

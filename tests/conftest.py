@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny checkpoints built once per session (see builders.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tests import builders
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="session")
+def qwen3_target(checkpoints):
+    return builders.save_target(checkpoints / "qwen3", "qwen3", seed=1)
+
+
+@pytest.fixture(scope="session")
+def llama_target(checkpoints):
+    return builders.save_target(checkpoints / "llama", "llama", seed=2)
+
+
+@pytest.fixture(scope="session")
+def bigram_target(checkpoints):
+    """Attention and MLP add nothing: logits depend on the current token only."""
+    return builders.save_target(checkpoints / "bigram", "qwen3", seed=3, residual_scale=0.0)
+
+
+@pytest.fixture(scope="session")
+def near_bigram_target(checkpoints):
+    """Mostly a bigram table, sometimes overruled by context: an oracle drafter is often but not always right."""
+    return builders.save_target(checkpoints / "near-bigram", "qwen3", seed=4, residual_scale=0.6)
+
+
+@pytest.fixture(scope="session")
+def make_drafter(checkpoints):
+    counter = itertools.count()
+    cache: dict = {}
+
+    def make(target_dir, block_size: int, head_type: str = "vanilla", markov_rank: int = 16, confidence: bool = True,
+             oracle: bool = False, seed: int = 0, **config_overrides):
+        key = (str(target_dir), block_size, head_type, markov_rank, confidence, oracle, seed,
+               tuple(sorted(config_overrides.items())))
+        if key not in cache:
+            rank = builders.VOCAB if oracle else markov_rank
+            config = builders.drafter_config(target_dir, block_size=block_size, markov_rank=rank, head_type=head_type,
+                                             confidence=confidence)
+            config.update(config_overrides)
+            tensors = builders.drafter_tensors(config, seed=seed)
+            if oracle:
+                builders.make_oracle(tensors, config, builders.bigram_table(target_dir))
+            cache[key] = builders.save_drafter(checkpoints / f"drafter-{next(counter)}", config, tensors)
+        return cache[key]
+
+    return make
