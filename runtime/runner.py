@@ -19,7 +19,7 @@ from runtime.models.target import TargetModel
 from runtime.noise import Stream, exponentials, uniform
 from runtime.sampler import RowParams, apply_penalties, filtered_probs, occurrence_counts
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
-from runtime.verify import accept_by_match, accept_by_rejection, gather_rows, residual_distribution
+from runtime.verify import accept_by_rejection, commit_by_match, gather_rows, residual_distribution
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -131,10 +131,10 @@ class ModelRunner:
         seed_rows = seeds[:, None].expand_as(positions).reshape(-1)
         noise = exponentials(seed_rows, positions.reshape(-1), Stream.TARGET, vocab)
         target_tokens = self.kernels.sample_exponential_race(probs.view(-1, vocab), noise).view_as(positions)
-        accepted = accept_by_match(drafts, num_drafts, target_tokens)
+        committed_match, accepted = commit_by_match(drafts, num_drafts, target_tokens)
         by_rejection = [self.use_rejection and not e.params.greedy and e.num_drafts > 0 for e in entries]
         if not any(by_rejection):
-            return target_tokens, accepted
+            return committed_match, accepted
         rejection_rows = torch.tensor(by_rejection, device=dev)
         q = torch.zeros(len(entries), k_max, vocab, device=dev)
         for i, e in enumerate(entries):
@@ -152,7 +152,7 @@ class ModelRunner:
         next_token = torch.where(rejected, resampled, gather_rows(target_tokens, accepted))
         committed = torch.cat([drafts, drafts.new_zeros(len(entries), 1)], dim=1)
         committed = committed.scatter(1, accepted[:, None], next_token[:, None])
-        return torch.where(rejection_rows[:, None], committed, target_tokens), accepted
+        return torch.where(rejection_rows[:, None], committed, committed_match), accepted
 
     def _penalize(self, logits: torch.Tensor, entries: list[ScheduledRequest], drafts: torch.Tensor,
                   row_params: RowParams) -> torch.Tensor:

@@ -23,6 +23,12 @@ def accept_by_match(drafts: torch.Tensor, num_drafts: torch.Tensor, target_token
     return match.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
+def commit_by_match(drafts: torch.Tensor, num_drafts: torch.Tensor,
+                    target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy / exact-match verification -> (committed [B, K+1], accepted [B]); see ``accept_by_match``."""
+    return target_tokens, accept_by_match(drafts, num_drafts, target_tokens)
+
+
 def accept_by_rejection(drafts: torch.Tensor, num_drafts: torch.Tensor, target_probs: torch.Tensor,
                         draft_probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Leviathan et al.: accept draft ``j`` with probability ``min(1, p_j(d_j) / q_j(d_j))``, in order.

@@ -52,8 +52,8 @@ def make_drafter(checkpoints):
     cache: dict = {}
 
     def make(target_dir, block_size: int, head_type: str = "vanilla", markov_rank: int = 16, confidence: bool = True,
-             oracle: bool = False, seed: int = 0, **config_overrides):
-        key = (str(target_dir), block_size, head_type, markov_rank, confidence, oracle, seed,
+             oracle: bool = False, seed: int = 0, oracle_scale: float = 1.0, **config_overrides):
+        key = (str(target_dir), block_size, head_type, markov_rank, confidence, oracle, seed, oracle_scale,
                tuple(sorted(config_overrides.items())))
         if key not in cache:
             rank = builders.VOCAB if oracle else markov_rank
@@ -62,7 +62,7 @@ def make_drafter(checkpoints):
             config.update(config_overrides)
             tensors = builders.drafter_tensors(config, seed=seed)
             if oracle:
-                builders.make_oracle(tensors, config, builders.bigram_table(target_dir))
+                builders.make_oracle(tensors, config, oracle_scale * builders.bigram_table(target_dir))
             cache[key] = builders.save_drafter(checkpoints / f"drafter-{next(counter)}", config, tensors)
         return cache[key]
 
