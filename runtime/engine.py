@@ -201,6 +201,9 @@ class Engine:
             if seq.finish_reason is not None:
                 del self.sequences[seq.request_id]
         self.gate.record(drafted, accepted)
+        if self.gate.closed:  # drafts already proposed are dropped too: from now on, plain decoding
+            for seq in self.scheduler.running:
+                seq.draft_ids = []
         return outputs
 
     def _commit(self, seq: Sequence, entry: ScheduledRequest, result: RequestStepResult) -> int:

@@ -162,7 +162,8 @@ class ModelRunner:
         in_block = torch.arange(drafts.shape[1], device=self.device)[None, :] < torch.tensor(
             [e.num_drafts for e in entries], device=self.device)[:, None]
         draft_hits = torch.nn.functional.one_hot(drafts, vocab).float() * in_block[..., None]  # [S, K, V]
-        prefix = torch.cat([torch.zeros_like(draft_hits[:, :1]), draft_hits.cumsum(dim=1)], dim=1)  # [S, K+1, V]
+        prefix = logits.new_zeros(logits.shape)  # [S, K+1, V]
+        prefix[:, 1:] = draft_hits.cumsum(dim=1)
         row_counts = counts[:, None] + prefix
         row_seen = seen[:, None] | (prefix > 0)
         flat = apply_penalties(logits.view(-1, vocab), row_counts.view(-1, vocab), row_seen.view(-1, vocab), row_params)

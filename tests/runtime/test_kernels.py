@@ -1,0 +1,61 @@
+"""The torch reference kernels against dense attention, and the registry's explicit failures."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels import KernelBackendUnavailable, PagedAttentionMeta, available_backends, get_backend
+
+ref = get_backend("torch")
+
+
+def dense_attention(q, k, v, causal_offset=None):
+    # q: [Lq, H, D], k/v: [Lk, Hkv, D]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    mask = None
+    if causal_offset is not None:
+        mask = torch.arange(k.shape[0])[None, :] <= (causal_offset + torch.arange(q.shape[0]))[:, None]
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                          attn_mask=mask).transpose(0, 1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_attention_matches_dense(causal):
+    torch.manual_seed(0)
+    page, heads, kv_heads, dim = 4, 4, 2, 8
+    k_cache, v_cache = torch.randn(16, page, kv_heads, dim), torch.randn(16, page, kv_heads, dim)
+    seq_lens, q_lens = [9, 3, 13], [2, 3, 1]
+    tables = [[5, 0, 11], [7], [1, 2, 3, 4]]
+    width = max(map(len, tables))
+    meta = PagedAttentionMeta(torch.tensor([0, 2, 5, 6]), torch.tensor(seq_lens),
+                              torch.tensor([t + [0] * (width - len(t)) for t in tables]), 3, 13, causal)
+    q = torch.randn(6, heads, dim)
+    extra_k, extra_v = torch.randn(3, 2, kv_heads, dim), torch.randn(3, 2, kv_heads, dim)
+    got = ref.paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, *(() if causal else (extra_k, extra_v)))
+    starts = [0, 2, 5]
+    for b, (n, ql, table) in enumerate(zip(seq_lens, q_lens, tables)):
+        slots = torch.tensor([table[i // page] * page + i % page for i in range(n)])
+        k = k_cache.view(-1, kv_heads, dim)[slots]
+        v = v_cache.view(-1, kv_heads, dim)[slots]
+        if not causal:
+            k, v = torch.cat([k, extra_k[b]]), torch.cat([v, extra_v[b]])
+        want = dense_attention(q[starts[b]:starts[b] + ql], k, v, n - ql if causal else None)
+        torch.testing.assert_close(got[starts[b]:starts[b] + ql], want, atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_and_rms_norm():
+    k_cache, v_cache = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)
+    ref.write_kv(k_cache, v_cache, torch.tensor([5, 0]), torch.ones(2, 1, 2), 2 * torch.ones(2, 1, 2))
+    assert k_cache[1, 1].sum() == 2 and k_cache[0, 0].sum() == 2 and v_cache[1, 1].sum() == 4
+    x = torch.randn(3, 8)
+    want = x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * 2
+    torch.testing.assert_close(ref.rms_norm(x, torch.full((8,), 2.0), 1e-6), want)
+
+
+def test_registry_fails_loudly():
+    assert "torch" in available_backends()
+    with pytest.raises(KernelBackendUnavailable, match="unknown kernel backend 'cuda-magic'"):
+        get_backend("cuda-magic")
+    with pytest.raises(KernelBackendUnavailable, match="flashinfer"):
+        get_backend("flashinfer")
