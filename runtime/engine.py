@@ -11,60 +11,38 @@ import itertools
 import random
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from configs import LLMConfig
-from runtime.kernels import get_backend
-from runtime.loader import CheckpointError, load_drafter, load_target
+from runtime.executor import Executor, LocalExecutor
+from runtime.loader import load_hf_config
 from runtime.metrics import AcceptanceGate, SpecMetrics
 from runtime.outputs import RequestOutput
 from runtime.pages import PageAllocator
-from runtime.runner import ModelRunner
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerLimits
 from runtime.sequence import Sequence
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.stops import StopCriteria
 
-CPU_KV_DEFAULT_BYTES = 1 << 30
-CUDA_KV_FRACTION = 0.9
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r}: CUDA is not available on this machine; use device='cpu'")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
 
 class Engine:
-    def __init__(self, config: LLMConfig):
+    """The driver side of serving: owns requests and scheduling; the executor owns the models.
+
+    ``executor`` defaults to a ``LocalExecutor`` (models in this process); the cluster layer passes
+    one backed by Ray actors. The engine itself reads only JSON metadata and the tokenizer.
+    """
+
+    def __init__(self, config: LLMConfig, executor: Executor | None = None):
         self.config = config
-        self.device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, self.device)
         self.spec = config.speculative_config
-        kernels = get_backend(config.kernel_backend)
-        self.target = load_target(config.model, kernels, dtype, self.device)
-        self._check_backends()
-        self.drafter = load_drafter(self.spec, self.target, kernels, dtype, self.device) if self.spec else None
-        if self.drafter is not None and not 0 <= self.drafter.spec.mask_token_id < self.target.config.vocab_size:
-            raise CheckpointError(f"speculative_config.mask_token_id {self.drafter.spec.mask_token_id} is outside the "
-                                  f"target vocabulary (0..{self.target.config.vocab_size - 1})")
+        self.model_config = load_hf_config(config.model, "model")
+        self.executor = executor if executor is not None else LocalExecutor(config)
+        self.has_drafter = self.spec is not None
+        self.vocab_size = int(self.model_config.vocab_size)
         self.tokenizer = self._load_tokenizer()
-        self.max_model_len = config.max_model_len or int(self.target.config.max_position_embeddings)
-        num_pages = self._num_pages(dtype)
-        self.runner = ModelRunner(self.target, self.drafter, self.spec, kernels, num_pages, config.page_size,
-                                  dtype, self.device)
-        self.pages = PageAllocator(num_pages, config.page_size)
+        self.max_model_len = config.max_model_len or int(self.model_config.max_position_embeddings)
+        self.pages = PageAllocator(self.executor.num_pages, config.page_size)
         self.scheduler = Scheduler(SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.pages)
         self.stops = StopCriteria(self._eos_token_ids(), self.tokenizer, self.max_model_len)
@@ -78,53 +56,22 @@ class Engine:
 
     # ---- setup --------------------------------------------------------------------------------
 
-    def _check_backends(self) -> None:
-        family = self.target.config.model_type
-        if self.config.moe_backend != "AUTO":
-            raise ValueError(f"moe_backend={self.config.moe_backend!r}: target model_type {family!r} has no MoE "
-                             "layers; leave it AUTO")
-        if self.spec is None:
-            return
-        if self.spec.moe_backend not in (None, "AUTO"):
-            raise ValueError(f"speculative_config.moe_backend={self.spec.moe_backend!r}: the DSpark drafter has no "
-                             "MoE layers; leave it unset")
-        if self.spec.attention_backend in ("TRTLLM", "CUTEDSL"):
-            why = ("needs FlashInfer's trtllm-gen kernels on SM100/SM103" if self.spec.attention_backend == "TRTLLM"
-                   else "is for MLA drafters; this drafter is GQA")
-            raise ValueError(f"speculative_config.attention_backend={self.spec.attention_backend!r} cannot run here: "
-                             f"it {why}; use AUTO or VANILLA")
-
     def _load_tokenizer(self):
         path = Path(self.config.tokenizer or self.config.model)
         if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             if self.config.tokenizer is not None:
-                raise CheckpointError(f"tokenizer: no tokenizer files in {path}")
+                raise ValueError(f"tokenizer: no tokenizer files in {path}")
             return None
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
     def _eos_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
         try:
             eos = GenerationConfig.from_pretrained(self.config.model, local_files_only=True).eos_token_id
         except OSError:
-            eos = getattr(self.target.config, "eos_token_id", None)
+            eos = getattr(self.model_config, "eos_token_id", None)
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-        return frozenset(ids)
-
-    def _num_pages(self, dtype: torch.dtype) -> int:
-        if self.config.num_pages is not None:
-            return self.config.num_pages
-        budget = self.config.kv_cache_memory
-        if budget is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * CUDA_KV_FRACTION)
-        budget = budget or CPU_KV_DEFAULT_BYTES
-        pages = budget // ModelRunner.bytes_per_page(self.target, self.drafter, self.config.page_size, dtype)
-        if pages < 1:
-            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV page of {self.config.page_size} tokens")
-        return int(pages)
+        return frozenset([eos] if isinstance(eos, int) else (eos or []))
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -141,7 +88,7 @@ class Engine:
         return request_id
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
-        vocab = self.target.config.vocab_size
+        vocab = self.vocab_size
         if not prompt:
             raise ValueError("prompt is empty")
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
@@ -179,16 +126,16 @@ class Engine:
 
     def draft_len(self) -> int:
         """Block length to draft this step: the schedule at the current batch size, 0 once the gate closed."""
-        if self.drafter is None or self.gate.closed or not self.scheduler.running:
+        if not self.has_drafter or self.gate.closed or not self.scheduler.running:
             return 0
         return self.spec.draft_len_for_batch_size(len(self.scheduler.running))
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         batch = ScheduledBatch(requests=scheduled, num_next_drafts=self.draft_len(),
-                               maintain_draft_context=self.drafter is not None and not self.gate.closed,
+                               maintain_draft_context=self.has_drafter and not self.gate.closed,
                                released_request_ids=self.scheduler.take_released())
-        results = self.runner.execute(batch)
+        results = self.executor.execute(batch)
         outputs, drafted, accepted = [], 0, 0
         for entry, result in zip(scheduled, results):
             seq = self.sequences[entry.request_id]

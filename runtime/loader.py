@@ -140,6 +140,9 @@ def load_drafter(spec_config: DSparkDecodingConfig, target: TargetModel, kernels
                                   f"{getattr(target.config, field)}")
     if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
         raise CheckpointError(f"speculative_model: layer_types {config.layer_types}: only full_attention is supported")
+    if not 0 <= spec.mask_token_id < target.config.vocab_size:
+        raise CheckpointError(f"speculative_config.mask_token_id {spec.mask_token_id} is outside the target "
+                              f"vocabulary (0..{target.config.vocab_size - 1})")
     target.set_capture(spec.target_layer_ids)
     with torch.device(device):
         drafter = DSparkDrafter(config, spec, kernels).to(dtype)

@@ -56,6 +56,10 @@ class TargetModel(nn.Module):
         self.capture_layer_ids: tuple[int, ...] = ()
 
     @property
+    def has_moe_layers(self) -> bool:
+        return False  # qwen3 and llama are dense
+
+    @property
     def num_layers(self) -> int:
         return len(self.model.layers)
 

@@ -1,0 +1,66 @@
+"""Devices, dtypes, KV budgets and per-device backend resolution (MoE, drafter attention)."""
+
+from __future__ import annotations
+
+import torch
+
+from configs import DSparkDecodingConfig, LLMConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_DEFAULT_BYTES = 1 << 30
+CUDA_KV_FRACTION = 0.9
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: CUDA is not available on this machine; use device='cpu'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def kv_budget_bytes(config: LLMConfig, device: torch.device) -> int:
+    """Bytes this process may give to KV pages: the config's, else 90% of free CUDA memory, else 1 GiB."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_KV_FRACTION)
+    return CPU_KV_DEFAULT_BYTES
+
+
+def resolve_moe_backend(requested: str | None, device: torch.device, has_moe_layers: bool, what: str) -> str:
+    """The MoE backend a model runs with on ``device``.
+
+    A dense model has none ("none"), and asking for one is an error. MoE families resolve AUTO to
+    the torch reference on CPU; a concrete backend this build or device cannot run is an error
+    naming it and why (never a silent substitute).
+    """
+    if not has_moe_layers:
+        if requested not in (None, "AUTO"):
+            raise ValueError(f"{what}={requested!r}: the model has no MoE layers; leave it AUTO")
+        return "none"
+    if requested in (None, "AUTO"):
+        return "VANILLA"
+    if requested == "VANILLA":
+        return "VANILLA"
+    raise ValueError(f"{what}={requested!r} cannot run on {device}: this build implements the VANILLA (torch) "
+                     "MoE backend only")
+
+
+def check_draft_attention_backend(spec: DSparkDecodingConfig) -> str:
+    """The drafter's block-attention backend; AUTO and VANILLA use the engine's kernels."""
+    backend = spec.attention_backend
+    if backend == "TRTLLM":
+        raise ValueError("speculative_config.attention_backend='TRTLLM' cannot run here: it needs FlashInfer's "
+                         "trtllm-gen kernels on SM100/SM103; use AUTO or VANILLA")
+    if backend == "CUTEDSL":
+        raise ValueError("speculative_config.attention_backend='CUTEDSL' cannot run here: it is for MLA drafters "
+                         "and this drafter is GQA; use AUTO or VANILLA")
+    return backend
