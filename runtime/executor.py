@@ -9,12 +9,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from configs import LLMConfig
-from runtime.devices import check_draft_attention_backend, kv_budget_bytes, resolve_device, resolve_dtype, \
-    resolve_moe_backend
-from runtime.kernels import get_backend
-from runtime.loader import load_drafter, load_target
-from runtime.runner import ModelRunner
 from runtime.step_io import RequestStepResult, ScheduledBatch
+from runtime.worker import SINGLE_PROCESS, Worker
 
 
 class Executor(Protocol):
@@ -27,42 +23,32 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-def pages_for_budget(budget: int, bytes_per_page: int, page_size: int) -> int:
-    pages = budget // bytes_per_page
+def replica_pages(config: LLMConfig, capacities: list[int]) -> int:
+    """The replica's page count: the config's, else what its most constrained process holds."""
+    if config.num_pages is not None:
+        return config.num_pages
+    pages = min(capacities)
     if pages < 1:
-        raise ValueError(f"kv_cache_memory={budget} bytes holds no KV page of {page_size} tokens "
-                         f"({bytes_per_page} bytes each)")
-    return int(pages)
+        raise ValueError(f"the KV budget holds no page of {config.page_size} tokens on at least one process; "
+                         "raise kv_cache_memory or lower page_size")
+    return pages
 
 
 class LocalExecutor:
-    """The target and drafter in this process, on one device."""
+    """The target and the drafter in this process, on one device (TP 1, drafter colocated)."""
 
     def __init__(self, config: LLMConfig):
-        self.device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, self.device)
-        spec = config.speculative_config
-        kernels = get_backend(config.kernel_backend)
-        target = load_target(config.model, kernels, dtype, self.device)
-        self.moe_backend = resolve_moe_backend(config.moe_backend, self.device, target.has_moe_layers, "moe_backend")
-        drafter = None
-        if spec is not None:
-            check_draft_attention_backend(spec)
-            self.draft_moe_backend = resolve_moe_backend(spec.moe_backend or config.moe_backend, self.device, False,
-                                                         "speculative_config.moe_backend")
-            drafter = load_drafter(spec, target, kernels, dtype, self.device)
-        bytes_per_page = ModelRunner.bytes_per_page(target, drafter, config.page_size, dtype)
-        self.num_pages = config.num_pages or pages_for_budget(kv_budget_bytes(config, self.device), bytes_per_page,
-                                                              config.page_size)
-        self.runner = ModelRunner(target, drafter, spec, kernels, self.num_pages, config.page_size, dtype, self.device)
-        self.has_drafter = drafter is not None
+        plan = SINGLE_PROCESS if config.speculative_config is not None else \
+            SINGLE_PROCESS.__class__(role="target", tp_rank=0, tp_size=1, drafter=None)
+        self.worker = Worker(config, plan)
+        self.num_pages = replica_pages(config, [self.worker.load()])
+        self.worker.allocate(self.num_pages)
 
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
-        return self.runner.execute(batch)
+        return self.worker.execute(batch)
 
     def describe(self) -> list[dict]:
-        return [{"rank": 0, "role": "target", "device": str(self.device), "moe_backend": self.moe_backend,
-                 "drafter": "colocated" if self.has_drafter else None}]
+        return [self.worker.info()]
 
     def shutdown(self) -> None:
-        self.runner = None
+        self.worker.shutdown()

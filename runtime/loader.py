@@ -15,7 +15,8 @@ from configs import DSparkDecodingConfig
 from configs.checkpoint import draft_metadata, read_model_config
 from runtime.kernels import KernelBackend
 from runtime.models.drafter import DrafterSpec, DSparkDrafter
-from runtime.models.target import TargetModel
+from runtime.models.target import TargetModel, validate_capture_layers
+from runtime.parallel import SINGLE, ParallelContext, apply_tensor_parallel, slice_for
 
 # Drafter tensors we never load: the target's embedding and LM head are used instead.
 DRAFTER_SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
@@ -54,39 +55,70 @@ def safetensors_files(path: Path, what: str) -> list[Path]:
     return files
 
 
-def iter_tensors(path: str | Path, what: str) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in safetensors_files(Path(path), what):
-        with safe_open(str(file), framework="pt") as handle:
+class CheckpointReader:
+    """Lazy access to a checkpoint's tensors by name, whole or as a slice along one dim."""
+
+    def __init__(self, path: str | Path, what: str):
+        self.what = what
+        self._files: dict[str, object] = {}
+        self._where: dict[str, str] = {}
+        for file in safetensors_files(Path(path), what):
+            handle = safe_open(str(file), framework="pt")
+            self._files[str(file)] = handle
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                self._where[name] = str(file)
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, end: int = 0) -> torch.Tensor:
+        tensor = self._files[self._where[name]].get_slice(name)
+        if dim is None:
+            return tensor[:]
+        index = [slice(None)] * len(tensor.get_shape())
+        index[dim] = slice(start, end)
+        return tensor[tuple(index)]
 
 
-def load_state(module: nn.Module, tensors: dict[str, torch.Tensor], what: str) -> None:
-    """Copy ``tensors`` into ``module``; every parameter must be present with its exact shape."""
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
+def load_parameters(module: nn.Module, reader: CheckpointReader, source: dict[str, str], what: str) -> None:
+    """Fill every parameter of ``module`` from ``reader``; ``source`` maps parameter -> checkpoint name.
+
+    Sharded parameters (see ``runtime.parallel``) read only their slice. Missing tensors, wrong
+    shapes and checkpoint tensors nothing reads are errors naming the tensor.
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))
+    missing = sorted(n for n in params if source.get(n) not in reader.names())
+    unused = sorted(reader.names() - set(source.values()))
+    if missing or unused:
         raise CheckpointError(f"{what}: tensors do not match the model: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}")
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{what}: tensor {name} has shape {list(tensor.shape)}, expected "
-                                  f"{list(expected[name].shape)}")
-    module.load_state_dict(tensors, strict=True)
+                              f"unexpected {unused[:8]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            part = slice_for(param, lambda dim, a, b, n=source[name]: reader.read(n, dim, a, b))
+            if tuple(part.shape) != tuple(param.shape):
+                raise CheckpointError(f"{what}: tensor {source[name]} has shape {list(part.shape)}, expected "
+                                      f"{list(param.shape)}" + (" (this rank's slice)" if hasattr(param, "shard_dim")
+                                                                 and param.shard_dim is not None else ""))
+            param.copy_(part)
 
 
-def load_target(path: str, kernels: KernelBackend, dtype: torch.dtype, device: torch.device) -> TargetModel:
+def load_target(path: str, kernels: KernelBackend, dtype: torch.dtype, device: torch.device,
+                parallel: ParallelContext = SINGLE) -> TargetModel:
+    """Build the target, shard it for ``parallel``, and read this rank's slice of every weight."""
     config = load_hf_config(path, "model")
     try:
         with torch.device(device):
-            model = TargetModel(config, kernels).to(dtype)
+            model = apply_tensor_parallel(TargetModel(config, kernels), parallel).to(dtype)
     except ValueError as exc:
         raise CheckpointError(f"model {path}: {exc}") from exc
-    tensors = dict(iter_tensors(path, "model"))
-    if getattr(config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    load_state(model, tensors, f"model {path}")
+    reader = CheckpointReader(path, "model")
+    source = {name: name for name, _ in model.named_parameters(remove_duplicate=False)}
+    if getattr(config, "tie_word_embeddings", False):
+        source["lm_head.weight"] = "model.embed_tokens.weight"
+    ignored = {n for n in reader.names() if n.endswith("rotary_emb.inv_freq")}
+    if ignored:
+        source.update({f"<ignored>{n}": n for n in ignored})
+    load_parameters(model, reader, source, f"model {path}")
     return model.eval()
 
 
@@ -116,18 +148,22 @@ def drafter_spec(spec_config: DSparkDecodingConfig) -> DrafterSpec:
                        confidence_head_with_markov=with_markov)
 
 
-def drafter_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for name, tensor in iter_tensors(path, "speculative_model"):
-        name = name.removeprefix("model.")
-        if name.startswith(DRAFTER_SHARED_PREFIXES):
+def drafter_sources(module: nn.Module, reader: CheckpointReader) -> dict[str, str]:
+    """Parameter -> checkpoint name for a DeepSpec drafter (TensorRT-LLM aliases and a ``model.`` prefix
+    accepted); the checkpoint's embedding and LM head copies map to nothing and are skipped."""
+    by_param = {}
+    for name in reader.names():
+        plain = name.removeprefix("model.")
+        if plain.startswith(DRAFTER_SHARED_PREFIXES):
+            by_param[f"<ignored>{name}"] = name
             continue
-        tensors[DRAFTER_KEY_ALIASES.get(name, name)] = tensor
-    return tensors
+        by_param[DRAFTER_KEY_ALIASES.get(plain, plain)] = name
+    return by_param
 
 
-def load_drafter(spec_config: DSparkDecodingConfig, target: TargetModel, kernels: KernelBackend,
-                 dtype: torch.dtype, device: torch.device) -> DSparkDrafter:
+def load_drafter(spec_config: DSparkDecodingConfig, target_config, kernels: KernelBackend, dtype: torch.dtype,
+                 device: torch.device) -> DSparkDrafter:
+    """The standalone drafter; checked against the target's config (vocabulary, width, layers)."""
     if spec_config.draft_is_embedded_in_target:
         raise CheckpointError("speculative_model: drafts embedded in the target (mtp.* layers) are not supported "
                               "by this engine yet; use a standalone DeepSpec drafter checkpoint")
@@ -135,17 +171,54 @@ def load_drafter(spec_config: DSparkDecodingConfig, target: TargetModel, kernels
     spec = drafter_spec(spec_config)
     config = load_hf_config(path, "speculative_model")
     for field in ("vocab_size", "hidden_size"):
-        if getattr(config, field) != getattr(target.config, field):
+        if getattr(config, field) != getattr(target_config, field):
             raise CheckpointError(f"speculative_model: {field} {getattr(config, field)} does not match the target's "
-                                  f"{getattr(target.config, field)}")
+                                  f"{getattr(target_config, field)}")
     if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
         raise CheckpointError(f"speculative_model: layer_types {config.layer_types}: only full_attention is supported")
-    if not 0 <= spec.mask_token_id < target.config.vocab_size:
+    if not 0 <= spec.mask_token_id < target_config.vocab_size:
         raise CheckpointError(f"speculative_config.mask_token_id {spec.mask_token_id} is outside the target "
-                              f"vocabulary (0..{target.config.vocab_size - 1})")
-    target.set_capture(spec.target_layer_ids)
+                              f"vocabulary (0..{target_config.vocab_size - 1})")
+    validate_capture_layers(spec.target_layer_ids, target_config.num_hidden_layers)
     with torch.device(device):
         drafter = DSparkDrafter(config, spec, kernels).to(dtype)
     if spec_config.load_format != "dummy":
-        load_state(drafter, drafter_tensors(path), f"speculative_model {path}")
+        reader = CheckpointReader(path, "speculative_model")
+        load_parameters(drafter, reader, drafter_sources(drafter, reader), f"speculative_model {path}")
     return drafter.eval()
+
+
+class VocabModules(nn.Module):
+    """Full copies of the target's embedding and LM head, for a drafter that cannot share the target's
+    (a separate process, or rank 0 of a vocab-parallel target)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+def load_vocab_modules(path: str, config, dtype: torch.dtype, device: torch.device) -> VocabModules:
+    with torch.device(device):
+        vocab = VocabModules(config).to(dtype)
+    reader = CheckpointReader(path, "model")
+    head = "model.embed_tokens.weight" if getattr(config, "tie_word_embeddings", False) else "lm_head.weight"
+    with torch.no_grad():
+        vocab.embed_tokens.weight.copy_(reader.read("model.embed_tokens.weight"))
+        vocab.lm_head.weight.copy_(reader.read(head))
+    return vocab.eval()
+
+
+def load_markov_w2(spec_config: DSparkDecodingConfig, vocab_size: int, dtype: torch.dtype,
+                   device: torch.device) -> nn.Linear:
+    """The drafter's Markov ``W2`` alone (for target ranks that rebuild draft probabilities)."""
+    reader = CheckpointReader(str(spec_config.speculative_model), "speculative_model")
+    name = next((n for n in ("markov_head.markov_w2.weight", "markov_w2.weight", "model.markov_head.markov_w2.weight")
+                 if n in reader.names()), None)
+    if name is None:
+        raise CheckpointError("speculative_model: no markov_head.markov_w2.weight although markov_rank > 0")
+    with torch.device(device):
+        w2 = nn.Linear(int(spec_config.markov_rank), vocab_size, bias=False).to(dtype)
+    with torch.no_grad():
+        w2.weight.copy_(reader.read(name))
+    return w2.eval()

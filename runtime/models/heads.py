@@ -37,9 +37,10 @@ class MarkovHead(nn.Module):
     def prev_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.markov_w1(token_ids)
 
-    def step(self, base_logits: torch.Tensor, prev_ids: torch.Tensor, hidden: torch.Tensor,
-             state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # base_logits: [B, V]; prev_ids: [B]; hidden: [B, d]; state: [B, r] (rnn) -> (z [B, V], state)
+    def low_rank(self, prev_ids: torch.Tensor, hidden: torch.Tensor,
+                 state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rank-r vector whose W2 image corrects U_k: prev_ids [B], hidden [B, d], state [B, r] (rnn)
+        -> (low_rank [B, r], next state). ``z_k = U_k + markov_w2(low_rank)``."""
         e = self.markov_w1(prev_ids).to(hidden.dtype)  # [B, r]
         if self.kind == "vanilla":
             low_rank = e
@@ -50,7 +51,7 @@ class MarkovHead(nn.Module):
             gate = torch.sigmoid(g)
             state = gate * state + (1 - gate) * torch.tanh(c)
             low_rank = torch.tanh(o)
-        return base_logits + self.markov_w2(low_rank).float(), state
+        return low_rank, state
 
 
 class ConfidenceHead(nn.Module):

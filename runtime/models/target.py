@@ -28,6 +28,15 @@ def check_target_config(config) -> None:
         raise ValueError(f"target layer_types {sorted(kinds)}: only full_attention layers are supported")
 
 
+def validate_capture_layers(layer_ids, num_layers: int) -> None:
+    last = num_layers - 1
+    for layer in layer_ids:
+        if not -1 <= layer < last:
+            raise ValueError(f"target_layer_ids {list(layer_ids)}: id {layer} is out of range; a {num_layers}-layer "
+                             f"target allows -1..{last - 1} (the last layer {last} is refused: its HF hidden state "
+                             "is final-normed)")
+
+
 class DecoderStack(nn.Module):
     def __init__(self, config, kernels: KernelBackend, qk_norm: bool):
         super().__init__()
@@ -64,12 +73,7 @@ class TargetModel(nn.Module):
         return len(self.model.layers)
 
     def set_capture(self, layer_ids: list[int] | tuple[int, ...]) -> None:
-        last = self.num_layers - 1
-        for layer in layer_ids:
-            if not -1 <= layer < last:
-                raise ValueError(f"target_layer_ids {list(layer_ids)}: id {layer} is out of range; a "
-                                 f"{self.num_layers}-layer target allows -1..{last - 1} (the last layer {last} "
-                                 "is refused: its HF hidden state is final-normed)")
+        validate_capture_layers(layer_ids, self.num_layers)
         self.capture_layer_ids = tuple(layer_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -12,7 +12,7 @@ from runtime.runner import allocate_caches
 
 def run_paged(model, prompts, page_size=4):
     """Prefill every prompt in one batch, pages allocated in scrambled order."""
-    caches = allocate_caches(model, 64, page_size, torch.float32, torch.device("cpu"))
+    caches = allocate_caches(model.model.layers, 64, page_size, torch.float32, torch.device("cpu"))
     pages = iter(torch.randperm(64).tolist())
     lens = [len(p) for p in prompts]
     tables = [[next(pages) for _ in range(-(-n // page_size))] for n in lens]

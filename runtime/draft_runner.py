@@ -1,0 +1,92 @@
+"""``DraftRunner``: the drafter, its paged context cache and the vocabulary modules it drafts with.
+
+It lives in TP rank 0's process (``drafter="colocated"``, reading captured states in place) or in its
+own process (``"separate"``, fed over ``torch.distributed``). Either way it sees the same plain-data
+batch, so positions, slots and page tables are rebuilt here rather than sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runtime.kernels import KernelBackend, PagedAttentionMeta
+from runtime.models.drafter import DSparkDrafter
+from runtime.noise import Stream, exponentials
+from runtime.step_io import ScheduledRequest
+from runtime.step_tensors import uses_rejection
+from runtime.verify import gather_rows
+
+
+@dataclass(frozen=True, slots=True)
+class DraftOutput:
+    tokens: torch.Tensor  # [S, K] drafts per sampled request
+    lengths: torch.Tensor  # [S] proposed lengths after confidence truncation
+    hidden: torch.Tensor  # [S, K, d] block states after the final norm (rebuild U_k = lm_head(h_k))
+    low_rank: torch.Tensor | None  # [S, K, r] Markov features (z_k = U_k + W2 low_rank_k), None at rank 0
+
+
+class DraftRunner:
+    def __init__(self, drafter: DSparkDrafter, embed: nn.Module, lm_head: nn.Module, caches, kernels: KernelBackend,
+                 use_rejection_sampling: bool, confidence_threshold: float | None, device: torch.device):
+        self.drafter, self.embed, self.lm_head, self.caches = drafter, embed, lm_head, caches
+        self.kernels, self.device = kernels, device
+        self.use_rejection = use_rejection_sampling
+        self.confidence_threshold = confidence_threshold
+
+    def append_context(self, captured: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        self.drafter.append_context(captured, positions, slots, self.caches)
+
+    def draft(self, entries: list[ScheduledRequest], committed: torch.Tensor, accepted: torch.Tensor,
+              page_table: torch.Tensor, k_next: int) -> DraftOutput:
+        """Draft a block from each request's new anchor (its last committed token).
+
+        committed [S, K+1], accepted [S]: the verification outcome; page_table [S, P] of the entries.
+        """
+        num, dev = len(entries), self.device
+        anchors = gather_rows(committed, accepted)  # [S]
+        base = torch.tensor([e.end_position - e.num_drafts for e in entries], device=dev)
+        anchor_pos = base + accepted  # = the drafter's context length
+        block_ids = torch.full((num, k_next), self.drafter.spec.mask_token_id, device=dev, dtype=torch.int64)
+        block_ids[:, 0] = anchors
+        meta = PagedAttentionMeta(query_start_loc=torch.arange(num + 1, device=dev) * k_next, seq_lens=anchor_pos,
+                                  page_table=page_table, max_query_len=k_next,
+                                  max_seq_len=max(e.end_position for e in entries), causal=False)
+        positions = (anchor_pos[:, None] + torch.arange(k_next, device=dev)).view(-1)
+        hidden = self.drafter.forward_block(self.embed(block_ids), positions, self.caches, meta)  # [S, K, d]
+        base_logits = self.lm_head(hidden).float()  # [S, K, V]
+        tokens, low_rank = self._markov_chain(base_logits, hidden, anchors, anchor_pos, entries)
+        lengths = torch.full((num,), k_next, device=dev, dtype=torch.int64)
+        confidence = self.drafter.confidence(hidden, torch.cat([anchors[:, None], tokens[:, :-1]], dim=1))
+        if confidence is not None and self.confidence_threshold is not None:
+            lengths = (confidence >= self.confidence_threshold).to(torch.int64).cumprod(dim=1).sum(dim=1)
+        return DraftOutput(tokens, lengths, hidden, low_rank)
+
+    def _markov_chain(self, base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
+                      anchor_pos: torch.Tensor, entries: list[ScheduledRequest]):
+        """Left to right: z_k = U_k + W2 low_rank(x_{k-1}, h_k, s_{k-1}); x_k = argmax z_k, or a draw from
+        softmax(z_k / T) for requests verified by rejection sampling (DeepSpec's factorization)."""
+        num, k_next, vocab = base_logits.shape
+        head = self.drafter.markov_head
+        drawn_rows = [uses_rejection(e, self.use_rejection) for e in entries]
+        drawn = torch.tensor(drawn_rows, device=self.device)
+        temperature = torch.tensor([max(e.params.temperature, 1e-5) for e in entries], device=self.device)[:, None]
+        seeds = torch.tensor([e.seed for e in entries], device=self.device)
+        prev, state = anchors, head.initial_state(num, hidden) if head is not None else None
+        tokens, low_ranks = [], []
+        for k in range(k_next):
+            z = base_logits[:, k]
+            if head is not None:
+                low_rank, state = head.low_rank(prev, hidden[:, k], state)
+                z = z + head.markov_w2(low_rank).float()
+                low_ranks.append(low_rank)
+            token = z.argmax(dim=-1)
+            if any(drawn_rows):
+                q = torch.softmax(z / temperature, dim=-1)
+                noise = exponentials(seeds, anchor_pos + 1 + k, Stream.DRAFT, vocab)
+                token = torch.where(drawn, self.kernels.sample_exponential_race(q, noise), token)
+            tokens.append(token)
+            prev = token
+        return torch.stack(tokens, dim=1), (torch.stack(low_ranks, dim=1) if low_ranks else None)

@@ -1,0 +1,55 @@
+"""The separate drafter's step: the far end of ``RemoteDraftChannel`` (global rank N of the replica).
+
+It receives the same plain-data batch as the target shards, so only tensors it cannot rebuild
+cross ``torch.distributed``: captured states from rank 0, then the verification outcome; it sends
+back the features rank 0 needs to rebuild draft probabilities, and returns the drafts themselves
+to the driver as plain data.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from runtime.draft_channel import DraftFeatures, send_features
+from runtime.draft_runner import DraftRunner
+from runtime.step_io import ScheduledBatch
+from runtime.step_tensors import build_step_tensors, sampled_entries, uses_rejection
+
+TARGET_LEADER = 0
+
+
+class DraftServer:
+    def __init__(self, runner: DraftRunner, captured_width: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.runner, self.captured_width = runner, captured_width
+        self.page_size, self.dtype, self.device = page_size, dtype, device
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> dict[str, list[int]]:
+        """-> request id -> the block proposed for its next step."""
+        reqs = batch.requests
+        if not reqs or not batch.maintain_draft_context:
+            return {}
+        t = build_step_tensors(reqs, self.page_size, self.device)
+        captured = torch.empty(len(t.input_ids), self.captured_width, dtype=self.dtype, device=self.device)
+        dist.recv(captured, src=TARGET_LEADER)
+        self.runner.append_context(captured, t.positions, t.slots)
+        sampled = sampled_entries(reqs)
+        k_next = batch.num_next_drafts
+        if not sampled or not k_next:
+            return {}
+        entries = [reqs[i] for i in sampled]
+        k_max = max(e.num_drafts for e in entries)
+        committed = torch.empty(len(entries), k_max + 1, dtype=torch.int64, device=self.device)
+        accepted = torch.empty(len(entries), dtype=torch.int64, device=self.device)
+        dist.recv(committed, src=TARGET_LEADER)
+        dist.recv(accepted, src=TARGET_LEADER)
+        out = self.runner.draft(entries, committed, accepted, t.page_table[sampled], k_next)
+        rows = [i for i, e in enumerate(entries) if uses_rejection(e, self.runner.use_rejection)]
+        if rows:
+            index = torch.tensor(rows, device=self.device)
+            low = out.low_rank[index] if out.low_rank is not None else None
+            send_features(DraftFeatures(out.hidden[index], low), dst=TARGET_LEADER)
+        host = torch.cat([out.tokens, out.lengths[:, None]], dim=1).tolist()
+        return {e.request_id: row[:row[-1]] for e, row in zip(entries, host)}

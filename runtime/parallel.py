@@ -1,0 +1,173 @@
+"""Tensor parallelism as a transform applied to a built model (gpt-fast style).
+
+``apply_tensor_parallel`` swaps the target's linears for sharded ones before weights load:
+``q/k/v/gate/up`` are column-parallel (output rows split), ``o/down`` row-parallel (input columns
+split, then an all-reduce), the embedding and LM head vocab-parallel (the LM head all-gathers
+logits, so every rank sees full rows). Each parameter records how it is sliced from the full
+checkpoint tensor (``shard_dim``), so a rank reads only its own slice.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This process's place in its tensor-parallel group."""
+
+    rank: int
+    world_size: int
+    group: object | None = None  # torch.distributed ProcessGroup of the TP ranks (None when world_size == 1)
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_parallel:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along the last dim, in rank order."""
+        if not self.is_parallel:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = ParallelContext(rank=0, world_size=1)
+
+
+def shard_range(total: int, ctx: ParallelContext) -> tuple[int, int]:
+    """[start, end) of this rank's even share of ``total`` (ceil division; the last share may be short)."""
+    size = -(-total // ctx.world_size)
+    start = min(ctx.rank * size, total)
+    return start, min(start + size, total)
+
+
+def mark_shard(param: nn.Parameter, dim: int | None, start: int, end: int, padded: int | None = None) -> None:
+    """Record how ``param`` is cut from the checkpoint tensor: rows/cols [start, end) of ``dim``."""
+    param.shard_dim, param.shard_range, param.shard_padded = dim, (start, end), padded
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, full: nn.Linear, ctx: ParallelContext):
+        super().__init__()
+        start, end = shard_range(full.out_features, ctx)
+        self.in_features, self.out_features = full.in_features, end - start
+        self.weight = nn.Parameter(torch.empty(end - start, full.in_features))
+        mark_shard(self.weight, 0, start, end)
+        self.bias = None
+        if full.bias is not None:
+            self.bias = nn.Parameter(torch.empty(end - start))
+            mark_shard(self.bias, 0, start, end)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, full: nn.Linear, ctx: ParallelContext):
+        super().__init__()
+        start, end = shard_range(full.in_features, ctx)
+        self.ctx = ctx
+        self.in_features, self.out_features = end - start, full.out_features
+        self.weight = nn.Parameter(torch.empty(full.out_features, end - start))
+        mark_shard(self.weight, 1, start, end)
+        self.bias = None
+        if full.bias is not None:
+            self.bias = nn.Parameter(torch.empty(full.out_features))
+            mark_shard(self.bias, None, 0, full.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, full: nn.Embedding, ctx: ParallelContext):
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_size = full.num_embeddings
+        self.shard = -(-full.num_embeddings // ctx.world_size)
+        self.start, end = shard_range(full.num_embeddings, ctx)
+        self.weight = nn.Parameter(torch.empty(self.shard, full.embedding_dim))
+        mark_shard(self.weight, 0, self.start, end, padded=self.shard)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.shard)
+        out = F.embedding(local.clamp(0, self.shard - 1), self.weight) * inside[..., None].to(self.weight.dtype)
+        return self.ctx.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Vocab-parallel LM head: each rank computes its slice of the logits, then they are gathered."""
+
+    def __init__(self, full: nn.Linear, ctx: ParallelContext):
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_size = full.out_features
+        shard = -(-full.out_features // ctx.world_size)
+        start, end = shard_range(full.out_features, ctx)
+        self.weight = nn.Parameter(torch.empty(shard, full.in_features))
+        mark_shard(self.weight, 0, start, end, padded=shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ctx.all_gather_last(F.linear(x, self.weight))[..., :self.vocab_size]
+
+
+def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
+    """Shard a ``TargetModel`` in place (parameters left uninitialized: load weights next)."""
+    if not ctx.is_parallel:
+        return model
+    config = model.config
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(config, name) % ctx.world_size:
+            raise ValueError(f"tensor_parallel_size={ctx.world_size} must divide the target's {name} "
+                             f"({getattr(config, name)})")
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, proj, ColumnParallelLinear(getattr(attn, proj), ctx))
+        attn.o_proj = RowParallelLinear(attn.o_proj, ctx)
+        mlp.gate_proj, mlp.up_proj = ColumnParallelLinear(mlp.gate_proj, ctx), ColumnParallelLinear(mlp.up_proj, ctx)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, ctx)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, ctx)
+    model.lm_head = ParallelLMHead(model.lm_head, ctx)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def slice_for(param: torch.Tensor, read_slice) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor. ``read_slice(dim, start, end)`` reads rows/cols lazily
+    (safetensors ``get_slice``); unsharded parameters read everything (dim None)."""
+    dim = getattr(param, "shard_dim", None)
+    if dim is None:
+        return read_slice(None, 0, 0)
+    start, end = param.shard_range
+    part = read_slice(dim, start, end)
+    padded = getattr(param, "shard_padded", None)
+    if padded is not None and part.shape[dim] < padded:
+        pad = list(part.shape)
+        pad[dim] = padded - part.shape[dim]
+        part = torch.cat([part, part.new_zeros(pad)], dim=dim)
+    return part
+
+
+def init_distributed(backend: str, init_method: str, world_size: int, rank: int,
+                     timeout_s: float) -> None:
+    """Join the replica's process group; fails after ``timeout_s`` if a peer never shows up."""
+    dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank,
+                            timeout=datetime.timedelta(seconds=timeout_s))

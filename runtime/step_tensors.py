@@ -1,0 +1,49 @@
+"""Device tensors for one step, built from the plain-data batch (the same on every process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.kernels import PagedAttentionMeta
+from runtime.step_io import ScheduledRequest
+
+
+@dataclass(frozen=True, slots=True)
+class StepTensors:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] flat KV slots (page * page_size + offset)
+    meta: PagedAttentionMeta  # causal attention of the fed tokens over the pages
+    page_table: torch.Tensor  # [B, max_pages]
+    query_start_loc: list[int]  # host copy of meta.query_start_loc
+
+
+def build_step_tensors(reqs: list[ScheduledRequest], page_size: int, device: torch.device) -> StepTensors:
+    lens = [len(r.token_ids) for r in reqs]
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    qsl_t = torch.tensor(qsl, device=device)
+    starts = torch.tensor([r.start_position for r in reqs], device=device)
+    req_of_token = torch.repeat_interleave(torch.arange(len(reqs), device=device), torch.tensor(lens, device=device))
+    positions = starts[req_of_token] + torch.arange(qsl[-1], device=device) - qsl_t[req_of_token]
+    width = max(len(r.page_ids) for r in reqs)
+    page_table = torch.tensor([r.page_ids + [0] * (width - len(r.page_ids)) for r in reqs], device=device)
+    slots = page_table[req_of_token, positions // page_size] * page_size + positions % page_size
+    meta = PagedAttentionMeta(query_start_loc=qsl_t, seq_lens=starts + torch.tensor(lens, device=device),
+                              page_table=page_table, max_query_len=max(lens),
+                              max_seq_len=max(r.end_position for r in reqs), causal=True)
+    input_ids = torch.tensor([t for r in reqs for t in r.token_ids], device=device)
+    return StepTensors(input_ids, positions, slots, meta, page_table, qsl)
+
+
+def sampled_entries(reqs: list[ScheduledRequest]) -> list[int]:
+    """Indices of the requests that commit tokens this step."""
+    return [i for i, r in enumerate(reqs) if r.sample]
+
+
+def uses_rejection(entry: ScheduledRequest, use_rejection_sampling: bool) -> bool:
+    """Whether ``entry``'s drafts are sampled from q and verified by rejection sampling."""
+    return use_rejection_sampling and not entry.params.greedy

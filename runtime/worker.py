@@ -1,0 +1,145 @@
+"""``Worker``: everything one process holds for a replica (torch only; Ray actors wrap it 1:1).
+
+A replica of ``tensor_parallel_size = N`` is N target workers (TP ranks 0..N-1) plus, with
+``drafter="separate"``, one drafter worker (global rank N). With ``"colocated"`` the drafter lives
+in TP rank 0's worker. Lifecycle: ``join`` (process group, when there is more than one process),
+``load`` (weights; returns how many KV pages this process could hold), ``allocate`` (the replica's
+page count, the minimum over its workers), then ``execute`` once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from configs import LLMConfig
+from runtime.devices import check_draft_attention_backend, kv_budget_bytes, resolve_device, resolve_dtype, \
+    resolve_moe_backend
+from runtime.draft_channel import LocalDraftChannel, RemoteDraftChannel
+from runtime.draft_runner import DraftRunner
+from runtime.draft_server import DraftServer
+from runtime.kernels import get_backend
+from runtime.loader import drafter_spec, load_drafter, load_hf_config, load_markov_w2, load_target, load_vocab_modules
+from runtime.parallel import SINGLE, ParallelContext, init_distributed
+from runtime.runner import ModelRunner, allocate_caches, bytes_per_page
+from runtime.step_io import ScheduledBatch
+
+DRAFTER_MODES = ("colocated", "separate")
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """This process's role in its replica."""
+
+    role: str  # "target" or "drafter"
+    tp_rank: int
+    tp_size: int
+    drafter: str | None  # "colocated", "separate", or None without speculation
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size + (1 if self.drafter == "separate" else 0)
+
+    @property
+    def global_rank(self) -> int:
+        return self.tp_size if self.role == "drafter" else self.tp_rank
+
+    @property
+    def holds_drafter(self) -> bool:
+        return self.role == "drafter" or (self.drafter == "colocated" and self.tp_rank == 0)
+
+
+SINGLE_PROCESS = WorkerPlan(role="target", tp_rank=0, tp_size=1, drafter="colocated")
+
+
+class Worker:
+    def __init__(self, config: LLMConfig, plan: WorkerPlan):
+        if plan.drafter is not None and plan.drafter not in DRAFTER_MODES:
+            raise ValueError(f"drafter must be one of {list(DRAFTER_MODES)}, got {plan.drafter!r}")
+        self.config, self.plan, self.spec = config, plan, config.speculative_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kernels = get_backend(config.kernel_backend)
+        self.parallel: ParallelContext = SINGLE
+        self.target = self.drafter = self.vocab = self.draft_w2 = None
+        self.engine_part: ModelRunner | DraftServer | None = None
+        self.moe_backend = self.draft_moe_backend = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def join(self, init_method: str, backend: str, timeout_s: float) -> None:
+        """Join the replica's process group (world = TP ranks + a separate drafter) and its TP subgroup."""
+        init_distributed(backend, init_method, self.plan.world_size, self.plan.global_rank, timeout_s)
+        group = dist.new_group(list(range(self.plan.tp_size)))
+        if self.plan.role == "target":
+            self.parallel = ParallelContext(self.plan.tp_rank, self.plan.tp_size,
+                                            group if self.plan.tp_size > 1 else None)
+
+    def load(self) -> int:
+        """Load this process's weights; returns the KV pages its memory budget holds."""
+        target_config = load_hf_config(self.config.model, "model")
+        if self.spec is not None:
+            drafter_spec(self.spec)  # the layout and resolved fields, checked before any weight loads
+            check_draft_attention_backend(self.spec)
+            self.draft_moe_backend = resolve_moe_backend(self.spec.moe_backend or self.config.moe_backend,
+                                                         self.device, False, "speculative_config.moe_backend")
+        layers = []
+        if self.plan.role == "target":
+            self.target = load_target(self.config.model, self.kernels, self.dtype, self.device, self.parallel)
+            self.moe_backend = resolve_moe_backend(self.config.moe_backend, self.device,
+                                                   self.target.has_moe_layers, "moe_backend")
+            layers += list(self.target.model.layers)
+            if self.spec is not None and self.plan.tp_rank == 0:
+                self.target.set_capture(self.spec.target_layer_ids)
+            if self.spec is not None and self.spec.use_rejection_sampling and (self.spec.markov_rank or 0) > 0 \
+                    and not (self.plan.holds_drafter and self.plan.tp_size == 1):
+                self.draft_w2 = load_markov_w2(self.spec, target_config.vocab_size, self.dtype, self.device)
+        if self.plan.holds_drafter and self.spec is not None:
+            self.drafter = load_drafter(self.spec, target_config, self.kernels, self.dtype, self.device)
+            layers += list(self.drafter.layers)
+            if self.target is None or self.parallel.is_parallel:
+                self.vocab = load_vocab_modules(self.config.model, target_config, self.dtype, self.device)
+        per_page = bytes_per_page(layers, self.config.page_size, self.dtype)
+        return max(kv_budget_bytes(self.config, self.device) // per_page, 0)
+
+    def allocate(self, num_pages: int) -> None:
+        """Allocate ``num_pages`` KV pages and wire the step machinery for this role."""
+        page_size = self.config.page_size
+        draft_runner = None
+        if self.drafter is not None:
+            embed = self.vocab.embed_tokens if self.vocab is not None else self.target.model.embed_tokens
+            lm_head = self.vocab.lm_head if self.vocab is not None else self.target.lm_head
+            caches = allocate_caches(self.drafter.layers, num_pages, page_size, self.dtype, self.device)
+            draft_runner = DraftRunner(self.drafter, embed, lm_head, caches, self.kernels,
+                                       self.spec.use_rejection_sampling, self.spec.confidence_threshold, self.device)
+        if self.plan.role == "drafter":
+            self.engine_part = DraftServer(draft_runner, self.drafter.fc.in_features, page_size, self.dtype,
+                                           self.device)
+            return
+        channel = None
+        if self.plan.tp_rank == 0 and self.spec is not None:
+            channel = (LocalDraftChannel(draft_runner) if self.plan.drafter == "colocated" else RemoteDraftChannel(
+                self.plan.tp_size, self.target.config.hidden_size, int(self.spec.markov_rank or 0), self.dtype,
+                self.device))
+        w2 = self.draft_w2
+        if w2 is None and self.drafter is not None and self.drafter.markov_head is not None:
+            w2 = self.drafter.markov_head.markov_w2
+        caches = allocate_caches(self.target.model.layers, num_pages, page_size, self.dtype, self.device)
+        self.engine_part = ModelRunner(self.target, self.spec, self.kernels, caches, page_size, self.device,
+                                       self.parallel, channel, w2)
+
+    def execute(self, batch: ScheduledBatch):
+        return self.engine_part.execute(batch)
+
+    def info(self) -> dict:
+        return {"rank": self.plan.global_rank, "role": self.plan.role, "tp_rank": self.plan.tp_rank,
+                "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "moe_backend": self.moe_backend, "draft_moe_backend": self.draft_moe_backend,
+                "holds_drafter": self.plan.holds_drafter and self.spec is not None}
+
+    def shutdown(self) -> None:
+        self.engine_part = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
