@@ -3,6 +3,7 @@
 Checkpoint metadata (JSON only) is read once, while a config is validated.
 """
 
+from configs.cluster import ParallelConfig, ReplicaConfig
 from configs.engine import LLMConfig
 from configs.files import ConfigError, load, validate
 from configs.speculative import AdvancedSamplingMode, DSparkDecodingConfig, SpeculativeDecodingMode
@@ -12,6 +13,8 @@ __all__ = [
     "ConfigError",
     "DSparkDecodingConfig",
     "LLMConfig",
+    "ParallelConfig",
+    "ReplicaConfig",
     "SpeculativeDecodingMode",
     "load",
     "validate",

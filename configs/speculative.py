@@ -128,6 +128,7 @@ class DSparkDecodingConfig(BaseModel):
         "probability is >= this value (per position, DeepSpec's rule); None proposes the whole block.")
 
     _draft_is_embedded: bool = PrivateAttr(default=False)
+    _probed: bool = PrivateAttr(default=False)
 
     # ---- validators -----------------------------------------------------------------------------
 
@@ -237,9 +238,12 @@ class DSparkDecodingConfig(BaseModel):
 
         dspark has no SA drafting (``sa_config`` is refused above), so no draft is ever
         overridden after the drafter proposed it and ``use_rejection_sampling`` is always
-        honoured as given; this validator only warms the embedded-draft probe.
+        honoured as given; this validator only warms the embedded-draft probe, once per object
+        (pydantic re-runs after-validators when a config object is nested into another config).
         """
-        self._draft_is_embedded = probe_draft_is_embedded(self.speculative_model)
+        if not self._probed:
+            self._draft_is_embedded = probe_draft_is_embedded(self.speculative_model)
+            self._probed = True
         return self
 
     # ---- the reference page's methods and properties --------------------------------------------

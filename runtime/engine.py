@@ -119,6 +119,13 @@ class Engine:
         if seq is not None and seq.finish_reason is None:
             self.scheduler.finish(seq, "abort")
 
+    def abort_all(self) -> int:
+        """Abort every request in flight (their pages are freed); returns how many there were."""
+        request_ids = list(self.sequences)
+        for request_id in request_ids:
+            self.abort(request_id)
+        return len(request_ids)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

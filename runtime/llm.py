@@ -9,6 +9,45 @@ from runtime.engine import Engine
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
+Prompts = Seq[str] | Seq[Seq[int]]
+
+
+def per_prompt_params(num_prompts: int, sampling_params: SamplingParams | Seq[SamplingParams] | None) -> list:
+    params = sampling_params if sampling_params is not None else SamplingParams()
+    per_prompt = [params] * num_prompts if isinstance(params, SamplingParams) else list(params)
+    if len(per_prompt) != num_prompts:
+        raise ValueError(f"sampling_params has {len(per_prompt)} entries for {num_prompts} prompts")
+    return per_prompt
+
+
+def token_ids(engine: Engine, prompt: str | Seq[int]) -> list[int]:
+    if isinstance(prompt, str):
+        if engine.tokenizer is None:
+            raise ValueError("string prompts need a tokenizer; the model directory has none (pass token ids)")
+        return list(engine.tokenizer(prompt)["input_ids"])
+    return list(prompt)
+
+
+def generate(engine: Engine, prompts: Prompts, sampling_params=None) -> list[RequestOutput]:
+    """Queue every prompt (all or none: a bad one aborts those already queued), step until all finish."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    params = per_prompt_params(len(prompts), sampling_params)
+    ids = []
+    try:
+        for prompt, p in zip(prompts, params):
+            ids.append(engine.add_request(token_ids(engine, prompt), p))
+    except Exception:
+        for request_id in ids:
+            engine.abort(request_id)
+        raise
+    finished: dict[str, RequestOutput] = {}
+    while len(finished) < len(ids):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return [finished[request_id] for request_id in ids]
+
 
 class LLM:
     """Generate with a target model, speculatively when ``speculative_config`` names a DSpark drafter.
@@ -27,37 +66,14 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Seq[str] | Seq[Seq[int]],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: Prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
         """One output per prompt, in order. Prompts are strings (tokenized with the target's tokenizer)
         or token-id lists; ``sampling_params`` is one for all or one per prompt."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        per_prompt = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"sampling_params has {len(per_prompt)} entries for {len(prompts)} prompts")
-        ids = []
-        try:
-            for prompt, p in zip(prompts, per_prompt):
-                ids.append(self.engine.add_request(self._token_ids(prompt), p))
-        except Exception:
-            for request_id in ids:
-                self.engine.abort(request_id)
-            raise
-        finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-        return [finished[request_id] for request_id in ids]
-
-    def _token_ids(self, prompt: str | Seq[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.engine.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer; the model directory has none (pass token ids)")
-            return list(self.engine.tokenizer(prompt)["input_ids"])
-        return list(prompt)
+        return generate(self.engine, prompts, sampling_params)
 
     def get_metrics(self) -> dict:
         return self.engine.get_metrics()
+
+    def rank_info(self) -> list[dict]:
+        return self.engine.executor.describe()

@@ -83,8 +83,6 @@ class Worker:
         if self.spec is not None:
             drafter_spec(self.spec)  # the layout and resolved fields, checked before any weight loads
             check_draft_attention_backend(self.spec)
-            self.draft_moe_backend = resolve_moe_backend(self.spec.moe_backend or self.config.moe_backend,
-                                                         self.device, False, "speculative_config.moe_backend")
         layers = []
         if self.plan.role == "target":
             self.target = load_target(self.config.model, self.kernels, self.dtype, self.device, self.parallel)
@@ -96,6 +94,11 @@ class Worker:
             if self.spec is not None and self.spec.use_rejection_sampling and (self.spec.markov_rank or 0) > 0 \
                     and not (self.plan.holds_drafter and self.plan.tp_size == 1):
                 self.draft_w2 = load_markov_w2(self.spec, target_config.vocab_size, self.dtype, self.device)
+        if self.spec is not None:
+            inherited = self.spec.moe_backend is None
+            what = "moe_backend (inherited by the drafter)" if inherited else "speculative_config.moe_backend"
+            self.draft_moe_backend = resolve_moe_backend(self.config.moe_backend if inherited else self.spec.moe_backend,
+                                                         self.device, False, what)
         if self.plan.holds_drafter and self.spec is not None:
             self.drafter = load_drafter(self.spec, target_config, self.kernels, self.dtype, self.device)
             layers += list(self.drafter.layers)

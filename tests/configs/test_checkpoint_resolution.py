@@ -159,4 +159,8 @@ def test_probe_reads_the_filesystem_once(tmp_path, monkeypatch):
     for _ in range(3):
         assert cfg.draft_is_embedded_in_target and cfg.uses_external_draft_model is False
     pickle.loads(pickle.dumps(cfg)).draft_is_embedded_in_target
-    assert len(calls) == 1
+    from configs import LLMConfig, ReplicaConfig
+
+    nested = ReplicaConfig.model_validate({"engine": LLMConfig(model="m", speculative_config=cfg)})
+    assert nested.engine.speculative_config.draft_is_embedded_in_target
+    assert len(calls) == 1  # nesting the object into other configs does not probe again

@@ -1,0 +1,62 @@
+"""Ray actors of a replica: ``TargetShard`` (one TP rank) and ``Drafter`` (a separate drafter).
+
+They construct a ``runtime.worker.Worker`` and forward to it; no algorithm lives here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from configs import LLMConfig
+from runtime.worker import Worker, WorkerPlan
+
+
+class _WorkerActor:
+    def __init__(self, config: LLMConfig, plan: WorkerPlan):
+        self.worker = Worker(config, plan)
+
+    def rendezvous(self) -> str:
+        """``tcp://ip:port`` on this node with a free port, for the replica's process group."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{_node_ip()}:{port}"
+
+    def join(self, init_method: str, backend: str, timeout_s: float) -> None:
+        self.worker.join(init_method, backend, timeout_s)
+
+    def load(self) -> int:
+        return self.worker.load()
+
+    def allocate(self, num_pages: int) -> None:
+        self.worker.allocate(num_pages)
+
+    def execute(self, batch):
+        return self.worker.execute(batch)
+
+    def info(self) -> dict:
+        import ray
+
+        return {**self.worker.info(), "node": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(),
+                "pid": os.getpid()}
+
+    def health(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+class TargetShard(_WorkerActor):
+    """One tensor-parallel shard of the target (rank 0 also holds a colocated drafter)."""
+
+
+class Drafter(_WorkerActor):
+    """The drafter on its own GPU (``drafter="separate"``)."""
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()

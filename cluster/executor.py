@@ -1,0 +1,117 @@
+"""``RayExecutor``: a replica's actors behind the engine's ``Executor`` protocol.
+
+Startup: plan placement (pure) -> reserve the placement group -> start one actor per process ->
+join one ``torch.distributed`` group (NCCL on GPUs, gloo on CPUs; world = TP ranks + a separate
+drafter, TP subgroup = ranks 0..N-1) -> load weights (each rank reads its slice) -> allocate the
+replica's KV pages (the minimum any process holds). Each step is one Ray round trip: the batch
+(plain data, put once) goes to every actor; tensors move between actors over torch.distributed only.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.actors.workers import Drafter, TargetShard
+from cluster.placement import groups
+from cluster.placement.plan import plan_placement
+from configs import ReplicaConfig
+from runtime.executor import replica_pages
+from runtime.step_io import RequestStepResult, ScheduledBatch
+from runtime.worker import WorkerPlan
+
+
+class ReplicaFailure(RuntimeError):
+    """An actor of the replica died or hung; in-flight requests are lost and the replica must be rebuilt."""
+
+
+class RayExecutor:
+    def __init__(self, config: ReplicaConfig):
+        self.config = config
+        parallel, engine = config.parallel, config.engine
+        self.use_gpus = engine.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
+        if engine.device.startswith("cuda") and not self.use_gpus:
+            raise ValueError(f"device={engine.device!r} but the Ray cluster has no GPUs")
+        speculative = engine.speculative_config is not None
+        self.plan = plan_placement(parallel, speculative, self.use_gpus, groups.cluster_nodes())
+        self.group = groups.create(self.plan, f"dspark-{uuid.uuid4().hex[:8]}", parallel.init_timeout_s)
+        self.actors = []
+        try:
+            self._start_actors(speculative)
+            self.num_pages = replica_pages(engine, self._call_all("load"))
+            self._call_all("allocate", self.num_pages)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_actors(self, speculative: bool) -> None:
+        parallel, engine = self.config.parallel, self.config.engine
+        tp = parallel.tensor_parallel_size
+        drafter_mode = parallel.drafter if speculative else None
+        resources = {"num_gpus": 1} if self.use_gpus else {"num_cpus": 1}
+        # Inside an actor Ray exposes exactly its own GPU (or none) as the visible device.
+        engine = engine.model_copy(update={"device": "cuda" if self.use_gpus else "cpu"})
+        for rank, role in enumerate(self.plan.roles):
+            plan = WorkerPlan(role=role, tp_rank=rank if role == "target" else 0, tp_size=tp, drafter=drafter_mode)
+            cls = TargetShard if role == "target" else Drafter
+            strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.plan.rank_to_bundle[rank])
+            self.actors.append(ray.remote(**resources)(cls).options(scheduling_strategy=strategy).remote(engine, plan))
+        if len(self.actors) > 1:
+            backend = parallel.distributed_backend
+            backend = backend if backend != "auto" else ("nccl" if self.use_gpus else "gloo")
+            address = ray.get(self.actors[0].rendezvous.remote(), timeout=parallel.init_timeout_s)
+            self._call_all("join", address, backend, parallel.init_timeout_s)
+
+    def _call_all(self, method: str, *args, timeout_s: float | None = None):
+        """Call ``method`` on every actor at once; an error raised inside an actor is re-raised naming its
+        rank and role; a dead or hung actor becomes ``ReplicaFailure``."""
+        timeout_s = timeout_s or self.config.parallel.init_timeout_s
+        refs = [getattr(actor, method).remote(*args) for actor in self.actors]
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.RayTaskError as exc:
+            rank = next((r for r, ref in enumerate(refs) if _failed(ref)), None)
+            where = f"rank {rank} ({self.plan.roles[rank]})" if rank is not None else "a replica actor"
+            cause = exc.cause if exc.cause is not None else exc
+            raise type(cause)(f"{where}: {cause}") if isinstance(cause, (ValueError, RuntimeError)) else exc
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            raise ReplicaFailure(f"replica actor failed during {method!r}: {_reason(exc)}") from exc
+
+    def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
+        ref = ray.put(batch)
+        results = self._call_all("execute", ref, timeout_s=self.config.parallel.step_timeout_s)
+        step = results[0]
+        if self.plan.roles[-1] == "drafter":
+            drafts = results[-1]
+            step = [RequestStepResult(r.request_id, r.token_ids, r.num_accepted, drafts.get(r.request_id, []))
+                    for r in step]
+        return step
+
+    def describe(self) -> list[dict]:
+        return self._call_all("info")
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        groups.remove(self.group)
+        self.group = None
+
+
+def _failed(ref) -> bool:
+    ready, _ = ray.wait([ref], timeout=0)
+    if not ready:
+        return False
+    try:
+        ray.get(ref)
+    except Exception:
+        return True
+    return False
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, ray.exceptions.GetTimeoutError):
+        return "no answer within the timeout (a hung collective or a lost node)"
+    return str(exc).strip().splitlines()[0][:300]

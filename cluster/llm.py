@@ -1,0 +1,99 @@
+"""``cluster.LLM``: the runtime engine with its models on a Ray replica (TP shards + a drafter)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+
+import ray
+
+from cluster.executor import RayExecutor, ReplicaFailure
+from configs import DSparkDecodingConfig, ReplicaConfig, validate
+from configs.cluster import ParallelConfig
+from runtime import llm as runtime_llm
+from runtime.engine import Engine
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+PARALLEL_FIELDS = set(ParallelConfig.model_fields)
+
+
+def connect_ray(address: str | None) -> None:
+    """Join the given cluster; with no address, a running one ('auto') if there is one, else start a local one."""
+    if ray.is_initialized():
+        return
+    if address is not None:
+        ray.init(address=address)
+        return
+    try:
+        ray.init(address="auto")
+        log.info("dspark: joined the running Ray cluster")
+    except ConnectionError:
+        ray.init()
+        log.info("dspark: no running Ray cluster found; started a local one")
+
+
+class LLM:
+    """Same ``generate`` / ``get_metrics`` as ``runtime.LLM``, with the models on Ray actors.
+
+    Keyword arguments: the fields of ``configs.ParallelConfig`` (``tensor_parallel_size``, ``drafter``,
+    ``placement_strategy``, ``distributed_backend``, timeouts, ``ray_address``) and of ``configs.LLMConfig``.
+    The speculative config is validated here, in the driver: the drafter's checkpoint metadata is read
+    and the embedded-draft probe runs once, and actors receive the resolved config.
+    """
+
+    def __init__(self, model: str, speculative_config: DSparkDecodingConfig | dict | None = None, **kwargs):
+        parallel = {k: kwargs.pop(k) for k in list(kwargs) if k in PARALLEL_FIELDS}
+        engine = {"model": str(model), "speculative_config": speculative_config, **kwargs}
+        self.config = validate(ReplicaConfig, {"engine": engine, "parallel": parallel}, "cluster.LLM")
+        connect_ray(self.config.parallel.ray_address)
+        self.engine: Engine | None = None
+        self._start()
+
+    def _start(self, metrics=None) -> None:
+        self.engine = Engine(self.config.engine, RayExecutor(self.config))
+        if metrics is not None:
+            self.engine.metrics = metrics
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: runtime_llm.Prompts,
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Like ``runtime.LLM.generate``. If an actor dies or hangs mid-step, every in-flight request fails
+        with ``ReplicaFailure`` and the replica is rebuilt (new placement group and process group)."""
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down")
+        try:
+            return runtime_llm.generate(self.engine, prompts, sampling_params)
+        except ReplicaFailure as exc:
+            failed = self.engine.abort_all()
+            self._rebuild()
+            raise ReplicaFailure(f"{exc}; {failed} in-flight request(s) failed; the replica was rebuilt") from exc
+
+    def _rebuild(self) -> None:
+        metrics = self.engine.metrics
+        self.engine.executor.shutdown()
+        self._start(metrics)
+
+    def get_metrics(self) -> dict:
+        return self.engine.get_metrics()
+
+    def rank_info(self) -> list[dict]:
+        """One dict per actor: rank, role, node, device, moe_backend, ..."""
+        return self.engine.executor.describe()
+
+    def shutdown(self) -> None:
+        """Kill the replica's actors and remove its placement group."""
+        if self.engine is not None:
+            self.engine.abort_all()
+            self.engine.executor.shutdown()
+            self.engine = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

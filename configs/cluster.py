@@ -1,0 +1,49 @@
+"""Replica layout on Ray: tensor parallelism, where the drafter runs, placement, timeouts."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from configs.engine import LLMConfig
+
+PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
+
+
+class ParallelConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tensor_parallel_size: Annotated[int, Field(ge=1)] = Field(
+        default=1, description="Target shards, one GPU (or CPU process) each.")
+    drafter: Literal["colocated", "separate"] = Field(
+        default="colocated", description="colocated: the drafter runs in TP rank 0's process and reads its captured "
+        "states in place (the only option on one GPU); separate: its own actor and GPU, fed over NCCL "
+        "(needs tensor_parallel_size + 1 GPUs).")
+    placement_strategy: PlacementStrategy | None = Field(
+        default=None, description="Ray placement-group strategy; None: STRICT_PACK when the replica fits one node, "
+        "PACK across nodes otherwise.")
+    distributed_backend: Literal["auto", "nccl", "gloo"] = Field(
+        default="auto", description="torch.distributed backend: auto is nccl on GPUs, gloo on CPUs.")
+    init_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=300.0, description="Seconds to wait for placement, process-group setup and weight loading.")
+    step_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=600.0, description="Seconds one step may take before the replica is declared failed and rebuilt.")
+    ray_address: str | None = Field(
+        default=None, description="Ray cluster to join; None joins a running one (address 'auto') or starts a "
+        "local one.")
+
+
+class ReplicaConfig(BaseModel):
+    """One replica: the engine settings and its layout on the cluster."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine: LLMConfig
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+
+    @model_validator(mode="after")
+    def separate_needs_a_drafter(self) -> ReplicaConfig:
+        if self.parallel.drafter == "separate" and self.engine.speculative_config is None:
+            raise ValueError("parallel.drafter='separate' needs a speculative_config (there is no drafter to place)")
+        return self

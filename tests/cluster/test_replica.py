@@ -1,0 +1,119 @@
+"""A replica on a local Ray cluster (CPU, gloo): TP=2 with a colocated or a separate drafter gives the
+single-process engine's outputs and counters; failures are clear and the replica recovers; nothing leaks."""
+
+import json
+
+import pytest
+import ray
+
+from cluster import LLM, ReplicaFailure
+from configs import DSparkDecodingConfig
+from runtime import LLM as LocalLLM
+from runtime import SamplingParams
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [100, 3], list(range(20, 51))]
+ENGINE = dict(dtype="float32", device="cpu", num_pages=96, page_size=4)
+PARAM_SETS = {
+    "greedy": [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 3,
+    "seeded": [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=s, ignore_eos=True) for s in range(3)],
+}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def drafter(near_bigram_target, make_drafter):
+    return make_drafter(near_bigram_target, 3, "gated", oracle=True)
+
+
+def free_cpus_return(total=4.0):
+    """No placement group left and every CPU free again (actors killed, bundles returned)."""
+    import time
+
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) != total and time.monotonic() < deadline:
+        time.sleep(0.1)  # the resource view lags the removal by a heartbeat
+    assert ray.available_resources().get("CPU", 0) == total
+
+
+@pytest.mark.parametrize("mode", ["colocated", "separate"])
+@pytest.mark.parametrize("rejection", [False, True], ids=["exact-match", "rejection"])
+def test_tp2_matches_the_single_process_engine(ray_cluster, near_bigram_target, drafter, mode, rejection):
+    spec = DSparkDecodingConfig(speculative_model=str(drafter), use_rejection_sampling=rejection)
+    local = LocalLLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
+    with LLM(str(near_bigram_target), speculative_config=spec, tensor_parallel_size=2, drafter=mode,
+             **ENGINE) as llm:
+        for name, params in PARAM_SETS.items():
+            expected = [o.token_ids for o in local.generate(PROMPTS, params)]
+            assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected, name
+        assert llm.get_metrics() == {**local.get_metrics(), "num_kv_pages_used": 0}
+        info = llm.rank_info()
+        roles = [(i["rank"], i["role"], i["holds_drafter"]) for i in info]
+        expected_roles = [(0, "target", True), (1, "target", False)] if mode == "colocated" else \
+            [(0, "target", False), (1, "target", False), (2, "drafter", True)]
+        assert roles == expected_roles
+        assert all(i["moe_backend"] in ("none", None) and i["draft_moe_backend"] == "none" for i in info)
+    free_cpus_return()
+
+
+def test_a_killed_shard_fails_in_flight_requests_then_the_replica_recovers(ray_cluster, near_bigram_target, drafter):
+    spec = DSparkDecodingConfig(speculative_model=str(drafter))
+    greedy = PARAM_SETS["greedy"]
+    expected = [o.token_ids for o in LocalLLM(str(near_bigram_target), speculative_config=spec,
+                                               **ENGINE).generate(PROMPTS, greedy)]
+    llm = LLM(str(near_bigram_target), speculative_config=spec, tensor_parallel_size=2, step_timeout_s=60, **ENGINE)
+    try:
+        llm.engine.add_request(PROMPTS[0], greedy[0])
+        llm.engine.step()  # one request in flight
+        ray.kill(llm.engine.executor.actors[1])
+        with pytest.raises(ReplicaFailure, match=r"actor failed during 'execute'.*2 in-flight request\(s\) failed"):
+            llm.generate(PROMPTS[1:2], greedy[:1])
+        assert not llm.engine.has_unfinished()
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == expected  # rebuilt and serving
+    finally:
+        llm.shutdown()
+    free_cpus_return()
+
+
+def test_probe_and_resolution_run_once_in_the_driver(ray_cluster, near_bigram_target, drafter, tmp_path):
+    """After the driver resolved the config, make the checkpoint lie: a bin index with mtp.* keys would flip the
+    probe to 'embedded' (which the engine refuses) and a changed block_size would break loading. Actors get the
+    resolved config and never look, so the replica still serves."""
+    import shutil
+
+    copy = tmp_path / "drafter"
+    shutil.copytree(drafter, copy)
+    spec = DSparkDecodingConfig(speculative_model=str(copy))
+    assert not spec.draft_is_embedded_in_target and spec.max_draft_len == 3
+    (copy / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"mtp.0.fc.weight": "x.bin"}}))
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "block_size": 6}))
+    assert DSparkDecodingConfig(speculative_model=str(copy)).draft_is_embedded_in_target  # a fresh probe would
+    with LLM(str(near_bigram_target), speculative_config=spec, drafter="separate", **ENGINE) as llm:
+        out = llm.generate(PROMPTS[:1], PARAM_SETS["greedy"][:1])[0]
+        assert len(out.token_ids) == 16 and llm.get_metrics()["num_draft_tokens"] > 0
+    free_cpus_return()
+
+
+def test_a_backend_a_rank_cannot_run_names_the_rank(ray_cluster, near_bigram_target, drafter):
+    with pytest.raises(ValueError, match=r"rank \d \(target\): moe_backend='CUTLASS': the model has no MoE layers"):
+        LLM(str(near_bigram_target), speculative_config={"speculative_model": str(drafter)}, tensor_parallel_size=2,
+            moe_backend="CUTLASS", **ENGINE)
+    free_cpus_return()
+
+
+def test_placement_that_cannot_fit_is_refused(ray_cluster, near_bigram_target, drafter):
+    from cluster.placement.plan import PlacementError
+
+    with pytest.raises(PlacementError, match="needs 5 CPUs; the cluster has 4"):
+        LLM(str(near_bigram_target), speculative_config={"speculative_model": str(drafter)}, tensor_parallel_size=4,
+            drafter="separate", **ENGINE)
+    free_cpus_return()
