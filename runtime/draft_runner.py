@@ -51,9 +51,10 @@ class DraftRunner:
         anchor_pos = base + accepted  # = the drafter's context length
         block_ids = torch.full((num, k_next), self.drafter.spec.mask_token_id, device=dev, dtype=torch.int64)
         block_ids[:, 0] = anchors
-        meta = PagedAttentionMeta(query_start_loc=torch.arange(num + 1, device=dev) * k_next, seq_lens=anchor_pos,
-                                  page_table=page_table, max_query_len=k_next,
-                                  max_seq_len=max(e.end_position for e in entries), causal=False)
+        meta = self.kernels.plan_attention(PagedAttentionMeta(
+            query_start_loc=torch.arange(num + 1, device=dev) * k_next, seq_lens=anchor_pos, page_table=page_table,
+            max_query_len=k_next, max_seq_len=max(e.end_position for e in entries), causal=False,
+            num_tokens=num * k_next, page_size=self.caches[0][0].shape[1], num_extra_keys=k_next))
         positions = (anchor_pos[:, None] + torch.arange(k_next, device=dev)).view(-1)
         hidden = self.drafter.forward_block(self.embed(block_ids), positions, self.caches, meta)  # [S, K, d]
         base_logits = self.lm_head(hidden).float()  # [S, K, V]

@@ -22,7 +22,7 @@ TARGET_LEADER = 0
 class DraftServer:
     def __init__(self, runner: DraftRunner, captured_width: int, page_size: int, dtype: torch.dtype,
                  device: torch.device):
-        self.runner, self.captured_width = runner, captured_width
+        self.runner, self.captured_width, self.kernels = runner, captured_width, runner.kernels
         self.page_size, self.dtype, self.device = page_size, dtype, device
 
     @torch.inference_mode()
@@ -31,7 +31,7 @@ class DraftServer:
         reqs = batch.requests
         if not reqs or not batch.maintain_draft_context:
             return {}
-        t = build_step_tensors(reqs, self.page_size, self.device)
+        t = build_step_tensors(reqs, self.page_size, self.device, self.kernels)
         captured = torch.empty(len(t.input_ids), self.captured_width, dtype=self.dtype, device=self.device)
         dist.recv(captured, src=TARGET_LEADER)
         self.runner.append_context(captured, t.positions, t.slots)

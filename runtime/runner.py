@@ -71,7 +71,7 @@ class ModelRunner:
         reqs = batch.requests
         if not reqs:
             return []
-        t = build_step_tensors(reqs, self.page_size, self.device)
+        t = build_step_tensors(reqs, self.page_size, self.device, self.kernels)
         hidden, captured = self.target(t.input_ids, t.positions, self.caches, t.meta, t.slots)
         drafting = self.has_drafter and batch.maintain_draft_context
         if drafting and self.is_leader:
@@ -160,6 +160,8 @@ class ModelRunner:
         row_params = RowParams.build([e.params for e in entries for _ in range(k_max + 1)], vocab, dev)
         if any(e.penalty_history is not None for e in entries):
             logits = self._penalize(logits, entries, drafts, row_params)
+        if all(e.params.greedy for e in entries):  # the argmax fast path: no distributions, no noise
+            return commit_by_match(drafts, num_drafts, logits.argmax(dim=-1))
         probs = filtered_probs(logits.view(-1, vocab), row_params).view_as(logits)  # [S, K+1, V]
         seed_rows = seeds[:, None].expand_as(positions)
         noise = exponentials(seed_rows.reshape(-1), positions.reshape(-1), Stream.TARGET, vocab)

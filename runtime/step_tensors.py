@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.kernels import PagedAttentionMeta
+from runtime.kernels import KernelBackend, PagedAttentionMeta
 from runtime.step_io import ScheduledRequest
 
 
@@ -20,23 +20,27 @@ class StepTensors:
     query_start_loc: list[int]  # host copy of meta.query_start_loc
 
 
-def build_step_tensors(reqs: list[ScheduledRequest], page_size: int, device: torch.device) -> StepTensors:
+def build_step_tensors(reqs: list[ScheduledRequest], page_size: int, device: torch.device,
+                       kernels: KernelBackend) -> StepTensors:
+    """Flat inputs of the fed tokens and their attention metadata, planned once for every layer."""
     lens = [len(r.token_ids) for r in reqs]
     qsl = [0]
     for n in lens:
         qsl.append(qsl[-1] + n)
     qsl_t = torch.tensor(qsl, device=device)
     starts = torch.tensor([r.start_position for r in reqs], device=device)
-    req_of_token = torch.repeat_interleave(torch.arange(len(reqs), device=device), torch.tensor(lens, device=device))
+    req_of_token = torch.repeat_interleave(torch.arange(len(reqs), device=device), torch.tensor(lens, device=device),
+                                           output_size=qsl[-1])
     positions = starts[req_of_token] + torch.arange(qsl[-1], device=device) - qsl_t[req_of_token]
     width = max(len(r.page_ids) for r in reqs)
     page_table = torch.tensor([r.page_ids + [0] * (width - len(r.page_ids)) for r in reqs], device=device)
     slots = page_table[req_of_token, positions // page_size] * page_size + positions % page_size
     meta = PagedAttentionMeta(query_start_loc=qsl_t, seq_lens=starts + torch.tensor(lens, device=device),
                               page_table=page_table, max_query_len=max(lens),
-                              max_seq_len=max(r.end_position for r in reqs), causal=True)
+                              max_seq_len=max(r.end_position for r in reqs), causal=True, num_tokens=qsl[-1],
+                              page_size=page_size)
     input_ids = torch.tensor([t for r in reqs for t in r.token_ids], device=device)
-    return StepTensors(input_ids, positions, slots, meta, page_table, qsl)
+    return StepTensors(input_ids, positions, slots, kernels.plan_attention(meta), page_table, qsl)
 
 
 def sampled_entries(reqs: list[ScheduledRequest]) -> list[int]:

@@ -27,10 +27,18 @@ class PagedAttentionMeta:
     max_query_len: int  # host int: max query tokens of one request
     max_seq_len: int  # host int: upper bound of seq_lens
     causal: bool  # True: query i sees keys up to its own position; False: every visible key
+    num_tokens: int  # host int: query tokens in the flat dimension (T)
+    page_size: int  # tokens per KV page
+    num_extra_keys: int = 0  # per-request extra keys every query sees (the draft block's own K/V)
+    plan: object | None = None  # backend-specific precomputation, from ``plan_attention`` (once per forward)
 
 
 class KernelBackend(Protocol):
     name: str
+
+    def plan_attention(self, meta: PagedAttentionMeta) -> PagedAttentionMeta:
+        """Precompute what every layer of one forward shares (indices, masks, kernel plans); call once per
+        forward and pass the returned meta to each layer's ``paged_attention``."""
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                  k: torch.Tensor, v: torch.Tensor) -> None:

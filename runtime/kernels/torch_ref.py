@@ -1,11 +1,28 @@
-"""Pure-torch reference kernels: the semantics every other backend must match, and the CPU path."""
+"""Pure-torch reference kernels: the semantics every other backend must match, and the CPU path.
+
+No host synchronization: every index is derived on the device from host-known sizes.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from runtime.kernels.interface import PagedAttentionMeta
+
+# cuDNN's SDPA re-plans for every new sequence length (milliseconds of host time per call): keep it out.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@dataclass(frozen=True, slots=True)
+class TorchAttentionPlan:
+    padded_index: torch.Tensor  # [T] row of each query in the padded [B * Lq] layout
+    key_slots: torch.Tensor  # [B, Lk] flat cache slot of each request's k-th cached key
+    allowed: torch.Tensor  # [B, 1, Lq, Lk + X] attention mask (True = attend)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -16,51 +33,47 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     v_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, length: int) -> torch.Tensor:
-    """[P, S, H, D] cache -> [B, length, H, D]: each request's first ``length`` cached tokens."""
-    page_size = cache.shape[1]
-    pos = torch.arange(length, device=cache.device)
-    slots = page_table[:, pos // page_size] * page_size + pos % page_size  # [B, length]
-    return cache.view(-1, *cache.shape[2:])[slots]
-
-
-def pad_queries(q: torch.Tensor, meta: PagedAttentionMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flat q [T, H, D] -> padded [B, Lq, H, D], the validity mask [B, Lq], and flat row index [B, Lq]."""
-    starts = meta.query_start_loc[:-1]
-    q_lens = meta.query_start_loc[1:] - starts  # [B]
-    offs = torch.arange(meta.max_query_len, device=q.device)
-    valid = offs[None, :] < q_lens[:, None]  # [B, Lq]
-    rows = (starts[:, None] + offs[None, :]).clamp(max=max(q.shape[0] - 1, 0))
-    return q[rows], valid, rows
+def plan_attention(meta: PagedAttentionMeta) -> PagedAttentionMeta:
+    dev = meta.seq_lens.device
+    batch, lq, lk = meta.seq_lens.shape[0], meta.max_query_len, meta.max_seq_len
+    qsl = meta.query_start_loc
+    q_lens = qsl[1:] - qsl[:-1]  # [B]
+    num_tokens = meta.num_tokens
+    request = torch.repeat_interleave(torch.arange(batch, device=dev), q_lens, output_size=num_tokens)
+    padded_index = request * lq + torch.arange(num_tokens, device=dev) - qsl[request]
+    page_size = meta.page_size
+    pos = torch.arange(lk, device=dev)
+    key_slots = meta.page_table[:, pos // page_size] * page_size + pos % page_size
+    allowed = (pos[None, None, :] < meta.seq_lens[:, None, None]).expand(batch, lq, lk)  # [B, Lq, Lk]
+    if meta.causal:
+        q_pos = meta.seq_lens[:, None] - q_lens[:, None] + torch.arange(lq, device=dev)
+        allowed = allowed & (pos[None, None, :] <= q_pos[:, :, None])
+    if meta.num_extra_keys:
+        allowed = torch.cat([allowed, allowed.new_ones(batch, lq, meta.num_extra_keys)], dim=2)
+    q_valid = torch.zeros(batch * lq, dtype=torch.bool, device=dev).index_fill_(0, padded_index, True)
+    allowed = allowed | ~q_valid.view(batch, lq, 1)  # padding rows see everything; they are dropped
+    plan = TorchAttentionPlan(padded_index, key_slots, allowed[:, None])
+    return dataclasses.replace(meta, plan=plan)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMeta,
                     scale: float, extra_k: torch.Tensor | None = None,
                     extra_v: torch.Tensor | None = None) -> torch.Tensor:
     # q: [T, Hq, D] -> [T, Hq, D]
-    qp, q_valid, rows = pad_queries(q, meta)  # [B, Lq, Hq, D]
-    k = gather_pages(k_cache, meta.page_table, meta.max_seq_len)  # [B, Lk, Hkv, D]
-    v = gather_pages(v_cache, meta.page_table, meta.max_seq_len)
-    key_pos = torch.arange(meta.max_seq_len, device=q.device)
-    allowed = (key_pos[None, None, :] < meta.seq_lens[:, None, None])  # [B, 1, Lk]
-    if meta.causal:
-        q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-        q_pos = meta.seq_lens[:, None] - q_lens[:, None] + torch.arange(meta.max_query_len, device=q.device)
-        allowed = allowed & (key_pos[None, None, :] <= q_pos[:, :, None])  # [B, Lq, Lk]
-    allowed = allowed.expand(-1, meta.max_query_len, -1)
+    plan: TorchAttentionPlan = meta.plan if meta.plan is not None else plan_attention(meta).plan
+    batch, lq = meta.seq_lens.shape[0], meta.max_query_len
+    heads, dim = q.shape[1:]
+    qp = q.new_zeros(batch * lq, heads, dim).index_copy_(0, plan.padded_index, q).view(batch, lq, heads, dim)
+    k = k_cache.view(-1, *k_cache.shape[2:])[plan.key_slots]  # [B, Lk, Hkv, D]
+    v = v_cache.view(-1, *v_cache.shape[2:])[plan.key_slots]
     if extra_k is not None:
         k = torch.cat([k, extra_k.to(k.dtype)], dim=1)
         v = torch.cat([v, extra_v.to(v.dtype)], dim=1)
-        allowed = torch.cat([allowed, allowed.new_ones(*allowed.shape[:2], extra_k.shape[1])], dim=2)
-    # Padding query rows would see no key (NaN); let them see everything, they are dropped below.
-    allowed = allowed | ~q_valid[:, :, None]
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=allowed[:, None], scale=scale, enable_gqa=qp.shape[2] != k.shape[2])  # [B, Hq, Lq, D]
-    out = out.transpose(1, 2)  # [B, Lq, Hq, D]
-    result = torch.empty_like(q)
-    result[rows[q_valid]] = out[q_valid]
-    return result
+    with sdpa_kernel(SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=plan.allowed, scale=scale,
+                                             enable_gqa=qp.shape[2] != k.shape[2])  # [B, Hq, Lq, D]
+    return out.transpose(1, 2).reshape(batch * lq, heads, dim)[plan.padded_index]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,6 +92,7 @@ class TorchReference:
 
     name = "torch"
     write_kv = staticmethod(write_kv)
+    plan_attention = staticmethod(plan_attention)
     paged_attention = staticmethod(paged_attention)
     rms_norm = staticmethod(rms_norm)
     sample_exponential_race = staticmethod(sample_exponential_race)

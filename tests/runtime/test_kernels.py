@@ -28,8 +28,9 @@ def test_paged_attention_matches_dense(causal):
     seq_lens, q_lens = [9, 3, 13], [2, 3, 1]
     tables = [[5, 0, 11], [7], [1, 2, 3, 4]]
     width = max(map(len, tables))
-    meta = PagedAttentionMeta(torch.tensor([0, 2, 5, 6]), torch.tensor(seq_lens),
-                              torch.tensor([t + [0] * (width - len(t)) for t in tables]), 3, 13, causal)
+    meta = ref.plan_attention(PagedAttentionMeta(
+        torch.tensor([0, 2, 5, 6]), torch.tensor(seq_lens), torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        3, 13, causal, num_tokens=6, page_size=page, num_extra_keys=0 if causal else 2))
     q = torch.randn(6, heads, dim)
     extra_k, extra_v = torch.randn(3, 2, kv_heads, dim), torch.randn(3, 2, kv_heads, dim)
     got = ref.paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, *(() if causal else (extra_k, extra_v)))

@@ -22,7 +22,8 @@ def run_paged(model, prompts, page_size=4):
     req = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lens))
     slots = table[req, positions // page_size] * page_size + positions % page_size
     qsl = torch.tensor([0] + lens).cumsum(0)
-    meta = PagedAttentionMeta(qsl, torch.tensor(lens), table, max(lens), max(lens), causal=True)
+    meta = PagedAttentionMeta(qsl, torch.tensor(lens), table, max(lens), max(lens), causal=True,
+                              num_tokens=sum(lens), page_size=page_size)
     hidden, captured = model(torch.tensor(sum(prompts, [])), positions, caches, meta, slots)
     return model.compute_logits(hidden), captured, qsl
 
