@@ -170,17 +170,25 @@ class ModelRunner:
         if q is None:
             return committed, accepted
         rejection = torch.tensor(by_rejection, device=dev)
-        u = uniform(seed_rows[:, :k_max].reshape(-1), positions[:, :k_max].reshape(-1),
-                    Stream.ACCEPT).view(len(entries), k_max)
-        accepted = torch.where(rejection, accept_by_rejection(drafts, num_drafts, probs, q, u), accepted)
-        q_padded = torch.cat([q, q.new_zeros(len(entries), 1, vocab)], dim=1)
+        by_rule, accepted_by_rule = self._rejection_sample(drafts, num_drafts, probs, q, target_tokens, seeds,
+                                                           positions)
+        return (torch.where(rejection[:, None], by_rule, committed),
+                torch.where(rejection, accepted_by_rule, accepted))
+
+    def _rejection_sample(self, drafts, num_drafts, probs, q, target_tokens, seeds, positions):
+        """Leviathan verification of every row -> (committed [S, K+1], accepted [S]): accepted drafts, then a
+        draw from norm(max(0, p - q)) at the first rejection, or the bonus from p when all pass."""
+        num, k_max = drafts.shape
+        seed_rows = seeds[:, None].expand(num, k_max)
+        u = uniform(seed_rows.reshape(-1), positions[:, :k_max].reshape(-1), Stream.ACCEPT).view(num, k_max)
+        accepted = accept_by_rejection(drafts, num_drafts, probs, q, u)
+        q_padded = torch.cat([q, q.new_zeros(num, 1, q.shape[-1])], dim=1)
         residual = residual_distribution(gather_rows(probs, accepted), gather_rows(q_padded, accepted))
         resampled = self.kernels.sample_exponential_race(
-            residual, exponentials(seeds, gather_rows(positions, accepted), Stream.RESIDUAL, vocab))
+            residual, exponentials(seeds, gather_rows(positions, accepted), Stream.RESIDUAL, q.shape[-1]))
         next_token = torch.where(accepted < num_drafts, resampled, gather_rows(target_tokens, accepted))
-        by_rule = torch.cat([drafts, drafts.new_zeros(len(entries), 1)], dim=1)
-        by_rule = by_rule.scatter(1, accepted[:, None], next_token[:, None])
-        return torch.where(rejection[:, None], by_rule, committed), accepted
+        committed = torch.cat([drafts, drafts.new_zeros(num, 1)], dim=1)
+        return committed.scatter(1, accepted[:, None], next_token[:, None]), accepted
 
     def _penalize(self, logits: torch.Tensor, entries: list[ScheduledRequest], drafts: torch.Tensor,
                   row_params: RowParams) -> torch.Tensor:
