@@ -92,6 +92,10 @@ class RayExecutor:
     def describe(self) -> list[dict]:
         return self._call_all("info")
 
+    def health(self, timeout_s: float = 30.0) -> list[dict]:
+        """Every actor's info, or ``ReplicaFailure`` naming the first that is dead or silent."""
+        return self._call_all("info", timeout_s=timeout_s)
+
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)

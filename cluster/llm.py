@@ -46,8 +46,17 @@ class LLM:
     def __init__(self, model: str, speculative_config: DSparkDecodingConfig | dict | None = None, **kwargs):
         parallel = {k: kwargs.pop(k) for k in list(kwargs) if k in PARALLEL_FIELDS}
         engine = {"model": str(model), "speculative_config": speculative_config, **kwargs}
-        self.config = validate(ReplicaConfig, {"engine": engine, "parallel": parallel}, "cluster.LLM")
-        connect_ray(self.config.parallel.ray_address)
+        self._open(validate(ReplicaConfig, {"engine": engine, "parallel": parallel}, "cluster.LLM"))
+
+    @classmethod
+    def from_config(cls, config: ReplicaConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._open(config)
+        return llm
+
+    def _open(self, config: ReplicaConfig) -> None:
+        self.config = config
+        connect_ray(config.parallel.ray_address)
         self.engine: Engine | None = None
         self._start()
 
@@ -70,13 +79,30 @@ class LLM:
             return runtime_llm.generate(self.engine, prompts, sampling_params)
         except ReplicaFailure as exc:
             failed = self.engine.abort_all()
-            self._rebuild()
+            self.rebuild()
             raise ReplicaFailure(f"{exc}; {failed} in-flight request(s) failed; the replica was rebuilt") from exc
 
-    def _rebuild(self) -> None:
+    def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None):
+        """Yield the request's snapshot after every step that committed tokens for it (the last one finished)."""
+        request_id = self.engine.add_request(runtime_llm.token_ids(self.engine, prompt), params or SamplingParams())
+        while True:
+            for out in self.engine.step():
+                if out.request_id == request_id:
+                    yield out
+                    if out.finished:
+                        return
+
+    def rebuild(self, reason: BaseException | None = None) -> None:
+        """Replace the replica's actors (new placement group and process group); counters carry over."""
+        if reason is not None:
+            log.warning("dspark: rebuilding the replica after: %s", reason)
         metrics = self.engine.metrics
         self.engine.executor.shutdown()
         self._start(metrics)
+
+    def health(self) -> list[dict]:
+        """Ask every actor; raises ``ReplicaFailure`` if one is dead or does not answer."""
+        return self.engine.executor.health()
 
     def get_metrics(self) -> dict:
         return self.engine.get_metrics()

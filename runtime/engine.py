@@ -80,14 +80,16 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self._validate(prompt_token_ids, params)
+        self.validate_request(prompt_token_ids, params)
         seed = params.seed % (1 << 63) if params.seed is not None else self._seeds.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), params, seed, arrival=next(self._arrivals))
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+    def validate_request(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming what makes this request unservable. Reads only immutable engine state,
+        so other threads may call it."""
         vocab = self.vocab_size
         if not prompt:
             raise ValueError("prompt is empty")
@@ -105,8 +107,10 @@ class Engine:
         if self.spec is None:
             return
         if params.uses_penalties and not self.spec.enable_penalty:
-            raise ValueError("repetition/presence/frequency penalties are disabled: set "
-                             "speculative_config.enable_penalty=True to allow them")
+            field = next(f for f, off in (("repetition_penalty", 1), ("presence_penalty", 0), ("frequency_penalty", 0))
+                         if getattr(params, f) != off)
+            raise ValueError(f"SamplingParams.{field} is refused: repetition/presence/frequency penalties are "
+                             "disabled; set speculative_config.enable_penalty=True to allow them")
         mode = self.spec.advanced_sampling_mode
         for name, used, allowed in (("top_k", params.uses_top_k, mode.allows_top_k),
                                     ("top_p", params.uses_top_p, mode.allows_top_p),
@@ -188,6 +192,14 @@ class Engine:
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
                              token_ids=list(seq.output_token_ids), text=text,
                              finish_reason=seq.finish_reason, new_token_ids=new_token_ids)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
 
     def get_metrics(self) -> dict:
         return {**self.metrics.as_dict(), "speculation_disabled": self.gate.closed,

@@ -24,6 +24,10 @@ CORPUS = [
 ] * 20
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
 def target_config(family: str = "qwen3", **overrides):
     from transformers import LlamaConfig, Qwen3Config
 
@@ -47,6 +51,7 @@ def save_tokenizer(path: Path) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
 
 

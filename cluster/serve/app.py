@@ -1,0 +1,226 @@
+"""The Ray Serve application: an OpenAI-compatible HTTP front over one dspark replica per Serve replica.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
+server-sent events ending in ``data: [DONE]``), ``GET /health`` (asks every shard and the drafter),
+``GET /metrics`` (Prometheus text). Errors use OpenAI's shape ``{"error": {message, type, param, code}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from cluster.executor import ReplicaFailure
+from cluster.llm import LLM as ReplicaLLM
+from cluster.serve import protocol
+from cluster.serve.metrics import ServerMetrics
+from cluster.serve.text import TextStream
+from configs import ReplicaConfig, ServeArgs, validate
+from runtime.async_engine import AsyncEngine, Overloaded
+from runtime.outputs import RequestOutput
+
+app = FastAPI(title="dspark", description="DSpark speculative decoding, OpenAI-compatible API")
+SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(protocol.error_body(err.status, err.message, err.param, err.code), status_code=err.status,
+                        headers=err.headers)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, err: ApiError) -> JSONResponse:
+    return error_response(err)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e['msg']}"
+                        for e in exc.errors())
+    code = "invalid_json" if first.get("type") == "json_invalid" else "invalid_value"
+    return error_response(ApiError(400, message, ".".join(loc) or None, code))
+
+
+def request_error(exc: ValueError, prompt_field: str) -> ApiError:
+    """A request the engine refuses: 400 naming the parameter."""
+    text = str(exc)
+    field = SAMPLING_FIELD.search(text)
+    param = field.group(1) if field else (prompt_field if text.startswith("prompt") else None)
+    return ApiError(400, text, param, "context_length_exceeded" if "max_model_len" in text else "invalid_value")
+
+
+class DSparkServer:
+    """One Serve replica: owns a dspark replica (its placement group, shards and drafter) and its engine loop."""
+
+    def __init__(self, args: ServeArgs):
+        self.args = args
+        self.llm = ReplicaLLM.from_config(ReplicaConfig(engine=args.engine, parallel=args.parallel))
+        self.engine = AsyncEngine(lambda: self.llm.engine, self.llm.rebuild, args.deployment.max_waiting_requests)
+        self.metrics = ServerMetrics(lambda: self.llm.engine, self.llm.rank_info())
+        self.tokenizer = self.llm.tokenizer
+
+    # ---- routes -------------------------------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
+        return {"object": "list", "data": [{"id": self.args.model_name, "object": "model", "created": 0,
+                                            "owned_by": "dspark"}]}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: protocol.CompletionRequest, request: Request):
+        self._authorize(request)
+        self._check_model(body.model)
+        prompt = body.prompt if isinstance(body.prompt, list) else self._encode(body.prompt)
+        return await self._respond(body, prompt, body.sampling_params(body.max_tokens), "prompt", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: protocol.ChatCompletionRequest, request: Request):
+        self._authorize(request)
+        self._check_model(body.model)
+        prompt = self._chat_prompt(body)
+        budget = body.token_budget(max(self.llm.engine.max_model_len - len(prompt), 1))
+        return await self._respond(body, prompt, body.sampling_params(budget), "messages", chat=True)
+
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        try:
+            ranks = await asyncio.to_thread(self.llm.health)
+        except (ReplicaFailure, RuntimeError) as exc:
+            return error_response(ApiError(503, f"unhealthy: {exc}", code="unhealthy"))
+        return JSONResponse({"status": "ok", "ranks": [{k: r[k] for k in ("rank", "role", "device")} for r in ranks]})
+
+    @app.get("/metrics")
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def check_health(self) -> None:
+        """Serve's periodic check: raising marks this replica unhealthy and Serve replaces it."""
+        self.llm.health()
+
+    def __del__(self) -> None:
+        engine, llm = getattr(self, "engine", None), getattr(self, "llm", None)
+        if engine is not None:
+            engine.shutdown()
+        if llm is not None:
+            llm.shutdown()
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        key = self.args.api_key
+        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    def _check_model(self, model: str) -> None:
+        if model != self.args.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.args.model_name!r}",
+                           "model", "model_not_found")
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+        return list(self.tokenizer(text)["input_ids"])
+
+    def _chat_prompt(self, body: protocol.ChatCompletionRequest) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    async def _respond(self, body, prompt: list[int], params, prompt_field: str, chat: bool):
+        try:
+            outputs = self.engine.generate(prompt, params)
+            first = await anext(outputs)  # validation errors surface here, before any byte is sent
+        except ValueError as exc:
+            raise request_error(exc, prompt_field) from None
+        except Overloaded as exc:
+            raise ApiError(429, f"server overloaded: {exc}; retry later", code="overloaded",
+                           headers={"Retry-After": "1"}) from None
+        except (ReplicaFailure, RuntimeError) as exc:
+            raise ApiError(503, f"the replica failed: {exc}", code="replica_failure") from None
+        rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+        timing = {"arrival": time.monotonic(), "first": time.monotonic() if first.token_ids else None}
+        if body.stream:
+            return StreamingResponse(self._stream(body, rid, prompt, first, outputs, chat, timing),
+                                     media_type="text/event-stream")
+        last = first
+        try:
+            async for out in outputs:
+                last = out
+        except (ReplicaFailure, RuntimeError) as exc:
+            raise ApiError(503, f"the replica failed: {exc}", code="replica_failure") from None
+        self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
+        build = protocol.chat_body if chat else protocol.completion_body
+        return build(rid, body.model, last.text, last.finish_reason, len(prompt), len(last.token_ids))
+
+    async def _stream(self, body, rid: str, prompt: list[int], first: RequestOutput,
+                      outputs: AsyncIterator[RequestOutput], chat: bool, timing: dict) -> AsyncIterator[str]:
+        text = TextStream(self.tokenizer, body.stop)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        if chat:
+            yield sse(protocol.chat_chunk(rid, body.model, {"role": "assistant", "content": ""}, None))
+        last, pending = first, [first]
+        try:
+            while True:
+                for out in pending:
+                    last = out
+                    if timing["first"] is None and out.token_ids:
+                        timing["first"] = time.monotonic()
+                    delta = text.delta(out)
+                    reason = out.finish_reason if out.finished else None
+                    if delta or reason:
+                        yield sse(protocol.chat_chunk(rid, body.model, {"content": delta}, reason) if chat
+                                  else protocol.completion_chunk(rid, body.model, delta, reason))
+                if last.finished:
+                    break
+                pending = [await anext(outputs)]
+        except (ReplicaFailure, RuntimeError) as exc:
+            yield sse(protocol.error_body(503, f"the replica failed: {exc}", code="replica_failure"))
+        else:
+            self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
+            if body.include_usage:
+                yield sse(protocol.usage_chunk(rid, body.model, kind, len(prompt), len(last.token_ids)))
+        yield "data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+DSparkDeployment = serve.deployment(name="dspark")(serve.ingress(app)(DSparkServer))
+
+
+def build_app(args: dict | ServeArgs):
+    """The Serve application for ``args`` (a dict validated as ``configs.ServeArgs``); usable as a KubeRay
+    RayService ``import_path: cluster.serve:build_app``."""
+    parsed = args if isinstance(args, ServeArgs) else validate(ServeArgs, args, "serve args")
+    d = parsed.deployment
+    options = dict(max_ongoing_requests=d.max_ongoing_requests, max_queued_requests=d.max_queued_requests,
+                   graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
+                   health_check_period_s=d.health_check_period_s, health_check_timeout_s=d.health_check_timeout_s,
+                   ray_actor_options=dict(d.ray_actor_options))
+    if d.autoscaling is not None:
+        options["autoscaling_config"] = d.autoscaling.model_dump()
+    else:
+        options["num_replicas"] = d.num_replicas
+    return DSparkDeployment.options(**options).bind(parsed)

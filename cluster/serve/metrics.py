@@ -1,0 +1,70 @@
+"""Prometheus metrics of one Serve replica: the engine's counters (read at scrape time) and latencies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+from runtime.engine import Engine
+
+PREFIX = "dspark"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class EngineCollector:
+    """vLLM's speculative-decoding counter names under our prefix, plus load and the per-rank MoE backend."""
+
+    def __init__(self, engine_of: Callable[[], Engine], rank_info: list[dict]):
+        self.engine_of, self.rank_info = engine_of, rank_info
+
+    def collect(self):
+        engine = self.engine_of()
+        m = engine.get_metrics()
+        for name, doc in (("num_drafts", "Verify steps of one request that carried drafts."),
+                          ("num_draft_tokens", "Draft tokens proposed to the target."),
+                          ("num_accepted_tokens", "Draft tokens the target accepted.")):
+            yield CounterMetricFamily(f"{PREFIX}:spec_decode_{name}", doc, value=m[name])
+        per_pos = CounterMetricFamily(f"{PREFIX}:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by position in the block.", labels=["position"])
+        for position, count in enumerate(m["num_accepted_tokens_per_pos"]):
+            per_pos.add_metric([str(position)], count)
+        yield per_pos
+        gauges = (("spec_decode_mean_acceptance_length", "Mean tokens committed per verify step (tau).",
+                   m["mean_acceptance_length"]),
+                  ("num_requests_running", "Requests being decoded.", engine.num_running),
+                  ("num_requests_waiting", "Requests waiting for a slot.", engine.num_waiting),
+                  ("kv_pages_used", "KV pages in use.", m["num_kv_pages_used"]),
+                  ("kv_pages_total", "KV pages of the replica.", m["num_kv_pages"]),
+                  ("speculation_disabled", "1 once the acceptance gate turned speculation off.",
+                   float(m["speculation_disabled"])))
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"{PREFIX}:{name}", doc, value=value)
+        info = InfoMetricFamily(f"{PREFIX}:moe_backend", "MoE backend resolved on each rank.", labels=["rank", "role"])
+        for rank in self.rank_info:
+            info.add_metric([str(rank["rank"]), rank["role"]], {"backend": str(rank.get("moe_backend")),
+                                                                "draft_backend": str(rank.get("draft_moe_backend"))})
+        yield info
+
+
+class ServerMetrics:
+    def __init__(self, engine_of: Callable[[], Engine], rank_info: list[dict]):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine_of, rank_info))
+        self.ttft = Histogram(f"{PREFIX}:time_to_first_token_seconds", "Time to the first generated token.",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(f"{PREFIX}:time_per_output_token_seconds", "Mean time per output token after the "
+                              "first, per request.", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(f"{PREFIX}:e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def observe(self, arrival: float, first_token: float | None, end: float, num_tokens: int) -> None:
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+            if num_tokens > 1:
+                self.tpot.observe((end - first_token) / (num_tokens - 1))
+        self.e2e.observe(end - arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,129 @@
+"""OpenAI-compatible request models, response builders and the error shape.
+
+Requests are validated strictly: a parameter we do not implement is refused with a 400 naming it,
+never silently ignored. Beyond OpenAI's fields we accept vLLM's common extras (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from runtime.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """The sampling parameters both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    user: str | None = None
+    top_k: Annotated[int, Field(ge=-1)] = 0
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
+                              ignore_eos=self.ignore_eos)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[Annotated[int, Field(ge=0)]]
+    max_tokens: Annotated[int, Field(ge=1)] = 16
+    echo: Literal[False] = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    def token_budget(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
+                    completion_tokens: int) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_body(rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
+              completion_tokens: int) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def usage_chunk(rid: str, model: str, kind: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": code}}

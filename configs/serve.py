@@ -1,0 +1,81 @@
+"""``ServeArgs``: the validated ``args`` of the Serve application (also a KubeRay ``serveConfigV2`` entry)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from configs.cluster import ParallelConfig
+from configs.engine import LLMConfig
+
+
+class AutoscalingOptions(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_replicas: Annotated[int, Field(ge=0)] = Field(default=1, description="Fewest replicas kept up.")
+    max_replicas: Annotated[int, Field(ge=1)] = Field(default=1, description="Most replicas started.")
+    target_ongoing_requests: Annotated[float, Field(gt=0)] = Field(
+        default=32, description="Ongoing requests per replica the autoscaler aims for.")
+
+    @model_validator(mode="after")
+    def ordered(self) -> AutoscalingOptions:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"autoscaling: min_replicas ({self.min_replicas}) must be <= max_replicas "
+                             f"({self.max_replicas})")
+        return self
+
+
+class DeploymentOptions(BaseModel):
+    """Ray Serve deployment options of the one deployment (each replica owns a whole dspark replica)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_replicas: Annotated[int, Field(ge=1)] = Field(default=1, description="Replicas when not autoscaling.")
+    autoscaling: AutoscalingOptions | None = Field(default=None, description="Autoscale replicas; exclusive "
+                                                   "with num_replicas > 1.")
+    max_ongoing_requests: Annotated[int, Field(ge=1)] = Field(
+        default=256, description="Requests one replica handles at once; Serve queues the rest.")
+    max_queued_requests: Annotated[int, Field(ge=-1)] = Field(
+        default=512, description="Requests Serve queues before answering 503; -1 = unbounded.")
+    max_waiting_requests: Annotated[int, Field(ge=1)] = Field(
+        default=1024, description="Requests a replica's scheduler may hold unstarted before answering 429 "
+        "with Retry-After.")
+    graceful_shutdown_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=60, description="Seconds a stopping replica lets in-flight requests finish.")
+    health_check_period_s: Annotated[float, Field(gt=0)] = Field(default=10, description="Seconds between checks.")
+    health_check_timeout_s: Annotated[float, Field(gt=0)] = Field(default=60, description="A check's deadline.")
+    ray_actor_options: dict[str, float | int | str] = Field(
+        default_factory=lambda: {"num_cpus": 1}, description="Resources of the Serve replica actor itself "
+        "(the driver); the model actors are placed by the replica's own placement group.")
+
+    @model_validator(mode="after")
+    def replicas_or_autoscaling(self) -> DeploymentOptions:
+        if self.autoscaling is not None and self.num_replicas != 1:
+            raise ValueError("deployment: set num_replicas or autoscaling, not both")
+        return self
+
+
+class ServeArgs(BaseModel):
+    """Arguments of ``cluster.serve:build_app`` (and of ``dspark serve``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine: LLMConfig = Field(description="The model, drafter and engine budgets.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Replica layout on the cluster.")
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Serve options.")
+    served_model_name: str | None = Field(default=None, description="The model name clients send; default: the "
+                                          "model directory's name.")
+    api_key: str | None = Field(default=None, description="If set, requests must send 'Authorization: Bearer "
+                                "<api_key>'.")
+    route_prefix: str = Field(default="/", description="Where the app is mounted.")
+
+    @model_validator(mode="after")
+    def separate_needs_a_drafter(self) -> ServeArgs:
+        if self.parallel.drafter == "separate" and self.engine.speculative_config is None:
+            raise ValueError("parallel.drafter='separate' needs engine.speculative_config")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model.rstrip("/").rsplit("/", 1)[-1]

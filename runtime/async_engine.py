@@ -1,0 +1,152 @@
+"""``AsyncEngine``: the engine behind asyncio callers (a web server), stepped by one thread.
+
+Only the engine thread touches the engine: callers send commands (add, abort) through a queue
+and receive ``RequestOutput`` snapshots on a per-request asyncio queue. A caller that goes away
+(a client disconnect cancels its coroutine) aborts its request, which frees its KV pages. If a
+step raises (an actor died), every request in flight gets the error and ``recover`` is called
+(the cluster layer rebuilds the replica) before new requests are taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from runtime.engine import Engine
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.05
+
+
+class Overloaded(RuntimeError):
+    """Too many requests wait for a slot; retry later."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine_of: Callable[[], Engine], recover: Callable[[BaseException], None] | None = None,
+                 max_waiting: int = 1024):
+        """``engine_of()`` returns the current engine (the cluster layer replaces it when it rebuilds)."""
+        self.engine_of, self.recover, self.max_waiting = engine_of, recover, max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._pending_adds = 0  # adds queued but not yet applied by the engine thread
+        self._pending_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def engine(self) -> Engine:
+        return self.engine_of()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams) + self._pending_adds
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield a snapshot of the request after every step that committed tokens for it, the last one
+        finished. Raises ``ValueError`` for a request the engine refuses, ``Overloaded`` when too many wait."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        self.engine.validate_request(prompt_token_ids, params)
+        if self.engine.num_waiting + self._pending_adds >= self.max_waiting:
+            raise Overloaded(f"{self.max_waiting} requests are already waiting")
+        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        with self._pending_lock:
+            self._pending_adds += 1
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the caller went away: free the request's pages
+                self._commands.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(("stop",))
+        self._thread.join(timeout=30)
+
+    # ---- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if self._stopped.is_set() or not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # an actor died or hung: fail what is in flight, then recover
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                stream.push(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt, params, stream = command
+            with self._pending_lock:
+                self._pending_adds -= 1
+            try:
+                self.engine.add_request(prompt, params, request_id)
+                self._streams[request_id] = stream
+            except ValueError as exc:
+                stream.push(exc)
+        elif kind == "abort":
+            self._streams.pop(command[1], None)
+            self.engine.abort(command[1])
+
+    def _fail_all(self, exc: Exception) -> None:
+        log.error("dspark: step failed, failing %d request(s): %s", len(self._streams), exc)
+        failed = self.engine.abort_all()
+        for stream in self._streams.values():
+            stream.push(exc)
+        self._streams.clear()
+        if self.recover is not None:
+            try:
+                self.recover(exc)
+            except Exception:  # keep serving errors rather than dying; health checks report the state
+                log.exception("dspark: recovery failed after %d failed request(s)", failed)

@@ -1,0 +1,221 @@
+"""The Serve app on local Ray (CPU), driven with the official openai client and raw HTTP."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from cluster.serve import build_app
+from configs import DSparkDecodingConfig
+from runtime import LLM as LocalLLM
+from runtime import SamplingParams
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+PROMPTS = ["def add(a, b):", "for i in range(10):", "The quick brown fox"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_args(target, drafter, **extra):
+    return {"model": str(target), "dtype": "float32", "device": "cpu", "num_pages": 512, "page_size": 4,
+            "max_model_len": 256, "speculative_config": {"speculative_model": str(drafter)}, **extra}
+
+
+@pytest.fixture(scope="module")
+def server(near_bigram_target, make_drafter):
+    drafter = make_drafter(near_bigram_target, 4, "vanilla", oracle=True)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"engine": engine_args(near_bigram_target, drafter), "served_model_name": "tiny"}),
+              name="main", route_prefix="/")
+    serve.run(build_app({"engine": engine_args(near_bigram_target, drafter, max_num_seqs=1),
+                         "served_model_name": "tiny", "api_key": "sesame",
+                         "deployment": {"max_waiting_requests": 1}}), name="small", route_prefix="/small")
+    base = f"http://127.0.0.1:{port}"
+    local = LocalLLM(str(near_bigram_target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter)),
+                     dtype="float32", device="cpu", num_pages=512, page_size=4, max_model_len=256)
+    yield {"base": base, "client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0),
+           "local": local}
+    serve.shutdown()
+    ray.shutdown()
+
+
+def reference(server, prompt: str, max_tokens: int):
+    return server["local"].generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))[0]
+
+
+def test_models(server):
+    assert [m.id for m in server["client"].models.list().data] == ["tiny"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_completion_equals_runtime_greedy(server, prompt):
+    expected = reference(server, prompt, 20)
+    r = server["client"].completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+    assert r.choices[0].text == expected.text and r.choices[0].finish_reason == expected.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(expected.prompt_token_ids),
+                                                                 len(expected.token_ids))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streaming_equals_non_streaming_with_exact_usage(server):
+    expected = reference(server, PROMPTS[0], 24)
+    chunks = list(server["client"].completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids) == 24
+    assert len([c for c in chunks if c.choices]) < 24  # steps committed several tokens each
+
+
+def test_raw_stream_ends_with_done(server):
+    body = {"model": "tiny", "prompt": "x = ", "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{server['base']}/v1/completions", json=body, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_chat_uses_the_chat_template(server):
+    tok = server["local"].tokenizer
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt_ids = list(prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids)
+    expected = server["local"].generate([prompt_ids], SamplingParams(max_tokens=12, temperature=0))[0]
+    r = server["client"].chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == expected.text
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.usage.completion_tokens == len(expected.token_ids)
+    stream = server["client"].chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                      stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected.text
+
+
+def post(server, path, payload, headers=None, raw=None):
+    return httpx.post(f"{server['base']}{path}", json=payload if raw is None else None, content=raw,
+                      headers={"content-type": "application/json", **(headers or {})}, timeout=60)
+
+
+@pytest.mark.parametrize("payload,status,param", [
+    ({"model": "tiny", "prompt": "x", "temperature": 5}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ({"model": "other", "prompt": "x"}, 404, "model"),
+    ({"model": "tiny", "prompt": list(range(3, 300))}, 400, "prompt"),
+])
+def test_bad_requests_get_openai_errors(server, payload, status, param):
+    r = post(server, "/v1/completions", payload)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["message"]
+
+
+def test_malformed_json(server):
+    r = post(server, "/v1/chat/completions", None, raw=b'{"model": "tiny", "messages": [')
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_api_key_and_overload(server):
+    payload = {"model": "tiny", "prompt": "x = 1", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    assert post(server, "/small/v1/completions", payload).status_code == 401
+    auth = {"authorization": "Bearer sesame"}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[client.post(f"{server['base']}/small/v1/completions", json=payload,
+                                                      headers=auth) for _ in range(8)])
+
+    statuses = [r.status_code for r in asyncio.run(burst())]
+    assert 200 in statuses and 429 in statuses
+    limited = next(r for r in asyncio.run(burst()) if r.status_code == 429)
+    assert limited.headers["retry-after"] == "1" and limited.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_32_concurrent_streams_complete(server):
+    client = openai.AsyncOpenAI(base_url=f"{server['base']}/v1", api_key="unused", max_retries=0)
+
+    async def one(i):
+        stream = await client.completions.create(model="tiny", prompt=f"x{i} = ", max_tokens=16, temperature=0.8,
+                                                 seed=i, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        return chunks[-1].usage.completion_tokens
+
+    async def many():
+        return await asyncio.gather(*[one(i) for i in range(32)])
+
+    assert asyncio.run(many()) == [16] * 32
+
+
+def metrics(server) -> dict:
+    text = httpx.get(f"{server['base']}/metrics", timeout=30).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if not s.labels or "position" in s.labels}
+
+
+def test_cancelled_stream_frees_its_pages(server):
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server['base']}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        next(lines)
+        assert metrics(server)["dspark:num_requests_running"] >= 1
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        if m["dspark:kv_pages_used"] == 0 and m["dspark:num_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert m["dspark:kv_pages_used"] == 0 and m["dspark:num_requests_running"] == 0
+
+
+def test_metrics_and_health(server):
+    server["client"].completions.create(model="tiny", prompt="y", max_tokens=8, temperature=0)
+    text = httpx.get(f"{server['base']}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("dspark:spec_decode_num_drafts", "dspark:spec_decode_num_draft_tokens",
+                 "dspark:spec_decode_num_accepted_tokens", "dspark:spec_decode_num_accepted_tokens_per_pos",
+                 "dspark:spec_decode_mean_acceptance_length", "dspark:time_to_first_token_seconds",
+                 "dspark:time_per_output_token_seconds", "dspark:e2e_request_latency_seconds",
+                 "dspark:num_requests_running", "dspark:num_requests_waiting", "dspark:kv_pages_used",
+                 "dspark:moe_backend_info"):
+        assert name in families, name
+    positions = {s.labels["position"] for s in families["dspark:spec_decode_num_accepted_tokens_per_pos"].samples}
+    assert positions == {"0", "1", "2", "3"}
+    assert families["dspark:moe_backend_info"].samples[0].labels["backend"] == "none"
+    health = httpx.get(f"{server['base']}/health").json()
+    assert health["status"] == "ok" and health["ranks"][0]["role"] == "target"
+
+
+def test_graceful_shutdown_drains(server, near_bigram_target, make_drafter):
+    drafter = make_drafter(near_bigram_target, 4, "vanilla", oracle=True)
+    serve.run(build_app({"engine": engine_args(near_bigram_target, drafter), "served_model_name": "tiny"}),
+              name="drain", route_prefix="/drain")
+    result = {}
+
+    def slow_request():
+        payload = {"model": "tiny", "prompt": "z", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+        result["response"] = post(server, "/drain/v1/completions", payload)
+
+    thread = threading.Thread(target=slow_request)
+    thread.start()
+    time.sleep(1.0)
+    serve.delete("drain")  # waits for the in-flight request before the replica stops
+    thread.join(timeout=60)
+    assert result["response"].status_code == 200
+    assert json.loads(result["response"].text)["usage"]["completion_tokens"] == 120
