@@ -9,35 +9,163 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from configs import ConfigError, load
+from configs import ConfigError, LLMConfig, ReplicaConfig, ServeArgs, validate
+from configs.files import read_mapping
+
+# flag -> (section, field) of ServeArgs; section None is top level
+MODEL_FLAGS = {
+    "model": ("engine", "model"), "tokenizer": ("engine", "tokenizer"), "dtype": ("engine", "dtype"),
+    "device": ("engine", "device"), "max_model_len": ("engine", "max_model_len"),
+    "max_num_seqs": ("engine", "max_num_seqs"), "kv_cache_memory": ("engine", "kv_cache_memory"),
+    "speculative_model": ("speculative", "speculative_model"), "max_draft_len": ("speculative", "max_draft_len"),
+    "use_rejection_sampling": ("speculative", "use_rejection_sampling"),
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"), "drafter": ("parallel", "drafter"),
+}
+SERVE_FLAGS = {"served_model_name": (None, "served_model_name"), "api_key": (None, "api_key"),
+               "num_replicas": ("deployment", "num_replicas")}
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML/JSON file of configs.ServeArgs fields (engine, parallel, deployment, ...); "
+                   "flags override it")
+    p.add_argument("--model", help="target checkpoint directory (Hugging Face layout: config.json, safetensors, "
+                   "tokenizer)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+    p.add_argument("--speculative-model", help="DSpark drafter checkpoint directory (DeepSpec layout); without "
+                   "it, plain autoregressive decoding")
+    p.add_argument("--max-draft-len", type=int, help="drafts per block K (default: the drafter's block_size)")
+    p.add_argument("--use-rejection-sampling", action="store_true", default=None,
+                   help="verify sampled requests by rejection sampling instead of exact match")
+    p.add_argument("--tensor-parallel-size", type=int, help="target shards, one GPU each (default 1)")
+    p.add_argument("--drafter", choices=["colocated", "separate"],
+                   help="colocated: in rank 0's process (default); separate: its own GPU")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="default auto (bf16 on GPU)")
+    p.add_argument("--device", help="auto (default), cpu, cuda")
+    p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, help="requests decoding at once (default 64)")
+    p.add_argument("--kv-cache-memory", type=int, help="bytes for KV pages per process")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dspark",
-        description="DSpark speculative decoding on Ray: check configs, generate text.",
-    )
+    parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding on Ray.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = commands.add_parser("serve", help="serve an OpenAI-compatible API with Ray Serve (blocks)",
+                                description="Start (or join) Ray, deploy the dspark Serve app and block until "
+                                "interrupted. Routes: /v1/models, /v1/completions, /v1/chat/completions, /health, "
+                                "/metrics.")
+    add_model_flags(serve)
+    serve.add_argument("--host", default="0.0.0.0", help="HTTP host (default 0.0.0.0)")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    serve.add_argument("--served-model-name", help="model name clients send (default: the model directory's name)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
+    serve.add_argument("--num-replicas", type=int, help="Serve replicas, each a whole dspark replica (default 1)")
+    serve.set_defaults(handler=run_serve)
+
+    generate = commands.add_parser("generate", help="stream one completion of PROMPT to the terminal",
+                                   description="Run one request on a Ray replica and print the text as it is "
+                                   "generated, then the speculative-decoding counters on stderr.")
+    generate.add_argument("prompt", help="the prompt text")
+    add_model_flags(generate)
+    generate.add_argument("--max-tokens", type=int, default=128, help="default 128")
+    generate.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="default 1.0")
+    generate.add_argument("--seed", type=int, help="seed of this request")
+    generate.set_defaults(handler=run_generate)
+
     check = commands.add_parser(
-        "check-config",
-        help="validate a YAML/JSON engine config and print it resolved (drafter fields read from the checkpoint)",
-        description="Validate an engine config file (fields of configs.LLMConfig, with a nested "
-        "speculative_config of DSparkDecodingConfig fields). Fields left unset that the drafter checkpoint "
-        "knows are filled from its config.json; the result is printed as JSON. Exit status 2 on an "
-        "invalid config, with one line per bad field.",
-    )
+        "check-config", help="validate a config file and print it resolved (drafter fields read from the checkpoint)",
+        description="Validate a YAML/JSON file: an engine config (configs.LLMConfig fields, with a nested "
+        "speculative_config) or, when it has an 'engine' key, a serve config (configs.ServeArgs). Fields left unset "
+        "that the drafter checkpoint knows are filled from its config.json; the result is printed as JSON. Exit "
+        "status 2 on an invalid config, one line per bad field.")
     check.add_argument("config", help="path to a .yaml, .yml or .json file")
     check.set_defaults(handler=run_check_config)
     return parser
 
 
+def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
+    """ServeArgs from --config and the flags (flags win); a bad value exits with the field named."""
+    data: dict[str, Any] = read_mapping(args.config) if args.config else {}
+    engine = dict(data.get("engine") or {})
+    speculative = dict(engine.get("speculative_config") or {})
+    sections = {"engine": engine, "speculative": speculative, "parallel": dict(data.get("parallel") or {}),
+                "deployment": dict(data.get("deployment") or {}), None: data}
+    for flag, (section, field) in flags.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            sections[section][field] = value
+    if "model" not in engine:
+        raise ConfigError("--model is required (a built-in demo model arrives with `dspark demo build`)")
+    if speculative:
+        engine["speculative_config"] = speculative
+    data.update(engine=engine, parallel=sections["parallel"], deployment=sections["deployment"])
+    return validate(ServeArgs, data, args.config or "command line")
+
+
+def preflight(parsed: ServeArgs) -> None:
+    """Check the checkpoints' metadata (JSON only) before starting anything, so a wrong path fails at once."""
+    from runtime.loader import drafter_spec, load_hf_config
+
+    load_hf_config(parsed.engine.model, "--model")
+    if parsed.engine.speculative_config is not None:
+        drafter_spec(parsed.engine.speculative_config)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from ray import serve
+
+    from cluster.llm import connect_ray
+    from cluster.serve import build_app
+
+    parsed = serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS})
+    preflight(parsed)
+    connect_ray(parsed.parallel.ray_address)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(parsed), name="dspark", route_prefix=parsed.route_prefix)
+    print(f"dspark: serving {parsed.model_name!r} at http://{args.host}:{args.port}{parsed.route_prefix.rstrip('/')}"
+          "/v1 (Ctrl-C to stop)", file=sys.stderr)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("dspark: draining and shutting down", file=sys.stderr)
+    serve.shutdown()
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from cluster.llm import LLM
+    from cluster.serve.text import TextStream
+    from runtime import SamplingParams
+
+    parsed = serve_args(args, MODEL_FLAGS)
+    preflight(parsed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    with LLM.from_config(ReplicaConfig(engine=parsed.engine, parallel=parsed.parallel)) as llm:
+        text = TextStream(llm.tokenizer, None)
+        for out in llm.stream(args.prompt, params):
+            print(text.delta(out), end="", flush=True)
+        print()
+        print(json.dumps({k: v for k, v in llm.get_metrics().items() if k.startswith(("num_", "mean_"))}),
+              file=sys.stderr)
+    return 0
+
+
 def run_check_config(args: argparse.Namespace) -> int:
-    config = load(args.config)
+    data = read_mapping(args.config)
+    config = validate(ServeArgs if "engine" in data else LLMConfig, data, args.config)
     resolved = config.model_dump(mode="json")
-    spec = config.speculative_config
-    if spec is not None:
-        resolved["speculative_config"]["draft_is_embedded_in_target"] = spec.draft_is_embedded_in_target
+    engine = config.engine if isinstance(config, ServeArgs) else config
+    target = resolved["engine"] if isinstance(config, ServeArgs) else resolved
+    if engine.speculative_config is not None:
+        target["speculative_config"]["draft_is_embedded_in_target"] = engine.speculative_config.draft_is_embedded_in_target
     print(json.dumps(resolved, indent=2))
     return 0
 
@@ -46,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:
         print(f"dspark: error: {exc}", file=sys.stderr)
         return 2
 

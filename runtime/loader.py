@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 from torch import nn
 from transformers import AutoConfig
 
@@ -93,7 +94,7 @@ def load_parameters(module: nn.Module, reader: CheckpointReader, source: dict[st
         raise CheckpointError(f"{what}: tensors do not match the model: missing {missing[:8]}, "
                               f"unexpected {unused[:8]}")
     with torch.no_grad():
-        for name, param in params.items():
+        for name, param in tqdm(params.items(), desc=f"loading {what}", unit="tensor", disable=None, leave=False):
             part = slice_for(param, lambda dim, a, b, n=source[name]: reader.read(n, dim, a, b))
             if tuple(part.shape) != tuple(param.shape):
                 raise CheckpointError(f"{what}: tensor {source[name]} has shape {list(part.shape)}, expected "

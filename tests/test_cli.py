@@ -40,3 +40,90 @@ def test_unknown_subcommand_fails_cleanly():
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "serve-forever"], capture_output=True, text=True,
                           cwd=ROOT)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+# ---- serve and generate (subprocesses that start their own local Ray) ---------------------------
+
+import os
+import signal
+import socket
+import threading
+
+import httpx
+
+
+def dspark(*args, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+
+
+MODEL_FLAGS = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "128"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_generate_streams_the_greedy_completion(near_bigram_target, make_drafter):
+    from runtime import LLM, SamplingParams
+
+    drafter = make_drafter(near_bigram_target, 3, "vanilla", oracle=True)
+    proc = dspark("generate", "def add(a, b):", "--model", str(near_bigram_target), "--speculative-model",
+                  str(drafter), "--max-tokens", "12", *MODEL_FLAGS)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    expected = LLM(str(near_bigram_target), speculative_config={"speculative_model": str(drafter)}, dtype="float32",
+                   device="cpu", max_model_len=128).generate(["def add(a, b):"],
+                                                            SamplingParams(max_tokens=12, temperature=0))[0]
+    assert out == expected.text + "\n"
+    counters = json.loads(err.strip().splitlines()[-1])
+    assert counters["num_drafts"] > 0 and counters["mean_acceptance_length"] > 1
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    drafter = make_drafter(near_bigram_target, 3, "vanilla", oracle=True)
+    proc = dspark("serve", "--model", str(near_bigram_target), "--speculative-model", str(drafter), "--host",
+                  "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", *MODEL_FLAGS,
+                  start_new_session=True)
+    lines, ready = [], threading.Event()
+
+    def drain():
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("dspark: serving"):
+                ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        assert ready.wait(timeout=150), "".join(lines[-30:])
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run(["ray", "stop", "--force"], capture_output=True)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["serve", "--model", "/nonexistent"], "--model: /nonexistent is not a Hugging Face checkpoint"),
+    (["generate", "hi"], "--model is required"),
+])
+def test_bad_serve_and_generate_input(capsys, argv, needle):
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_every_flag_is_documented():
+    from cluster.cli import build_parser
+
+    parser = build_parser()
+    for action in parser._subparsers._group_actions[0].choices.values():
+        for flag in action._actions:
+            assert flag.help, f"{action.prog} {flag.option_strings or flag.dest} has no help"
