@@ -108,7 +108,7 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        subprocess.run(["ray", "stop", "--force"], capture_output=True)
+        subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"], capture_output=True)
 
 
 @pytest.mark.parametrize("argv,needle", [
