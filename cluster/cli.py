@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from configs import ConfigError, LLMConfig, ReplicaConfig, ServeArgs, validate
+from configs.training import DrafterTrainConfig, TargetTrainConfig
 from configs.files import read_mapping
 
 # flag -> (section, field) of ServeArgs; section None is top level
@@ -31,7 +32,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML/JSON file of configs.ServeArgs fields (engine, parallel, deployment, ...); "
                    "flags override it")
     p.add_argument("--model", help="target checkpoint directory (Hugging Face layout: config.json, safetensors, "
-                   "tokenizer)")
+                   "tokenizer); default: the built-in demo pair (built on first use)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     p.add_argument("--speculative-model", help="DSpark drafter checkpoint directory (DeepSpec layout); without "
                    "it, plain autoregressive decoding")
@@ -75,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, help="seed of this request")
     generate.set_defaults(handler=run_generate)
 
+    add_training_commands(commands)
+
     check = commands.add_parser(
         "check-config", help="validate a config file and print it resolved (drafter fields read from the checkpoint)",
         description="Validate a YAML/JSON file: an engine config (configs.LLMConfig fields, with a nested "
@@ -84,6 +87,130 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config", help="path to a .yaml, .yml or .json file")
     check.set_defaults(handler=run_check_config)
     return parser
+
+
+def add_training_commands(commands) -> None:
+    drafter = commands.add_parser(
+        "train-drafter", help="train a DSpark drafter for a target (DeepSpec recipe)",
+        description="Train a drafter on a frozen target: captured target layers, random anchors, blocks of "
+        "[anchor, MASK...], loss 0.1 CE + 0.9 L1(p_draft - p_target) + 1.0 BCE(confidence) with slot weights "
+        "exp(-k/4). Writes the DeepSpec layout the engine loads; rerunning with the same --out resumes.")
+    for name, field in DrafterTrainConfig.model_fields.items():
+        add_field_flag(drafter, name, field)
+    drafter.add_argument("--num-workers", type=int, default=1,
+                         help="data-parallel workers through Ray Train's TorchTrainer (needs ray[train]); default 1")
+    drafter.set_defaults(handler=run_train_drafter)
+
+    target = commands.add_parser(
+        "train-target", help="train a small Qwen3-architecture target and a byte-level BPE tokenizer from scratch",
+        description="Train a tokenizer and a small code model on Python sources (default: this interpreter's "
+        "standard library; every n-th file held out). Saves a Hugging Face directory.")
+    for name, field in TargetTrainConfig.model_fields.items():
+        add_field_flag(target, name, field)
+    target.set_defaults(handler=run_train_target)
+
+    regen = commands.add_parser(
+        "regenerate", help="self-distillation: the target answers code prompts; writes JSONL training rows",
+        description="Sample code prompts from Python sources and let the target answer them; rows hold exact "
+        "token ids ({'prompt_ids', 'response_ids'}) for train-drafter --data.")
+    regen.add_argument("--target", required=True, help="target checkpoint directory")
+    regen.add_argument("--out", required=True, help="JSONL file to write")
+    regen.add_argument("--sources", help="folder of *.py files (default: the standard library)")
+    regen.add_argument("--num-prompts", type=int, default=512, help="default 512")
+    regen.add_argument("--prompt-tokens", type=int, default=32, help="default 32")
+    regen.add_argument("--max-tokens", type=int, default=128, help="answer length, default 128")
+    regen.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    regen.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    regen.set_defaults(handler=run_regenerate)
+
+    demo = commands.add_parser("demo", help="the built-in demo model pair",
+                               description="Build (or find in $DSPARK_CACHE, default ~/.cache/dspark) a small code "
+                               "target and its drafter; prints one JSON line.")
+    demo.add_argument("action", choices=["build"], help="build: train the pair (a few minutes on a CPU) or reuse it")
+    demo.set_defaults(handler=run_demo)
+
+
+def add_field_flag(parser: argparse.ArgumentParser, name: str, field) -> None:
+    """A --flag for a config field, typed from its annotation, documented by its description."""
+    flag = "--" + name.replace("_", "-")
+    default = None if field.is_required() else field.default
+    text = f"{field.description} (default: {default})" if not field.is_required() else f"{field.description} (required)"
+    choices = literal_choices(field.annotation)
+    if field.annotation is bool:
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+    elif choices:
+        parser.add_argument(flag, choices=choices, help=text)
+    elif name == "target_layer_ids":
+        parser.add_argument(flag, type=int, nargs="+", help=text)
+    else:
+        kind = next((t for t in (int, float) if t.__name__ in str(field.annotation)), str)
+        parser.add_argument(flag, type=kind, required=field.is_required(), help=text)
+
+
+def literal_choices(annotation) -> list | None:
+    import typing
+
+    for arg in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(arg) is typing.Literal:
+            return list(typing.get_args(arg))
+    return None
+
+
+def field_values(args: argparse.Namespace, model) -> dict:
+    return {name: getattr(args, name) for name in model.model_fields if getattr(args, name, None) is not None}
+
+
+def run_train_drafter(args: argparse.Namespace) -> int:
+    config = validate(DrafterTrainConfig, field_values(args, DrafterTrainConfig), "train-drafter")
+    if args.num_workers > 1:
+        from cluster.training import train_drafter_on_ray
+
+        stats = train_drafter_on_ray(config, args.num_workers)
+    else:
+        from runtime.training.drafter_trainer import train_drafter
+
+        stats = train_drafter(config)
+    print(json.dumps(stats))
+    return 0
+
+
+def run_train_target(args: argparse.Namespace) -> int:
+    from runtime.training.target_trainer import train_target
+
+    print(json.dumps(train_target(validate(TargetTrainConfig, field_values(args, TargetTrainConfig), "train-target"))))
+    return 0
+
+
+def run_regenerate(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from runtime.training.distill import code_prompts, regenerate
+    from runtime.training.target_trainer import source_files
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompts = code_prompts(source_files(args.sources, 8 << 20), tokenizer, args.num_prompts, args.prompt_tokens, 0)
+    rows = regenerate(args.target, prompts, args.out, args.max_tokens, args.temperature, device=args.device)
+    print(json.dumps({"rows": rows, "out": args.out}))
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from runtime.training.demo import build_demo
+
+    record = build_demo()
+    print(json.dumps({k: record[k] for k in ("target", "drafter", "mean_acceptance_length", "build_seconds")}))
+    return 0
+
+
+def demo_pair() -> tuple[str, str]:
+    """The demo target and drafter, built first if this machine has none yet."""
+    from runtime.training.demo import build_demo, cached_demo
+
+    record = cached_demo()
+    if record is None:
+        print("dspark: no --model given: building the demo model pair first (a few minutes, once)", file=sys.stderr)
+        record = build_demo()
+    return record["target"], record["drafter"]
 
 
 def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
@@ -98,7 +225,12 @@ def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
         if value is not None:
             sections[section][field] = value
     if "model" not in engine:
-        raise ConfigError("--model is required (a built-in demo model arrives with `dspark demo build`)")
+        engine["model"], demo_drafter = demo_pair()
+        if not speculative:
+            speculative["speculative_model"] = demo_drafter
+        data.setdefault("served_model_name", "dspark-demo")
+        engine.setdefault("device", "cpu")
+        engine.setdefault("dtype", "float32")
     if speculative:
         engine["speculative_config"] = speculative
     data.update(engine=engine, parallel=sections["parallel"], deployment=sections["deployment"])

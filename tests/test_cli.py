@@ -113,7 +113,9 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
 
 @pytest.mark.parametrize("argv,needle", [
     (["serve", "--model", "/nonexistent"], "--model: /nonexistent is not a Hugging Face checkpoint"),
-    (["generate", "hi"], "--model is required"),
+    (["generate", "hi", "--model", "/nonexistent"], "--model: /nonexistent is not a Hugging Face checkpoint"),
+    (["train-drafter", "--target", "t", "--data", "d", "--out", "o", "--block-size", "0"], "block_size"),
+    (["train-target", "--out", "o", "--vocab-size", "10"], "vocab_size"),
 ])
 def test_bad_serve_and_generate_input(capsys, argv, needle):
     assert main(argv) == 2

@@ -1,0 +1,81 @@
+"""Training data: JSONL rows or a folder of source files, tokenized into sequences with a loss mask.
+
+JSONL rows: ``{"prompt": ..., "response": ...}`` (only the response is supervised), ``{"prompt_ids": [...],
+"response_ids": [...]}`` (exact token ids, as self-distillation writes them) or ``{"text": ...}`` (all of it). A folder: every ``*.py`` file below it, all supervised. Long sequences are cut into
+windows of ``max_len`` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    token_ids: list[int]
+    loss_mask: list[int]  # 1 where the token is supervised
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if path.is_dir():
+        return [{"text": f.read_text(encoding="utf-8", errors="replace")} for f in sorted(path.rglob("*.py"))]
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        keys = row.keys() if isinstance(row, dict) else set()
+        if not ({"text"} <= keys or {"prompt", "response"} <= keys or {"prompt_ids", "response_ids"} <= keys):
+            raise ValueError(f"{path}:{number}: each row needs 'text', 'prompt' and 'response', or 'prompt_ids' "
+                             "and 'response_ids'")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no training rows")
+    return rows
+
+
+def tokenize(rows: list[dict], tokenizer, max_len: int, eos_token_id: int | None) -> list[Example]:
+    examples = []
+    for row in rows:
+        if "text" in row:
+            ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
+            mask = [1] * len(ids)
+        elif "prompt_ids" in row:  # exact tokens (self-distillation): no re-tokenization
+            ids = list(row["prompt_ids"]) + list(row["response_ids"])
+            mask = [0] * len(row["prompt_ids"]) + [1] * len(row["response_ids"])
+        else:
+            prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            response = tokenizer(row["response"], add_special_tokens=False)["input_ids"]
+            if eos_token_id is not None and row.get("finished", True):
+                response = response + [eos_token_id]
+            ids, mask = prompt + response, [0] * len(prompt) + [1] * len(response)
+        for start in range(0, max(len(ids) - 1, 1), max_len):
+            window = ids[start:start + max_len]
+            if len(window) >= 2 and sum(mask[start:start + max_len]) >= 2:
+                examples.append(Example(window, mask[start:start + max_len]))
+    return examples
+
+
+def batches(examples: list[Example], batch_size: int, seed: int, pad_id: int):
+    """Endless shuffled batches: (input_ids [N, L], loss_mask [N, L], attention_mask [N, L])."""
+    rng = random.Random(seed)
+    order = list(range(len(examples)))
+    while True:
+        rng.shuffle(order)
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            chunk = [examples[i] for i in order[start:start + batch_size]]
+            length = max(len(e.token_ids) for e in chunk)
+            ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
+            loss = torch.zeros((len(chunk), length), dtype=torch.long)
+            attn = torch.zeros((len(chunk), length), dtype=torch.long)
+            for i, e in enumerate(chunk):
+                ids[i, :len(e.token_ids)] = torch.tensor(e.token_ids)
+                loss[i, :len(e.loss_mask)] = torch.tensor(e.loss_mask)
+                attn[i, :len(e.token_ids)] = 1
+            yield ids, loss, attn

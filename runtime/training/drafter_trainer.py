@@ -1,0 +1,201 @@
+"""``train_drafter``: the DeepSpec recipe on a frozen target.
+
+Per step: the target (transformers, frozen) runs the batch once, giving the captured layer outputs
+and its own distributions; random anchors on supervised tokens open blocks ``[anchor, MASK...]``;
+the drafter predicts every block in one pass (embedding and LM head are the target's, frozen); the
+Markov head is teacher-forced; the loss is DeepSpec's. Checkpoints (drafter + optimizer + step) are
+written every ``save_every`` steps, at ``max_seconds`` and at the end; a rerun resumes from them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+from configs.training import DrafterTrainConfig
+from runtime.devices import resolve_device
+from runtime.kernels import get_backend
+from runtime.models.drafter import DrafterSpec, DSparkDrafter
+from runtime.models.target import validate_capture_layers
+from runtime.training.blocks import attention_mask, block_inputs, block_labels, sample_anchors
+from runtime.training.checkpoint import draft_config, save_drafter
+from runtime.training.data import batches, read_rows, tokenize
+from runtime.training.forward import block_hidden, confidence_logits, teacher_forced_logits
+from runtime.training.loss import LossWeights, dspark_loss
+
+log = logging.getLogger(__name__)
+STATE_FILE = "trainer_state.pt"
+STATS_FILE = "train_stats.json"  # the last run's final statistics (rank 0)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def default_layer_ids(num_layers: int, count: int = 5) -> list[int]:
+    """Up to ``count`` evenly spaced ids in 0..num_layers-2 (the last layer cannot be captured)."""
+    last = num_layers - 2
+    count = min(count, last + 1)
+    return sorted({round(i * last / max(count - 1, 1)) for i in range(count)})
+
+
+def mask_token_for(tokenizer, vocab_size: int, requested: int | None) -> int:
+    if requested is not None:
+        mask = requested
+    elif "<mask>" in tokenizer.get_vocab():
+        mask = tokenizer.convert_tokens_to_ids("<mask>")
+    else:
+        mask = len(tokenizer)
+    if not 0 <= mask < vocab_size:
+        raise ValueError(f"mask_token_id {mask} is outside the target vocabulary (0..{vocab_size - 1}); give "
+                         "--mask-token-id (an unused id, or add a '<mask>' token to the tokenizer)")
+    return mask
+
+
+def build_drafter(config: dict, device: torch.device, dtype: torch.dtype, seed: int) -> DSparkDrafter:
+    spec = DrafterSpec(block_size=config["block_size"], mask_token_id=config["mask_token_id"],
+                       target_layer_ids=tuple(config["target_layer_ids"]), markov_rank=config["markov_rank"],
+                       markov_head_type=config["markov_head_type"],
+                       enable_confidence_head=config["enable_confidence_head"],
+                       confidence_head_with_markov=config["confidence_head_with_markov"])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        drafter = DSparkDrafter(Qwen3Config(**config), spec, get_backend("torch"))
+    for name, p in drafter.named_parameters():
+        if name.endswith("norm.weight"):
+            continue
+        torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.zeros_(p)
+    if drafter.markov_head is not None:
+        torch.nn.init.zeros_(drafter.markov_head.markov_w2.weight)  # start as DFlash; the head learns a correction
+    return drafter.to(dtype)
+
+
+def lr_lambda(steps: int, warmup_ratio: float) -> Callable[[int], float]:
+    warmup = max(int(steps * warmup_ratio), 1)
+    return lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+
+
+def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
+    """Train (or resume) a drafter; returns the last logged statistics plus ``step`` and ``seconds``.
+
+    Inside an initialized ``torch.distributed`` group (Ray Train's workers) it is data parallel: each rank
+    draws its own batches and anchors, gradients are averaged before every step, rank 0 writes checkpoints.
+    """
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    device = resolve_device(cfg.device)
+    out = Path(cfg.out)
+    target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).to(device).eval()
+    target.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    tconf = target.config.to_dict()
+    layer_ids = cfg.target_layer_ids or default_layer_ids(tconf["num_hidden_layers"])
+    validate_capture_layers(layer_ids, tconf["num_hidden_layers"])
+    config = draft_config(tconf, block_size=cfg.block_size, mask_token_id=mask_token_for(
+        tokenizer, tconf["vocab_size"], cfg.mask_token_id), target_layer_ids=layer_ids,
+        num_draft_layers=cfg.num_draft_layers, markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
+        confidence_head=cfg.confidence_head, confidence_head_with_markov=cfg.confidence_head_with_markov,
+        num_anchors=cfg.num_anchors)
+    drafter = build_drafter(config, device, DTYPES[cfg.dtype], cfg.seed)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.steps, cfg.warmup_ratio))
+    step = resume(out, drafter, optimizer, scheduler, config)
+    examples = tokenize(read_rows(cfg.data), tokenizer, cfg.max_len, tokenizer.eos_token_id)
+    if not examples:
+        raise ValueError(f"data: {cfg.data} gave no sequence with two supervised tokens")
+    seed = cfg.seed + step + 7919 * rank
+    data = batches(examples, min(cfg.batch_size, len(examples)), seed, tokenizer.pad_token_id or 0)
+    weights = LossWeights(cfg.ce_weight, cfg.l1_weight, cfg.confidence_weight, cfg.loss_decay)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    start, stats = time.monotonic(), {}
+    bar = tqdm(total=cfg.steps, initial=step, desc="train-drafter", disable=not progress or rank != 0)
+    while step < cfg.steps:
+        ids, loss_mask, attn = (t.to(device) for t in next(data))
+        loss, step_stats = drafter_step(target, drafter, ids, loss_mask, attn, cfg, config, weights, generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if world > 1:
+            average_gradients(drafter, world)
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            stats = step_stats
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", accept=f"{stats['accept_len']:.2f}")
+            log.info("step %d %s", step, json.dumps({k: round(v, 4) for k, v in stats.items()}))
+        timed_out = cfg.max_seconds is not None and time.monotonic() - start > cfg.max_seconds
+        if world > 1:  # every rank stops at the same step
+            flag = torch.tensor([float(timed_out)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            timed_out = bool(flag.item())
+        if rank == 0 and (step % cfg.save_every == 0 or step == cfg.steps or timed_out):
+            save(out, drafter, optimizer, scheduler, config, step)
+        if timed_out:
+            break
+    bar.close()
+    result = {**(stats or step_stats), "step": step, "seconds": time.monotonic() - start}
+    if rank == 0:
+        (out / STATS_FILE).write_text(json.dumps(result))
+    return result
+
+
+def average_gradients(module: torch.nn.Module, world: int) -> None:
+    for p in module.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+
+
+def drafter_step(target, drafter: DSparkDrafter, ids, loss_mask, attn, cfg: DrafterTrainConfig, config: dict,
+                 weights: LossWeights, generator: torch.Generator):
+    """One forward: the frozen target, then every block of the batch through the drafter -> (loss, stats)."""
+    n, length = ids.shape
+    block, layer_ids = cfg.block_size, config["target_layer_ids"]
+    with torch.no_grad():
+        out = target(input_ids=ids, attention_mask=attn, output_hidden_states=True)
+        captured = torch.cat([out.hidden_states[layer + 1] for layer in layer_ids], dim=-1)
+    anchors, keep = sample_anchors((loss_mask * attn).cpu(), cfg.num_anchors, generator)
+    anchors, keep = anchors.to(ids.device), keep.to(ids.device)
+    block_ids, block_pos = block_inputs(ids, anchors, keep, block, config["mask_token_id"])
+    labels, target_index, mask = block_labels(ids, loss_mask * attn, anchors, keep, block)
+    embeds = target.get_input_embeddings()(block_ids).to(next(drafter.parameters()).dtype)
+    hidden = block_hidden(drafter, embeds, block_pos, captured.to(embeds.dtype),
+                          attention_mask(anchors, keep, length, block))
+    a = anchors.shape[1]
+    hidden4 = hidden.view(n, a, block, -1)
+    base = target.lm_head(hidden4.to(target.lm_head.weight.dtype)).float()
+    prev = torch.cat([block_ids.view(n, a, block)[:, :, :1], labels[:, :, :-1]], dim=2)
+    draft_logits = teacher_forced_logits(drafter, base, prev, hidden4)
+    target_logits = out.logits[torch.arange(n, device=ids.device)[:, None, None], target_index.clamp_min(0)]
+    return dspark_loss(draft_logits, target_logits, labels, mask, confidence_logits(drafter, hidden4, prev), weights)
+
+
+def save(out: Path, drafter, optimizer, scheduler, config: dict, step: int) -> None:
+    save_drafter(out, drafter, config)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+               out / STATE_FILE)
+
+
+def resume(out: Path, drafter, optimizer, scheduler, config: dict) -> int:
+    """Load a previous run's weights and optimizer from ``out``; returns its step (0 without one)."""
+    state_path = out / STATE_FILE
+    if not state_path.is_file():
+        return 0
+    saved = json.loads((out / "config.json").read_text())
+    changed = {k for k in ("block_size", "target_layer_ids", "markov_rank", "markov_head_type", "num_hidden_layers",
+                           "enable_confidence_head") if saved.get(k) != config.get(k)}
+    if changed:
+        raise ValueError(f"out: {out} holds a run with different {sorted(changed)}; use another --out")
+    drafter.load_state_dict(load_file(str(out / "model.safetensors"), device=str(next(drafter.parameters()).device)))
+    state = torch.load(state_path, map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return int(state["step"])

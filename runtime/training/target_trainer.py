@@ -1,0 +1,122 @@
+"""``train_target``: a small Qwen3-architecture model and a byte-level BPE tokenizer, from scratch.
+
+The corpus is available offline on any machine with Python: the interpreter's own standard-library
+sources (or a folder given). Every ``heldout_every``-th file (sorted by path) is held out; their paths
+are written to ``heldout_files.txt`` for evaluation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from configs.training import TargetTrainConfig
+from runtime.devices import resolve_device
+
+log = logging.getLogger(__name__)
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<mask>"]
+SKIPPED_PARTS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}# assistant:\n{% endif %}")
+
+
+def source_files(root: str | None, max_bytes: int) -> list[Path]:
+    """Python sources under ``root`` (default: the stdlib), sorted, skipping tests and site-packages."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    if not base.is_dir():
+        raise ValueError(f"data: {base} is not a directory")
+    files, total = [], 0
+    for path in sorted(base.rglob("*.py")):
+        if SKIPPED_PARTS & set(path.relative_to(base).parts) or not path.is_file():
+            continue
+        size = path.stat().st_size
+        if 200 <= size <= 200_000:
+            files.append(path)
+            total += size
+        if total >= max_bytes:
+            break
+    if not files:
+        raise ValueError(f"data: no Python sources under {base}")
+    return files
+
+
+def split(files: list[Path], every: int) -> tuple[list[Path], list[Path]]:
+    return [f for i, f in enumerate(files) if i % every], [f for i, f in enumerate(files) if i % every == 0]
+
+
+def train_tokenizer(files: list[Path], vocab_size: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator((f.read_text(encoding="utf-8", errors="replace") for f in files), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   mask_token="<mask>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def token_stream(files: list[Path], tokenizer, max_len: int) -> torch.Tensor:
+    """All files tokenized (each ending in EOS) and cut into rows of ``max_len`` tokens: [rows, max_len]."""
+    ids: list[int] = []
+    for f in files:
+        ids += tokenizer(f.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+        ids.append(tokenizer.eos_token_id)
+    rows = len(ids) // max_len
+    return torch.tensor(ids[:rows * max_len]).view(rows, max_len)
+
+
+def train_target(cfg: TargetTrainConfig, progress: bool = True) -> dict:
+    device = resolve_device(cfg.device)
+    out = Path(cfg.out)
+    train_files, heldout = split(source_files(cfg.data, cfg.max_corpus_bytes), cfg.heldout_every)
+    tokenizer = train_tokenizer(train_files, cfg.vocab_size)
+    data = token_stream(train_files, tokenizer, cfg.max_len)
+    torch.manual_seed(cfg.seed)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         head_dim=cfg.hidden_size // cfg.num_heads,
+                         intermediate_size=cfg.intermediate_size or 3 * cfg.hidden_size,
+                         max_position_embeddings=max(2048, 4 * cfg.max_len), tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    model = Qwen3ForCausalLM(config).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warmup = max(cfg.steps // 20, 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (
+        1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))))
+    generator = torch.Generator().manual_seed(cfg.seed)
+    start, step, loss_ema = time.monotonic(), 0, None
+    bar = tqdm(total=cfg.steps, desc="train-target", disable=not progress)
+    while step < cfg.steps and (cfg.max_seconds is None or time.monotonic() - start < cfg.max_seconds):
+        batch = data[torch.randint(len(data), (cfg.batch_size,), generator=generator)].to(device)
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_ema:.3f}")
+    bar.close()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(str(out))
+    (out / "heldout_files.txt").write_text("".join(f"{f}\n" for f in heldout))
+    log.info("train-target: %d steps, loss %.3f, %d train / %d held-out files", step, loss_ema, len(train_files),
+             len(heldout))
+    return {"steps": step, "loss": loss_ema, "seconds": time.monotonic() - start, "train_files": len(train_files),
+            "heldout_files": len(heldout), "parameters": sum(p.numel() for p in model.parameters())}

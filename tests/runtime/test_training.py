@@ -1,0 +1,108 @@
+"""Drafter training (DeepSpec recipe): blocks, a tiny CPU run that learns, resume, and the engine round trip."""
+
+import json
+
+import pytest
+import torch
+
+from configs.training import DrafterTrainConfig
+from runtime.training.blocks import attention_mask, block_inputs, block_labels, sample_anchors
+from runtime.training.distill import evaluate, regenerate
+from runtime.training.drafter_trainer import default_layer_ids, train_drafter
+
+ENGINE = dict(dtype="float32", device="cpu", num_pages=512, page_size=8)
+
+
+def test_anchors_only_where_anchor_and_next_token_are_supervised():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1], [1, 1, 0, 0, 0, 0, 0, 0]])
+    for seed in range(5):
+        anchors, keep = sample_anchors(loss_mask, 4, torch.Generator().manual_seed(seed))
+        assert sorted(anchors[0][keep[0]].tolist()) == [2, 3, 6] and keep[0].sum() == 3
+        assert anchors[1][keep[1]].tolist() == [0]
+        assert (anchors[0][keep[0]].diff() > 0).all()
+
+
+def test_block_inputs_labels_and_mask():
+    ids = torch.arange(10, 20)[None]
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0, 1, 1, 1]])
+    anchors, keep = torch.tensor([[1, 4, 8]]), torch.tensor([[True, True, True]])
+    block_ids, positions = block_inputs(ids, anchors, keep, 3, mask_token_id=99)
+    assert block_ids.tolist() == [[11, 99, 99, 14, 99, 99, 18, 99, 99]]
+    assert positions.tolist() == [[1, 2, 3, 4, 5, 6, 8, 9, 10]]
+    labels, target_index, mask = block_labels(ids, loss_mask, anchors, keep, 3)
+    assert labels[0, 0].tolist() == [12, 13, 14] and target_index[0, 0].tolist() == [1, 2, 3]
+    assert mask.tolist() == [[[True, True, True], [True, False, False], [True, False, False]]]  # 6 unsupervised,
+    # then past the end of the sequence
+    allowed = attention_mask(anchors, keep, 10, 3)[0, 0]  # [9, 19]
+    assert allowed[0, :10].tolist() == [True] + [False] * 9  # block 0 (anchor 1) sees context 0 only
+    assert allowed[3, :10].tolist() == [True] * 4 + [False] * 6  # block 1 (anchor 4) sees 0..3
+    assert allowed[4, 10:].tolist() == [False, False, False, True, True, True, False, False, False]
+
+
+def test_default_layer_ids_never_take_the_last_layer():
+    assert default_layer_ids(36) == [0, 8, 17, 26, 34]
+    assert default_layer_ids(4) == [0, 1, 2]
+    assert default_layer_ids(2) == [0]
+
+
+@pytest.fixture(scope="module")
+def distilled(near_bigram_target, tmp_path_factory):
+    """The target's own greedy answers to random prompts (self-distillation)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 300, (96, 8), generator=g).tolist()
+    path = tmp_path_factory.mktemp("distill") / "rows.jsonl"
+    assert regenerate(str(near_bigram_target), prompts, path, max_tokens=32, **ENGINE) == 96
+    row = json.loads(path.read_text().splitlines()[0])
+    assert set(row) == {"prompt_ids", "response_ids", "finished"} and len(row["prompt_ids"]) == 8
+    return path
+
+
+def config(target, data, out, **kw):
+    return DrafterTrainConfig(target=str(target), data=str(data), out=str(out), block_size=3, markov_rank=16,
+                              batch_size=8, max_len=48, num_anchors=12, lr=3e-3, log_every=10, save_every=1000,
+                              mask_token_id=319, **kw)
+
+
+@pytest.mark.slow
+def test_training_lowers_the_loss_and_raises_acceptance(near_bigram_target, distilled, tmp_path):
+    prompts = torch.randint(3, 300, (16, 8), generator=torch.Generator().manual_seed(1)).tolist()
+    untrained = train_drafter(config(near_bigram_target, distilled, tmp_path / "untrained", steps=1), progress=False)
+    trained = train_drafter(config(near_bigram_target, distilled, tmp_path / "trained", steps=150), progress=False)
+    assert trained["loss"] < 0.7 * untrained["loss"] and trained["accept_len"] > untrained["accept_len"]
+    before = evaluate(str(near_bigram_target), str(tmp_path / "untrained"), prompts, 3, 0.0, 24, **ENGINE)
+    after = evaluate(str(near_bigram_target), str(tmp_path / "trained"), prompts, 3, 0.0, 24, check_parity=True,
+                     **ENGINE)
+    assert after["mean_acceptance_length"] > before["mean_acceptance_length"] + 0.5
+    assert after["greedy_equals_plain"]  # the written checkpoint round-trips through the engine
+
+
+@pytest.mark.slow
+def test_resume_continues_from_the_saved_step(near_bigram_target, distilled, tmp_path):
+    out = tmp_path / "run"
+    first = train_drafter(config(near_bigram_target, distilled, out, steps=12), progress=False)
+    weights = (out / "model.safetensors").read_bytes()
+    second = train_drafter(config(near_bigram_target, distilled, out, steps=20), progress=False)
+    assert (first["step"], second["step"]) == (12, 20)
+    assert torch.load(out / "trainer_state.pt", weights_only=True)["step"] == 20
+    assert (out / "model.safetensors").read_bytes() != weights
+    with pytest.raises(ValueError, match="different"):
+        train_drafter(config(near_bigram_target, distilled, out, steps=30).model_copy(update={"markov_rank": 8}),
+                      progress=False)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_two_ray_train_workers(near_bigram_target, distilled, tmp_path):
+    import ray
+
+    from cluster.training import train_drafter_on_ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        stats = train_drafter_on_ray(config(near_bigram_target, distilled, tmp_path / "ddp", steps=20, device="cpu"),
+                                     num_workers=2, use_gpu=False)
+    finally:
+        ray.shutdown()
+    assert stats["step"] == 20 and (tmp_path / "ddp" / "model.safetensors").is_file()
+    out = evaluate(str(near_bigram_target), str(tmp_path / "ddp"), [[5, 6, 7]], 3, 0.0, 8, check_parity=True, **ENGINE)
+    assert out["greedy_equals_plain"]
