@@ -13,7 +13,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -82,15 +83,23 @@ def lr_lambda(steps: int, warmup_ratio: float) -> Callable[[int], float]:
     return lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
 
 
-def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
-    """Train (or resume) a drafter; returns the last logged statistics plus ``step`` and ``seconds``.
+@dataclass
+class Run:
+    """Everything one training run holds."""
 
-    Inside an initialized ``torch.distributed`` group (Ray Train's workers) it is data parallel: each rank
-    draws its own batches and anchors, gradients are averaged before every step, rank 0 writes checkpoints.
-    """
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    target: torch.nn.Module
+    drafter: DSparkDrafter
+    config: dict  # the drafter's config.json
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    step: int
+    data: Iterator
+    generator: torch.Generator
+
+
+def prepare(cfg: DrafterTrainConfig, rank: int) -> Run:
+    """Load the frozen target, build (or resume) the drafter and its optimizer, and the data stream."""
     device = resolve_device(cfg.device)
-    out = Path(cfg.out)
     target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).to(device).eval()
     target.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
@@ -105,46 +114,65 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
     drafter = build_drafter(config, device, DTYPES[cfg.dtype], cfg.seed)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.steps, cfg.warmup_ratio))
-    step = resume(out, drafter, optimizer, scheduler, config)
+    step = resume(Path(cfg.out), drafter, optimizer, scheduler, config)
     examples = tokenize(read_rows(cfg.data), tokenizer, cfg.max_len, tokenizer.eos_token_id)
     if not examples:
         raise ValueError(f"data: {cfg.data} gave no sequence with two supervised tokens")
-    seed = cfg.seed + step + 7919 * rank
+    seed = cfg.seed + step + 7919 * rank  # a resumed run, and each data-parallel rank, draws new batches
     data = batches(examples, min(cfg.batch_size, len(examples)), seed, tokenizer.pad_token_id or 0)
+    return Run(target, drafter, config, optimizer, scheduler, step, data,
+               torch.Generator(device="cpu").manual_seed(seed))
+
+
+def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
+    """Train (or resume) a drafter; returns the last logged statistics plus ``step`` and ``seconds``.
+
+    Inside an initialized ``torch.distributed`` group (Ray Train's workers) it is data parallel: each rank
+    draws its own batches and anchors, gradients are averaged before every step, rank 0 writes checkpoints.
+    """
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    run, out = prepare(cfg, rank), Path(cfg.out)
     weights = LossWeights(cfg.ce_weight, cfg.l1_weight, cfg.confidence_weight, cfg.loss_decay)
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    start, stats = time.monotonic(), {}
-    bar = tqdm(total=cfg.steps, initial=step, desc="train-drafter", disable=not progress or rank != 0)
-    while step < cfg.steps:
-        ids, loss_mask, attn = (t.to(device) for t in next(data))
-        loss, step_stats = drafter_step(target, drafter, ids, loss_mask, attn, cfg, config, weights, generator)
-        optimizer.zero_grad(set_to_none=True)
+    device = next(run.drafter.parameters()).device
+    start, stats, step_stats = time.monotonic(), {}, {}
+    bar = tqdm(total=cfg.steps, initial=run.step, desc="train-drafter", disable=not progress or rank != 0)
+    while run.step < cfg.steps:
+        ids, loss_mask, attn = (t.to(device) for t in next(run.data))
+        loss, step_stats = drafter_step(run.target, run.drafter, ids, loss_mask, attn, cfg, run.config, weights,
+                                        run.generator)
+        run.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if world > 1:
-            average_gradients(drafter, world)
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        step += 1
+            average_gradients(run.drafter, world)
+        torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), cfg.grad_clip)
+        run.optimizer.step()
+        run.scheduler.step()
+        run.step += 1
         bar.update(1)
-        if step % cfg.log_every == 0 or step == cfg.steps:
+        if run.step % cfg.log_every == 0 or run.step == cfg.steps:
             stats = step_stats
             bar.set_postfix(loss=f"{stats['loss']:.3f}", accept=f"{stats['accept_len']:.2f}")
-            log.info("step %d %s", step, json.dumps({k: round(v, 4) for k, v in stats.items()}))
-        timed_out = cfg.max_seconds is not None and time.monotonic() - start > cfg.max_seconds
-        if world > 1:  # every rank stops at the same step
-            flag = torch.tensor([float(timed_out)], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            timed_out = bool(flag.item())
-        if rank == 0 and (step % cfg.save_every == 0 or step == cfg.steps or timed_out):
-            save(out, drafter, optimizer, scheduler, config, step)
+            log.info("step %d %s", run.step, json.dumps({k: round(v, 4) for k, v in stats.items()}))
+        timed_out = everyone_agrees(cfg.max_seconds is not None and time.monotonic() - start > cfg.max_seconds,
+                                    world, device)
+        if rank == 0 and (run.step % cfg.save_every == 0 or run.step == cfg.steps or timed_out):
+            save(out, run.drafter, run.optimizer, run.scheduler, run.config, run.step)
         if timed_out:
             break
     bar.close()
-    result = {**(stats or step_stats), "step": step, "seconds": time.monotonic() - start}
+    result = {**(stats or step_stats), "step": run.step, "seconds": time.monotonic() - start}
     if rank == 0:
         (out / STATS_FILE).write_text(json.dumps(result))
     return result
+
+
+def everyone_agrees(flag: bool, world: int, device: torch.device) -> bool:
+    """True on every rank if it is true on any (so all ranks stop at the same step)."""
+    if world == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def average_gradients(module: torch.nn.Module, world: int) -> None:
