@@ -34,8 +34,13 @@ class _Stream:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
 
-    def push(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def push(self, item: RequestOutput | BaseException) -> bool:
+        """Hand ``item`` to the caller's loop; False if that loop is gone (the caller cannot read it)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
 
 
 class AsyncEngine:
@@ -108,8 +113,10 @@ class AsyncEngine:
                 stream = self._streams.get(out.request_id)
                 if stream is None:
                     continue
-                stream.push(out)
-                if out.finished:
+                if not stream.push(out):  # its caller's loop closed: nobody will read it
+                    del self._streams[out.request_id]
+                    self.engine.abort(out.request_id)
+                elif out.finished:
                     del self._streams[out.request_id]
 
     def _drain(self, block: bool) -> None:

@@ -1,0 +1,73 @@
+"""AsyncEngine: outputs stream to asyncio callers; a failing step fails what is in flight and recovers;
+a caller that goes away aborts its request."""
+
+import asyncio
+import time
+
+import pytest
+
+from runtime import LLM, SamplingParams
+from runtime.async_engine import AsyncEngine
+
+
+@pytest.fixture
+def llm(near_bigram_target):
+    return LLM(str(near_bigram_target), dtype="float32", device="cpu", num_pages=128, page_size=4)
+
+
+async def collect(engine, prompt, params):
+    return [out async for out in engine.generate(prompt, params)]
+
+
+def test_streams_match_the_engine(llm):
+    expected = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0))[0].token_ids
+    engine = AsyncEngine(lambda: llm.engine)
+    try:
+        outs = asyncio.run(collect(engine, [5, 6, 7], SamplingParams(max_tokens=10, temperature=0)))
+        assert outs[-1].finished and outs[-1].token_ids == expected
+        assert [t for o in outs for t in o.new_token_ids] == expected
+        with pytest.raises(ValueError, match="prompt is empty"):
+            asyncio.run(collect(engine, [], SamplingParams()))
+    finally:
+        engine.shutdown()
+
+
+def test_a_failing_step_fails_in_flight_requests_then_recovers(llm):
+    recovered = []
+    engine = AsyncEngine(lambda: llm.engine, recover=recovered.append)
+    real_step, calls = llm.engine.step, []
+
+    def flaky_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("actor died")
+        return real_step()
+
+    llm.engine.step = flaky_step
+    try:
+        with pytest.raises(RuntimeError, match="actor died"):
+            asyncio.run(collect(engine, [5, 6, 7], SamplingParams(max_tokens=20, temperature=0)))
+        assert [str(e) for e in recovered] == ["actor died"] and not llm.engine.has_unfinished()
+        outs = asyncio.run(collect(engine, [5, 6, 7], SamplingParams(max_tokens=5, temperature=0)))
+        assert len(outs[-1].token_ids) == 5
+    finally:
+        engine.shutdown()
+
+
+def test_a_caller_that_goes_away_aborts_and_frees_pages(llm):
+    engine = AsyncEngine(lambda: llm.engine)
+
+    async def first_then_leave():
+        stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        first = await anext(stream)
+        await stream.aclose()
+        return first
+
+    try:
+        assert not asyncio.run(first_then_leave()).finished
+        deadline = time.monotonic() + 10
+        while llm.engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not llm.engine.has_unfinished() and llm.engine.pages.num_used == 0
+    finally:
+        engine.shutdown()
