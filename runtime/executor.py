@@ -10,7 +10,7 @@ from typing import Protocol
 
 from configs import LLMConfig
 from runtime.step_io import RequestStepResult, ScheduledBatch
-from runtime.worker import SINGLE_PROCESS, Worker
+from runtime.worker import Worker, WorkerPlan
 
 
 class Executor(Protocol):
@@ -38,9 +38,8 @@ class LocalExecutor:
     """The target and the drafter in this process, on one device (TP 1, drafter colocated)."""
 
     def __init__(self, config: LLMConfig):
-        plan = SINGLE_PROCESS if config.speculative_config is not None else \
-            SINGLE_PROCESS.__class__(role="target", tp_rank=0, tp_size=1, drafter=None)
-        self.worker = Worker(config, plan)
+        drafter = "colocated" if config.speculative_config is not None else None
+        self.worker = Worker(config, WorkerPlan(role="target", tp_rank=0, tp_size=1, drafter=drafter))
         self.num_pages = replica_pages(config, [self.worker.load()])
         self.worker.allocate(self.num_pages)
 

@@ -51,8 +51,6 @@ class WorkerPlan:
         return self.role == "drafter" or (self.drafter == "colocated" and self.tp_rank == 0)
 
 
-SINGLE_PROCESS = WorkerPlan(role="target", tp_rank=0, tp_size=1, drafter="colocated")
-
 
 class Worker:
     def __init__(self, config: LLMConfig, plan: WorkerPlan):
