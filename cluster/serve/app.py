@@ -169,6 +169,8 @@ class DSparkServer:
                 last = out
         except (ReplicaFailure, RuntimeError) as exc:
             raise ApiError(503, f"the replica failed: {exc}", code="replica_failure") from None
+        finally:
+            await outputs.aclose()  # a cancelled handler (client gone) aborts its request now, not at GC
         self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
         build = protocol.chat_body if chat else protocol.completion_body
         return build(rid, body.model, last.text, last.finish_reason, len(prompt), len(last.token_ids))
@@ -196,10 +198,13 @@ class DSparkServer:
                 pending = [await anext(outputs)]
         except (ReplicaFailure, RuntimeError) as exc:
             yield sse(protocol.error_body(503, f"the replica failed: {exc}", code="replica_failure"))
-        else:
-            self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
-            if body.include_usage:
-                yield sse(protocol.usage_chunk(rid, body.model, kind, len(prompt), len(last.token_ids)))
+            yield "data: [DONE]\n\n"
+            return
+        finally:
+            await outputs.aclose()  # a client that disconnected aborts its request (frees its pages) right away
+        self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
+        if body.include_usage:
+            yield sse(protocol.usage_chunk(rid, body.model, kind, len(prompt), len(last.token_ids)))
         yield "data: [DONE]\n\n"
 
 
