@@ -35,8 +35,8 @@ class LLMConfig(BaseModel):
         default=None, description="KV pages per cache (target, and drafter context); exclusive with "
         "kv_cache_memory.")
     kv_cache_memory: Annotated[int, Field(gt=0)] | None = Field(
-        default=None, description="Bytes for the target's KV pages (the drafter's context cache gets pages "
-        "of the same count); exclusive with num_pages. Default: 1 GiB on CPU, 90% of free memory on CUDA.")
+        default=None, description="Bytes per process for KV pages (target and drafter-context layers share one "
+        "page table); exclusive with num_pages. Default: 1 GiB on CPU, 90% of free memory on CUDA.")
     max_num_seqs: Annotated[int, Field(gt=0)] = Field(default=64, description="Requests decoding at once.")
     max_num_batched_tokens: Annotated[int, Field(gt=0)] = Field(
         default=2048, description="Target tokens per step (prefill chunks + K+1 per decoding request).")

@@ -163,13 +163,14 @@ def drafter_sources(module: nn.Module, reader: CheckpointReader) -> dict[str, st
 
 
 def load_drafter(spec_config: DSparkDecodingConfig, target_config, kernels: KernelBackend, dtype: torch.dtype,
-                 device: torch.device) -> DSparkDrafter:
-    """The standalone drafter; checked against the target's config (vocabulary, width, layers)."""
+                 device: torch.device, spec: DrafterSpec | None = None) -> DSparkDrafter:
+    """The standalone drafter; checked against the target's config (vocabulary, width, layers). ``spec`` is
+    ``drafter_spec(spec_config)`` when the caller already read it."""
     if spec_config.draft_is_embedded_in_target:
         raise CheckpointError("speculative_model: drafts embedded in the target (mtp.* layers) are not supported "
                               "by this engine yet; use a standalone DeepSpec drafter checkpoint")
     path = str(spec_config.speculative_model)
-    spec = drafter_spec(spec_config)
+    spec = spec or drafter_spec(spec_config)
     config = load_hf_config(path, "speculative_model")
     for field in ("vocab_size", "hidden_size"):
         if getattr(config, field) != getattr(target_config, field):

@@ -147,21 +147,24 @@ class ModelRunner:
             first = qsl[b + 1] - 1 - e.num_drafts  # the row of the anchor (or of the last prefill token)
             rows.append([first + min(r, e.num_drafts) for r in range(k_max + 1)])
             produced_at.append([e.end_position - e.num_drafts + r for r in range(k_max + 1)])
-        positions = torch.tensor(produced_at, device=dev)  # [S, K+1]: position of the token each row decides
         logits = self.target.compute_logits(hidden[torch.tensor(rows, device=dev).view(-1)])
         logits = logits.view(len(entries), k_max + 1, vocab)
-        by_rejection = [uses_rejection(e, self.use_rejection) and e.num_drafts > 0 for e in entries]
-        q = self._draft_probs(entries, by_rejection, k_max) if any(by_rejection) else None
         drafts = torch.tensor([e.token_ids[len(e.token_ids) - e.num_drafts:] + [0] * (k_max - e.num_drafts)
                                for e in entries], device=dev,
                               dtype=torch.int64).view(len(entries), k_max)  # [S, K]
         num_drafts = torch.tensor([e.num_drafts for e in entries], device=dev)
-        seeds = torch.tensor([e.seed for e in entries], device=dev)
-        row_params = RowParams.build([e.params for e in entries for _ in range(k_max + 1)], vocab, dev)
-        if any(e.penalty_history is not None for e in entries):
+        penalized = any(e.penalty_history is not None for e in entries)
+        greedy = all(e.params.greedy for e in entries)
+        row_params = RowParams.build([e.params for e in entries for _ in range(k_max + 1)], vocab, dev) \
+            if penalized or not greedy else None
+        if penalized:
             logits = self._penalize(logits, entries, drafts, row_params)
-        if all(e.params.greedy for e in entries):  # the argmax fast path: no distributions, no noise
+        if greedy:  # the argmax fast path: no distributions, no noise, no per-row parameters
             return commit_by_match(drafts, num_drafts, logits.argmax(dim=-1))
+        positions = torch.tensor(produced_at, device=dev)  # [S, K+1]: position of the token each row decides
+        seeds = torch.tensor([e.seed for e in entries], device=dev)
+        by_rejection = [uses_rejection(e, self.use_rejection) and e.num_drafts > 0 for e in entries]
+        q = self._draft_probs(entries, by_rejection, k_max) if any(by_rejection) else None
         probs = filtered_probs(logits.view(-1, vocab), row_params).view_as(logits)  # [S, K+1, V]
         seed_rows = seeds[:, None].expand_as(positions)
         noise = exponentials(seed_rows.reshape(-1), positions.reshape(-1), Stream.TARGET, vocab)

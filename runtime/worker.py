@@ -78,8 +78,8 @@ class Worker:
     def load(self) -> int:
         """Load this process's weights; returns the KV pages its memory budget holds."""
         target_config = load_hf_config(self.config.model, "model")
+        draft_spec = drafter_spec(self.spec) if self.spec is not None else None  # checked before any weights load
         if self.spec is not None:
-            drafter_spec(self.spec)  # the layout and resolved fields, checked before any weight loads
             check_draft_attention_backend(self.spec)
         layers = []
         if self.plan.role == "target":
@@ -98,7 +98,7 @@ class Worker:
             self.draft_moe_backend = resolve_moe_backend(self.config.moe_backend if inherited else self.spec.moe_backend,
                                                          self.device, False, what)
         if self.plan.holds_drafter and self.spec is not None:
-            self.drafter = load_drafter(self.spec, target_config, self.kernels, self.dtype, self.device)
+            self.drafter = load_drafter(self.spec, target_config, self.kernels, self.dtype, self.device, draft_spec)
             layers += list(self.drafter.layers)
             if self.target is None or self.parallel.is_parallel:
                 self.vocab = load_vocab_modules(self.config.model, target_config, self.dtype, self.device)

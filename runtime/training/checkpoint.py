@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from runtime.models.drafter import DSparkDrafter
@@ -29,6 +28,5 @@ def draft_config(target_config: dict, *, block_size: int, mask_token_id: int, ta
 def save_drafter(out: Path, drafter: DSparkDrafter, config: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    state = {k: v.detach().to("cpu", torch.float32 if v.dtype == torch.float32 else v.dtype).contiguous()
-             for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(out / "model.safetensors"))
