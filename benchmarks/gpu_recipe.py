@@ -1,14 +1,17 @@
 """The GPU recipe: a small code target, its DSpark drafter and a DFlash baseline, evaluated at K=7.
 
-Every stage is time-boxed so the whole recipe fits one 10-minute run on one H200, and stages chain: a rerun
-with the same ``--work`` skips finished stages (``--stages`` picks some) and resumes the drafters, so several
-back-to-back runs on a warm machine train longer:
-  1. train-target: ~27M-parameter Qwen3-architecture model + byte-level BPE on the stdlib sources
-  2. regenerate: the target answers code prompts greedily (self-distillation)
-  3. train-drafter twice on the same data (the distilled answers plus the training files' text) and budget: DSpark (2 layers, vanilla Markov head rank 64,
+Every stage is time-boxed so it fits a 10-minute run on an H200, and stages chain: a rerun with the same
+``--work`` skips finished stages (``--stages`` picks some) and resumes the drafters, so back-to-back runs on
+a warm machine train longer. Each stage records itself in ``WORK/stage-NAME.json``, so the two drafters can
+train at the same time in two processes, one GPU each (``CUDA_VISIBLE_DEVICES``):
+  1. target: ~27M-parameter Qwen3-architecture model + byte-level BPE on the stdlib sources or ``--corpus``
+     (bf16 autocast; the 24 MB stdlib is small enough that the target memorizes it, a larger corpus pays)
+  2. distill: the target answers code prompts greedily (self-distillation; ``--shard I/N`` splits the prompts
+     over processes); the drafters' data is those answers plus the training files' text
+  3. dspark / dflash: train-drafter on the same data and budget: DSpark (2 layers, vanilla Markov head rank 64,
      confidence head, DeepSpec loss) and DFlash (Markov rank 0, cross-entropy only)
-  4. evaluate both on held-out files' prompts at K=7, temperature 0 and 1
-Writes one JSON record (stage timings, tau, per-position acceptance).
+  4. eval: both on held-out files' prompts at K=7, temperature 0 and 1
+Writes one JSON record (stage statistics, tau, per-position acceptance).
 
 usage: python benchmarks/gpu_recipe.py --out results.json --work /tmp/recipe
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 import time
@@ -35,27 +39,30 @@ from runtime.training.target_trainer import source_files, split, train_target  #
 K = 7
 ENGINE = dict(dtype="bfloat16", device="cuda", kv_cache_memory=16 << 30, max_num_seqs=256,
               max_num_batched_tokens=8192)
+DISTILL_BATCH = dict(max_num_seqs=1024, max_num_batched_tokens=16384)  # regeneration: throughput first
 
 
 STAGES = ("target", "distill", "dspark", "dflash", "eval")
 
 
 def target_config(work: Path, args) -> TargetTrainConfig:
-    cfg = TargetTrainConfig(out=str(work / "target"), vocab_size=4096, hidden_size=512, num_layers=8, num_heads=8,
-                            num_kv_heads=4, intermediate_size=1536, max_len=512, max_corpus_bytes=24 << 20,
+    cfg = TargetTrainConfig(out=str(work / "target"), data=args.corpus, vocab_size=4096, hidden_size=512,
+                            num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536, max_len=512,
+                            max_corpus_bytes=int(args.corpus_mb * (1 << 20)),
                             batch_size=48, steps=args.target_steps, max_seconds=args.target_seconds, lr=2e-3,
-                            device=ENGINE["device"])
+                            device=ENGINE["device"], autocast="bfloat16")
     if args.smoke:
         cfg = cfg.model_copy(update=dict(vocab_size=512, hidden_size=64, num_layers=3, num_heads=2, num_kv_heads=1,
                                          intermediate_size=128, max_len=64, max_corpus_bytes=1 << 19, batch_size=4,
-                                         steps=5))
+                                         steps=5, autocast="off"))
     return cfg
 
 
 def drafter_configs(work: Path, target: str, data: Path, args) -> dict[str, DrafterTrainConfig]:
-    common = dict(target=target, data=str(data), block_size=K, max_len=256, batch_size=32, num_anchors=64,
-                  steps=5 if args.smoke else args.drafter_steps, max_seconds=args.drafter_seconds, lr=1e-3,
-                  device=ENGINE["device"], log_every=100, save_every=2000)
+    common = dict(target=target, data=str(data), block_size=K, max_len=256, batch_size=args.drafter_batch,
+                  num_anchors=64, steps=5 if args.smoke else args.drafter_steps, max_seconds=args.drafter_seconds,
+                  lr=1e-3, device=ENGINE["device"], autocast="off" if args.smoke else "bfloat16", log_every=100,
+                  save_every=2000)
     return {"dspark": DrafterTrainConfig(out=str(work / "dspark"), num_draft_layers=2, markov_rank=64,
                                          markov_head_type="vanilla", **common),
             "dflash": DrafterTrainConfig(out=str(work / "dflash"), num_draft_layers=2, markov_rank=0,
@@ -63,17 +70,40 @@ def drafter_configs(work: Path, target: str, data: Path, args) -> dict[str, Draf
                                          **common)}
 
 
-def distill(work: Path, target: str, train_files, tokenizer, args) -> Path:
-    """Self-distilled answers plus the training files' own text (held-out files excluded): the L1 term distills
-    the target's distribution at every position, so raw code is distillation data too, and far more of it."""
-    answers, data = work / "distill.jsonl", work / "drafter-data.jsonl"
-    regenerate(target, code_prompts(train_files, tokenizer, args.distill_prompts, 64, seed=1), answers,
-               max_tokens=192, **ENGINE)
-    with data.open("w") as f:
-        f.write(answers.read_text())
-        for path in train_files:
-            f.write(json.dumps({"text": path.read_text(encoding="utf-8", errors="replace")}) + "\n")
+def distill(work: Path, target: str, train_files, tokenizer, args) -> dict:
+    """The target answers this shard's share of the code prompts greedily -> WORK/distill-I-of-N.jsonl."""
+    index, count = args.shard
+    prompts = code_prompts(train_files, tokenizer, args.distill_prompts, 64, seed=1)[index::count]
+    start = time.monotonic()
+    regenerate(target, prompts, work / f"distill-{index}-of-{count}.jsonl", max_tokens=192,
+               **{**ENGINE, **DISTILL_BATCH})
+    return {"seconds": time.monotonic() - start, "prompts": len(prompts), "shard": f"{index}/{count}"}
+
+
+def drafter_data(work: Path, train_files) -> Path:
+    """Every shard's distilled answers plus the training files' own text (held-out files excluded): the L1 term
+    distills the target's distribution at every position, so raw code is distillation data too, and far more of
+    it. Written once, atomically (two drafter processes may ask at the same time)."""
+    data = work / "drafter-data.jsonl"
+    if not data.is_file():
+        answers = sorted(work.glob("distill-*.jsonl"))
+        if not answers:
+            raise SystemExit(f"no distilled answers in {work}: run the distill stage first")
+        partial = work / f".drafter-data.{os.getpid()}"
+        with partial.open("w") as f:
+            for path in answers:
+                f.write(path.read_text())
+            for path in train_files:
+                f.write(json.dumps({"text": path.read_text(encoding="utf-8", errors="replace")}) + "\n")
+        partial.replace(data)
     return data
+
+
+def shard(value: str) -> tuple[int, int]:
+    index, _, count = value.partition("/")
+    if not (index.isdigit() and count.isdigit() and 0 <= int(index) < int(count)):
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N, got {value!r}")
+    return int(index), int(count)
 
 
 def main() -> None:
@@ -86,8 +116,15 @@ def main() -> None:
     parser.add_argument("--target-steps", type=int, default=6000)
     parser.add_argument("--drafter-seconds", type=float, default=75, help="training time per drafter per run")
     parser.add_argument("--drafter-steps", type=int, default=20000, help="total steps a drafter trains to")
-    parser.add_argument("--distill-prompts", type=int, default=1536)
-    parser.add_argument("--eval-prompts", type=int, default=48)
+    parser.add_argument("--drafter-batch", type=int, default=64, help="sequences per drafter step")
+    parser.add_argument("--distill-prompts", type=int, default=1536, help="prompts over all distill shards")
+    parser.add_argument("--shard", type=shard, default=(0, 1), help="distill: this process's share I/N of the "
+                        "prompts (one process per GPU); default 0/1")
+    parser.add_argument("--corpus", default=None, help="folder of *.py files for the target, distillation prompts "
+                        "and evaluation; default: this interpreter's standard library")
+    parser.add_argument("--corpus-mb", type=float, default=24, help="source megabytes read from --corpus")
+    parser.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts (and as many from "
+                        "training files, at temperature 0, to show how much of tau is memorized)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, to check the script runs")
     args = parser.parse_args()
     if args.smoke:
@@ -97,41 +134,49 @@ def main() -> None:
         raise SystemExit(f"--stages: choose from {','.join(STAGES)}")
     work, t0 = Path(args.work), time.monotonic()
     work.mkdir(parents=True, exist_ok=True)
-    stages_file = work / "stages.json"
-    stages = json.loads(stages_file.read_text()) if stages_file.is_file() else {}
+    stages = {f.stem.removeprefix("stage-"): json.loads(f.read_text()) for f in sorted(work.glob("stage-*.json"))}
+
+    def finished(name: str, record: dict) -> None:
+        stages[name] = record
+        (work / f"stage-{name}.json").write_text(json.dumps(record))
+
     target_cfg = target_config(work, args)
     if "target" in wanted and "target" not in stages:
-        stages["target"] = train_target(target_cfg, progress=False)
-        stages_file.write_text(json.dumps(stages))
+        finished("target", train_target(target_cfg, progress=False))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_cfg.out)
-    train_files, heldout = split(source_files(None, target_cfg.max_corpus_bytes), target_cfg.heldout_every)
-    data = work / "drafter-data.jsonl"
-    if "distill" in wanted and "distill" not in stages:
-        start = time.monotonic()
-        data = distill(work, target_cfg.out, train_files, tokenizer, args)
-        stages["distill"] = {"seconds": time.monotonic() - start, "prompts": args.distill_prompts}
-        stages_file.write_text(json.dumps(stages))
-    drafters = drafter_configs(work, target_cfg.out, data, args)
+    train_files, heldout = split(source_files(target_cfg.data, target_cfg.max_corpus_bytes), target_cfg.heldout_every)
+    distill_stage = "distill" if args.shard == (0, 1) else f"distill-{args.shard[0]}-of-{args.shard[1]}"
+    if "distill" in wanted and distill_stage not in stages:
+        finished(distill_stage, distill(work, target_cfg.out, train_files, tokenizer, args))
+    drafters = drafter_configs(work, target_cfg.out, work / "drafter-data.jsonl", args)
     for name, cfg in drafters.items():
         if name in wanted:
-            stages[f"train-{name}"] = train_drafter(cfg, progress=False)  # resumes a previous run's checkpoint
-            stages_file.write_text(json.dumps(stages))
+            drafter_data(work, train_files)
+            finished(f"train-{name}", train_drafter(cfg, progress=False))  # resumes a previous run's checkpoint
     gpu = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     record = {"benchmark": "gpu_recipe", "date": datetime.date.today().isoformat(),
               "command": " ".join(["python", *sys.argv]), "hardware": {"gpus": gpu},
               "software": {"torch": torch.__version__, "python": platform.python_version()},
               "max_draft_len": K, "stages": stages, "results": {}}
     if "eval" in wanted:
-        prompts = code_prompts(heldout, tokenizer, args.eval_prompts, 64, seed=2)
-        for name, cfg in drafters.items():
-            record["results"][name] = {f"t={t}": evaluate(target_cfg.out, cfg.out, prompts, K, t, 128, **ENGINE)
-                                       for t in (0.0, 1.0)}
+        trained = {name: cfg for name, cfg in drafters.items() if (Path(cfg.out) / "config.json").is_file()}
+        if not trained:
+            raise SystemExit(f"eval: no trained drafter in {work} (train dspark and/or dflash first)")
+        held_prompts = code_prompts(heldout, tokenizer, args.eval_prompts, 64, seed=2)
+        seen_prompts = code_prompts(train_files, tokenizer, args.eval_prompts, 64, seed=3)
+        for name, cfg in trained.items():
+            result = {f"t={t}": evaluate(target_cfg.out, cfg.out, held_prompts, K, t, 128, **ENGINE)
+                      for t in (0.0, 1.0)}
+            result["training_files_t=0.0"] = evaluate(target_cfg.out, cfg.out, seen_prompts, K, 0.0, 128, **ENGINE)
+            record["results"][name] = result
             Path(args.out).write_text(json.dumps(record, indent=2))  # partial records survive a timeout
         results = record["results"]
-        record["dspark_over_dflash_tau"] = {t: results["dspark"][t]["mean_acceptance_length"]
-                                            / results["dflash"][t]["mean_acceptance_length"] for t in results["dspark"]}
+        if {"dspark", "dflash"} <= results.keys():
+            record["dspark_over_dflash_tau"] = {t: results["dspark"][t]["mean_acceptance_length"]
+                                                / results["dflash"][t]["mean_acceptance_length"]
+                                                for t in results["dspark"]}
     record["total_seconds"] = time.monotonic() - t0
     Path(args.out).write_text(json.dumps(record, indent=2))
     print(json.dumps({"tau": {n: {t: round(r[t]["mean_acceptance_length"], 3) for t in r}

@@ -8,6 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from configs.speculative import MarkovHeadType
 
+Autocast = Literal["off", "bfloat16"]
+AUTOCAST_HELP = ("Mixed precision: 'bfloat16' runs the forward passes under torch.autocast (weights, gradients "
+                 "and optimizer state keep their dtype); 'off' computes in the weights' dtype.")
+
 
 class DrafterTrainConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -42,6 +46,7 @@ class DrafterTrainConfig(BaseModel):
     loss_decay: Annotated[float, Field(gt=0)] = Field(default=4.0, description="Slot k weighs exp(-k / decay).")
     device: str = Field(default="auto", description="auto, cpu, cuda, cuda:N.")
     dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="Drafter parameter dtype.")
+    autocast: Autocast = Field(default="off", description=AUTOCAST_HELP)
     seed: int = Field(default=0, description="Seed of initialization, data order and anchors.")
     log_every: Annotated[int, Field(gt=0)] = Field(default=50, description="Steps between log lines.")
     save_every: Annotated[int, Field(gt=0)] = Field(default=500, description="Steps between checkpoints.")
@@ -66,5 +71,6 @@ class TargetTrainConfig(BaseModel):
     steps: Annotated[int, Field(gt=0)] = Field(default=2000, description="Optimizer steps.")
     max_seconds: Annotated[float, Field(gt=0)] | None = Field(default=None, description="Stop after this wall time.")
     lr: Annotated[float, Field(gt=0)] = Field(default=3e-3, description="Peak learning rate.")
+    autocast: Autocast = Field(default="off", description=AUTOCAST_HELP)
     device: str = Field(default="auto", description="auto, cpu, cuda, cuda:N.")
     seed: int = Field(default=0, description="Seed.")

@@ -33,6 +33,7 @@ from runtime.training.checkpoint import draft_config, save_drafter
 from runtime.training.data import batches, read_rows, tokenize
 from runtime.training.forward import block_hidden, confidence_logits, teacher_forced_logits
 from runtime.training.loss import LossWeights, dspark_loss
+from runtime.training.precision import autocast
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
@@ -138,8 +139,9 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
     bar = tqdm(total=cfg.steps, initial=run.step, desc="train-drafter", disable=not progress or rank != 0)
     while run.step < cfg.steps:
         ids, loss_mask, attn = (t.to(device) for t in next(run.data))
-        loss, step_stats = drafter_step(run.target, run.drafter, ids, loss_mask, attn, cfg, run.config, weights,
-                                        run.generator)
+        with autocast(cfg.autocast, device):
+            loss, step_stats = drafter_step(run.target, run.drafter, ids, loss_mask, attn, cfg, run.config, weights,
+                                            run.generator)
         run.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if world > 1:

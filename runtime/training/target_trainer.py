@@ -20,6 +20,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config,
 
 from configs.training import TargetTrainConfig
 from runtime.devices import resolve_device
+from runtime.training.precision import autocast
 
 log = logging.getLogger(__name__)
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<mask>"]
@@ -99,7 +100,8 @@ def train_target(cfg: TargetTrainConfig, progress: bool = True) -> dict:
     bar = tqdm(total=cfg.steps, desc="train-target", disable=not progress)
     while step < cfg.steps and (cfg.max_seconds is None or time.monotonic() - start < cfg.max_seconds):
         batch = data[torch.randint(len(data), (cfg.batch_size,), generator=generator)].to(device)
-        loss = model(input_ids=batch, labels=batch).loss
+        with autocast(cfg.autocast, device):
+            loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

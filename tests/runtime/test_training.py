@@ -76,6 +76,26 @@ def test_training_lowers_the_loss_and_raises_acceptance(near_bigram_target, dist
     assert after["greedy_equals_plain"]  # the written checkpoint round-trips through the engine
 
 
+def test_bfloat16_autocast_trains_and_keeps_float32_weights(near_bigram_target, distilled, tmp_path):
+    from safetensors.torch import load_file
+
+    first = train_drafter(config(near_bigram_target, distilled, tmp_path / "a", steps=1, autocast="bfloat16"),
+                          progress=False)
+    later = train_drafter(config(near_bigram_target, distilled, tmp_path / "b", steps=60, autocast="bfloat16"),
+                          progress=False)
+    assert later["loss"] < 0.8 * first["loss"]
+    assert {t.dtype for t in load_file(str(tmp_path / "b" / "model.safetensors")).values()} == {torch.float32}
+
+
+def test_autocast_names_its_allowed_values(tmp_path):
+    with pytest.raises(ValueError, match="autocast"):
+        DrafterTrainConfig(target="t", data="d", out="o", autocast="float8")
+    from runtime.training.precision import autocast
+
+    with pytest.raises(ValueError, match="off, bfloat16"):
+        autocast("float8", torch.device("cpu"))
+
+
 @pytest.mark.slow
 def test_resume_continues_from_the_saved_step(near_bigram_target, distilled, tmp_path):
     out = tmp_path / "run"
@@ -106,3 +126,66 @@ def test_two_ray_train_workers(near_bigram_target, distilled, tmp_path):
     assert stats["step"] == 20 and (tmp_path / "ddp" / "model.safetensors").is_file()
     out = evaluate(str(near_bigram_target), str(tmp_path / "ddp"), [[5, 6, 7]], 3, 0.0, 8, check_parity=True, **ENGINE)
     assert out["greedy_equals_plain"]
+
+
+@pytest.mark.parametrize("head_type,markov_rank", [("vanilla", 16), ("rnn", 16), ("vanilla", 0)])
+def test_serving_drafter_proposes_the_training_forwards_block(qwen3_target, make_drafter, monkeypatch, head_type,
+                                                              markov_rank):
+    """What the trainer optimizes is what the engine drafts: for every block the engine drafted while decoding
+    greedily, the training forward (dense masked attention over the whole sequence, anchor = the engine's anchor)
+    gives the same block states and the same greedy chain of draft tokens."""
+    from transformers import AutoModelForCausalLM
+
+    import runtime.draft_runner
+    from configs import DSparkDecodingConfig
+    from runtime.kernels import get_backend
+    from runtime.llm import LLM
+    from runtime.loader import load_drafter
+    from runtime.sampling_params import SamplingParams
+    from runtime.training.forward import block_hidden
+
+    block = 4
+    drafter_dir = make_drafter(qwen3_target, block, head_type=head_type, markov_rank=markov_rank, seed=3)
+    spec = DSparkDecodingConfig(speculative_model=str(drafter_dir), max_draft_len=block)
+    prompt = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    drafted = []  # (anchor position, drafted tokens [K], block states [K, d]) of each engine draft
+    serving_draft = runtime.draft_runner.DraftRunner.draft
+
+    def recording_draft(self, entries, committed, accepted, page_table, k_next):
+        out = serving_draft(self, entries, committed, accepted, page_table, k_next)
+        anchor_pos = entries[0].end_position - entries[0].num_drafts + int(accepted[0])
+        drafted.append((anchor_pos, out.tokens[0].tolist(), out.hidden[0].clone()))
+        return out
+
+    monkeypatch.setattr(runtime.draft_runner.DraftRunner, "draft", recording_draft)
+    llm = LLM(str(qwen3_target), speculative_config=spec, **ENGINE)
+    sequence = prompt + llm.generate([prompt], [SamplingParams(max_tokens=24, temperature=0.0)])[0].token_ids
+    assert len(drafted) >= 3
+
+    hf = AutoModelForCausalLM.from_pretrained(str(qwen3_target), dtype=torch.float32).eval()
+    drafter = load_drafter(spec, hf.config, get_backend("torch"), torch.float32, torch.device("cpu"))
+    ids = torch.tensor([sequence])  # [1, L]
+    length = ids.shape[1]
+    with torch.no_grad():
+        hidden_states = hf(input_ids=ids, output_hidden_states=True).hidden_states
+        captured = torch.cat([hidden_states[i + 1] for i in drafter.spec.target_layer_ids], dim=-1)
+        for anchor_pos, engine_tokens, engine_hidden in drafted:
+            if anchor_pos >= length:
+                continue
+            anchors, keep = torch.tensor([[anchor_pos]]), torch.tensor([[True]])
+            block_ids, block_pos = block_inputs(ids, anchors, keep, block, drafter.spec.mask_token_id)
+            block_ids[:, 0] = ids[0, anchor_pos]
+            hidden = block_hidden(drafter, hf.get_input_embeddings()(block_ids), block_pos, captured,
+                                  attention_mask(anchors, keep, length, block))[0]  # [K, d]
+            torch.testing.assert_close(hidden, engine_hidden, atol=1e-4, rtol=1e-4)
+            head, prev, state = drafter.markov_head, ids[0, anchor_pos:anchor_pos + 1], None
+            state = head.initial_state(1, hidden) if head is not None else None
+            tokens = []
+            for k in range(block):
+                z = hf.lm_head(hidden[k:k + 1]).float()
+                if head is not None:
+                    low_rank, state = head.low_rank(prev, hidden[k:k + 1], state)
+                    z = z + head.markov_w2(low_rank).float()
+                prev = z.argmax(dim=-1)
+                tokens.append(int(prev))
+            assert tokens == engine_tokens, f"anchor {anchor_pos}"
