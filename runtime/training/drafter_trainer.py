@@ -138,10 +138,12 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
     start, stats, step_stats = time.monotonic(), {}, {}
     bar = tqdm(total=cfg.steps, initial=run.step, desc="train-drafter", disable=not progress or rank != 0)
     while run.step < cfg.steps:
-        ids, loss_mask, attn = (t.to(device) for t in next(run.data))
+        ids, loss_mask, attn = next(run.data)  # on the host
+        anchors, keep = sample_anchors(loss_mask * attn, cfg.num_anchors, run.generator)  # host RNG, no device sync
+        ids, loss_mask, attn, anchors, keep = (t.to(device) for t in (ids, loss_mask, attn, anchors, keep))
         with autocast(cfg.autocast, device):
-            loss, step_stats = drafter_step(run.target, run.drafter, ids, loss_mask, attn, cfg, run.config, weights,
-                                            run.generator)
+            loss, step_stats = drafter_step(run.target, run.drafter, ids, loss_mask, attn, anchors, keep, cfg,
+                                            run.config, weights)
         run.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if world > 1:
@@ -152,7 +154,7 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
         run.step += 1
         bar.update(1)
         if run.step % cfg.log_every == 0 or run.step == cfg.steps:
-            stats = step_stats
+            stats = {name: float(value) for name, value in step_stats.items()}  # the only device sync of a step
             bar.set_postfix(loss=f"{stats['loss']:.3f}", accept=f"{stats['accept_len']:.2f}")
             log.info("step %d %s", run.step, json.dumps({k: round(v, 4) for k, v in stats.items()}))
         timed_out = everyone_agrees(cfg.max_seconds is not None and time.monotonic() - start > cfg.max_seconds,
@@ -162,7 +164,8 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
         if timed_out:
             break
     bar.close()
-    result = {**(stats or step_stats), "step": run.step, "seconds": time.monotonic() - start}
+    last = stats or {name: float(value) for name, value in step_stats.items()}
+    result = {**last, "step": run.step, "seconds": time.monotonic() - start}
     if rank == 0:
         (out / STATS_FILE).write_text(json.dumps(result))
     return result
@@ -184,16 +187,17 @@ def average_gradients(module: torch.nn.Module, world: int) -> None:
             p.grad /= world
 
 
-def drafter_step(target, drafter: DSparkDrafter, ids, loss_mask, attn, cfg: DrafterTrainConfig, config: dict,
-                 weights: LossWeights, generator: torch.Generator):
-    """One forward: the frozen target, then every block of the batch through the drafter -> (loss, stats)."""
+def drafter_step(target, drafter: DSparkDrafter, ids, loss_mask, attn, anchors, keep, cfg: DrafterTrainConfig,
+                 config: dict, weights: LossWeights):
+    """One forward: the frozen target, then every block of the batch through the drafter -> (loss, stats).
+
+    ids, loss_mask, attn [N, L]; anchors, keep [N, A] from ``sample_anchors`` (all on the drafter's device).
+    """
     n, length = ids.shape
     block, layer_ids = cfg.block_size, config["target_layer_ids"]
     with torch.no_grad():
         out = target(input_ids=ids, attention_mask=attn, output_hidden_states=True)
         captured = torch.cat([out.hidden_states[layer + 1] for layer in layer_ids], dim=-1)
-    anchors, keep = sample_anchors((loss_mask * attn).cpu(), cfg.num_anchors, generator)
-    anchors, keep = anchors.to(ids.device), keep.to(ids.device)
     block_ids, block_pos = block_inputs(ids, anchors, keep, block, config["mask_token_id"])
     labels, target_index, mask = block_labels(ids, loss_mask * attn, anchors, keep, block)
     embeds = target.get_input_embeddings()(block_ids).to(next(drafter.parameters()).dtype)

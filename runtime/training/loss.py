@@ -20,8 +20,8 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels:
                 conf_logits: torch.Tensor | None, weights: LossWeights) -> tuple[torch.Tensor, dict]:
     """draft_logits, target_logits [N, A, B, V]; labels, mask [N, A, B]; conf_logits [N, A, B] or None.
 
-    Returns the loss and detached statistics, among them the teacher-forced greedy acceptance
-    (mean leading run of slots whose argmax equals the label, per block with at least one slot).
+    Returns the loss and detached 0-dim statistics, among them the teacher-forced greedy acceptance
+    (1 + mean leading run of slots whose argmax equals the label, per block with at least one slot).
     """
     block = labels.shape[-1]
     slot_w = torch.exp(-torch.arange(block, device=labels.device, dtype=torch.float32) / weights.decay)
@@ -38,10 +38,10 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels:
         bce = F.binary_cross_entropy_with_logits(conf_logits, target_conf, reduction="none")
         per_slot = per_slot + weights.confidence * bce
     loss = (per_slot * w).sum() / norm
-    with torch.no_grad():
+    with torch.no_grad():  # 0-dim tensors: reading them (float()) waits for the device, so callers do it rarely
         hits = ((draft_logits.argmax(-1) == labels) & mask).to(torch.int64).cumprod(-1).sum(-1)  # [N, A]
-        blocks = mask[..., 0]
-        stats = {"loss": loss.item(), "ce": (ce * w).sum().item() / norm.item(),
-                 "l1": (l1 * w).sum().item() / norm.item(), "bce": (bce * w).sum().item() / norm.item(),
-                 "accept_len": 1 + (hits[blocks].float().mean().item() if blocks.any() else 0.0)}
+        blocks = mask[..., 0]  # [N, A] blocks with at least one supervised slot
+        stats = {"loss": loss.detach(), "ce": (ce * w).sum() / norm, "l1": (l1 * w).sum() / norm,
+                 "bce": (bce * w).sum() / norm,
+                 "accept_len": 1 + (hits * blocks).sum() / blocks.sum().clamp_min(1)}
     return loss, stats
