@@ -41,17 +41,26 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def tokenize(rows: list[dict], tokenizer, max_len: int, eos_token_id: int | None) -> list[Example]:
+    """Rows -> supervised windows of at most ``max_len`` tokens (each with at least two supervised tokens).
+
+    Every string is encoded in one batched call, so a fast tokenizer spreads the work over all cores."""
+    strings = []
+    for row in rows:
+        if "text" in row:
+            strings.append(row["text"])
+        elif "prompt_ids" not in row:
+            strings += [row["prompt"], row["response"]]
+    encoded = iter(tokenizer(strings, add_special_tokens=False)["input_ids"] if strings else [])
     examples = []
     for row in rows:
         if "text" in row:
-            ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
+            ids = next(encoded)
             mask = [1] * len(ids)
         elif "prompt_ids" in row:  # exact tokens (self-distillation): no re-tokenization
             ids = list(row["prompt_ids"]) + list(row["response_ids"])
             mask = [0] * len(row["prompt_ids"]) + [1] * len(row["response_ids"])
         else:
-            prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-            response = tokenizer(row["response"], add_special_tokens=False)["input_ids"]
+            prompt, response = next(encoded), next(encoded)
             if eos_token_id is not None and row.get("finished", True):
                 response = response + [eos_token_id]
             ids, mask = prompt + response, [0] * len(prompt) + [1] * len(response)

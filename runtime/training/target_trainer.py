@@ -68,9 +68,10 @@ def train_tokenizer(files: list[Path], vocab_size: int) -> PreTrainedTokenizerFa
 
 def token_stream(files: list[Path], tokenizer, max_len: int) -> torch.Tensor:
     """All files tokenized (each ending in EOS) and cut into rows of ``max_len`` tokens: [rows, max_len]."""
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
     ids: list[int] = []
-    for f in files:
-        ids += tokenizer(f.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+    for encoded in tokenizer(texts, add_special_tokens=False)["input_ids"]:  # one batched call: all cores
+        ids += encoded
         ids.append(tokenizer.eos_token_id)
     rows = len(ids) // max_len
     return torch.tensor(ids[:rows * max_len]).view(rows, max_len)

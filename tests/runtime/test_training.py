@@ -39,6 +39,23 @@ def test_block_inputs_labels_and_mask():
     assert allowed[4, 10:].tolist() == [False, False, False, True, True, True, False, False, False]
 
 
+def test_tokenize_keeps_row_order_and_supervises_only_answers(qwen3_target):
+    from transformers import AutoTokenizer
+
+    from runtime.training.data import tokenize
+
+    tok = AutoTokenizer.from_pretrained(str(qwen3_target))
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rows = [{"text": "def f(x):\n    return x"}, {"prompt_ids": [5, 6], "response_ids": [7, 8, 9]},
+            {"prompt": "import os", "response": "\nprint(os.sep)", "finished": True}, {"text": "x = [1, 2]"}]
+    examples = tokenize(rows, tok, max_len=64, eos_token_id=2)
+    assert [e.token_ids for e in examples] == [enc(rows[0]["text"]), [5, 6, 7, 8, 9],
+                                              enc("import os") + enc("\nprint(os.sep)") + [2], enc(rows[3]["text"])]
+    assert examples[1].loss_mask == [0, 0, 1, 1, 1]
+    assert examples[2].loss_mask == [0] * len(enc("import os")) + [1] * (len(enc("\nprint(os.sep)")) + 1)
+    assert set(examples[0].loss_mask) == {1}
+
+
 def test_default_layer_ids_never_take_the_last_layer():
     assert default_layer_ids(36) == [0, 8, 17, 26, 34]
     assert default_layer_ids(4) == [0, 1, 2]
