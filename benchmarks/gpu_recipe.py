@@ -2,8 +2,9 @@
 
 Every stage is time-boxed so it fits a 10-minute run on an H200, and stages chain: a rerun with the same
 ``--work`` skips finished stages (``--stages`` picks some) and resumes the drafters, so back-to-back runs on
-a warm machine train longer. Each stage records itself in ``WORK/stage-NAME.json``, so the two drafters can
-train at the same time in two processes, one GPU each (``CUDA_VISIBLE_DEVICES``):
+a warm machine train longer; ``--run-seconds`` fits the drafters' training into what is left of a run. Each
+stage records itself in ``WORK/stage-NAME.json``; with ``--gpus N`` the parallel stages fan out to child
+processes, one GPU each (distillation in N shards, the two drafters side by side):
   1. target: ~27M-parameter Qwen3-architecture model + byte-level BPE on the stdlib sources or ``--corpus``
      (bf16 autocast; the 24 MB stdlib is small enough that the target memorizes it, a larger corpus pays)
   2. distill: the target answers code prompts greedily (self-distillation; ``--shard I/N`` splits the prompts
@@ -23,6 +24,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +45,8 @@ DISTILL_BATCH = dict(max_num_seqs=1024, max_num_batched_tokens=16384)  # regener
 
 
 STAGES = ("target", "distill", "dspark", "dflash", "eval")
+PREPARE_SECONDS = 60  # a drafter process: imports, loading the target, tokenizing the data, the last save
+EVAL_SECONDS = 90  # the eval stage at the default sizes
 
 
 def target_config(work: Path, args) -> TargetTrainConfig:
@@ -106,12 +110,56 @@ def shard(value: str) -> tuple[int, int]:
     return int(index), int(count)
 
 
+def child_argv(argv: list[str], drop: tuple[str, ...] = (), **replace) -> list[str]:
+    """This run's arguments without the options in ``drop`` and with those in ``replace`` replaced (each
+    given as ``--name value`` or ``--name=value``)."""
+    names = {"--" + key.replace("_", "-") for key in replace} | set(drop)
+    kept, skip_value = [], False
+    for arg in argv:
+        if skip_value:
+            skip_value = False
+        elif arg.split("=", 1)[0] in names:
+            skip_value = "=" not in arg
+        else:
+            kept.append(arg)
+    for key, value in replace.items():
+        kept += ["--" + key.replace("_", "-"), str(value)]
+    return kept
+
+
+def fan_out(jobs: list[tuple[str, list[str]]], gpus: int, work: Path) -> None:
+    """Run each (name, argv) as a child process of this script on its own GPU (round robin); wait for all.
+
+    A child's output goes to ``WORK/NAME.log``; a failed child fails the run, naming its log."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(gpus)]
+    procs = []
+    for i, (name, argv) in enumerate(jobs):
+        log = (work / f"{name}.log").open("w")
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices[i % gpus]}
+        procs.append((name, subprocess.Popen([sys.executable, __file__, *argv], stdout=log, stderr=subprocess.STDOUT,
+                                             env=env)))
+    failed = [name for name, proc in procs if proc.wait() != 0]
+    if failed:
+        raise SystemExit(f"stage processes failed: {', '.join(failed)} (see {work}/<name>.log)")
+
+
+def drafter_done(cfg: DrafterTrainConfig) -> bool:
+    stats = Path(cfg.out) / "train_stats.json"
+    return stats.is_file() and json.loads(stats.read_text()).get("step", 0) >= cfg.steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the JSON record to write")
     parser.add_argument("--work", required=True, help="working directory; stages found done there are skipped, "
                         "drafters resume, so back-to-back runs on a warm machine chain")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs to spread the parallel stages over (distill "
+                        "shards, the two drafters), one child process each; default 1 (all in this process)")
+    parser.add_argument("--run-seconds", type=float, default=None, help="this run's wall-time budget: the drafters "
+                        f"train at most what is left after {PREPARE_SECONDS} s to prepare (and {EVAL_SECONDS} s for "
+                        "eval when it is asked for)")
     parser.add_argument("--target-seconds", type=float, default=200)
     parser.add_argument("--target-steps", type=int, default=6000)
     parser.add_argument("--drafter-seconds", type=float, default=75, help="training time per drafter per run")
@@ -119,7 +167,7 @@ def main() -> None:
     parser.add_argument("--drafter-batch", type=int, default=64, help="sequences per drafter step")
     parser.add_argument("--distill-prompts", type=int, default=1536, help="prompts over all distill shards")
     parser.add_argument("--shard", type=shard, default=(0, 1), help="distill: this process's share I/N of the "
-                        "prompts (one process per GPU); default 0/1")
+                        "prompts; default 0/1 (--gpus sets it for its children)")
     parser.add_argument("--corpus", default=None, help="folder of *.py files for the target, distillation prompts "
                         "and evaluation; default: this interpreter's standard library")
     parser.add_argument("--corpus-mb", type=float, default=24, help="source megabytes read from --corpus")
@@ -132,9 +180,15 @@ def main() -> None:
     wanted = set(args.stages.split(","))
     if not wanted <= set(STAGES):
         raise SystemExit(f"--stages: choose from {','.join(STAGES)}")
+    if args.gpus < 1 or (not args.smoke and args.gpus > torch.cuda.device_count()):
+        raise SystemExit(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA GPUs")
     work, t0 = Path(args.work), time.monotonic()
     work.mkdir(parents=True, exist_ok=True)
-    stages = {f.stem.removeprefix("stage-"): json.loads(f.read_text()) for f in sorted(work.glob("stage-*.json"))}
+
+    def recorded() -> dict:
+        return {f.stem.removeprefix("stage-"): json.loads(f.read_text()) for f in sorted(work.glob("stage-*.json"))}
+
+    stages = recorded()
 
     def finished(name: str, record: dict) -> None:
         stages[name] = record
@@ -147,14 +201,39 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(target_cfg.out)
     train_files, heldout = split(source_files(target_cfg.data, target_cfg.max_corpus_bytes), target_cfg.heldout_every)
-    distill_stage = "distill" if args.shard == (0, 1) else f"distill-{args.shard[0]}-of-{args.shard[1]}"
-    if "distill" in wanted and distill_stage not in stages:
-        finished(distill_stage, distill(work, target_cfg.out, train_files, tokenizer, args))
+    if "distill" in wanted:
+        if args.shard != (0, 1):  # one shard, in this process (a child of --gpus, or by hand)
+            name = "distill-{}-of-{}".format(*args.shard)
+            if name not in stages:
+                finished(name, distill(work, target_cfg.out, train_files, tokenizer, args))
+        elif "distill" not in stages and args.gpus > 1:
+            missing = [i for i in range(args.gpus) if f"distill-{i}-of-{args.gpus}" not in stages]
+            fan_out([(f"distill-{i}-of-{args.gpus}", child_argv(
+                sys.argv[1:], drop=("--run-seconds",), stages="distill", shard=f"{i}/{args.gpus}", gpus=1,
+                out=work / f"distill-{i}-of-{args.gpus}.json")) for i in missing], args.gpus, work)
+            stages = recorded()
+        elif not any(name.startswith("distill") for name in stages):
+            finished("distill", distill(work, target_cfg.out, train_files, tokenizer, args))
     drafters = drafter_configs(work, target_cfg.out, work / "drafter-data.jsonl", args)
-    for name, cfg in drafters.items():
-        if name in wanted:
+    to_train = [name for name in drafters if name in wanted and not drafter_done(drafters[name])]
+    if to_train:
+        seconds = args.drafter_seconds
+        if args.run_seconds is not None:
+            reserve = PREPARE_SECONDS + (EVAL_SECONDS if "eval" in wanted else 0)
+            seconds = min(seconds, args.run_seconds - (time.monotonic() - t0) - reserve)
+        if seconds < 10:
+            print(f"no time left to train {', '.join(to_train)} in --run-seconds {args.run_seconds}", flush=True)
+        elif args.gpus > 1 and len(to_train) > 1:
             drafter_data(work, train_files)
-            finished(f"train-{name}", train_drafter(cfg, progress=False))  # resumes a previous run's checkpoint
+            fan_out([(f"train-{name}", child_argv(sys.argv[1:], drop=("--run-seconds",), stages=name, gpus=1,
+                                                  drafter_seconds=seconds, out=work / f"train-{name}.json"))
+                     for name in to_train], args.gpus, work)
+            stages = recorded()
+        else:
+            drafter_data(work, train_files)
+            for name in to_train:  # resumes a previous run's checkpoint
+                cfg = drafters[name].model_copy(update={"max_seconds": seconds})
+                finished(f"train-{name}", train_drafter(cfg, progress=False))
     gpu = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     record = {"benchmark": "gpu_recipe", "date": datetime.date.today().isoformat(),
               "command": " ".join(["python", *sys.argv]), "hardware": {"gpus": gpu},

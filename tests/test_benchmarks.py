@@ -1,0 +1,51 @@
+"""The GPU recipe script: argument plumbing for its child processes, and a CPU smoke run that chains."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "benchmarks" / "gpu_recipe.py"
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("gpu_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_child_arguments_replace_and_drop_options_in_both_spellings():
+    recipe = load_recipe()
+    argv = ["--work", "/w", "--stages=target,eval", "--run-seconds", "500", "--gpus", "2", "--smoke"]
+    assert recipe.child_argv(argv, drop=("--run-seconds",), stages="dspark", gpus=1) == [
+        "--work", "/w", "--smoke", "--stages", "dspark", "--gpus", "1"]
+
+
+def test_shard_names_its_form():
+    recipe = load_recipe()
+    assert recipe.shard("1/2") == (1, 2)
+    with pytest.raises(Exception, match="I/N"):
+        recipe.shard("2/2")
+
+
+@pytest.mark.slow
+def test_smoke_recipe_records_both_drafters_and_a_rerun_skips_finished_stages(tmp_path):
+    def run():
+        out = tmp_path / "record.json"
+        subprocess.run([sys.executable, str(RECIPE), "--smoke", "--work", str(tmp_path / "work"), "--out", str(out),
+                        "--distill-prompts", "4", "--eval-prompts", "2"], check=True, cwd=ROOT, capture_output=True)
+        return json.loads(out.read_text())
+
+    first = run()
+    assert set(first["results"]) == {"dspark", "dflash"}
+    assert set(first["results"]["dspark"]) == {"t=0.0", "t=1.0", "training_files_t=0.0"}
+    assert all(1.0 <= r["mean_acceptance_length"] <= 8.0 for d in first["results"].values() for r in d.values())
+    assert {"target", "distill", "train-dspark", "train-dflash"} <= set(first["stages"])
+    second = run()  # everything is found done: nothing retrains
+    assert second["stages"] == first["stages"]
+    assert second["results"] == first["results"]  # seeded evaluation of the same checkpoints
