@@ -141,18 +141,18 @@ class ModelRunner:
                 batch_index: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> committed tokens [S, K+1] (the first ``accepted + 1`` valid) and accepted [S]."""
         dev, vocab = self.device, self.vocab_size
-        k_max = max(e.num_drafts for e in entries)
-        rows, produced_at = [], []
-        for e, b in zip(entries, batch_index):
-            first = qsl[b + 1] - 1 - e.num_drafts  # the row of the anchor (or of the last prefill token)
-            rows.append([first + min(r, e.num_drafts) for r in range(k_max + 1)])
-            produced_at.append([e.end_position - e.num_drafts + r for r in range(k_max + 1)])
-        logits = self.target.compute_logits(hidden[torch.tensor(rows, device=dev).view(-1)])
+        num_drafts_list = [e.num_drafts for e in entries]
+        k_max = max(num_drafts_list)
+        offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
+        num_drafts = torch.tensor(num_drafts_list, device=dev)  # [S]
+        # the row of each entry's anchor (or last prefill token), then its drafts; rows past them repeat the last
+        first = torch.tensor([qsl[b + 1] - 1 - e.num_drafts for e, b in zip(entries, batch_index)], device=dev)
+        rows = first[:, None] + torch.minimum(offsets[None, :], num_drafts[:, None])  # [S, K+1]
+        logits = self.target.compute_logits(hidden[rows.view(-1)])
         logits = logits.view(len(entries), k_max + 1, vocab)
         drafts = torch.tensor([e.token_ids[len(e.token_ids) - e.num_drafts:] + [0] * (k_max - e.num_drafts)
                                for e in entries], device=dev,
                               dtype=torch.int64).view(len(entries), k_max)  # [S, K]
-        num_drafts = torch.tensor([e.num_drafts for e in entries], device=dev)
         penalized = any(e.penalty_history is not None for e in entries)
         greedy = all(e.params.greedy for e in entries)
         row_params = RowParams.build([e.params for e in entries for _ in range(k_max + 1)], vocab, dev) \
@@ -161,7 +161,8 @@ class ModelRunner:
             logits = self._penalize(logits, entries, drafts, row_params)
         if greedy:  # the argmax fast path: no distributions, no noise, no per-row parameters
             return commit_by_match(drafts, num_drafts, logits.argmax(dim=-1))
-        positions = torch.tensor(produced_at, device=dev)  # [S, K+1]: position of the token each row decides
+        anchor_pos = torch.tensor([e.end_position - e.num_drafts for e in entries], device=dev)
+        positions = anchor_pos[:, None] + offsets[None, :]  # [S, K+1]: position of the token each row decides
         seeds = torch.tensor([e.seed for e in entries], device=dev)
         by_rejection = [uses_rejection(e, self.use_rejection) and e.num_drafts > 0 for e in entries]
         q = self._draft_probs(entries, by_rejection, k_max) if any(by_rejection) else None

@@ -62,50 +62,49 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            entry = self._plan(seq, budget)
-            if entry is None:
-                continue
-            while not self.pages.can_grow(seq.page_ids, entry.end_position):
+            tokens, num_drafts, sample = self._plan(seq, budget)
+            end_position = seq.num_computed + len(tokens)
+            while not self.pages.can_grow(seq.page_ids, end_position):
                 victim = max(self.running, key=lambda s: s.arrival)
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            self.pages.grow(seq.page_ids, entry.end_position)
-            scheduled.append(self._with_pages(entry, seq))
-            budget -= len(entry.token_ids)
+            self.pages.grow(seq.page_ids, end_position)
+            scheduled.append(self._entry(seq, tokens, num_drafts, sample))
+            budget -= len(tokens)
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
-            entry = self._plan(seq, budget)
-            if entry is None or not self.pages.can_grow(seq.page_ids, entry.end_position):
+            tokens, num_drafts, sample = self._plan(seq, budget)
+            end_position = seq.num_computed + len(tokens)
+            if not self.pages.can_grow(seq.page_ids, end_position):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self.pages.grow(seq.page_ids, entry.end_position)
-            scheduled.append(self._with_pages(entry, seq))
-            budget -= len(entry.token_ids)
+            self.pages.grow(seq.page_ids, end_position)
+            scheduled.append(self._entry(seq, tokens, num_drafts, sample))
+            budget -= len(tokens)
         return scheduled
 
-    def _plan(self, seq: Sequence, budget: int) -> ScheduledRequest | None:
-        """The tokens ``seq`` feeds this step within ``budget`` (pages not yet assigned)."""
+    def _plan(self, seq: Sequence, budget: int) -> tuple[list[int], int, bool]:
+        """What ``seq`` feeds this step within ``budget``: (tokens, drafts among them, whether it samples)."""
         if seq.is_decoding:
             room = min(budget - 1, self.limits.max_model_len - seq.num_tokens - 1,
                        seq.params.max_tokens - len(seq.output_token_ids) - 1)
             drafts = seq.draft_ids[:max(room, 0)]
-            tokens, sample = [seq.last_token, *drafts], True
-        else:
-            end = min(seq.num_tokens, seq.num_computed + budget)
-            tokens, drafts, sample = seq.token_slice(seq.num_computed, end), [], end == seq.num_tokens
-        history = ((seq.prompt_token_ids, seq.output_token_ids) if sample and seq.params.uses_penalties else None)
-        return ScheduledRequest(request_id=seq.request_id, token_ids=tokens, start_position=seq.num_computed,
-                                page_ids=[], num_drafts=len(drafts), sample=sample, params=seq.params,
-                                seed=seq.seed, penalty_history=history)
+            return [seq.last_token, *drafts], len(drafts), True
+        end = min(seq.num_tokens, seq.num_computed + budget)
+        return seq.token_slice(seq.num_computed, end), 0, end == seq.num_tokens
 
     @staticmethod
-    def _with_pages(entry: ScheduledRequest, seq: Sequence) -> ScheduledRequest:
-        return ScheduledRequest(**{**{f: getattr(entry, f) for f in entry.__slots__}, "page_ids": list(seq.page_ids)})
+    def _entry(seq: Sequence, tokens: list[int], num_drafts: int, sample: bool) -> ScheduledRequest:
+        """The step's plain-data entry for ``seq``, once its pages cover the tokens (a snapshot of them)."""
+        history = ((seq.prompt_token_ids, seq.output_token_ids) if sample and seq.params.uses_penalties else None)
+        return ScheduledRequest(request_id=seq.request_id, token_ids=tokens, start_position=seq.num_computed,
+                                page_ids=list(seq.page_ids), num_drafts=num_drafts, sample=sample, params=seq.params,
+                                seed=seq.seed, penalty_history=history)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
