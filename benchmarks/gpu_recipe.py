@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.training import DrafterTrainConfig, TargetTrainConfig  # noqa: E402
+from runtime.llm import LLM  # noqa: E402
 from runtime.training.distill import code_prompts, evaluate, regenerate  # noqa: E402
 from runtime.training.drafter_trainer import train_drafter  # noqa: E402
 from runtime.training.target_trainer import source_files, split, train_target  # noqa: E402
@@ -79,8 +80,8 @@ def distill(work: Path, target: str, train_files, tokenizer, args) -> dict:
     index, count = args.shard
     prompts = code_prompts(train_files, tokenizer, args.distill_prompts, 64, seed=1)[index::count]
     start = time.monotonic()
-    regenerate(target, prompts, work / f"distill-{index}-of-{count}.jsonl", max_tokens=192,
-               **{**ENGINE, **DISTILL_BATCH})
+    regenerate(LLM(target, **{**ENGINE, **DISTILL_BATCH}), prompts, work / f"distill-{index}-of-{count}.jsonl",
+               max_tokens=192)
     return {"seconds": time.monotonic() - start, "prompts": len(prompts), "shard": f"{index}/{count}"}
 
 

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from configs import ConfigError, LLMConfig, ReplicaConfig, ServeArgs, validate
+from configs import ConfigError, LLMConfig, ParallelConfig, ReplicaConfig, ServeArgs, validate
 from configs.training import DrafterTrainConfig, TargetTrainConfig
 from configs.files import read_mapping
 
@@ -110,17 +110,30 @@ def add_training_commands(commands) -> None:
     target.set_defaults(handler=run_train_target)
 
     regen = commands.add_parser(
-        "regenerate", help="self-distillation: the target answers code prompts; writes JSONL training rows",
-        description="Sample code prompts from Python sources and let the target answer them; rows hold exact "
-        "token ids ({'prompt_ids', 'response_ids'}) for train-drafter --data.")
+        "regenerate", help="self-distillation: the target answers prompts; writes JSONL rows for train-drafter",
+        description="Let the target answer prompts (your dataset's with --prompts, else code prompts cut from Python "
+        "sources) and write rows of exact token ids ({'prompt_ids', 'response_ids', 'finished'}; an answer that "
+        "ended on EOS keeps it) for train-drafter --data. Request i is seeded --seed + i. With "
+        "--tensor-parallel-size 1 the target runs in this process; above 1 it is sharded over Ray actors.")
     regen.add_argument("--target", required=True, help="target checkpoint directory")
     regen.add_argument("--out", required=True, help="JSONL file to write")
-    regen.add_argument("--sources", help="folder of *.py files (default: the standard library)")
-    regen.add_argument("--num-prompts", type=int, default=512, help="default 512")
-    regen.add_argument("--prompt-tokens", type=int, default=32, help="default 32")
+    regen.add_argument("--prompts", help="JSONL of prompts, one per row: {'prompt_ids': [...]}, {'prompt': text} or "
+                       "{'messages': [{'role', 'content'}, ...]} (the target's chat template; trailing assistant "
+                       "turns are dropped)")
+    regen.add_argument("--sources", help="without --prompts: folder of *.py files to cut code prompts from "
+                       "(default: the standard library)")
+    regen.add_argument("--num-prompts", type=int, help="with --prompts: the first N rows (default all); code "
+                       "prompts: how many (default 512)")
+    regen.add_argument("--prompt-tokens", type=int, help="code prompts' length in tokens (default 32)")
     regen.add_argument("--max-tokens", type=int, default=128, help="answer length, default 128")
     regen.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
-    regen.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    regen.add_argument("--seed", type=int, default=0, help="default 0")
+    regen.add_argument("--tensor-parallel-size", type=int, default=1, help="target shards, one GPU each (default 1)")
+    regen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                       help="default auto (bf16 on GPU)")
+    regen.add_argument("--device", default="auto", help="auto (default), cpu, cuda")
+    regen.add_argument("--max-num-seqs", type=int, help="requests decoding at once (default 64)")
+    regen.add_argument("--kv-cache-memory", type=int, help="bytes for KV pages per process")
     regen.set_defaults(handler=run_regenerate)
 
     demo = commands.add_parser("demo", help="the built-in demo model pair",
@@ -184,12 +197,34 @@ def run_train_target(args: argparse.Namespace) -> int:
 def run_regenerate(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from runtime.training.distill import code_prompts, regenerate
+    from runtime.training.distill import code_prompts, dataset_prompts, regenerate
     from runtime.training.target_trainer import source_files
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    prompts = code_prompts(source_files(args.sources, 8 << 20), tokenizer, args.num_prompts, args.prompt_tokens, 0)
-    rows = regenerate(args.target, prompts, args.out, args.max_tokens, args.temperature, device=args.device)
+    if args.prompts and (args.sources or args.prompt_tokens is not None):
+        raise ValueError("--sources and --prompt-tokens cut code prompts; they do not go with --prompts")
+    for flag, value in (("--num-prompts", args.num_prompts), ("--prompt-tokens", args.prompt_tokens)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    settings = {"model": args.target, "dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
+                "kv_cache_memory": args.kv_cache_memory}
+    engine = validate(LLMConfig, {k: v for k, v in settings.items() if v is not None}, "regenerate")
+    parallel = validate(ParallelConfig, {"tensor_parallel_size": args.tensor_parallel_size}, "regenerate")
+    tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer or engine.model)
+    if args.prompts:
+        prompts = dataset_prompts(args.prompts, tokenizer, args.num_prompts)
+    else:
+        prompts = code_prompts(source_files(args.sources, 8 << 20), tokenizer, args.num_prompts or 512,
+                               args.prompt_tokens or 32, 0)
+    if parallel.tensor_parallel_size == 1:
+        from runtime.llm import LLM as LocalLLM
+
+        rows = regenerate(LocalLLM(**engine.model_dump(exclude_unset=True)), prompts, args.out, args.max_tokens,
+                          args.temperature, args.seed)
+    else:
+        from cluster.llm import LLM
+
+        with LLM.from_config(ReplicaConfig(engine=engine, parallel=parallel)) as llm:
+            rows = regenerate(llm, prompts, args.out, args.max_tokens, args.temperature, args.seed)
     print(json.dumps({"rows": rows, "out": args.out}))
     return 0
 

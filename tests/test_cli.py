@@ -42,6 +42,49 @@ def test_unknown_subcommand_fails_cleanly():
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
 
 
+# ---- regenerate (in process) -------------------------------------------------------------------
+
+DATASET_ROWS = [{"prompt_ids": [5, 6, 7]}, {"prompt": "def main():"},
+                {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old answer"}]}]
+
+
+def test_regenerate_answers_a_datasets_prompts_as_plain_greedy_decoding(qwen3_target, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from runtime import LLM, SamplingParams
+
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "answers.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in DATASET_ROWS))
+    assert main(["regenerate", "--target", str(qwen3_target), "--out", str(out), "--prompts", str(prompts),
+                 "--max-tokens", "6", "--device", "cpu", "--dtype", "float32"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"rows": 3, "out": str(out)}
+    tok = AutoTokenizer.from_pretrained(str(qwen3_target))
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    expected_prompts = [[5, 6, 7], tok("def main():")["input_ids"], tok(chat, add_special_tokens=False)["input_ids"]]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt_ids"] for r in rows] == expected_prompts  # the old assistant turn is not in the prompt
+    plain = LLM(str(qwen3_target), dtype="float32", device="cpu").generate(
+        expected_prompts, SamplingParams(max_tokens=6, temperature=0.0))
+    assert [r["response_ids"] for r in rows] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("row, flags, message", [
+    ({"question": "x"}, [], "prompts.jsonl:1: each row needs 'prompt_ids'"),
+    ({"prompt_ids": []}, [], "'prompt_ids' must be a non-empty list"),
+    ({"messages": [{"role": "assistant", "content": "a"}]}, [], "no turn before the assistant's"),
+    ({"prompt": "x"}, ["--prompt-tokens", "8"], "do not go with --prompts"),
+    ({"prompt": "x"}, ["--num-prompts", "0"], "--num-prompts must be at least 1"),
+    ({"prompt": "x"}, ["--max-num-seqs", "0"], "max_num_seqs"),
+])
+def test_regenerate_refuses_bad_prompts_and_flags(qwen3_target, tmp_path, capsys, row, flags, message):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps(row) + "\n")
+    assert main(["regenerate", "--target", str(qwen3_target), "--out", str(tmp_path / "o.jsonl"), "--prompts",
+                 str(prompts), "--device", "cpu", *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 # ---- serve and generate (subprocesses that start their own local Ray) ---------------------------
 
 import os

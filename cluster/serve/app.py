@@ -25,6 +25,7 @@ from cluster.serve.metrics import ServerMetrics
 from cluster.serve.text import TextStream
 from configs import ReplicaConfig, ServeArgs, validate
 from runtime.async_engine import AsyncEngine, Overloaded
+from runtime.chat import chat_token_ids
 from runtime.outputs import RequestOutput
 
 app = FastAPI(title="dspark", description="DSpark speculative decoding, OpenAI-compatible API")
@@ -141,11 +142,10 @@ class DSparkServer:
         return list(self.tokenizer(text)["input_ids"])
 
     def _chat_prompt(self, body: protocol.ChatCompletionRequest) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        try:
+            return chat_token_ids(self.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages])
+        except ValueError as exc:
+            raise ApiError(400, f"{exc}; use /v1/completions", "messages") from None
 
     async def _respond(self, body, prompt: list[int], params, prompt_field: str, chat: bool):
         try:

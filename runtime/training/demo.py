@@ -18,6 +18,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from configs.training import DrafterTrainConfig, TargetTrainConfig
+from runtime.llm import LLM
 from runtime.training.distill import code_prompts, evaluate, regenerate
 from runtime.training.drafter_trainer import train_drafter
 from runtime.training.target_trainer import source_files, split, train_target
@@ -63,7 +64,7 @@ def build_demo(progress: bool = True) -> dict:
     train_files, heldout = split(source_files(None, TARGET.max_corpus_bytes), TARGET.heldout_every)
     tokenizer = AutoTokenizer.from_pretrained(target)
     distill = root / "distill.jsonl"
-    regenerate(target, code_prompts(train_files, tokenizer, 384, 24, seed=1), distill, max_tokens=40, **ENGINE)
+    regenerate(LLM(target, **ENGINE), code_prompts(train_files, tokenizer, 384, 24, seed=1), distill, max_tokens=40)
     drafter = str(root / "drafter")
     drafter_stats = train_drafter(DrafterTrainConfig(target=target, data=str(distill), out=drafter, **DRAFTER),
                                   progress=progress)

@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 from configs import DSparkDecodingConfig
+from runtime.chat import chat_token_ids
 from runtime.llm import LLM
 from runtime.sampling_params import SamplingParams
 
@@ -26,15 +27,64 @@ def code_prompts(files: list[Path], tokenizer, count: int, prompt_tokens: int, s
     return prompts
 
 
-def regenerate(target: str, prompts: list[list[int]], out: str | Path, max_tokens: int, temperature: float = 0.0,
-               seed: int = 0, **engine) -> int:
-    """Answer every prompt with the target itself; write JSONL rows of exact token ids. Returns rows written."""
-    llm = LLM(target, **engine)
+def dataset_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[list[int]]:
+    """Prompts from a JSONL file (the first ``limit`` rows), one per row, as token ids:
+
+    ``{"prompt_ids": [...]}`` as given; ``{"prompt": "text"}`` tokenized as the engine tokenizes text;
+    ``{"messages": [{"role", "content"}, ...]}`` rendered with the tokenizer's chat template, trailing
+    assistant turns dropped (they are the answers the target rewrites).
+    """
+    path = Path(path)
+    prompts: list[list[int]] = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if limit is not None and len(prompts) >= limit:
+            break
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not {"prompt_ids", "prompt", "messages"} & row.keys():
+            raise ValueError(f"{where}: each row needs 'prompt_ids' (token ids), 'prompt' (text) or 'messages' "
+                             "(a chat: [{'role', 'content'}, ...])")
+        if "prompt_ids" in row:
+            ids = row["prompt_ids"]
+            if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
+                raise ValueError(f"{where}: 'prompt_ids' must be a non-empty list of token ids")
+        elif "prompt" in row:
+            if not isinstance(row["prompt"], str) or not row["prompt"]:
+                raise ValueError(f"{where}: 'prompt' must be non-empty text")
+            ids = list(tokenizer(row["prompt"])["input_ids"])
+        else:
+            messages = row["messages"]
+            if not (isinstance(messages, list) and all(isinstance(m, dict) and {"role", "content"} <= m.keys()
+                                                       for m in messages)):
+                raise ValueError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects")
+            while messages and messages[-1]["role"] == "assistant":
+                messages = messages[:-1]
+            if not messages:
+                raise ValueError(f"{where}: 'messages' holds no turn before the assistant's")
+            try:
+                ids = chat_token_ids(tokenizer, messages)
+            except ValueError as exc:
+                raise ValueError(f"{where}: 'messages' needs a chat template, and {exc}") from None
+        prompts.append(list(ids))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def regenerate(llm, prompts: list[list[int]], out: str | Path, max_tokens: int, temperature: float = 0.0,
+               seed: int = 0) -> int:
+    """Answer every prompt with the target itself (``llm``: a ``runtime.LLM`` or ``cluster.LLM`` over it);
+    write JSONL rows of exact token ids (an answer that ended on EOS keeps it). Returns rows written."""
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i) for i in range(len(prompts))]
     outs = llm.generate(prompts, params)
     with Path(out).open("w", encoding="utf-8") as f:
         for prompt, o in zip(prompts, outs):
-            f.write(json.dumps({"prompt_ids": prompt, "response_ids": o.token_ids,
+            f.write(json.dumps({"prompt_ids": list(prompt), "response_ids": o.token_ids,
                                 "finished": o.finish_reason == "stop"}) + "\n")
     return len(outs)
 

@@ -117,3 +117,16 @@ def test_placement_that_cannot_fit_is_refused(ray_cluster, near_bigram_target, d
         LLM(str(near_bigram_target), speculative_config={"speculative_model": str(drafter)}, tensor_parallel_size=4,
             drafter="separate", **ENGINE)
     free_cpus_return()
+
+
+def test_regenerate_shards_the_target_over_ray_and_writes_the_same_answers(ray_cluster, near_bigram_target, tmp_path):
+    from cluster.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [3 + i, 40 + i, 7]}) + "\n" for i in range(4)))
+    common = ["--target", str(near_bigram_target), "--prompts", str(prompts), "--max-tokens", "8",
+              "--temperature", "1.0", "--seed", "5", "--device", "cpu", "--dtype", "float32"]
+    assert main(["regenerate", *common, "--out", str(tmp_path / "tp1.jsonl")]) == 0
+    assert main(["regenerate", *common, "--out", str(tmp_path / "tp2.jsonl"), "--tensor-parallel-size", "2"]) == 0
+    assert (tmp_path / "tp2.jsonl").read_text() == (tmp_path / "tp1.jsonl").read_text()  # seeded: same samples
+    free_cpus_return()

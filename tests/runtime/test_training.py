@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from configs.training import DrafterTrainConfig
+from runtime.llm import LLM
 from runtime.training.blocks import attention_mask, block_inputs, block_labels, sample_anchors
 from runtime.training.distill import evaluate, regenerate
 from runtime.training.drafter_trainer import default_layer_ids, train_drafter
@@ -68,7 +69,7 @@ def distilled(near_bigram_target, tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 300, (96, 8), generator=g).tolist()
     path = tmp_path_factory.mktemp("distill") / "rows.jsonl"
-    assert regenerate(str(near_bigram_target), prompts, path, max_tokens=32, **ENGINE) == 96
+    assert regenerate(LLM(str(near_bigram_target), **ENGINE), prompts, path, max_tokens=32) == 96
     row = json.loads(path.read_text().splitlines()[0])
     assert set(row) == {"prompt_ids", "response_ids", "finished"} and len(row["prompt_ids"]) == 8
     return path
@@ -156,7 +157,6 @@ def test_serving_drafter_proposes_the_training_forwards_block(qwen3_target, make
     import runtime.draft_runner
     from configs import DSparkDecodingConfig
     from runtime.kernels import get_backend
-    from runtime.llm import LLM
     from runtime.loader import load_drafter
     from runtime.sampling_params import SamplingParams
     from runtime.training.forward import block_hidden
