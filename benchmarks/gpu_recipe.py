@@ -3,8 +3,9 @@
 Every stage is time-boxed so it fits a 10-minute run on an H200, and stages chain: a rerun with the same
 ``--work`` skips finished stages (``--stages`` picks some) and resumes the drafters, so back-to-back runs on
 a warm machine train longer; ``--run-seconds`` fits the drafters' training into what is left of a run. Each
-stage records itself in ``WORK/stage-NAME.json``; with ``--gpus N`` the parallel stages fan out to child
-processes, one GPU each (distillation in N shards, the two drafters side by side):
+stage records itself in ``WORK/stage-NAME.json``; with ``--gpus N`` every stage but eval uses N GPUs: the
+target trains data parallel (torchrun), distillation runs in N shards and the drafters side by side, one
+child process per GPU:
   1. target: ~27M-parameter Qwen3-architecture model + byte-level BPE on the stdlib sources or ``--corpus``
      (bf16 autocast; the 24 MB stdlib is small enough that the target memorizes it, a larger corpus pays)
   2. distill: the target answers code prompts greedily (self-distillation; ``--shard I/N`` splits the prompts
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -145,6 +147,24 @@ def fan_out(jobs: list[tuple[str, list[str]]], gpus: int, work: Path) -> None:
         raise SystemExit(f"stage processes failed: {', '.join(failed)} (see {work}/<name>.log)")
 
 
+def torchrun(argv: list[str], log: Path) -> None:
+    """``python -m torch.distributed.run ARGV`` with its output in ``log``; a failure fails the run."""
+    with log.open("w") as f:
+        code = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], stdout=f,
+                              stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise SystemExit(f"the data-parallel target stage failed (see {log})")
+
+
+def join_process_group(args) -> None:
+    """This torchrun rank joins its group: NCCL on its own GPU (``LOCAL_RANK``), gloo for --smoke."""
+    if args.smoke:
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+
+
 def drafter_done(cfg: DrafterTrainConfig) -> bool:
     stats = Path(cfg.out) / "train_stats.json"
     return stats.is_file() and json.loads(stats.read_text()).get("step", 0) >= cfg.steps
@@ -156,8 +176,9 @@ def main() -> None:
     parser.add_argument("--work", required=True, help="working directory; stages found done there are skipped, "
                         "drafters resume, so back-to-back runs on a warm machine chain")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
-    parser.add_argument("--gpus", type=int, default=1, help="GPUs to spread the parallel stages over (distill "
-                        "shards, the two drafters), one child process each; default 1 (all in this process)")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs for the stages: the target data parallel "
+                        "(torchrun), distill shards and the two drafters one child process per GPU; default 1 (all "
+                        "in this process)")
     parser.add_argument("--run-seconds", type=float, default=None, help="this run's wall-time budget: the drafters "
                         f"train at most what is left after {PREPARE_SECONDS} s to prepare (and {EVAL_SECONDS} s for "
                         "eval when it is asked for)")
@@ -196,8 +217,23 @@ def main() -> None:
         (work / f"stage-{name}.json").write_text(json.dumps(record))
 
     target_cfg = target_config(work, args)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one rank of the data-parallel target stage, under torchrun
+        if wanted != {"target"}:
+            raise SystemExit("under torchrun only --stages target runs (data parallel)")
+        join_process_group(args)
+        stats = train_target(target_cfg, progress=False)
+        if dist.get_rank() == 0:
+            finished("target", stats)
+        dist.destroy_process_group()
+        return
     if "target" in wanted and "target" not in stages:
-        finished("target", train_target(target_cfg, progress=False))
+        if args.gpus > 1:
+            torchrun(["--standalone", "--nproc-per-node", str(args.gpus), __file__,
+                      *child_argv(sys.argv[1:], drop=("--run-seconds",), stages="target", gpus=1,
+                                  out=work / "target.json")], work / "target.log")
+            stages = recorded()
+        else:
+            finished("target", train_target(target_cfg, progress=False))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_cfg.out)

@@ -107,6 +107,8 @@ def add_training_commands(commands) -> None:
         "standard library; every n-th file held out). Saves a Hugging Face directory.")
     for name, field in TargetTrainConfig.model_fields.items():
         add_field_flag(target, name, field)
+    target.add_argument("--num-workers", type=int, default=1,
+                        help="data-parallel workers through Ray Train's TorchTrainer (needs ray[train]); default 1")
     target.set_defaults(handler=run_train_target)
 
     regen = commands.add_parser(
@@ -174,24 +176,26 @@ def field_values(args: argparse.Namespace, model) -> dict:
 
 
 def run_train_drafter(args: argparse.Namespace) -> int:
-    config = validate(DrafterTrainConfig, field_values(args, DrafterTrainConfig), "train-drafter")
-    if args.num_workers > 1:
-        from cluster.training import train_drafter_on_ray
-
-        stats = train_drafter_on_ray(config, args.num_workers)
-    else:
-        from runtime.training.drafter_trainer import train_drafter
-
-        stats = train_drafter(config)
-    print(json.dumps(stats))
-    return 0
+    return run_training(args, "drafter", DrafterTrainConfig)
 
 
 def run_train_target(args: argparse.Namespace) -> int:
-    from runtime.training.target_trainer import train_target
+    return run_training(args, "target", TargetTrainConfig)
 
-    print(json.dumps(train_target(validate(TargetTrainConfig, field_values(args, TargetTrainConfig), "train-target"))))
+
+def run_training(args: argparse.Namespace, kind: str, model) -> int:
+    from cluster.training import train, train_on_ray
+
+    config = validate(model, field_values(args, model), f"train-{kind}")
+    workers = check_workers(args.num_workers)
+    print(json.dumps(train_on_ray(kind, config, workers) if workers > 1 else train(kind, config)))
     return 0
+
+
+def check_workers(num_workers: int) -> int:
+    if num_workers < 1:
+        raise ValueError(f"--num-workers must be at least 1, got {num_workers}")
+    return num_workers
 
 
 def run_regenerate(args: argparse.Namespace) -> int:

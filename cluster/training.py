@@ -1,17 +1,32 @@
-"""Data-parallel drafter training on several workers through Ray Train's ``TorchTrainer``."""
+"""Data-parallel training on several workers through Ray Train's ``TorchTrainer``: the drafter
+(``runtime.training.drafter_trainer``) or the small target (``runtime.training.target_trainer``)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from configs.training import DrafterTrainConfig
-from runtime.training.drafter_trainer import STATS_FILE
+from configs.training import DrafterTrainConfig, TargetTrainConfig
+
+STATS_FILE = "train_stats.json"  # both trainers' rank 0 writes its final statistics there
 
 
-def train_drafter_on_ray(config: DrafterTrainConfig, num_workers: int, use_gpu: bool | None = None) -> dict:
-    """Run ``runtime.training.drafter_trainer.train_drafter`` on ``num_workers`` Ray Train workers (one GPU each
-    when the cluster has GPUs); returns rank 0's statistics."""
+def train(kind: str, config: DrafterTrainConfig | TargetTrainConfig, progress: bool = True) -> dict:
+    """Train in this process (data parallel inside an initialized ``torch.distributed`` group):
+    ``kind`` 'drafter' (``train_drafter``) or 'target' (``train_target``)."""
+    if kind == "drafter":
+        from runtime.training.drafter_trainer import train_drafter
+
+        return train_drafter(config, progress=progress)
+    from runtime.training.target_trainer import train_target
+
+    return train_target(config, progress=progress)
+
+
+def train_on_ray(kind: str, config: DrafterTrainConfig | TargetTrainConfig, num_workers: int,
+                 use_gpu: bool | None = None) -> dict:
+    """``train(kind, config)`` on ``num_workers`` Ray Train workers (one GPU each when the cluster has enough);
+    returns rank 0's statistics."""
     try:
         import ray
         from ray.train import ScalingConfig
@@ -24,15 +39,13 @@ def train_drafter_on_ray(config: DrafterTrainConfig, num_workers: int, use_gpu: 
     connect_ray(None)
     if use_gpu is None:
         use_gpu = config.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= num_workers
-    device = "cuda" if use_gpu else "cpu"
-    payload = config.model_copy(update={"device": device}).model_dump()
-
-    def loop(cfg: dict) -> None:
-        from runtime.training.drafter_trainer import train_drafter
-
-        train_drafter(DrafterTrainConfig(**cfg), progress=False)
-
-    trainer = TorchTrainer(loop, train_loop_config=payload,
+    payload = {"kind": kind, "config": config.model_copy(update={"device": "cuda" if use_gpu else "cpu"}).model_dump()}
+    trainer = TorchTrainer(_worker_loop, train_loop_config=payload,
                            scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu))
     trainer.fit()
     return json.loads((Path(config.out) / STATS_FILE).read_text())
+
+
+def _worker_loop(payload: dict) -> None:
+    model = DrafterTrainConfig if payload["kind"] == "drafter" else TargetTrainConfig
+    train(payload["kind"], model(**payload["config"]), progress=False)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
@@ -30,6 +29,7 @@ from runtime.models.drafter import DrafterSpec, DSparkDrafter
 from runtime.models.target import validate_capture_layers
 from runtime.training.blocks import attention_mask, block_inputs, block_labels, sample_anchors
 from runtime.training.checkpoint import draft_config, save_drafter
+from runtime.training.data_parallel import average_gradients, everyone_agrees, rank_and_world
 from runtime.training.data import batches, read_rows, tokenize
 from runtime.training.forward import block_hidden, confidence_logits, teacher_forced_logits
 from runtime.training.loss import LossWeights, dspark_loss
@@ -131,7 +131,7 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
     Inside an initialized ``torch.distributed`` group (Ray Train's workers) it is data parallel: each rank
     draws its own batches and anchors, gradients are averaged before every step, rank 0 writes checkpoints.
     """
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = rank_and_world()
     run, out = prepare(cfg, rank), Path(cfg.out)
     weights = LossWeights(cfg.ce_weight, cfg.l1_weight, cfg.confidence_weight, cfg.loss_decay)
     device = next(run.drafter.parameters()).device
@@ -146,8 +146,7 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
                                             run.config, weights)
         run.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if world > 1:
-            average_gradients(run.drafter, world)
+        average_gradients(run.drafter, world)
         torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), cfg.grad_clip)
         run.optimizer.step()
         run.scheduler.step()
@@ -169,22 +168,6 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
     if rank == 0:
         (out / STATS_FILE).write_text(json.dumps(result))
     return result
-
-
-def everyone_agrees(flag: bool, world: int, device: torch.device) -> bool:
-    """True on every rank if it is true on any (so all ranks stop at the same step)."""
-    if world == 1:
-        return flag
-    value = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
-def average_gradients(module: torch.nn.Module, world: int) -> None:
-    for p in module.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= world
 
 
 def drafter_step(target, drafter: DSparkDrafter, ids, loss_mask, attn, anchors, keep, cfg: DrafterTrainConfig,

@@ -7,6 +7,7 @@ are written to ``heldout_files.txt`` for evaluation.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sysconfig
@@ -20,11 +21,13 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config,
 
 from configs.training import TargetTrainConfig
 from runtime.devices import resolve_device
+from runtime.training.data_parallel import average_gradients, barrier, everyone_agrees, rank_and_world
 from runtime.training.precision import autocast
 
 log = logging.getLogger(__name__)
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<mask>"]
 SKIPPED_PARTS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+STATS_FILE = "train_stats.json"  # the final statistics (rank 0)
 CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}# assistant:\n{% endif %}")
 
@@ -78,12 +81,25 @@ def token_stream(files: list[Path], tokenizer, max_len: int) -> torch.Tensor:
 
 
 def train_target(cfg: TargetTrainConfig, progress: bool = True) -> dict:
+    """Train the tokenizer and the model; returns (and writes to ``out/train_stats.json``) the final statistics.
+
+    Inside an initialized ``torch.distributed`` group (Ray Train's workers, or ``torchrun``) it is data
+    parallel: rank 0 trains the tokenizer and the others load it, every rank starts from the same weights and
+    draws its own batches, gradients are averaged before every step, rank 0 writes the model.
+    """
+    rank, world = rank_and_world()
     device = resolve_device(cfg.device)
     out = Path(cfg.out)
     train_files, heldout = split(source_files(cfg.data, cfg.max_corpus_bytes), cfg.heldout_every)
-    tokenizer = train_tokenizer(train_files, cfg.vocab_size)
+    if rank == 0:
+        tokenizer = train_tokenizer(train_files, cfg.vocab_size)
+        out.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(str(out))
+    barrier(world)
+    if rank != 0:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))
     data = token_stream(train_files, tokenizer, cfg.max_len)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
                          num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
                          head_dim=cfg.hidden_size // cfg.num_heads,
@@ -96,30 +112,37 @@ def train_target(cfg: TargetTrainConfig, progress: bool = True) -> dict:
     warmup = max(cfg.steps // 20, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (
         1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))))
-    generator = torch.Generator().manual_seed(cfg.seed)
-    start, step, loss_ema = time.monotonic(), 0, None
-    bar = tqdm(total=cfg.steps, desc="train-target", disable=not progress)
-    while step < cfg.steps and (cfg.max_seconds is None or time.monotonic() - start < cfg.max_seconds):
+    generator = torch.Generator().manual_seed(cfg.seed + 7919 * rank)  # each rank its own batches
+    start, step, loss_ema = time.monotonic(), 0, None  # loss_ema: a device scalar, read only for display
+    bar = tqdm(total=cfg.steps, desc="train-target", disable=not progress or rank != 0)
+    while step < cfg.steps:
         batch = data[torch.randint(len(data), (cfg.batch_size,), generator=generator)].to(device)
         with autocast(cfg.autocast, device):
             loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        average_gradients(model, world)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
         step += 1
-        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        loss_ema = loss.detach() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.detach()
         bar.update(1)
-        bar.set_postfix(loss=f"{loss_ema:.3f}")
+        if step % 50 == 0:
+            bar.set_postfix(loss=f"{float(loss_ema):.3f}")
+        if everyone_agrees(cfg.max_seconds is not None and time.monotonic() - start >= cfg.max_seconds, world,
+                           device):
+            break
     bar.close()
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=config.pad_token_id).save_pretrained(str(out))
-    (out / "heldout_files.txt").write_text("".join(f"{f}\n" for f in heldout))
-    log.info("train-target: %d steps, loss %.3f, %d train / %d held-out files", step, loss_ema, len(train_files),
-             len(heldout))
-    return {"steps": step, "loss": loss_ema, "seconds": time.monotonic() - start, "train_files": len(train_files),
-            "heldout_files": len(heldout), "parameters": sum(p.numel() for p in model.parameters())}
+    stats = {"steps": step, "loss": float(loss_ema), "seconds": time.monotonic() - start,
+             "train_files": len(train_files), "heldout_files": len(heldout), "data_parallel_ranks": world,
+             "parameters": sum(p.numel() for p in model.parameters())}
+    if rank == 0:
+        model.save_pretrained(str(out))
+        GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                         pad_token_id=config.pad_token_id).save_pretrained(str(out))
+        (out / "heldout_files.txt").write_text("".join(f"{f}\n" for f in heldout))
+        (out / STATS_FILE).write_text(json.dumps(stats))
+        log.info("train-target: %d steps, loss %.3f, %d train / %d held-out files", step, stats["loss"],
+                 len(train_files), len(heldout))
+    return stats

@@ -133,12 +133,12 @@ def test_resume_continues_from_the_saved_step(near_bigram_target, distilled, tmp
 def test_two_ray_train_workers(near_bigram_target, distilled, tmp_path):
     import ray
 
-    from cluster.training import train_drafter_on_ray
+    from cluster.training import train_on_ray
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        stats = train_drafter_on_ray(config(near_bigram_target, distilled, tmp_path / "ddp", steps=20, device="cpu"),
-                                     num_workers=2, use_gpu=False)
+        stats = train_on_ray("drafter", config(near_bigram_target, distilled, tmp_path / "ddp", steps=20,
+                                               device="cpu"), num_workers=2, use_gpu=False)
     finally:
         ray.shutdown()
     assert stats["step"] == 20 and (tmp_path / "ddp" / "model.safetensors").is_file()
@@ -206,3 +206,28 @@ def test_serving_drafter_proposes_the_training_forwards_block(qwen3_target, make
                 prev = z.argmax(dim=-1)
                 tokens.append(int(prev))
             assert tokens == engine_tokens, f"anchor {anchor_pos}"
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_target_trains_data_parallel_on_two_ray_train_workers(tmp_path):
+    import math
+
+    import ray
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cluster.training import train_on_ray
+    from configs.training import TargetTrainConfig
+
+    cfg = TargetTrainConfig(out=str(tmp_path / "target"), vocab_size=300, hidden_size=32, num_layers=2, num_heads=2,
+                            num_kv_heads=1, max_len=32, max_corpus_bytes=200_000, batch_size=4, steps=40, lr=1e-2,
+                            device="cpu")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        stats = train_on_ray("target", cfg, num_workers=2, use_gpu=False)
+    finally:
+        ray.shutdown()
+    assert stats["steps"] == 40 and stats["data_parallel_ranks"] == 2
+    assert stats["loss"] < math.log(300) - 1.0  # it learned something
+    model = AutoModelForCausalLM.from_pretrained(cfg.out)  # rank 0 wrote a loadable checkpoint and tokenizer
+    assert len(AutoTokenizer.from_pretrained(cfg.out)) == model.config.vocab_size

@@ -1,0 +1,35 @@
+"""Data parallelism for the trainers, inside an initialized ``torch.distributed`` group (Ray Train's workers,
+or ``torchrun``): every rank draws its own batches, gradients are averaged before each optimizer step, all
+ranks stop at the same step, rank 0 writes. Outside a group every function is the single-process identity."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def everyone_agrees(flag: bool, world: int, device: torch.device) -> bool:
+    """True on every rank if it is true on any (so all ranks stop at the same step)."""
+    if world == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def average_gradients(module: torch.nn.Module, world: int) -> None:
+    if world == 1:
+        return
+    for p in module.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+
+
+def barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
