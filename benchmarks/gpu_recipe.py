@@ -68,7 +68,8 @@ def target_config(work: Path, args) -> TargetTrainConfig:
 def drafter_configs(work: Path, target: str, data: Path, args) -> dict[str, DrafterTrainConfig]:
     common = dict(target=target, data=str(data), block_size=K, max_len=256, batch_size=args.drafter_batch,
                   num_anchors=64, steps=5 if args.smoke else args.drafter_steps, max_seconds=args.drafter_seconds,
-                  lr=1e-3, device=ENGINE["device"], autocast="off" if args.smoke else "bfloat16", log_every=100,
+                  lr=1e-3, device=ENGINE["device"], autocast="off" if args.smoke else "bfloat16",
+                  target_dtype="float32" if args.smoke else "bfloat16", log_every=100,
                   save_every=2000)
     return {"dspark": DrafterTrainConfig(out=str(work / "dspark"), num_draft_layers=2, markov_rank=64,
                                          markov_head_type="vanilla", **common),

@@ -46,6 +46,8 @@ class DrafterTrainConfig(BaseModel):
     loss_decay: Annotated[float, Field(gt=0)] = Field(default=4.0, description="Slot k weighs exp(-k / decay).")
     device: str = Field(default="auto", description="auto, cpu, cuda, cuda:N.")
     dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="Drafter parameter dtype.")
+    target_dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="Dtype the frozen target "
+                                                         "is loaded in (bfloat16 halves its memory; use it on GPUs).")
     autocast: Autocast = Field(default="off", description=AUTOCAST_HELP)
     seed: int = Field(default=0, description="Seed of initialization, data order and anchors.")
     log_every: Annotated[int, Field(gt=0)] = Field(default=50, description="Steps between log lines.")

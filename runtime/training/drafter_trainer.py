@@ -101,7 +101,7 @@ class Run:
 def prepare(cfg: DrafterTrainConfig, rank: int) -> Run:
     """Load the frozen target, build (or resume) the drafter and its optimizer, and the data stream."""
     device = resolve_device(cfg.device)
-    target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).to(device).eval()
+    target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=DTYPES[cfg.target_dtype]).to(device).eval()
     target.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     tconf = target.config.to_dict()

@@ -94,13 +94,12 @@ def test_training_lowers_the_loss_and_raises_acceptance(near_bigram_target, dist
     assert after["greedy_equals_plain"]  # the written checkpoint round-trips through the engine
 
 
-def test_bfloat16_autocast_trains_and_keeps_float32_weights(near_bigram_target, distilled, tmp_path):
+def test_bfloat16_autocast_and_target_train_and_keep_float32_weights(near_bigram_target, distilled, tmp_path):
     from safetensors.torch import load_file
 
-    first = train_drafter(config(near_bigram_target, distilled, tmp_path / "a", steps=1, autocast="bfloat16"),
-                          progress=False)
-    later = train_drafter(config(near_bigram_target, distilled, tmp_path / "b", steps=60, autocast="bfloat16"),
-                          progress=False)
+    bf16 = dict(autocast="bfloat16", target_dtype="bfloat16")
+    first = train_drafter(config(near_bigram_target, distilled, tmp_path / "a", steps=1, **bf16), progress=False)
+    later = train_drafter(config(near_bigram_target, distilled, tmp_path / "b", steps=60, **bf16), progress=False)
     assert later["loss"] < 0.8 * first["loss"]
     assert {t.dtype for t in load_file(str(tmp_path / "b" / "model.safetensors")).values()} == {torch.float32}
 
