@@ -16,11 +16,14 @@ def code_prompts(files: list[Path], tokenizer, count: int, prompt_tokens: int, s
     """``count`` windows of ``prompt_tokens`` tokens, starting at random line starts of random files."""
     rng = random.Random(seed)
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    line_starts: dict[int, list[int]] = {}  # per file, computed once
     prompts: list[list[int]] = []
     while len(prompts) < count:
-        text = rng.choice(texts)
-        starts = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n"]
-        at = rng.choice(starts)
+        index = rng.choice(range(len(texts)))  # the same draw as rng.choice(texts)
+        text = texts[index]
+        if index not in line_starts:
+            line_starts[index] = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n"]
+        at = rng.choice(line_starts[index])
         ids = tokenizer(text[at:at + 8 * prompt_tokens], add_special_tokens=False)["input_ids"][:prompt_tokens]
         if len(ids) == prompt_tokens:
             prompts.append(ids)
