@@ -35,48 +35,51 @@ def dataset_prompts(path: str | Path, tokenizer, limit: int | None = None) -> li
 
     ``{"prompt_ids": [...]}`` as given; ``{"prompt": "text"}`` tokenized as the engine tokenizes text;
     ``{"messages": [{"role", "content"}, ...]}`` rendered with the tokenizer's chat template, trailing
-    assistant turns dropped (they are the answers the target rewrites).
+    assistant turns dropped (they are the answers the target rewrites). A bad row raises ValueError naming
+    its line.
     """
     path = Path(path)
     prompts: list[list[int]] = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if limit is not None and len(prompts) >= limit:
             break
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or not {"prompt_ids", "prompt", "messages"} & row.keys():
-            raise ValueError(f"{where}: each row needs 'prompt_ids' (token ids), 'prompt' (text) or 'messages' "
-                             "(a chat: [{'role', 'content'}, ...])")
-        if "prompt_ids" in row:
-            ids = row["prompt_ids"]
-            if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
-                raise ValueError(f"{where}: 'prompt_ids' must be a non-empty list of token ids")
-        elif "prompt" in row:
-            if not isinstance(row["prompt"], str) or not row["prompt"]:
-                raise ValueError(f"{where}: 'prompt' must be non-empty text")
-            ids = list(tokenizer(row["prompt"])["input_ids"])
-        else:
-            messages = row["messages"]
-            if not (isinstance(messages, list) and all(isinstance(m, dict) and {"role", "content"} <= m.keys()
-                                                       for m in messages)):
-                raise ValueError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects")
-            while messages and messages[-1]["role"] == "assistant":
-                messages = messages[:-1]
-            if not messages:
-                raise ValueError(f"{where}: 'messages' holds no turn before the assistant's")
-            try:
-                ids = chat_token_ids(tokenizer, messages)
-            except ValueError as exc:
-                raise ValueError(f"{where}: 'messages' needs a chat template, and {exc}") from None
-        prompts.append(list(ids))
+        if line.strip():
+            prompts.append(row_prompt(line, tokenizer, f"{path}:{number}"))
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
+
+
+def row_prompt(line: str, tokenizer, where: str) -> list[int]:
+    """One JSONL row of ``dataset_prompts`` -> its prompt's token ids."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+    if not isinstance(row, dict) or not {"prompt_ids", "prompt", "messages"} & row.keys():
+        raise ValueError(f"{where}: each row needs 'prompt_ids' (token ids), 'prompt' (text) or 'messages' "
+                         "(a chat: [{'role', 'content'}, ...])")
+    if "prompt_ids" in row:
+        ids = row["prompt_ids"]
+        if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
+            raise ValueError(f"{where}: 'prompt_ids' must be a non-empty list of token ids")
+        return list(ids)
+    if "prompt" in row:
+        if not isinstance(row["prompt"], str) or not row["prompt"]:
+            raise ValueError(f"{where}: 'prompt' must be non-empty text")
+        return list(tokenizer(row["prompt"])["input_ids"])
+    messages = row["messages"]
+    if not (isinstance(messages, list) and all(isinstance(m, dict) and {"role", "content"} <= m.keys()
+                                               for m in messages)):
+        raise ValueError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects")
+    while messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    if not messages:
+        raise ValueError(f"{where}: 'messages' holds no turn before the assistant's")
+    try:
+        return chat_token_ids(tokenizer, messages)
+    except ValueError as exc:
+        raise ValueError(f"{where}: 'messages' needs a chat template, and {exc}") from None
 
 
 def regenerate(llm, prompts: list[list[int]], out: str | Path, max_tokens: int, temperature: float = 0.0,
