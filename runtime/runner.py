@@ -93,12 +93,13 @@ class ModelRunner:
             parts += [proposal.tokens, proposal.lengths[:, None]]
         host = torch.cat(parts, dim=1).tolist()  # the step's one device-to-host transfer
         width = committed.shape[1]
-        results = {r.request_id: RequestStepResult(r.request_id, [], 0, []) for r in reqs}
+        sampled = {}
         for entry, row in zip(entries, host):
             a = row[width]
             drafts = row[width + 1: width + 1 + row[-1]] if len(row) > width + 1 else []
-            results[entry.request_id] = RequestStepResult(entry.request_id, row[:a + 1], a, drafts)
-        return list(results.values())
+            sampled[entry.request_id] = RequestStepResult(entry.request_id, row[:a + 1], a, drafts)
+        # in batch order; a request that only prefilled a chunk commits nothing
+        return [sampled.get(r.request_id) or RequestStepResult(r.request_id, [], 0, []) for r in reqs]
 
     # ---- drafting -----------------------------------------------------------------------------
 
