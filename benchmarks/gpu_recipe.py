@@ -81,6 +81,8 @@ def drafter_configs(work: Path, target: str, data: Path, args) -> dict[str, Draf
 def distill(work: Path, target: str, train_files, tokenizer, args) -> dict:
     """The target answers this shard's share of the code prompts greedily -> WORK/distill-I-of-N.jsonl."""
     index, count = args.shard
+    # every shard draws the whole (cheap, seeded) prompt list and answers its share: the union is what one
+    # process would answer
     prompts = code_prompts(train_files, tokenizer, args.distill_prompts, 64, seed=1)[index::count]
     start = time.monotonic()
     regenerate(LLM(target, **{**ENGINE, **DISTILL_BATCH}), prompts, work / f"distill-{index}-of-{count}.jsonl",

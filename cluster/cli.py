@@ -90,26 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_training_commands(commands) -> None:
-    drafter = commands.add_parser(
-        "train-drafter", help="train a DSpark drafter for a target (DeepSpec recipe)",
+    add_trainer_command(
+        commands, "drafter", DrafterTrainConfig, help="train a DSpark drafter for a target (DeepSpec recipe)",
         description="Train a drafter on a frozen target: captured target layers, random anchors, blocks of "
         "[anchor, MASK...], loss 0.1 CE + 0.9 L1(p_draft - p_target) + 1.0 BCE(confidence) with slot weights "
         "exp(-k/4). Writes the DeepSpec layout the engine loads; rerunning with the same --out resumes.")
-    for name, field in DrafterTrainConfig.model_fields.items():
-        add_field_flag(drafter, name, field)
-    drafter.add_argument("--num-workers", type=int, default=1,
-                         help="data-parallel workers through Ray Train's TorchTrainer (needs ray[train]); default 1")
-    drafter.set_defaults(handler=run_train_drafter)
-
-    target = commands.add_parser(
-        "train-target", help="train a small Qwen3-architecture target and a byte-level BPE tokenizer from scratch",
+    add_trainer_command(
+        commands, "target", TargetTrainConfig,
+        help="train a small Qwen3-architecture target and a byte-level BPE tokenizer from scratch",
         description="Train a tokenizer and a small code model on Python sources (default: this interpreter's "
         "standard library; every n-th file held out). Saves a Hugging Face directory.")
-    for name, field in TargetTrainConfig.model_fields.items():
-        add_field_flag(target, name, field)
-    target.add_argument("--num-workers", type=int, default=1,
-                        help="data-parallel workers through Ray Train's TorchTrainer (needs ray[train]); default 1")
-    target.set_defaults(handler=run_train_target)
 
     regen = commands.add_parser(
         "regenerate", help="self-distillation: the target answers prompts; writes JSONL rows for train-drafter",
@@ -145,6 +135,16 @@ def add_training_commands(commands) -> None:
     demo.set_defaults(handler=run_demo)
 
 
+def add_trainer_command(commands, kind: str, model, help: str, description: str) -> None:
+    """``train-KIND``: one flag per field of ``model``, plus ``--num-workers``."""
+    parser = commands.add_parser(f"train-{kind}", help=help, description=description)
+    for name, field in model.model_fields.items():
+        add_field_flag(parser, name, field)
+    parser.add_argument("--num-workers", type=int, default=1,
+                        help="data-parallel workers through Ray Train's TorchTrainer (needs ray[train]); default 1")
+    parser.set_defaults(handler=run_training, trainer_kind=kind, trainer_config=model)
+
+
 def add_field_flag(parser: argparse.ArgumentParser, name: str, field) -> None:
     """A --flag for a config field, typed from its annotation, documented by its description."""
     flag = "--" + name.replace("_", "-")
@@ -175,20 +175,13 @@ def field_values(args: argparse.Namespace, model) -> dict:
     return {name: getattr(args, name) for name in model.model_fields if getattr(args, name, None) is not None}
 
 
-def run_train_drafter(args: argparse.Namespace) -> int:
-    return run_training(args, "drafter", DrafterTrainConfig)
-
-
-def run_train_target(args: argparse.Namespace) -> int:
-    return run_training(args, "target", TargetTrainConfig)
-
-
-def run_training(args: argparse.Namespace, kind: str, model) -> int:
+def run_training(args: argparse.Namespace) -> int:
     from cluster.training import train, train_on_ray
 
-    config = validate(model, field_values(args, model), f"train-{kind}")
+    config = validate(args.trainer_config, field_values(args, args.trainer_config), args.command)
     workers = check_workers(args.num_workers)
-    print(json.dumps(train_on_ray(kind, config, workers) if workers > 1 else train(kind, config)))
+    print(json.dumps(train_on_ray(args.trainer_kind, config, workers) if workers > 1
+                     else train(args.trainer_kind, config)))
     return 0
 
 

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from configs.training import DrafterTrainConfig, TargetTrainConfig
+from runtime.training.data_parallel import STATS_FILE
 
-STATS_FILE = "train_stats.json"  # both trainers' rank 0 writes its final statistics there
 
 
 def train(kind: str, config: DrafterTrainConfig | TargetTrainConfig, progress: bool = True) -> dict:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+STATS_FILE = "train_stats.json"  # a trainer's final statistics, written by rank 0 into its output directory
+
 
 def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)

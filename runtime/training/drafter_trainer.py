@@ -29,7 +29,7 @@ from runtime.models.drafter import DrafterSpec, DSparkDrafter
 from runtime.models.target import validate_capture_layers
 from runtime.training.blocks import attention_mask, block_inputs, block_labels, sample_anchors
 from runtime.training.checkpoint import draft_config, save_drafter
-from runtime.training.data_parallel import average_gradients, everyone_agrees, rank_and_world
+from runtime.training.data_parallel import STATS_FILE, average_gradients, everyone_agrees, rank_and_world
 from runtime.training.data import batches, read_rows, tokenize
 from runtime.training.forward import block_hidden, confidence_logits, teacher_forced_logits
 from runtime.training.loss import LossWeights, dspark_loss
@@ -37,7 +37,6 @@ from runtime.training.precision import autocast
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
-STATS_FILE = "train_stats.json"  # the last run's final statistics (rank 0)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

@@ -21,13 +21,13 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config,
 
 from configs.training import TargetTrainConfig
 from runtime.devices import resolve_device
-from runtime.training.data_parallel import average_gradients, barrier, everyone_agrees, rank_and_world
+from runtime.training.data_parallel import (STATS_FILE, average_gradients, barrier, everyone_agrees,
+                                            rank_and_world)
 from runtime.training.precision import autocast
 
 log = logging.getLogger(__name__)
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<mask>"]
 SKIPPED_PARTS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
-STATS_FILE = "train_stats.json"  # the final statistics (rank 0)
 CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}# assistant:\n{% endif %}")
 
