@@ -10,8 +10,9 @@ child process per GPU:
      (bf16 autocast; the 24 MB stdlib is small enough that the target memorizes it, a larger corpus pays)
   2. distill: the target answers code prompts greedily (self-distillation; ``--shard I/N`` splits the prompts
      over processes); the drafters' data is those answers plus the training files' text
-  3. dspark / dflash: train-drafter on the same data and budget: DSpark (2 layers, vanilla Markov head of rank
-     ``--markov-rank``, confidence head, DeepSpec loss) and DFlash (Markov rank 0, cross-entropy only)
+  3. dspark / dflash: train-drafter on the same data and budget, both with ``--draft-layers`` (default 2):
+     DSpark (vanilla Markov head of rank ``--markov-rank``, confidence head, DeepSpec loss) and DFlash
+     (Markov rank 0, cross-entropy only)
   4. eval: both on held-out files' prompts at K=7, temperature 0 and 1
 Writes one JSON record (stage statistics, tau, per-position acceptance).
 
@@ -71,11 +72,11 @@ def drafter_configs(work: Path, target: str, data: Path, args) -> dict[str, Draf
                   lr=1e-3, device=ENGINE["device"], autocast="off" if args.smoke else "bfloat16",
                   target_dtype="float32" if args.smoke else "bfloat16", log_every=100,
                   save_every=2000)
-    return {"dspark": DrafterTrainConfig(out=str(work / "dspark"), num_draft_layers=2,
+    return {"dspark": DrafterTrainConfig(out=str(work / "dspark"), num_draft_layers=args.draft_layers,
                                          markov_rank=args.markov_rank, markov_head_type="vanilla", **common),
-            "dflash": DrafterTrainConfig(out=str(work / "dflash"), num_draft_layers=2, markov_rank=0,
-                                         confidence_head=False, ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0,
-                                         **common)}
+            "dflash": DrafterTrainConfig(out=str(work / "dflash"), num_draft_layers=args.draft_layers,
+                                         markov_rank=0, confidence_head=False, ce_weight=1.0, l1_weight=0.0,
+                                         confidence_weight=0.0, **common)}
 
 
 def distill(work: Path, target: str, train_files, tokenizer, args) -> dict:
@@ -190,6 +191,7 @@ def main() -> None:
     parser.add_argument("--drafter-seconds", type=float, default=75, help="training time per drafter per run")
     parser.add_argument("--drafter-steps", type=int, default=20000, help="total steps a drafter trains to")
     parser.add_argument("--drafter-batch", type=int, default=64, help="sequences per drafter step")
+    parser.add_argument("--draft-layers", type=int, default=2, help="decoder layers of both drafters")
     parser.add_argument("--markov-rank", type=int, default=64, help="DSpark's Markov head rank (DFlash: 0)")
     parser.add_argument("--distill-prompts", type=int, default=1536, help="prompts over all distill shards")
     parser.add_argument("--shard", type=shard, default=(0, 1), help="distill: this process's share I/N of the "

@@ -38,7 +38,7 @@ def test_smoke_recipe_records_both_drafters_and_a_rerun_skips_finished_stages(tm
     def run():
         out = tmp_path / "record.json"
         subprocess.run([sys.executable, str(RECIPE), "--smoke", "--work", str(tmp_path / "work"), "--out", str(out),
-                        "--distill-prompts", "4", "--eval-prompts", "2"], check=True, cwd=ROOT, capture_output=True)
+                        "--distill-prompts", "4", "--eval-prompts", "2", "--draft-layers", "3"], check=True, cwd=ROOT, capture_output=True)
         return json.loads(out.read_text())
 
     first = run()
@@ -46,6 +46,8 @@ def test_smoke_recipe_records_both_drafters_and_a_rerun_skips_finished_stages(tm
     assert set(first["results"]["dspark"]) == {"t=0.0", "t=1.0", "training_files_t=0.0"}
     assert all(1.0 <= r["mean_acceptance_length"] <= 8.0 for d in first["results"].values() for r in d.values())
     assert {"target", "distill", "train-dspark", "train-dflash"} <= set(first["stages"])
+    for name in ("dspark", "dflash"):  # --draft-layers reaches both drafters
+        assert json.loads((tmp_path / "work" / name / "config.json").read_text())["num_hidden_layers"] == 3
     second = run()  # everything is found done: nothing retrains
     assert second["stages"] == first["stages"]
     assert second["results"] == first["results"]  # seeded evaluation of the same checkpoints
