@@ -1,8 +1,8 @@
 """Training data: JSONL rows or a folder of source files, tokenized into sequences with a loss mask.
 
 JSONL rows: ``{"prompt": ..., "response": ...}`` (only the response is supervised), ``{"prompt_ids": [...],
-"response_ids": [...]}`` (exact token ids, as self-distillation writes them) or ``{"text": ...}`` (all of it). A folder: every ``*.py`` file below it, all supervised. Long sequences are cut into
-windows of ``max_len`` tokens.
+"response_ids": [...]}`` (exact token ids, as self-distillation writes them) or ``{"text": ...}`` (all of it). A folder: every
+``*.py`` file below it, all supervised. Long sequences are cut into windows of ``max_len`` tokens.
 """
 
 from __future__ import annotations
@@ -72,19 +72,23 @@ def tokenize(rows: list[dict], tokenizer, max_len: int, eos_token_id: int | None
 
 
 def batches(examples: list[Example], batch_size: int, seed: int, pad_id: int):
-    """Endless shuffled batches: (input_ids [N, L], loss_mask [N, L], attention_mask [N, L])."""
+    """Endless shuffled batches: (input_ids [N, L], loss_mask [N, L], attention_mask [N, L]), all int64, L the
+    longest example of the batch. The examples are packed into compact tensors once (and the lists dropped), so
+    a batch is a gather, not per-example Python: it is built on the host every training step."""
+    count, width = len(examples), max(len(e.token_ids) for e in examples)
+    lengths = torch.tensor([len(e.token_ids) for e in examples])  # [E]
+    all_ids = torch.full((count, width), pad_id, dtype=torch.int32)  # [E, W]
+    all_loss = torch.zeros((count, width), dtype=torch.bool)  # [E, W]
+    for i, e in enumerate(examples):
+        all_ids[i, :len(e.token_ids)] = torch.tensor(e.token_ids, dtype=torch.int32)
+        all_loss[i, :len(e.loss_mask)] = torch.tensor(e.loss_mask, dtype=torch.bool)
+    del examples  # the generator's frame would otherwise keep every list alive
     rng = random.Random(seed)
-    order = list(range(len(examples)))
+    order = list(range(count))
     while True:
         rng.shuffle(order)
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            chunk = [examples[i] for i in order[start:start + batch_size]]
-            length = max(len(e.token_ids) for e in chunk)
-            ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
-            loss = torch.zeros((len(chunk), length), dtype=torch.long)
-            attn = torch.zeros((len(chunk), length), dtype=torch.long)
-            for i, e in enumerate(chunk):
-                ids[i, :len(e.token_ids)] = torch.tensor(e.token_ids)
-                loss[i, :len(e.loss_mask)] = torch.tensor(e.loss_mask)
-                attn[i, :len(e.token_ids)] = 1
-            yield ids, loss, attn
+        for start in range(0, count - batch_size + 1, batch_size):
+            rows = torch.tensor(order[start:start + batch_size])  # [N]
+            length = int(lengths[rows].max())
+            attn = (torch.arange(length) < lengths[rows, None]).long()  # [N, L]
+            yield all_ids[rows, :length].long(), all_loss[rows, :length].long(), attn

@@ -57,6 +57,26 @@ def test_tokenize_keeps_row_order_and_supervises_only_answers(qwen3_target):
     assert set(examples[0].loss_mask) == {1}
 
 
+def test_batches_pad_each_example_and_visit_every_example_once_per_epoch():
+    from runtime.training.data import Example, batches
+
+    examples = [Example(list(range(10 * i, 10 * i + 2 + i)), [i % 2] * (2 + i)) for i in range(6)]
+    stream = batches(examples, batch_size=3, seed=0, pad_id=99)
+    seen = []
+    for _ in range(2):  # one epoch: 6 examples in batches of 3
+        ids, loss, attn = next(stream)
+        assert ids.dtype == loss.dtype == attn.dtype == torch.long
+        assert ids.shape[1] == int(attn.sum(1).max())  # as wide as the longest example of the batch
+        for row_ids, row_loss, row_attn in zip(ids.tolist(), loss.tolist(), attn.tolist()):
+            example = examples[row_ids[0] // 10]
+            n = len(example.token_ids)
+            assert row_ids == example.token_ids + [99] * (len(row_ids) - n)
+            assert row_loss == example.loss_mask + [0] * (len(row_ids) - n)
+            assert row_attn == [1] * n + [0] * (len(row_ids) - n)
+            seen.append(row_ids[0] // 10)
+    assert sorted(seen) == list(range(6))
+
+
 def test_default_layer_ids_never_take_the_last_layer():
     assert default_layer_ids(36) == [0, 8, 17, 26, 34]
     assert default_layer_ids(4) == [0, 1, 2]
