@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.training import DrafterTrainConfig, TargetTrainConfig  # noqa: E402
 from runtime.llm import LLM  # noqa: E402
+from runtime.training.data_parallel import STATS_FILE  # noqa: E402
 from runtime.training.distill import code_prompts, evaluate, regenerate  # noqa: E402
 from runtime.training.drafter_trainer import train_drafter  # noqa: E402
 from runtime.training.target_trainer import source_files, split, train_target  # noqa: E402
@@ -170,7 +171,7 @@ def join_process_group(args) -> None:
 
 
 def drafter_done(cfg: DrafterTrainConfig) -> bool:
-    stats = Path(cfg.out) / "train_stats.json"
+    stats = Path(cfg.out) / STATS_FILE
     return stats.is_file() and json.loads(stats.read_text()).get("step", 0) >= cfg.steps
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import types
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -148,27 +150,27 @@ def add_trainer_command(commands, kind: str, model, help: str, description: str)
 def add_field_flag(parser: argparse.ArgumentParser, name: str, field) -> None:
     """A --flag for a config field, typed from its annotation, documented by its description."""
     flag = "--" + name.replace("_", "-")
-    default = None if field.is_required() else field.default
-    text = f"{field.description} (default: {default})" if not field.is_required() else f"{field.description} (required)"
-    choices = literal_choices(field.annotation)
-    if field.annotation is bool:
+    text = f"{field.description} ({'required' if field.is_required() else f'default: {field.default}'})"
+    kind = base_type(field.annotation)
+    if kind is bool:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
-    elif choices:
-        parser.add_argument(flag, choices=choices, help=text)
-    elif name == "target_layer_ids":
-        parser.add_argument(flag, type=int, nargs="+", help=text)
+    elif typing.get_origin(kind) is typing.Literal:
+        parser.add_argument(flag, choices=list(typing.get_args(kind)), help=text)
+    elif typing.get_origin(kind) is list:
+        parser.add_argument(flag, type=base_type(typing.get_args(kind)[0]), nargs="+", help=text)
     else:
-        kind = next((t for t in (int, float) if t.__name__ in str(field.annotation)), str)
-        parser.add_argument(flag, type=kind, required=field.is_required(), help=text)
+        parser.add_argument(flag, type=kind if kind in (int, float) else str, required=field.is_required(), help=text)
 
 
-def literal_choices(annotation) -> list | None:
-    import typing
-
-    for arg in (annotation, *typing.get_args(annotation)):
-        if typing.get_origin(arg) is typing.Literal:
-            return list(typing.get_args(arg))
-    return None
+def base_type(annotation):
+    """``annotation`` without ``| None`` and ``Annotated[...]``: int, float, str, bool, list[...] or a Literal."""
+    while True:
+        if typing.get_origin(annotation) is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+        elif isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+            annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+        else:
+            return annotation
 
 
 def field_values(args: argparse.Namespace, model) -> dict:

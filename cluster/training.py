@@ -10,7 +10,6 @@ from configs.training import DrafterTrainConfig, TargetTrainConfig
 from runtime.training.data_parallel import STATS_FILE
 
 
-
 def train(kind: str, config: DrafterTrainConfig | TargetTrainConfig, progress: bool = True) -> dict:
     """Train in this process (data parallel inside an initialized ``torch.distributed`` group):
     ``kind`` 'drafter' (``train_drafter``) or 'target' (``train_target``)."""

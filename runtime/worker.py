@@ -51,7 +51,6 @@ class WorkerPlan:
         return self.role == "drafter" or (self.drafter == "colocated" and self.tp_rank == 0)
 
 
-
 class Worker:
     def __init__(self, config: LLMConfig, plan: WorkerPlan):
         if plan.drafter is not None and plan.drafter not in DRAFTER_MODES:
