@@ -6,14 +6,15 @@ a warm machine train longer; ``--run-seconds`` fits the drafters' training into 
 stage records itself in ``WORK/stage-NAME.json``; with ``--gpus N`` every stage but eval uses N GPUs: the
 target trains data parallel (torchrun), distillation runs in N shards and the drafters side by side, one
 child process per GPU:
-  1. target: ~27M-parameter Qwen3-architecture model + byte-level BPE on the stdlib sources or ``--corpus``
-     (bf16 autocast; the 24 MB stdlib is small enough that the target memorizes it, a larger corpus pays)
+  1. target: a Qwen3-architecture model (~27M parameters by default, ``--target-hidden``/``--target-layers``)
+     + byte-level BPE on the stdlib sources or ``--corpus`` (bf16 autocast, cosine learning rate that reaches 0
+     at ``--target-seconds``; the 24 MB stdlib is small enough that the target memorizes it, a larger corpus pays)
   2. distill: the target answers code prompts greedily (self-distillation; ``--shard I/N`` splits the prompts
      over processes); the drafters' data is those answers plus the training files' text
   3. dspark / dflash: train-drafter on the same data and budget, both with ``--draft-layers`` (default 2):
      DSpark (vanilla Markov head of rank ``--markov-rank``, confidence head, DeepSpec loss) and DFlash
      (Markov rank 0, cross-entropy only)
-  4. eval: both on held-out files' prompts at K=7, temperature 0 and 1
+  4. eval: both on held-out files' prompts at K=7, temperature 0 and 1 (with ``--gpus`` > 1, side by side)
 Writes one JSON record (stage statistics, tau, per-position acceptance).
 
 usage: python benchmarks/gpu_recipe.py --out results.json --work /tmp/recipe
@@ -51,14 +52,15 @@ DISTILL_BATCH = dict(max_num_seqs=1024, max_num_batched_tokens=16384)  # regener
 
 STAGES = ("target", "distill", "dspark", "dflash", "eval")
 PREPARE_SECONDS = 60  # a drafter process: imports, loading the target, tokenizing the data, the last save
-EVAL_SECONDS = 90  # the eval stage at the default sizes
 
 
 def target_config(work: Path, args) -> TargetTrainConfig:
-    cfg = TargetTrainConfig(out=str(work / "target"), data=args.corpus, vocab_size=4096, hidden_size=512,
-                            num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536, max_len=512,
-                            max_corpus_bytes=int(args.corpus_mb * (1 << 20)),
-                            batch_size=48, steps=args.target_steps, max_seconds=args.target_seconds, lr=2e-3,
+    heads = args.target_hidden // 64  # head_dim 64, two query heads per key/value head, MLP 3x wide
+    cfg = TargetTrainConfig(out=str(work / "target"), data=args.corpus, vocab_size=4096,
+                            hidden_size=args.target_hidden, num_layers=args.target_layers, num_heads=heads,
+                            num_kv_heads=max(heads // 2, 1), intermediate_size=3 * args.target_hidden, max_len=512,
+                            max_corpus_bytes=int(args.corpus_mb * (1 << 20)), batch_size=48,
+                            steps=args.target_steps, max_seconds=args.target_seconds, lr=args.target_lr,
                             device=ENGINE["device"], autocast="bfloat16")
     if args.smoke:
         cfg = cfg.model_copy(update=dict(vocab_size=512, hidden_size=64, num_layers=3, num_heads=2, num_kv_heads=1,
@@ -185,10 +187,16 @@ def main() -> None:
                         "(torchrun), distill shards and the two drafters one child process per GPU; default 1 (all "
                         "in this process)")
     parser.add_argument("--run-seconds", type=float, default=None, help="this run's wall-time budget: the drafters "
-                        f"train at most what is left after {PREPARE_SECONDS} s to prepare (and {EVAL_SECONDS} s for "
-                        "eval when it is asked for)")
-    parser.add_argument("--target-seconds", type=float, default=200)
+                        f"train at most what is left after {PREPARE_SECONDS} s to prepare (and --eval-seconds when "
+                        "eval is asked for)")
+    parser.add_argument("--target-seconds", type=float, default=200, help="the target's training time (its "
+                        "learning rate anneals to 0 by then)")
     parser.add_argument("--target-steps", type=int, default=6000)
+    parser.add_argument("--target-hidden", type=int, default=512, help="the target's width, a multiple of 64 "
+                        "(head_dim 64, two query heads per key/value head, MLP 3x); default 512 (~27M parameters "
+                        "at 8 layers, ~88M at 768 and 12 layers)")
+    parser.add_argument("--target-layers", type=int, default=8, help="the target's decoder layers")
+    parser.add_argument("--target-lr", type=float, default=2e-3, help="the target's peak learning rate")
     parser.add_argument("--drafter-seconds", type=float, default=75, help="training time per drafter per run")
     parser.add_argument("--drafter-steps", type=int, default=20000, help="total steps a drafter trains to")
     parser.add_argument("--drafter-batch", type=int, default=64, help="sequences per drafter step")
@@ -202,6 +210,10 @@ def main() -> None:
     parser.add_argument("--corpus-mb", type=float, default=24, help="source megabytes read from --corpus")
     parser.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts (and as many from "
                         "training files, at temperature 0, to show how much of tau is memorized)")
+    parser.add_argument("--eval-seconds", type=float, default=90, help="what --run-seconds keeps for the eval "
+                        "stage (90 s fits the default sizes)")
+    parser.add_argument("--eval-drafter", choices=("dspark", "dflash"), default=None, help="eval: only this "
+                        "drafter (--gpus sets it for its children, one drafter per GPU)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, to check the script runs")
     args = parser.parse_args()
     if args.smoke:
@@ -209,6 +221,8 @@ def main() -> None:
     wanted = set(args.stages.split(","))
     if not wanted <= set(STAGES):
         raise SystemExit(f"--stages: choose from {','.join(STAGES)}")
+    if args.target_hidden % 64 or args.target_hidden < 64:
+        raise SystemExit(f"--target-hidden {args.target_hidden}: a positive multiple of 64")
     if args.gpus < 1 or (not args.smoke and args.gpus > torch.cuda.device_count()):
         raise SystemExit(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA GPUs")
     work, t0 = Path(args.work), time.monotonic()
@@ -263,7 +277,7 @@ def main() -> None:
     if to_train:
         seconds = args.drafter_seconds
         if args.run_seconds is not None:
-            reserve = PREPARE_SECONDS + (EVAL_SECONDS if "eval" in wanted else 0)
+            reserve = PREPARE_SECONDS + (args.eval_seconds if "eval" in wanted else 0)
             seconds = min(seconds, args.run_seconds - (time.monotonic() - t0) - reserve)
         if seconds < 10:
             print(f"no time left to train {', '.join(to_train)} in --run-seconds {args.run_seconds}", flush=True)
@@ -284,17 +298,27 @@ def main() -> None:
               "software": {"torch": torch.__version__, "python": platform.python_version()},
               "max_draft_len": K, "stages": stages, "results": {}}
     if "eval" in wanted:
-        trained = {name: cfg for name, cfg in drafters.items() if (Path(cfg.out) / "config.json").is_file()}
+        trained = [name for name, cfg in drafters.items() if (Path(cfg.out) / "config.json").is_file()
+                   and args.eval_drafter in (None, name)]
         if not trained:
-            raise SystemExit(f"eval: no trained drafter in {work} (train dspark and/or dflash first)")
-        held_prompts = code_prompts(heldout, tokenizer, args.eval_prompts, 64, seed=2)
-        seen_prompts = code_prompts(train_files, tokenizer, args.eval_prompts, 64, seed=3)
-        for name, cfg in trained.items():
-            result = {f"t={t}": evaluate(target_cfg.out, cfg.out, held_prompts, K, t, 128, **ENGINE)
-                      for t in (0.0, 1.0)}
-            result["training_files_t=0.0"] = evaluate(target_cfg.out, cfg.out, seen_prompts, K, 0.0, 128, **ENGINE)
-            record["results"][name] = result
-            Path(args.out).write_text(json.dumps(record, indent=2))  # partial records survive a timeout
+            raise SystemExit(f"eval: no trained {args.eval_drafter or 'drafter'} in {work} (train dspark and/or "
+                             "dflash first)")
+        if args.gpus > 1 and len(trained) > 1:  # one child per drafter, each on its own GPU
+            fan_out([(f"eval-{name}", child_argv(sys.argv[1:], drop=("--run-seconds",), stages="eval", gpus=1,
+                                                 eval_drafter=name, out=work / f"eval-{name}.json"))
+                     for name in trained], args.gpus, work)
+            for name in trained:
+                record["results"][name] = json.loads((work / f"eval-{name}.json").read_text())["results"][name]
+        else:
+            held_prompts = code_prompts(heldout, tokenizer, args.eval_prompts, 64, seed=2)
+            seen_prompts = code_prompts(train_files, tokenizer, args.eval_prompts, 64, seed=3)
+            for name in trained:
+                out = drafters[name].out
+                result = {f"t={t}": evaluate(target_cfg.out, out, held_prompts, K, t, 128, **ENGINE)
+                          for t in (0.0, 1.0)}
+                result["training_files_t=0.0"] = evaluate(target_cfg.out, out, seen_prompts, K, 0.0, 128, **ENGINE)
+                record["results"][name] = result
+                Path(args.out).write_text(json.dumps(record, indent=2))  # partial records survive a timeout
         results = record["results"]
         if {"dspark", "dflash"} <= results.keys():
             record["dspark_over_dflash_tau"] = {t: results["dspark"][t]["mean_acceptance_length"]

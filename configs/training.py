@@ -71,7 +71,8 @@ class TargetTrainConfig(BaseModel):
     heldout_every: Annotated[int, Field(ge=2)] = Field(default=20, description="Every n-th file is held out.")
     batch_size: Annotated[int, Field(gt=0)] = Field(default=16, description="Sequences per step.")
     steps: Annotated[int, Field(gt=0)] = Field(default=2000, description="Optimizer steps.")
-    max_seconds: Annotated[float, Field(gt=0)] | None = Field(default=None, description="Stop after this wall time.")
+    max_seconds: Annotated[float, Field(gt=0)] | None = Field(default=None, description="Stop after this wall "
+                                                              "time; the learning rate reaches 0 by then.")
     lr: Annotated[float, Field(gt=0)] = Field(default=3e-3, description="Peak learning rate.")
     autocast: Autocast = Field(default="off", description=AUTOCAST_HELP)
     device: str = Field(default="auto", description="auto, cpu, cuda, cuda:N.")

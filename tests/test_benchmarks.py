@@ -35,10 +35,11 @@ def test_shard_names_its_form():
 
 @pytest.mark.slow
 def test_smoke_recipe_records_both_drafters_and_a_rerun_skips_finished_stages(tmp_path):
-    def run():
+    def run(*flags):
         out = tmp_path / "record.json"
         subprocess.run([sys.executable, str(RECIPE), "--smoke", "--work", str(tmp_path / "work"), "--out", str(out),
-                        "--distill-prompts", "4", "--eval-prompts", "2", "--draft-layers", "3"], check=True, cwd=ROOT, capture_output=True)
+                        "--distill-prompts", "4", "--eval-prompts", "2", "--draft-layers", "3", *flags], check=True,
+                       cwd=ROOT, capture_output=True)
         return json.loads(out.read_text())
 
     first = run()
@@ -48,6 +49,7 @@ def test_smoke_recipe_records_both_drafters_and_a_rerun_skips_finished_stages(tm
     assert {"target", "distill", "train-dspark", "train-dflash"} <= set(first["stages"])
     for name in ("dspark", "dflash"):  # --draft-layers reaches both drafters
         assert json.loads((tmp_path / "work" / name / "config.json").read_text())["num_hidden_layers"] == 3
-    second = run()  # everything is found done: nothing retrains
+    second = run("--gpus", "2")  # everything is found done: nothing retrains; eval runs one child per drafter
     assert second["stages"] == first["stages"]
     assert second["results"] == first["results"]  # seeded evaluation of the same checkpoints
+    assert {"eval-dspark.log", "eval-dflash.log"} <= {p.name for p in (tmp_path / "work").iterdir()}

@@ -1,8 +1,8 @@
 """Training data: JSONL rows or a folder of source files, tokenized into sequences with a loss mask.
 
 JSONL rows: ``{"prompt": ..., "response": ...}`` (only the response is supervised), ``{"prompt_ids": [...],
-"response_ids": [...]}`` (exact token ids, as self-distillation writes them) or ``{"text": ...}`` (all of it). A folder: every
-``*.py`` file below it, all supervised. Long sequences are cut into windows of ``max_len`` tokens.
+"response_ids": [...]}`` (exact token ids, as self-distillation writes them) or ``{"text": ...}`` (all of it).
+A folder: every ``*.py`` file below it, all supervised. Long sequences are cut into windows of ``max_len`` tokens.
 """
 
 from __future__ import annotations

@@ -14,13 +14,18 @@ def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+def agreed_max(value: float, world: int, device: torch.device) -> float:
+    """The largest of every rank's ``value`` (so all ranks take the same decision from it)."""
+    if world == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
 def everyone_agrees(flag: bool, world: int, device: torch.device) -> bool:
     """True on every rank if it is true on any (so all ranks stop at the same step)."""
-    if world == 1:
-        return flag
-    value = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    return agreed_max(float(flag), world, device) > 0
 
 
 def average_gradients(module: torch.nn.Module, world: int) -> None:

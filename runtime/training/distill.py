@@ -86,7 +86,8 @@ def regenerate(llm, prompts: list[list[int]], out: str | Path, max_tokens: int, 
                seed: int = 0) -> int:
     """Answer every prompt with the target itself (``llm``: a ``runtime.LLM`` or ``cluster.LLM`` over it);
     write JSONL rows of exact token ids (an answer that ended on EOS keeps it). Returns rows written."""
-    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i) for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i)
+              for i in range(len(prompts))]
     outs = llm.generate(prompts, params)
     with Path(out).open("w", encoding="utf-8") as f:
         for prompt, o in zip(prompts, outs):

@@ -21,7 +21,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config,
 
 from configs.training import TargetTrainConfig
 from runtime.devices import resolve_device
-from runtime.training.data_parallel import (STATS_FILE, average_gradients, barrier, everyone_agrees,
+from runtime.training.data_parallel import (STATS_FILE, agreed_max, average_gradients, barrier,
                                             rank_and_world)
 from runtime.training.precision import autocast
 
@@ -80,6 +80,16 @@ def token_stream(files: list[Path], tokenizer, max_len: int) -> torch.Tensor:
     return torch.tensor(ids[:rows * max_len]).view(rows, max_len)
 
 
+def lr_factor(step: int, steps: int, time_fraction: float = 0.0, warmup: float = 0.05) -> float:
+    """The learning-rate multiplier of optimizer step ``step`` (0-based) of a run of at most ``steps``: linear
+    warmup over the first ``warmup`` of the run, then a cosine to 0. The run's progress is the larger of its
+    step fraction and ``time_fraction`` (the share of ``max_seconds`` used), so a run that its time limit stops
+    before ``steps`` has still annealed to 0 by then."""
+    done = max(step / steps, time_fraction)
+    warmed = max((step + 1) / steps, time_fraction) / warmup
+    return min(warmed, 0.5 * (1 + math.cos(math.pi * min(done, 1.0))))
+
+
 def train_target(cfg: TargetTrainConfig, progress: bool = True) -> dict:
     """Train the tokenizer and the model; returns (and writes to ``out/train_stats.json``) the final statistics.
 
@@ -109,13 +119,14 @@ def train_target(cfg: TargetTrainConfig, progress: bool = True) -> dict:
                          pad_token_id=tokenizer.pad_token_id)
     model = Qwen3ForCausalLM(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    warmup = max(cfg.steps // 20, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (
-        1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))))
     generator = torch.Generator().manual_seed(cfg.seed + 7919 * rank)  # each rank its own batches
     start, step, loss_ema = time.monotonic(), 0, None  # loss_ema: a device scalar, read only for display
+    time_fraction, lr = 0.0, 0.0  # time_fraction: the agreed share of max_seconds used so far
     bar = tqdm(total=cfg.steps, desc="train-target", disable=not progress or rank != 0)
     while step < cfg.steps:
+        lr = cfg.lr * lr_factor(step, cfg.steps, time_fraction)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         batch = data[torch.randint(len(data), (cfg.batch_size,), generator=generator)].to(device)
         with autocast(cfg.autocast, device):
             loss = model(input_ids=batch, labels=batch).loss
@@ -124,17 +135,17 @@ def train_target(cfg: TargetTrainConfig, progress: bool = True) -> dict:
         average_gradients(model, world)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        scheduler.step()
         step += 1
         loss_ema = loss.detach() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.detach()
         bar.update(1)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{float(loss_ema):.3f}")
-        if everyone_agrees(cfg.max_seconds is not None and time.monotonic() - start >= cfg.max_seconds, world,
-                           device):
-            break
+        if cfg.max_seconds is not None:
+            time_fraction = agreed_max(time.monotonic() - start, world, device) / cfg.max_seconds
+            if time_fraction >= 1:
+                break
     bar.close()
-    stats = {"steps": step, "loss": float(loss_ema), "seconds": time.monotonic() - start,
+    stats = {"steps": step, "loss": float(loss_ema), "last_lr": lr, "seconds": time.monotonic() - start,
              "train_files": len(train_files), "heldout_files": len(heldout), "data_parallel_ranks": world,
              "parameters": sum(p.numel() for p in model.parameters())}
     if rank == 0:

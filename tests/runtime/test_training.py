@@ -250,3 +250,27 @@ def test_target_trains_data_parallel_on_two_ray_train_workers(tmp_path):
     assert stats["loss"] < math.log(300) - 1.0  # it learned something
     model = AutoModelForCausalLM.from_pretrained(cfg.out)  # rank 0 wrote a loadable checkpoint and tokenizer
     assert len(AutoTokenizer.from_pretrained(cfg.out)) == model.config.vocab_size
+
+
+def test_target_lr_warms_up_then_anneals_to_zero_by_its_steps_or_its_time_limit():
+    from runtime.training.target_trainer import lr_factor
+
+    assert lr_factor(0, 100) == pytest.approx(0.2)  # warmup: 5 steps of 100
+    assert lr_factor(4, 100) == pytest.approx(1.0, abs=0.01)
+    assert lr_factor(50, 100) == pytest.approx(0.5)
+    assert lr_factor(99, 100) < 0.001
+    # a run its time limit stops: progress follows the clock when the clock is ahead of the steps
+    assert lr_factor(10, 10**6, time_fraction=0.5) == pytest.approx(0.5)
+    assert lr_factor(10, 10**6, time_fraction=1.0) == 0.0
+
+
+def test_a_target_run_stopped_by_its_time_limit_has_annealed_its_learning_rate(tmp_path):
+    from configs.training import TargetTrainConfig
+    from runtime.training.target_trainer import train_target
+
+    cfg = TargetTrainConfig(out=str(tmp_path / "target"), vocab_size=300, hidden_size=32, num_layers=2, num_heads=2,
+                            num_kv_heads=1, max_len=32, max_corpus_bytes=100_000, batch_size=4, steps=10**6,
+                            max_seconds=2.0, lr=1e-2, device="cpu")
+    stats = train_target(cfg, progress=False)
+    assert 10 < stats["steps"] < 10**6  # the clock stopped it
+    assert stats["last_lr"] < 0.02 * cfg.lr  # the last steps ran at the end of the cosine, not at the peak
