@@ -3,9 +3,9 @@
 Every stage is time-boxed so it fits a 10-minute run on an H200, and stages chain: a rerun with the same
 ``--work`` skips finished stages (``--stages`` picks some) and resumes the drafters, so back-to-back runs on
 a warm machine train longer; ``--run-seconds`` fits the drafters' training into what is left of a run. Each
-stage records itself in ``WORK/stage-NAME.json``; with ``--gpus N`` every stage but eval uses N GPUs: the
-target trains data parallel (torchrun), distillation runs in N shards and the drafters side by side, one
-child process per GPU:
+stage records itself in ``WORK/stage-NAME.json``; with ``--gpus N`` every stage uses N GPUs: the target
+trains data parallel (torchrun), distillation runs in N shards, the drafters train side by side and are
+evaluated side by side, one child process per GPU:
   1. target: a Qwen3-architecture model (~27M parameters by default, ``--target-hidden``/``--target-layers``)
      + byte-level BPE on the stdlib sources or ``--corpus`` (bf16 autocast, cosine learning rate that reaches 0
      at ``--target-seconds``; the 24 MB stdlib is small enough that the target memorizes it, a larger corpus pays)
@@ -14,7 +14,7 @@ child process per GPU:
   3. dspark / dflash: train-drafter on the same data and budget, both with ``--draft-layers`` (default 2):
      DSpark (vanilla Markov head of rank ``--markov-rank``, confidence head, DeepSpec loss) and DFlash
      (Markov rank 0, cross-entropy only)
-  4. eval: both on held-out files' prompts at K=7, temperature 0 and 1 (with ``--gpus`` > 1, side by side)
+  4. eval: both on held-out files' prompts at K=7, temperature 0 and 1
 Writes one JSON record (stage statistics, tau, per-position acceptance).
 
 usage: python benchmarks/gpu_recipe.py --out results.json --work /tmp/recipe
@@ -184,8 +184,8 @@ def main() -> None:
                         "drafters resume, so back-to-back runs on a warm machine chain")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs for the stages: the target data parallel "
-                        "(torchrun), distill shards and the two drafters one child process per GPU; default 1 (all "
-                        "in this process)")
+                        "(torchrun); distill shards, the two drafters' training and their evaluation one child "
+                        "process per GPU; default 1 (all in this process)")
     parser.add_argument("--run-seconds", type=float, default=None, help="this run's wall-time budget: the drafters "
                         f"train at most what is left after {PREPARE_SECONDS} s to prepare (and --eval-seconds when "
                         "eval is asked for)")

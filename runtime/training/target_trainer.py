@@ -83,7 +83,7 @@ def token_stream(files: list[Path], tokenizer, max_len: int) -> torch.Tensor:
 def lr_factor(step: int, steps: int, time_fraction: float = 0.0, warmup: float = 0.05) -> float:
     """The learning-rate multiplier of optimizer step ``step`` (0-based) of a run of at most ``steps``: linear
     warmup over the first ``warmup`` of the run, then a cosine to 0. The run's progress is the larger of its
-    step fraction and ``time_fraction`` (the share of ``max_seconds`` used), so a run that its time limit stops
+    step fraction and ``time_fraction`` (the share of ``max_seconds`` used), so a run stopped by its time limit
     before ``steps`` has still annealed to 0 by then."""
     done = max(step / steps, time_fraction)
     warmed = max((step + 1) / steps, time_fraction) / warmup
