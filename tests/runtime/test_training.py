@@ -240,7 +240,7 @@ def test_target_trains_data_parallel_on_two_ray_train_workers(tmp_path):
 
     cfg = TargetTrainConfig(out=str(tmp_path / "target"), vocab_size=300, hidden_size=32, num_layers=2, num_heads=2,
                             num_kv_heads=1, max_len=32, max_corpus_bytes=200_000, batch_size=4, steps=40, lr=1e-2,
-                            device="cpu")
+                            max_seconds=600, device="cpu")  # max_seconds: the ranks agree on the clock every step
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         stats = train_on_ray("target", cfg, num_workers=2, use_gpu=False)
