@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from runtime.training.data import batches, read_rows, tokenize
 from runtime.training.forward import block_hidden, confidence_logits, teacher_forced_logits
 from runtime.training.loss import LossWeights, dspark_loss
 from runtime.training.precision import autocast
+from runtime.training.schedule import warmup_cosine
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
@@ -80,7 +80,7 @@ def build_drafter(config: dict, device: torch.device, dtype: torch.dtype, seed: 
 
 def lr_lambda(steps: int, warmup_ratio: float) -> Callable[[int], float]:
     warmup = max(int(steps * warmup_ratio), 1)
-    return lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    return lambda s: warmup_cosine(s, steps, warmup)
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import sysconfig
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from runtime.devices import resolve_device
 from runtime.training.data_parallel import (STATS_FILE, agreed_max, average_gradients, barrier,
                                             rank_and_world)
 from runtime.training.precision import autocast
+from runtime.training.schedule import warmup_cosine
 
 log = logging.getLogger(__name__)
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<mask>"]
@@ -80,14 +80,10 @@ def token_stream(files: list[Path], tokenizer, max_len: int) -> torch.Tensor:
     return torch.tensor(ids[:rows * max_len]).view(rows, max_len)
 
 
-def lr_factor(step: int, steps: int, time_fraction: float = 0.0, warmup: float = 0.05) -> float:
-    """The learning-rate multiplier of optimizer step ``step`` (0-based) of a run of at most ``steps``: linear
-    warmup over the first ``warmup`` of the run, then a cosine to 0. The run's progress is the larger of its
-    step fraction and ``time_fraction`` (the share of ``max_seconds`` used), so a run stopped by its time limit
-    before ``steps`` has still annealed to 0 by then."""
-    done = max(step / steps, time_fraction)
-    warmed = max((step + 1) / steps, time_fraction) / warmup
-    return min(warmed, 0.5 * (1 + math.cos(math.pi * min(done, 1.0))))
+def lr_factor(step: int, steps: int, time_fraction: float = 0.0) -> float:
+    """The target's schedule: ``warmup_cosine`` with 5% warmup; ``time_fraction`` is the share of
+    ``max_seconds`` used, so a run its time limit stops has annealed to 0 by then."""
+    return warmup_cosine(step, steps, max(steps // 20, 1), time_fraction)
 
 
 def train_target(cfg: TargetTrainConfig, progress: bool = True) -> dict:
