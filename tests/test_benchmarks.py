@@ -33,6 +33,21 @@ def test_shard_names_its_form():
         recipe.shard("2/2")
 
 
+def test_target_size_flags_shape_the_target_and_a_bad_width_is_named(tmp_path):
+    import argparse
+
+    recipe = load_recipe()
+    args = argparse.Namespace(corpus=None, corpus_mb=64, target_steps=10, target_seconds=5.0, target_lr=1e-3,
+                              target_hidden=768, target_layers=12, smoke=False)
+    cfg = recipe.target_config(tmp_path, args)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.lr) == (
+        768, 12, 12, 6, 2304, 1e-3)
+    proc = subprocess.run([sys.executable, str(RECIPE), "--smoke", "--work", str(tmp_path / "w"), "--out",
+                           str(tmp_path / "o.json"), "--target-hidden", "100"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert proc.returncode != 0 and "--target-hidden 100: a positive multiple of 64" in proc.stderr
+
+
 @pytest.mark.slow
 def test_smoke_recipe_records_both_drafters_and_a_rerun_skips_finished_stages(tmp_path):
     def run(*flags):
