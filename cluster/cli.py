@@ -13,6 +13,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from cluster import bench
 from configs import ConfigError, LLMConfig, ParallelConfig, ReplicaConfig, ServeArgs, validate
 from configs.training import DrafterTrainConfig, TargetTrainConfig
 from configs.files import read_mapping
@@ -135,6 +136,7 @@ def add_training_commands(commands) -> None:
                                "target and its drafter; prints one JSON line.")
     demo.add_argument("action", choices=["build"], help="build: train the pair (a few minutes on a CPU) or reuse it")
     demo.set_defaults(handler=run_demo)
+    bench.add_parser(commands)
 
 
 def add_trainer_command(commands, kind: str, model, help: str, description: str) -> None:

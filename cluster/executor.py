@@ -9,6 +9,7 @@ replica's KV pages (the minimum any process holds). Each step is one Ray round t
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import ray
@@ -85,8 +86,7 @@ class RayExecutor:
         step = results[0]
         if self.plan.roles[-1] == "drafter":
             drafts = results[-1]
-            step = [RequestStepResult(r.request_id, r.token_ids, r.num_accepted, drafts.get(r.request_id, []))
-                    for r in step]
+            step = [dataclasses.replace(r, next_draft_ids=drafts.get(r.request_id, [])) for r in step]
         return step
 
     def describe(self) -> list[dict]:

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from configs.speculative import DSparkDecodingConfig, MoeBackend
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
-KernelBackend = Literal["torch", "flashinfer"]
+KernelBackend = Literal["auto", "torch", "flashinfer"]
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -42,8 +42,16 @@ class LLMConfig(BaseModel):
         default=2048, description="Target tokens per step (prefill chunks + K+1 per decoding request).")
     moe_backend: MoeBackend = Field(default="AUTO", description="MoE backend of the target's MoE layers.")
     kernel_backend: KernelBackend = Field(
-        default="torch", description="Attention/sampling kernels: torch (reference, any device) or "
-        "flashinfer (CUDA; an error if it cannot run).")
+        default="auto", description="Kernels: torch (the reference, any device), flashinfer (CUDA: FlashInfer "
+        "paged attention and fused Triton kernels; an error if it cannot run), or auto (flashinfer on a CUDA "
+        "device where flashinfer and triton import, torch otherwise; the choice is logged and in rank_info).")
+    load_format: Literal["auto", "dummy"] = Field(
+        default="auto", description="auto reads the target's safetensors; dummy initializes random weights from "
+        "config.json alone (benchmarks of a model shape, as vLLM's load_format='dummy').")
+    enforce_eager: bool = Field(
+        default=False, description="Never use CUDA graphs. Otherwise, with the flashinfer kernels on one GPU, "
+        "decode and verify steps replay graphs captured per batch-size bucket (capture time and memory are "
+        "logged).")
     seed: int = Field(default=0, description="Seed of the engine's generator for unseeded sampled requests.")
 
     @field_validator("device")

@@ -2,8 +2,9 @@
 
 Only the engine thread touches the engine: callers send commands (add, abort) through a queue
 and receive ``RequestOutput`` snapshots on a per-request asyncio queue. A caller that goes away
-(a client disconnect cancels its coroutine) aborts its request, which frees its KV pages. If a
-step raises (an actor died), every request in flight gets the error and ``recover`` is called
+(a client disconnect cancels its coroutine) aborts its request, which frees its KV pages. A request
+that fails alone inside a step (``RequestOutput.error``) raises ``RequestFailed`` in its caller only.
+If a step raises (an actor died), every request in flight gets the error and ``recover`` is called
 (the cluster layer rebuilds the replica) before new requests are taken.
 """
 
@@ -27,6 +28,14 @@ IDLE_WAIT_S = 0.05
 
 class Overloaded(RuntimeError):
     """Too many requests wait for a slot; retry later."""
+
+
+class RequestFailed(RuntimeError):
+    """This request alone failed inside a step (``RequestOutput.error`` says why); the others went on."""
+
+
+class StepFailed(RuntimeError):
+    """A whole step failed (an actor died, a device or collective error): every request in flight failed."""
 
 
 @dataclass
@@ -113,7 +122,7 @@ class AsyncEngine:
                 stream = self._streams.get(out.request_id)
                 if stream is None:
                     continue
-                if not stream.push(out):  # its caller's loop closed: nobody will read it
+                if not stream.push(out if out.error is None else RequestFailed(out.error)):  # caller's loop closed
                     del self._streams[out.request_id]
                     self.engine.abort(out.request_id)
                 elif out.finished:
@@ -149,8 +158,9 @@ class AsyncEngine:
     def _fail_all(self, exc: Exception) -> None:
         log.error("dspark: step failed, failing %d request(s): %s", len(self._streams), exc)
         failed = self.engine.abort_all()
+        error = StepFailed(f"{type(exc).__name__}: {exc}")
         for stream in self._streams.values():
-            stream.push(exc)
+            stream.push(error)
         self._streams.clear()
         if self.recover is not None:
             try:

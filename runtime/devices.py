@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from configs import DSparkDecodingConfig, LLMConfig
+from runtime.kernels import KernelBackendUnavailable
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_DEFAULT_BYTES = 1 << 30
@@ -64,3 +65,25 @@ def check_draft_attention_backend(spec: DSparkDecodingConfig) -> str:
         raise ValueError("speculative_config.attention_backend='CUTEDSL' cannot run here: it is for MLA drafters "
                          "and this drafter is GQA; use AUTO or VANILLA")
     return backend
+
+
+def resolve_kernel_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto`` -> ``flashinfer`` on CUDA in bf16/fp16 when flashinfer and triton import, else ``torch``; an
+    explicit ``flashinfer`` that cannot run (not CUDA, float32) is an error naming why."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    if name == "auto":
+        if device.type != "cuda" or not half:
+            return "torch"
+        try:
+            import flashinfer  # noqa: F401
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "flashinfer"
+    if name == "flashinfer" and device.type != "cuda":
+        raise KernelBackendUnavailable(f"kernel backend 'flashinfer' runs on CUDA devices only; this process's "
+                                       f"device is {device} (use kernel_backend='torch' or 'auto')")
+    if name == "flashinfer" and not half:
+        raise KernelBackendUnavailable(f"kernel backend 'flashinfer' needs dtype bfloat16 or float16, got "
+                                       f"{str(dtype).removeprefix('torch.')} (use kernel_backend='torch' for float32)")
+    return name

@@ -37,6 +37,8 @@ class Proposal:
 
 
 class DraftChannel(Protocol):
+    def scrub(self, page_ids: list[int]) -> None: ...
+
     def send_context(self, captured: torch.Tensor, tensors: StepTensors) -> None: ...
 
     def propose(self, entries: list[ScheduledRequest], committed: torch.Tensor, accepted: torch.Tensor,
@@ -48,6 +50,9 @@ class LocalDraftChannel:
 
     def __init__(self, runner: DraftRunner):
         self.runner = runner
+
+    def scrub(self, page_ids: list[int]) -> None:
+        self.runner.scrub(page_ids)
 
     def send_context(self, captured: torch.Tensor, tensors: StepTensors) -> None:
         self.runner.append_context(captured, tensors.positions, tensors.slots)
@@ -68,6 +73,9 @@ class RemoteDraftChannel:
                  device: torch.device):
         self.peer, self.hidden_size, self.markov_rank = drafter_rank, hidden_size, markov_rank
         self.dtype, self.device = dtype, device
+
+    def scrub(self, page_ids: list[int]) -> None:
+        """Nothing to do here: the drafter process gets the same batch and scrubs its own context cache."""
 
     def send_context(self, captured: torch.Tensor, tensors: StepTensors) -> None:
         dist.send(captured.contiguous(), dst=self.peer)

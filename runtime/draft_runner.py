@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from runtime.kernels import KernelBackend, PagedAttentionMeta
+from runtime.kv_cache import scrub_pages
 from runtime.models.drafter import DSparkDrafter
 from runtime.noise import Stream, exponentials
 from runtime.step_io import ScheduledRequest
@@ -35,6 +36,9 @@ class DraftRunner:
         self.kernels, self.device = kernels, device
         self.use_rejection = use_rejection_sampling
         self.confidence_threshold = confidence_threshold
+
+    def scrub(self, page_ids: list[int]) -> None:
+        scrub_pages(self.caches, page_ids, self.device)
 
     def append_context(self, captured: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         self.drafter.append_context(captured, positions, slots, self.caches)

@@ -28,6 +28,7 @@ class DraftServer:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[str, list[int]]:
         """-> request id -> the block proposed for its next step."""
+        self.runner.scrub(batch.scrub_page_ids)
         reqs = batch.requests
         if not reqs or not batch.maintain_draft_context:
             return {}

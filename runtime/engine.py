@@ -2,12 +2,15 @@
 
 ``add_request`` validates and queues; ``step`` schedules one batch, runs it, commits tokens
 (cutting at stops), updates the counters and the acceptance gate, and returns the requests that
-progressed. This is what a driver (``runtime.LLM``, a Ray actor, a Serve replica) wraps.
+progressed. A fault of one request inside a step (non-finite logits in its rows, an error while
+committing its tokens) ends that request with ``finish_reason="error"`` and ``error`` set; the other
+requests of the step continue with exactly the tokens they would have had. This is what a driver (``runtime.LLM``, a Ray actor, a Serve replica) wraps.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from pathlib import Path
 
@@ -24,6 +27,12 @@ from runtime.scheduler import Scheduler, SchedulerLimits
 from runtime.sequence import Sequence
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.stops import StopCriteria
+
+log = logging.getLogger(__name__)
+
+
+class RequestFault(RuntimeError):
+    """A failure that belongs to one request (non-finite logits in its rows, its text): only it fails."""
 
 
 class Engine:
@@ -143,19 +152,27 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
+        released, scrub = self.scheduler.take_released()
         batch = ScheduledBatch(requests=scheduled, num_next_drafts=self.draft_len(),
                                maintain_draft_context=self.has_drafter and not self.gate.closed,
-                               released_request_ids=self.scheduler.take_released())
+                               released_request_ids=released, scrub_page_ids=scrub)
         results = self.executor.execute(batch)
         outputs, drafted, accepted = [], 0, 0
         for entry, result in zip(scheduled, results):
             seq = self.sequences[entry.request_id]
-            kept = self._commit(seq, entry, result)
+            try:
+                if result.error is not None:
+                    raise RequestFault(result.error)
+                kept = self._commit(seq, entry, result)
+                out = self.output(seq, result.token_ids[:kept]) if result.token_ids else None
+            except Exception as exc:  # this request's own fault (its logits, its text): it alone fails
+                outputs.append(self._fail(seq, exc))
+                continue
             step_drafted, step_accepted = self._counted(entry, result, kept, seq.finish_reason is not None)
             self.metrics.record(step_drafted, step_accepted)
             drafted, accepted = drafted + step_drafted, accepted + step_accepted
-            if result.token_ids:
-                outputs.append(self.output(seq, result.token_ids[:kept]))
+            if out is not None:
+                outputs.append(out)
             if seq.finish_reason is not None:
                 del self.sequences[seq.request_id]
         self.gate.record(drafted, accepted)
@@ -178,6 +195,16 @@ class Engine:
                 return kept
         seq.draft_ids = result.next_draft_ids
         return kept
+
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        """End ``seq`` with finish_reason "error" (its pages are freed); the others in the step are untouched."""
+        message = str(exc) if isinstance(exc, RequestFault) else f"{type(exc).__name__}: {exc}"
+        log.warning("dspark: request %s failed alone: %s", seq.request_id, message)
+        self.scheduler.finish(seq, "error", scrub=True)
+        del self.sequences[seq.request_id]
+        return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+                             token_ids=list(seq.output_token_ids), text="", finish_reason="error", new_token_ids=[],
+                             error=message)
 
     @staticmethod
     def _counted(entry: ScheduledRequest, result: RequestStepResult, kept: int, finished: bool) -> tuple[int, int]:

@@ -104,14 +104,17 @@ def load_parameters(module: nn.Module, reader: CheckpointReader, source: dict[st
 
 
 def load_target(path: str, kernels: KernelBackend, dtype: torch.dtype, device: torch.device,
-                parallel: ParallelContext = SINGLE) -> TargetModel:
-    """Build the target, shard it for ``parallel``, and read this rank's slice of every weight."""
+                parallel: ParallelContext = SINGLE, load_format: str = "auto") -> TargetModel:
+    """Build the target, shard it for ``parallel``, and read this rank's slice of every weight (``dummy``:
+    random weights, nothing read but config.json)."""
     config = load_hf_config(path, "model")
     try:
         with torch.device(device):
             model = apply_tensor_parallel(TargetModel(config, kernels), parallel).to(dtype)
     except ValueError as exc:
         raise CheckpointError(f"model {path}: {exc}") from exc
+    if load_format == "dummy":
+        return init_dummy(model).eval()
     reader = CheckpointReader(path, "model")
     source = {name: name for name, _ in model.named_parameters(remove_duplicate=False)}
     if getattr(config, "tie_word_embeddings", False):
@@ -121,6 +124,18 @@ def load_target(path: str, kernels: KernelBackend, dtype: torch.dtype, device: t
         source.update({f"<ignored>{n}": n for n in ignored})
     load_parameters(model, reader, source, f"model {path}")
     return model.eval()
+
+
+def init_dummy(model: nn.Module, std: float = 0.02, seed: int = 0) -> nn.Module:
+    """Random weights for shape benchmarks: matrices N(0, std), norm weights 1 (so activations stay finite)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+            else:
+                param.normal_(0.0, std, generator=generator)
+    return model
 
 
 def drafter_spec(spec_config: DSparkDecodingConfig) -> DrafterSpec:
@@ -184,9 +199,10 @@ def load_drafter(spec_config: DSparkDecodingConfig, target_config, kernels: Kern
     validate_capture_layers(spec.target_layer_ids, target_config.num_hidden_layers)
     with torch.device(device):
         drafter = DSparkDrafter(config, spec, kernels).to(dtype)
-    if spec_config.load_format != "dummy":
-        reader = CheckpointReader(path, "speculative_model")
-        load_parameters(drafter, reader, drafter_sources(drafter, reader), f"speculative_model {path}")
+    if spec_config.load_format == "dummy":
+        return init_dummy(drafter).eval()
+    reader = CheckpointReader(path, "speculative_model")
+    load_parameters(drafter, reader, drafter_sources(drafter, reader), f"speculative_model {path}")
     return drafter.eval()
 
 

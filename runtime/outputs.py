@@ -11,8 +11,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated ids, prompt excluded; cut at the stop
     text: str  # detokenized token_ids (special tokens skipped), cut before a stop string; "" until finished
-    finish_reason: str | None  # "stop", "length", or None while running
+    finish_reason: str | None  # "stop", "length", "error" (see ``error``), or None while running
     new_token_ids: list[int]  # committed by the step that produced this output
+    error: str | None = None  # why this request alone failed (finish_reason "error"); other requests go on
 
     @property
     def finished(self) -> bool:

@@ -16,7 +16,9 @@ from torch import nn
 
 from configs import DSparkDecodingConfig
 from runtime.draft_channel import DraftChannel, DraftFeatures, Proposal, receive_features, send_features
-from runtime.kernels import KernelBackend
+from runtime.graphs import GraphedTargetForward
+from runtime.kernels import AttentionGeometry, KernelBackend
+from runtime.kv_cache import KVCaches, scrub_pages
 from runtime.models.target import TargetModel
 from runtime.noise import Stream, exponentials, uniform
 from runtime.parallel import SINGLE, ParallelContext
@@ -25,30 +27,24 @@ from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.step_tensors import build_step_tensors, sampled_entries, uses_rejection
 from runtime.verify import accept_by_rejection, commit_by_match, gather_rows, residual_distribution
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+NON_FINITE_LOGITS = "the target produced non-finite logits (NaN/inf) for this request; it was stopped"
 
 
-def allocate_caches(layers: nn.ModuleList, num_pages: int, page_size: int, dtype: torch.dtype,
-                    device: torch.device) -> KVCaches:
-    """One (k, v) pair [num_pages, page_size, Hkv_local, D] per attention layer."""
-    caches = []
-    for layer in layers:
-        attn = layer.self_attn
-        shape = (num_pages, page_size, attn.k_proj.out_features // attn.head_dim, attn.head_dim)
-        caches.append((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)))
-    return caches
-
-
-def bytes_per_page(layers: list[nn.Module], page_size: int, dtype: torch.dtype) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * page_size * layer.self_attn.k_proj.out_features * itemsize for layer in layers)
+def attention_geometry(target: TargetModel) -> AttentionGeometry:
+    """This rank's attention shape (after tensor-parallel slicing)."""
+    attn = target.model.layers[0].self_attn
+    q_width = attn.q_size if attn.qkv_proj is not None else attn.q_proj.out_features
+    return AttentionGeometry(q_width // attn.head_dim, attn.kv_width // attn.head_dim, attn.head_dim,
+                             next(target.parameters()).dtype, attn.scale)
 
 
 class ModelRunner:
     def __init__(self, target: TargetModel, spec: DSparkDecodingConfig | None, kernels: KernelBackend,
                  caches: KVCaches, page_size: int, device: torch.device, parallel: ParallelContext = SINGLE,
-                 channel: DraftChannel | None = None, draft_w2: nn.Module | None = None):
-        self.target, self.kernels, self.caches = target, kernels, caches
+                 channel: DraftChannel | None = None, draft_w2: nn.Module | None = None,
+                 graphs: GraphedTargetForward | None = None):
+        self.target, self.kernels, self.caches, self.graphs = target, kernels, caches, graphs
+        self.geometry = attention_geometry(target)
         self.page_size, self.device, self.parallel = page_size, device, parallel
         self.channel = channel  # rank 0 only
         self.has_drafter = spec is not None
@@ -68,11 +64,18 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
         for request_id in batch.released_request_ids:
             self.pending.pop(request_id, None)
+        scrub_pages(self.caches, batch.scrub_page_ids, self.device)
+        if self.channel is not None:
+            self.channel.scrub(batch.scrub_page_ids)
         reqs = batch.requests
         if not reqs:
             return []
-        t = build_step_tensors(reqs, self.page_size, self.device, self.kernels)
-        hidden, captured = self.target(t.input_ids, t.positions, self.caches, t.meta, t.slots)
+        q_len = self.graphs.tokens_per_request(reqs) if self.graphs is not None else None
+        t = build_step_tensors(reqs, self.page_size, self.device, self.kernels, self.geometry, plan=q_len is None)
+        if q_len is not None:
+            hidden, captured = self.graphs.run(reqs, q_len)
+        else:
+            hidden, captured = self.target(t.input_ids, t.positions, self.caches, t.meta, t.slots)
         drafting = self.has_drafter and batch.maintain_draft_context
         if drafting and self.is_leader:
             self.channel.send_context(captured, t)
@@ -80,23 +83,27 @@ class ModelRunner:
         if not sampled:
             return [RequestStepResult(r.request_id, [], 0, []) for r in reqs] if self.is_leader else []
         entries = [reqs[i] for i in sampled]
-        committed, accepted = self._verify(entries, hidden, t.query_start_loc, sampled)
+        committed, accepted, faulty = self._verify(entries, hidden, t.query_start_loc, sampled)
         k_next = batch.num_next_drafts if drafting else 0
         proposal = self._propose(entries, committed, accepted, t.page_table[sampled], k_next) if k_next else None
         if not self.is_leader:
             return []
-        return self._results(reqs, entries, committed, accepted, proposal)
+        return self._results(reqs, entries, committed, accepted, faulty, proposal)
 
-    def _results(self, reqs, entries, committed, accepted, proposal: Proposal | None) -> list[RequestStepResult]:
-        parts = [committed, accepted[:, None]]
+    def _results(self, reqs, entries, committed, accepted, faulty, proposal: Proposal | None
+                 ) -> list[RequestStepResult]:
+        parts = [committed, accepted[:, None], faulty[:, None].to(committed.dtype)]
         if proposal is not None and proposal.tokens is not None:
             parts += [proposal.tokens, proposal.lengths[:, None]]
         host = torch.cat(parts, dim=1).tolist()  # the step's one device-to-host transfer
         width = committed.shape[1]
         sampled = {}
         for entry, row in zip(entries, host):
-            a = row[width]
-            drafts = row[width + 1: width + 1 + row[-1]] if len(row) > width + 1 else []
+            a, bad = row[width], row[width + 1]
+            if bad:  # this request's rows hold NaN/inf: it fails alone, nothing of it is committed
+                sampled[entry.request_id] = RequestStepResult(entry.request_id, [], 0, [], NON_FINITE_LOGITS)
+                continue
+            drafts = row[width + 2: width + 2 + row[-1]] if len(row) > width + 2 else []
             sampled[entry.request_id] = RequestStepResult(entry.request_id, row[:a + 1], a, drafts)
         # in batch order; a request that only prefilled a chunk commits nothing
         return [sampled.get(r.request_id) or RequestStepResult(r.request_id, [], 0, []) for r in reqs]
@@ -139,8 +146,10 @@ class ModelRunner:
     # ---- verification ------------------------------------------------------------------------
 
     def _verify(self, entries: list[ScheduledRequest], hidden: torch.Tensor, qsl: list[int],
-                batch_index: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> committed tokens [S, K+1] (the first ``accepted + 1`` valid) and accepted [S]."""
+                batch_index: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> committed tokens [S, K+1] (the first ``accepted + 1`` valid), accepted [S], and faulty [S]: the
+        requests whose (penalized) logits hold NaN or +inf. Rows are independent, so a faulty request never
+        changes another's tokens; the caller fails it alone."""
         dev, vocab = self.device, self.vocab_size
         num_drafts_list = [e.num_drafts for e in entries]
         k_max = max(num_drafts_list)
@@ -160,8 +169,10 @@ class ModelRunner:
             if penalized or not greedy else None
         if penalized:
             logits = self._penalize(logits, entries, drafts, row_params)
+        top, argmax = logits.max(dim=-1)  # [S, K+1]: NaN propagates into the max, so one pass finds faults
+        faulty = ~torch.isfinite(top).all(dim=1)
         if greedy:  # the argmax fast path: no distributions, no noise, no per-row parameters
-            return commit_by_match(drafts, num_drafts, logits.argmax(dim=-1))
+            return (*commit_by_match(drafts, num_drafts, argmax), faulty)
         anchor_pos = torch.tensor([e.end_position - e.num_drafts for e in entries], device=dev)
         positions = anchor_pos[:, None] + offsets[None, :]  # [S, K+1]: position of the token each row decides
         seeds = torch.tensor([e.seed for e in entries], device=dev)
@@ -173,12 +184,12 @@ class ModelRunner:
         target_tokens = self.kernels.sample_exponential_race(probs.view(-1, vocab), noise).view_as(positions)
         committed, accepted = commit_by_match(drafts, num_drafts, target_tokens)
         if q is None:
-            return committed, accepted
+            return committed, accepted, faulty
         rejection = torch.tensor(by_rejection, device=dev)
         by_rule, accepted_by_rule = self._rejection_sample(drafts, num_drafts, probs, q, target_tokens, seeds,
                                                            positions)
         return (torch.where(rejection[:, None], by_rule, committed),
-                torch.where(rejection, accepted_by_rule, accepted))
+                torch.where(rejection, accepted_by_rule, accepted), faulty)
 
     def _rejection_sample(self, drafts, num_drafts, probs, q, target_tokens, seeds, positions):
         """Leviathan verification of every row -> (committed [S, K+1], accepted [S]): accepted drafts, then a

@@ -3,8 +3,8 @@
 The same functions serve plain decoding and verification, so a verified block sees exactly the
 distributions plain decoding would: penalties (with occurrence counts that include the drafts
 before each row), then temperature, then top-k / top-p / min-p, each judged on the tempered
-distribution, then renormalization. Greedy rows (temperature 0) are one-hot at the argmax of the
-penalized logits.
+distribution, then renormalization. Greedy rows (``SamplingParams.greedy``: temperature below 1e-5)
+are one-hot at the argmax of the penalized logits.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class RowParams:
             return torch.tensor(values, dtype=dtype, device=device)
 
         return RowParams(
-            temperature=col([p.temperature for p in params]),
-            top_k=col([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64),
+            temperature=col([0.0 if p.greedy else p.temperature for p in params]),
+            top_k=col([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], torch.int64),
             top_p=col([p.top_p for p in params]),
             min_p=col([p.min_p for p in params]),
             repetition=col([p.repetition_penalty for p in params]),

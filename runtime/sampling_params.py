@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_INT32 = 2**31 - 1  # bound of every integer parameter: token counts, top_k and token ids fit a device int32
+SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule): 1/T would overflow the logits
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request decodes.
 
-    ``temperature == 0`` is greedy. ``top_k`` 0 or -1, ``top_p`` 1 and ``min_p`` 0 disable their
-    filters. Penalties follow vLLM: ``repetition_penalty`` divides positive / multiplies negative
-    logits of every token seen in the prompt or output; ``presence_penalty`` and
-    ``frequency_penalty`` subtract from output tokens' logits. ``stop`` strings end the output before
+    ``temperature`` below ``SAMPLING_EPS`` (0 included) is greedy. ``top_k`` 0 or -1, ``top_p`` 1 and
+    ``min_p`` 0 disable their filters; a ``top_k`` above the vocabulary keeps every token. Every integer is
+    at most ``MAX_INT32`` and every float finite, so no value can overflow inside a step. Penalties follow
+    vLLM: ``repetition_penalty`` divides positive / multiplies negative logits of every token seen in the
+    prompt or output; ``presence_penalty`` and ``frequency_penalty`` subtract from output tokens' logits. ``stop`` strings end the output before
     the string; ``stop_token_ids`` and EOS (unless ``ignore_eos``) end it after the token.
     """
 
@@ -35,19 +40,22 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
-            ("temperature", _number(self.temperature) and self.temperature >= 0, "a number >= 0"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "-1 or 0 (disabled) or an integer >= 1"),
+            ("max_tokens", _integer(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32,
+             f"an integer in 1..{MAX_INT32}"),
+            ("temperature", _number(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
+            ("top_k", _integer(self.top_k) and -1 <= self.top_k <= MAX_INT32,
+             f"-1 or 0 (disabled) or an integer in 1..{MAX_INT32}"),
             ("top_p", _number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
             ("min_p", _number(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("repetition_penalty", _number(self.repetition_penalty) and self.repetition_penalty > 0, "a number > 0"),
+            ("repetition_penalty", _number(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
+             "in [0.01, 100]"),
             ("presence_penalty", _number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("frequency_penalty", _number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
-            ("seed", self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-             "an integer or None"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "non-negative token ids"),
+            ("seed", self.seed is None or _integer(self.seed), "an integer or None"),
+            ("stop", all(isinstance(s, str) and s and _encodable(s) for s in self.stop),
+             "non-empty strings of valid Unicode (no lone surrogates)"),
+            ("stop_token_ids", all(_integer(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids),
+             f"token ids in 0..{MAX_INT32}"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "a boolean"),
         ]
         for name, ok, allowed in checks:
@@ -56,7 +64,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def uses_top_k(self) -> bool:
@@ -76,4 +84,22 @@ class SamplingParams:
 
 
 def _number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A real number that is finite as a float (huge ints and inf/nan are not)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+def _integer(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -32,6 +32,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._released: list[str] = []
+        self._scrub: list[int] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -40,19 +41,25 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark finished, free its pages; the runner is told to drop its state next step."""
+    def finish(self, seq: Sequence, reason: str, scrub: bool = False) -> None:
+        """Mark finished, free its pages; the runner is told to drop its state next step. ``scrub``: the pages
+        may hold NaN/inf (a faulted request); the runner zeroes them before anyone reuses them, because attention
+        multiplies even masked-out cache slots by zero weights, and 0 * NaN is NaN."""
         seq.status, seq.finish_reason = Status.FINISHED, reason
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if scrub:
+            self._scrub.extend(seq.page_ids)
         self.pages.release(seq.page_ids)
         self._released.append(seq.request_id)
 
-    def take_released(self) -> list[str]:
+    def take_released(self) -> tuple[list[str], list[int]]:
+        """(request ids whose runner state to drop, pages to zero) since the last call."""
         released, self._released = self._released, []
-        return released
+        scrub, self._scrub = self._scrub, []
+        return released, scrub
 
     def schedule(self) -> list[ScheduledRequest]:
         budget = self.limits.max_num_batched_tokens

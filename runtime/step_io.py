@@ -42,6 +42,7 @@ class ScheduledBatch:
     num_next_drafts: int  # block length drafted after this step for every sampled request (0: none)
     maintain_draft_context: bool  # False once speculation is off for good: the drafter is idle
     released_request_ids: list[str] = field(default_factory=list)  # the runner drops their state
+    scrub_page_ids: list[int] = field(default_factory=list)  # zeroed in every cache before the step (faulted pages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,3 +51,4 @@ class RequestStepResult:
     token_ids: list[int]  # committed this step: accepted drafts, then one target token
     num_accepted: int  # accepted drafts among token_ids
     next_draft_ids: list[int]  # the block proposed for the next step (after confidence truncation)
+    error: str | None = None  # a fault of this request alone (non-finite logits in its rows): it fails, others go on

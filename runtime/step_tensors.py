@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.kernels import KernelBackend, PagedAttentionMeta
+from runtime.kernels import AttentionGeometry, HostLayout, KernelBackend, PagedAttentionMeta
 from runtime.step_io import ScheduledRequest
 
 
@@ -21,8 +21,10 @@ class StepTensors:
 
 
 def build_step_tensors(reqs: list[ScheduledRequest], page_size: int, device: torch.device,
-                       kernels: KernelBackend) -> StepTensors:
-    """Flat inputs of the fed tokens and their attention metadata, planned once for every layer."""
+                       kernels: KernelBackend, geometry: AttentionGeometry | None = None,
+                       plan: bool = True) -> StepTensors:
+    """Flat inputs of the fed tokens and their attention metadata, planned once for every layer (``plan``
+    False: not planned, for a step a CUDA graph runs with its own plan)."""
     lens = [len(r.token_ids) for r in reqs]
     qsl = [0]
     for n in lens:
@@ -38,9 +40,10 @@ def build_step_tensors(reqs: list[ScheduledRequest], page_size: int, device: tor
     meta = PagedAttentionMeta(query_start_loc=qsl_t, seq_lens=starts + torch.tensor(lens, device=device),
                               page_table=page_table, max_query_len=max(lens),
                               max_seq_len=max(r.end_position for r in reqs), causal=True, num_tokens=qsl[-1],
-                              page_size=page_size)
+                              page_size=page_size, geometry=geometry,
+                              host=HostLayout(lens, [r.end_position for r in reqs], [r.page_ids for r in reqs]))
     input_ids = torch.tensor([t for r in reqs for t in r.token_ids], device=device)
-    return StepTensors(input_ids, positions, slots, kernels.plan_attention(meta), page_table, qsl)
+    return StepTensors(input_ids, positions, slots, kernels.plan_attention(meta) if plan else meta, page_table, qsl)
 
 
 def sampled_entries(reqs: list[ScheduledRequest]) -> list[int]:

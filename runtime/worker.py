@@ -9,6 +9,7 @@ page count, the minimum over its workers), then ``execute`` once per step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,17 +17,20 @@ import torch.distributed as dist
 
 from configs import LLMConfig
 from runtime.devices import check_draft_attention_backend, kv_budget_bytes, resolve_device, resolve_dtype, \
-    resolve_moe_backend
+    resolve_kernel_backend, resolve_moe_backend
 from runtime.draft_channel import LocalDraftChannel, RemoteDraftChannel
 from runtime.draft_runner import DraftRunner
 from runtime.draft_server import DraftServer
+from runtime.graphs import GraphedTargetForward
 from runtime.kernels import get_backend
+from runtime.kv_cache import allocate_caches, bytes_per_page
 from runtime.loader import drafter_spec, load_drafter, load_hf_config, load_markov_w2, load_target, load_vocab_modules
 from runtime.parallel import SINGLE, ParallelContext, init_distributed
-from runtime.runner import ModelRunner, allocate_caches, bytes_per_page
+from runtime.runner import ModelRunner, attention_geometry
 from runtime.step_io import ScheduledBatch
 
 DRAFTER_MODES = ("colocated", "separate")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,11 @@ class Worker:
         self.config, self.plan, self.spec = config, plan, config.speculative_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kernels = get_backend(config.kernel_backend)
+        self.kernel_backend = resolve_kernel_backend(config.kernel_backend, self.device, self.dtype)
+        self.kernels = get_backend(self.kernel_backend)
+        if config.kernel_backend == "auto":
+            log.info("dspark: kernel_backend auto -> %s on %s", self.kernel_backend, self.device)
+        self.graphs: GraphedTargetForward | None = None
         self.parallel: ParallelContext = SINGLE
         self.target = self.drafter = self.vocab = self.draft_w2 = None
         self.engine_part: ModelRunner | DraftServer | None = None
@@ -82,7 +90,9 @@ class Worker:
             check_draft_attention_backend(self.spec)
         layers = []
         if self.plan.role == "target":
-            self.target = load_target(self.config.model, self.kernels, self.dtype, self.device, self.parallel)
+            self.target = load_target(self.config.model, self.kernels, self.dtype, self.device, self.parallel,
+                                      self.config.load_format)
+            self.target.fuse_projections()
             self.moe_backend = resolve_moe_backend(self.config.moe_backend, self.device,
                                                    self.target.has_moe_layers, "moe_backend")
             layers += list(self.target.model.layers)
@@ -98,6 +108,7 @@ class Worker:
                                                          self.device, False, what)
         if self.plan.holds_drafter and self.spec is not None:
             self.drafter = load_drafter(self.spec, target_config, self.kernels, self.dtype, self.device, draft_spec)
+            self.drafter.fuse_projections()
             layers += list(self.drafter.layers)
             if self.target is None or self.parallel.is_parallel:
                 self.vocab = load_vocab_modules(self.config.model, target_config, self.dtype, self.device)
@@ -126,9 +137,23 @@ class Worker:
         w2 = self.draft_w2
         if w2 is None and self.drafter is not None and self.drafter.markov_head is not None:
             w2 = self.drafter.markov_head.markov_w2
-        caches = allocate_caches(self.target.model.layers, num_pages, page_size, self.dtype, self.device)
+        # one page more than the scheduler hands out: the scratch page padding rows of CUDA graphs write into
+        caches = allocate_caches(self.target.model.layers, num_pages + 1, page_size, self.dtype, self.device)
+        if self.uses_cuda_graphs:
+            q_lens = [1] + ([int(self.spec.max_draft_len) + 1] if self.spec is not None else [])
+            max_len = self.config.max_model_len or int(self.target.config.max_position_embeddings)
+            self.graphs = GraphedTargetForward(self.target, caches, self.kernels, attention_geometry(self.target),
+                                               page_size, num_pages, self.config.max_num_seqs, max_len, q_lens,
+                                               self.device)
         self.engine_part = ModelRunner(self.target, self.spec, self.kernels, caches, page_size, self.device,
-                                       self.parallel, channel, w2)
+                                       self.parallel, channel, w2, self.graphs)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Graphs need the flashinfer kernels (host-planned attention), a GPU, and one TP rank (graphed
+        collectives are the cluster fast path's work)."""
+        return (self.kernel_backend == "flashinfer" and not self.config.enforce_eager and self.device.type == "cuda"
+                and self.plan.tp_size == 1)
 
     def execute(self, batch: ScheduledBatch):
         return self.engine_part.execute(batch)
@@ -137,6 +162,8 @@ class Worker:
         return {"rank": self.plan.global_rank, "role": self.plan.role, "tp_rank": self.plan.tp_rank,
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "moe_backend": self.moe_backend, "draft_moe_backend": self.draft_moe_backend,
+                "kernel_backend": self.kernel_backend, "cuda_graphs": self.graphs is not None,
+                "graph_capture_s": round(self.graphs.capture_seconds, 2) if self.graphs is not None else None,
                 "holds_drafter": self.plan.holds_drafter and self.spec is not None}
 
     def shutdown(self) -> None:

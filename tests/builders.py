@@ -36,7 +36,7 @@ def target_config(family: str = "qwen3", **overrides):
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     common.update(overrides)
     if family == "qwen3":
-        return Qwen3Config(head_dim=16, **common)
+        return Qwen3Config(**{"head_dim": 16, **common})
     return LlamaConfig(**common)
 
 

@@ -24,9 +24,10 @@ from cluster.serve import protocol
 from cluster.serve.metrics import ServerMetrics
 from cluster.serve.text import TextStream
 from configs import ReplicaConfig, ServeArgs, validate
-from runtime.async_engine import AsyncEngine, Overloaded
+from runtime.async_engine import AsyncEngine, Overloaded, RequestFailed, StepFailed
 from runtime.chat import chat_token_ids
 from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
 
 app = FastAPI(title="dspark", description="DSpark speculative decoding, OpenAI-compatible API")
 SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
@@ -49,14 +50,46 @@ async def _api_error(request: Request, err: ApiError) -> JSONResponse:
     return error_response(err)
 
 
+UNION_BRANCHES = re.compile(r"^(str|int|float|bool|list|dict|none)$|\[")  # pydantic's tags of union members
+
+
+def error_param(loc) -> str | None:
+    """The parameter a validation error names: its field path without 'body' or union-branch tags."""
+    return ".".join(str(p) for p in loc if p != "body" and not UNION_BRANCHES.search(str(p))) or None
+
+
 @app.exception_handler(RequestValidationError)
 async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e['msg']}"
-                        for e in exc.errors())
-    code = "invalid_json" if first.get("type") == "json_invalid" else "invalid_value"
-    return error_response(ApiError(400, message, ".".join(loc) or None, code))
+    errors = exc.errors()
+    if errors[0].get("type") == "json_invalid":  # its loc is a character offset, not a parameter
+        return error_response(ApiError(400, f"the body is not valid JSON: {errors[0]['msg']}", None, "invalid_json"))
+    message = "; ".join(f"{error_param(e.get('loc', ())) or 'body'}: {e['msg']}" for e in errors)
+    return error_response(ApiError(400, message, error_param(errors[0].get("loc", ())), "invalid_value"))
+
+
+def failure(exc: BaseException) -> ApiError:
+    """The OpenAI-shaped error for a request that failed after admission: 500 when it failed alone, 503 when the
+    replica failed (every request in flight failed and the replica is rebuilt)."""
+    if isinstance(exc, RequestFailed):
+        return ApiError(500, f"this request failed: {exc}", code="request_failed")
+    if isinstance(exc, (ReplicaFailure, StepFailed)):
+        return ApiError(503, f"the replica failed: {exc}", code="replica_failure")
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def sampling_params(body: protocol.SamplingFields, max_tokens: int) -> SamplingParams:
+    try:
+        return body.sampling_params(max_tokens)
+    except ValueError as exc:
+        raise request_error(exc, "prompt") from None
+
+
+def check_unicode(text: str, param: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate such as "\\ud800"), naming where it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{param} is not valid Unicode: {exc.reason} at character {exc.start}", param) from None
 
 
 def request_error(exc: ValueError, prompt_field: str) -> ApiError:
@@ -90,7 +123,7 @@ class DSparkServer:
         self._authorize(request)
         self._check_model(body.model)
         prompt = body.prompt if isinstance(body.prompt, list) else self._encode(body.prompt)
-        return await self._respond(body, prompt, body.sampling_params(body.max_tokens), "prompt", chat=False)
+        return await self._respond(body, prompt, sampling_params(body, body.max_tokens), "prompt", chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: protocol.ChatCompletionRequest, request: Request):
@@ -98,7 +131,7 @@ class DSparkServer:
         self._check_model(body.model)
         prompt = self._chat_prompt(body)
         budget = body.token_budget(max(self.llm.engine.max_model_len - len(prompt), 1))
-        return await self._respond(body, prompt, body.sampling_params(budget), "messages", chat=True)
+        return await self._respond(body, prompt, sampling_params(body, budget), "messages", chat=True)
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
@@ -139,13 +172,24 @@ class DSparkServer:
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
-        return list(self.tokenizer(text)["input_ids"])
+        check_unicode(text, "prompt")
+        try:
+            return list(self.tokenizer(text)["input_ids"])
+        except Exception as exc:  # the tokenizer refused this text: the request's fault, nobody else's
+            raise ApiError(400, f"the tokenizer cannot encode this prompt: {exc}", "prompt") from None
 
     def _chat_prompt(self, body: protocol.ChatCompletionRequest) -> list[int]:
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        for i, message in enumerate(messages):
+            for key in ("content", "name"):
+                if key in message:
+                    check_unicode(message[key], f"messages.{i}.{key}")
         try:
-            return chat_token_ids(self.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages])
+            return chat_token_ids(self.tokenizer, messages)
         except ValueError as exc:
             raise ApiError(400, f"{exc}; use /v1/completions", "messages") from None
+        except Exception as exc:  # a template or tokenizer error about these messages
+            raise ApiError(400, f"the chat template cannot render these messages: {exc}", "messages") from None
 
     async def _respond(self, body, prompt: list[int], params, prompt_field: str, chat: bool):
         try:
@@ -156,8 +200,8 @@ class DSparkServer:
         except Overloaded as exc:
             raise ApiError(429, f"server overloaded: {exc}; retry later", code="overloaded",
                            headers={"Retry-After": "1"}) from None
-        except (ReplicaFailure, RuntimeError) as exc:
-            raise ApiError(503, f"the replica failed: {exc}", code="replica_failure") from None
+        except Exception as exc:
+            raise failure(exc) from None
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         timing = {"arrival": time.monotonic(), "first": time.monotonic() if first.token_ids else None}
         if body.stream:
@@ -167,8 +211,8 @@ class DSparkServer:
         try:
             async for out in outputs:
                 last = out
-        except (ReplicaFailure, RuntimeError) as exc:
-            raise ApiError(503, f"the replica failed: {exc}", code="replica_failure") from None
+        except Exception as exc:
+            raise failure(exc) from None
         finally:
             await outputs.aclose()  # a cancelled handler (client gone) aborts its request now, not at GC
         self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
@@ -196,8 +240,9 @@ class DSparkServer:
                 if last.finished:
                     break
                 pending = [await anext(outputs)]
-        except (ReplicaFailure, RuntimeError) as exc:
-            yield sse(protocol.error_body(503, f"the replica failed: {exc}", code="replica_failure"))
+        except Exception as exc:  # an error event and [DONE]: a stream never just stops
+            err = failure(exc)
+            yield sse(protocol.error_body(err.status, err.message, err.param, err.code))
             yield "data: [DONE]\n\n"
             return
         finally:

@@ -13,18 +13,19 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import MAX_INT32, SamplingParams
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    """The sampling parameters both endpoints share."""
+    """The sampling parameters both endpoints share. Strict types: ``true`` is not 1, ``"yes"`` is not true,
+    ``1e30`` is not an integer; every integer is bounded (``MAX_INT32``) so nothing overflows inside a step."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
@@ -37,11 +38,11 @@ class SamplingFields(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     user: str | None = None
-    top_k: Annotated[int, Field(ge=-1)] = 0
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT32)] = 0
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=100)] = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] | None = None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -57,13 +58,13 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[Annotated[int, Field(ge=0)]]
-    max_tokens: Annotated[int, Field(ge=1)] = 16
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] = 16
     echo: Literal[False] = False
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
     name: str | None = None
@@ -71,8 +72,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] | None = None
 
     def token_budget(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default

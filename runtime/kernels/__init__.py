@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from runtime.kernels.interface import KernelBackend, PagedAttentionMeta
+from runtime.kernels.interface import AttentionGeometry, HostLayout, KernelBackend, PagedAttentionMeta
 from runtime.kernels.torch_ref import TorchReference
 
 
@@ -18,8 +18,9 @@ class KernelBackendUnavailable(RuntimeError):
 
 
 def _load_flashinfer() -> KernelBackend:
-    raise KernelBackendUnavailable(
-        "kernel backend 'flashinfer' is not implemented in this build yet; use kernel_backend='torch'")
+    from runtime.kernels.flashinfer_backend import FlashInferBackend
+
+    return FlashInferBackend()
 
 
 _LOADERS: dict[str, Callable[[], KernelBackend]] = {
@@ -48,5 +49,5 @@ def get_backend(name: str) -> KernelBackend:
     return _LOADED[name]
 
 
-__all__ = ["KernelBackend", "KernelBackendUnavailable", "PagedAttentionMeta", "available_backends",
-           "get_backend", "register_backend"]
+__all__ = ["AttentionGeometry", "HostLayout", "KernelBackend", "KernelBackendUnavailable", "PagedAttentionMeta",
+           "available_backends", "get_backend", "register_backend"]

@@ -13,6 +13,26 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
+class HostLayout:
+    """The host's copy of a forward's attention layout (plain lists), for backends that plan on the host."""
+
+    qo_lens: list[int]  # [B] query tokens per request
+    kv_lens: list[int]  # [B] cached keys each request's queries see (equal to seq_lens)
+    page_ids: list[list[int]]  # per request, pages covering kv_lens
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGeometry:
+    """What a backend needs to plan attention besides the layout: this rank's head counts, dtype and scale."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    scale: float
+
+
+@dataclass(frozen=True, slots=True)
 class PagedAttentionMeta:
     """Where the queries of one forward sit in the paged KV cache.
 
@@ -31,6 +51,8 @@ class PagedAttentionMeta:
     page_size: int  # tokens per KV page
     num_extra_keys: int = 0  # per-request extra keys every query sees (the draft block's own K/V)
     plan: object | None = None  # backend-specific precomputation, from ``plan_attention`` (once per forward)
+    host: HostLayout | None = None  # the layout on the host, when it is known there (target forwards)
+    geometry: AttentionGeometry | None = None  # lets ``plan_attention`` plan fully up front (CUDA graphs)
 
 
 class KernelBackend(Protocol):
@@ -53,6 +75,21 @@ class KernelBackend(Protocol):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, computed in float32, returned in x's dtype."""
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x) for x, residual [T, d]: the pre-norm block's residual add fused
+        with the next norm."""
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2n] (gate, up halves) -> silu(gate) * up [T, n]."""
+
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
+                     k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm (weights None: no norm, Llama) then rotary embedding of q [T, Hq, D] and k [T, Hkv, D]
+        (views may be strided, e.g. slices of a fused qkv projection) at tables cos, sin [T, D]. Returns
+        contiguous (q, k) of the same shapes."""
 
     def sample_exponential_race(self, probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
         """Categorical sample per row of probs [R, V] given Exp(1) noise [R, V]: argmax(p / E)."""

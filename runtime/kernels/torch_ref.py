@@ -82,6 +82,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = residual + x
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos, sin: [T, D] (rotate-half convention)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if q_weight is not None:
+        q = rms_norm(q, q_weight, eps)
+    if k_weight is not None:
+        k = rms_norm(k, k_weight, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 def sample_exponential_race(probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
     # probs, exponentials: [R, V] -> [R]; argmax(p_i / E_i) is an exact categorical draw.
     return (probs / exponentials).argmax(dim=-1)
@@ -95,4 +122,7 @@ class TorchReference:
     plan_attention = staticmethod(plan_attention)
     paged_attention = staticmethod(paged_attention)
     rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    silu_and_mul = staticmethod(silu_and_mul)
+    qk_norm_rope = staticmethod(qk_norm_rope)
     sample_exponential_race = staticmethod(sample_exponential_race)

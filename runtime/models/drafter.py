@@ -66,9 +66,15 @@ class DSparkDrafter(nn.Module):
         h = block_embeds.reshape(batch * block, d).to(self.fc.weight.dtype)
         cos, sin = self.rotary(positions, h.dtype)
         inputs = AttentionInputs(cos=cos, sin=sin, meta=meta, block_size=block)
+        residual = None
         for layer, cache in zip(self.layers, caches):
-            h = layer(h, cache, inputs)
-        return self.norm(h).view(batch, block, d)
+            h, residual = layer(h, residual, cache, inputs)
+        return self.kernels.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0].view(batch, block, d)
+
+    def fuse_projections(self) -> None:
+        """Stack q/k/v and gate/up into single GEMMs (after weights load; serving only)."""
+        for layer in self.layers:
+            layer.fuse()
 
     def confidence(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor | None:
         # hidden: [B, K, d]; prev_ids: [B, K] (x_{k-1}) -> [B, K] or None

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.kernels import KernelBackend, PagedAttentionMeta
+from runtime.kernels import KernelBackend, PagedAttentionMeta, torch_ref
 
 
 class RMSNorm(nn.Module):
@@ -67,22 +67,37 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos, sin: [T, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    """SwiGLU MLP. ``fuse()`` (serving, after weights load) stacks gate/up into one ``gate_up_proj`` GEMM."""
+
+    def __init__(self, hidden: int, intermediate: int, kernels: KernelBackend, bias: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None
+        self.kernels = kernels
+
+    def fuse(self) -> None:
+        self.gate_up_proj = stack_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def stack_linears(parts: list[nn.Module]) -> nn.Linear:
+    """One Linear whose output rows are ``parts``' rows in order (each part already this rank's TP slice)."""
+    weight = torch.cat([p.weight.detach() for p in parts], dim=0)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
+                      device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(weight)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
+    return fused.requires_grad_(False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +113,11 @@ class AttentionInputs:
 
 
 class Attention(nn.Module):
-    """GQA attention over a paged cache; ``qk_norm`` gives Qwen3's per-head q/k RMSNorm."""
+    """GQA attention over a paged cache; ``qk_norm`` gives Qwen3's per-head q/k RMSNorm.
+
+    ``fuse()`` (serving, after weights load and TP slicing) stacks q/k/v into one ``qkv_proj`` GEMM; the
+    unfused modules (``q_proj``/``k_proj``/``v_proj``) are what checkpoints, tensor parallelism and training see.
+    """
 
     def __init__(self, config, kernels: KernelBackend, qk_norm: bool):
         super().__init__()
@@ -112,26 +131,58 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
         self.scale = self.head_dim ** -0.5
+        self.eps = config.rms_norm_eps
         self.kernels = kernels
+        self.qkv_proj: nn.Linear | None = None
+        self.q_size = self.kv_size = 0  # this rank's q and k (= v) widths, set by fuse()
+
+    @property
+    def kv_width(self) -> int:
+        """Output width of this rank's k (= v) projection."""
+        return self.kv_size if self.qkv_proj is not None else self.k_proj.out_features
+
+    def fuse(self) -> None:
+        self.q_size, self.kv_size = self.q_proj.out_features, self.k_proj.out_features
+        self.qkv_proj = stack_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (self.q_norm.weight if self.q_norm is not None else None,
+                self.k_norm.weight if self.k_norm is not None else None)
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, d] -> q [T, Hq, D], k, v [T, Hkv, D]; q and k normed and rotated at their positions."""
+        t, d = x.shape[0], self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = self.kernels.qk_norm_rope(q.view(t, -1, d), k.view(t, -1, d), *self._weights(), self.eps, cos, sin)
+        return q, k, v.view(t, -1, d)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, d] -> (k, v) [T, Hkv, D], k normed and rotated at its own positions."""
-        k = self.k_proj(x).view(x.shape[0], -1, self.head_dim)
-        v = self.v_proj(x).view(x.shape[0], -1, self.head_dim)
+        """x [T, d] -> (k, v) [T, Hkv, D], k normed and rotated at its own positions (no q is computed)."""
+        if self.qkv_proj is not None:
+            kv = F.linear(x, self.qkv_proj.weight[self.q_size:],
+                          self.qkv_proj.bias[self.q_size:] if self.qkv_proj.bias is not None else None)
+            k, v = kv.split(self.kv_size, dim=-1)
+        else:
+            k, v = self.k_proj(x), self.v_proj(x)
+        k = k.reshape(x.shape[0], -1, self.head_dim)
         if self.k_norm is not None:
-            k = self.k_norm(k)
-        return apply_rope(k, cos, sin), v
+            k = self.kernels.rms_norm(k, self.k_norm.weight, self.eps)
+        return torch_ref.apply_rope(k, cos, sin), v.reshape(x.shape[0], -1, self.head_dim)
 
     def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Training only (unfused): x [T, d] -> q [T, Hq, D] normed and rotated."""
         q = self.q_proj(x).view(x.shape[0], -1, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rope(q, cos, sin)
+        return torch_ref.apply_rope(q, cos, sin)
 
     def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], inputs: AttentionInputs) -> torch.Tensor:
         # x: [T, d] -> [T, d]
-        q = self.project_q(x, inputs.cos, inputs.sin)
-        k, v = self.project_kv(x, inputs.cos, inputs.sin)
+        q, k, v = self.project_qkv(x, inputs.cos, inputs.sin)
         if inputs.block_size is None:
             self.kernels.write_kv(cache[0], cache[1], inputs.slots, k, v)
             out = self.kernels.paged_attention(q, cache[0], cache[1], inputs.meta, self.scale)
@@ -143,15 +194,32 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block (Qwen3 / Llama)."""
+    """Pre-norm transformer block (Qwen3 / Llama) on a residual stream.
+
+    ``forward(h, residual)`` takes the previous block's output ``h`` and the stream before it (``residual`` None
+    for the first block, where ``h`` is the embedding) and returns ``(mlp_out, residual)``; the block's output
+    hidden state (HF ``hidden_states[l + 1]``) is ``residual + mlp_out``. Each residual add is fused with the norm
+    that follows it (``kernels.add_rms_norm``).
+    """
 
     def __init__(self, config, kernels: KernelBackend, qk_norm: bool):
         super().__init__()
         self.self_attn = Attention(config, kernels, qk_norm)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, kernels, bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.kernels = kernels
 
-    def forward(self, h: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], inputs: AttentionInputs) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cache, inputs)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def fuse(self) -> None:
+        self.self_attn.fuse()
+        self.mlp.fuse()
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cache: tuple[torch.Tensor, torch.Tensor],
+                inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        norm, post = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            x, residual = norm(h), h
+        else:
+            x, residual = self.kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+        x, residual = self.kernels.add_rms_norm(self.self_attn(x, cache, inputs), residual, post.weight, post.eps)
+        return self.mlp(x), residual

@@ -83,11 +83,19 @@ class TargetModel(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)
         inputs = AttentionInputs(cos=cos, sin=sin, meta=meta, slots=slots)
         captured = [h] if -1 in self.capture_layer_ids else []
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, caches[i], inputs)
+            h, residual = layer(h, residual, caches[i], inputs)
             if i in self.capture_layer_ids:
-                captured.append(h)
-        return self.model.norm(h), (torch.cat(captured, dim=-1) if captured else None)
+                captured.append(residual + h)
+        norm = self.model.norm
+        return norm.kernels.add_rms_norm(h, residual, norm.weight, norm.eps)[0], \
+            (torch.cat(captured, dim=-1) if captured else None)
+
+    def fuse_projections(self) -> None:
+        """Stack q/k/v and gate/up into single GEMMs (after weights load; serving only)."""
+        for layer in self.model.layers:
+            layer.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [R, d] -> [R, V] in float32

@@ -125,9 +125,64 @@ def test_bad_requests_get_openai_errors(server, payload, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["message"]
 
 
+@pytest.mark.parametrize("path,payload,param", [
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_k": 10**20}, "top_k"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": 0, "top_k": 10**20}, "top_k"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 10**30}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1e30}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": ""}, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": ["", "x"]}, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5, -1]}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x\ud800y"}, "prompt"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x\ud800y"}]},
+     "messages.0.content"),
+])
+def test_out_of_bounds_and_mistyped_parameters_are_400s_naming_them(server, path, payload, param):
+    raw = json.dumps(payload).encode()  # json.dumps keeps a lone surrogate as its \ud800 escape
+    r = post(server, path, None, raw=raw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
 def test_malformed_json(server):
     r = post(server, "/v1/chat/completions", None, raw=b'{"model": "tiny", "messages": [')
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert r.json()["error"]["param"] is None
+
+
+def test_a_poison_request_hurts_nobody_else(server):
+    """A request whose parameter would overflow inside a step is refused at admission; the streams and
+    non-streaming requests in flight finish exactly, and the replica is not rebuilt."""
+    client = openai.AsyncOpenAI(base_url=f"{server['base']}/v1", api_key="unused", max_retries=0)
+    expected = [reference(server, f"v{i} = ", 40) for i in range(6)]
+    ranks_before = httpx.get(f"{server['base']}/health", timeout=30).json()["ranks"]
+
+    async def streamed(i):
+        stream = await client.completions.create(model="tiny", prompt=f"v{i} = ", max_tokens=40, temperature=0,
+                                                 stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def plain(i):
+        r = await client.completions.create(model="tiny", prompt=f"v{i} = ", max_tokens=40, temperature=0)
+        return r.choices[0].text
+
+    async def poison():
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient(timeout=60) as http:
+            return [await http.post(f"{server['base']}/v1/completions", json={
+                "model": "tiny", "prompt": "x", "max_tokens": 4, "temperature": t, "top_k": 10**20}) for t in (1, 0)]
+
+    async def together():
+        return await asyncio.gather(*[streamed(i) for i in range(3)], *[plain(i) for i in range(3, 6)], poison())
+
+    *texts, refused = asyncio.run(together())
+    assert texts == [e.text for e in expected]
+    assert [r.status_code for r in refused] == [400, 400]
+    assert all(r.json()["error"]["param"] == "top_k" for r in refused)
+    assert httpx.get(f"{server['base']}/health", timeout=30).json()["ranks"] == ranks_before
 
 
 def test_api_key_and_overload(server):

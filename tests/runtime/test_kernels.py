@@ -58,5 +58,6 @@ def test_registry_fails_loudly():
     assert "torch" in available_backends()
     with pytest.raises(KernelBackendUnavailable, match="unknown kernel backend 'cuda-magic'"):
         get_backend("cuda-magic")
-    with pytest.raises(KernelBackendUnavailable, match="flashinfer"):
-        get_backend("flashinfer")
+    if not torch.cuda.is_available():  # the flashinfer backend itself is tested in tests/gpu
+        with pytest.raises(KernelBackendUnavailable, match="flashinfer"):
+            get_backend("flashinfer")

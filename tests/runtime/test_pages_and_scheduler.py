@@ -80,4 +80,4 @@ def test_preemption_releases_the_newest_and_requeues_it_first():
     entries = sched.schedule()  # old needs a third page: none free -> new is preempted
     assert [e.request_id for e in entries] == ["old"]
     assert new.status is Status.WAITING and new.num_computed == 0 and new.draft_ids == []
-    assert sched.waiting[0] is new and sched.take_released() == ["new"] and sched.num_preemptions == 1
+    assert sched.waiting[0] is new and sched.take_released() == (["new"], []) and sched.num_preemptions == 1

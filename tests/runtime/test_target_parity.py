@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from tests import builders
 from runtime.kernels import PagedAttentionMeta, get_backend
 from runtime.loader import CheckpointError, load_target
-from runtime.runner import allocate_caches
+from runtime.kv_cache import allocate_caches
 
 
 def run_paged(model, prompts, page_size=4):

@@ -1,0 +1,124 @@
+"""CUDA graphs of the target's decode and verify forwards, one per (batch bucket, tokens per request).
+
+A step whose every request feeds the same number of tokens ``Q`` (``Q = 1`` plain decoding, ``Q = K + 1`` a
+verify of K drafts; a prefill chunk of exactly Q tokens is the same computation) replays a graph captured for
+``B >= len(requests)`` requests. The graph is a pure function of persistent buffers: one host-to-device copy
+writes the step's token ids, positions and cache slots, FlashInfer's plan writes the page table into the
+wrapper's own buffers, one replay runs embedding -> layers -> final norm (and the captured layers). Rows of
+padding requests feed token 0 at positions 0..Q-1 into a scratch page no request owns, so they never touch a
+real request's cache, and their outputs are dropped. Other steps (mixed prefill, ragged drafts) run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta
+from runtime.kv_cache import KVCaches
+from runtime.models.target import TargetModel
+from runtime.step_io import ScheduledRequest
+
+log = logging.getLogger(__name__)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """The batch sizes graphs are captured for: the defaults below ``max_batch``, then ``max_batch``."""
+    return [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    wrapper: object  # the FlashInfer wrapper whose buffers the graph reads
+    hidden: torch.Tensor  # [B*Q, d] final-normed states
+    captured: torch.Tensor | None  # [B*Q, m*d]
+
+
+class GraphedTargetForward:
+    def __init__(self, target: TargetModel, caches: KVCaches, backend, geometry: AttentionGeometry, page_size: int,
+                 scratch_page: int, max_batch: int, max_model_len: int, q_lens: list[int], device: torch.device):
+        self.target, self.caches, self.backend, self.geometry = target, caches, backend, geometry
+        self.page_size, self.scratch_page, self.device = page_size, scratch_page, device
+        self.buckets = batch_buckets(max_batch)
+        self.pages_per_seq = -(-(max_model_len + max(q_lens)) // page_size) + 1
+        width = max_batch * max(q_lens)
+        self.inputs = torch.zeros(3, width, dtype=torch.int64, device=device)  # ids, positions, slots
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # unused by FlashInfer's plan
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
+        for q_len in sorted(set(q_lens)):
+            for batch in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
+                self.graphs[(batch, q_len)] = self._capture(batch, q_len)
+        used = free_before - torch.cuda.mem_get_info(device)[0]
+        self.capture_seconds = time.perf_counter() - start
+        log.info("dspark: captured %d CUDA graphs (batch %s x tokens %s) in %.1f s, %.0f MiB", len(self.graphs),
+                 self.buckets, sorted(set(q_lens)), self.capture_seconds, used / 2**20)
+
+    def tokens_per_request(self, reqs: list[ScheduledRequest]) -> int | None:
+        """Q if a graph serves this step (every request feeds Q tokens and a bucket holds them), else None."""
+        q_len = len(reqs[0].token_ids)
+        if len(reqs) > self.buckets[-1] or any(len(r.token_ids) != q_len for r in reqs):
+            return None
+        return q_len if (self.buckets[0], q_len) in self.graphs else None
+
+    def run(self, reqs: list[ScheduledRequest], q_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (hidden [T, d], captured [T, m*d] or None) for the T = len(reqs) * Q real rows (views of the graph's
+        output buffers: valid until the next replay)."""
+        batch = next(b for b in self.buckets if b >= len(reqs))
+        g = self.graphs[(batch, q_len)]
+        ids, positions, slots, layout = self._host_inputs(reqs, batch, q_len)
+        self.inputs[:, :batch * q_len].copy_(torch.tensor([ids, positions, slots], dtype=torch.int64),
+                                             non_blocking=True)
+        self.backend.plan_attention(self._meta(layout, batch, q_len), g.wrapper)
+        g.graph.replay()
+        rows = len(reqs) * q_len
+        return g.hidden[:rows], (g.captured[:rows] if g.captured is not None else None)
+
+    # ---- building -----------------------------------------------------------------------------
+
+    def _host_inputs(self, reqs: list[ScheduledRequest], batch: int, q_len: int):
+        ps = self.page_size
+        ids, positions, slots = [], [], []
+        for r in reqs:
+            ids += r.token_ids
+            for pos in range(r.start_position, r.end_position):
+                positions.append(pos)
+                slots.append(r.page_ids[pos // ps] * ps + pos % ps)
+        pad = batch - len(reqs)
+        ids += [0] * (pad * q_len)
+        positions += list(range(q_len)) * pad
+        slots += [self.scratch_page * ps + i % ps for i in range(q_len)] * pad
+        scratch = [self.scratch_page] * -(-q_len // ps)
+        layout = HostLayout([q_len] * batch, [r.end_position for r in reqs] + [q_len] * pad,
+                            [r.page_ids for r in reqs] + [scratch] * pad)
+        return ids, positions, slots, layout
+
+    def _meta(self, layout: HostLayout, batch: int, q_len: int) -> PagedAttentionMeta:
+        # Only the host layout and geometry matter to FlashInfer; the device fields are placeholders.
+        seq_lens = self.seq_lens[:batch]
+        return PagedAttentionMeta(query_start_loc=seq_lens, seq_lens=seq_lens, page_table=seq_lens[:, None],
+                                  max_query_len=q_len, max_seq_len=0, causal=True, num_tokens=batch * q_len,
+                                  page_size=self.page_size, host=layout, geometry=self.geometry)
+
+    def _capture(self, batch: int, q_len: int) -> _Graph:
+        wrapper = self.backend.graph_wrapper(self.device, batch, batch * self.pages_per_seq)
+        ids, positions, slots, layout = self._host_inputs([], batch, q_len)
+        self.inputs[:, :batch * q_len].copy_(torch.tensor([ids, positions, slots], dtype=torch.int64))
+        meta = self.backend.plan_attention(self._meta(layout, batch, q_len), wrapper)
+        ids, positions, slots = (t[:batch * q_len] for t in self.inputs)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm up outside the graph (lazy inits, Triton compilation)
+            for _ in range(2):
+                self.target(ids, positions, self.caches, meta, slots)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden, captured = self.target(ids, positions, self.caches, meta, slots)
+        return _Graph(graph, wrapper, hidden, captured)

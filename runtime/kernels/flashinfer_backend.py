@@ -1,0 +1,158 @@
+"""The ``flashinfer`` kernel backend (CUDA): FlashInfer paged attention, fused Triton norm/RoPE/activation kernels.
+
+Attention over the paged cache (prefill chunks, decode, the K+1-token verify) is FlashInfer's batch prefill
+kernel on the cache layout the engine already uses (``[pages, page_size, kv_heads, head_dim]``, FlashInfer's
+NHD), planned once per forward from the step's host-side layout (``PagedAttentionMeta.host``) and reused by
+every layer. A draft block (extra keys, no host layout) runs the torch reference attention over a dense gather
+of its context. RMSNorm (with the residual add fused), q/k norm + RoPE and SiLU-and-mul are the Triton kernels
+of ``triton_ops``. KV writes and the exponential-race sampler are the torch reference's (already one kernel each).
+
+Loading this backend imports flashinfer and triton and needs a CUDA device; anything missing raises
+``KernelBackendUnavailable`` naming it (the registry never substitutes another backend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from runtime.kernels import torch_ref
+from runtime.kernels.interface import AttentionGeometry, PagedAttentionMeta
+
+WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-k scratch, one per device (its docs recommend 128 MiB and up)
+
+
+@dataclass(frozen=True, slots=True)
+class HostIndptrs:
+    """FlashInfer's page-table arrays for one forward, built on the host (int32, CPU)."""
+
+    qo_indptr: torch.Tensor  # [B+1]
+    kv_indptr: torch.Tensor  # [B+1]
+    kv_indices: torch.Tensor  # [sum of pages]
+    last_page_len: torch.Tensor  # [B]
+
+
+def host_indptrs(qo_lens: list[int], kv_lens: list[int], page_ids: list[list[int]], page_size: int) -> HostIndptrs:
+    """qo_lens/kv_lens [B], page_ids per request (covering kv_lens) -> FlashInfer's CSR page table."""
+    qo, kv, indices, last = [0], [0], [], []
+    for q_len, kv_len, pages in zip(qo_lens, kv_lens, page_ids):
+        used = -(-kv_len // page_size)
+        if used > len(pages):
+            raise ValueError(f"attention layout: {kv_len} keys need {used} pages, the request holds {len(pages)}")
+        qo.append(qo[-1] + q_len)
+        kv.append(kv[-1] + used)
+        indices.extend(pages[:used])
+        last.append(kv_len - (used - 1) * page_size)
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
+
+    return HostIndptrs(ints(qo), ints(kv), ints(indices), ints(last))
+
+
+class FlashInferPlan:
+    """A planned FlashInfer wrapper shared by every layer of one forward."""
+
+    def __init__(self, wrapper, indptrs: HostIndptrs, causal: bool, page_size: int):
+        self.wrapper, self.indptrs, self.causal, self.page_size = wrapper, indptrs, causal, page_size
+        self.planned: AttentionGeometry | None = None
+
+    def ensure(self, geometry: AttentionGeometry) -> None:
+        if self.planned == geometry:
+            return
+        i = self.indptrs
+        self.wrapper.plan(i.qo_indptr, i.kv_indptr, i.kv_indices, i.last_page_len, geometry.num_q_heads,
+                          geometry.num_kv_heads, geometry.head_dim, self.page_size, causal=self.causal,
+                          sm_scale=geometry.scale, q_data_type=geometry.dtype, kv_data_type=geometry.dtype)
+        self.planned = geometry
+
+
+class FlashInferBackend:
+    name = "flashinfer"
+
+    def __init__(self):
+        from runtime.kernels import KernelBackendUnavailable
+
+        if not torch.cuda.is_available():
+            raise KernelBackendUnavailable("kernel backend 'flashinfer' needs a CUDA device; none is visible")
+        try:
+            import flashinfer  # noqa: F401
+
+            from runtime.kernels import triton_ops
+        except ImportError as exc:
+            raise KernelBackendUnavailable(f"kernel backend 'flashinfer' cannot run: {exc} (pip install "
+                                           "'dspark[gpu]')") from exc
+        self._ops = triton_ops
+        self._workspaces: dict[torch.device, torch.Tensor] = {}
+        self._eager: dict[tuple[torch.device, bool], object] = {}
+
+    # ---- attention ----------------------------------------------------------------------------
+
+    def workspace(self, device: torch.device) -> torch.Tensor:
+        if device not in self._workspaces:
+            self._workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspaces[device]
+
+    def graph_wrapper(self, device: torch.device, batch_size: int, max_pages: int):
+        """A CUDA-graph-safe wrapper for exactly ``batch_size`` requests and at most ``max_pages`` pages."""
+        import flashinfer
+
+        def buf(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=device)
+
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace(device), "NHD", use_cuda_graph=True, qo_indptr_buf=buf(batch_size + 1),
+            paged_kv_indptr_buf=buf(batch_size + 1), paged_kv_indices_buf=buf(max_pages),
+            paged_kv_last_page_len_buf=buf(batch_size), backend="fa2")
+
+    def _eager_wrapper(self, device: torch.device, causal: bool):
+        import flashinfer
+
+        key = (device, causal)
+        if key not in self._eager:
+            self._eager[key] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace(device), "NHD",
+                                                                              backend="fa2")
+        return self._eager[key]
+
+    def plan_attention(self, meta: PagedAttentionMeta, wrapper=None) -> PagedAttentionMeta:
+        """Plan FlashInfer from ``meta.host`` (and ``meta.geometry`` when given, at once); a draft block (extra
+        keys) or a forward without a host layout is planned for the torch reference instead."""
+        if meta.num_extra_keys or meta.host is None:
+            return torch_ref.plan_attention(meta)
+        host = meta.host
+        indptrs = host_indptrs(host.qo_lens, host.kv_lens, host.page_ids, meta.page_size)
+        device = meta.seq_lens.device
+        plan = FlashInferPlan(wrapper or self._eager_wrapper(device, meta.causal), indptrs, meta.causal,
+                              meta.page_size)
+        if meta.geometry is not None:
+            plan.ensure(meta.geometry)
+        return dataclasses.replace(meta, plan=plan)
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: PagedAttentionMeta, scale: float, extra_k: torch.Tensor | None = None,
+                        extra_v: torch.Tensor | None = None) -> torch.Tensor:
+        # q: [T, Hq, D] -> [T, Hq, D]
+        if not isinstance(meta.plan, FlashInferPlan):
+            return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale, extra_k, extra_v)
+        meta.plan.ensure(AttentionGeometry(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, scale))
+        return meta.plan.wrapper.run(q, (k_cache, v_cache))
+
+    # ---- elementwise --------------------------------------------------------------------------
+
+    write_kv = staticmethod(torch_ref.write_kv)
+    sample_exponential_race = staticmethod(torch_ref.sample_exponential_race)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._ops.add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ops.silu_and_mul(x)
+
+    def qk_norm_rope(self, q, k, q_weight, k_weight, eps, cos, sin):
+        return self._ops.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)

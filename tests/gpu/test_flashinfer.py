@@ -1,0 +1,120 @@
+"""The flashinfer kernel backend on CUDA: each op against the torch reference, and the engine's CUDA graphs
+against its eager steps with the same kernels (token for token). Skipped without a GPU and flashinfer."""
+
+import pytest
+import torch
+
+from configs import DSparkDecodingConfig
+from runtime import LLM, SamplingParams
+from runtime.kernels import HostLayout, PagedAttentionMeta, get_backend, torch_ref
+from tests import builders
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("flashinfer")
+pytest.importorskip("triton")
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def fi():
+    return get_backend("flashinfer")
+
+
+def close(got, want, tol=2e-2):
+    assert torch.isfinite(got).all()
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert err < tol, f"relative error {err:.2e}"
+
+
+def test_norms_and_activation(fi):
+    x, res, w = (torch.randn(37, 4096, device=DEV, dtype=BF16) for _ in range(2)), None, None
+    x, res = list(x)
+    w = torch.randn(4096, device=DEV, dtype=BF16)
+    close(fi.rms_norm(x, w, 1e-6), torch_ref.rms_norm(x, w, 1e-6))
+    got, got_sum = fi.add_rms_norm(x, res, w, 1e-6)
+    want, want_sum = torch_ref.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(got_sum, want_sum)
+    close(got, want)
+    gate_up = torch.randn(37, 2 * 3000, device=DEV, dtype=BF16)
+    close(fi.silu_and_mul(gate_up), torch_ref.silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_on_strided_views(fi, norm):
+    t, hq, hkv, d = 19, 8, 2, 128
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV, dtype=BF16)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(t, hq, d), k.view(t, hkv, d)
+    qw, kw = (torch.randn(d, device=DEV, dtype=BF16) if norm else None for _ in range(2))
+    angles = torch.arange(t, device=DEV).float()[:, None] * torch.rand(d // 2, device=DEV)
+    cos, sin = torch.cat([angles, angles], -1).cos().to(BF16), torch.cat([angles, angles], -1).sin().to(BF16)
+    for got, want in zip(fi.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin),
+                         torch_ref.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)):
+        assert got.is_contiguous()
+        close(got, want)
+
+
+def test_paged_attention_matches_the_reference(fi):
+    """A prefill chunk, a decode row and an 8-token verify in one batch, pages scattered, GQA 32/8."""
+    page, hq, hkv, d = 16, 32, 8, 128
+    k_cache, v_cache = (torch.randn(64, page, hkv, d, device=DEV, dtype=BF16) for _ in range(2))
+    qo_lens, kv_lens = [40, 1, 8], [40, 300, 77]
+    pages = [[3, 9, 11], list(range(12, 31)), [40, 7, 50, 51, 60]]
+    qsl = torch.tensor([0, 40, 41, 49], device=DEV)
+    width = max(len(p) for p in pages)
+    table = torch.tensor([p + [0] * (width - len(p)) for p in pages], device=DEV)
+    meta = PagedAttentionMeta(query_start_loc=qsl, seq_lens=torch.tensor(kv_lens, device=DEV), page_table=table,
+                              max_query_len=40, max_seq_len=300, causal=True, num_tokens=49, page_size=page,
+                              host=HostLayout(qo_lens, kv_lens, pages))
+    q = torch.randn(49, hq, d, device=DEV, dtype=BF16)
+    got = fi.paged_attention(q, k_cache, v_cache, fi.plan_attention(meta), d ** -0.5)
+    want = torch_ref.paged_attention(q, k_cache, v_cache, torch_ref.plan_attention(meta), d ** -0.5)
+    close(got, want)
+
+
+@pytest.fixture(scope="module")
+def wide_target(checkpoints):
+    """head_dim 128 (FlashInfer's kernels), 4 layers, in bf16."""
+    return builders.save_target(checkpoints / "wide-qwen3", "qwen3", seed=11, residual_scale=0.6, hidden_size=512,
+                                intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+
+
+PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [100, 3], list(range(20, 51)), [7] * 12, [250, 251]]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+ENGINE = dict(dtype="bfloat16", num_pages=256, page_size=16, kernel_backend="flashinfer", max_num_seqs=8)
+
+
+def generate(target, drafter=None, **kw):
+    spec = DSparkDecodingConfig(speculative_model=str(drafter)) if drafter is not None else None
+    llm = LLM(str(target), speculative_config=spec, **{**ENGINE, **kw})
+    return llm, [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_graphed_steps_equal_eager_steps(wide_target, make_drafter, speculative):
+    drafter = make_drafter(wide_target, 4) if speculative else None
+    graphed, tokens = generate(wide_target, drafter)
+    info = graphed.rank_info()[0]
+    assert info["kernel_backend"] == "flashinfer" and info["cuda_graphs"]
+    eager, eager_tokens = generate(wide_target, drafter, enforce_eager=True)
+    assert not eager.rank_info()[0]["cuda_graphs"]
+    assert tokens == eager_tokens
+    # padding rows never change a request: each prompt alone (bucket 1) decodes as in the batch of 5 (bucket 8)
+    alone = [[o.token_ids for o in graphed.generate([p], GREEDY)][0] for p in PROMPTS]
+    assert alone == tokens
+
+
+def test_flashinfer_agrees_with_the_torch_kernels_in_bf16(wide_target):
+    _, fast = generate(wide_target)
+    _, ref = generate(wide_target, kernel_backend="torch")
+    same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(fast, ref)]
+    assert sum(same_prefix) >= 0.6 * sum(len(x) for x in ref), same_prefix  # bf16 near-ties may part
+
+
+def test_flashinfer_refuses_float32(wide_target):
+    from runtime.kernels import KernelBackendUnavailable
+
+    with pytest.raises(KernelBackendUnavailable, match="bfloat16 or float16"):
+        LLM(str(wide_target), **{**ENGINE, "dtype": "float32"})

@@ -1,0 +1,127 @@
+"""One request's fault fails that request alone: the others in the step keep exactly their outputs.
+
+Faults are injected inside a step: a target whose embedding row of one token is NaN (every request that
+feeds that token gets non-finite logits, on the device, mid-batch), and a host-side error while one
+request's tokens are committed. Parameter bounds are checked at admission.
+"""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime import LLM, SamplingParams
+from runtime.engine import Engine
+from runtime.stops import StopCriteria
+
+POISON = 7  # the token whose embedding is NaN in the poisoned target
+CLEAN = [[5, 9, 11, 13], [20, 21, 22, 23, 24, 25], [40, 41, 42]]
+POISONED = [3, 4, POISON, 6]
+
+
+@pytest.fixture(scope="module")
+def poisoned_target(checkpoints, qwen3_target):
+    path = checkpoints / "poisoned-qwen3"
+    if not path.exists():
+        shutil.copytree(qwen3_target, path)
+        weights = load_file(str(path / "model.safetensors"))
+        weights["model.embed_tokens.weight"][POISON] = float("nan")
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def make_llm(target, drafter=None, **kwargs):
+    spec = {"speculative_model": str(drafter)} if drafter is not None else None
+    return LLM(str(target), speculative_config=spec, dtype="float32", device="cpu", num_pages=48, page_size=4,
+               **kwargs)
+
+
+def outputs(llm, prompts, params):
+    return [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_request_with_non_finite_logits_fails_alone(poisoned_target, make_drafter, speculative, temperature):
+    drafter = make_drafter(poisoned_target, 3) if speculative else None
+    llm = make_llm(poisoned_target, drafter)
+    params = SamplingParams(max_tokens=12, temperature=temperature, seed=3, ignore_eos=True)
+    expected = outputs(llm, CLEAN, params)
+    outs = llm.generate([CLEAN[0], POISONED, CLEAN[1], CLEAN[2]], params)
+    bad = outs[1]
+    assert bad.finish_reason == "error" and "non-finite" in bad.error and bad.token_ids == []
+    assert [(o.token_ids, o.finish_reason) for o in (outs[0], outs[2], outs[3])] == expected
+    assert llm.engine.pages.num_used == 0 and not llm.engine.sequences
+    # the faulted request's pages were scrubbed: requests that reuse them (the allocator hands out the most
+    # recently freed pages first) decode exactly as before
+    assert outputs(llm, CLEAN, params) == expected
+
+
+def test_faulted_pages_are_scrubbed_before_reuse(poisoned_target, monkeypatch):
+    """The scrub is what protects the next user of the pages: without it, masked-out NaN slots poison attention.
+
+    The poisoned request fills pages a (positions 0-3) and b (4-5); the next short request gets a and b and
+    writes only slot 0 of b, and batched with a longer one its attention spans b's stale, masked slots."""
+    llm = make_llm(poisoned_target)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    batch = [[5, 9, 11, 13, 15], list(range(100, 112))]
+    expected = outputs(llm, batch, params)
+    poisoned = [[3, 4, POISON, 6, 8, 10]]
+    assert llm.generate(poisoned, params)[0].finish_reason == "error"
+    assert outputs(llm, batch, params) == expected
+    monkeypatch.setattr("runtime.runner.scrub_pages", lambda *args: None)
+    assert llm.generate(poisoned, params)[0].finish_reason == "error"
+    assert outputs(llm, batch, params) != expected
+
+
+def test_a_host_side_fault_while_committing_fails_that_request_alone(qwen3_target, make_drafter, monkeypatch):
+    llm = make_llm(qwen3_target, make_drafter(qwen3_target, 3))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = outputs(llm, CLEAN, params)
+    engine: Engine = llm.engine
+    check = StopCriteria.check
+
+    def failing_check(self, seq):
+        if seq.request_id == "faulty" and len(seq.output_token_ids) >= 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected tokenizer fault")
+        return check(self, seq)
+
+    monkeypatch.setattr(StopCriteria, "check", failing_check)
+    ids = [engine.add_request(p, params) for p in CLEAN[:2]]
+    engine.add_request([50, 51, 52], params, request_id="faulty")
+    ids.append(engine.add_request(CLEAN[2], params))
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["faulty"].finish_reason == "error" and "injected tokenizer fault" in finished["faulty"].error
+    assert [(finished[i].token_ids, finished[i].finish_reason) for i in ids] == expected
+    assert engine.pages.num_used == 0
+
+
+@pytest.mark.parametrize("field,value", [("top_k", 10**20), ("max_tokens", 10**20), ("max_tokens", True),
+                                         ("temperature", float("inf")), ("temperature", 10**400),
+                                         ("top_p", float("nan")), ("repetition_penalty", 1e-45),
+                                         ("stop", ("",)), ("stop", ("x\ud800y",)), ("stop_token_ids", (2**40,)),
+                                         ("seed", 1.5)])
+def test_out_of_bounds_parameters_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} must be"):
+        SamplingParams(**{field: value})
+
+
+def test_a_huge_top_k_keeps_every_token(qwen3_target):
+    llm = make_llm(qwen3_target)
+    unbounded = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    assert outputs(llm, CLEAN, SamplingParams(max_tokens=8, temperature=1.0, top_k=2**31 - 1, seed=5,
+                                              ignore_eos=True)) == outputs(llm, CLEAN, unbounded)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-45, 5e-6])
+def test_tiny_temperatures_decode_greedily(qwen3_target, make_drafter, temperature):
+    llm = make_llm(qwen3_target, make_drafter(qwen3_target, 3))
+    greedy = outputs(llm, CLEAN, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    tiny = outputs(llm, CLEAN, SamplingParams(max_tokens=12, temperature=temperature, ignore_eos=True))
+    assert tiny == greedy and all(len(tokens) == 12 for tokens, _ in tiny)
+    assert torch.tensor(greedy[0][0]).unique().numel() > 1  # real tokens, not a degenerate row
