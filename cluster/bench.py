@@ -161,7 +161,9 @@ def profile_step(llm, batch: int, prompt_len: int, vocab: int) -> dict:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.device_time for e in kernels) / 5 / 1e3
     top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:12]
-    return {"kernels_per_step": len(kernels) / 5, "gpu_busy_ms_per_step": busy,
+    host = {e.key: round(e.cpu_time_total / 5 / 1e3, 3) for e in prof.key_averages()
+            if e.key.startswith(("dspark.", "cuda")) and e.cpu_time_total > 0}
+    return {"kernels_per_step": len(kernels) / 5, "gpu_busy_ms_per_step": busy, "host_ms_per_step": host,
             "top_kernels": [{"name": e.key[:80], "ms_per_step": e.device_time_total / 5 / 1e3, "calls": e.count / 5}
                             for e in top]}
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from runtime.draft_runner import DraftRunner
 from runtime.step_io import ScheduledRequest
 from runtime.step_tensors import StepTensors
+from runtime.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,7 @@ class LocalDraftChannel:
         out = self.runner.draft(entries, committed, accepted, page_table, k_next)
         features = None
         if rejection_rows:
-            rows = torch.tensor(rejection_rows, device=out.hidden.device)
+            rows = to_device(rejection_rows, out.hidden.device)
             features = DraftFeatures(out.hidden[rows], out.low_rank[rows] if out.low_rank is not None else None)
         return Proposal(out.tokens, out.lengths, features)
 

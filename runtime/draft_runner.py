@@ -18,6 +18,7 @@ from runtime.models.drafter import DSparkDrafter
 from runtime.noise import Stream, exponentials
 from runtime.step_io import ScheduledRequest
 from runtime.step_tensors import uses_rejection
+from runtime.transfer import to_device
 from runtime.verify import gather_rows
 
 
@@ -51,7 +52,7 @@ class DraftRunner:
         """
         num, dev = len(entries), self.device
         anchors = gather_rows(committed, accepted)  # [S]
-        base = torch.tensor([e.end_position - e.num_drafts for e in entries], device=dev)
+        base = to_device([e.end_position - e.num_drafts for e in entries], dev)
         anchor_pos = base + accepted  # = the drafter's context length
         block_ids = torch.full((num, k_next), self.drafter.spec.mask_token_id, device=dev, dtype=torch.int64)
         block_ids[:, 0] = anchors
@@ -76,9 +77,9 @@ class DraftRunner:
         num, k_next, vocab = base_logits.shape
         head = self.drafter.markov_head
         drawn_rows = [uses_rejection(e, self.use_rejection) for e in entries]
-        drawn = torch.tensor(drawn_rows, device=self.device)
-        temperature = torch.tensor([max(e.params.temperature, 1e-5) for e in entries], device=self.device)[:, None]
-        seeds = torch.tensor([e.seed for e in entries], device=self.device)
+        drawn = to_device(drawn_rows, self.device)
+        temperature = to_device([max(e.params.temperature, 1e-5) for e in entries], self.device)[:, None]
+        seeds = to_device([e.seed for e in entries], self.device)
         prev, state = anchors, head.initial_state(num, hidden) if head is not None else None
         tokens, low_ranks = [], []
         for k in range(k_next):

@@ -15,6 +15,7 @@ from runtime.draft_channel import DraftFeatures, send_features
 from runtime.draft_runner import DraftRunner
 from runtime.step_io import ScheduledBatch
 from runtime.step_tensors import build_step_tensors, sampled_entries, uses_rejection
+from runtime.transfer import to_device
 
 TARGET_LEADER = 0
 
@@ -49,7 +50,7 @@ class DraftServer:
         out = self.runner.draft(entries, committed, accepted, t.page_table[sampled], k_next)
         rows = [i for i, e in enumerate(entries) if uses_rejection(e, self.runner.use_rejection)]
         if rows:
-            index = torch.tensor(rows, device=self.device)
+            index = to_device(rows, self.device)
             low = out.low_rank[index] if out.low_rank is not None else None
             send_features(DraftFeatures(out.hidden[index], low), dst=TARGET_LEADER)
         host = torch.cat([out.tokens, out.lengths[:, None]], dim=1).tolist()

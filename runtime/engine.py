@@ -14,6 +14,7 @@ import logging
 import random
 from pathlib import Path
 
+from torch.profiler import record_function
 from transformers import AutoTokenizer, GenerationConfig
 
 from configs import LLMConfig
@@ -151,12 +152,18 @@ class Engine:
         return self.spec.draft_len_for_batch_size(len(self.scheduler.running))
 
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
+        with record_function("dspark.schedule"):
+            scheduled = self.scheduler.schedule()
         released, scrub = self.scheduler.take_released()
         batch = ScheduledBatch(requests=scheduled, num_next_drafts=self.draft_len(),
                                maintain_draft_context=self.has_drafter and not self.gate.closed,
                                released_request_ids=released, scrub_page_ids=scrub)
-        results = self.executor.execute(batch)
+        with record_function("dspark.execute"):
+            results = self.executor.execute(batch)
+        with record_function("dspark.commit"):
+            return self._commit_step(scheduled, results)
+
+    def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:
         outputs, drafted, accepted = [], 0, 0
         for entry, result in zip(scheduled, results):
             seq = self.sequences[entry.request_id]

@@ -4,7 +4,8 @@ A step whose every request feeds the same number of tokens ``Q`` (``Q = 1`` plai
 verify of K drafts; a prefill chunk of exactly Q tokens is the same computation) replays a graph captured for
 ``B >= len(requests)`` requests. The graph is a pure function of persistent buffers: one host-to-device copy
 writes the step's token ids, positions and cache slots, FlashInfer's plan writes the page table into the
-wrapper's own buffers, one replay runs embedding -> layers -> final norm (and the captured layers). Rows of
+wrapper's own buffers, one replay runs embedding -> layers -> final norm (and the captured layers) -> LM head ->
+max and argmax of every row (what greedy verification needs; sampling reads the logits). Rows of
 padding requests feed token 0 at positions 0..Q-1 into a scratch page no request owns, so they never touch a
 real request's cache, and their outputs are dropped. Other steps (mixed prefill, ragged drafts) run eagerly.
 """
@@ -21,6 +22,8 @@ from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta
 from runtime.kv_cache import KVCaches
 from runtime.models.target import TargetModel
 from runtime.step_io import ScheduledRequest
+from runtime.step_tensors import StepTensors
+from runtime.transfer import to_device
 
 log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -32,11 +35,40 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 @dataclass
+class GraphOutputs:
+    """One replay's results for its T real rows (views of the graph's buffers, valid until its next replay)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T]
+    hidden: torch.Tensor  # [T, d] final-normed states
+    captured: torch.Tensor | None  # [T, m*d]
+    logits: torch.Tensor  # [T, V] in the model dtype
+    top: torch.Tensor  # [T] max logit (NaN when the row has one)
+    argmax: torch.Tensor  # [T]
+
+    def step_tensors(self, reqs: list[ScheduledRequest], page_size: int, device: torch.device,
+                     with_page_table: bool) -> StepTensors:
+        """The step's tensors for verification and drafting: the graph's inputs, the page table if asked for."""
+        qsl = [0]
+        for r in reqs:
+            qsl.append(qsl[-1] + len(r.token_ids))
+        table = None
+        if with_page_table:
+            width = max(len(r.page_ids) for r in reqs)
+            table = to_device([r.page_ids + [0] * (width - len(r.page_ids)) for r in reqs], device)
+        return StepTensors(self.input_ids, self.positions, self.slots, None, table, qsl)
+
+
+@dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     wrapper: object  # the FlashInfer wrapper whose buffers the graph reads
     hidden: torch.Tensor  # [B*Q, d] final-normed states
     captured: torch.Tensor | None  # [B*Q, m*d]
+    logits: torch.Tensor  # [B*Q, V] model dtype
+    top: torch.Tensor  # [B*Q]
+    argmax: torch.Tensor  # [B*Q]
 
 
 class GraphedTargetForward:
@@ -67,18 +99,19 @@ class GraphedTargetForward:
             return None
         return q_len if (self.buckets[0], q_len) in self.graphs else None
 
-    def run(self, reqs: list[ScheduledRequest], q_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (hidden [T, d], captured [T, m*d] or None) for the T = len(reqs) * Q real rows (views of the graph's
-        output buffers: valid until the next replay)."""
+    def run(self, reqs: list[ScheduledRequest], q_len: int) -> GraphOutputs:
+        """Replay the graph of ``len(reqs)`` requests (padded to a bucket) x ``q_len`` tokens."""
         batch = next(b for b in self.buckets if b >= len(reqs))
         g = self.graphs[(batch, q_len)]
         ids, positions, slots, layout = self._host_inputs(reqs, batch, q_len)
-        self.inputs[:, :batch * q_len].copy_(torch.tensor([ids, positions, slots], dtype=torch.int64),
-                                             non_blocking=True)
+        self.inputs[:, :batch * q_len].copy_(torch.tensor([ids, positions, slots], dtype=torch.int64,
+                                                          pin_memory=True), non_blocking=True)
         self.backend.plan_attention(self._meta(layout, batch, q_len), g.wrapper)
         g.graph.replay()
         rows = len(reqs) * q_len
-        return g.hidden[:rows], (g.captured[:rows] if g.captured is not None else None)
+        ids, positions, slots = (t[:rows] for t in self.inputs)
+        return GraphOutputs(ids, positions, slots, g.hidden[:rows], g.captured[:rows] if g.captured is not None
+                            else None, g.logits[:rows], g.top[:rows], g.argmax[:rows])
 
     # ---- building -----------------------------------------------------------------------------
 
@@ -116,9 +149,11 @@ class GraphedTargetForward:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm up outside the graph (lazy inits, Triton compilation)
             for _ in range(2):
-                self.target(ids, positions, self.caches, meta, slots)
+                self.target.lm_head(self.target(ids, positions, self.caches, meta, slots)[0]).max(dim=-1)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             hidden, captured = self.target(ids, positions, self.caches, meta, slots)
-        return _Graph(graph, wrapper, hidden, captured)
+            logits = self.target.lm_head(hidden)
+            top, argmax = logits.max(dim=-1)
+        return _Graph(graph, wrapper, hidden, captured, logits, top, argmax)

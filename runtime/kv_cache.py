@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.transfer import to_device
+
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -23,7 +25,7 @@ def scrub_pages(caches: KVCaches, page_ids: list[int], device: torch.device) -> 
     """Zero ``page_ids`` in every (k, v) cache [P, S, H, D] (pages a faulted request may have filled with NaN)."""
     if not page_ids:
         return
-    index = torch.tensor(page_ids, device=device)
+    index = to_device(page_ids, device)
     for k_cache, v_cache in caches:
         k_cache.index_fill_(0, index, 0)
         v_cache.index_fill_(0, index, 0)

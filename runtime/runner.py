@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from configs import DSparkDecodingConfig
 from runtime.draft_channel import DraftChannel, DraftFeatures, Proposal, receive_features, send_features
-from runtime.graphs import GraphedTargetForward
+from runtime.graphs import GraphedTargetForward, GraphOutputs
 from runtime.kernels import AttentionGeometry, KernelBackend
 from runtime.kv_cache import KVCaches, scrub_pages
 from runtime.models.target import TargetModel
@@ -25,6 +26,7 @@ from runtime.parallel import SINGLE, ParallelContext
 from runtime.sampler import RowParams, apply_penalties, filtered_probs, occurrence_counts
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.step_tensors import build_step_tensors, sampled_entries, uses_rejection
+from runtime.transfer import to_device
 from runtime.verify import accept_by_rejection, commit_by_match, gather_rows, residual_distribution
 
 NON_FINITE_LOGITS = "the target produced non-finite logits (NaN/inf) for this request; it was stopped"
@@ -71,24 +73,32 @@ class ModelRunner:
         if not reqs:
             return []
         q_len = self.graphs.tokens_per_request(reqs) if self.graphs is not None else None
-        t = build_step_tensors(reqs, self.page_size, self.device, self.kernels, self.geometry, plan=q_len is None)
-        if q_len is not None:
-            hidden, captured = self.graphs.run(reqs, q_len)
-        else:
-            hidden, captured = self.target(t.input_ids, t.positions, self.caches, t.meta, t.slots)
         drafting = self.has_drafter and batch.maintain_draft_context
+        graphed = None
+        with record_function("dspark.forward"):
+            if q_len is not None:
+                graphed = self.graphs.run(reqs, q_len)
+                hidden, captured = graphed.hidden, graphed.captured
+                t = graphed.step_tensors(reqs, self.page_size, self.device, with_page_table=drafting)
+            else:
+                t = build_step_tensors(reqs, self.page_size, self.device, self.kernels, self.geometry)
+                hidden, captured = self.target(t.input_ids, t.positions, self.caches, t.meta, t.slots)
         if drafting and self.is_leader:
-            self.channel.send_context(captured, t)
+            with record_function("dspark.context"):
+                self.channel.send_context(captured, t)
         sampled = sampled_entries(reqs)
         if not sampled:
             return [RequestStepResult(r.request_id, [], 0, []) for r in reqs] if self.is_leader else []
         entries = [reqs[i] for i in sampled]
-        committed, accepted, faulty = self._verify(entries, hidden, t.query_start_loc, sampled)
+        with record_function("dspark.verify"):
+            committed, accepted, faulty = self._verify(entries, hidden, t.query_start_loc, sampled, graphed)
         k_next = batch.num_next_drafts if drafting else 0
-        proposal = self._propose(entries, committed, accepted, t.page_table[sampled], k_next) if k_next else None
+        with record_function("dspark.draft"):
+            proposal = self._propose(entries, committed, accepted, t.page_table[sampled], k_next) if k_next else None
         if not self.is_leader:
             return []
-        return self._results(reqs, entries, committed, accepted, faulty, proposal)
+        with record_function("dspark.results"):
+            return self._results(reqs, entries, committed, accepted, faulty, proposal)
 
     def _results(self, reqs, entries, committed, accepted, faulty, proposal: Proposal | None
                  ) -> list[RequestStepResult]:
@@ -145,8 +155,23 @@ class ModelRunner:
 
     # ---- verification ------------------------------------------------------------------------
 
-    def _verify(self, entries: list[ScheduledRequest], hidden: torch.Tensor, qsl: list[int],
-                batch_index: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _logits(self, entries: list[ScheduledRequest], hidden: torch.Tensor, qsl: list[int], batch_index: list[int],
+                k_max: int, num_drafts: torch.Tensor, graphed: GraphOutputs | None):
+        """-> (logits [S, K+1, V], (top, argmax) [S, K+1] or None): the target's rows for each entry's anchor (or
+        last prefill token) and drafts; rows past a short block repeat its last. A graphed step whose every
+        request verifies a full block already computed them (logits in the model dtype, max and argmax)."""
+        num, dev = len(entries), self.device
+        if graphed is not None and num * (k_max + 1) == graphed.logits.shape[0] \
+                and all(e.num_drafts == k_max for e in entries):
+            shape = (num, k_max + 1)
+            return graphed.logits.view(*shape, -1), (graphed.top.view(shape), graphed.argmax.view(shape))
+        offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
+        first = to_device([qsl[b + 1] - 1 - e.num_drafts for e, b in zip(entries, batch_index)], dev)
+        rows = first[:, None] + torch.minimum(offsets[None, :], num_drafts[:, None])  # [S, K+1]
+        return self.target.compute_logits(hidden[rows.view(-1)]).view(num, k_max + 1, -1), None
+
+    def _verify(self, entries: list[ScheduledRequest], hidden: torch.Tensor, qsl: list[int], batch_index: list[int],
+                graphed: GraphOutputs | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> committed tokens [S, K+1] (the first ``accepted + 1`` valid), accepted [S], and faulty [S]: the
         requests whose (penalized) logits hold NaN or +inf. Rows are independent, so a faulty request never
         changes another's tokens; the caller fails it alone."""
@@ -154,28 +179,27 @@ class ModelRunner:
         num_drafts_list = [e.num_drafts for e in entries]
         k_max = max(num_drafts_list)
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
-        num_drafts = torch.tensor(num_drafts_list, device=dev)  # [S]
-        # the row of each entry's anchor (or last prefill token), then its drafts; rows past them repeat the last
-        first = torch.tensor([qsl[b + 1] - 1 - e.num_drafts for e, b in zip(entries, batch_index)], device=dev)
-        rows = first[:, None] + torch.minimum(offsets[None, :], num_drafts[:, None])  # [S, K+1]
-        logits = self.target.compute_logits(hidden[rows.view(-1)])
-        logits = logits.view(len(entries), k_max + 1, vocab)
-        drafts = torch.tensor([e.token_ids[len(e.token_ids) - e.num_drafts:] + [0] * (k_max - e.num_drafts)
-                               for e in entries], device=dev,
-                              dtype=torch.int64).view(len(entries), k_max)  # [S, K]
+        num_drafts = to_device(num_drafts_list, dev)  # [S]
+        logits, top_argmax = self._logits(entries, hidden, qsl, batch_index, k_max, num_drafts, graphed)
+        drafts = to_device([e.token_ids[len(e.token_ids) - e.num_drafts:] + [0] * (k_max - e.num_drafts)
+                            for e in entries], dev, torch.int64).view(len(entries), k_max)  # [S, K]
         penalized = any(e.penalty_history is not None for e in entries)
         greedy = all(e.params.greedy for e in entries)
         row_params = RowParams.build([e.params for e in entries for _ in range(k_max + 1)], vocab, dev) \
             if penalized or not greedy else None
+        if penalized or not greedy:
+            logits = logits.float()
         if penalized:
             logits = self._penalize(logits, entries, drafts, row_params)
-        top, argmax = logits.max(dim=-1)  # [S, K+1]: NaN propagates into the max, so one pass finds faults
+            top_argmax = None
+        # [S, K+1]: NaN propagates into the max, so the one pass that finds the argmax finds faults too
+        top, argmax = top_argmax if top_argmax is not None else logits.max(dim=-1)
         faulty = ~torch.isfinite(top).all(dim=1)
         if greedy:  # the argmax fast path: no distributions, no noise, no per-row parameters
             return (*commit_by_match(drafts, num_drafts, argmax), faulty)
-        anchor_pos = torch.tensor([e.end_position - e.num_drafts for e in entries], device=dev)
+        anchor_pos = to_device([e.end_position - e.num_drafts for e in entries], dev)
         positions = anchor_pos[:, None] + offsets[None, :]  # [S, K+1]: position of the token each row decides
-        seeds = torch.tensor([e.seed for e in entries], device=dev)
+        seeds = to_device([e.seed for e in entries], dev)
         by_rejection = [uses_rejection(e, self.use_rejection) and e.num_drafts > 0 for e in entries]
         q = self._draft_probs(entries, by_rejection, k_max) if any(by_rejection) else None
         probs = filtered_probs(logits.view(-1, vocab), row_params).view_as(logits)  # [S, K+1, V]
@@ -185,7 +209,7 @@ class ModelRunner:
         committed, accepted = commit_by_match(drafts, num_drafts, target_tokens)
         if q is None:
             return committed, accepted, faulty
-        rejection = torch.tensor(by_rejection, device=dev)
+        rejection = to_device(by_rejection, dev)
         by_rule, accepted_by_rule = self._rejection_sample(drafts, num_drafts, probs, q, target_tokens, seeds,
                                                            positions)
         return (torch.where(rejection[:, None], by_rule, committed),
@@ -211,8 +235,8 @@ class ModelRunner:
         """Penalties with counts that, at row r, include drafts d_1..d_r (the prefix of what row r decides)."""
         vocab = self.vocab_size
         counts, seen = occurrence_counts([e.penalty_history for e in entries], vocab, self.device)  # [S, V]
-        in_block = torch.arange(drafts.shape[1], device=self.device)[None, :] < torch.tensor(
-            [e.num_drafts for e in entries], device=self.device)[:, None]
+        in_block = torch.arange(drafts.shape[1], device=self.device)[None, :] < to_device(
+            [e.num_drafts for e in entries], self.device)[:, None]
         draft_hits = torch.nn.functional.one_hot(drafts, vocab).float() * in_block[..., None]  # [S, K, V]
         prefix = logits.new_zeros(logits.shape)  # [S, K+1, V]
         prefix[:, 1:] = draft_hits.cumsum(dim=1)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.sampling_params import SamplingParams
+from runtime.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +32,7 @@ class RowParams:
     @staticmethod
     def build(params: list[SamplingParams], vocab_size: int, device: torch.device) -> RowParams:
         def col(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, device, dtype)
 
         return RowParams(
             temperature=col([0.0 if p.greedy else p.temperature for p in params]),
@@ -78,7 +79,7 @@ def occurrence_counts(histories: list[tuple[list[int], list[int]] | None], vocab
             continue
         prompt, output = history
         if output:
-            counts[i].index_add_(0, torch.tensor(output, device=device), torch.ones(len(output), device=device))
+            counts[i].index_add_(0, to_device(output, device), torch.ones(len(output), device=device))
         if prompt:
-            seen[i, torch.tensor(prompt, device=device)] = True
+            seen[i, to_device(prompt, device)] = True
     return counts, seen | (counts > 0)

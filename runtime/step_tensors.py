@@ -8,6 +8,7 @@ import torch
 
 from runtime.kernels import AttentionGeometry, HostLayout, KernelBackend, PagedAttentionMeta
 from runtime.step_io import ScheduledRequest
+from runtime.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,20 +30,20 @@ def build_step_tensors(reqs: list[ScheduledRequest], page_size: int, device: tor
     qsl = [0]
     for n in lens:
         qsl.append(qsl[-1] + n)
-    qsl_t = torch.tensor(qsl, device=device)
-    starts = torch.tensor([r.start_position for r in reqs], device=device)
-    req_of_token = torch.repeat_interleave(torch.arange(len(reqs), device=device), torch.tensor(lens, device=device),
+    qsl_t = to_device(qsl, device)
+    starts = to_device([r.start_position for r in reqs], device)
+    req_of_token = torch.repeat_interleave(torch.arange(len(reqs), device=device), to_device(lens, device),
                                            output_size=qsl[-1])
     positions = starts[req_of_token] + torch.arange(qsl[-1], device=device) - qsl_t[req_of_token]
     width = max(len(r.page_ids) for r in reqs)
-    page_table = torch.tensor([r.page_ids + [0] * (width - len(r.page_ids)) for r in reqs], device=device)
+    page_table = to_device([r.page_ids + [0] * (width - len(r.page_ids)) for r in reqs], device)
     slots = page_table[req_of_token, positions // page_size] * page_size + positions % page_size
-    meta = PagedAttentionMeta(query_start_loc=qsl_t, seq_lens=starts + torch.tensor(lens, device=device),
+    meta = PagedAttentionMeta(query_start_loc=qsl_t, seq_lens=starts + to_device(lens, device),
                               page_table=page_table, max_query_len=max(lens),
                               max_seq_len=max(r.end_position for r in reqs), causal=True, num_tokens=qsl[-1],
                               page_size=page_size, geometry=geometry,
                               host=HostLayout(lens, [r.end_position for r in reqs], [r.page_ids for r in reqs]))
-    input_ids = torch.tensor([t for r in reqs for t in r.token_ids], device=device)
+    input_ids = to_device([t for r in reqs for t in r.token_ids], device)
     return StepTensors(input_ids, positions, slots, kernels.plan_attention(meta) if plan else meta, page_table, qsl)
 
 

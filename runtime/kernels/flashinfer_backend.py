@@ -3,9 +3,9 @@
 Attention over the paged cache (prefill chunks, decode, the K+1-token verify) is FlashInfer's batch prefill
 kernel on the cache layout the engine already uses (``[pages, page_size, kv_heads, head_dim]``, FlashInfer's
 NHD), planned once per forward from the step's host-side layout (``PagedAttentionMeta.host``) and reused by
-every layer. A draft block (extra keys, no host layout) runs the torch reference attention over a dense gather
-of its context. RMSNorm (with the residual add fused), q/k norm + RoPE and SiLU-and-mul are the Triton kernels
-of ``triton_ops``. KV writes and the exponential-race sampler are the torch reference's (already one kernel each).
+every layer. A draft block (its context plus its own keys, the context length known only on the device) runs a
+Triton flash-attention kernel (``triton_ops.block_attention``) that needs no plan, so drafts can be graphed too. RMSNorm (with the residual add fused), q/k norm + RoPE (fused with the KV-cache write) and
+SiLU-and-mul are the Triton kernels of ``triton_ops``; the exponential-race sampler is the torch reference's.
 
 Loading this backend imports flashinfer and triton and needs a CUDA device; anything missing raises
 ``KernelBackendUnavailable`` naming it (the registry never substitutes another backend).
@@ -117,10 +117,12 @@ class FlashInferBackend:
         return self._eager[key]
 
     def plan_attention(self, meta: PagedAttentionMeta, wrapper=None) -> PagedAttentionMeta:
-        """Plan FlashInfer from ``meta.host`` (and ``meta.geometry`` when given, at once); a draft block (extra
-        keys) or a forward without a host layout is planned for the torch reference instead."""
-        if meta.num_extra_keys or meta.host is None:
-            return torch_ref.plan_attention(meta)
+        """Plan FlashInfer from ``meta.host`` (and ``meta.geometry`` when given, at once). A draft block (extra
+        keys) needs no plan: its Triton kernel reads every length on the device."""
+        if meta.num_extra_keys:
+            return meta
+        if meta.host is None:
+            raise ValueError("flashinfer attention needs the forward's host layout (PagedAttentionMeta.host)")
         host = meta.host
         indptrs = host_indptrs(host.qo_lens, host.kv_lens, host.page_ids, meta.page_size)
         device = meta.seq_lens.device
@@ -134,8 +136,9 @@ class FlashInferBackend:
                         meta: PagedAttentionMeta, scale: float, extra_k: torch.Tensor | None = None,
                         extra_v: torch.Tensor | None = None) -> torch.Tensor:
         # q: [T, Hq, D] -> [T, Hq, D]
-        if not isinstance(meta.plan, FlashInferPlan):
-            return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale, extra_k, extra_v)
+        if extra_k is not None:
+            return self._ops.block_attention(q, k_cache, v_cache, meta.page_table, meta.seq_lens, extra_k, extra_v,
+                                             scale)
         meta.plan.ensure(AttentionGeometry(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, scale))
         return meta.plan.wrapper.run(q, (k_cache, v_cache))
 
@@ -156,3 +159,6 @@ class FlashInferBackend:
 
     def qk_norm_rope(self, q, k, q_weight, k_weight, eps, cos, sin):
         return self._ops.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+
+    def rope_and_cache(self, q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots):
+        return self._ops.rope_and_cache(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots)

@@ -91,5 +91,10 @@ class KernelBackend(Protocol):
         (views may be strided, e.g. slices of a fused qkv projection) at tables cos, sin [T, D]. Returns
         contiguous (q, k) of the same shapes."""
 
+    def rope_and_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``qk_norm_rope`` then ``write_kv`` of the rotated k and of v at ``slots``; returns the rotated q."""
+
     def sample_exponential_race(self, probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
         """Categorical sample per row of probs [R, V] given Exp(1) noise [R, V]: argmax(p / E)."""

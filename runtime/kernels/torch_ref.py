@@ -109,6 +109,14 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
+def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                   k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+    write_kv(k_cache, v_cache, slots, k, v)
+    return q
+
+
 def sample_exponential_race(probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
     # probs, exponentials: [R, V] -> [R]; argmax(p_i / E_i) is an exact categorical draw.
     return (probs / exponentials).argmax(dim=-1)
@@ -125,4 +133,5 @@ class TorchReference:
     add_rms_norm = staticmethod(add_rms_norm)
     silu_and_mul = staticmethod(silu_and_mul)
     qk_norm_rope = staticmethod(qk_norm_rope)
+    rope_and_cache = staticmethod(rope_and_cache)
     sample_exponential_race = staticmethod(sample_exponential_race)

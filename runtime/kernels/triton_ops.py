@@ -76,42 +76,54 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
-                         q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, cos_stride, num_q_heads,
-                         num_k_heads, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
+                         slots_ptr, q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, v_tok_stride,
+                         v_head_stride, cos_stride, num_q_heads, num_k_heads, eps, HALF: tl.constexpr,
+                         NORM: tl.constexpr, STORE: tl.constexpr):
+    """One program per (token, head) of q, k (and v when STORE): q and k normed and rotated; with STORE, k and v
+    go to their cache slot ([slots, Hkv, D] rows of the flat cache), else k to k_out [T, Hkv, D]."""
     tok = tl.program_id(0)
     head = tl.program_id(1)
-    is_q = head < num_q_heads
-    h = tl.where(is_q, head, head - num_q_heads)
     cols = tl.arange(0, HALF)
-    if is_q:
-        src = q_ptr + tok * q_tok_stride + h * q_head_stride
-        w_ptr = qw_ptr
-        dst = q_out_ptr + (tok * num_q_heads + h) * 2 * HALF
+    dtype = q_out_ptr.dtype.element_ty
+    if STORE:
+        slot = tl.load(slots_ptr + tok)
     else:
-        src = k_ptr + tok * k_tok_stride + h * k_head_stride
-        w_ptr = kw_ptr
-        dst = k_out_ptr + (tok * num_k_heads + h) * 2 * HALF
-    x1 = tl.load(src + cols).to(tl.float32)
-    x2 = tl.load(src + HALF + cols).to(tl.float32)
-    if NORM:
-        inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
-        x1 = (x1 * inv).to(q_out_ptr.dtype.element_ty).to(tl.float32) * tl.load(w_ptr + cols).to(tl.float32)
-        x2 = (x2 * inv).to(q_out_ptr.dtype.element_ty).to(tl.float32) * tl.load(w_ptr + HALF + cols).to(tl.float32)
-        x1 = x1.to(q_out_ptr.dtype.element_ty).to(tl.float32)
-        x2 = x2.to(q_out_ptr.dtype.element_ty).to(tl.float32)
-    cos1 = tl.load(cos_ptr + tok * cos_stride + cols).to(tl.float32)
-    cos2 = tl.load(cos_ptr + tok * cos_stride + HALF + cols).to(tl.float32)
-    sin1 = tl.load(sin_ptr + tok * cos_stride + cols).to(tl.float32)
-    sin2 = tl.load(sin_ptr + tok * cos_stride + HALF + cols).to(tl.float32)
-    tl.store(dst + cols, (x1 * cos1 - x2 * sin1).to(q_out_ptr.dtype.element_ty))
-    tl.store(dst + HALF + cols, (x2 * cos2 + x1 * sin2).to(q_out_ptr.dtype.element_ty))
+        slot = tok
+    if head >= num_q_heads + num_k_heads:  # v: copied to its cache slot as is
+        h = head - num_q_heads - num_k_heads
+        src = v_ptr + tok * v_tok_stride + h * v_head_stride
+        dst = v_out_ptr + (slot * num_k_heads + h) * 2 * HALF
+        tl.store(dst + cols, tl.load(src + cols))
+        tl.store(dst + HALF + cols, tl.load(src + HALF + cols))
+    else:
+        if head < num_q_heads:
+            src = q_ptr + tok * q_tok_stride + head * q_head_stride
+            w_ptr = qw_ptr
+            dst = q_out_ptr + (tok * num_q_heads + head) * 2 * HALF
+        else:
+            h = head - num_q_heads
+            src = k_ptr + tok * k_tok_stride + h * k_head_stride
+            w_ptr = kw_ptr
+            dst = k_out_ptr + (slot * num_k_heads + h) * 2 * HALF
+        x1 = tl.load(src + cols).to(tl.float32)
+        x2 = tl.load(src + HALF + cols).to(tl.float32)
+        if NORM:
+            inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+            w1 = tl.load(w_ptr + cols).to(tl.float32)
+            w2 = tl.load(w_ptr + HALF + cols).to(tl.float32)
+            x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+            x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        cos1 = tl.load(cos_ptr + tok * cos_stride + cols).to(tl.float32)
+        cos2 = tl.load(cos_ptr + tok * cos_stride + HALF + cols).to(tl.float32)
+        sin1 = tl.load(sin_ptr + tok * cos_stride + cols).to(tl.float32)
+        sin2 = tl.load(sin_ptr + tok * cos_stride + HALF + cols).to(tl.float32)
+        tl.store(dst + cols, (x1 * cos1 - x2 * sin1).to(dtype))
+        tl.store(dst + HALF + cols, (x2 * cos2 + x1 * sin2).to(dtype))
 
 
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                 eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, num_q, dim = q.shape
-    num_k = k.shape[1]
+def _check_heads(q: torch.Tensor, k: torch.Tensor, q_weight, k_weight) -> int:
+    dim = q.shape[-1]
     half = dim // 2
     if dim % 2 or half & (half - 1):
         raise ValueError(f"qk_norm_rope (triton): head_dim must be twice a power of 2, got {dim}")
@@ -119,6 +131,14 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
         raise ValueError("qk_norm_rope (triton): q and k need a contiguous last dim")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("qk_norm_rope (triton): q and k are both normed or neither")
+    return half
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, num_q, _ = q.shape
+    num_k = k.shape[1]
+    half = _check_heads(q, k, q_weight, k_weight)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if tokens == 0:
@@ -126,6 +146,102 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     cos, sin = cos.contiguous(), sin.contiguous()
     norm = q_weight is not None
     _qk_norm_rope_kernel[(tokens, num_q + num_k)](
-        q, k, q_weight if norm else cos, k_weight if norm else cos, cos, sin, q_out, k_out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), num_q, num_k, eps, HALF=half, NORM=norm)
+        q, k, k, q_weight if norm else cos, k_weight if norm else cos, cos, sin, q_out, k_out, k_out, cos,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), 0, 0, cos.stride(0), num_q, num_k, eps, HALF=half,
+        NORM=norm, STORE=False)
     return q_out, k_out
+
+
+def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                   k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    tokens, num_q, _ = q.shape
+    num_k = k.shape[1]
+    half = _check_heads(q, k, q_weight, k_weight)
+    if v.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rope_and_cache (triton): v needs a contiguous last dim and the caches must be contiguous")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return q_out
+    cos, sin = cos.contiguous(), sin.contiguous()
+    norm = q_weight is not None
+    _qk_norm_rope_kernel[(tokens, num_q + 2 * num_k)](
+        q, k, v, q_weight if norm else cos, k_weight if norm else cos, cos, sin, q_out, k_cache, v_cache, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), num_q, num_k,
+        eps, HALF=half, NORM=norm, STORE=True)
+    return q_out
+
+
+@triton.jit
+def _block_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, ctx_lens_ptr, xk_ptr, xv_ptr, out_ptr,
+                            scale, page_size, page_table_stride, num_q_heads, num_kv_heads,
+                            BLOCK: tl.constexpr, GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+                            BLOCK_N: tl.constexpr, X: tl.constexpr):
+    """One program per (request b, kv head h): the BLOCK x GROUP query rows of its draft block attend to the
+    request's first ctx_lens[b] cached keys (paged) and to the block's own BLOCK keys (bidirectional), with an
+    online softmax over key tiles of BLOCK_N. Row r is (block slot r // GROUP, q head h * GROUP + r % GROUP)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = tl.arange(0, M)
+    dims = tl.arange(0, D)
+    slot = rows // GROUP
+    row_ok = rows < BLOCK * GROUP
+    q_head = h * GROUP + rows % GROUP
+    q_off = ((b * BLOCK + slot) * num_q_heads + q_head)[:, None] * D + dims[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([M], dtype=tl.float32)
+    acc = tl.zeros([M, D], dtype=tl.float32)
+    ctx_len = tl.load(ctx_lens_ptr + b)
+    cols = tl.arange(0, BLOCK_N)
+    for start in range(0, ctx_len, BLOCK_N):
+        pos = start + cols
+        key_ok = pos < ctx_len
+        page = tl.load(page_table_ptr + b * page_table_stride + pos // page_size, mask=key_ok, other=0)
+        kv_off = ((page * page_size + pos % page_size) * num_kv_heads + h)[:, None] * D + dims[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    xcols = tl.arange(0, X)
+    x_ok = xcols < BLOCK
+    x_off = ((b * BLOCK + xcols) * num_kv_heads + h)[:, None] * D + dims[None, :]
+    k = tl.load(xk_ptr + x_off, mask=x_ok[:, None], other=0.0)
+    v = tl.load(xv_ptr + x_off, mask=x_ok[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.where(x_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                    ctx_lens: torch.Tensor, extra_k: torch.Tensor, extra_v: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Draft-block attention: q [B*K, Hq, D] over each request's ctx_lens[b] cached keys (page_table [B, P]) plus
+    the block's own keys extra_k/extra_v [B, K, Hkv, D]; every length is read on the device (CUDA-graph safe)."""
+    batch, block, num_kv, dim = extra_k.shape
+    num_q = q.shape[1]
+    group = num_q // num_kv
+    if dim & (dim - 1) or dim < 16:
+        raise ValueError(f"block_attention (triton): head_dim must be a power of 2 >= 16, got {dim}")
+    q, extra_k, extra_v = q.contiguous(), extra_k.contiguous(), extra_v.contiguous()
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    _block_attention_kernel[(batch, num_kv)](
+        q, k_cache, v_cache, page_table, ctx_lens, extra_k, extra_v, out, scale, k_cache.shape[1],
+        page_table.stride(0), num_q, num_kv, BLOCK=block, GROUP=group,
+        M=max(16, triton.next_power_of_2(block * group)), D=dim, BLOCK_N=16,
+        X=max(16, triton.next_power_of_2(block)))
+    return out

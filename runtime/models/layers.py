@@ -150,15 +150,20 @@ class Attention(nn.Module):
         return (self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None)
 
-    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, d] -> q [T, Hq, D], k, v [T, Hkv, D]; q and k normed and rotated at their positions."""
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, d] -> q [T, Hq, D], k, v [T, Hkv, D] as projected (views of one fused GEMM's output)."""
         t, d = x.shape[0], self.head_dim
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, k = self.kernels.qk_norm_rope(q.view(t, -1, d), k.view(t, -1, d), *self._weights(), self.eps, cos, sin)
-        return q, k, v.view(t, -1, d)
+        return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, d] -> q [T, Hq, D], k, v [T, Hkv, D]; q and k normed and rotated at their positions."""
+        q, k, v = self._qkv(x)
+        q, k = self.kernels.qk_norm_rope(q, k, *self._weights(), self.eps, cos, sin)
+        return q, k, v
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, d] -> (k, v) [T, Hkv, D], k normed and rotated at its own positions (no q is computed)."""
@@ -182,11 +187,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], inputs: AttentionInputs) -> torch.Tensor:
         # x: [T, d] -> [T, d]
-        q, k, v = self.project_qkv(x, inputs.cos, inputs.sin)
-        if inputs.block_size is None:
-            self.kernels.write_kv(cache[0], cache[1], inputs.slots, k, v)
+        if inputs.block_size is None:  # k and v go to the cache in the same kernel that rotates them
+            q, k, v = self._qkv(x)
+            q = self.kernels.rope_and_cache(q, k, v, *self._weights(), self.eps, inputs.cos, inputs.sin, cache[0],
+                                            cache[1], inputs.slots)
             out = self.kernels.paged_attention(q, cache[0], cache[1], inputs.meta, self.scale)
         else:
+            q, k, v = self.project_qkv(x, inputs.cos, inputs.sin)
             shape = (-1, inputs.block_size, *k.shape[1:])  # [B, block, Hkv, D]
             out = self.kernels.paged_attention(q, cache[0], cache[1], inputs.meta, self.scale,
                                                k.view(shape), v.view(shape))

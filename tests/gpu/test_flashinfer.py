@@ -56,6 +56,23 @@ def test_qk_norm_rope_on_strided_views(fi, norm):
         close(got, want)
 
 
+def test_rope_and_cache_writes_the_rotated_keys(fi):
+    t, hq, hkv, d, page = 11, 8, 2, 128, 16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV, dtype=BF16)
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    qw, kw = torch.randn(d, device=DEV, dtype=BF16), torch.randn(d, device=DEV, dtype=BF16)
+    angles = torch.arange(t, device=DEV).float()[:, None] * torch.rand(d // 2, device=DEV)
+    cos, sin = torch.cat([angles, angles], -1).cos().to(BF16), torch.cat([angles, angles], -1).sin().to(BF16)
+    slots = torch.randperm(8 * page, device=DEV)[:t]
+    caches = [[torch.randn(8, page, hkv, d, device=DEV, dtype=BF16) for _ in range(2)] for _ in range(2)]
+    caches[1] = [c.clone() for c in caches[0]]
+    got_q = fi.rope_and_cache(q, k, v, qw, kw, 1e-6, cos, sin, *caches[0], slots)
+    want_q = torch_ref.rope_and_cache(q, k, v, qw, kw, 1e-6, cos, sin, *caches[1], slots)
+    close(got_q, want_q)
+    close(caches[0][0], caches[1][0], 1e-2)
+    assert torch.equal(caches[0][1], caches[1][1])  # v is copied as is
+
+
 def test_paged_attention_matches_the_reference(fi):
     """A prefill chunk, a decode row and an 8-token verify in one batch, pages scattered, GQA 32/8."""
     page, hq, hkv, d = 16, 32, 8, 128
@@ -71,6 +88,23 @@ def test_paged_attention_matches_the_reference(fi):
     q = torch.randn(49, hq, d, device=DEV, dtype=BF16)
     got = fi.paged_attention(q, k_cache, v_cache, fi.plan_attention(meta), d ** -0.5)
     want = torch_ref.paged_attention(q, k_cache, v_cache, torch_ref.plan_attention(meta), d ** -0.5)
+    close(got, want)
+
+
+@pytest.mark.parametrize("head_dim,block", [(128, 7), (64, 4), (16, 3)])
+def test_draft_block_attention_matches_the_reference(fi, head_dim, block):
+    """Block queries over a paged context of device-side length plus the block's own keys (bidirectional)."""
+    page, hq, hkv, batch = 16, 8, 2, 3
+    k_cache, v_cache = (torch.randn(40, page, hkv, head_dim, device=DEV, dtype=BF16) for _ in range(2))
+    ctx = torch.tensor([1, 37, 200], device=DEV)
+    table = torch.stack([torch.randperm(40, device=DEV)[:13] for _ in range(batch)])
+    meta = PagedAttentionMeta(query_start_loc=torch.arange(batch + 1, device=DEV) * block, seq_lens=ctx,
+                              page_table=table, max_query_len=block, max_seq_len=200, causal=False,
+                              num_tokens=batch * block, page_size=page, num_extra_keys=block)
+    q = torch.randn(batch * block, hq, head_dim, device=DEV, dtype=BF16)
+    xk, xv = (torch.randn(batch, block, hkv, head_dim, device=DEV, dtype=BF16) for _ in range(2))
+    got = fi.paged_attention(q, k_cache, v_cache, fi.plan_attention(meta), head_dim ** -0.5, xk, xv)
+    want = torch_ref.paged_attention(q, k_cache, v_cache, torch_ref.plan_attention(meta), head_dim ** -0.5, xk, xv)
     close(got, want)
 
 
