@@ -23,6 +23,15 @@ from runtime.verify import gather_rows
 
 
 @dataclass(frozen=True, slots=True)
+class DraftSampling:
+    """Per-request drawing of drafts (requests verified by rejection sampling draw, the others take the argmax)."""
+
+    drawn: torch.Tensor  # [S] bool
+    temperature: torch.Tensor  # [S, 1]
+    seeds: torch.Tensor  # [S]
+
+
+@dataclass(frozen=True, slots=True)
 class DraftOutput:
     tokens: torch.Tensor  # [S, K] drafts per sampled request
     lengths: torch.Tensor  # [S] proposed lengths after confidence truncation
@@ -37,6 +46,7 @@ class DraftRunner:
         self.kernels, self.device = kernels, device
         self.use_rejection = use_rejection_sampling
         self.confidence_threshold = confidence_threshold
+        self.graphs = None  # DraftGraphs, set by the worker when drafts are graphed
 
     def scrub(self, page_ids: list[int]) -> None:
         scrub_pages(self.caches, page_ids, self.device)
@@ -50,20 +60,36 @@ class DraftRunner:
 
         committed [S, K+1], accepted [S]: the verification outcome; page_table [S, P] of the entries.
         """
-        num, dev = len(entries), self.device
         anchors = gather_rows(committed, accepted)  # [S]
-        base = to_device([e.end_position - e.num_drafts for e in entries], dev)
+        base = to_device([e.end_position - e.num_drafts for e in entries], self.device)
         anchor_pos = base + accepted  # = the drafter's context length
+        drawn_rows = [uses_rejection(e, self.use_rejection) for e in entries]
+        if self.graphs is not None and not any(drawn_rows) and self.graphs.serves(len(entries), k_next):
+            return self.graphs.run(anchors, anchor_pos, page_table)
+        sampling = None
+        if any(drawn_rows):
+            sampling = DraftSampling(to_device(drawn_rows, self.device),
+                                     to_device([max(e.params.temperature, 1e-5) for e in entries], self.device)[:, None],
+                                     to_device([e.seed for e in entries], self.device))
+        return self.draft_block(anchors, anchor_pos, page_table, k_next, sampling)
+
+    def draft_block(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, page_table: torch.Tensor, k_next: int,
+                    sampling: DraftSampling | None = None) -> DraftOutput:
+        """The block forward, Markov chain and confidence for anchors [S] at positions anchor_pos [S] (= each
+        request's context length) with page_table [S, P]: device tensors only, so a CUDA graph can capture it
+        (``sampling`` None: every draft is an argmax)."""
+        num, dev = anchors.shape[0], self.device
         block_ids = torch.full((num, k_next), self.drafter.spec.mask_token_id, device=dev, dtype=torch.int64)
         block_ids[:, 0] = anchors
+        page_size = self.caches[0][0].shape[1]
         meta = self.kernels.plan_attention(PagedAttentionMeta(
             query_start_loc=torch.arange(num + 1, device=dev) * k_next, seq_lens=anchor_pos, page_table=page_table,
-            max_query_len=k_next, max_seq_len=max(e.end_position for e in entries), causal=False,
-            num_tokens=num * k_next, page_size=self.caches[0][0].shape[1], num_extra_keys=k_next))
+            max_query_len=k_next, max_seq_len=page_table.shape[1] * page_size, causal=False,
+            num_tokens=num * k_next, page_size=page_size, num_extra_keys=k_next))
         positions = (anchor_pos[:, None] + torch.arange(k_next, device=dev)).view(-1)
         hidden = self.drafter.forward_block(self.embed(block_ids), positions, self.caches, meta)  # [S, K, d]
         base_logits = self.lm_head(hidden).float()  # [S, K, V]
-        tokens, low_rank = self._markov_chain(base_logits, hidden, anchors, anchor_pos, entries)
+        tokens, low_rank = self._markov_chain(base_logits, hidden, anchors, anchor_pos, sampling)
         lengths = torch.full((num,), k_next, device=dev, dtype=torch.int64)
         confidence = self.drafter.confidence(hidden, torch.cat([anchors[:, None], tokens[:, :-1]], dim=1))
         if confidence is not None and self.confidence_threshold is not None:
@@ -71,15 +97,11 @@ class DraftRunner:
         return DraftOutput(tokens, lengths, hidden, low_rank)
 
     def _markov_chain(self, base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
-                      anchor_pos: torch.Tensor, entries: list[ScheduledRequest]):
+                      anchor_pos: torch.Tensor, sampling: DraftSampling | None):
         """Left to right: z_k = U_k + W2 low_rank(x_{k-1}, h_k, s_{k-1}); x_k = argmax z_k, or a draw from
         softmax(z_k / T) for requests verified by rejection sampling (DeepSpec's factorization)."""
         num, k_next, vocab = base_logits.shape
         head = self.drafter.markov_head
-        drawn_rows = [uses_rejection(e, self.use_rejection) for e in entries]
-        drawn = to_device(drawn_rows, self.device)
-        temperature = to_device([max(e.params.temperature, 1e-5) for e in entries], self.device)[:, None]
-        seeds = to_device([e.seed for e in entries], self.device)
         prev, state = anchors, head.initial_state(num, hidden) if head is not None else None
         tokens, low_ranks = [], []
         for k in range(k_next):
@@ -89,10 +111,10 @@ class DraftRunner:
                 z = z + head.markov_w2(low_rank).float()
                 low_ranks.append(low_rank)
             token = z.argmax(dim=-1)
-            if any(drawn_rows):
-                q = torch.softmax(z / temperature, dim=-1)
-                noise = exponentials(seeds, anchor_pos + 1 + k, Stream.DRAFT, vocab)
-                token = torch.where(drawn, self.kernels.sample_exponential_race(q, noise), token)
+            if sampling is not None:
+                q = torch.softmax(z / sampling.temperature, dim=-1)
+                noise = exponentials(sampling.seeds, anchor_pos + 1 + k, Stream.DRAFT, vocab)
+                token = torch.where(sampling.drawn, self.kernels.sample_exponential_race(q, noise), token)
             tokens.append(token)
             prev = token
         return torch.stack(tokens, dim=1), (torch.stack(low_ranks, dim=1) if low_ranks else None)

@@ -73,11 +73,11 @@ class _Graph:
 
 class GraphedTargetForward:
     def __init__(self, target: TargetModel, caches: KVCaches, backend, geometry: AttentionGeometry, page_size: int,
-                 scratch_page: int, max_batch: int, max_model_len: int, q_lens: list[int], device: torch.device):
+                 scratch_page: int, max_batch: int, pages_per_seq: int, q_lens: list[int], device: torch.device):
         self.target, self.caches, self.backend, self.geometry = target, caches, backend, geometry
         self.page_size, self.scratch_page, self.device = page_size, scratch_page, device
         self.buckets = batch_buckets(max_batch)
-        self.pages_per_seq = -(-(max_model_len + max(q_lens)) // page_size) + 1
+        self.pages_per_seq = pages_per_seq
         width = max_batch * max(q_lens)
         self.inputs = torch.zeros(3, width, dtype=torch.int64, device=device)  # ids, positions, slots
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # unused by FlashInfer's plan

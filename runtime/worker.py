@@ -19,6 +19,7 @@ from configs import LLMConfig
 from runtime.devices import check_draft_attention_backend, kv_budget_bytes, resolve_device, resolve_dtype, \
     resolve_kernel_backend, resolve_moe_backend
 from runtime.draft_channel import LocalDraftChannel, RemoteDraftChannel
+from runtime.draft_graphs import DraftGraphs
 from runtime.draft_runner import DraftRunner
 from runtime.draft_server import DraftServer
 from runtime.graphs import GraphedTargetForward
@@ -122,9 +123,12 @@ class Worker:
         if self.drafter is not None:
             embed = self.vocab.embed_tokens if self.vocab is not None else self.target.model.embed_tokens
             lm_head = self.vocab.lm_head if self.vocab is not None else self.target.lm_head
-            caches = allocate_caches(self.drafter.layers, num_pages, page_size, self.dtype, self.device)
+            caches = allocate_caches(self.drafter.layers, num_pages + 1, page_size, self.dtype, self.device)
             draft_runner = DraftRunner(self.drafter, embed, lm_head, caches, self.kernels,
                                        self.spec.use_rejection_sampling, self.spec.confidence_threshold, self.device)
+            if self.uses_cuda_graphs:
+                draft_runner.graphs = DraftGraphs(draft_runner, int(self.spec.max_draft_len), self.config.max_num_seqs,
+                                                  self.pages_per_seq, num_pages)
         if self.plan.role == "drafter":
             self.engine_part = DraftServer(draft_runner, self.drafter.fc.in_features, page_size, self.dtype,
                                            self.device)
@@ -141,19 +145,25 @@ class Worker:
         caches = allocate_caches(self.target.model.layers, num_pages + 1, page_size, self.dtype, self.device)
         if self.uses_cuda_graphs:
             q_lens = [1] + ([int(self.spec.max_draft_len) + 1] if self.spec is not None else [])
-            max_len = self.config.max_model_len or int(self.target.config.max_position_embeddings)
             self.graphs = GraphedTargetForward(self.target, caches, self.kernels, attention_geometry(self.target),
-                                               page_size, num_pages, self.config.max_num_seqs, max_len, q_lens,
-                                               self.device)
+                                               page_size, num_pages, self.config.max_num_seqs, self.pages_per_seq,
+                                               q_lens, self.device)
         self.engine_part = ModelRunner(self.target, self.spec, self.kernels, caches, page_size, self.device,
                                        self.parallel, channel, w2, self.graphs)
 
     @property
+    def pages_per_seq(self) -> int:
+        """Most pages one request's table holds: max_model_len plus a verify block, rounded up, plus one."""
+        max_len = self.config.max_model_len or int(self.target.config.max_position_embeddings)
+        block = int(self.spec.max_draft_len) + 1 if self.spec is not None else 1
+        return -(-(max_len + block) // self.config.page_size) + 1
+
+    @property
     def uses_cuda_graphs(self) -> bool:
-        """Graphs need the flashinfer kernels (host-planned attention), a GPU, and one TP rank (graphed
-        collectives are the cluster fast path's work)."""
-        return (self.kernel_backend == "flashinfer" and not self.config.enforce_eager and self.device.type == "cuda"
-                and self.plan.tp_size == 1)
+        """Graphs need the flashinfer kernels (host-planned attention), a GPU, and one TP rank with its drafter
+        colocated or none (graphed collectives and a graphed separate drafter are the cluster fast path's work)."""
+        return (self.plan.role == "target" and self.kernel_backend == "flashinfer" and not self.config.enforce_eager
+                and self.device.type == "cuda" and self.plan.tp_size == 1)
 
     def execute(self, batch: ScheduledBatch):
         return self.engine_part.execute(batch)
@@ -164,6 +174,7 @@ class Worker:
                 "moe_backend": self.moe_backend, "draft_moe_backend": self.draft_moe_backend,
                 "kernel_backend": self.kernel_backend, "cuda_graphs": self.graphs is not None,
                 "graph_capture_s": round(self.graphs.capture_seconds, 2) if self.graphs is not None else None,
+                "draft_graphs": self.graphs is not None and self.plan.holds_drafter and self.spec is not None,
                 "holds_drafter": self.plan.holds_drafter and self.spec is not None}
 
     def shutdown(self) -> None:

@@ -131,7 +131,7 @@ def test_graphed_steps_equal_eager_steps(wide_target, make_drafter, speculative)
     drafter = make_drafter(wide_target, 4) if speculative else None
     graphed, tokens = generate(wide_target, drafter)
     info = graphed.rank_info()[0]
-    assert info["kernel_backend"] == "flashinfer" and info["cuda_graphs"]
+    assert info["kernel_backend"] == "flashinfer" and info["cuda_graphs"] and info["draft_graphs"] == speculative
     eager, eager_tokens = generate(wide_target, drafter, enforce_eager=True)
     assert not eager.rank_info()[0]["cuda_graphs"]
     assert tokens == eager_tokens

@@ -1,0 +1,70 @@
+"""CUDA graphs of the drafter's block step (block forward, Markov chain, confidence), one per batch bucket.
+
+The graphed step is ``DraftRunner.draft_block`` over persistent buffers: anchors [B], their positions (= each
+request's context length) [B] and page tables [B, P]. Every length is read on the device (the block attention is
+a Triton kernel that needs no host plan), so the step's inputs are written with device-to-device copies right
+after verification and the replay follows with no host synchronization. Padding rows draft from token 0 with a
+one-token context on the scratch page; their outputs are dropped. Requests whose drafts are sampled (rejection
+sampling) run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from runtime.draft_runner import DraftOutput, DraftRunner
+from runtime.graphs import batch_buckets
+
+log = logging.getLogger(__name__)
+
+
+class DraftGraphs:
+    def __init__(self, runner: DraftRunner, block_size: int, max_batch: int, max_pages: int, scratch_page: int):
+        self.runner, self.block_size, self.device, self.scratch_page = runner, block_size, runner.device, scratch_page
+        self.buckets = batch_buckets(max_batch)
+        self.anchors = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
+        self.anchor_pos = torch.ones(max_batch, dtype=torch.int64, device=self.device)
+        self.page_table = torch.full((max_batch, max_pages), scratch_page, dtype=torch.int64, device=self.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DraftOutput]] = {}
+        start = time.perf_counter()
+        for batch in reversed(self.buckets):
+            self.graphs[batch] = self._capture(batch)
+        self.capture_seconds = time.perf_counter() - start
+        log.info("dspark: captured %d drafter CUDA graphs (batch %s, block %d) in %.1f s", len(self.graphs),
+                 self.buckets, block_size, self.capture_seconds)
+
+    def serves(self, num: int, k_next: int) -> bool:
+        return k_next == self.block_size and num <= self.buckets[-1]
+
+    def run(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, page_table: torch.Tensor) -> DraftOutput:
+        """anchors, anchor_pos [S], page_table [S, P] (device) -> the S real rows of the replayed graph's output."""
+        num, width = page_table.shape
+        batch = next(b for b in self.buckets if b >= num)
+        self.anchors[:num].copy_(anchors)
+        self.anchor_pos[:num].copy_(anchor_pos)
+        self.page_table[:num, :width].copy_(page_table)
+        if batch > num:  # padding rows: token 0, a one-token context on the scratch page
+            self.anchors[num:batch].zero_()
+            self.anchor_pos[num:batch].fill_(1)
+            self.page_table[num:batch, 0].fill_(self.scratch_page)
+        graph, out = self.graphs[batch]
+        graph.replay()
+        low_rank = out.low_rank[:num] if out.low_rank is not None else None
+        return DraftOutput(out.tokens[:num], out.lengths[:num], out.hidden[:num], low_rank)
+
+    def _capture(self, batch: int) -> tuple[torch.cuda.CUDAGraph, DraftOutput]:
+        args = (self.anchors[:batch], self.anchor_pos[:batch], self.page_table[:batch], self.block_size)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm up outside the graph (lazy inits, Triton compilation)
+            for _ in range(2):
+                self.runner.draft_block(*args)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.runner.draft_block(*args)
+        return graph, out
