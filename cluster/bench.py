@@ -260,7 +260,8 @@ def add_parser(commands) -> None:
     bench.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (default 512)")
     bench.add_argument("--steps", type=int, default=30, help="timed steps per point (default 30)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    bench.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    bench.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "flashinfer"],
+                       help="kernels of both engines (default auto: flashinfer on a GPU where it imports)")
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     bench.add_argument("--kv-cache-gib", type=int, default=24, help="KV cache per engine (default 24 GiB)")
     bench.add_argument("--hf-tokens", type=int, default=0, help="also time transformers generate for N tokens")
