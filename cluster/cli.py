@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from cluster import bench
@@ -64,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="0.0.0.0", help="HTTP host (default 0.0.0.0)")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     serve.add_argument("--served-model-name", help="model name clients send (default: the model directory's name)")
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
+    keys = serve.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes (visible in ps: prefer "
+                      "--api-key-file or the DSPARK_API_KEY environment variable)")
+    keys.add_argument("--api-key-file", help="read the API key from this file (first line)")
     serve.add_argument("--num-replicas", type=int, help="Serve replicas, each a whole dspark replica (default 1)")
     serve.set_defaults(handler=run_serve)
 
@@ -269,8 +274,28 @@ def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
         engine.setdefault("dtype", "float32")
     if speculative:
         engine["speculative_config"] = speculative
+    key = api_key_from(args)
+    if key is not None:
+        data["api_key"] = key
     data.update(engine=engine, parallel=sections["parallel"], deployment=sections["deployment"])
     return validate(ServeArgs, data, args.config or "command line")
+
+
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """The key of --api-key-file, or DSPARK_API_KEY when neither key flag is given; None leaves the config's."""
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            text = Path(path).read_text()
+            key = text.splitlines()[0].strip() if text.strip() else ""
+        except OSError as exc:
+            raise SystemExit(f"dspark: --api-key-file {path}: {exc.strerror}") from None
+        if not key:
+            raise SystemExit(f"dspark: --api-key-file {path} is empty")
+        return key
+    if getattr(args, "api_key", None) is None and os.environ.get("DSPARK_API_KEY"):
+        return os.environ["DSPARK_API_KEY"].strip()
+    return None
 
 
 def preflight(parsed: ServeArgs) -> None:

@@ -37,10 +37,11 @@ class DeploymentOptions(BaseModel):
     max_ongoing_requests: Annotated[int, Field(ge=1)] = Field(
         default=256, description="Requests one replica handles at once; Serve queues the rest.")
     max_queued_requests: Annotated[int, Field(ge=-1)] = Field(
-        default=512, description="Requests Serve queues before answering 503; -1 = unbounded.")
+        default=2048, description="Requests Serve's proxy queues before answering 503 itself (plain text); -1 = "
+        "unbounded. Keep it well above max_ongoing_requests: the replica's own 429 is the backpressure.")
     max_waiting_requests: Annotated[int, Field(ge=1)] = Field(
-        default=1024, description="Requests a replica's scheduler may hold unstarted before answering 429 "
-        "with Retry-After.")
+        default=128, description="Requests a replica's scheduler may hold unstarted before answering 429 "
+        "with Retry-After; below max_ongoing_requests, so clients get the 429 before Serve's queue fills.")
     graceful_shutdown_timeout_s: Annotated[float, Field(gt=0)] = Field(
         default=60, description="Seconds a stopping replica lets in-flight requests finish.")
     health_check_period_s: Annotated[float, Field(gt=0)] = Field(default=10, description="Seconds between checks.")
@@ -53,6 +54,10 @@ class DeploymentOptions(BaseModel):
     def replicas_or_autoscaling(self) -> DeploymentOptions:
         if self.autoscaling is not None and self.num_replicas != 1:
             raise ValueError("deployment: set num_replicas or autoscaling, not both")
+        if self.max_waiting_requests >= self.max_ongoing_requests:
+            raise ValueError(f"deployment.max_waiting_requests ({self.max_waiting_requests}) must be below "
+                             f"max_ongoing_requests ({self.max_ongoing_requests}): a replica never holds more than "
+                             "max_ongoing_requests requests, so its 429 could never be sent")
         return self
 
 
@@ -66,8 +71,9 @@ class ServeArgs(BaseModel):
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Serve options.")
     served_model_name: str | None = Field(default=None, description="The model name clients send; default: the "
                                           "model directory's name.")
-    api_key: str | None = Field(default=None, description="If set, requests must send 'Authorization: Bearer "
-                                "<api_key>'.")
+    api_key: str | None = Field(default=None, description="If set, every /v1 route requires 'Authorization: "
+                                "Bearer <api_key>' (checked before the body is read; the scheme is case-insensitive, "
+                                "the key compared in constant time).")
     route_prefix: str = Field(default="/", description="Where the app is mounted.")
 
     @model_validator(mode="after")

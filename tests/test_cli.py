@@ -172,3 +172,32 @@ def test_every_flag_is_documented():
     for action in parser._subparsers._group_actions[0].choices.values():
         for flag in action._actions:
             assert flag.help, f"{action.prog} {flag.option_strings or flag.dest} has no help"
+
+
+def test_the_api_key_comes_from_a_flag_a_file_or_the_environment(qwen3_target, tmp_path, monkeypatch):
+    from cluster.cli import MODEL_FLAGS, SERVE_FLAGS, build_parser, serve_args
+
+    def key(*argv):
+        args = build_parser().parse_args(["serve", "--model", str(qwen3_target), *argv])
+        return serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS}).api_key
+
+    keyfile = tmp_path / "key"
+    keyfile.write_text("from-file\n")
+    monkeypatch.delenv("DSPARK_API_KEY", raising=False)
+    assert key() is None and key("--api-key", "flag") == "flag" and key("--api-key-file", str(keyfile)) == "from-file"
+    monkeypatch.setenv("DSPARK_API_KEY", "from-env")
+    assert key() == "from-env" and key("--api-key", "flag") == "flag" and key("--api-key-file", str(keyfile)) == \
+        "from-file"
+    with pytest.raises(SystemExit):  # one source of the key on the command line
+        key("--api-key", "a", "--api-key-file", str(keyfile))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SystemExit, match="is empty"):
+        key("--api-key-file", str(tmp_path / "empty"))
+
+
+def test_a_429_that_could_never_be_sent_is_refused():
+    from configs import ConfigError, ServeArgs, validate
+
+    with pytest.raises(ConfigError, match="max_waiting_requests .* must be below max_ongoing_requests"):
+        validate(ServeArgs, {"engine": {"model": "m"}, "deployment": {"max_ongoing_requests": 64,
+                                                                       "max_waiting_requests": 64}}, "args")

@@ -8,6 +8,7 @@ server-sent events ending in ``data: [DONE]``), ``GET /health`` (asks every shar
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import re
 import time
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
 from cluster.executor import ReplicaFailure
@@ -100,11 +102,41 @@ def request_error(exc: ValueError, prompt_field: str) -> ApiError:
     return ApiError(400, text, param, "context_length_exceeded" if "max_model_len" in text else "invalid_value")
 
 
+def bearer_matches(header: str | None, key: str) -> bool:
+    """``Authorization: Bearer <key>`` (scheme case-insensitive), compared in constant time."""
+    scheme, _, token = (header or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+@app.middleware("http")
+async def _authenticate(request: Request, call_next):
+    """Every /v1 route checks the API key before anything reads the body: an unauthenticated client learns
+    nothing about the schema from validation errors."""
+    key = getattr(app.state, "api_key", None)
+    if key is not None and "/v1/" in request.url.path + "/" and not bearer_matches(
+            request.headers.get("authorization"), key):
+        return error_response(ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                       code="invalid_api_key"))
+    return await call_next(request)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Routing and body-parsing errors (404, 405, an unreadable body) in OpenAI's shape too."""
+    if exc.status_code == 400:  # FastAPI could not parse the body (invalid UTF-8, nesting too deep)
+        return error_response(ApiError(400, f"the body is not valid JSON: {exc.detail}", code="invalid_json"))
+    message = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on "
+               f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return error_response(ApiError(exc.status_code, message, code=str(exc.detail).lower().replace(" ", "_"),
+                                   headers=getattr(exc, "headers", None)))
+
+
 class DSparkServer:
     """One Serve replica: owns a dspark replica (its placement group, shards and drafter) and its engine loop."""
 
     def __init__(self, args: ServeArgs):
         self.args = args
+        app.state.api_key = args.api_key  # one deployment per Serve replica process
         self.llm = ReplicaLLM.from_config(ReplicaConfig(engine=args.engine, parallel=args.parallel))
         self.engine = AsyncEngine(lambda: self.llm.engine, self.llm.rebuild, args.deployment.max_waiting_requests)
         self.metrics = ServerMetrics(lambda: self.llm.engine, self.llm.rank_info())
@@ -114,20 +146,17 @@ class DSparkServer:
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
-        self._authorize(request)
         return {"object": "list", "data": [{"id": self.args.model_name, "object": "model", "created": 0,
                                             "owned_by": "dspark"}]}
 
     @app.post("/v1/completions")
     async def completions(self, body: protocol.CompletionRequest, request: Request):
-        self._authorize(request)
         self._check_model(body.model)
         prompt = body.prompt if isinstance(body.prompt, list) else self._encode(body.prompt)
         return await self._respond(body, prompt, sampling_params(body, body.max_tokens), "prompt", chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: protocol.ChatCompletionRequest, request: Request):
-        self._authorize(request)
         self._check_model(body.model)
         prompt = self._chat_prompt(body)
         budget = body.token_budget(max(self.llm.engine.max_model_len - len(prompt), 1))
@@ -157,12 +186,6 @@ class DSparkServer:
             llm.shutdown()
 
     # ---- helpers ------------------------------------------------------------------------------
-
-    def _authorize(self, request: Request) -> None:
-        key = self.args.api_key
-        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
-            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
 
     def _check_model(self, model: str) -> None:
         if model != self.args.model_name:

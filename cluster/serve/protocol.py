@@ -123,6 +123,7 @@ def usage_chunk(rid: str, model: str, kind: str, prompt_tokens: int, completion_
 # ---- errors ---------------------------------------------------------------------------------
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error",
                429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
 
 

@@ -173,6 +173,17 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: 
 
 
 @triton.jit
+def _attend_tile(q, k, v, key_ok, m_i, l_i, acc, scale):
+    """One online-softmax step: q [M, D] against the key tile k, v [N, D] (columns where key_ok) -> (m, l, acc)."""
+    s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.where(key_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
 def _block_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, ctx_lens_ptr, xk_ptr, xv_ptr, out_ptr,
                             scale, page_size, page_table_stride, num_q_heads, num_kv_heads,
                             BLOCK: tl.constexpr, GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
@@ -201,26 +212,13 @@ def _block_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, ctx
         kv_off = ((page * page_size + pos % page_size) * num_kv_heads + h)[:, None] * D + dims[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, key_ok, m_i, l_i, acc, scale)
     xcols = tl.arange(0, X)
     x_ok = xcols < BLOCK
     x_off = ((b * BLOCK + xcols) * num_kv_heads + h)[:, None] * D + dims[None, :]
     k = tl.load(xk_ptr + x_off, mask=x_ok[:, None], other=0.0)
     v = tl.load(xv_ptr + x_off, mask=x_ok[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k)) * scale
-    s = tl.where(x_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    m_i, l_i, acc = _attend_tile(q, k, v, x_ok, m_i, l_i, acc, scale)
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 

@@ -185,6 +185,31 @@ def test_a_poison_request_hurts_nobody_else(server):
     assert httpx.get(f"{server['base']}/health", timeout=30).json()["ranks"] == ranks_before
 
 
+@pytest.mark.parametrize("method,path,raw,status,code", [
+    ("GET", "/v1/nothing-here", None, 404, "not_found"),
+    ("DELETE", "/v1/completions", None, 405, "method_not_allowed"),
+    ("POST", "/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "invalid_json"),
+    ("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),
+])
+def test_routing_and_parsing_errors_have_openai_shape(server, method, path, raw, status, code):
+    r = httpx.request(method, f"{server['base']}{path}", content=raw, headers={"content-type": "application/json"},
+                      timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert code is None or err["code"] == code
+
+
+def test_authentication_comes_first_and_accepts_any_bearer_case(server):
+    bad_body = {"model": "tiny", "prompt": "x", "temperature": "hot"}
+    assert post(server, "/small/v1/completions", bad_body).status_code == 401  # nothing about the schema leaks
+    assert post(server, "/small/v1/completions", bad_body, {"authorization": "Bearer wrong"}).status_code == 401
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = post(server, "/small/v1/completions", bad_body, {"authorization": f"{scheme} sesame"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    assert httpx.get(f"{server['base']}/small/v1/models", headers={"authorization": "bearer sesame"}).status_code == 200
+
+
 def test_api_key_and_overload(server):
     payload = {"model": "tiny", "prompt": "x = 1", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     assert post(server, "/small/v1/completions", payload).status_code == 401
