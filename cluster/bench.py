@@ -246,6 +246,18 @@ def summary(record: dict) -> str:
     return "\n".join(lines)
 
 
+def concurrency_list(text: str) -> list[int]:
+    import argparse
+
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--concurrency wants integers >= 1 separated by commas, got {text!r}")
+    return sorted(set(values))
+
+
 def add_parser(commands) -> None:
     bench = commands.add_parser("bench", help="our AR baseline and DSpark side by side on one GPU (JSON record)",
                                 description=__doc__)
@@ -253,8 +265,8 @@ def add_parser(commands) -> None:
     which.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), help="random weights of this shape")
     which.add_argument("--model", help="a trained target (needs --speculative-model)")
     bench.add_argument("--speculative-model", help="the trained drafter of --model")
-    bench.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64],
-                       help="comma-separated request counts (default 1,4,16,64)")
+    bench.add_argument("--concurrency", type=concurrency_list, default=[1, 4, 16, 64],
+                       help="comma-separated request counts, each >= 1 (default 1,4,16,64)")
     bench.add_argument("--max-draft-len", type=int, default=7, help="K (default 7)")
     bench.add_argument("--draft-layers", type=int, default=1, help="draft layers of a --model-shape drafter")
     bench.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (default 512)")

@@ -22,10 +22,8 @@ class StepTensors:
 
 
 def build_step_tensors(reqs: list[ScheduledRequest], page_size: int, device: torch.device,
-                       kernels: KernelBackend, geometry: AttentionGeometry | None = None,
-                       plan: bool = True) -> StepTensors:
-    """Flat inputs of the fed tokens and their attention metadata, planned once for every layer (``plan``
-    False: not planned, for a step a CUDA graph runs with its own plan)."""
+                       kernels: KernelBackend, geometry: AttentionGeometry | None = None) -> StepTensors:
+    """Flat inputs of the fed tokens and their attention metadata, planned once for every layer."""
     lens = [len(r.token_ids) for r in reqs]
     qsl = [0]
     for n in lens:
@@ -44,7 +42,7 @@ def build_step_tensors(reqs: list[ScheduledRequest], page_size: int, device: tor
                               page_size=page_size, geometry=geometry,
                               host=HostLayout(lens, [r.end_position for r in reqs], [r.page_ids for r in reqs]))
     input_ids = to_device([t for r in reqs for t in r.token_ids], device)
-    return StepTensors(input_ids, positions, slots, kernels.plan_attention(meta) if plan else meta, page_table, qsl)
+    return StepTensors(input_ids, positions, slots, kernels.plan_attention(meta), page_table, qsl)
 
 
 def sampled_entries(reqs: list[ScheduledRequest]) -> list[int]:

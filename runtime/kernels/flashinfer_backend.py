@@ -86,7 +86,7 @@ class FlashInferBackend:
                                            "'dspark[gpu]')") from exc
         self._ops = triton_ops
         self._workspaces: dict[torch.device, torch.Tensor] = {}
-        self._eager: dict[tuple[torch.device, bool], object] = {}
+        self._eager: dict[torch.device, object] = {}
 
     # ---- attention ----------------------------------------------------------------------------
 
@@ -107,14 +107,14 @@ class FlashInferBackend:
             paged_kv_indptr_buf=buf(batch_size + 1), paged_kv_indices_buf=buf(max_pages),
             paged_kv_last_page_len_buf=buf(batch_size), backend="fa2")
 
-    def _eager_wrapper(self, device: torch.device, causal: bool):
+    def _eager_wrapper(self, device: torch.device):
+        """The wrapper eager forwards on ``device`` plan and run (one at a time: a forward plans, then runs)."""
         import flashinfer
 
-        key = (device, causal)
-        if key not in self._eager:
-            self._eager[key] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace(device), "NHD",
-                                                                              backend="fa2")
-        return self._eager[key]
+        if device not in self._eager:
+            self._eager[device] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace(device), "NHD",
+                                                                                 backend="fa2")
+        return self._eager[device]
 
     def plan_attention(self, meta: PagedAttentionMeta, wrapper=None) -> PagedAttentionMeta:
         """Plan FlashInfer from ``meta.host`` (and ``meta.geometry`` when given, at once). A draft block (extra
@@ -126,7 +126,7 @@ class FlashInferBackend:
         host = meta.host
         indptrs = host_indptrs(host.qo_lens, host.kv_lens, host.page_ids, meta.page_size)
         device = meta.seq_lens.device
-        plan = FlashInferPlan(wrapper or self._eager_wrapper(device, meta.causal), indptrs, meta.causal,
+        plan = FlashInferPlan(wrapper or self._eager_wrapper(device), indptrs, meta.causal,
                               meta.page_size)
         if meta.geometry is not None:
             plan.ensure(meta.geometry)
