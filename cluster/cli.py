@@ -28,7 +28,10 @@ MODEL_FLAGS = {
     "speculative_model": ("speculative", "speculative_model"), "max_draft_len": ("speculative", "max_draft_len"),
     "use_rejection_sampling": ("speculative", "use_rejection_sampling"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"), "drafter": ("parallel", "drafter"),
+    "ray_address": ("parallel", "ray_address"),
 }
+APP_NAME = "dspark"  # the Serve application `dspark serve` deploys
+SERVER_KEY = "server"  # where it records its port and route on the Ray cluster (namespace "dspark")
 SERVE_FLAGS = {"served_model_name": (None, "served_model_name"), "api_key": (None, "api_key"),
                "num_replicas": ("deployment", "num_replicas")}
 
@@ -52,6 +55,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, help="requests decoding at once (default 64)")
     p.add_argument("--kv-cache-memory", type=int, help="bytes for KV pages per process")
+    p.add_argument("--ray-address", help="Ray cluster to join (default: a running one, else a new local one; "
+                   "'local' always starts a new one, e.g. for a second server on this machine)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "--api-key-file or the DSPARK_API_KEY environment variable)")
     keys.add_argument("--api-key-file", help="read the API key from this file (first line)")
     serve.add_argument("--num-replicas", type=int, help="Serve replicas, each a whole dspark replica (default 1)")
+    serve.add_argument("--replace", action="store_true", help="redeploy over a dspark app already running on the "
+                       "Ray cluster joined (without it, that is refused: one Serve port per cluster)")
     serve.set_defaults(handler=run_serve)
 
     generate = commands.add_parser("generate", help="stream one completion of PROMPT to the terminal",
@@ -319,8 +326,13 @@ def run_serve(args: argparse.Namespace) -> int:
     parsed = serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS})
     preflight(parsed)
     connect_ray(parsed.parallel.ray_address)
+    conflict = running_server_conflict(args.port, args.replace)
+    if conflict is not None:
+        print(f"dspark serve: {conflict}", file=sys.stderr)
+        return 2
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(parsed), name="dspark", route_prefix=parsed.route_prefix)
+    serve.run(build_app(parsed), name=APP_NAME, route_prefix=parsed.route_prefix)
+    record_running_server(args.port, parsed.route_prefix)
     print(f"dspark: serving {parsed.model_name!r} at http://{args.host}:{args.port}{parsed.route_prefix.rstrip('/')}"
           "/v1 (Ctrl-C to stop)", file=sys.stderr)
     stop = threading.Event()
@@ -330,6 +342,41 @@ def run_serve(args: argparse.Namespace) -> int:
     print("dspark: draining and shutting down", file=sys.stderr)
     serve.shutdown()
     return 0
+
+
+def running_server_conflict(port: int, replace: bool) -> str | None:
+    """Why this ``dspark serve`` must not deploy on the Ray cluster it joined (None: it may). Serve listens on one
+    port per cluster and an app name is one deployment, so a second server would silently take over the first."""
+    from ray import serve
+
+    status = serve.status()
+    if not status.proxies and not status.applications:
+        return None
+    running = running_server()
+    where = (f"at route {running['route_prefix']!r} on port {running['port']} (pid {running['pid']})"
+             if running else "")
+    fresh = "; or start this server on its own Ray cluster with --ray-address local"
+    if running and running["port"] != port:
+        return (f"Serve on this Ray cluster already listens on port {running['port']} for the dspark app "
+                f"{APP_NAME!r} {where}; it cannot also listen on {port}{fresh}")
+    if APP_NAME in status.applications and not replace:
+        return f"the dspark app {APP_NAME!r} already runs on this Ray cluster {where}; pass --replace to redeploy it{fresh}"
+    return None
+
+
+def running_server() -> dict | None:
+    """What ``record_running_server`` stored on this Ray cluster (Ray's internal key-value store)."""
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(SERVER_KEY, namespace="dspark")
+    return json.loads(raw) if raw else None
+
+
+def record_running_server(port: int, route_prefix: str) -> None:
+    from ray.experimental import internal_kv
+
+    record = {"port": port, "route_prefix": route_prefix, "pid": os.getpid()}
+    internal_kv._internal_kv_put(SERVER_KEY, json.dumps(record), overwrite=True, namespace="dspark")
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -146,6 +146,13 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4},
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        # a second server joining the same Ray cluster is refused, naming the app, its route and its port
+        second = dspark("serve", "--model", str(near_bigram_target), "--port", str(port + 1), *MODEL_FLAGS)
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 2, err
+        assert f"already listens on port {port} for the dspark app 'dspark' at route '/'" in err and "--ray-address local" \
+            in err
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200  # the first one is intact
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0
     finally:
