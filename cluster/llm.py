@@ -100,9 +100,9 @@ class LLM:
         self.engine.executor.shutdown()
         self._start(metrics)
 
-    def health(self) -> list[dict]:
-        """Ask every actor; raises ``ReplicaFailure`` if one is dead or does not answer."""
-        return self.engine.executor.health()
+    def health(self, timeout_s: float = 30.0) -> list[dict]:
+        """Ask every actor; raises ``ReplicaFailure`` if one is dead or does not answer within ``timeout_s``."""
+        return self.engine.executor.health(timeout_s)
 
     def get_metrics(self) -> dict:
         return self.engine.get_metrics()

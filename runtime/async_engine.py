@@ -15,6 +15,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -54,9 +55,15 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, engine_of: Callable[[], Engine], recover: Callable[[BaseException], None] | None = None,
-                 max_waiting: int = 1024):
-        """``engine_of()`` returns the current engine (the cluster layer replaces it when it rebuilds)."""
+                 max_waiting: int = 1024, probe: Callable[[], object] | None = None, probe_interval_s: float = 2.0):
+        """``engine_of()`` returns the current engine (the cluster layer replaces it when it rebuilds). ``probe``,
+        called by the engine thread every ``probe_interval_s`` while no request runs, raises when the models are
+        lost (a dead actor): that is recovered at once, as a failed step would be, without waiting for traffic."""
         self.engine_of, self.recover, self.max_waiting = engine_of, recover, max_waiting
+        self.probe, self.probe_interval_s = probe, probe_interval_s
+        self.recovering = False  # True while ``recover`` rebuilds the models (health checks answer 503)
+        self.recovery_failed: BaseException | None = None  # the last rebuild's error, until one succeeds
+        self._last_probe = time.monotonic()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._pending_adds = 0  # adds queued but not yet applied by the engine thread
@@ -111,7 +118,10 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopped.is_set():
             self._drain(block=not self.engine.has_unfinished())
-            if self._stopped.is_set() or not self.engine.has_unfinished():
+            if self._stopped.is_set():
+                continue
+            if not self.engine.has_unfinished():
+                self._probe_when_due()
                 continue
             try:
                 outputs = self.engine.step()
@@ -155,6 +165,16 @@ class AsyncEngine:
             self._streams.pop(command[1], None)
             self.engine.abort(command[1])
 
+    def _probe_when_due(self) -> None:
+        if self.probe is None or time.monotonic() - self._last_probe < self.probe_interval_s:
+            return
+        self._last_probe = time.monotonic()
+        try:
+            self.probe()
+        except Exception as exc:  # the models are lost while idle: rebuild now, not at the next request
+            log.error("dspark: idle health probe failed: %s", exc)
+            self._fail_all(exc)
+
     def _fail_all(self, exc: Exception) -> None:
         log.error("dspark: step failed, failing %d request(s): %s", len(self._streams), exc)
         failed = self.engine.abort_all()
@@ -162,8 +182,15 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.push(error)
         self._streams.clear()
-        if self.recover is not None:
-            try:
-                self.recover(exc)
-            except Exception:  # keep serving errors rather than dying; health checks report the state
-                log.exception("dspark: recovery failed after %d failed request(s)", failed)
+        if self.recover is None:
+            return
+        self.recovering = True
+        try:
+            self.recover(exc)
+            self.recovery_failed = None
+        except Exception as failure:  # keep serving errors rather than dying; health checks report the state
+            log.exception("dspark: recovery failed after %d failed request(s)", failed)
+            self.recovery_failed = failure
+        finally:
+            self.recovering = False
+            self._last_probe = time.monotonic()

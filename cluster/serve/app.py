@@ -33,6 +33,7 @@ from runtime.sampling_params import SamplingParams
 
 app = FastAPI(title="dspark", description="DSpark speculative decoding, OpenAI-compatible API")
 SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
+HEALTH_PROBE_TIMEOUT_S = 10.0  # an actor silent this long counts as lost
 
 
 class ApiError(Exception):
@@ -138,7 +139,8 @@ class DSparkServer:
         self.args = args
         app.state.api_key = args.api_key  # one deployment per Serve replica process
         self.llm = ReplicaLLM.from_config(ReplicaConfig(engine=args.engine, parallel=args.parallel))
-        self.engine = AsyncEngine(lambda: self.llm.engine, self.llm.rebuild, args.deployment.max_waiting_requests)
+        self.engine = AsyncEngine(lambda: self.llm.engine, self.llm.rebuild, args.deployment.max_waiting_requests,
+                                  probe=lambda: self.llm.health(timeout_s=HEALTH_PROBE_TIMEOUT_S))
         self.metrics = ServerMetrics(lambda: self.llm.engine, self.llm.rank_info())
         self.tokenizer = self.llm.tokenizer
 
@@ -164,19 +166,30 @@ class DSparkServer:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
+        """200 with every actor's rank, role, device and pid; 503 while the replica rebuilds, after a rebuild
+        failed, or when an actor is dead or silent (the engine thread then rebuilds it within seconds)."""
+        if self.engine.recovering:
+            return error_response(ApiError(503, "unhealthy: the replica is rebuilding", code="rebuilding",
+                                           headers={"Retry-After": "5"}))
+        if self.engine.recovery_failed is not None:
+            return error_response(ApiError(503, f"unhealthy: rebuilding the replica failed: "
+                                           f"{self.engine.recovery_failed}", code="unhealthy"))
         try:
-            ranks = await asyncio.to_thread(self.llm.health)
+            ranks = await asyncio.to_thread(self.llm.health, HEALTH_PROBE_TIMEOUT_S)
         except (ReplicaFailure, RuntimeError) as exc:
             return error_response(ApiError(503, f"unhealthy: {exc}", code="unhealthy"))
-        return JSONResponse({"status": "ok", "ranks": [{k: r[k] for k in ("rank", "role", "device")} for r in ranks]})
+        return JSONResponse({"status": "ok", "ranks": [{k: r[k] for k in ("rank", "role", "device", "pid")}
+                                                       for r in ranks]})
 
     @app.get("/metrics")
     async def prometheus(self) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def check_health(self) -> None:
-        """Serve's periodic check: raising marks this replica unhealthy and Serve replaces it."""
-        self.llm.health()
+        """Serve's periodic check. A dead actor is rebuilt in place by the engine thread (within seconds, traffic or
+        not), so only a failed rebuild is reported: then Serve replaces this whole replica."""
+        if self.engine.recovery_failed is not None:
+            raise RuntimeError(f"rebuilding the dspark replica failed: {self.engine.recovery_failed}")
 
     def __del__(self) -> None:
         engine, llm = getattr(self, "engine", None), getattr(self, "llm", None)

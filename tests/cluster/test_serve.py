@@ -299,3 +299,26 @@ def test_graceful_shutdown_drains(server, near_bigram_target, make_drafter):
     thread.join(timeout=60)
     assert result["response"].status_code == 200
     assert json.loads(result["response"].text)["usage"]["completion_tokens"] == 120
+
+
+def test_a_dead_shard_is_rebuilt_without_traffic(server):
+    """No request arrives: the engine thread's idle probe notices the dead actor, /health says 503 while the replica
+    rebuilds (never 'ok' with no ranks), then 200 with a new process, and requests are exact again."""
+    import os
+    import signal
+
+    before = httpx.get(f"{server['base']}/health", timeout=30).json()["ranks"]
+    os.kill(before[0]["pid"], signal.SIGKILL)
+    seen, deadline = [], time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{server['base']}/health", timeout=30)
+        seen.append(r.status_code)
+        if r.status_code == 200 and r.json()["ranks"][0]["pid"] != before[0]["pid"]:
+            break
+        assert r.status_code == 503 and r.json()["error"]["message"], r.text
+        time.sleep(0.2)
+    assert seen[-1] == 200 and 503 in seen, seen
+    assert time.monotonic() < deadline - 30  # rebuilt within half a minute of the kill, with no traffic
+    expected = reference(server, PROMPTS[0], 12)
+    r = server["client"].completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert r.choices[0].text == expected.text
