@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "--api-key-file or the DSPARK_API_KEY environment variable)")
     keys.add_argument("--api-key-file", help="read the API key from this file (first line)")
     serve.add_argument("--num-replicas", type=int, help="Serve replicas, each a whole dspark replica (default 1)")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds Ctrl-C/SIGTERM lets requests in "
+                       "flight finish before Serve stops (default 30; a second signal stops at once)")
     serve.add_argument("--replace", action="store_true", help="redeploy over a dspark app already running on the "
                        "Ray cluster joined (without it, that is refused: one Serve port per cluster)")
     serve.set_defaults(handler=run_serve)
@@ -317,11 +319,12 @@ def preflight(parsed: ServeArgs) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
+    import time
 
     from ray import serve
 
     from cluster.llm import connect_ray
-    from cluster.serve import build_app
+    from cluster.serve import build_app, drain
 
     parsed = serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS})
     preflight(parsed)
@@ -330,17 +333,27 @@ def run_serve(args: argparse.Namespace) -> int:
     if conflict is not None:
         print(f"dspark serve: {conflict}", file=sys.stderr)
         return 2
+    drain.clear(APP_NAME)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(parsed), name=APP_NAME, route_prefix=parsed.route_prefix)
     record_running_server(args.port, parsed.route_prefix)
     print(f"dspark: serving {parsed.model_name!r} at http://{args.host}:{args.port}{parsed.route_prefix.rstrip('/')}"
           "/v1 (Ctrl-C to stop)", file=sys.stderr)
-    stop = threading.Event()
+    signals = threading.Semaphore(0)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    print("dspark: draining and shutting down", file=sys.stderr)
+        signal.signal(sig, lambda *_: signals.release())
+    signals.acquire()
+    print(f"dspark: draining: no new requests, letting those in flight finish (up to {args.drain_timeout:g} s; "
+          "Ctrl-C again to stop now)", file=sys.stderr)
+    drain.request_drain(APP_NAME)
+    deadline = time.monotonic() + args.drain_timeout
+    time.sleep(2 * drain.POLL_S)  # every replica has seen the flag and reported what it holds
+    while time.monotonic() < deadline and drain.total_in_flight(APP_NAME) > 0:
+        if signals.acquire(timeout=drain.POLL_S):
+            print("dspark: second signal: stopping now", file=sys.stderr)
+            break
     serve.shutdown()
+    drain.clear(APP_NAME)
     return 0
 
 

@@ -78,6 +78,10 @@ class AsyncEngine:
         return self.engine_of()
 
     @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams) + self._pending_adds
 

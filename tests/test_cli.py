@@ -91,6 +91,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import httpx
 
@@ -129,8 +130,8 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
         port = s.getsockname()[1]
     drafter = make_drafter(near_bigram_target, 3, "vanilla", oracle=True)
     proc = dspark("serve", "--model", str(near_bigram_target), "--speculative-model", str(drafter), "--host",
-                  "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", *MODEL_FLAGS,
-                  start_new_session=True)
+                  "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", *MODEL_FLAGS, "--max-model-len",
+                  "256", start_new_session=True)
     lines, ready = [], threading.Event()
 
     def drain():
@@ -153,7 +154,25 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
         assert f"already listens on port {port} for the dspark app 'dspark' at route '/'" in err and "--ray-address local" \
             in err
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200  # the first one is intact
+        # Ctrl-C drains: requests in flight finish, new ones get 503 + Retry-After, then the process exits 0
+        results = []
+        long = {"model": "tiny", "prompt": "x", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
+        workers = [threading.Thread(target=lambda: results.append(httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions", json=long, timeout=120))) for _ in range(6)]
+        for w in workers:
+            w.start()
+        time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
+        refused, deadline = None, time.monotonic() + 20
+        while refused is None and time.monotonic() < deadline:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "y"}, timeout=60)
+            refused = r if r.status_code == 503 else None
+        for w in workers:
+            w.join(timeout=120)
+        assert refused is not None and refused.headers["retry-after"] == "5"
+        assert refused.json()["error"]["code"] == "draining"
+        assert [r.status_code for r in results] == [200] * 6
+        assert all(r.json()["usage"]["completion_tokens"] == 100 for r in results)
         assert proc.wait(timeout=90) == 0
     finally:
         if proc.poll() is None:

@@ -11,18 +11,19 @@ import asyncio
 import hmac
 import json
 import re
+import threading
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.executor import ReplicaFailure
 from cluster.llm import LLM as ReplicaLLM
-from cluster.serve import protocol
+from cluster.serve import drain, protocol
 from cluster.serve.metrics import ServerMetrics
 from cluster.serve.text import TextStream
 from configs import ReplicaConfig, ServeArgs, validate
@@ -34,6 +35,7 @@ from runtime.sampling_params import SamplingParams
 app = FastAPI(title="dspark", description="DSpark speculative decoding, OpenAI-compatible API")
 SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
 HEALTH_PROBE_TIMEOUT_S = 10.0  # an actor silent this long counts as lost
+DRAIN_RETRY_AFTER_S = 5
 
 
 class ApiError(Exception):
@@ -114,10 +116,14 @@ async def _authenticate(request: Request, call_next):
     """Every /v1 route checks the API key before anything reads the body: an unauthenticated client learns
     nothing about the schema from validation errors."""
     key = getattr(app.state, "api_key", None)
-    if key is not None and "/v1/" in request.url.path + "/" and not bearer_matches(
-            request.headers.get("authorization"), key):
+    api = "/v1/" in request.url.path + "/"
+    if api and key is not None and not bearer_matches(request.headers.get("authorization"), key):
         return error_response(ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                                        code="invalid_api_key"))
+    if api and request.method == "POST" and getattr(app.state, "draining", False):
+        return error_response(ApiError(503, "the server is shutting down and admits no new requests; retry on "
+                                       "another replica or later", code="draining",
+                                       headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)}))
     return await call_next(request)
 
 
@@ -143,6 +149,18 @@ class DSparkServer:
                                   probe=lambda: self.llm.health(timeout_s=HEALTH_PROBE_TIMEOUT_S))
         self.metrics = ServerMetrics(lambda: self.llm.engine, self.llm.rank_info())
         self.tokenizer = self.llm.tokenizer
+        app.state.draining = False
+        self._watcher = threading.Thread(target=self._watch_drain, name="dspark-drain", daemon=True)
+        self._watcher.start()
+
+    def _watch_drain(self) -> None:
+        """Poll the app's drain flag; report what this replica still holds (see ``cluster.serve.drain``)."""
+        context = serve.get_replica_context()
+        app_name, replica = context.app_name, str(context.replica_id.unique_id)
+        while not self.engine.stopped:
+            app.state.draining = drain.is_draining(app_name)
+            drain.report(app_name, replica, self.engine.num_in_flight)
+            time.sleep(drain.POLL_S)
 
     # ---- routes -------------------------------------------------------------------------------
 
