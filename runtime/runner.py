@@ -94,7 +94,10 @@ class ModelRunner:
             committed, accepted, faulty = self._verify(entries, hidden, t.query_start_loc, sampled, graphed)
         k_next = batch.num_next_drafts if drafting else 0
         with record_function("dspark.draft"):
-            proposal = self._propose(entries, committed, accepted, t.page_table[sampled], k_next) if k_next else None
+            # a list index would copy it to the device synchronously: decode steps sample every request anyway
+            table = t.page_table if len(sampled) == len(reqs) or not k_next else t.page_table[
+                to_device(sampled, self.device)]
+            proposal = self._propose(entries, committed, accepted, table, k_next) if k_next else None
         if not self.is_leader:
             return []
         with record_function("dspark.results"):
