@@ -10,6 +10,8 @@ import httpx
 import openai
 import pytest
 import ray
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
@@ -299,6 +301,102 @@ def test_graceful_shutdown_drains(server, near_bigram_target, make_drafter):
     thread.join(timeout=60)
     assert result["response"].status_code == 200
     assert json.loads(result["response"].text)["usage"]["completion_tokens"] == 120
+
+
+# ---- property-based fuzzing of both endpoints --------------------------------------------------------------
+
+def json_values():
+    scalars = (st.none() | st.booleans() | st.integers(-3, 40) | st.sampled_from([10**20, -(10**20), 2**31, 2**63])
+               | st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([1e-45, 1e30, 0.5, 2.0, 0.0])
+               | st.text(max_size=12) | st.sampled_from(["", "x\ud800y", "def f(", "tiny", "\u0000"]))
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.text(max_size=6), inner, max_size=3), max_leaves=8)
+
+
+FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "stream", "stream_options",
+          "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+          "stop_token_ids", "n", "logprobs", "user", "echo", "logit_bias"]
+
+
+@st.composite
+def bodies(draw):
+    chat = draw(st.booleans())
+    body = {"model": draw(st.sampled_from(["tiny", "tiny", "tiny", "other", 7]))}
+    if draw(st.integers(0, 9)):  # usually the prompt or messages are there, sometimes of a wrong shape
+        if chat:
+            body["messages"] = draw(st.lists(st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "system", "assistant", "robot"]), "content": json_values()}),
+                max_size=3) | json_values())
+        else:
+            body["prompt"] = draw(st.sampled_from(["x = ", "for i in"]) | st.lists(st.integers(-2, 400), max_size=6)
+                                  | json_values())
+    for name in draw(st.lists(st.sampled_from(FIELDS + ["extra_field"]), max_size=5, unique=True)):
+        body[name] = draw(json_values())
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=bodies())
+def test_fuzzed_requests_never_get_a_5xx_and_errors_keep_openai_shape(server, case):
+    path, body = case
+    raw = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
+    with httpx.stream("POST", f"{server['base']}{path}", content=raw, headers={"content-type": "application/json"},
+                      timeout=120) as r:
+        text = r.read().decode("utf-8", "replace")
+    assert r.status_code < 500, (r.status_code, text, body)
+    if r.status_code != 200:
+        err = json.loads(text)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], text
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+
+
+def test_the_server_is_healthy_and_exact_after_fuzzing(server):
+    assert httpx.get(f"{server['base']}/health", timeout=30).status_code == 200
+    expected = reference(server, PROMPTS[1], 16)
+    r = server["client"].completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0)
+    assert r.choices[0].text == expected.text
+
+
+def test_a_shard_killed_mid_stream_ends_every_stream_with_an_error_then_recovers(server):
+    """Chaos: SIGKILL the target shard while streams run: each stream gets an error event and [DONE], the replica
+    rebuilds itself, and later requests are exact."""
+    import os
+    import signal
+
+    pid = httpx.get(f"{server['base']}/health", timeout=30).json()["ranks"][0]["pid"]
+    body = {"model": "tiny", "prompt": "z", "max_tokens": 250, "stream": True, "ignore_eos": True, "temperature": 0}
+    streams, started = [], threading.Semaphore(0)
+
+    def consume():
+        with httpx.stream("POST", f"{server['base']}/v1/completions", json=body, timeout=120) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line and not lines:
+                    started.release()
+                if line:
+                    lines.append(line)
+            streams.append(lines)
+
+    workers = [threading.Thread(target=consume) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for _ in workers:  # every stream has sent its first chunk: all three are mid-stream
+        assert started.acquire(timeout=60)
+    os.kill(pid, signal.SIGKILL)
+    for w in workers:
+        w.join(timeout=120)
+    assert len(streams) == 3
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        assert json.loads(lines[-2].removeprefix("data: ")).get("error", {}).get("code") == "replica_failure", \
+            lines[-3:]
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{server['base']}/health", timeout=30).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    expected = reference(server, PROMPTS[2], 12)
+    r = server["client"].completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0)
+    assert r.choices[0].text == expected.text
 
 
 def test_a_dead_shard_is_rebuilt_without_traffic(server):
