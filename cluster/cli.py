@@ -373,7 +373,8 @@ def running_server_conflict(port: int, replace: bool) -> str | None:
         return (f"Serve on this Ray cluster already listens on port {running['port']} for the dspark app "
                 f"{APP_NAME!r} {where}; it cannot also listen on {port}{fresh}")
     if APP_NAME in status.applications and not replace:
-        return f"the dspark app {APP_NAME!r} already runs on this Ray cluster {where}; pass --replace to redeploy it{fresh}"
+        return (f"the dspark app {APP_NAME!r} already runs on this Ray cluster {where}; pass --replace to redeploy "
+                f"it{fresh}")
     return None
 
 

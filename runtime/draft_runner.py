@@ -68,8 +68,8 @@ class DraftRunner:
             return self.graphs.run(anchors, anchor_pos, page_table)
         sampling = None
         if any(drawn_rows):
-            sampling = DraftSampling(to_device(drawn_rows, self.device),
-                                     to_device([max(e.params.temperature, 1e-5) for e in entries], self.device)[:, None],
+            temperature = to_device([max(e.params.temperature, 1e-5) for e in entries], self.device)[:, None]
+            sampling = DraftSampling(to_device(drawn_rows, self.device), temperature,
                                      to_device([e.seed for e in entries], self.device))
         return self.draft_block(anchors, anchor_pos, page_table, k_next, sampling)
 

@@ -4,7 +4,8 @@
 (cutting at stops), updates the counters and the acceptance gate, and returns the requests that
 progressed. A fault of one request inside a step (non-finite logits in its rows, an error while
 committing its tokens) ends that request with ``finish_reason="error"`` and ``error`` set; the other
-requests of the step continue with exactly the tokens they would have had. This is what a driver (``runtime.LLM``, a Ray actor, a Serve replica) wraps.
+requests of the step continue with exactly the tokens they would have had. This is what a driver
+(``runtime.LLM``, a Ray actor, a Serve replica) wraps.
 """
 
 from __future__ import annotations

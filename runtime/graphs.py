@@ -22,8 +22,7 @@ from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta
 from runtime.kv_cache import KVCaches
 from runtime.models.target import TargetModel
 from runtime.step_io import ScheduledRequest
-from runtime.step_tensors import StepTensors
-from runtime.transfer import to_device
+from runtime.step_tensors import StepTensors, padded_page_table, query_start_loc
 
 log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -50,14 +49,8 @@ class GraphOutputs:
     def step_tensors(self, reqs: list[ScheduledRequest], page_size: int, device: torch.device,
                      with_page_table: bool) -> StepTensors:
         """The step's tensors for verification and drafting: the graph's inputs, the page table if asked for."""
-        qsl = [0]
-        for r in reqs:
-            qsl.append(qsl[-1] + len(r.token_ids))
-        table = None
-        if with_page_table:
-            width = max(len(r.page_ids) for r in reqs)
-            table = to_device([r.page_ids + [0] * (width - len(r.page_ids)) for r in reqs], device)
-        return StepTensors(self.input_ids, self.positions, self.slots, None, table, qsl)
+        table = padded_page_table(reqs, device) if with_page_table else None
+        return StepTensors(self.input_ids, self.positions, self.slots, None, table, query_start_loc(reqs))
 
 
 @dataclass
@@ -103,9 +96,7 @@ class GraphedTargetForward:
         """Replay the graph of ``len(reqs)`` requests (padded to a bucket) x ``q_len`` tokens."""
         batch = next(b for b in self.buckets if b >= len(reqs))
         g = self.graphs[(batch, q_len)]
-        ids, positions, slots, layout = self._host_inputs(reqs, batch, q_len)
-        self.inputs[:, :batch * q_len].copy_(torch.tensor([ids, positions, slots], dtype=torch.int64,
-                                                          pin_memory=True), non_blocking=True)
+        layout = self._write_inputs(reqs, batch, q_len)
         self.backend.plan_attention(self._meta(layout, batch, q_len), g.wrapper)
         g.graph.replay()
         rows = len(reqs) * q_len
@@ -115,7 +106,10 @@ class GraphedTargetForward:
 
     # ---- building -----------------------------------------------------------------------------
 
-    def _host_inputs(self, reqs: list[ScheduledRequest], batch: int, q_len: int):
+    def _write_inputs(self, reqs: list[ScheduledRequest], batch: int, q_len: int) -> HostLayout:
+        """Copy the step's token ids, positions and slots (padded to ``batch`` requests) into the graph's input
+        buffer with one non-blocking copy from pageable memory (``runtime.transfer`` says why not pinned);
+        returns the attention layout to plan."""
         ps = self.page_size
         ids, positions, slots = [], [], []
         for r in reqs:
@@ -128,9 +122,10 @@ class GraphedTargetForward:
         positions += list(range(q_len)) * pad
         slots += [self.scratch_page * ps + i % ps for i in range(q_len)] * pad
         scratch = [self.scratch_page] * -(-q_len // ps)
-        layout = HostLayout([q_len] * batch, [r.end_position for r in reqs] + [q_len] * pad,
-                            [r.page_ids for r in reqs] + [scratch] * pad)
-        return ids, positions, slots, layout
+        self.inputs[:, :batch * q_len].copy_(torch.tensor([ids, positions, slots], dtype=torch.int64),
+                                             non_blocking=True)
+        return HostLayout([q_len] * batch, [r.end_position for r in reqs] + [q_len] * pad,
+                          [r.page_ids for r in reqs] + [scratch] * pad)
 
     def _meta(self, layout: HostLayout, batch: int, q_len: int) -> PagedAttentionMeta:
         # Only the host layout and geometry matter to FlashInfer; the device fields are placeholders.
@@ -141,8 +136,7 @@ class GraphedTargetForward:
 
     def _capture(self, batch: int, q_len: int) -> _Graph:
         wrapper = self.backend.graph_wrapper(self.device, batch, batch * self.pages_per_seq)
-        ids, positions, slots, layout = self._host_inputs([], batch, q_len)
-        self.inputs[:, :batch * q_len].copy_(torch.tensor([ids, positions, slots], dtype=torch.int64))
+        layout = self._write_inputs([], batch, q_len)
         meta = self.backend.plan_attention(self._meta(layout, batch, q_len), wrapper)
         ids, positions, slots = (t[:batch * q_len] for t in self.inputs)
         stream = torch.cuda.Stream(self.device)

@@ -17,8 +17,9 @@ class SamplingParams:
     ``min_p`` 0 disable their filters; a ``top_k`` above the vocabulary keeps every token. Every integer is
     at most ``MAX_INT32`` and every float finite, so no value can overflow inside a step. Penalties follow
     vLLM: ``repetition_penalty`` divides positive / multiplies negative logits of every token seen in the
-    prompt or output; ``presence_penalty`` and ``frequency_penalty`` subtract from output tokens' logits. ``stop`` strings end the output before
-    the string; ``stop_token_ids`` and EOS (unless ``ignore_eos``) end it after the token.
+    prompt or output; ``presence_penalty`` and ``frequency_penalty`` subtract from output tokens' logits.
+    ``stop`` strings end the output before the string; ``stop_token_ids`` and EOS (unless ``ignore_eos``) end
+    it after the token.
     """
 
     max_tokens: int = 16

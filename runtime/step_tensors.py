@@ -21,22 +21,33 @@ class StepTensors:
     query_start_loc: list[int]  # host copy of meta.query_start_loc
 
 
+def query_start_loc(reqs: list[ScheduledRequest]) -> list[int]:
+    """[B+1] cumulative token counts of the requests fed this step (host)."""
+    qsl = [0]
+    for r in reqs:
+        qsl.append(qsl[-1] + len(r.token_ids))
+    return qsl
+
+
+def padded_page_table(reqs: list[ScheduledRequest], device: torch.device) -> torch.Tensor:
+    """[B, max_pages] the requests' pages on ``device``, rows padded with page 0 (never read past a request's
+    length)."""
+    width = max(len(r.page_ids) for r in reqs)
+    return to_device([r.page_ids + [0] * (width - len(r.page_ids)) for r in reqs], device)
+
+
 def build_step_tensors(reqs: list[ScheduledRequest], page_size: int, device: torch.device,
                        kernels: KernelBackend, geometry: AttentionGeometry | None = None) -> StepTensors:
     """Flat inputs of the fed tokens and their attention metadata, planned once for every layer."""
     lens = [len(r.token_ids) for r in reqs]
-    qsl = [0]
-    for n in lens:
-        qsl.append(qsl[-1] + n)
-    qsl_t = to_device(qsl, device)
+    qsl = query_start_loc(reqs)
+    qsl_t, lens_t = to_device(qsl, device), to_device(lens, device)
     starts = to_device([r.start_position for r in reqs], device)
-    req_of_token = torch.repeat_interleave(torch.arange(len(reqs), device=device), to_device(lens, device),
-                                           output_size=qsl[-1])
+    req_of_token = torch.repeat_interleave(torch.arange(len(reqs), device=device), lens_t, output_size=qsl[-1])
     positions = starts[req_of_token] + torch.arange(qsl[-1], device=device) - qsl_t[req_of_token]
-    width = max(len(r.page_ids) for r in reqs)
-    page_table = to_device([r.page_ids + [0] * (width - len(r.page_ids)) for r in reqs], device)
+    page_table = padded_page_table(reqs, device)
     slots = page_table[req_of_token, positions // page_size] * page_size + positions % page_size
-    meta = PagedAttentionMeta(query_start_loc=qsl_t, seq_lens=starts + to_device(lens, device),
+    meta = PagedAttentionMeta(query_start_loc=qsl_t, seq_lens=starts + lens_t,
                               page_table=page_table, max_query_len=max(lens),
                               max_seq_len=max(r.end_position for r in reqs), causal=True, num_tokens=qsl[-1],
                               page_size=page_size, geometry=geometry,

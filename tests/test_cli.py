@@ -151,8 +151,8 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
         second = dspark("serve", "--model", str(near_bigram_target), "--port", str(port + 1), *MODEL_FLAGS)
         _, err = second.communicate(timeout=120)
         assert second.returncode == 2, err
-        assert f"already listens on port {port} for the dspark app 'dspark' at route '/'" in err and "--ray-address local" \
-            in err
+        assert f"already listens on port {port} for the dspark app 'dspark' at route '/'" in err
+        assert "--ray-address local" in err
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200  # the first one is intact
         # Ctrl-C drains: requests in flight finish, new ones get 503 + Retry-After, then the process exits 0
         results = []

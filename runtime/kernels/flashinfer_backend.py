@@ -4,8 +4,9 @@ Attention over the paged cache (prefill chunks, decode, the K+1-token verify) is
 kernel on the cache layout the engine already uses (``[pages, page_size, kv_heads, head_dim]``, FlashInfer's
 NHD), planned once per forward from the step's host-side layout (``PagedAttentionMeta.host``) and reused by
 every layer. A draft block (its context plus its own keys, the context length known only on the device) runs a
-Triton flash-attention kernel (``triton_ops.block_attention``) that needs no plan, so drafts can be graphed too. RMSNorm (with the residual add fused), q/k norm + RoPE (fused with the KV-cache write) and
-SiLU-and-mul are the Triton kernels of ``triton_ops``; the exponential-race sampler is the torch reference's.
+Triton flash-attention kernel (``triton_ops.block_attention``) that needs no plan, so drafts can be graphed too.
+RMSNorm (with the residual add fused), q/k norm + RoPE (fused with the KV-cache write) and SiLU-and-mul are the
+Triton kernels of ``triton_ops``; the exponential-race sampler is the torch reference's.
 
 Loading this backend imports flashinfer and triton and needs a CUDA device; anything missing raises
 ``KernelBackendUnavailable`` naming it (the registry never substitutes another backend).
