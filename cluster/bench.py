@@ -2,11 +2,15 @@
 
 For each concurrency ``c`` of the sweep, ``c`` requests decode together and the engine's steps are timed
 (host and device, what a client sees between tokens): ``ar_step_ms`` without a drafter, ``dspark_step_ms``
-with one, their tokens/s, and the decode step against the bandwidth roofline (bytes the step must read:
-every weight once plus the cached keys and values, over the device copy bandwidth measured in the same run).
+with one, their tokens/s, TTFT and TPOT, acceptance (mean and per position), and the decode step against the
+bandwidth roofline (bytes the step must read: every weight once plus the cached keys and values, over the
+device copy bandwidth measured in the same run). With CUDA graphs, the last step's graphs are also replayed
+alone: the device time of the forward (``ar_forward_ms``; ``verify_step_ms`` with a drafter) and of the draft
+block (``draft_ms``); the rest of a step is host work and eager kernels (``ar_outside_forward_ms``).
 ``--model-shape qwen3-8b`` builds random-weight models of real shapes (``load_format="dummy"``): step times and
-roofline only, since random drafters accept nothing; a trained pair (``--model``/``--speculative-model``)
-gives acceptance and end-to-end speedup. Peers: Hugging Face ``generate`` on the same target (eager).
+roofline only, since random drafters accept nothing (``--projected-tau`` adds a projected speedup from a
+trained pair's acceptance); a trained pair (``--model``/``--speculative-model``) gives acceptance and
+end-to-end speedup. Peers: Hugging Face ``generate`` on the same target, eager and compiled (static cache).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import tempfile
 import time
 from datetime import date
 from pathlib import Path
+
+from cluster.bench_plot import plot, require_matplotlib
 
 MODEL_SHAPES = {
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -81,7 +87,11 @@ def kv_bytes(llm, batch: int, context: int) -> int:
 
 
 def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab: int, seed: int) -> dict:
-    """Decode ``batch`` requests together; time ``steps`` engine steps after prefill and ``warmup`` steps."""
+    """Decode ``batch`` requests together; time ``steps`` engine steps after prefill and ``warmup`` steps.
+
+    ``ttft_ms``: from submitting the batch until every request has its first token (prefill steps);
+    ``tpot_ms``: decode time over the tokens each request gained; then, while the graphs' buffers still hold
+    this step's inputs, the device time of the forward (and draft) graphs alone (``device_times``)."""
     import torch
 
     from runtime import SamplingParams
@@ -89,12 +99,20 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     engine = llm.engine
     g = torch.Generator().manual_seed(seed)
     per_step = engine.spec.max_draft_len + 1 if engine.spec else 1
-    chunks = -(-batch * prompt_len // engine.config.max_num_batched_tokens)  # prefill steps others decode through
-    params = SamplingParams(max_tokens=(chunks + warmup + steps + 4) * per_step, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(torch.randint(3, vocab - 1, (prompt_len,), generator=g).tolist(), params)
-           for _ in range(batch)]
-    while any(not engine.sequences[i].is_decoding for i in ids if i in engine.sequences):
+    # room for every step the first request decodes while the last one prefills (decodes share the token budget)
+    chunks = -(-batch * prompt_len // max(engine.config.max_num_batched_tokens - batch, 1))
+    max_tokens = (chunks + warmup + steps + 4) * per_step
+    if prompt_len + max_tokens > engine.max_model_len:
+        raise ValueError(f"bench: {batch} requests of {prompt_len} tokens need max_model_len >= "
+                         f"{prompt_len + max_tokens} to stay in the batch for the whole timing; lower --steps")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [torch.randint(3, vocab - 1, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    torch.cuda.synchronize()
+    submitted = time.perf_counter()
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    while any(not engine.sequences[i].output_token_ids for i in ids if i in engine.sequences):
         engine.step()
+    ttft = time.perf_counter() - submitted
     for _ in range(warmup):
         engine.step()
     torch.cuda.synchronize()
@@ -109,34 +127,81 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     metrics = engine.metrics.as_dict()
     drafts = metrics["num_drafts"] - metrics_before["num_drafts"]
     accepted = metrics["num_accepted_tokens"] - metrics_before["num_accepted_tokens"]
+    per_pos = [(a - b) / drafts if drafts else None for a, b in zip(metrics["num_accepted_tokens_per_pos"],
+                                                                    metrics_before["num_accepted_tokens_per_pos"])]
     context = prompt_len + (before + committed) // batch
+    device = device_times(llm, batch, per_step)
     engine.abort_all()
-    return {"step_ms": 1e3 * elapsed / steps, "tokens_per_s": committed / elapsed,
-            "mean_acceptance_length": (1 + accepted / drafts) if drafts else None, "context": context}
+    return {"step_ms": 1e3 * elapsed / steps, "tokens_per_s": committed / elapsed, "ttft_ms": 1e3 * ttft,
+            "tpot_ms": 1e3 * elapsed * batch / committed, "mean_acceptance_length": (1 + accepted / drafts)
+            if drafts else None, "acceptance_per_position": per_pos if drafts else None, "context": context,
+            **device}
 
 
-def hf_generate_tokens_per_s(target_dir: Path, shape: bool, tokens: int, device) -> float:
-    """transformers ``generate`` (eager, dynamic cache), batch 1, greedy, on the same target."""
+def replay_ms(graph, repeats: int = 20) -> float:
+    """Device time of one replay of ``graph`` (a ``torch.cuda.CUDAGraph``), the median of ``repeats``."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def device_times(llm, batch: int, tokens_per_request: int) -> dict:
+    """The device time of the last step's graphs replayed alone: the target forward over ``tokens_per_request``
+    tokens per request (``forward_ms``: the verify forward with a drafter) and the drafter's block step
+    (``draft_ms``). Their inputs are the last step's, still in the graphs' buffers; a replay rewrites the same
+    cache slots with the same values. Empty without CUDA graphs."""
+    worker = llm.engine.executor.worker
+    if worker.graphs is None:
+        return {}
+    graphs = worker.graphs
+    bucket = next(b for b in graphs.buckets if b >= batch)
+    out = {"forward_ms": replay_ms(graphs.graphs[(bucket, tokens_per_request)].graph)}
+    channel = getattr(worker.engine_part, "channel", None)
+    draft_graphs = getattr(getattr(channel, "runner", None), "graphs", None)
+    if draft_graphs is not None:
+        out["draft_ms"] = replay_ms(draft_graphs.graphs[bucket][0])
+    return out
+
+
+def hf_generate_tokens_per_s(target_dir: Path, shape: bool, tokens: int, device, compiled: bool = False) -> dict:
+    """transformers ``generate`` at batch 1, greedy, on the same target: eager with its dynamic cache, or
+    (``compiled``) with a static cache and ``torch.compile`` (its ``CompileConfig``, mode reduce-overhead),
+    compiled by an untimed generation of the same length first. -> tokens_per_s and the untimed warmup's
+    seconds (the compile time, when compiled)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig
 
     config = AutoConfig.from_pretrained(str(target_dir))
     if shape:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(target_dir), torch_dtype=torch.bfloat16).to(device)
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).to(device)
     model.eval()
     ids = torch.randint(3, config.vocab_size - 1, (1, 128), device=device)
-    model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-    torch.cuda.synchronize()
+    options = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    if compiled:
+        options.update(cache_implementation="static", compile_config=CompileConfig(mode="reduce-overhead"))
     start = time.perf_counter()
-    model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    for _ in range(3 if compiled else 1):  # reduce-overhead records its CUDA graphs on the second call
+        model.generate(ids, **options)
+    torch.cuda.synchronize()
+    warmup = time.perf_counter() - start
+    start = time.perf_counter()
+    model.generate(ids, **options)
     torch.cuda.synchronize()
     rate = tokens / (time.perf_counter() - start)
     del model
     torch.cuda.empty_cache()
-    return rate
+    return {"tokens_per_s": rate, "warmup_s": warmup}
 
 
 def profile_step(llm, batch: int, prompt_len: int, vocab: int) -> dict:
@@ -207,14 +272,22 @@ def run(args) -> dict:
         if args.profile and kind == "ar":
             record["ar_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab)
             print(f"dspark bench: AR batch-1 profile: {json.dumps(record['ar_profile_batch1'])}", file=sys.stderr)
+        time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0)  # untimed: first-call costs stay out of TTFT
         for c in tqdm(args.concurrency, desc=f"{kind} sweep", disable=None):
             timing = time_steps(llm, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c)
-            rows[c].update({f"{kind}_step_ms": timing["step_ms"], f"{kind}_tokens_per_s": timing["tokens_per_s"]})
+            rows[c].update({f"{kind}_{name}": timing[name]
+                            for name in ("step_ms", "tokens_per_s", "ttft_ms", "tpot_ms")})
             if kind == "ar":
                 floor = (record["weight_bytes"] + kv_bytes(llm, c, timing["context"])) / bandwidth
                 rows[c].update(roofline_ms=1e3 * floor, roofline_fraction=1e3 * floor / timing["step_ms"])
+                if "forward_ms" in timing:  # the device time of the graphed forward; the rest is outside it
+                    rows[c].update(ar_forward_ms=timing["forward_ms"],
+                                   ar_outside_forward_ms=timing["step_ms"] - timing["forward_ms"])
             else:
-                rows[c]["mean_acceptance_length"] = timing["mean_acceptance_length"]
+                rows[c].update(mean_acceptance_length=timing["mean_acceptance_length"],
+                               acceptance_per_position=timing["acceptance_per_position"])
+                if "forward_ms" in timing:
+                    rows[c].update(verify_step_ms=timing["forward_ms"], draft_ms=timing.get("draft_ms"))
             print(f"dspark bench: {kind} concurrency {c}: {timing}", file=sys.stderr, flush=True)
         if args.profile and kind == "dspark":
             record["dspark_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab)
@@ -226,10 +299,20 @@ def run(args) -> dict:
     for row in rows.values():
         row["dspark_step_vs_ar"] = row["dspark_step_ms"] / row["ar_step_ms"]
         row["speedup"] = row["dspark_tokens_per_s"] / row["ar_tokens_per_s"]
+        if "verify_step_ms" in row and "ar_forward_ms" in row:  # device time against device time
+            row["verify_vs_ar_forward"] = row["verify_step_ms"] / row["ar_forward_ms"]
+    first = rows[min(rows)]
+    if args.projected_tau is not None:
+        for row in rows.values():
+            row["projected_speedup"] = args.projected_tau * row["ar_step_ms"] / row["dspark_step_ms"]
+        record["projected_tau"] = {"tau": args.projected_tau, "source": args.projected_tau_source}
     if args.hf_tokens:
-        rate = hf_generate_tokens_per_s(target, shape, args.hf_tokens, device)
-        rows[min(rows)]["hf_generate_tokens_per_s"] = rate
-        rows[min(rows)]["ar_vs_hf_generate"] = rows[min(rows)]["ar_tokens_per_s"] / rate
+        for peer, compiled in (("hf_generate", False), ("hf_compiled", True)):
+            result = hf_generate_tokens_per_s(target, shape, args.hf_tokens, device, compiled)
+            first[f"{peer}_tokens_per_s"] = result["tokens_per_s"]
+            first[f"ar_vs_{peer}"] = first["ar_tokens_per_s"] / result["tokens_per_s"]
+            record[f"{peer}_warmup_s"] = result["warmup_s"]
+            print(f"dspark bench: {peer}: {result}", file=sys.stderr, flush=True)
     record["runs"] = list(rows.values())
     return record
 
@@ -265,8 +348,8 @@ def add_parser(commands) -> None:
     which.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), help="random weights of this shape")
     which.add_argument("--model", help="a trained target (needs --speculative-model)")
     bench.add_argument("--speculative-model", help="the trained drafter of --model")
-    bench.add_argument("--concurrency", type=concurrency_list, default=[1, 4, 16, 64],
-                       help="comma-separated request counts, each >= 1 (default 1,4,16,64)")
+    bench.add_argument("--concurrency", type=concurrency_list, default=[1, 4, 16, 64, 256],
+                       help="comma-separated request counts, each >= 1 (default 1,4,16,64,256)")
     bench.add_argument("--max-draft-len", type=int, default=7, help="K (default 7)")
     bench.add_argument("--draft-layers", type=int, default=1, help="draft layers of a --model-shape drafter")
     bench.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (default 512)")
@@ -275,8 +358,14 @@ def add_parser(commands) -> None:
     bench.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "flashinfer"],
                        help="kernels of both engines (default auto: flashinfer on a GPU where it imports)")
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    bench.add_argument("--kv-cache-gib", type=int, default=24, help="KV cache per engine (default 24 GiB)")
-    bench.add_argument("--hf-tokens", type=int, default=0, help="also time transformers generate for N tokens")
+    bench.add_argument("--kv-cache-gib", type=int, default=40, help="KV cache per engine (default 40 GiB)")
+    bench.add_argument("--hf-tokens", type=int, default=0, help="also time transformers generate for N tokens at "
+                       "batch 1, eager and compiled with a static cache (peers)")
+    bench.add_argument("--projected-tau", type=float, help="a trained pair's mean acceptance length: adds "
+                       "projected_speedup = tau x AR step / DSpark step to every point (for --model-shape)")
+    bench.add_argument("--projected-tau-source", default="", help="where --projected-tau was measured (recorded)")
+    bench.add_argument("--plot", help="also draw speedup and tokens/s against concurrency into this PNG "
+                       "(needs matplotlib: pip install 'dspark[bench]')")
     bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 steps")
     bench.add_argument("--out", help="write the JSON record here (default: print it)")
     bench.set_defaults(handler=main)
@@ -286,6 +375,12 @@ def main(args) -> int:
     if args.model is not None and args.speculative_model is None:
         print("dspark bench: --model needs --speculative-model", file=sys.stderr)
         return 2
+    if args.projected_tau is not None and not 1.0 <= args.projected_tau <= args.max_draft_len + 1:
+        print(f"dspark bench: --projected-tau must be in [1, max_draft_len + 1 = {args.max_draft_len + 1}], got "
+              f"{args.projected_tau}", file=sys.stderr)
+        return 2
+    if args.plot:
+        require_matplotlib("--plot")
     record = run(args)
     text = json.dumps(record, indent=1)
     if args.out:
@@ -293,4 +388,6 @@ def main(args) -> int:
     else:
         print(text)
     print(summary(record), file=sys.stderr)
+    if args.plot:
+        print(f"dspark bench: plot {plot(record, args.plot)}", file=sys.stderr)
     return 0

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster import bench
+from cluster import bench, bench_plot
 from configs import ConfigError, LLMConfig, ParallelConfig, ReplicaConfig, ServeArgs, validate
 from configs.training import DrafterTrainConfig, TargetTrainConfig
 from configs.files import read_mapping
@@ -151,6 +151,7 @@ def add_training_commands(commands) -> None:
     demo.add_argument("action", choices=["build"], help="build: train the pair (a few minutes on a CPU) or reuse it")
     demo.set_defaults(handler=run_demo)
     bench.add_parser(commands)
+    bench_plot.add_parser(commands)
 
 
 def add_trainer_command(commands, kind: str, model, help: str, description: str) -> None:

@@ -17,3 +17,27 @@ def test_a_shape_pair_loads_with_dummy_weights_and_decodes(tmp_path):
     assert out.token_ids == plain.generate([[5, 6, 7, 8]], params)[0].token_ids  # same seed, same weights
     assert len(out.token_ids) == 10 and llm.get_metrics()["num_drafts"] > 0
     assert set(MODEL_SHAPES) >= {"qwen3-8b", "tiny"}
+
+
+def test_bench_plot_draws_a_record_and_rejects_a_non_record(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    runs = [{"concurrency": c, "ar_tokens_per_s": 100.0 * c, "dspark_tokens_per_s": 180.0 * c, "speedup": 1.8,
+             "projected_speedup": 2.5} for c in (1, 4, 16)]
+    record = {"model": "qwen3-8b", "kind": "random-shape", "hardware": "NVIDIA H200", "date": "2026-11-30",
+              "projected_tau": {"tau": 3.16, "source": "test"}, "runs": runs}
+    source = tmp_path / "bench.json"
+    source.write_text(json.dumps(record))
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench-plot", str(source)], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    png = tmp_path / "bench.png"
+    assert proc.stdout.strip() == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "other.json").write_text('{"hello": 1}')
+    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "bench-plot", str(tmp_path / "other.json")], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "not a dspark bench record" in bad.stderr

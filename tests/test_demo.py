@@ -1,6 +1,10 @@
-"""`dspark demo build` on a fresh cache: within 5 minutes on this machine class, tau >= 2.0 at K=4 greedy on
-held-out code prompts, and speculative greedy output equal to plain greedy output on the demo pair."""
+"""`dspark demo build` is deterministic: fixed steps, seeds, corpus and thread count, no time box.
 
+The full build on a fresh cache reaches the acceptance recorded in ``runtime.training.demo`` (greedy, K=4,
+held-out code prompts) and speculative greedy output equals plain greedy output; a miniature build run twice
+(with different ambient torch thread counts) writes byte-identical weights."""
+
+import hashlib
 import json
 import os
 import subprocess
@@ -8,21 +12,62 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from runtime.training.demo import EXPECTED_ACCEPTANCE, VERSION, DemoPlan, build_demo
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY = DemoPlan(target_steps=12, drafter_steps=12, distill_prompts=16, distill_tokens=12, eval_prompts=4,
+                eval_tokens=12)
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.mark.slow
 def test_demo_build_on_a_fresh_cache(tmp_path):
     env = {**os.environ, "DSPARK_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "demo", "build"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(line) == {"target", "drafter", "mean_acceptance_length", "build_seconds"}
-    assert line["build_seconds"] <= 300 and line["mean_acceptance_length"] >= 2.0
-    record = json.loads((tmp_path / "cache" / "demo-v1" / "demo.json").read_text())
+    # The build is bit-exact on one CPU kind; another kind's vector units round differently (same torch).
+    assert line["mean_acceptance_length"] == pytest.approx(EXPECTED_ACCEPTANCE, abs=0.15)
+    record = json.loads((tmp_path / "cache" / f"demo-{VERSION}" / "demo.json").read_text())
     assert record["greedy_equals_plain"] is True and record["max_draft_len"] == 4
+    assert record["target_training"]["steps"] == 700 and record["drafter_training"]["step"] == 1000
     again = subprocess.run([sys.executable, "-m", "cluster.cli", "demo", "build"], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=120)
     assert json.loads(again.stdout.strip().splitlines()[-1]) == line  # found in the cache, not rebuilt
+
+
+@pytest.mark.slow
+def test_the_same_plan_builds_the_same_pair(tmp_path):
+    before = torch.get_num_threads()
+    records = []
+    try:
+        for threads, name in ((1, "a"), (3, "b")):  # the ambient thread count must not matter
+            torch.set_num_threads(threads)
+            records.append(build_demo(progress=False, plan=TINY, root=tmp_path / name))
+            assert torch.get_num_threads() == threads  # restored after the build
+    finally:
+        torch.set_num_threads(before)
+    first, second = records
+    for model in ("target", "drafter"):
+        assert digest(Path(first[model]) / "model.safetensors") == digest(Path(second[model]) / "model.safetensors")
+    assert (tmp_path / "a" / "distill.jsonl").read_bytes() == (tmp_path / "b" / "distill.jsonl").read_bytes()
+    assert first["mean_acceptance_length"] == second["mean_acceptance_length"]
+    assert first["plan"] == second["plan"] and first["threads"] == 2
+
+
+def test_a_damaged_corpus_is_an_error(tmp_path, monkeypatch):
+    from runtime.training import demo_corpus
+
+    bad = tmp_path / "corpus.json.xz"
+    bad.write_bytes(demo_corpus.CORPUS_PATH.read_bytes()[:-10])
+    monkeypatch.setattr(demo_corpus, "CORPUS_PATH", bad)
+    with pytest.raises(ValueError, match="sha256"):
+        demo_corpus.unpack_corpus(tmp_path / "corpus")
+    assert not (tmp_path / "corpus").exists()

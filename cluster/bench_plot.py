@@ -1,0 +1,75 @@
+"""``dspark bench-plot``: a bench record's speedup and tokens/s against concurrency, as a PNG.
+
+Two panels sharing a log2 concurrency axis: output tokens/s of our autoregressive baseline and of DSpark
+(measured), and DSpark's speedup over the baseline (measured, and projected where the record has a
+``projected_speedup``). Needs matplotlib (``pip install 'dspark[bench]'``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+
+def require_matplotlib(flag: str) -> None:
+    """Raise SystemExit naming ``flag`` when matplotlib is missing (checked before a long run, not after)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit(f"dspark: {flag} needs matplotlib, which is not installed (pip install 'dspark[bench]')")
+
+
+def plot(record: dict, path: str | Path) -> Path:
+    """Draw ``record`` (``dspark bench``'s JSON) into the PNG ``path``; returns it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = sorted(record["runs"], key=lambda r: r["concurrency"])
+    conc = [r["concurrency"] for r in runs]
+    fig, (rate, speed) = plt.subplots(1, 2, figsize=(11, 4.2))
+    rate.plot(conc, [r["ar_tokens_per_s"] for r in runs], "o-", label="autoregressive")
+    rate.plot(conc, [r["dspark_tokens_per_s"] for r in runs], "s-", label="DSpark")
+    rate.set_ylabel("output tokens/s")
+    speed.plot(conc, [r["speedup"] for r in runs], "s-", label="measured")
+    if all("projected_speedup" in r for r in runs):
+        tau = record.get("projected_tau", {}).get("tau")
+        speed.plot(conc, [r["projected_speedup"] for r in runs], "d--", label=f"projected (tau {tau})")
+    speed.axhline(1.0, color="grey", lw=0.8)
+    speed.set_ylabel("DSpark / autoregressive")
+    for ax in (rate, speed):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.set_xlabel("concurrency (requests decoding together)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{record['model']} ({record['kind']}) on {record['hardware']}, {record['date']}")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def add_parser(commands) -> None:
+    cmd = commands.add_parser("bench-plot", help="draw a dspark bench record as a PNG", description=__doc__)
+    cmd.add_argument("record", help="a dspark bench JSON record")
+    cmd.add_argument("--out", help="the PNG to write (default: the record's path with .png)")
+    cmd.set_defaults(handler=main)
+
+
+def main(args) -> int:
+    require_matplotlib("bench-plot")
+    source = Path(args.record)
+    try:
+        record = json.loads(source.read_text())
+        runs = record["runs"]
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"dspark bench-plot: {source} is not a dspark bench record: {exc}", file=sys.stderr)
+        return 2
+    if not runs:
+        print(f"dspark bench-plot: {source} has no runs", file=sys.stderr)
+        return 2
+    print(plot(record, args.out or source.with_suffix(".png")))
+    return 0
