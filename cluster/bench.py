@@ -204,8 +204,9 @@ def hf_generate_tokens_per_s(target_dir: Path, shape: bool, tokens: int, device,
     return {"tokens_per_s": rate, "warmup_s": warmup}
 
 
-def profile_step(llm, batch: int, prompt_len: int, vocab: int) -> dict:
-    """torch.profiler over 5 steps: CUDA kernels launched per step, GPU busy time per step, the top kernels."""
+def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None = None) -> dict:
+    """torch.profiler over 5 steps: CUDA kernels launched per step, GPU busy time per step, the top kernels;
+    ``trace``: also write the timeline as a Chrome trace (gzip) there."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -223,6 +224,14 @@ def profile_step(llm, batch: int, prompt_len: int, vocab: int) -> dict:
             engine.step()
         torch.cuda.synchronize()
     engine.abort_all()
+    if trace:
+        import gzip
+
+        plain = Path(trace).with_suffix("")
+        prof.export_chrome_trace(str(plain))
+        with open(plain, "rb") as src, gzip.open(trace, "wb") as dst:
+            dst.write(src.read())
+        plain.unlink()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.device_time for e in kernels) / 5 / 1e3
     top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:12]
@@ -231,6 +240,10 @@ def profile_step(llm, batch: int, prompt_len: int, vocab: int) -> dict:
     return {"kernels_per_step": len(kernels) / 5, "gpu_busy_ms_per_step": busy, "host_ms_per_step": host,
             "top_kernels": [{"name": e.key[:80], "ms_per_step": e.device_time_total / 5 / 1e3, "calls": e.count / 5}
                             for e in top]}
+
+
+def trace_path(args, kind: str) -> str | None:
+    return str(Path(args.profile_trace) / f"{kind}-batch1.trace.json.gz") if args.profile_trace else None
 
 
 def run(args) -> dict:
@@ -270,7 +283,7 @@ def run(args) -> dict:
         if kind == "ar":
             record["weight_bytes"] = weight_bytes(llm)
         if args.profile and kind == "ar":
-            record["ar_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab)
+            record["ar_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab, trace_path(args, "ar"))
             print(f"dspark bench: AR batch-1 profile: {json.dumps(record['ar_profile_batch1'])}", file=sys.stderr)
         time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0)  # untimed: first-call costs stay out of TTFT
         for c in tqdm(args.concurrency, desc=f"{kind} sweep", disable=None):
@@ -290,7 +303,8 @@ def run(args) -> dict:
                     rows[c].update(verify_step_ms=timing["forward_ms"], draft_ms=timing.get("draft_ms"))
             print(f"dspark bench: {kind} concurrency {c}: {timing}", file=sys.stderr, flush=True)
         if args.profile and kind == "dspark":
-            record["dspark_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab)
+            record["dspark_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab,
+                                                           trace_path(args, "dspark"))
             print(f"dspark bench: DSpark batch-1 profile: {json.dumps(record['dspark_profile_batch1'])}",
                   file=sys.stderr)
         llm.engine.executor.shutdown()
@@ -367,6 +381,8 @@ def add_parser(commands) -> None:
     bench.add_argument("--plot", help="also draw speedup and tokens/s against concurrency into this PNG "
                        "(needs matplotlib: pip install 'dspark[bench]')")
     bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 steps")
+    bench.add_argument("--profile-trace", help="with --profile: also write each profile's timeline (Chrome trace, "
+                       "gzip) into this folder")
     bench.add_argument("--out", help="write the JSON record here (default: print it)")
     bench.set_defaults(handler=main)
 

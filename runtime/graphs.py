@@ -135,7 +135,7 @@ class GraphedTargetForward:
                                   page_size=self.page_size, host=layout, geometry=self.geometry)
 
     def _capture(self, batch: int, q_len: int) -> _Graph:
-        wrapper = self.backend.graph_wrapper(self.device, batch, batch * self.pages_per_seq)
+        wrapper = self.backend.graph_wrapper(self.device, batch, batch * self.pages_per_seq, q_len)
         layout = self._write_inputs([], batch, q_len)
         meta = self.backend.plan_attention(self._meta(layout, batch, q_len), wrapper)
         ids, positions, slots = (t[:batch * q_len] for t in self.inputs)

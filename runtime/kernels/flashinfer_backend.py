@@ -1,9 +1,10 @@
 """The ``flashinfer`` kernel backend (CUDA): FlashInfer paged attention, fused Triton norm/RoPE/activation kernels.
 
-Attention over the paged cache (prefill chunks, decode, the K+1-token verify) is FlashInfer's batch prefill
-kernel on the cache layout the engine already uses (``[pages, page_size, kv_heads, head_dim]``, FlashInfer's
-NHD), planned once per forward from the step's host-side layout (``PagedAttentionMeta.host``) and reused by
-every layer. A draft block (its context plus its own keys, the context length known only on the device) runs a
+Attention over the paged cache (prefill chunks, decode, the K+1-token verify) is FlashInfer's on the cache
+layout the engine already uses (``[pages, page_size, kv_heads, head_dim]``, FlashInfer's NHD), planned once per
+forward from the step's host-side layout (``PagedAttentionMeta.host``) and reused by every layer: its batch
+prefill kernel for eager forwards (any mix of query lengths), its tensor-core decode kernel for the CUDA graphs
+of uniform steps (``graph_wrapper``: Q tokens per request, the faster of the two there). A draft block (its context plus its own keys, the context length known only on the device) runs a
 Triton flash-attention kernel (``triton_ops.block_attention``) that needs no plan, so drafts can be graphed too.
 RMSNorm (with the residual add fused), q/k norm + RoPE (fused with the KV-cache write) and SiLU-and-mul are the
 Triton kernels of ``triton_ops``; the exponential-race sampler is the torch reference's.
@@ -54,7 +55,11 @@ def host_indptrs(qo_lens: list[int], kv_lens: list[int], page_ids: list[list[int
 
 
 class FlashInferPlan:
-    """A planned FlashInfer wrapper shared by every layer of one forward."""
+    """A planned FlashInfer wrapper shared by every layer of one forward.
+
+    A prefill wrapper takes any query lengths; a decode wrapper (CUDA graphs of uniform steps) takes ``q_len``
+    tokens per request, causal within the request's block, i.e. the same mask as the prefill kernel's causal
+    one (aligned to each request's last key)."""
 
     def __init__(self, wrapper, indptrs: HostIndptrs, causal: bool, page_size: int):
         self.wrapper, self.indptrs, self.causal, self.page_size = wrapper, indptrs, causal, page_size
@@ -63,11 +68,34 @@ class FlashInferPlan:
     def ensure(self, geometry: AttentionGeometry) -> None:
         if self.planned == geometry:
             return
-        i = self.indptrs
-        self.wrapper.plan(i.qo_indptr, i.kv_indptr, i.kv_indices, i.last_page_len, geometry.num_q_heads,
-                          geometry.num_kv_heads, geometry.head_dim, self.page_size, causal=self.causal,
-                          sm_scale=geometry.scale, q_data_type=geometry.dtype, kv_data_type=geometry.dtype)
+        i, g = self.indptrs, geometry
+        common = dict(sm_scale=g.scale, q_data_type=g.dtype, kv_data_type=g.dtype)
+        if isinstance(self.wrapper, DecodeGraphWrapper):
+            q_lens = (i.qo_indptr[1:] - i.qo_indptr[:-1]).tolist()
+            if any(q != self.wrapper.q_len for q in q_lens) or not self.causal:
+                raise ValueError(f"a decode wrapper serves {self.wrapper.q_len} causal tokens per request, got "
+                                 f"{sorted(set(q_lens))} (causal={self.causal})")
+            extra = {"q_len_per_req": self.wrapper.q_len} if self.wrapper.q_len > 1 else {}
+            self.wrapper.inner.plan(i.kv_indptr, i.kv_indices, i.last_page_len, g.num_q_heads, g.num_kv_heads,
+                                    g.head_dim, self.page_size, **common, **extra)
+        else:
+            self.wrapper.plan(i.qo_indptr, i.kv_indptr, i.kv_indices, i.last_page_len, g.num_q_heads,
+                              g.num_kv_heads, g.head_dim, self.page_size, causal=self.causal, **common)
         self.planned = geometry
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        wrapper = self.wrapper.inner if isinstance(self.wrapper, DecodeGraphWrapper) else self.wrapper
+        return wrapper.run(q, (k_cache, v_cache))
+
+
+@dataclass(frozen=True)
+class DecodeGraphWrapper:
+    """FlashInfer's decode wrapper (tensor cores, fa2) fixed to ``q_len`` tokens per request: what a CUDA graph of
+    a uniform step replays. Measured on H200 (``benchmarks/attention_decode.py``): as fast as the prefill kernel
+    for one token at batch 1 and 1.3-1.6x faster for a K+1 = 8 token verify at batch 4-64."""
+
+    inner: object
+    q_len: int
 
 
 class FlashInferBackend:
@@ -96,17 +124,19 @@ class FlashInferBackend:
             self._workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         return self._workspaces[device]
 
-    def graph_wrapper(self, device: torch.device, batch_size: int, max_pages: int):
-        """A CUDA-graph-safe wrapper for exactly ``batch_size`` requests and at most ``max_pages`` pages."""
+    def graph_wrapper(self, device: torch.device, batch_size: int, max_pages: int, q_len: int) -> DecodeGraphWrapper:
+        """A CUDA-graph-safe wrapper for exactly ``batch_size`` requests of ``q_len`` tokens each (causal within the
+        request) and at most ``max_pages`` pages."""
         import flashinfer
 
         def buf(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=device)
 
-        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace(device), "NHD", use_cuda_graph=True, qo_indptr_buf=buf(batch_size + 1),
-            paged_kv_indptr_buf=buf(batch_size + 1), paged_kv_indices_buf=buf(max_pages),
-            paged_kv_last_page_len_buf=buf(batch_size), backend="fa2")
+        inner = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace(device), "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=buf(batch_size + 1), paged_kv_indices_buffer=buf(max_pages),
+            paged_kv_last_page_len_buffer=buf(batch_size), backend="fa2")
+        return DecodeGraphWrapper(inner, q_len)
 
     def _eager_wrapper(self, device: torch.device):
         """The wrapper eager forwards on ``device`` plan and run (one at a time: a forward plans, then runs)."""
@@ -141,7 +171,7 @@ class FlashInferBackend:
             return self._ops.block_attention(q, k_cache, v_cache, meta.page_table, meta.seq_lens, extra_k, extra_v,
                                              scale)
         meta.plan.ensure(AttentionGeometry(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, scale))
-        return meta.plan.wrapper.run(q, (k_cache, v_cache))
+        return meta.plan.run(q, k_cache, v_cache)
 
     # ---- elementwise --------------------------------------------------------------------------
 

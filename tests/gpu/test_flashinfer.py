@@ -1,12 +1,14 @@
 """The flashinfer kernel backend on CUDA: each op against the torch reference, and the engine's CUDA graphs
 against its eager steps with the same kernels (token for token). Skipped without a GPU and flashinfer."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.kernels import HostLayout, PagedAttentionMeta, get_backend, torch_ref
+from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta, get_backend, torch_ref
 from tests import builders
 
 pytestmark = pytest.mark.gpu
@@ -89,6 +91,47 @@ def test_paged_attention_matches_the_reference(fi):
     got = fi.paged_attention(q, k_cache, v_cache, fi.plan_attention(meta), d ** -0.5)
     want = torch_ref.paged_attention(q, k_cache, v_cache, torch_ref.plan_attention(meta), d ** -0.5)
     close(got, want)
+
+
+@pytest.mark.parametrize("q_len", [1, 8])
+def test_the_graphs_decode_wrapper_matches_the_reference(fi, q_len):
+    """The decode wrapper CUDA graphs replay (tensor cores, Q tokens per request, causal within the block), planned
+    for a fixed batch of 4 and captured once, then replanned for other lengths: equal to the torch reference."""
+    page, hq, hkv, d, batch = 16, 32, 8, 128, 4
+    k_cache, v_cache = (torch.randn(96, page, hkv, d, device=DEV, dtype=BF16) for _ in range(2))
+    wrapper = fi.graph_wrapper(torch.device(DEV), batch, 96, q_len)
+    q = torch.randn(batch * q_len, hq, d, device=DEV, dtype=BF16)
+    out = torch.empty_like(q)
+
+    def meta_for(kv_lens: list[int]) -> PagedAttentionMeta:
+        pages, start = [], 0
+        for n in kv_lens:
+            used = -(-n // page)
+            pages.append(list(range(95 - start, 95 - start - used, -1)))  # scattered, descending ids
+            start += used
+        width = max(len(p) for p in pages)
+        qsl = torch.arange(batch + 1, device=DEV) * q_len
+        table = torch.tensor([p + [0] * (width - len(p)) for p in pages], device=DEV)
+        return PagedAttentionMeta(query_start_loc=qsl, seq_lens=torch.tensor(kv_lens, device=DEV), page_table=table,
+                                  max_query_len=q_len, max_seq_len=max(kv_lens), causal=True,
+                                  num_tokens=batch * q_len, page_size=page,
+                                  host=HostLayout([q_len] * batch, kv_lens, pages),
+                                  geometry=AttentionGeometry(hq, hkv, d, BF16, d ** -0.5))
+
+    first = fi.plan_attention(meta_for([q_len, 100, 333, 17 + q_len]), wrapper)
+    fi.paged_attention(q, k_cache, v_cache, first, d ** -0.5)  # warm up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(fi.paged_attention(q, k_cache, v_cache, first, d ** -0.5))
+    for kv_lens in ([q_len, 100, 333, 17 + q_len], [600, q_len + 15, 64, 129]):
+        meta = meta_for(kv_lens)
+        fi.plan_attention(meta, wrapper)
+        graph.replay()
+        close(out, torch_ref.paged_attention(q, k_cache, v_cache, torch_ref.plan_attention(meta), d ** -0.5))
+    with pytest.raises(ValueError, match="tokens per request"):
+        ragged = meta_for([q_len, 100, 333, 17 + q_len])
+        fi.plan_attention(dataclasses.replace(ragged, host=HostLayout([q_len + 1] * batch, ragged.host.kv_lens,
+                                                                      ragged.host.page_ids)), wrapper)
 
 
 @pytest.mark.parametrize("head_dim,block", [(128, 7), (64, 4), (16, 3)])
