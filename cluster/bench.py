@@ -21,6 +21,8 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
 
@@ -35,6 +37,7 @@ MODEL_SHAPES = {
                  tie_word_embeddings=False),
 }
 DRAFT_LAYER_IDS = {"qwen3-8b": [1, 17, 33], "tiny": [0]}
+HOST_TIMED_STEPS = 10  # steps after the timed ones whose host work is broken down (host_times)
 
 
 def write_shape(root: Path, shape: str, draft_layers: int, block_size: int) -> tuple[Path, Path]:
@@ -101,7 +104,7 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     per_step = engine.spec.max_draft_len + 1 if engine.spec else 1
     # room for every step the first request decodes while the last one prefills (decodes share the token budget)
     chunks = -(-batch * prompt_len // max(engine.config.max_num_batched_tokens - batch, 1))
-    max_tokens = (chunks + warmup + steps + 4) * per_step
+    max_tokens = (chunks + warmup + steps + HOST_TIMED_STEPS + 4) * per_step
     if prompt_len + max_tokens > engine.max_model_len:
         raise ValueError(f"bench: {batch} requests of {prompt_len} tokens need max_model_len >= "
                          f"{prompt_len + max_tokens} to stay in the batch for the whole timing; lower --steps")
@@ -131,11 +134,12 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
                                                                     metrics_before["num_accepted_tokens_per_pos"])]
     context = prompt_len + (before + committed) // batch
     device = device_times(llm, batch, per_step)
+    host = host_times(llm, steps=HOST_TIMED_STEPS)
     engine.abort_all()
     return {"step_ms": 1e3 * elapsed / steps, "tokens_per_s": committed / elapsed, "ttft_ms": 1e3 * ttft,
             "tpot_ms": 1e3 * elapsed * batch / committed, "mean_acceptance_length": (1 + accepted / drafts)
             if drafts else None, "acceptance_per_position": per_pos if drafts else None, "context": context,
-            **device}
+            **device, **host}
 
 
 def replay_ms(graph, repeats: int = 20) -> float:
@@ -151,6 +155,47 @@ def replay_ms(graph, repeats: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+@contextmanager
+def timed(owner, name: str, totals: dict, key: str) -> Iterator[None]:
+    """Within the block, ``owner.name`` adds the host seconds of each call to ``totals[key]``."""
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def host_times(llm, steps: int) -> dict:
+    """Host milliseconds per step of the work around the graphed forward, over ``steps`` more steps (timed apart
+    from the step times above, so the timers cannot change them): scheduling, committing, and inside the
+    forward's ``run`` the graph inputs, FlashInfer's plan and the graph launch (``CUDAGraph.replay``, host side).
+    Empty without CUDA graphs."""
+    import torch
+
+    engine, worker = llm.engine, llm.engine.executor.worker
+    if worker.graphs is None:
+        return {}
+    totals: dict[str, float] = {}
+    with timed(engine.scheduler, "schedule", totals, "host_schedule_ms"), \
+            timed(engine, "_commit_step", totals, "host_commit_ms"), \
+            timed(worker.graphs, "run", totals, "host_forward_run_ms"), \
+            timed(worker.graphs.backend, "plan_attention", totals, "host_attention_plan_ms"), \
+            timed(torch.cuda.CUDAGraph, "replay", totals, "host_graph_launch_ms"):
+        for _ in range(steps):
+            engine.step()
+    torch.cuda.synchronize()
+    return {key: 1e3 * value / steps for key, value in totals.items()}
 
 
 def device_times(llm, batch: int, tokens_per_request: int) -> dict:
@@ -290,6 +335,7 @@ def run(args) -> dict:
             timing = time_steps(llm, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c)
             rows[c].update({f"{kind}_{name}": timing[name]
                             for name in ("step_ms", "tokens_per_s", "ttft_ms", "tpot_ms")})
+            rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("host_")})
             if kind == "ar":
                 floor = (record["weight_bytes"] + kv_bytes(llm, c, timing["context"])) / bandwidth
                 rows[c].update(roofline_ms=1e3 * floor, roofline_fraction=1e3 * floor / timing["step_ms"])

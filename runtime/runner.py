@@ -16,7 +16,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from configs import DSparkDecodingConfig
-from runtime.draft_channel import DraftChannel, DraftFeatures, Proposal, receive_features, send_features
+from runtime.draft_channel import DraftChannel, Proposal, receive_features, send_features
 from runtime.graphs import GraphedTargetForward, GraphOutputs
 from runtime.kernels import AttentionGeometry, KernelBackend
 from runtime.kv_cache import KVCaches, scrub_pages

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from configs import LLMConfig
