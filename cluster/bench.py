@@ -11,10 +11,13 @@ block (``draft_ms``); the rest of a step is host work and eager kernels (``ar_ou
 roofline only, since random drafters accept nothing (``--projected-tau`` adds a projected speedup from a
 trained pair's acceptance); a trained pair (``--model``/``--speculative-model``) gives acceptance and
 end-to-end speedup. Peers: Hugging Face ``generate`` on the same target, eager and compiled (static cache).
+``--tune-schedule FILE`` times every shorter draft length too and writes the fastest ``draft_len_schedule``
+(``cluster.schedule_tuning``).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import shlex
@@ -133,7 +136,7 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     per_pos = [(a - b) / drafts if drafts else None for a, b in zip(metrics["num_accepted_tokens_per_pos"],
                                                                     metrics_before["num_accepted_tokens_per_pos"])]
     context = prompt_len + (before + committed) // batch
-    device = device_times(llm, batch, per_step)
+    device = device_times(llm, batch, engine.draft_len() + 1)  # the block the last steps verified
     host = host_times(llm, steps=HOST_TIMED_STEPS)
     engine.abort_all()
     return {"step_ms": 1e3 * elapsed / steps, "tokens_per_s": committed / elapsed, "ttft_ms": 1e3 * ttft,
@@ -208,11 +211,14 @@ def device_times(llm, batch: int, tokens_per_request: int) -> dict:
         return {}
     graphs = worker.graphs
     bucket = next(b for b in graphs.buckets if b >= batch)
-    out = {"forward_ms": replay_ms(graphs.graphs[(bucket, tokens_per_request)].graph)}
+    forward = graphs.graphs.get((bucket, tokens_per_request))
+    if forward is None:
+        return {}
+    out = {"forward_ms": replay_ms(forward.graph)}
     channel = getattr(worker.engine_part, "channel", None)
     draft_graphs = getattr(getattr(channel, "runner", None), "graphs", None)
-    if draft_graphs is not None:
-        out["draft_ms"] = replay_ms(draft_graphs.graphs[bucket][0])
+    if draft_graphs is not None and (bucket, tokens_per_request - 1) in draft_graphs.graphs:
+        out["draft_ms"] = replay_ms(draft_graphs.graphs[(bucket, tokens_per_request - 1)][0])
     return out
 
 
@@ -355,6 +361,7 @@ def run(args) -> dict:
                   file=sys.stderr)
         llm.engine.executor.shutdown()
         del llm
+        gc.collect()  # engines hold reference cycles (graphs, caches): free their memory before the next
         torch.cuda.empty_cache()
     for row in rows.values():
         row["dspark_step_vs_ar"] = row["dspark_step_ms"] / row["ar_step_ms"]
@@ -366,6 +373,8 @@ def run(args) -> dict:
         for row in rows.values():
             row["projected_speedup"] = args.projected_tau * row["ar_step_ms"] / row["dspark_step_ms"]
         record["projected_tau"] = {"tau": args.projected_tau, "source": args.projected_tau_source}
+    if args.tune_schedule:
+        record["tuned_schedule"] = tune(args, LLM, target, spec, common, rows, vocab, shape)
     if args.hf_tokens:
         for peer, compiled in (("hf_generate", False), ("hf_compiled", True)):
             result = hf_generate_tokens_per_s(target, shape, args.hf_tokens, device, compiled)
@@ -375,6 +384,67 @@ def run(args) -> dict:
             print(f"dspark bench: {peer}: {result}", file=sys.stderr, flush=True)
     record["runs"] = list(rows.values())
     return record
+
+
+def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict, vocab: int, shape: bool) -> dict:
+    """``--tune-schedule``: DSpark step times at every shorter draft length k (an engine whose schedule drafts k above
+    one request), the fastest length per concurrency (``cluster.schedule_tuning``), the schedule written to
+    ``args.tune_schedule`` as a config fragment ``dspark serve --config`` reads. -> the record's ``tuned_schedule``."""
+    import torch
+
+    from cluster.schedule_tuning import Candidate, best_draft_lengths, projected_tau, schedule_from
+
+    top = args.max_draft_len
+    accept = args.acceptance_per_position
+
+    def tau(c: int, k: int, measured: float | None) -> float:
+        if k == 0:
+            return 1.0
+        return projected_tau(accept, k) if shape else measured
+
+    candidates = []
+    for c, row in rows.items():
+        candidates += [Candidate(c, 0, row["ar_step_ms"], 1.0),
+                       Candidate(c, top, row["dspark_step_ms"], tau(c, top, row["mean_acceptance_length"]))]
+    top_c = max(rows)
+    for k in range(1, top):
+        llm = engine_class(str(target), speculative_config={**spec, "draft_len_schedule": {1: top, top_c: k}},
+                           **common)
+        for c in sorted(rows):
+            if c == 1:
+                continue  # one request drafts max_draft_len: the engine's schedule starts there
+            timing = time_steps(llm, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c)
+            candidates.append(Candidate(c, k, timing["step_ms"], tau(c, k, timing["mean_acceptance_length"])))
+            print(f"dspark bench: tune k={k} concurrency {c}: {timing['step_ms']:.2f} ms", file=sys.stderr,
+                  flush=True)
+        llm.engine.executor.shutdown()
+        del llm
+        gc.collect()  # engines hold reference cycles (graphs, caches): free their memory before the next
+        torch.cuda.empty_cache()
+    best = best_draft_lengths(candidates)
+    result = {"tau": "projected from --acceptance-per-position" if shape else "measured",
+              "acceptance_per_position": accept if shape else None,
+              "candidates": [{"concurrency": c.concurrency, "draft_len": c.draft_len, "step_ms": c.step_ms,
+                              "tau": c.tau, "tokens_per_s": c.tokens_per_s} for c in candidates],
+              "best": {c: {"draft_len": b.draft_len, "tokens_per_s": b.tokens_per_s,
+                           "vs_autoregressive": b.tokens_per_s / next(
+                               x.tokens_per_s for x in candidates if x.concurrency == c and x.draft_len == 0)}
+                       for c, b in best.items()}}
+    try:
+        schedule = schedule_from({c: b.draft_len for c, b in best.items()}, top)
+    except ValueError as exc:
+        result["error"] = str(exc)
+        print(f"dspark bench: --tune-schedule: {exc}", file=sys.stderr)
+        return result
+    speculative = {"max_draft_len": top, "draft_len_schedule": schedule}
+    engine = {"speculative_config": speculative}
+    if not shape:
+        engine = {"model": str(target), "speculative_config": {**speculative, "speculative_model": spec[
+            "speculative_model"]}}
+    Path(args.tune_schedule).write_text(json.dumps({"engine": engine}, indent=1) + "\n")
+    result["schedule"] = schedule
+    print(f"dspark bench: draft_len_schedule {schedule} -> {args.tune_schedule}", file=sys.stderr)
+    return result
 
 
 def summary(record: dict) -> str:
@@ -401,6 +471,19 @@ def concurrency_list(text: str) -> list[int]:
     return sorted(set(values))
 
 
+def acceptance_list(text: str) -> list[float]:
+    import argparse
+
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not 0.0 <= v <= 1.0 for v in values) or any(b > a for a, b in zip(values, values[1:])):
+        raise argparse.ArgumentTypeError(f"--acceptance-per-position wants non-increasing rates in [0, 1] separated by "
+                                         f"commas, got {text!r}")
+    return values
+
+
 def add_parser(commands) -> None:
     bench = commands.add_parser("bench", help="our AR baseline and DSpark side by side on one GPU (JSON record)",
                                 description=__doc__)
@@ -424,6 +507,12 @@ def add_parser(commands) -> None:
     bench.add_argument("--projected-tau", type=float, help="a trained pair's mean acceptance length: adds "
                        "projected_speedup = tau x AR step / DSpark step to every point (for --model-shape)")
     bench.add_argument("--projected-tau-source", default="", help="where --projected-tau was measured (recorded)")
+    bench.add_argument("--tune-schedule", metavar="FILE", help="also time every shorter draft length and write the "
+                       "draft_len_schedule with the most tokens/s at each concurrency to FILE (a config fragment for "
+                       "dspark serve --config); the sweep must include concurrency 1")
+    bench.add_argument("--acceptance-per-position", type=acceptance_list, help="a trained pair's acceptance per "
+                       "draft position (comma-separated, max_draft_len values): --tune-schedule on a --model-shape "
+                       "projects tau from it")
     bench.add_argument("--plot", help="also draw speedup and tokens/s against concurrency into this PNG "
                        "(needs matplotlib: pip install 'dspark[bench]')")
     bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 steps")
@@ -443,6 +532,17 @@ def main(args) -> int:
         return 2
     if args.plot:
         require_matplotlib("--plot")
+    if args.tune_schedule:
+        problem = None
+        if 1 not in args.concurrency:
+            problem = "--tune-schedule needs concurrency 1 in the sweep (the schedule starts at max_draft_len there)"
+        elif args.model_shape is not None and (args.acceptance_per_position is None
+                                               or len(args.acceptance_per_position) != args.max_draft_len):
+            problem = (f"--tune-schedule on a --model-shape needs --acceptance-per-position with max_draft_len = "
+                       f"{args.max_draft_len} values (random drafters accept nothing)")
+        if problem:
+            print(f"dspark bench: {problem}", file=sys.stderr)
+            return 2
     record = run(args)
     text = json.dumps(record, indent=1)
     if args.out:

@@ -1,4 +1,5 @@
-"""CUDA graphs of the drafter's block step (block forward, Markov chain, confidence), one per batch bucket.
+"""CUDA graphs of the drafter's block step (block forward, Markov chain, confidence), one per (batch bucket, block
+length): the block length is ``max_draft_len`` and every shorter length a ``draft_len_schedule`` asks for.
 
 The graphed step is ``DraftRunner.draft_block`` over persistent buffers: anchors [B], their positions (= each
 request's context length) [B] and page tables [B, P]. Every length is read on the device (the block attention is
@@ -22,26 +23,31 @@ log = logging.getLogger(__name__)
 
 
 class DraftGraphs:
-    def __init__(self, runner: DraftRunner, block_size: int, max_batch: int, max_pages: int, scratch_page: int):
-        self.runner, self.block_size, self.device, self.scratch_page = runner, block_size, runner.device, scratch_page
+    def __init__(self, runner: DraftRunner, block_sizes: list[int], max_batch: int, max_pages: int,
+                 scratch_page: int):
+        self.runner, self.device, self.scratch_page = runner, runner.device, scratch_page
+        self.block_sizes = sorted(set(block_sizes))
         self.buckets = batch_buckets(max_batch)
         self.anchors = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
         self.anchor_pos = torch.ones(max_batch, dtype=torch.int64, device=self.device)
         self.page_table = torch.full((max_batch, max_pages), scratch_page, dtype=torch.int64, device=self.device)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DraftOutput]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DraftOutput]] = {}
         start = time.perf_counter()
-        for batch in reversed(self.buckets):
-            self.graphs[batch] = self._capture(batch)
+        for block in self.block_sizes:
+            for batch in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
+                self.graphs[(batch, block)] = self._capture(batch, block)
         self.capture_seconds = time.perf_counter() - start
-        log.info("dspark: captured %d drafter CUDA graphs (batch %s, block %d) in %.1f s", len(self.graphs),
-                 self.buckets, block_size, self.capture_seconds)
+        log.info("dspark: captured %d drafter CUDA graphs (batch %s x block %s) in %.1f s", len(self.graphs),
+                 self.buckets, self.block_sizes, self.capture_seconds)
 
     def serves(self, num: int, k_next: int) -> bool:
-        return k_next == self.block_size and num <= self.buckets[-1]
+        return k_next in self.block_sizes and num <= self.buckets[-1]
 
-    def run(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, page_table: torch.Tensor) -> DraftOutput:
-        """anchors, anchor_pos [S], page_table [S, P] (device) -> the S real rows of the replayed graph's output."""
+    def run(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, page_table: torch.Tensor,
+            k_next: int) -> DraftOutput:
+        """anchors, anchor_pos [S], page_table [S, P] (device) -> the S real rows of the replayed graph's output
+        (a block of ``k_next`` drafts)."""
         num, width = page_table.shape
         batch = next(b for b in self.buckets if b >= num)
         self.anchors[:num].copy_(anchors)
@@ -51,13 +57,13 @@ class DraftGraphs:
             self.anchors[num:batch].zero_()
             self.anchor_pos[num:batch].fill_(1)
             self.page_table[num:batch, 0].fill_(self.scratch_page)
-        graph, out = self.graphs[batch]
+        graph, out = self.graphs[(batch, k_next)]
         graph.replay()
         low_rank = out.low_rank[:num] if out.low_rank is not None else None
         return DraftOutput(out.tokens[:num], out.lengths[:num], out.hidden[:num], low_rank)
 
-    def _capture(self, batch: int) -> tuple[torch.cuda.CUDAGraph, DraftOutput]:
-        args = (self.anchors[:batch], self.anchor_pos[:batch], self.page_table[:batch], self.block_size)
+    def _capture(self, batch: int, block: int) -> tuple[torch.cuda.CUDAGraph, DraftOutput]:
+        args = (self.anchors[:batch], self.anchor_pos[:batch], self.page_table[:batch], block)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm up outside the graph (lazy inits, Triton compilation)

@@ -65,7 +65,7 @@ class DraftRunner:
         anchor_pos = base + accepted  # = the drafter's context length
         drawn_rows = [uses_rejection(e, self.use_rejection) for e in entries]
         if self.graphs is not None and not any(drawn_rows) and self.graphs.serves(len(entries), k_next):
-            return self.graphs.run(anchors, anchor_pos, page_table)
+            return self.graphs.run(anchors, anchor_pos, page_table, k_next)
         sampling = None
         if any(drawn_rows):
             temperature = to_device([max(e.params.temperature, 1e-5) for e in entries], self.device)[:, None]

@@ -126,7 +126,7 @@ class Worker:
             draft_runner = DraftRunner(self.drafter, embed, lm_head, caches, self.kernels,
                                        self.spec.use_rejection_sampling, self.spec.confidence_threshold, self.device)
             if self.uses_cuda_graphs:
-                draft_runner.graphs = DraftGraphs(draft_runner, int(self.spec.max_draft_len), self.config.max_num_seqs,
+                draft_runner.graphs = DraftGraphs(draft_runner, self.draft_lengths, self.config.max_num_seqs,
                                                   self.pages_per_seq, num_pages)
         if self.plan.role == "drafter":
             self.engine_part = DraftServer(draft_runner, self.drafter.fc.in_features, page_size, self.dtype,
@@ -143,12 +143,20 @@ class Worker:
         # one page more than the scheduler hands out: the scratch page padding rows of CUDA graphs write into
         caches = allocate_caches(self.target.model.layers, num_pages + 1, page_size, self.dtype, self.device)
         if self.uses_cuda_graphs:
-            q_lens = [1] + ([int(self.spec.max_draft_len) + 1] if self.spec is not None else [])
+            q_lens = [1] + [k + 1 for k in self.draft_lengths]
             self.graphs = GraphedTargetForward(self.target, caches, self.kernels, attention_geometry(self.target),
                                                page_size, num_pages, self.config.max_num_seqs, self.pages_per_seq,
                                                q_lens, self.device)
         self.engine_part = ModelRunner(self.target, self.spec, self.kernels, caches, page_size, self.device,
                                        self.parallel, channel, w2, self.graphs)
+
+    @property
+    def draft_lengths(self) -> list[int]:
+        """Every block length a step may draft (and verify): ``max_draft_len`` and the schedule's other lengths."""
+        if self.spec is None:
+            return []
+        lengths = {int(self.spec.max_draft_len)} | set((self.spec.draft_len_schedule or {}).values())
+        return sorted(k for k in lengths if k > 0)
 
     @property
     def pages_per_seq(self) -> int:

@@ -183,6 +183,23 @@ def test_graphed_steps_equal_eager_steps(wide_target, make_drafter, speculative)
     assert alone == tokens
 
 
+def test_a_draft_len_schedule_is_graphed_and_exact(wide_target, make_drafter):
+    """The schedule's shorter block (2 drafts above 2 requests) gets its own target and drafter graphs, and its
+    graphed steps give the eager steps' tokens."""
+    drafter = make_drafter(wide_target, 4)
+    spec = DSparkDecodingConfig(speculative_model=str(drafter), draft_len_schedule={2: 4, 8: 2})
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(str(wide_target), speculative_config=spec, **{**ENGINE, "enforce_eager": eager})
+        runs[eager] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        if not eager:
+            worker = llm.engine.executor.worker
+            assert {q for _, q in worker.graphs.graphs} == {1, 3, 5}
+            assert {k for _, k in worker.engine_part.channel.runner.graphs.graphs} == {2, 4}
+            assert llm.get_metrics()["num_drafts"] > 0
+    assert runs[False] == runs[True]
+
+
 def test_flashinfer_agrees_with_the_torch_kernels_in_bf16(wide_target):
     _, fast = generate(wide_target)
     _, ref = generate(wide_target, kernel_backend="torch")

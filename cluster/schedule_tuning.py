@@ -1,0 +1,60 @@
+"""``draft_len_schedule`` from measurement: at each measured concurrency, the draft length with the most tokens/s.
+
+Tokens per second at concurrency ``c`` with draft length ``k`` (``k = 0``: autoregressive) is
+``c * tau(c, k) / step_ms(c, k)``: ``step_ms`` measured by ``dspark bench``, ``tau`` the tokens a request commits
+per step, measured on a trained pair or, for random-weight shapes, projected from a trained pair's per-position
+acceptance (``1 + a_1 + ... + a_k``, ``a_i`` the share of blocks whose first i drafts were accepted).
+
+The schedule is written in the engine's own format (``DSparkDecodingConfig.draft_len_schedule``: keys are
+batch-size upper bounds, above the largest key 0): each measured concurrency maps to its best length, equal
+neighbours merge into the larger key, and trailing zeros are dropped (0 is the default above the last key). The
+smallest key must map to ``max_draft_len`` (the engine's rule); when the best length at the smallest concurrency
+is another one, tuning fails with that finding rather than writing a schedule the engine would refuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def projected_tau(acceptance_per_position: list[float], k: int) -> float:
+    """Tokens a request commits per step when drafting ``k`` tokens: 1 + the first k acceptance rates."""
+    if k > len(acceptance_per_position):
+        raise ValueError(f"acceptance is known for {len(acceptance_per_position)} positions, not {k}")
+    return 1.0 + sum(acceptance_per_position[:k])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    concurrency: int
+    draft_len: int
+    step_ms: float
+    tau: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1e3 * self.concurrency * self.tau / self.step_ms
+
+
+def best_draft_lengths(candidates: list[Candidate]) -> dict[int, Candidate]:
+    """Per concurrency, the candidate with the most tokens/s (ties: the shorter draft)."""
+    best: dict[int, Candidate] = {}
+    for c in sorted(candidates, key=lambda c: (c.concurrency, c.draft_len)):
+        if c.concurrency not in best or c.tokens_per_s > best[c.concurrency].tokens_per_s:
+            best[c.concurrency] = c
+    return best
+
+
+def schedule_from(best: dict[int, int], max_draft_len: int) -> dict[int, int]:
+    """{concurrency: best draft length} -> the engine's ``draft_len_schedule`` (see the module docstring)."""
+    keys = sorted(best)
+    if not keys:
+        raise ValueError("no measured concurrency to tune from")
+    if best[keys[0]] != max_draft_len:
+        raise ValueError(f"at concurrency {keys[0]} the fastest draft length is {best[keys[0]]}, not max_draft_len="
+                         f"{max_draft_len}: the engine's schedule must start at max_draft_len, so serve this pair "
+                         f"with max_draft_len={best[keys[0]]} (a drafter trained for that block) instead")
+    merged = {k: best[k] for i, k in enumerate(keys) if i + 1 == len(keys) or best[keys[i + 1]] != best[k]}
+    while len(merged) > 1 and merged[max(merged)] == 0:
+        del merged[max(merged)]
+    return merged

@@ -1,0 +1,42 @@
+"""``dspark bench --tune-schedule``'s choice: the fastest draft length per concurrency, in the engine's format."""
+
+import pytest
+
+from cluster.schedule_tuning import Candidate, best_draft_lengths, projected_tau, schedule_from
+from configs import DSparkDecodingConfig
+
+ACCEPT = [0.69, 0.48, 0.34, 0.25, 0.18, 0.13, 0.10]
+
+
+def test_projected_tau_adds_the_first_k_acceptance_rates():
+    assert projected_tau(ACCEPT, 0) == 1.0
+    assert projected_tau(ACCEPT, 2) == pytest.approx(2.17)
+    with pytest.raises(ValueError, match="7 positions, not 8"):
+        projected_tau(ACCEPT, 8)
+
+
+def test_the_fastest_length_per_concurrency_becomes_a_schedule_the_engine_accepts():
+    # step times shaped like run 7 on an H200: verify cost grows with batch x (k + 1) tokens
+    step_ms = {1: {0: 5.5, 1: 6.0, 3: 6.2, 7: 6.7}, 4: {0: 5.7, 1: 6.2, 3: 6.5, 7: 7.1},
+               16: {0: 6.1, 1: 6.9, 3: 7.6, 7: 8.6}, 64: {0: 7.8, 1: 9.6, 3: 12.5, 7: 19.2},
+               256: {0: 17.1, 1: 30.0, 3: 45.0, 7: 84.0}}
+    candidates = [Candidate(c, k, ms, projected_tau(ACCEPT, k))
+                  for c, by_k in step_ms.items() for k, ms in by_k.items()]
+    best = best_draft_lengths(candidates)
+    assert {c: b.draft_len for c, b in best.items()} == {1: 7, 4: 7, 16: 7, 64: 3, 256: 0}
+    schedule = schedule_from({c: b.draft_len for c, b in best.items()}, 7)
+    assert schedule == {16: 7, 64: 3}  # 1 and 4 merge into 16; above 64 the engine drafts nothing
+    spec = DSparkDecodingConfig(speculative_model="/unused", max_draft_len=7, block_size=7,
+                                draft_len_schedule=schedule)
+    assert [spec.draft_len_for_batch_size(b) for b in (1, 16, 17, 64, 65, 300)] == [7, 7, 3, 3, 0, 0]
+    # never slower than autoregressive at a measured point: the chosen length beats or is k = 0
+    for c, b in best.items():
+        assert b.tokens_per_s >= Candidate(c, 0, step_ms[c][0], 1.0).tokens_per_s
+
+
+def test_ties_go_to_the_shorter_draft_and_a_schedule_must_start_at_max_draft_len():
+    best = best_draft_lengths([Candidate(1, 0, 5.0, 1.0), Candidate(1, 3, 10.0, 2.0)])
+    assert best[1].draft_len == 0
+    with pytest.raises(ValueError, match="fastest draft length is 0, not max_draft_len=3"):
+        schedule_from({1: 0, 4: 0}, 3)
+    assert schedule_from({1: 3, 8: 3}, 3) == {8: 3}
