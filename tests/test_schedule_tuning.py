@@ -40,3 +40,24 @@ def test_ties_go_to_the_shorter_draft_and_a_schedule_must_start_at_max_draft_len
     with pytest.raises(ValueError, match="fastest draft length is 0, not max_draft_len=3"):
         schedule_from({1: 0, 4: 0}, 3)
     assert schedule_from({1: 3, 8: 3}, 3) == {8: 3}
+
+
+def test_the_written_fragment_is_a_serve_config(tmp_path, qwen3_target, make_drafter):
+    """What --tune-schedule writes for a --model-shape (no paths) serves with the pair given as flags."""
+    import json
+    from pathlib import Path
+
+    from cluster.cli import MODEL_FLAGS, SERVE_FLAGS, build_parser, serve_args
+
+    fragment = tmp_path / "tuned.json"
+    record = json.loads((Path(__file__).parents[1] / "benchmarks/results/2026-11-30-tuned-schedule-qwen3-8b-h200.json")
+                        .read_text())
+    spec = record["engine"]["speculative_config"]
+    spec.update(max_draft_len=3, draft_len_schedule={"16": 3, "64": 1})  # the test drafter's block is 3
+    fragment.write_text(json.dumps(record))
+    drafter = make_drafter(qwen3_target, 3)
+    args = build_parser().parse_args(["serve", "--config", str(fragment), "--model", str(qwen3_target),
+                                      "--speculative-model", str(drafter)])
+    parsed = serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS}).engine.speculative_config
+    assert parsed.draft_len_schedule == {16: 3, 64: 1} and parsed.speculative_model == str(drafter)
+    assert [parsed.draft_len_for_batch_size(b) for b in (1, 17, 65)] == [3, 1, 0]
