@@ -12,7 +12,9 @@ roofline only, since random drafters accept nothing (``--projected-tau`` adds a 
 trained pair's acceptance); a trained pair (``--model``/``--speculative-model``) gives acceptance and
 end-to-end speedup. Peers: Hugging Face ``generate`` on the same target, eager and compiled (static cache).
 ``--tune-schedule FILE`` times every shorter draft length too and writes the fastest ``draft_len_schedule``
-(``cluster.schedule_tuning``).
+(``cluster.schedule_tuning``). ``--e2e-prompts N`` decodes N prompts one at a time through ``LLM.generate`` with
+both engines: the end-to-end speedup against what the step times allow at the measured tau, and the share of
+prompts whose greedy outputs are identical (bf16 verify batches reorder sums, so near-ties may part).
 """
 
 from __future__ import annotations
@@ -143,6 +145,39 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
             "tpot_ms": 1e3 * elapsed * batch / committed, "mean_acceptance_length": (1 + accepted / drafts)
             if drafts else None, "acceptance_per_position": per_pos if drafts else None, "context": context,
             **device, **host}
+
+
+def end_to_end(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Each prompt alone (concurrency 1), greedy, through ``LLM.generate`` as a user calls it (prefill, decode,
+    stop checks, detokenization): wall seconds, tokens, the outputs, and the acceptance over these requests."""
+    import torch
+
+    from runtime import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([prompts[0]], params)  # untimed: first-call costs
+    cuda = torch.cuda.is_available()
+    metrics_before = llm.get_metrics()
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = [llm.generate([p], params)[0].token_ids for p in prompts]
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    metrics = llm.get_metrics()
+    drafts = metrics["num_drafts"] - metrics_before["num_drafts"]
+    accepted = metrics["num_accepted_tokens"] - metrics_before["num_accepted_tokens"]
+    return {"seconds": seconds, "tokens": sum(len(o) for o in outputs), "outputs": outputs,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+
+
+def agreement(first: list[list[int]], second: list[list[int]]) -> dict:
+    """How two runs' greedy outputs of the same prompts agree: the share identical token for token, and per prompt
+    the index of the first differing token (None: identical)."""
+    parts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None if len(x) == len(y) else min(len(x),
+              len(y))) for x, y in zip(first, second)]
+    return {"identical_fraction": sum(p is None for p in parts) / len(parts), "first_difference": parts}
 
 
 def replay_ms(graph, repeats: int = 20) -> float:
@@ -293,6 +328,21 @@ def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None
                             for e in top]}
 
 
+def end_to_end_prompts(args, target: Path, vocab: int) -> list[list[int]]:
+    """``--e2e-prompts`` prompts: the first rows of ``--prompts`` (JSONL, tokenized with the target's tokenizer),
+    else random token ids of ``--prompt-len`` (seeded)."""
+    import torch
+
+    if args.prompts:
+        from transformers import AutoTokenizer
+
+        from runtime.training.distill import dataset_prompts
+
+        return dataset_prompts(args.prompts, AutoTokenizer.from_pretrained(str(target)), args.e2e_prompts)
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(3, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(args.e2e_prompts)]
+
+
 def trace_path(args, kind: str) -> str | None:
     return str(Path(args.profile_trace) / f"{kind}-batch1.trace.json.gz") if args.profile_trace else None
 
@@ -326,6 +376,8 @@ def run(args) -> dict:
               "host": platform.node(), "torch": torch.__version__, "model": args.model_shape or str(target),
               "kind": "random-shape" if shape else "trained", "tensor_parallel_size": 1,
               "copy_bandwidth_gbs": bandwidth / 1e9, "runs": []}
+    e2e_prompts = end_to_end_prompts(args, target, vocab) if args.e2e_prompts else None
+    e2e = {}
     for kind, speculative in (("ar", None), ("dspark", spec)):
         start = time.perf_counter()
         llm = LLM(str(target), speculative_config=speculative, **common)
@@ -354,6 +406,10 @@ def run(args) -> dict:
                 if "forward_ms" in timing:
                     rows[c].update(verify_step_ms=timing["forward_ms"], draft_ms=timing.get("draft_ms"))
             print(f"dspark bench: {kind} concurrency {c}: {timing}", file=sys.stderr, flush=True)
+        if e2e_prompts is not None:
+            e2e[kind] = end_to_end(llm, e2e_prompts, args.e2e_tokens)
+            print(f"dspark bench: {kind} end to end: {e2e[kind]['tokens']} tokens in {e2e[kind]['seconds']:.2f} s",
+                  file=sys.stderr, flush=True)
         if args.profile and kind == "dspark":
             record["dspark_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab,
                                                            trace_path(args, "dspark"))
@@ -369,6 +425,17 @@ def run(args) -> dict:
         if "verify_step_ms" in row and "ar_forward_ms" in row:  # device time against device time
             row["verify_vs_ar_forward"] = row["verify_step_ms"] / row["ar_forward_ms"]
     first = rows[min(rows)]
+    if e2e:
+        ar, ds = e2e["ar"], e2e["dspark"]
+        speedup = ar["seconds"] / ds["seconds"]
+        tau = ds["mean_acceptance_length"]
+        expected = tau / first["dspark_step_vs_ar"] if tau else None  # what the step times allow at this tau
+        record["end_to_end"] = {
+            "prompts": len(e2e_prompts), "max_tokens": args.e2e_tokens, "concurrency": 1, "temperature": 0.0,
+            "prompt_source": args.prompts or f"random token ids ({args.prompt_len} per prompt)",
+            "ar_tokens_per_s": ar["tokens"] / ar["seconds"], "dspark_tokens_per_s": ds["tokens"] / ds["seconds"],
+            "speedup": speedup, "mean_acceptance_length": tau, "speedup_allowed_by_steps": expected,
+            "efficiency": speedup / expected if expected else None, **agreement(ar["outputs"], ds["outputs"])}
     if args.projected_tau is not None:
         for row in rows.values():
             row["projected_speedup"] = args.projected_tau * row["ar_step_ms"] / row["dspark_step_ms"]
@@ -456,6 +523,10 @@ def summary(record: dict) -> str:
         lines.append(f"{r['concurrency']:>5} {r['ar_step_ms']:>8.2f} {r['roofline_fraction']:>8.3f} "
                      f"{r['dspark_step_ms']:>10.2f} {r['dspark_step_vs_ar']:>6.2f} {r['ar_tokens_per_s']:>9.1f} "
                      f"{r['dspark_tokens_per_s']:>9.1f} {r['speedup']:>8.2f}")
+    e2e = record.get("end_to_end")
+    if e2e:
+        lines.append(f"end to end, {e2e['prompts']} prompts x {e2e['max_tokens']} tokens at concurrency 1: speedup "
+                     f"{e2e['speedup']:.2f}, identical greedy outputs {e2e['identical_fraction']:.2f}")
     return "\n".join(lines)
 
 
@@ -513,6 +584,11 @@ def add_parser(commands) -> None:
     bench.add_argument("--acceptance-per-position", type=acceptance_list, help="a trained pair's acceptance per "
                        "draft position (comma-separated, max_draft_len values): --tune-schedule on a --model-shape "
                        "projects tau from it")
+    bench.add_argument("--e2e-prompts", type=int, default=0, help="also decode N prompts one at a time through "
+                       "LLM.generate with each engine: end-to-end speedup and the share of identical greedy outputs")
+    bench.add_argument("--e2e-tokens", type=int, default=128, help="tokens per --e2e-prompts prompt (default 128)")
+    bench.add_argument("--prompts", help="JSONL prompts for --e2e-prompts (prompt, messages or prompt_ids rows); "
+                       "default: random token ids")
     bench.add_argument("--plot", help="also draw speedup and tokens/s against concurrency into this PNG "
                        "(needs matplotlib: pip install 'dspark[bench]')")
     bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 steps")

@@ -41,3 +41,20 @@ def test_bench_plot_draws_a_record_and_rejects_a_non_record(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "cluster.cli", "bench-plot", str(tmp_path / "other.json")], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not a dspark bench record" in bad.stderr
+
+
+def test_end_to_end_decodes_each_prompt_alone_and_compares_outputs(tmp_path):
+    from cluster.bench import agreement, end_to_end
+
+    target, drafter = write_shape(tmp_path, "tiny", draft_layers=1, block_size=3)
+    engine = dict(load_format="dummy", dtype="float32", device="cpu", num_pages=64, page_size=16)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    plain = end_to_end(LLM(str(target), **engine), prompts, 6)
+    spec = DSparkDecodingConfig(speculative_model=str(drafter), load_format="dummy")
+    spark = end_to_end(LLM(str(target), speculative_config=spec, **engine), prompts, 6)
+    assert plain["tokens"] == spark["tokens"] == 18 and plain["mean_acceptance_length"] is None
+    assert spark["mean_acceptance_length"] >= 1.0 and spark["seconds"] > 0
+    assert agreement(plain["outputs"], spark["outputs"]) == {"identical_fraction": 1.0,
+                                                             "first_difference": [None, None, None]}
+    assert agreement([[1, 2, 3], [4, 5]], [[1, 9, 3], [4, 5]]) == {"identical_fraction": 0.5,
+                                                                   "first_difference": [1, None]}
