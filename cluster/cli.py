@@ -405,11 +405,14 @@ def run_generate(args: argparse.Namespace) -> int:
                             seed=args.seed)
     with LLM.from_config(ReplicaConfig(engine=parsed.engine, parallel=parsed.parallel)) as llm:
         text = TextStream(llm.tokenizer, None)
-        for out in llm.stream(args.prompt, params):
-            print(text.delta(out), end="", flush=True)
+        last = None
+        for last in llm.stream(args.prompt, params):
+            print(text.delta(last), end="", flush=True)
         print()
-        print(json.dumps({k: v for k, v in llm.get_metrics().items() if k.startswith(("num_", "mean_"))}),
-              file=sys.stderr)
+        request = {"completion_tokens": len(last.token_ids), "draft_tokens": last.num_draft_tokens,
+                   "accepted_draft_tokens": last.num_accepted_tokens} if last is not None else {}
+        print(json.dumps({"request": request, **{k: v for k, v in llm.get_metrics().items()
+                                                 if k.startswith(("num_", "mean_"))}}), file=sys.stderr)
     return 0
 
 

@@ -172,11 +172,13 @@ class Engine:
                 if result.error is not None:
                     raise RequestFault(result.error)
                 kept = self._commit(seq, entry, result)
+                step_drafted, step_accepted = self._counted(entry, result, kept, seq.finish_reason is not None)
+                seq.num_draft_tokens += step_drafted
+                seq.num_accepted_tokens += step_accepted
                 out = self.output(seq, result.token_ids[:kept]) if result.token_ids else None
             except Exception as exc:  # this request's own fault (its logits, its text): it alone fails
                 outputs.append(self._fail(seq, exc))
                 continue
-            step_drafted, step_accepted = self._counted(entry, result, kept, seq.finish_reason is not None)
             self.metrics.record(step_drafted, step_accepted)
             drafted, accepted = drafted + step_drafted, accepted + step_accepted
             if out is not None:
@@ -212,7 +214,8 @@ class Engine:
         del self.sequences[seq.request_id]
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
                              token_ids=list(seq.output_token_ids), text="", finish_reason="error", new_token_ids=[],
-                             error=message)
+                             error=message, num_draft_tokens=seq.num_draft_tokens,
+                             num_accepted_tokens=seq.num_accepted_tokens)
 
     @staticmethod
     def _counted(entry: ScheduledRequest, result: RequestStepResult, kept: int, finished: bool) -> tuple[int, int]:
@@ -226,7 +229,8 @@ class Engine:
         text = self.stops.text(seq) if seq.finish_reason is not None else ""
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
                              token_ids=list(seq.output_token_ids), text=text,
-                             finish_reason=seq.finish_reason, new_token_ids=new_token_ids)
+                             finish_reason=seq.finish_reason, new_token_ids=new_token_ids,
+                             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens)
 
     @property
     def num_waiting(self) -> int:

@@ -14,6 +14,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length", "error" (see ``error``), or None while running
     new_token_ids: list[int]  # committed by the step that produced this output
     error: str | None = None  # why this request alone failed (finish_reason "error"); other requests go on
+    num_draft_tokens: int = 0  # drafts of this request the target verified so far
+    num_accepted_tokens: int = 0  # of those, the ones it accepted (each saved one target step)
 
     @property
     def finished(self) -> bool:

@@ -35,6 +35,8 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # drafts verified for this request (as counted in the engine's metrics)
+    num_accepted_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -120,6 +120,9 @@ def test_generate_streams_the_greedy_completion(near_bigram_target, make_drafter
     assert out == expected.text + "\n"
     counters = json.loads(err.strip().splitlines()[-1])
     assert counters["num_drafts"] > 0 and counters["mean_acceptance_length"] > 1
+    assert counters["request"] == {"completion_tokens": len(expected.token_ids),
+                                   "draft_tokens": expected.num_draft_tokens,
+                                   "accepted_draft_tokens": expected.num_accepted_tokens}
 
 
 @pytest.mark.ray

@@ -271,7 +271,7 @@ class DSparkServer:
             await outputs.aclose()  # a cancelled handler (client gone) aborts its request now, not at GC
         self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
         build = protocol.chat_body if chat else protocol.completion_body
-        return build(rid, body.model, last.text, last.finish_reason, len(prompt), len(last.token_ids))
+        return build(rid, body.model, last.text, last.finish_reason, protocol.usage(len(prompt), last))
 
     async def _stream(self, body, rid: str, prompt: list[int], first: RequestOutput,
                       outputs: AsyncIterator[RequestOutput], chat: bool, timing: dict) -> AsyncIterator[str]:
@@ -303,7 +303,7 @@ class DSparkServer:
             await outputs.aclose()  # a client that disconnected aborts its request (frees its pages) right away
         self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
         if body.include_usage:
-            yield sse(protocol.usage_chunk(rid, body.model, kind, len(prompt), len(last.token_ids)))
+            yield sse(protocol.usage_chunk(rid, body.model, kind, protocol.usage(len(prompt), last)))
         yield "data: [DONE]\n\n"
 
 

@@ -85,24 +85,27 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, out) -> dict:
+    """OpenAI's usage of a finished (or last streamed) ``RequestOutput``, plus our extension ``dspark``: the
+    request's drafts the target verified and those it accepted (each accepted draft saved a target step; both 0
+    without a drafter). OpenAI's schema requires only the first three fields, so clients ignore the extension."""
+    completion_tokens = len(out.token_ids)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "dspark": {"draft_tokens": out.num_draft_tokens, "accepted_draft_tokens": out.num_accepted_tokens}}
 
 
-def completion_body(rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
-                    completion_tokens: int) -> dict:
+def completion_body(rid: str, model: str, text: str, finish_reason: str | None, usage: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage}
 
 
-def chat_body(rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
-              completion_tokens: int) -> dict:
+def chat_body(rid: str, model: str, text: str, finish_reason: str | None, usage: dict) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "finish_reason": finish_reason, "logprobs": None}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage}
 
 
 def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None) -> dict:
@@ -115,9 +118,8 @@ def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None) -> 
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
 
 
-def usage_chunk(rid: str, model: str, kind: str, prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+def usage_chunk(rid: str, model: str, kind: str, usage: dict) -> dict:
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [], "usage": usage}
 
 
 # ---- errors ---------------------------------------------------------------------------------

@@ -71,6 +71,10 @@ def test_completion_equals_runtime_greedy(server, prompt):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(expected.prompt_token_ids),
                                                                  len(expected.token_ids))
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # our extension: this request's verified and accepted drafts, as the engine counted them
+    assert r.usage.model_extra["dspark"] == {"draft_tokens": expected.num_draft_tokens,
+                                             "accepted_draft_tokens": expected.num_accepted_tokens}
+    assert expected.num_accepted_tokens > 0
 
 
 def test_streaming_equals_non_streaming_with_exact_usage(server):
@@ -80,6 +84,8 @@ def test_streaming_equals_non_streaming_with_exact_usage(server):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids) == 24
+    assert chunks[-1].usage.model_extra["dspark"] == {"draft_tokens": expected.num_draft_tokens,
+                                                      "accepted_draft_tokens": expected.num_accepted_tokens}
     assert len([c for c in chunks if c.choices]) < 24  # steps committed several tokens each
 
 

@@ -35,6 +35,18 @@ def first_new_index(tokens, start):
 
 # ---- stops --------------------------------------------------------------------------------------
 
+def test_each_output_carries_its_requests_draft_counts(near_bigram_target, make_drafter):
+    """Per request: drafts verified and accepted so far; over a batch they add up to the engine's metrics."""
+    llm = make_llm(near_bigram_target, make_drafter(near_bigram_target, 3, "vanilla", oracle=True))
+    outs = llm.generate([PROMPT, [3, 4], [11, 12, 13, 14]], SamplingParams(max_tokens=20, temperature=0))
+    m = llm.get_metrics()
+    assert sum(o.num_draft_tokens for o in outs) == m["num_draft_tokens"] > 0
+    assert sum(o.num_accepted_tokens for o in outs) == m["num_accepted_tokens"] > 0
+    assert all(0 <= o.num_accepted_tokens <= o.num_draft_tokens for o in outs)
+    plain = make_llm(near_bigram_target).generate([PROMPT], SamplingParams(max_tokens=5, temperature=0))[0]
+    assert (plain.num_draft_tokens, plain.num_accepted_tokens) == (0, 0)
+
+
 def test_stop_token_inside_an_accepted_block(bigram_target, oracle, reference):
     i = first_new_index(reference, 3)  # the first block commits tokens 1..6 after the prefill token 0
     assert i <= 5, "fixture: pick a target whose greedy output repeats less"
