@@ -106,3 +106,43 @@ def test_bad_serve_args_are_refused():
         ServeArgs.model_validate({**args, "unknown_option": 1})
     with pytest.raises(ValueError, match="min_replicas"):
         ServeArgs.model_validate({**args, "deployment": {"autoscaling": {"min_replicas": 5, "max_replicas": 2}}})
+
+
+def test_the_dockerfile_builds_the_image_the_manifests_run():
+    """Image name and version, Ray version, Python version, user and the /health port agree between the
+    Dockerfile and every manifest (nothing builds the image in CI: this keeps the two from drifting apart)."""
+    import re
+
+    root = K8S.parent
+    docker = (root / "Dockerfile").read_text()
+    version = re.search(r'^version = "([^"]+)"$', (root / "pyproject.toml").read_text(), re.M).group(1)
+    ray_version = re.search(r"^ARG RAY_VERSION=(\S+)$", docker, re.M).group(1)
+    assert re.search(r"^FROM rayproject/ray:\$\{RAY_VERSION\}-py312-gpu$", docker, re.M)
+    assert f'org.opencontainers.image.version="{version}"' in docker
+    assert f"docker build -t dspark:{version} ." in docker
+    assert re.search(r"^USER ray$", docker, re.M)  # Ray's image user: uid 1000
+    exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", docker, re.M).group(1).split()}
+    images, ray_versions, users, health_ports = set(), set(), set(), set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "image" in node:
+                images.add(node["image"])
+            if "rayVersion" in node:
+                ray_versions.add(node["rayVersion"])
+            if "runAsUser" in node:
+                users.add(node["runAsUser"])
+            if node.get("httpGet", {}).get("path") == "/health":
+                health_ports.add(node["httpGet"]["port"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    for path in MANIFESTS:
+        for doc in documents(path):
+            walk(doc)
+    assert images == {f"dspark:{version}"} and ray_versions == {ray_version} and users == {1000}
+    assert health_ports and health_ports <= exposed and {8000, 8080} <= exposed
+    assert (root / ".dockerignore").read_text().split().count(".venv") == 1
