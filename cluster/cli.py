@@ -27,6 +27,8 @@ MODEL_FLAGS = {
     "max_num_seqs": ("engine", "max_num_seqs"), "kv_cache_memory": ("engine", "kv_cache_memory"),
     "speculative_model": ("speculative", "speculative_model"), "max_draft_len": ("speculative", "max_draft_len"),
     "use_rejection_sampling": ("speculative", "use_rejection_sampling"),
+    "revision": ("engine", "revision"), "tokenizer_revision": ("engine", "tokenizer_revision"),
+    "speculative_revision": ("speculative", "revision"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"), "drafter": ("parallel", "drafter"),
     "ray_address": ("parallel", "ray_address"),
 }
@@ -39,11 +41,15 @@ SERVE_FLAGS = {"served_model_name": (None, "served_model_name"), "api_key": (Non
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML/JSON file of configs.ServeArgs fields (engine, parallel, deployment, ...); "
                    "flags override it")
-    p.add_argument("--model", help="target checkpoint directory (Hugging Face layout: config.json, safetensors, "
-                   "tokenizer); default: the built-in demo pair (built on first use)")
-    p.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
-    p.add_argument("--speculative-model", help="DSpark drafter checkpoint directory (DeepSpec layout); without "
-                   "it, plain autoregressive decoding")
+    p.add_argument("--model", help="target checkpoint: a directory (Hugging Face layout: config.json, safetensors, "
+                   "tokenizer) or a Hub id 'org/name' (fetched into the Hub cache; HF_HUB_OFFLINE=1: the cache "
+                   "only); default: the built-in demo pair (built on first use)")
+    p.add_argument("--revision", help="Hub revision of --model (branch, tag or commit; default main)")
+    p.add_argument("--tokenizer", help="tokenizer directory or Hub id (default: the model's)")
+    p.add_argument("--tokenizer-revision", help="Hub revision of --tokenizer")
+    p.add_argument("--speculative-model", help="DSpark drafter checkpoint (DeepSpec layout): a directory or a Hub "
+                   "id; without it, plain autoregressive decoding")
+    p.add_argument("--speculative-revision", help="Hub revision of --speculative-model")
     p.add_argument("--max-draft-len", type=int, help="drafts per block K (default: the drafter's block_size)")
     p.add_argument("--use-rejection-sampling", action="store_true", default=None,
                    help="verify sampled requests by rejection sampling instead of exact match")
@@ -288,7 +294,14 @@ def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
     if key is not None:
         data["api_key"] = key
     data.update(engine=engine, parallel=sections["parallel"], deployment=sections["deployment"])
-    return validate(ServeArgs, data, args.config or "command line")
+    parsed = validate(ServeArgs, data, args.config or "command line")
+    from runtime.hub import is_hub_id, resolve_hub_ids
+
+    # Hub ids resolve once, here on the head node: the app and its actors receive local paths; clients keep
+    # calling the model by its id (vLLM's default served name), not by the snapshot's folder
+    name = parsed.served_model_name or (parsed.engine.model if is_hub_id(parsed.engine.model) else None)
+    flags = {"model": "--model", "tokenizer": "--tokenizer", "speculative_model": "--speculative-model"}
+    return parsed.model_copy(update={"engine": resolve_hub_ids(parsed.engine, flags), "served_model_name": name})
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:

@@ -12,6 +12,7 @@ from configs import DSparkDecodingConfig, ReplicaConfig, validate
 from configs.cluster import ParallelConfig
 from runtime import llm as runtime_llm
 from runtime.engine import Engine
+from runtime.hub import resolve_hub_ids
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -55,7 +56,8 @@ class LLM:
         return llm
 
     def _open(self, config: ReplicaConfig) -> None:
-        self.config = config
+        # Hub ids resolve here, in the driver, once: actors receive local paths
+        self.config = config.model_copy(update={"engine": resolve_hub_ids(config.engine)})
         connect_ray(config.parallel.ray_address)
         self.engine: Engine | None = None
         self._start()

@@ -20,8 +20,13 @@ class LLMConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str = Field(description="Target checkpoint: a local Hugging Face directory (config.json, "
-                       "safetensors, tokenizer). Families: qwen3, llama.")
-    tokenizer: str | None = Field(default=None, description="Tokenizer directory; None uses the model's.")
+                       "safetensors, tokenizer) or a Hub model ID ('org/name', downloaded into the Hub cache; "
+                       "HF_HUB_OFFLINE=1 uses the cache only). Families: qwen3, llama.")
+    revision: str | None = Field(default=None, description="Hub revision (branch, tag or commit) of model when it "
+                                 "is a Hub id; None: main.")
+    tokenizer: str | None = Field(default=None, description="Tokenizer directory or Hub id; None uses the model's.")
+    tokenizer_revision: str | None = Field(default=None, description="Hub revision of tokenizer when it is a Hub "
+                                           "id; None: main.")
     speculative_config: DSparkDecodingConfig | None = Field(
         default=None, description="DSpark drafter settings; None decodes autoregressively.")
     dtype: DTypeName = Field(default="auto", description="Weights and activations: auto (float32 on CPU, "

@@ -75,8 +75,12 @@ class DSparkDecodingConfig(BaseModel):
         default=None, description="Draft tokens in the draft tree. DSpark drafts a linear chain, so this "
         "defaults to and must equal max_draft_len.")
     speculative_model: str | Path | None = Field(
-        default=None, description="Local directory of the drafter checkpoint (DeepSpec layout), or of the "
-        "target itself for a draft embedded under mtp.*. Hub ids are not downloaded.")
+        default=None, description="The drafter checkpoint (DeepSpec layout), or the target itself for a draft "
+        "embedded under mtp.*: a Hugging Face Hub model ID (e.g. 'org/name', downloaded into the Hub cache; "
+        "HF_HUB_OFFLINE=1 uses the cache only) or a local directory.")
+    revision: str | None = Field(
+        default=None, description="Extension. The Hub revision (branch, tag or commit) of speculative_model when "
+        "it is a Hub id; None: main.")
     moe_backend: MoeBackend | None = Field(
         default=None, description="MoE backend for the draft model's MoE layers; None inherits the target's.")
     max_concurrency: Annotated[int, Field(gt=0)] | None = Field(

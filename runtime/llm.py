@@ -6,6 +6,7 @@ from collections.abc import Sequence as Seq
 
 from configs import DSparkDecodingConfig, LLMConfig, validate
 from runtime.engine import Engine
+from runtime.hub import resolve_hub_ids
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -58,8 +59,8 @@ class LLM:
     """
 
     def __init__(self, model: str, speculative_config: DSparkDecodingConfig | dict | None = None, **kwargs):
-        self.config = validate(LLMConfig, {"model": str(model), "speculative_config": speculative_config, **kwargs},
-                               "LLM")
+        config = validate(LLMConfig, {"model": str(model), "speculative_config": speculative_config, **kwargs}, "LLM")
+        self.config = resolve_hub_ids(config)  # Hub ids -> local snapshots, once
         self.engine = Engine(self.config)
 
     @property

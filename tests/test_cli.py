@@ -184,8 +184,8 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["serve", "--model", "/nonexistent"], "--model: /nonexistent is not a Hugging Face checkpoint"),
-    (["generate", "hi", "--model", "/nonexistent"], "--model: /nonexistent is not a Hugging Face checkpoint"),
+    (["serve", "--model", "/nonexistent"], "--model: '/nonexistent' is neither a local directory nor a Hugging"),
+    (["generate", "hi", "--model", "/nonexistent"], "--model: '/nonexistent' is neither a local directory"),
     (["train-drafter", "--target", "t", "--data", "d", "--out", "o", "--block-size", "0"], "block_size"),
     (["train-target", "--out", "o", "--vocab-size", "10"], "vocab_size"),
     (["bench", "--model-shape", "tiny", "--concurrency", "1,0"], "--concurrency wants integers >= 1"),

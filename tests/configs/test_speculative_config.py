@@ -19,7 +19,7 @@ PAGE_FIELDS = {
     "enable_penalty": False, "mask_token_id": None, "target_layer_ids": None, "block_size": None,
     "markov_rank": None, "markov_head_type": None, "decoding_type": "DSpark", "attention_backend": "AUTO",
 }
-EXTENSIONS = {"confidence_threshold": None}
+EXTENSIONS = {"confidence_threshold": None, "revision": None}
 
 
 def make(**kw):

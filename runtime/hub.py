@@ -1,0 +1,71 @@
+"""Hugging Face Hub ids for ``model``, ``tokenizer`` and ``speculative_model``, resolved to local directories.
+
+A name that is an existing local path is used as is. Otherwise, a name shaped like a Hub repository id
+(``org/name`` or ``name``) is fetched with ``huggingface_hub.snapshot_download`` at the configured revision, into
+(and from) the Hub's own cache: ``HF_HOME`` / ``HF_HUB_CACHE`` choose where, and ``HF_HUB_OFFLINE=1`` uses only
+what the cache holds. Anything else, or an id the Hub (or the offline cache) does not have, is an error naming
+the field and the id. Resolution runs once where a replica is built (the driver of ``cluster.LLM``, ``dspark
+serve`` on the head node, ``runtime.LLM`` in process); the actors only ever see local paths.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from configs import DSparkDecodingConfig, LLMConfig
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+WEIGHT_AND_CONFIG_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+class HubResolutionError(ValueError):
+    """A checkpoint name that is neither a local directory nor a resolvable Hub id."""
+
+
+def is_hub_id(name: str) -> bool:
+    """True when ``name`` is not an existing local path and has the shape of a Hub repository id."""
+    return not Path(name).expanduser().exists() and REPO_ID.match(name) is not None and ".." not in name
+
+
+def resolve_checkpoint(name: str, field: str, revision: str | None = None) -> str:
+    """``name`` as a local directory: itself when it exists, else the Hub snapshot of that id at ``revision``."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return str(path)
+    if not is_hub_id(name):
+        raise HubResolutionError(f"{field}: {name!r} is neither a local directory nor a Hugging Face Hub id "
+                                 "('org/name')")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError, \
+        RevisionNotFoundError
+
+    try:
+        return snapshot_download(repo_id=name, revision=revision, allow_patterns=WEIGHT_AND_CONFIG_FILES)
+    except LocalEntryNotFoundError as exc:
+        raise HubResolutionError(f"{field}: Hub id {name!r} (revision {revision or 'main'}) is not in the local "
+                                 f"Hugging Face cache and cannot be downloaded (offline or unreachable: "
+                                 f"HF_HUB_OFFLINE, HF_HOME); {exc}") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError) as exc:
+        raise HubResolutionError(f"{field}: Hub id {name!r} (revision {revision or 'main'}) cannot be resolved: "
+                                 f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+
+
+def resolve_hub_ids(config: LLMConfig, labels: dict[str, str] | None = None) -> LLMConfig:
+    """``config`` with its model, tokenizer and drafter names as local directories (unchanged when all are local).
+
+    A drafter given by Hub id is validated again once local, so the fields its checkpoint fills (block size,
+    Markov head, capture layers) are read from it. Errors name the field, or its ``labels`` entry (a CLI flag)."""
+    label = (labels or {}).get
+    model = resolve_checkpoint(config.model, label("model", "model"), config.revision)
+    tokenizer = resolve_checkpoint(config.tokenizer, label("tokenizer", "tokenizer"), config.tokenizer_revision) \
+        if config.tokenizer is not None else None
+    spec = config.speculative_config
+    if spec is not None and spec.speculative_model is not None:
+        drafter = resolve_checkpoint(str(spec.speculative_model), label("speculative_model", "speculative_model"),
+                                     spec.revision)
+        if drafter != str(spec.speculative_model):
+            spec = DSparkDecodingConfig(**{**spec.model_dump(exclude_unset=True), "speculative_model": drafter})
+    if (model, tokenizer, spec) == (config.model, config.tokenizer, config.speculative_config):
+        return config
+    return config.model_copy(update={"model": model, "tokenizer": tokenizer, "speculative_config": spec})
