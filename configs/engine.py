@@ -58,6 +58,11 @@ class LLMConfig(BaseModel):
         "decode and verify steps replay graphs captured per batch-size bucket (capture time and memory are "
         "logged).")
     seed: int = Field(default=0, description="Seed of the engine's generator for unseeded sampled requests.")
+    logprobs_mode: Literal["raw", "processed"] = Field(
+        default="raw", description="What a request's logprobs are: raw (the target model's log-softmax, before "
+        "penalties, temperature and filters; vLLM's default) or processed (the distribution each token was drawn "
+        "from: after penalties, temperature and top-k/top-p/min-p; for greedy requests the penalized "
+        "log-softmax).")
 
     @field_validator("device")
     @classmethod

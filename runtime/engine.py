@@ -196,8 +196,12 @@ class Engine:
         seq.num_computed = entry.end_position - entry.num_drafts + result.num_accepted if entry.sample \
             else entry.end_position
         kept = 0
-        for token in result.token_ids:
+        for i, token in enumerate(result.token_ids):
             seq.output_token_ids.append(token)
+            if result.logprobs is not None:
+                if seq.output_logprobs is None:
+                    seq.output_logprobs = []
+                seq.output_logprobs.append(result.logprobs[i])
             kept += 1
             reason = self.stops.check(seq)
             if reason is not None:
@@ -230,7 +234,8 @@ class Engine:
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
                              token_ids=list(seq.output_token_ids), text=text,
                              finish_reason=seq.finish_reason, new_token_ids=new_token_ids,
-                             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens)
+                             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens,
+                             logprobs=list(seq.output_logprobs or []) if seq.params.logprobs is not None else None)
 
     @property
     def num_waiting(self) -> int:

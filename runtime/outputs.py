@@ -6,6 +6,16 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability and the most likely alternatives', best first (``top`` holds
+    ``SamplingParams.logprobs`` of them; the token itself may be among them or not)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -16,6 +26,7 @@ class RequestOutput:
     error: str | None = None  # why this request alone failed (finish_reason "error"); other requests go on
     num_draft_tokens: int = 0  # drafts of this request the target verified so far
     num_accepted_tokens: int = 0  # of those, the ones it accepted (each saved one target step)
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
 
     @property
     def finished(self) -> bool:

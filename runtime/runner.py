@@ -20,8 +20,10 @@ from runtime.draft_channel import DraftChannel, Proposal, receive_features, send
 from runtime.graphs import GraphedTargetForward, GraphOutputs
 from runtime.kernels import AttentionGeometry, KernelBackend
 from runtime.kv_cache import KVCaches, scrub_pages
+from runtime.logprobs import LogprobSource
 from runtime.models.target import TargetModel
 from runtime.noise import Stream, exponentials, uniform
+from runtime.outputs import TokenLogprob
 from runtime.parallel import SINGLE, ParallelContext
 from runtime.sampler import RowParams, apply_penalties, filtered_probs, occurrence_counts
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
@@ -44,8 +46,9 @@ class ModelRunner:
     def __init__(self, target: TargetModel, spec: DSparkDecodingConfig | None, kernels: KernelBackend,
                  caches: KVCaches, page_size: int, device: torch.device, parallel: ParallelContext = SINGLE,
                  channel: DraftChannel | None = None, draft_w2: nn.Module | None = None,
-                 graphs: GraphedTargetForward | None = None):
+                 graphs: GraphedTargetForward | None = None, logprobs_mode: str = "raw"):
         self.target, self.kernels, self.caches, self.graphs = target, kernels, caches, graphs
+        self.logprobs_mode = logprobs_mode  # "raw" or "processed" (configs.LLMConfig.logprobs_mode)
         self.geometry = attention_geometry(target)
         self.page_size, self.device, self.parallel = page_size, device, parallel
         self.channel = channel  # rank 0 only
@@ -91,7 +94,8 @@ class ModelRunner:
             return [RequestStepResult(r.request_id, [], 0, []) for r in reqs] if self.is_leader else []
         entries = [reqs[i] for i in sampled]
         with record_function("dspark.verify"):
-            committed, accepted, faulty = self._verify(entries, hidden, t.query_start_loc, sampled, graphed)
+            committed, accepted, faulty, logprob_source = self._verify(entries, hidden, t.query_start_loc, sampled,
+                                                                       graphed)
         k_next = batch.num_next_drafts if drafting else 0
         with record_function("dspark.draft"):
             # a list index would copy it to the device synchronously: decode steps sample every request anyway
@@ -101,23 +105,26 @@ class ModelRunner:
         if not self.is_leader:
             return []
         with record_function("dspark.results"):
-            return self._results(reqs, entries, committed, accepted, faulty, proposal)
+            logprobs = logprob_source.top(committed) if logprob_source is not None else None
+            return self._results(reqs, entries, committed, accepted, faulty, proposal, logprobs)
 
-    def _results(self, reqs, entries, committed, accepted, faulty, proposal: Proposal | None
-                 ) -> list[RequestStepResult]:
+    def _results(self, reqs, entries, committed, accepted, faulty, proposal: Proposal | None,
+                 logprobs: dict[int, list[list[TokenLogprob]]] | None = None) -> list[RequestStepResult]:
         parts = [committed, accepted[:, None], faulty[:, None].to(committed.dtype)]
         if proposal is not None and proposal.tokens is not None:
             parts += [proposal.tokens, proposal.lengths[:, None]]
         host = torch.cat(parts, dim=1).tolist()  # the step's one device-to-host transfer
         width = committed.shape[1]
         sampled = {}
-        for entry, row in zip(entries, host):
+        for i, (entry, row) in enumerate(zip(entries, host)):
             a, bad = row[width], row[width + 1]
             if bad:  # this request's rows hold NaN/inf: it fails alone, nothing of it is committed
                 sampled[entry.request_id] = RequestStepResult(entry.request_id, [], 0, [], NON_FINITE_LOGITS)
                 continue
             drafts = row[width + 2: width + 2 + row[-1]] if len(row) > width + 2 else []
-            sampled[entry.request_id] = RequestStepResult(entry.request_id, row[:a + 1], a, drafts)
+            token_logprobs = logprobs[i][:a + 1] if logprobs is not None and i in logprobs else None
+            sampled[entry.request_id] = RequestStepResult(entry.request_id, row[:a + 1], a, drafts,
+                                                          logprobs=token_logprobs)
         # in batch order; a request that only prefilled a chunk commits nothing
         return [sampled.get(r.request_id) or RequestStepResult(r.request_id, [], 0, []) for r in reqs]
 
@@ -175,15 +182,21 @@ class ModelRunner:
 
     def _verify(self, entries: list[ScheduledRequest], hidden: torch.Tensor, qsl: list[int], batch_index: list[int],
                 graphed: GraphOutputs | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> committed tokens [S, K+1] (the first ``accepted + 1`` valid), accepted [S], and faulty [S]: the
-        requests whose (penalized) logits hold NaN or +inf. Rows are independent, so a faulty request never
-        changes another's tokens; the caller fails it alone."""
+        """-> committed tokens [S, K+1] (the first ``accepted + 1`` valid), accepted [S], faulty [S]: the
+        requests whose (penalized) logits hold NaN or +inf, and the ``LogprobSource`` of the entries that asked
+        for logprobs (None when none did). Rows are independent, so a faulty request never changes another's
+        tokens; the caller fails it alone. Row r of a request is the distribution of its r-th committed token,
+        the one plain decoding would have computed for it, so logprobs do not depend on speculation."""
         dev, vocab = self.device, self.vocab_size
         num_drafts_list = [e.num_drafts for e in entries]
         k_max = max(num_drafts_list)
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         num_drafts = to_device(num_drafts_list, dev)  # [S]
         logits, top_argmax = self._logits(entries, hidden, qsl, batch_index, k_max, num_drafts, graphed)
+        wanted = [i for i, e in enumerate(entries) if e.params.logprobs is not None] if self.is_leader else []
+        source = LogprobSource(wanted, [entries[i].params.logprobs for i in wanted]) if wanted else None
+        if source is not None and self.logprobs_mode == "raw":
+            source.set_logits(logits)
         drafts = to_device([e.token_ids[len(e.token_ids) - e.num_drafts:] + [0] * (k_max - e.num_drafts)
                             for e in entries], dev, torch.int64).view(len(entries), k_max)  # [S, K]
         penalized = any(e.penalty_history is not None for e in entries)
@@ -199,24 +212,29 @@ class ModelRunner:
         top, argmax = top_argmax if top_argmax is not None else logits.max(dim=-1)
         faulty = ~torch.isfinite(top).all(dim=1)
         if greedy:  # the argmax fast path: no distributions, no noise, no per-row parameters
-            return (*commit_by_match(drafts, num_drafts, argmax), faulty)
+            if source is not None and self.logprobs_mode == "processed":
+                source.set_logits(logits)
+            return (*commit_by_match(drafts, num_drafts, argmax), faulty, source)
         anchor_pos = to_device([e.end_position - e.num_drafts for e in entries], dev)
         positions = anchor_pos[:, None] + offsets[None, :]  # [S, K+1]: position of the token each row decides
         seeds = to_device([e.seed for e in entries], dev)
         by_rejection = [uses_rejection(e, self.use_rejection) and e.num_drafts > 0 for e in entries]
         q = self._draft_probs(entries, by_rejection, k_max) if any(by_rejection) else None
         probs = filtered_probs(logits.view(-1, vocab), row_params).view_as(logits)  # [S, K+1, V]
+        if source is not None and self.logprobs_mode == "processed":
+            greedy_rows = to_device([e.params.greedy for e in entries], dev)
+            source.set_processed(logits, probs, greedy_rows)
         seed_rows = seeds[:, None].expand_as(positions)
         noise = exponentials(seed_rows.reshape(-1), positions.reshape(-1), Stream.TARGET, vocab)
         target_tokens = self.kernels.sample_exponential_race(probs.view(-1, vocab), noise).view_as(positions)
         committed, accepted = commit_by_match(drafts, num_drafts, target_tokens)
         if q is None:
-            return committed, accepted, faulty
+            return committed, accepted, faulty, source
         rejection = to_device(by_rejection, dev)
         by_rule, accepted_by_rule = self._rejection_sample(drafts, num_drafts, probs, q, target_tokens, seeds,
                                                            positions)
         return (torch.where(rejection[:, None], by_rule, committed),
-                torch.where(rejection, accepted_by_rule, accepted), faulty)
+                torch.where(rejection, accepted_by_rule, accepted), faulty, source)
 
     def _rejection_sample(self, drafts, num_drafts, probs, q, target_tokens, seeds, positions):
         """Leviathan verification of every row -> (committed [S, K+1], accepted [S]): accepted drafts, then a

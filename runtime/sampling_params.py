@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_INT32 = 2**31 - 1  # bound of every integer parameter: token counts, top_k and token ids fit a device int32
+MAX_LOGPROBS = 20  # most alternatives ``logprobs`` may ask for per token (OpenAI's top_logprobs bound)
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule): 1/T would overflow the logits
 
 
@@ -19,7 +20,9 @@ class SamplingParams:
     vLLM: ``repetition_penalty`` divides positive / multiplies negative logits of every token seen in the
     prompt or output; ``presence_penalty`` and ``frequency_penalty`` subtract from output tokens' logits.
     ``stop`` strings end the output before the string; ``stop_token_ids`` and EOS (unless ``ignore_eos``) end
-    it after the token.
+    it after the token. ``logprobs`` N (0..``MAX_LOGPROBS``) returns, for every generated token, its
+    log-probability and the N most likely tokens' (the engine's ``logprobs_mode`` says of which distribution);
+    None returns none.
     """
 
     max_tokens: int = 16
@@ -34,6 +37,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +62,8 @@ class SamplingParams:
             ("stop_token_ids", all(_integer(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids),
              f"token ids in 0..{MAX_INT32}"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "a boolean"),
+            ("logprobs", self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"None or an integer in 0..{MAX_LOGPROBS}"),
         ]
         for name, ok, allowed in checks:
             if not ok:

@@ -37,6 +37,7 @@ class Sequence:
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # drafts verified for this request (as counted in the engine's metrics)
     num_accepted_tokens: int = 0
+    output_logprobs: list | None = None  # TokenLogprob per output token, when params.logprobs is set
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.outputs import TokenLogprob
 from runtime.sampling_params import SamplingParams
 
 
@@ -52,3 +53,4 @@ class RequestStepResult:
     num_accepted: int  # accepted drafts among token_ids
     next_draft_ids: list[int]  # the block proposed for the next step (after confidence truncation)
     error: str | None = None  # a fault of this request alone (non-finite logits in its rows): it fails, others go on
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for them

@@ -148,7 +148,7 @@ class Worker:
                                                page_size, num_pages, self.config.max_num_seqs, self.pages_per_seq,
                                                q_lens, self.device)
         self.engine_part = ModelRunner(self.target, self.spec, self.kernels, caches, page_size, self.device,
-                                       self.parallel, channel, w2, self.graphs)
+                                       self.parallel, channel, w2, self.graphs, self.config.logprobs_mode)
 
     @property
     def draft_lengths(self) -> list[int]:
