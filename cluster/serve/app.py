@@ -271,7 +271,16 @@ class DSparkServer:
             await outputs.aclose()  # a cancelled handler (client gone) aborts its request now, not at GC
         self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
         build = protocol.chat_body if chat else protocol.completion_body
-        return build(rid, body.model, last.text, last.finish_reason, protocol.usage(len(prompt), last))
+        return build(rid, body.model, last.text, last.finish_reason, protocol.usage(len(prompt), last),
+                     self._logprobs(last.logprobs, chat))
+
+    def _logprobs(self, entries, chat: bool, text_offset: int = 0) -> dict | None:
+        """The response's ``logprobs`` for ``entries`` (None when the request asked for none)."""
+        if entries is None:
+            return None
+        if chat:
+            return protocol.chat_logprobs(self.tokenizer, entries)
+        return protocol.completion_logprobs(self.tokenizer, entries, text_offset)
 
     async def _stream(self, body, rid: str, prompt: list[int], first: RequestOutput,
                       outputs: AsyncIterator[RequestOutput], chat: bool, timing: dict) -> AsyncIterator[str]:
@@ -280,6 +289,7 @@ class DSparkServer:
         if chat:
             yield sse(protocol.chat_chunk(rid, body.model, {"role": "assistant", "content": ""}, None))
         last, pending = first, [first]
+        sent_logprobs, text_offset = 0, 0  # logprobs: entries already sent, and the completion text they cover
         try:
             while True:
                 for out in pending:
@@ -288,9 +298,16 @@ class DSparkServer:
                         timing["first"] = time.monotonic()
                     delta = text.delta(out)
                     reason = out.finish_reason if out.finished else None
-                    if delta or reason:
-                        yield sse(protocol.chat_chunk(rid, body.model, {"content": delta}, reason) if chat
-                                  else protocol.completion_chunk(rid, body.model, delta, reason))
+                    # each chunk carries the logprobs of the tokens committed since the last one: concatenated,
+                    # a stream's logprobs are the non-streamed response's
+                    new = out.logprobs[sent_logprobs:] if out.logprobs is not None else None
+                    logprobs = self._logprobs(new, chat, text_offset) if new else None
+                    if new:
+                        sent_logprobs += len(new)
+                        text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) if not chat else 0
+                    if delta or reason or logprobs:
+                        yield sse(protocol.chat_chunk(rid, body.model, {"content": delta}, reason, logprobs) if chat
+                                  else protocol.completion_chunk(rid, body.model, delta, reason, logprobs))
                 if last.finished:
                     break
                 pending = [await anext(outputs)]

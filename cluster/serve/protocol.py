@@ -11,9 +11,9 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from runtime.sampling_params import MAX_INT32, SamplingParams
+from runtime.sampling_params import MAX_INT32, MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -50,7 +50,11 @@ class SamplingFields(BaseModel):
                               top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, logprobs=self.logprob_count())
+
+    def logprob_count(self) -> int | None:
+        """How many alternatives per token the request's logprobs ask for; None: no logprobs."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -61,6 +65,10 @@ class CompletionRequest(SamplingFields):
     prompt: str | Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] = 16
     echo: Literal[False] = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -74,6 +82,18 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def top_logprobs_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_budget(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
@@ -95,27 +115,62 @@ def usage(prompt_tokens: int, out) -> dict:
             "dspark": {"draft_tokens": out.num_draft_tokens, "accepted_draft_tokens": out.num_accepted_tokens}}
 
 
-def completion_body(rid: str, model: str, text: str, finish_reason: str | None, usage: dict) -> dict:
+def completion_body(rid: str, model: str, text: str, finish_reason: str | None, usage: dict,
+                    logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
             "usage": usage}
 
 
-def chat_body(rid: str, model: str, text: str, finish_reason: str | None, usage: dict) -> dict:
+def chat_body(rid: str, model: str, text: str, finish_reason: str | None, usage: dict,
+              logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason, "logprobs": None}],
+                         "finish_reason": finish_reason, "logprobs": logprobs}],
             "usage": usage}
 
 
-def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None) -> dict:
+def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None, logprobs: dict | None = None
+                     ) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None) -> dict:
+def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
+
+
+# ---- logprobs -------------------------------------------------------------------------------
+
+def token_text(tokenizer, token_id: int) -> str:
+    """A token as text: its own decoding (a token that ends mid-character shows the replacement character; its
+    ``bytes`` in chat logprobs are that text's UTF-8)."""
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"<{token_id}>"
+
+
+def completion_logprobs(tokenizer, entries, text_offset: int = 0) -> dict:
+    """OpenAI's completions ``logprobs``: tokens, their logprobs, per token a {token text: logprob} map of the top
+    alternatives, and each token's offset in the completion text (from ``text_offset``)."""
+    tokens = [token_text(tokenizer, e.token_id) for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(text_offset)
+        text_offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, entries) -> dict:
+    """OpenAI's chat ``logprobs``: per token its text, logprob, UTF-8 bytes and the top alternatives."""
+
+    def item(token_id: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
 
 
 def usage_chunk(rid: str, model: str, kind: str, usage: dict) -> dict:

@@ -111,6 +111,55 @@ def test_chat_uses_the_chat_template(server):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected.text
 
 
+def test_completion_logprobs_equal_the_engines_streamed_or_not(server):
+    expected = server["local"].generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0, logprobs=3))[0]
+    r = server["client"].completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                            logprobs=3)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-5)
+    tokenizer = server["local"].tokenizer
+    assert lp.tokens == [tokenizer.decode([t]) for t in expected.token_ids]
+    assert [len(top) for top in lp.top_logprobs] == [len({tokenizer.decode([t]) for t, _ in e.top})
+                                                     for e in expected.logprobs]
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(server["client"].completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                                      logprobs=3, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [x for part in streamed for x in part.token_logprobs] == lp.token_logprobs
+    assert [x for part in streamed for x in part.text_offset] == lp.text_offset
+    plain = server["client"].completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_and_top_logprobs(server):
+    messages = [{"role": "user", "content": "hello"}]
+    r = server["client"].chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                 logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+    assert all(c.bytes == list(c.token.encode()) and c.logprob <= 0 for c in content)
+    assert all(c.token == c.top_logprobs[0].token for c in content)  # greedy: each token is its row's best
+    stream = server["client"].chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                      logprobs=True, top_logprobs=2, stream=True)
+    streamed = [x for c in stream if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
+
+
+@pytest.mark.parametrize("path,payload,param", [
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": 2},
+     "logprobs"),
+])
+def test_bad_logprobs_requests_are_400s_naming_the_parameter(server, path, payload, param):
+    r = post(server, path, payload)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def post(server, path, payload, headers=None, raw=None):
     return httpx.post(f"{server['base']}{path}", json=payload if raw is None else None, content=raw,
                       headers={"content-type": "application/json", **(headers or {})}, timeout=60)
@@ -321,7 +370,7 @@ def json_values():
 
 FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "stream", "stream_options",
           "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-          "stop_token_ids", "n", "logprobs", "user", "echo", "logit_bias"]
+          "stop_token_ids", "n", "logprobs", "top_logprobs", "user", "echo", "logit_bias"]
 
 
 @st.composite
