@@ -200,6 +200,24 @@ def test_a_draft_len_schedule_is_graphed_and_exact(wide_target, make_drafter):
     assert runs[False] == runs[True]
 
 
+def test_logprobs_on_the_graphed_path(wide_target, make_drafter):
+    """Logprobs read from graphed verify rows (bf16 logits) match the eager steps', and DSpark's match plain
+    decoding's up to bf16 rounding of the batched verify."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    runs = {}
+    for name, spec, eager in (("graphed", True, False), ("eager", True, True), ("plain", False, False)):
+        drafter = DSparkDecodingConfig(speculative_model=str(make_drafter(wide_target, 4))) if spec else None
+        llm = LLM(str(wide_target), speculative_config=drafter, **{**ENGINE, "enforce_eager": eager})
+        runs[name] = llm.generate(PROMPTS, params)
+    for graphed, eager in zip(runs["graphed"], runs["eager"]):
+        assert graphed.token_ids == eager.token_ids and len(graphed.logprobs) == 16
+        assert [e.logprob for e in graphed.logprobs] == pytest.approx([e.logprob for e in eager.logprobs], abs=1e-3)
+    for spark, plain in zip(runs["graphed"], runs["plain"]):
+        same = next((i for i, (a, b) in enumerate(zip(spark.token_ids, plain.token_ids)) if a != b), 16)
+        assert [e.logprob for e in spark.logprobs[:same]] == pytest.approx(
+            [e.logprob for e in plain.logprobs[:same]], abs=0.05)
+
+
 def test_flashinfer_agrees_with_the_torch_kernels_in_bf16(wide_target):
     _, fast = generate(wide_target)
     _, ref = generate(wide_target, kernel_backend="torch")
