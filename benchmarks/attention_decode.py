@@ -18,8 +18,13 @@ import argparse
 import json
 import sys
 from datetime import date
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cluster.bench import replay_ms  # noqa: E402
 
 LAYERS, HQ, HKV, D, PAGE = 36, 32, 8, 128, 16
 
@@ -73,15 +78,7 @@ def time_graph(fn, repeats: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return replay_ms(graph, repeats)
 
 
 def point(batch: int, q_len: int, context: int, workspace: torch.Tensor) -> dict:

@@ -58,6 +58,10 @@ class LLMConfig(BaseModel):
         "decode and verify steps replay graphs captured per batch-size bucket (capture time and memory are "
         "logged).")
     seed: int = Field(default=0, description="Seed of the engine's generator for unseeded sampled requests.")
+    enable_prefix_caching: bool = Field(
+        default=True, description="Reuse the KV pages (and drafter context) of a prompt prefix another request "
+        "computed: full pages keyed by their tokens and everything before them, reference-counted, evicted least "
+        "recently used when pages run short. Outputs are the same with and without it.")
     logprobs_mode: Literal["raw", "processed"] = Field(
         default="raw", description="What a request's logprobs are: raw (the target model's log-softmax, before "
         "penalties, temperature and filters; vLLM's default) or processed (the distribution each token was drawn "

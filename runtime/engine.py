@@ -53,7 +53,7 @@ class Engine:
         self.vocab_size = int(self.model_config.vocab_size)
         self.tokenizer = self._load_tokenizer()
         self.max_model_len = config.max_model_len or int(self.model_config.max_position_embeddings)
-        self.pages = PageAllocator(self.executor.num_pages, config.page_size)
+        self.pages = PageAllocator(self.executor.num_pages, config.page_size, caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.pages)
         self.stops = StopCriteria(self._eos_token_ids(), self.tokenizer, self.max_model_len)
@@ -172,6 +172,8 @@ class Engine:
                 if result.error is not None:
                     raise RequestFault(result.error)
                 kept = self._commit(seq, entry, result)
+                if seq.finish_reason is None:
+                    self.scheduler.cache_computed(seq)
                 step_drafted, step_accepted = self._counted(entry, result, kept, seq.finish_reason is not None)
                 seq.num_draft_tokens += step_drafted
                 seq.num_accepted_tokens += step_accepted
@@ -248,4 +250,5 @@ class Engine:
     def get_metrics(self) -> dict:
         return {**self.metrics.as_dict(), "speculation_disabled": self.gate.closed,
                 "num_preemptions": self.scheduler.num_preemptions, "num_kv_pages_used": self.pages.num_used,
-                "num_kv_pages": self.pages.num_pages}
+                "num_kv_pages": self.pages.num_pages, "prefix_cache_queries": self.pages.num_queried_tokens,
+                "prefix_cache_hits": self.pages.num_hit_tokens, "num_kv_pages_cached": self.pages.num_cached}

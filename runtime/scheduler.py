@@ -1,11 +1,15 @@
-"""Continuous batching with chunked prefill and recompute preemption. Pure Python, no torch.
+"""Continuous batching with chunked prefill, prefix caching and recompute preemption. Pure Python, no torch.
 
 Each step: running requests first, oldest first (a decoding request feeds its anchor and drafts,
 a partly prefilled one its next chunk), then waiting requests in arrival order while the token
 budget, ``max_num_seqs`` and free pages allow. When a running request needs a page and none is
 free, the newest running request is preempted: its pages are released and it returns to the
 front of the queue to recompute its prompt and output later (nothing is lost; the output is
-unchanged because sampling noise is keyed by position, see ``runtime.noise``).
+unchanged because sampling noise is keyed by position, see ``runtime.noise``). With prefix caching, a request
+admitted from the queue first takes the cached pages of its longest computed prefix (whole pages, leaving at least
+its last token to compute, whose logits it needs) and computes from there; the pages a request fills are
+registered as they fill, so the next request with the same prefix (a shared system prompt, a preempted
+request's own tokens) skips them.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from runtime.pages import PageAllocator
+from runtime.pages import PageAllocator, page_key
 from runtime.sequence import Sequence, Status
 from runtime.step_io import ScheduledRequest
 
@@ -50,8 +54,12 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if scrub:
-            self._scrub.extend(seq.page_ids)
+        if scrub:  # its own pages only: a prefix it shares came from healthy requests, and others read it
+            own = self.pages.exclusive(seq.page_ids)
+            self.pages.forget(own)
+            self._scrub.extend(own)
+        else:
+            self.cache_computed(seq)
         self.pages.release(seq.page_ids)
         self._released.append(seq.request_id)
 
@@ -83,11 +91,19 @@ class Scheduler:
             budget -= len(tokens)
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
+            cached = self._match(seq)
+            seq.num_computed = len(cached) * self.pages.page_size
             tokens, num_drafts, sample = self._plan(seq, budget)
             end_position = seq.num_computed + len(tokens)
-            if not self.pages.can_grow(seq.page_ids, end_position):
+            new_pages = self.pages.pages_for(end_position) - len(cached)
+            if new_pages > self.pages.num_free - self.pages.cost(cached):
+                seq.num_computed = 0
                 break
             self.waiting.popleft()
+            self.pages.take(cached)
+            self.pages.num_queried_tokens += seq.num_tokens if self.pages.caching else 0
+            self.pages.num_hit_tokens += seq.num_computed
+            seq.page_ids, seq.num_registered_pages = cached, len(cached)
             seq.status = Status.RUNNING
             self.running.append(seq)
             self.pages.grow(seq.page_ids, end_position)
@@ -113,9 +129,39 @@ class Scheduler:
                                 page_ids=list(seq.page_ids), num_drafts=num_drafts, sample=sample, params=seq.params,
                                 seed=seq.seed, penalty_history=history)
 
+    # ---- prefix cache -------------------------------------------------------------------------
+
+    def _keys(self, seq: Sequence, count: int) -> list[bytes]:
+        """The prefix-cache keys of ``seq``'s first ``count`` full pages (computed once, chained)."""
+        ps = self.pages.page_size
+        while len(seq.page_keys) < count:
+            i = len(seq.page_keys)
+            seq.page_keys.append(page_key(seq.page_keys[-1] if i else None, seq.token_slice(i * ps, (i + 1) * ps)))
+        return seq.page_keys[:count]
+
+    def _match(self, seq: Sequence) -> list[int]:
+        """The cached pages ``seq`` can start from: whole pages of its tokens, its last token left to compute."""
+        if not self.pages.caching:
+            return []
+        return self.pages.match(self._keys(seq, (seq.num_tokens - 1) // self.pages.page_size))
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Register the pages ``seq`` has filled with computed tokens since the last call."""
+        if not self.pages.caching:
+            return
+        full = min(seq.num_computed // self.pages.page_size, len(seq.page_ids))
+        if full <= seq.num_registered_pages:
+            return
+        keys = self._keys(seq, full)
+        for i in range(seq.num_registered_pages, full):
+            self.pages.register(seq.page_ids[i], keys[i])
+        seq.num_registered_pages = full
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.cache_computed(seq)  # what it computed stays cached: readmitted, it resumes from there if still there
         self.pages.release(seq.page_ids)
+        seq.num_registered_pages = 0
         seq.status, seq.num_computed, seq.draft_ids = Status.WAITING, 0, []
         seq.num_preemptions += 1
         self.num_preemptions += 1

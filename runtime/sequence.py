@@ -38,6 +38,8 @@ class Sequence:
     num_draft_tokens: int = 0  # drafts verified for this request (as counted in the engine's metrics)
     num_accepted_tokens: int = 0
     output_logprobs: list | None = None  # TokenLogprob per output token, when params.logprobs is set
+    page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full pages (chained)
+    num_registered_pages: int = 0  # leading pages of page_ids registered in the prefix cache (or matched from it)
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,9 @@ class EngineCollector:
                           ("num_draft_tokens", "Draft tokens proposed to the target."),
                           ("num_accepted_tokens", "Draft tokens the target accepted.")):
             yield CounterMetricFamily(f"{PREFIX}:spec_decode_{name}", doc, value=m[name])
+        for name, doc in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM's name)."),
+                          ("prefix_cache_hits", "Of those, tokens whose KV pages were found cached.")):
+            yield CounterMetricFamily(f"{PREFIX}:{name}", doc, value=m[name])
         per_pos = CounterMetricFamily(f"{PREFIX}:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted draft tokens by position in the block.", labels=["position"])
         for position, count in enumerate(m["num_accepted_tokens_per_pos"]):
@@ -37,6 +40,8 @@ class EngineCollector:
                   ("num_requests_waiting", "Requests waiting for a slot.", engine.num_waiting),
                   ("kv_pages_used", "KV pages in use.", m["num_kv_pages_used"]),
                   ("kv_pages_total", "KV pages of the replica.", m["num_kv_pages"]),
+                  ("kv_pages_cached", "KV pages holding a reusable prompt prefix (held or evictable).",
+                   m["num_kv_pages_cached"]),
                   ("speculation_disabled", "1 once the acceptance gate turned speculation off.",
                    float(m["speculation_disabled"])))
         for name, doc, value in gauges:

@@ -334,6 +334,15 @@ def test_metrics_and_health(server):
         assert name in families, name
     positions = {s.labels["position"] for s in families["dspark:spec_decode_num_accepted_tokens_per_pos"].samples}
     assert positions == {"0", "1", "2", "3"}
+    # the prefix cache: the same long prompt twice, the second finds the first's pages
+    prompt = "def shared_system_prompt(x):\n    return x * 2 + 1\n" * 4
+    before = metrics(server)
+    for _ in range(2):
+        server["client"].completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    after = metrics(server)
+    hits = after["dspark:prefix_cache_hits_total"] - before["dspark:prefix_cache_hits_total"]
+    queries = after["dspark:prefix_cache_queries_total"] - before["dspark:prefix_cache_queries_total"]
+    assert queries > hits > 0 and after["dspark:kv_pages_cached"] > 0
     assert families["dspark:moe_backend_info"].samples[0].labels["backend"] == "none"
     health = httpx.get(f"{server['base']}/health").json()
     assert health["status"] == "ok" and health["ranks"][0]["role"] == "target"
