@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime import LLM, SamplingParams
 from runtime.engine import Engine
+from runtime.pages import page_key
 from runtime.stops import StopCriteria
 
 POISON = 7  # the token whose embedding is NaN in the poisoned target
@@ -53,6 +54,8 @@ def test_a_request_with_non_finite_logits_fails_alone(poisoned_target, make_draf
     assert bad.finish_reason == "error" and "non-finite" in bad.error and bad.token_ids == []
     assert [(o.token_ids, o.finish_reason) for o in (outs[0], outs[2], outs[3])] == expected
     assert llm.engine.pages.num_used == 0 and not llm.engine.sequences
+    # its full page (NaN keys at the poisoned position) left the prefix cache: nobody starts from it
+    assert llm.engine.pages.match([page_key(None, POISONED)]) == []
     # the faulted request's pages were scrubbed: requests that reuse them (the allocator hands out the most
     # recently freed pages first) decode exactly as before
     assert outputs(llm, CLEAN, params) == expected
