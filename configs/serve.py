@@ -75,6 +75,8 @@ class ServeArgs(BaseModel):
                                 "Bearer <api_key>' (checked before the body is read; the scheme is case-insensitive, "
                                 "the key compared in constant time).")
     route_prefix: str = Field(default="/", description="Where the app is mounted.")
+    max_n: Annotated[int, Field(ge=1, le=128)] = Field(default=16, description="Most samples one request may ask "
+                                                      "for (n); more is a 400 naming n.")
 
     @model_validator(mode="after")
     def separate_needs_a_drafter(self) -> ServeArgs:

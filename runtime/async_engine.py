@@ -85,10 +85,11 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams) + self._pending_adds
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       follows: str | None = None, index: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield a snapshot of the request after every step that committed tokens for it, the last one
-        finished. Raises ``ValueError`` for a request the engine refuses, ``Overloaded`` when too many wait."""
+        finished. Raises ``ValueError`` for a request the engine refuses, ``Overloaded`` when too many wait.
+        ``follows``/``index``: another sample of the same prompt and this sample's index (``Engine.add_request``)."""
         request_id = request_id or f"req-{next(self._ids)}"
         self.engine.validate_request(prompt_token_ids, params)
         if self.engine.num_waiting + self._pending_adds >= self.max_waiting:
@@ -96,7 +97,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
         with self._pending_lock:
             self._pending_adds += 1
-        self._commands.put(("add", request_id, list(prompt_token_ids), params, stream))
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, stream, follows, index))
         finished = False
         try:
             while True:
@@ -157,11 +158,11 @@ class AsyncEngine:
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, stream = command
+            _, request_id, prompt, params, stream, follows, index = command
             with self._pending_lock:
                 self._pending_adds -= 1
             try:
-                self.engine.add_request(prompt, params, request_id)
+                self.engine.add_request(prompt, params, request_id, follows, index)
                 self._streams[request_id] = stream
             except ValueError as exc:
                 stream.push(exc)

@@ -86,14 +86,23 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Validate and queue a request; raises ``ValueError`` naming the problem."""
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    follows: str | None = None, index: int = 0) -> str:
+        """Validate and queue a request; raises ``ValueError`` naming the problem. ``follows``: the id of another
+        sample of the same prompt; this one waits in the queue until that one computed the prompt, then starts
+        from its cached pages (prefix caching) instead of computing the prompt again. ``index``: the sample's."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
+        if params.n != 1:
+            raise ValueError("SamplingParams.n > 1 is a request for several samples: submit one request per sample "
+                             "(runtime.llm.sample_params), as LLM.generate and the server do")
         seed = params.seed % (1 << 63) if params.seed is not None else self._seeds.getrandbits(63)
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed, arrival=next(self._arrivals))
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, arrival=next(self._arrivals), index=index)
+        leader = self.sequences.get(follows) if follows is not None else None
+        if leader is not None and leader.prompt_token_ids == seq.prompt_token_ids:
+            seq.follows = leader
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -221,7 +230,7 @@ class Engine:
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
                              token_ids=list(seq.output_token_ids), text="", finish_reason="error", new_token_ids=[],
                              error=message, num_draft_tokens=seq.num_draft_tokens,
-                             num_accepted_tokens=seq.num_accepted_tokens)
+                             num_accepted_tokens=seq.num_accepted_tokens, index=seq.index)
 
     @staticmethod
     def _counted(entry: ScheduledRequest, result: RequestStepResult, kept: int, finished: bool) -> tuple[int, int]:
@@ -237,7 +246,8 @@ class Engine:
                              token_ids=list(seq.output_token_ids), text=text,
                              finish_reason=seq.finish_reason, new_token_ids=new_token_ids,
                              num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens,
-                             logprobs=list(seq.output_logprobs or []) if seq.params.logprobs is not None else None)
+                             logprobs=list(seq.output_logprobs or []) if seq.params.logprobs is not None else None,
+                             index=seq.index)
 
     @property
     def num_waiting(self) -> int:

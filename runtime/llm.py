@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 
 from configs import DSparkDecodingConfig, LLMConfig, validate
@@ -29,15 +30,29 @@ def token_ids(engine: Engine, prompt: str | Seq[int]) -> list[int]:
     return list(prompt)
 
 
+def sample_params(params: SamplingParams) -> list[SamplingParams]:
+    """The per-sample params of a request for ``params.n`` samples: n = 1 each, sample i seeded ``seed + i``
+    (each its own noise stream; unseeded samples get their own random seeds). Greedy samples are identical."""
+    if params.n == 1:
+        return [params]
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
+
+
 def generate(engine: Engine, prompts: Prompts, sampling_params=None) -> list[RequestOutput]:
-    """Queue every prompt (all or none: a bad one aborts those already queued), step until all finish."""
+    """Queue every prompt (all or none: a bad one aborts those already queued), step until all finish. A prompt
+    asking for ``n`` samples yields n outputs in a row (``index`` 0..n-1); its samples share its prefill."""
     if isinstance(prompts, str):
         prompts = [prompts]
     params = per_prompt_params(len(prompts), sampling_params)
     ids = []
     try:
         for prompt, p in zip(prompts, params):
-            ids.append(engine.add_request(token_ids(engine, prompt), p))
+            ids_of_prompt = token_ids(engine, prompt)
+            first = None
+            for i, sample in enumerate(sample_params(p)):
+                ids.append(engine.add_request(ids_of_prompt, sample, follows=first, index=i))
+                first = first or ids[-1]
     except Exception:
         for request_id in ids:
             engine.abort(request_id)

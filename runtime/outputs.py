@@ -27,6 +27,7 @@ class RequestOutput:
     num_draft_tokens: int = 0  # drafts of this request the target verified so far
     num_accepted_tokens: int = 0  # of those, the ones it accepted (each saved one target step)
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
+    index: int = 0  # which of its prompt's n samples this is (0 with n = 1)
 
     @property
     def finished(self) -> bool:

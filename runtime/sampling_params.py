@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 MAX_INT32 = 2**31 - 1  # bound of every integer parameter: token counts, top_k and token ids fit a device int32
 MAX_LOGPROBS = 20  # most alternatives ``logprobs`` may ask for per token (OpenAI's top_logprobs bound)
+MAX_N = 128  # most samples ``n`` may ask for per prompt (OpenAI's bound; servers configure a lower one)
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule): 1/T would overflow the logits
 
 
@@ -22,7 +23,8 @@ class SamplingParams:
     ``stop`` strings end the output before the string; ``stop_token_ids`` and EOS (unless ``ignore_eos``) end
     it after the token. ``logprobs`` N (0..``MAX_LOGPROBS``) returns, for every generated token, its
     log-probability and the N most likely tokens' (the engine's ``logprobs_mode`` says of which distribution);
-    None returns none.
+    None returns none. ``n`` samples of one prompt decode as ``n`` requests that share its prefill
+    (``runtime.llm.sample_params``: sample i has seed ``seed + i``, or its own random seed).
     """
 
     max_tokens: int = 16
@@ -38,6 +40,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +67,7 @@ class SamplingParams:
             ("ignore_eos", isinstance(self.ignore_eos, bool), "a boolean"),
             ("logprobs", self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"None or an integer in 0..{MAX_LOGPROBS}"),
+            ("n", _integer(self.n) and 1 <= self.n <= MAX_N, f"an integer in 1..{MAX_N}"),
         ]
         for name, ok, allowed in checks:
             if not ok:

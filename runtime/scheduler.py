@@ -89,8 +89,11 @@ class Scheduler:
             self.pages.grow(seq.page_ids, end_position)
             scheduled.append(self._entry(seq, tokens, num_drafts, sample))
             budget -= len(tokens)
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):  # arrival order; a sample waiting for its prompt's first is passed over
+            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
+                break
+            if self._waits_for_prefill(seq):
+                continue
             cached = self._match(seq)
             seq.num_computed = len(cached) * self.pages.page_size
             tokens, num_drafts, sample = self._plan(seq, budget)
@@ -99,7 +102,8 @@ class Scheduler:
             if new_pages > self.pages.num_free - self.pages.cost(cached):
                 seq.num_computed = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            seq.follows = None
             self.pages.take(cached)
             self.pages.num_queried_tokens += seq.num_tokens if self.pages.caching else 0
             self.pages.num_hit_tokens += seq.num_computed
@@ -128,6 +132,16 @@ class Scheduler:
         return ScheduledRequest(request_id=seq.request_id, token_ids=tokens, start_position=seq.num_computed,
                                 page_ids=list(seq.page_ids), num_drafts=num_drafts, sample=sample, params=seq.params,
                                 seed=seq.seed, penalty_history=history)
+
+    def _waits_for_prefill(self, seq: Sequence) -> bool:
+        """True while the sample ``seq`` follows is still computing their shared prompt (with prefix caching,
+        ``seq`` then starts from its pages); never when caching is off or that sample is gone."""
+        leader = seq.follows
+        if leader is None or not self.pages.caching or leader.status is Status.FINISHED:
+            return False
+        if leader.status is Status.WAITING and leader not in self.waiting:
+            return False
+        return leader.num_computed < len(leader.prompt_token_ids) - 1 or leader.status is Status.WAITING
 
     # ---- prefix cache -------------------------------------------------------------------------
 

@@ -40,6 +40,8 @@ class Sequence:
     output_logprobs: list | None = None  # TokenLogprob per output token, when params.logprobs is set
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full pages (chained)
     num_registered_pages: int = 0  # leading pages of page_ids registered in the prefix cache (or matched from it)
+    follows: Sequence | None = None  # another sample of the same prompt: wait until it computed the prompt
+    index: int = 0  # which of its prompt's n samples this is
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,7 @@ from cluster.serve.text import TextStream
 from configs import ReplicaConfig, ServeArgs, validate
 from runtime.async_engine import AsyncEngine, Overloaded, RequestFailed, StepFailed
 from runtime.chat import chat_token_ids
+from runtime.llm import sample_params
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -246,33 +247,50 @@ class DSparkServer:
             raise ApiError(400, f"the chat template cannot render these messages: {exc}", "messages") from None
 
     async def _respond(self, body, prompt: list[int], params, prompt_field: str, chat: bool):
-        try:
-            outputs = self.engine.generate(prompt, params)
-            first = await anext(outputs)  # validation errors surface here, before any byte is sent
-        except ValueError as exc:
-            raise request_error(exc, prompt_field) from None
-        except Overloaded as exc:
-            raise ApiError(429, f"server overloaded: {exc}; retry later", code="overloaded",
-                           headers={"Retry-After": "1"}) from None
-        except Exception as exc:
-            raise failure(exc) from None
+        if params.n > self.args.max_n:
+            raise ApiError(400, f"n must be at most {self.args.max_n} on this server (max_n), got {params.n}", "n")
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
-        timing = {"arrival": time.monotonic(), "first": time.monotonic() if first.token_ids else None}
-        if body.stream:
-            return StreamingResponse(self._stream(body, rid, prompt, first, outputs, chat, timing),
-                                     media_type="text/event-stream")
-        last = first
+        # n samples: n engine requests with their own seeds; the later ones wait for the first to compute the
+        # prompt and start from its cached pages
+        streams = [self.engine.generate(prompt, sample, f"{rid}/{i}", f"{rid}/0" if i else None, i)
+                   for i, sample in enumerate(sample_params(params))]
         try:
+            # validation errors surface here, before any byte is sent
+            firsts = list(await asyncio.gather(*(anext(s) for s in streams)))
+        except BaseException as exc:
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            if isinstance(exc, ValueError):
+                raise request_error(exc, prompt_field) from None
+            if isinstance(exc, Overloaded):
+                raise ApiError(429, f"server overloaded: {exc}; retry later", code="overloaded",
+                               headers={"Retry-After": "1"}) from None
+            if isinstance(exc, Exception):
+                raise failure(exc) from None
+            raise
+        timing = {"arrival": time.monotonic(),
+                  "first": time.monotonic() if any(f.token_ids for f in firsts) else None}
+        if body.stream:
+            return StreamingResponse(self._stream(body, rid, prompt, firsts, streams, chat, timing),
+                                     media_type="text/event-stream")
+
+        async def last_of(first: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+            last = first
             async for out in outputs:
                 last = out
+            return last
+
+        try:
+            lasts = await asyncio.gather(*(last_of(f, s) for f, s in zip(firsts, streams)))
         except Exception as exc:
             raise failure(exc) from None
-        finally:
-            await outputs.aclose()  # a cancelled handler (client gone) aborts its request now, not at GC
-        self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
+        finally:  # a cancelled handler (client gone) aborts its requests now, not at GC
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+        for last in lasts:
+            self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
+        choice = protocol.chat_choice if chat else protocol.completion_choice
         build = protocol.chat_body if chat else protocol.completion_body
-        return build(rid, body.model, last.text, last.finish_reason, protocol.usage(len(prompt), last),
-                     self._logprobs(last.logprobs, chat))
+        return build(rid, body.model, [choice(i, out.text, out.finish_reason, self._logprobs(out.logprobs, chat))
+                                       for i, out in enumerate(lasts)], protocol.usage(len(prompt), lasts))
 
     def _logprobs(self, entries, chat: bool, text_offset: int = 0) -> dict | None:
         """The response's ``logprobs`` for ``entries`` (None when the request asked for none)."""
@@ -282,45 +300,74 @@ class DSparkServer:
             return protocol.chat_logprobs(self.tokenizer, entries)
         return protocol.completion_logprobs(self.tokenizer, entries, text_offset)
 
-    async def _stream(self, body, rid: str, prompt: list[int], first: RequestOutput,
-                      outputs: AsyncIterator[RequestOutput], chat: bool, timing: dict) -> AsyncIterator[str]:
-        text = TextStream(self.tokenizer, body.stop)
+    async def _stream(self, body, rid: str, prompt: list[int], firsts: list[RequestOutput],
+                      streams: list[AsyncIterator[RequestOutput]], chat: bool, timing: dict) -> AsyncIterator[str]:
+        """Server-sent chunks of every sample as its steps commit tokens (``index`` says whose), an error event
+        and ``[DONE]`` if anything fails, the usage chunk when asked for, then ``[DONE]``."""
         kind = "chat.completion.chunk" if chat else "text_completion"
-        if chat:
-            yield sse(protocol.chat_chunk(rid, body.model, {"role": "assistant", "content": ""}, None))
-        last, pending = first, [first]
-        sent_logprobs, text_offset = 0, 0  # logprobs: entries already sent, and the completion text they cover
+        n = len(streams)
+        texts = [TextStream(self.tokenizer, body.stop) for _ in range(n)]
+        sent_logprobs, text_offsets = [0] * n, [0] * n  # per sample: logprobs sent, completion text they cover
+        lasts = list(firsts)
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for out in streams[i]:
+                    merged.put_nowait((i, out))
+            except Exception as exc:  # forwarded to the stream's reader
+                merged.put_nowait((i, exc))
+
+        def chunk(i: int, out: RequestOutput) -> str | None:
+            if timing["first"] is None and out.token_ids:
+                timing["first"] = time.monotonic()
+            delta = texts[i].delta(out)
+            reason = out.finish_reason if out.finished else None
+            # each chunk carries the logprobs of the tokens committed since the last one: concatenated, a
+            # sample's streamed logprobs are its non-streamed ones
+            new = out.logprobs[sent_logprobs[i]:] if out.logprobs is not None else None
+            logprobs = self._logprobs(new, chat, text_offsets[i]) if new else None
+            if new:
+                sent_logprobs[i] += len(new)
+                if not chat:
+                    text_offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            if not (delta or reason or logprobs):
+                return None
+            return sse(protocol.chat_chunk(rid, body.model, {"content": delta}, reason, logprobs, i) if chat
+                       else protocol.completion_chunk(rid, body.model, delta, reason, logprobs, i))
+
+        pumps = [asyncio.create_task(pump(i)) for i in range(n) if not firsts[i].finished]
         try:
-            while True:
-                for out in pending:
-                    last = out
-                    if timing["first"] is None and out.token_ids:
-                        timing["first"] = time.monotonic()
-                    delta = text.delta(out)
-                    reason = out.finish_reason if out.finished else None
-                    # each chunk carries the logprobs of the tokens committed since the last one: concatenated,
-                    # a stream's logprobs are the non-streamed response's
-                    new = out.logprobs[sent_logprobs:] if out.logprobs is not None else None
-                    logprobs = self._logprobs(new, chat, text_offset) if new else None
-                    if new:
-                        sent_logprobs += len(new)
-                        text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) if not chat else 0
-                    if delta or reason or logprobs:
-                        yield sse(protocol.chat_chunk(rid, body.model, {"content": delta}, reason, logprobs) if chat
-                                  else protocol.completion_chunk(rid, body.model, delta, reason, logprobs))
-                if last.finished:
-                    break
-                pending = [await anext(outputs)]
+            if chat:
+                for i in range(n):
+                    yield sse(protocol.chat_chunk(rid, body.model, {"role": "assistant", "content": ""}, None,
+                                                  index=i))
+            for i, first in enumerate(firsts):
+                text = chunk(i, first)
+                if text:
+                    yield text
+            while not all(last.finished for last in lasts):
+                i, item = await merged.get()
+                if isinstance(item, BaseException):
+                    raise item
+                lasts[i] = item
+                text = chunk(i, item)
+                if text:
+                    yield text
         except Exception as exc:  # an error event and [DONE]: a stream never just stops
             err = failure(exc)
             yield sse(protocol.error_body(err.status, err.message, err.param, err.code))
             yield "data: [DONE]\n\n"
             return
-        finally:
-            await outputs.aclose()  # a client that disconnected aborts its request (frees its pages) right away
-        self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
+        finally:  # a client that disconnected aborts its requests (frees their pages) right away
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+        for last in lasts:
+            self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
         if body.include_usage:
-            yield sse(protocol.usage_chunk(rid, body.model, kind, protocol.usage(len(prompt), last)))
+            yield sse(protocol.usage_chunk(rid, body.model, kind, protocol.usage(len(prompt), lasts)))
         yield "data: [DONE]\n\n"
 
 

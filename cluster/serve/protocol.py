@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from runtime.sampling_params import MAX_INT32, MAX_LOGPROBS, SamplingParams
+from runtime.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_N, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -30,7 +30,7 @@ class SamplingFields(BaseModel):
     model: str
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -50,7 +50,7 @@ class SamplingFields(BaseModel):
                               top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-                              ignore_eos=self.ignore_eos, logprobs=self.logprob_count())
+                              ignore_eos=self.ignore_eos, logprobs=self.logprob_count(), n=self.n)
 
     def logprob_count(self) -> int | None:
         """How many alternatives per token the request's logprobs ask for; None: no logprobs."""
@@ -105,40 +105,47 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, out) -> dict:
-    """OpenAI's usage of a finished (or last streamed) ``RequestOutput``, plus our extension ``dspark``: the
-    request's drafts the target verified and those it accepted (each accepted draft saved a target step; both 0
-    without a drafter). OpenAI's schema requires only the first three fields, so clients ignore the extension."""
-    completion_tokens = len(out.token_ids)
+def usage(prompt_tokens: int, outs) -> dict:
+    """OpenAI's usage of a request's finished (or last streamed) ``RequestOutput``s, one per sample (the prompt
+    counted once, the samples' tokens summed), plus our extension ``dspark``: the drafts the target verified and
+    those it accepted (each accepted draft saved a target step; both 0 without a drafter). OpenAI's schema
+    requires only the first three fields, so clients ignore the extension."""
+    completion_tokens = sum(len(out.token_ids) for out in outs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "dspark": {"draft_tokens": out.num_draft_tokens, "accepted_draft_tokens": out.num_accepted_tokens}}
+            "dspark": {"draft_tokens": sum(out.num_draft_tokens for out in outs),
+                       "accepted_draft_tokens": sum(out.num_accepted_tokens for out in outs)}}
 
 
-def completion_body(rid: str, model: str, text: str, finish_reason: str | None, usage: dict,
-                    logprobs: dict | None = None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+def completion_body(rid: str, model: str, choices: list[dict], usage: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage}
 
 
-def chat_body(rid: str, model: str, text: str, finish_reason: str | None, usage: dict,
-              logprobs: dict | None = None) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason, "logprobs": logprobs}],
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def chat_body(rid: str, model: str, choices: list[dict], usage: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage}
 
 
-def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None, logprobs: dict | None = None
-                     ) -> dict:
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+            "logprobs": logprobs}
+
+
+def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None, logprobs: dict | None = None,
+                     index: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
+            "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None, logprobs: dict | None = None,
+               index: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
 
 
 # ---- logprobs -------------------------------------------------------------------------------
