@@ -31,12 +31,27 @@ def token_ids(engine: Engine, prompt: str | Seq[int]) -> list[int]:
 
 
 def sample_params(params: SamplingParams) -> list[SamplingParams]:
-    """The per-sample params of a request for ``params.n`` samples: n = 1 each, sample i seeded ``seed + i``
-    (each its own noise stream; unseeded samples get their own random seeds). Greedy samples are identical."""
-    if params.n == 1:
+    """The per-sample params of a request for ``params.n`` samples (``best_of`` of them when set): n = 1 each,
+    sample i seeded ``seed + i`` (each its own noise stream; unseeded samples get their own random seeds);
+    with ``best_of``, every sample computes its logprobs (``best_samples`` ranks them). Greedy samples are
+    identical."""
+    drawn = params.best_of or params.n
+    if drawn == 1:
         return [params]
-    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            for i in range(params.n)]
+    ranked = params.best_of is not None and params.best_of > params.n
+    return [dataclasses.replace(params, n=1, best_of=None, seed=None if params.seed is None else params.seed + i,
+                                logprobs=params.logprobs if params.logprobs is not None or not ranked else 0)
+            for i in range(drawn)]
+
+
+def best_samples(outputs: list[RequestOutput], params: SamplingParams) -> list[RequestOutput]:
+    """The ``params.n`` of one prompt's finished samples to return: all of them in order, or with ``best_of`` the
+    n whose tokens have the highest summed logprob, best first, re-indexed (logprobs dropped unless asked for)."""
+    if params.best_of is None or params.best_of == params.n:
+        return outputs
+    ranked = sorted(outputs, key=lambda o: -sum(e.logprob for e in o.logprobs or []))[:params.n]
+    keep = params.logprobs is not None
+    return [dataclasses.replace(o, index=i, logprobs=o.logprobs if keep else None) for i, o in enumerate(ranked)]
 
 
 def generate(engine: Engine, prompts: Prompts, sampling_params=None) -> list[RequestOutput]:
@@ -62,7 +77,12 @@ def generate(engine: Engine, prompts: Prompts, sampling_params=None) -> list[Req
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
-    return [finished[request_id] for request_id in ids]
+    results, at = [], 0
+    for p in params:
+        drawn = len(sample_params(p))
+        results += best_samples([finished[request_id] for request_id in ids[at:at + drawn]], p)
+        at += drawn
+    return results
 
 
 class LLM:

@@ -24,7 +24,9 @@ class SamplingParams:
     it after the token. ``logprobs`` N (0..``MAX_LOGPROBS``) returns, for every generated token, its
     log-probability and the N most likely tokens' (the engine's ``logprobs_mode`` says of which distribution);
     None returns none. ``n`` samples of one prompt decode as ``n`` requests that share its prefill
-    (``runtime.llm.sample_params``: sample i has seed ``seed + i``, or its own random seed).
+    (``runtime.llm.sample_params``: sample i has seed ``seed + i``, or its own random seed); with ``best_of``
+    (>= n), that many are drawn and the n with the highest log-probability (the sum of their tokens' raw
+    logprobs) are returned, best first.
     """
 
     max_tokens: int = 16
@@ -41,6 +43,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +71,9 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"None or an integer in 0..{MAX_LOGPROBS}"),
             ("n", _integer(self.n) and 1 <= self.n <= MAX_N, f"an integer in 1..{MAX_N}"),
+            ("best_of", self.best_of is None or (_integer(self.best_of) and _integer(self.n)
+                                                 and self.n <= self.best_of <= MAX_N),
+             f"None or an integer in n..{MAX_N}"),
         ]
         for name, ok, allowed in checks:
             if not ok:

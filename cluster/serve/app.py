@@ -29,7 +29,7 @@ from cluster.serve.text import TextStream
 from configs import ReplicaConfig, ServeArgs, validate
 from runtime.async_engine import AsyncEngine, Overloaded, RequestFailed, StepFailed
 from runtime.chat import chat_token_ids
-from runtime.llm import sample_params
+from runtime.llm import best_samples, sample_params
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -247,8 +247,10 @@ class DSparkServer:
             raise ApiError(400, f"the chat template cannot render these messages: {exc}", "messages") from None
 
     async def _respond(self, body, prompt: list[int], params, prompt_field: str, chat: bool):
-        if params.n > self.args.max_n:
-            raise ApiError(400, f"n must be at most {self.args.max_n} on this server (max_n), got {params.n}", "n")
+        for name, value in (("n", params.n), ("best_of", params.best_of or 0)):
+            if value > self.args.max_n:
+                raise ApiError(400, f"{name} must be at most {self.args.max_n} on this server (max_n), got {value}",
+                               name)
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         # n samples: n engine requests with their own seeds; the later ones wait for the first to compute the
         # prompt and start from its cached pages
@@ -287,10 +289,12 @@ class DSparkServer:
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
         for last in lasts:
             self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
+        usage = protocol.usage(len(prompt), lasts)  # every sample drawn counts, best_of's discarded ones too
         choice = protocol.chat_choice if chat else protocol.completion_choice
         build = protocol.chat_body if chat else protocol.completion_body
-        return build(rid, body.model, [choice(i, out.text, out.finish_reason, self._logprobs(out.logprobs, chat))
-                                       for i, out in enumerate(lasts)], protocol.usage(len(prompt), lasts))
+        return build(rid, body.model, [choice(out.index, out.text, out.finish_reason,
+                                              self._logprobs(out.logprobs, chat))
+                                       for out in best_samples(lasts, params)], usage)
 
     def _logprobs(self, entries, chat: bool, text_offset: int = 0) -> dict | None:
         """The response's ``logprobs`` for ``entries`` (None when the request asked for none)."""

@@ -50,7 +50,8 @@ class SamplingFields(BaseModel):
                               top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-                              ignore_eos=self.ignore_eos, logprobs=self.logprob_count(), n=self.n)
+                              ignore_eos=self.ignore_eos, logprobs=self.logprob_count(), n=self.n,
+                              best_of=getattr(self, "best_of", None))
 
     def logprob_count(self) -> int | None:
         """How many alternatives per token the request's logprobs ask for; None: no logprobs."""
@@ -66,6 +67,16 @@ class CompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] = 16
     echo: Literal[False] = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def best_of_covers_n_and_is_not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v < info.data.get("n", 1):
+            raise ValueError(f"best_of ({v}) must be at least n ({info.data.get('n', 1)})")
+        if v is not None and v > info.data.get("n", 1) and info.data.get("stream"):
+            raise ValueError("best_of > n cannot be streamed (the best samples are known only at the end)")
+        return v
 
     def logprob_count(self) -> int | None:
         return self.logprobs

@@ -187,6 +187,22 @@ def test_n_samples_streamed_or_not(server):
     assert texts == [c.text for c in r.choices] and chunks[-1].usage.completion_tokens == 30
 
 
+def test_best_of_answers_the_most_likely_sample(server):
+    client, local = server["client"], server["local"]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, temperature=1.0, seed=9, best_of=3,
+                                  extra_body={"ignore_eos": True})
+    ids = local.tokenizer(PROMPTS[1])["input_ids"]
+    drawn = [local.generate([ids], SamplingParams(max_tokens=8, temperature=1.0, seed=9 + i, logprobs=0,
+                                                  ignore_eos=True))[0] for i in range(3)]
+    best = max(drawn, key=lambda o: sum(e.logprob for e in o.logprobs))
+    assert len(r.choices) == 1 and r.choices[0].text == best.text and r.choices[0].logprobs is None
+    assert r.usage.completion_tokens == 24  # every drawn sample counts
+    bad = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 3, "stream": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of"
+    bad = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 2, "n": 3})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of"
+
+
 def post(server, path, payload, headers=None, raw=None):
     return httpx.post(f"{server['base']}{path}", json=payload if raw is None else None, content=raw,
                       headers={"content-type": "application/json", **(headers or {})}, timeout=60)
@@ -407,7 +423,7 @@ def json_values():
 
 FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "stream", "stream_options",
           "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-          "stop_token_ids", "n", "logprobs", "top_logprobs", "user", "echo", "logit_bias"]
+          "stop_token_ids", "n", "best_of", "logprobs", "top_logprobs", "user", "echo", "logit_bias"]
 
 
 @st.composite

@@ -35,3 +35,18 @@ def test_greedy_samples_are_identical_and_n_is_bounded(near_bigram_target):
     llm = engine(near_bigram_target)
     with pytest.raises(ValueError, match="submit one request per sample"):
         llm.engine.add_request(PROMPT, SamplingParams(n=2))
+
+
+def test_best_of_returns_the_most_likely_samples_best_first(near_bigram_target):
+    llm = engine(near_bigram_target)
+    params = SamplingParams(max_tokens=8, temperature=1.2, seed=21, n=2, best_of=5)
+    outs = llm.generate([PROMPT, [5, 6]], params)
+    assert [o.index for o in outs] == [0, 1, 0, 1] and all(o.logprobs is None for o in outs)
+    for prompt, got in ((PROMPT, outs[:2]), ([5, 6], outs[2:])):
+        drawn = [llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.2, seed=21 + i, logprobs=0))[0]
+                 for i in range(5)]
+        score = {tuple(o.token_ids): sum(e.logprob for e in o.logprobs) for o in drawn}
+        best = sorted(score, key=lambda t: -score[t])[:2]
+        assert [tuple(o.token_ids) for o in got] == best
+    with pytest.raises(ValueError, match="best_of must be None or an integer in n..128"):
+        SamplingParams(n=3, best_of=2)
