@@ -37,7 +37,12 @@ class RayExecutor:
             raise ValueError(f"device={engine.device!r} but the Ray cluster has no GPUs")
         speculative = engine.speculative_config is not None
         self.plan = plan_placement(parallel, speculative, self.use_gpus, groups.cluster_nodes())
-        self.group = groups.create(self.plan, f"dspark-{uuid.uuid4().hex[:8]}", parallel.init_timeout_s)
+        self.owns_group = parallel.placement_group == "own"
+        if self.owns_group:
+            self.group, self.first_bundle = groups.create(self.plan, f"dspark-{uuid.uuid4().hex[:8]}",
+                                                          parallel.init_timeout_s), 0
+        else:  # a Serve replica: Serve reserved [the replica's own bundle] + the plan's bundles
+            self.group, self.first_bundle = groups.enclosing(self.plan), 1
         self.actors = []
         try:
             self._start_actors(speculative)
@@ -57,7 +62,8 @@ class RayExecutor:
         for rank, role in enumerate(self.plan.roles):
             plan = WorkerPlan(role=role, tp_rank=rank if role == "target" else 0, tp_size=tp, drafter=drafter_mode)
             cls = TargetShard if role == "target" else Drafter
-            strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.plan.rank_to_bundle[rank])
+            strategy = PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=self.first_bundle + self.plan.rank_to_bundle[rank])
             self.actors.append(ray.remote(**resources)(cls).options(scheduling_strategy=strategy).remote(engine, plan))
         if len(self.actors) > 1:
             backend = parallel.distributed_backend
@@ -100,7 +106,8 @@ class RayExecutor:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
-        groups.remove(self.group)
+        if self.owns_group:  # an enclosing group is Serve's: it goes with the Serve replica
+            groups.remove(self.group)
         self.group = None
 
 

@@ -23,6 +23,11 @@ class ParallelConfig(BaseModel):
     placement_strategy: PlacementStrategy | None = Field(
         default=None, description="Ray placement-group strategy; None: STRICT_PACK when the replica fits one node, "
         "PACK across nodes otherwise.")
+    placement_group: Literal["own", "enclosing"] = Field(
+        default="own", description="own: the replica reserves its placement group (cluster.LLM, dspark generate); "
+        "enclosing: its actors go into the placement group the building process runs in, from bundle 1 on "
+        "(a Serve replica whose deployment declares the bundles, so Serve's scheduler and autoscaler account for "
+        "them; build_app sets this).")
     distributed_backend: Literal["auto", "nccl", "gloo"] = Field(
         default="auto", description="torch.distributed backend: auto is nccl on GPUs, gloo on CPUs.")
     init_timeout_s: Annotated[float, Field(gt=0)] = Field(

@@ -29,6 +29,32 @@ def create(plan: PlacementPlan, name: str, timeout_s: float) -> PlacementGroup:
     return group
 
 
+def enclosing(plan: PlacementPlan) -> PlacementGroup:
+    """The placement group this process runs in (a Serve replica's), checked to hold the replica's own bundle
+    plus ``plan``'s bundles (raises ``PlacementError`` otherwise)."""
+    from ray.util import get_current_placement_group
+
+    group = get_current_placement_group()
+    if group is None:
+        raise PlacementError("parallel.placement_group='enclosing' needs a process that runs in a placement group "
+                             "(a Serve replica deployed with placement_group_bundles: cluster.serve.build_app)")
+    bundles = list(placement_group_table(group).get("bundles", {}).values())
+    if len(bundles) < 1 + len(plan.bundles) or any(
+            bundle.get(k, 0) < v for bundle, want in zip(bundles[1:], plan.bundles) for k, v in want.items()):
+        raise PlacementError(f"the enclosing placement group's bundles {bundles} do not hold the replica's own "
+                             f"bundle plus {plan.bundles}")
+    return group
+
+
+def serve_bundles(plan: PlacementPlan, replica_resources: dict) -> list[dict]:
+    """The ``placement_group_bundles`` of a Serve deployment whose replica runs ``plan``: bundle 0 holds the
+    Serve replica actor itself (its ``ray_actor_options`` resources), then the plan's bundles."""
+    own = {"CPU": float(replica_resources.get("num_cpus", 1))}
+    if replica_resources.get("num_gpus"):
+        own["GPU"] = float(replica_resources["num_gpus"])
+    return [own] + [dict(b) for b in plan.bundles]
+
+
 def remove(group: PlacementGroup | None, wait_s: float = 30.0) -> None:
     """Remove ``group`` and wait (up to ``wait_s``) until Ray reports it gone and its resources free."""
     if group is None:

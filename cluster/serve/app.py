@@ -18,11 +18,14 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+import ray
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.executor import ReplicaFailure
 from cluster.llm import LLM as ReplicaLLM
+from cluster.placement import groups
+from cluster.placement.plan import plan_placement
 from cluster.serve import drain, protocol
 from cluster.serve.metrics import ServerMetrics
 from cluster.serve.text import TextStream
@@ -387,10 +390,19 @@ def build_app(args: dict | ServeArgs):
     RayService ``import_path: cluster.serve:build_app``."""
     parsed = args if isinstance(args, ServeArgs) else validate(ServeArgs, args, "serve args")
     d = parsed.deployment
+    # Serve-native placement: the deployment declares each replica's bundles (the replica itself, then its shards
+    # and drafter), so Serve's scheduler and autoscaler see the GPUs; the replica's actors go into that group
+    engine = parsed.engine
+    use_gpus = engine.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
+    plan = plan_placement(parsed.parallel, engine.speculative_config is not None, use_gpus, groups.cluster_nodes())
+    parsed = parsed.model_copy(update={"parallel": parsed.parallel.model_copy(
+        update={"placement_group": "enclosing"})})
     options = dict(max_ongoing_requests=d.max_ongoing_requests, max_queued_requests=d.max_queued_requests,
                    graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
                    health_check_period_s=d.health_check_period_s, health_check_timeout_s=d.health_check_timeout_s,
-                   ray_actor_options=dict(d.ray_actor_options))
+                   ray_actor_options=dict(d.ray_actor_options),
+                   placement_group_bundles=groups.serve_bundles(plan, d.ray_actor_options),
+                   placement_group_strategy=plan.strategy)
     if d.autoscaling is not None:
         options["autoscaling_config"] = d.autoscaling.model_dump()
     else:

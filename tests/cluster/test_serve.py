@@ -392,6 +392,30 @@ def test_metrics_and_health(server):
     assert health["status"] == "ok" and health["ranks"][0]["role"] == "target"
 
 
+def test_two_serve_replicas_behind_one_route_in_serves_placement_groups(server, near_bigram_target, make_drafter):
+    """The deployment declares each replica's bundles (the Serve replica, then its shard): Serve reserves them,
+    no replica reserves a group of its own, and two replicas answer on one route, exactly."""
+    from ray.util import placement_group_table
+
+    drafter = make_drafter(near_bigram_target, 4, "vanilla", oracle=True)
+    serve.run(build_app({"engine": engine_args(near_bigram_target, drafter), "served_model_name": "tiny",
+                         "deployment": {"num_replicas": 2}}), name="two", route_prefix="/two")
+    try:
+        created = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
+        assert not [g for g in created if g["name"].startswith("dspark-")]  # none of the replicas' own
+        assert sum(len(g["bundles"]) == 2 for g in created) >= 4  # main, small and the two of "two"
+        expected = reference(server, PROMPTS[1], 12)
+        pids = set()
+        for _ in range(16):
+            r = post(server, "/two/v1/completions", {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 12,
+                                                     "temperature": 0})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected.text
+            pids.add(httpx.get(f"{server['base']}/two/health", timeout=30).json()["ranks"][0]["pid"])
+        assert len(pids) == 2  # both replicas served
+    finally:
+        serve.delete("two")
+
+
 def test_graceful_shutdown_drains(server, near_bigram_target, make_drafter):
     drafter = make_drafter(near_bigram_target, 4, "vanilla", oracle=True)
     serve.run(build_app({"engine": engine_args(near_bigram_target, drafter), "served_model_name": "tiny"}),
