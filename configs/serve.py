@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from configs.cluster import ParallelConfig
 from configs.engine import LLMConfig
+from configs.hub_ids import is_hub_id
 
 
 class AutoscalingOptions(BaseModel):
@@ -86,4 +87,7 @@ class ServeArgs(BaseModel):
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.engine.model.rstrip("/").rsplit("/", 1)[-1]
+        """The name clients send: served_model_name, else a Hub id as given, else the model directory's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.engine.model if is_hub_id(self.engine.model) else self.engine.model.rstrip("/").rsplit("/", 1)[-1]

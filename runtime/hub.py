@@ -10,22 +10,19 @@ serve`` on the head node, ``runtime.LLM`` in process); the actors only ever see 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from configs import DSparkDecodingConfig, LLMConfig
+from configs.hub_ids import is_hub_id
 
-REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 WEIGHT_AND_CONFIG_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+__all__ = ["HubResolutionError", "is_hub_id", "resolve_checkpoint", "resolve_hub_ids"]
 
 
 class HubResolutionError(ValueError):
     """A checkpoint name that is neither a local directory nor a resolvable Hub id."""
-
-
-def is_hub_id(name: str) -> bool:
-    """True when ``name`` is not an existing local path and has the shape of a Hub repository id."""
-    return not Path(name).expanduser().exists() and REPO_ID.match(name) is not None and ".." not in name
 
 
 def resolve_checkpoint(name: str, field: str, revision: str | None = None) -> str:

@@ -61,6 +61,12 @@ def test_tp2_matches_the_single_process_engine(ray_cluster, near_bigram_target, 
             [(0, "target", False), (1, "target", False), (2, "drafter", True)]
         assert roles == expected_roles
         assert all(i["moe_backend"] in ("none", None) and i["draft_moe_backend"] == "none" for i in info)
+        # samples and logprobs through the replica: rank 0 reads them from the gathered verify rows
+        params = SamplingParams(max_tokens=8, temperature=0.9, seed=4, n=2, logprobs=2)
+        want, got = local.generate(PROMPTS, params), llm.generate(PROMPTS, params)
+        assert [(o.index, o.token_ids) for o in got] == [(o.index, o.token_ids) for o in want]
+        for g, w in zip(got, want):
+            assert [e.logprob for e in g.logprobs] == pytest.approx([e.logprob for e in w.logprobs], abs=1e-4)
     free_cpus_return()
 
 
