@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.executor import ReplicaFailure
 from cluster.llm import LLM as ReplicaLLM
 from cluster.placement import groups
-from cluster.placement.plan import plan_placement
+from cluster.placement.plan import NodeResources, PlacementError, PlacementPlan, plan_placement
 from cluster.serve import drain, protocol
 from cluster.serve.metrics import ServerMetrics
 from cluster.serve.text import TextStream
@@ -385,6 +385,23 @@ def sse(payload: dict) -> str:
 DSparkDeployment = serve.deployment(name="dspark")(serve.ingress(app)(DSparkServer))
 
 
+def serve_plan(parsed: ServeArgs) -> PlacementPlan:
+    """The placement of each Serve replica's shards and drafter, decided where the app is built. A ``cuda``
+    engine declares GPU bundles even when the cluster shows no GPUs yet (workers still starting, or autoscaling
+    from zero): Serve then holds the replica until the cluster grants them (PACK unless a strategy is set)."""
+    engine, speculative = parsed.engine, parsed.engine.speculative_config is not None
+    use_gpus = engine.device.startswith("cuda") or (
+        engine.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    try:
+        return plan_placement(parsed.parallel, speculative, use_gpus, groups.cluster_nodes())
+    except PlacementError:
+        if not engine.device.startswith("cuda"):
+            raise
+        strategy = parsed.parallel.placement_strategy or "PACK"
+        pending = parsed.parallel.model_copy(update={"placement_strategy": strategy})
+        return plan_placement(pending, speculative, True, [NodeResources("pending", float("inf"), float("inf"))])
+
+
 def build_app(args: dict | ServeArgs):
     """The Serve application for ``args`` (a dict validated as ``configs.ServeArgs``); usable as a KubeRay
     RayService ``import_path: cluster.serve:build_app``."""
@@ -392,9 +409,7 @@ def build_app(args: dict | ServeArgs):
     d = parsed.deployment
     # Serve-native placement: the deployment declares each replica's bundles (the replica itself, then its shards
     # and drafter), so Serve's scheduler and autoscaler see the GPUs; the replica's actors go into that group
-    engine = parsed.engine
-    use_gpus = engine.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
-    plan = plan_placement(parsed.parallel, engine.speculative_config is not None, use_gpus, groups.cluster_nodes())
+    plan = serve_plan(parsed)
     parsed = parsed.model_copy(update={"parallel": parsed.parallel.model_copy(
         update={"placement_group": "enclosing"})})
     options = dict(max_ongoing_requests=d.max_ongoing_requests, max_queued_requests=d.max_queued_requests,

@@ -416,6 +416,21 @@ def test_two_serve_replicas_behind_one_route_in_serves_placement_groups(server, 
         serve.delete("two")
 
 
+def test_a_cuda_engine_declares_gpu_bundles_before_the_gpus_arrive(server, near_bigram_target):
+    """On this CPU-only cluster a cuda engine still declares GPU bundles (workers may still be starting, or
+    autoscale from zero): Serve holds the replica until they come, instead of placing it on CPUs."""
+    from cluster.serve.app import serve_plan
+    from configs import ServeArgs
+
+    def plan(device, **parallel):
+        return serve_plan(ServeArgs(engine={"model": str(near_bigram_target), "device": device},
+                                    parallel=parallel))
+
+    waiting = plan("cuda", tensor_parallel_size=2)
+    assert waiting.bundles == [{"GPU": 1.0, "CPU": 1.0}] * 2 and waiting.strategy == "PACK"
+    assert plan("cpu").bundles == [{"CPU": 1.0}] and plan("auto").bundles == [{"CPU": 1.0}]
+
+
 def test_graceful_shutdown_drains(server, near_bigram_target, make_drafter):
     drafter = make_drafter(near_bigram_target, 4, "vanilla", oracle=True)
     serve.run(build_app({"engine": engine_args(near_bigram_target, drafter), "served_model_name": "tiny"}),
