@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -36,9 +37,13 @@ def engine_args(target, drafter, **extra):
 
 
 @pytest.fixture(scope="module")
-def server(near_bigram_target, make_drafter):
+def server(near_bigram_target, make_drafter, tmp_path_factory):
     drafter = make_drafter(near_bigram_target, 4, "vanilla", oracle=True)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    hub = tmp_path_factory.mktemp("hub")  # an offline Hugging Face cache the replicas' processes read
+    saved = {k: os.environ.get(k) for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE")}
+    os.environ.update(HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1")
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"engine": engine_args(near_bigram_target, drafter), "served_model_name": "tiny"}),
@@ -50,9 +55,14 @@ def server(near_bigram_target, make_drafter):
     local = LocalLLM(str(near_bigram_target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter)),
                      dtype="float32", device="cpu", num_pages=512, page_size=4, max_model_len=256)
     yield {"base": base, "client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0),
-           "local": local}
+           "local": local, "hub": hub}
     serve.shutdown()
     ray.shutdown()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def reference(server, prompt: str, max_tokens: int):
@@ -429,6 +439,29 @@ def test_a_cuda_engine_declares_gpu_bundles_before_the_gpus_arrive(server, near_
     waiting = plan("cuda", tensor_parallel_size=2)
     assert waiting.bundles == [{"GPU": 1.0, "CPU": 1.0}] * 2 and waiting.strategy == "PACK"
     assert plan("cpu").bundles == [{"CPU": 1.0}] and plan("auto").bundles == [{"CPU": 1.0}]
+
+
+def test_a_hub_id_is_served_under_its_name(server, near_bigram_target):
+    """The app's model given as a Hub id, resolved by the replica from the (offline) Hub cache: clients call the
+    model by its id, and it answers as the local checkpoint does, streamed or not."""
+    from tests.runtime.test_hub import fill_cache
+
+    fill_cache(server["hub"], "acme/bigram", near_bigram_target)
+    engine = {"model": "acme/bigram", "dtype": "float32", "device": "cpu", "num_pages": 64, "page_size": 4,
+              "max_model_len": 128}
+    serve.run(build_app({"engine": engine}), name="hub", route_prefix="/hub")
+    try:
+        client = openai.OpenAI(base_url=f"{server['base']}/hub/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["acme/bigram"]
+        expected = LocalLLM(str(near_bigram_target), dtype="float32", device="cpu", num_pages=64, page_size=4,
+                            max_model_len=128).generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0))[0]
+        r = client.completions.create(model="acme/bigram", prompt=PROMPTS[0], max_tokens=6, temperature=0)
+        assert r.choices[0].text == expected.text
+        chunks = client.completions.create(model="acme/bigram", prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                           stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    finally:
+        serve.delete("hub")
 
 
 def test_graceful_shutdown_drains(server, near_bigram_target, make_drafter):
