@@ -60,14 +60,14 @@ def generate(engine: Engine, prompts: Prompts, sampling_params=None) -> list[Req
     if isinstance(prompts, str):
         prompts = [prompts]
     params = per_prompt_params(len(prompts), sampling_params)
-    ids = []
+    ids, groups = [], []  # groups: per prompt, the request ids of its samples
     try:
         for prompt, p in zip(prompts, params):
-            ids_of_prompt = token_ids(engine, prompt)
-            first = None
+            ids_of_prompt, group = token_ids(engine, prompt), []
+            groups.append(group)
             for i, sample in enumerate(sample_params(p)):
-                ids.append(engine.add_request(ids_of_prompt, sample, follows=first, index=i))
-                first = first or ids[-1]
+                group.append(engine.add_request(ids_of_prompt, sample, follows=group[0] if group else None, index=i))
+                ids.append(group[-1])
     except Exception:
         for request_id in ids:
             engine.abort(request_id)
@@ -77,12 +77,7 @@ def generate(engine: Engine, prompts: Prompts, sampling_params=None) -> list[Req
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
-    results, at = [], 0
-    for p in params:
-        drawn = len(sample_params(p))
-        results += best_samples([finished[request_id] for request_id in ids[at:at + drawn]], p)
-        at += drawn
-    return results
+    return [out for group, p in zip(groups, params) for out in best_samples([finished[i] for i in group], p)]
 
 
 class LLM:

@@ -139,9 +139,7 @@ class Scheduler:
         leader = seq.follows
         if leader is None or not self.pages.caching or leader.status is Status.FINISHED:
             return False
-        if leader.status is Status.WAITING and leader not in self.waiting:
-            return False
-        return leader.num_computed < len(leader.prompt_token_ids) - 1 or leader.status is Status.WAITING
+        return leader.status is Status.WAITING or leader.num_computed < len(leader.prompt_token_ids) - 1
 
     # ---- prefix cache -------------------------------------------------------------------------
 

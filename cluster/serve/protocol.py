@@ -51,10 +51,14 @@ class SamplingFields(BaseModel):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
                               ignore_eos=self.ignore_eos, logprobs=self.logprob_count(), n=self.n,
-                              best_of=getattr(self, "best_of", None))
+                              best_of=self.samples_drawn())
 
     def logprob_count(self) -> int | None:
         """How many alternatives per token the request's logprobs ask for; None: no logprobs."""
+        return None
+
+    def samples_drawn(self) -> int | None:
+        """best_of: how many samples to draw for the n answered; None: n (chat has no best_of)."""
         return None
 
     @property
@@ -80,6 +84,9 @@ class CompletionRequest(SamplingFields):
 
     def logprob_count(self) -> int | None:
         return self.logprobs
+
+    def samples_drawn(self) -> int | None:
+        return self.best_of
 
 
 class ChatMessage(BaseModel):
