@@ -15,7 +15,8 @@ evaluated side by side, one child process per GPU:
      DSpark (vanilla Markov head of rank ``--markov-rank``, confidence head, DeepSpec loss) and DFlash
      (Markov rank 0, cross-entropy only)
   4. eval: both on held-out files' prompts at K=7, temperature 0 and 1
-Writes one JSON record (stage statistics, tau, per-position acceptance).
+Writes one JSON record (stage statistics, tau, per-position acceptance), and ``WORK/heldout-prompts.jsonl``
+(the held-out prompts, for ``dspark bench --model WORK/target --speculative-model WORK/dspark --prompts ...``).
 
 usage: python benchmarks/gpu_recipe.py --out results.json --work /tmp/recipe
 """
@@ -50,6 +51,7 @@ ENGINE = dict(dtype="bfloat16", device="cuda", kv_cache_memory=16 << 30, max_num
 DISTILL_BATCH = dict(max_num_seqs=1024, max_num_batched_tokens=16384)  # regeneration: throughput first
 
 
+HELDOUT_PROMPTS = "heldout-prompts.jsonl"  # the eval stage's held-out prompts as JSONL prompt_ids rows
 STAGES = ("target", "distill", "dspark", "dflash", "eval")
 PREPARE_SECONDS = 60  # a drafter process: imports, loading the target, tokenizing the data, the last save
 
@@ -259,6 +261,10 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(target_cfg.out)
     train_files, heldout = split(source_files(target_cfg.data, target_cfg.max_corpus_bytes), target_cfg.heldout_every)
+    held_prompts = code_prompts(heldout, tokenizer, args.eval_prompts, 64, seed=2)
+    prompts_file = work / HELDOUT_PROMPTS
+    if not prompts_file.is_file():  # for dspark bench --prompts: the pair's acceptance on text it never saw
+        prompts_file.write_text("".join(json.dumps({"prompt_ids": ids}) + "\n" for ids in held_prompts))
     if "distill" in wanted:
         if args.shard != (0, 1):  # one shard, in this process (a child of --gpus, or by hand)
             name = "distill-{}-of-{}".format(*args.shard)
@@ -310,7 +316,6 @@ def main() -> None:
             for name in trained:
                 record["results"][name] = json.loads((work / f"eval-{name}.json").read_text())["results"][name]
         else:
-            held_prompts = code_prompts(heldout, tokenizer, args.eval_prompts, 64, seed=2)
             seen_prompts = code_prompts(train_files, tokenizer, args.eval_prompts, 64, seed=3)
             for name in trained:
                 out = drafters[name].out

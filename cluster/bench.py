@@ -94,8 +94,13 @@ def kv_bytes(llm, batch: int, context: int) -> int:
     return batch * context * 2 * layer.kv_width * itemsize * len(target.model.layers)
 
 
-def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab: int, seed: int) -> dict:
+def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab: int, seed: int,
+               prompts: list[list[int]] | None = None) -> dict:
     """Decode ``batch`` requests together; time ``steps`` engine steps after prefill and ``warmup`` steps.
+
+    The requests' prompts are random token ids of ``prompt_len`` (random weights accept nothing anyway), or, for a
+    trained pair, rows of ``prompts`` (from ``seed`` on, cycling, each cut to ``prompt_len``): acceptance is only
+    meaningful on text the pair was trained for.
 
     ``ttft_ms``: from submitting the batch until every request has its first token (prefill steps);
     ``tpot_ms``: decode time over the tokens each request gained; then, while the graphs' buffers still hold
@@ -114,7 +119,10 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
         raise ValueError(f"bench: {batch} requests of {prompt_len} tokens need max_model_len >= "
                          f"{prompt_len + max_tokens} to stay in the batch for the whole timing; lower --steps")
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    prompts = [torch.randint(3, vocab - 1, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    if prompts:
+        prompts = [prompts[(seed + i) % len(prompts)][:prompt_len] for i in range(batch)]
+    else:
+        prompts = [torch.randint(3, vocab - 1, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     torch.cuda.synchronize()
     submitted = time.perf_counter()
     ids = [engine.add_request(prompt, params) for prompt in prompts]
@@ -328,17 +336,13 @@ def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None
                             for e in top]}
 
 
-def end_to_end_prompts(args, target: Path, vocab: int) -> list[list[int]]:
-    """``--e2e-prompts`` prompts: the first rows of ``--prompts`` (JSONL, tokenized with the target's tokenizer),
-    else random token ids of ``--prompt-len`` (seeded)."""
+def end_to_end_prompts(args, prompts: list[list[int]] | None, vocab: int) -> list[list[int]]:
+    """``--e2e-prompts`` prompts: the first rows of ``--prompts`` (``prompts``, already tokenized), else random
+    token ids of ``--prompt-len`` (seeded)."""
     import torch
 
-    if args.prompts:
-        from transformers import AutoTokenizer
-
-        from runtime.training.distill import dataset_prompts
-
-        return dataset_prompts(args.prompts, AutoTokenizer.from_pretrained(str(target)), args.e2e_prompts)
+    if prompts:
+        return prompts[:args.e2e_prompts]
     g = torch.Generator().manual_seed(1234)
     return [torch.randint(3, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(args.e2e_prompts)]
 
@@ -360,7 +364,9 @@ def run(args) -> dict:
         target, drafter = write_shape(work, args.model_shape, args.draft_layers, args.max_draft_len)
     else:
         target, drafter = Path(args.model), Path(args.speculative_model)
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
+
+    from runtime.training.distill import dataset_prompts
 
     vocab = AutoConfig.from_pretrained(str(target)).vocab_size
     bandwidth = copy_bandwidth(device)
@@ -376,7 +382,9 @@ def run(args) -> dict:
               "host": platform.node(), "torch": torch.__version__, "model": args.model_shape or str(target),
               "kind": "random-shape" if shape else "trained", "tensor_parallel_size": 1,
               "copy_bandwidth_gbs": bandwidth / 1e9, "runs": []}
-    e2e_prompts = end_to_end_prompts(args, target, vocab) if args.e2e_prompts else None
+    sweep_prompts = dataset_prompts(args.prompts, AutoTokenizer.from_pretrained(str(target))) if args.prompts \
+        else None  # the sweep's too: a trained pair's acceptance on its own kind of text
+    e2e_prompts = end_to_end_prompts(args, sweep_prompts, vocab) if args.e2e_prompts else None
     e2e = {}
     for kind, speculative in (("ar", None), ("dspark", spec)):
         start = time.perf_counter()
@@ -390,7 +398,8 @@ def run(args) -> dict:
             print(f"dspark bench: AR batch-1 profile: {json.dumps(record['ar_profile_batch1'])}", file=sys.stderr)
         time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0)  # untimed: first-call costs stay out of TTFT
         for c in tqdm(args.concurrency, desc=f"{kind} sweep", disable=None):
-            timing = time_steps(llm, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c)
+            timing = time_steps(llm, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c,
+                                prompts=sweep_prompts)
             rows[c].update({f"{kind}_{name}": timing[name]
                             for name in ("step_ms", "tokens_per_s", "ttft_ms", "tpot_ms")})
             rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("host_")})
@@ -441,7 +450,7 @@ def run(args) -> dict:
             row["projected_speedup"] = args.projected_tau * row["ar_step_ms"] / row["dspark_step_ms"]
         record["projected_tau"] = {"tau": args.projected_tau, "source": args.projected_tau_source}
     if args.tune_schedule:
-        record["tuned_schedule"] = tune(args, LLM, target, spec, common, rows, vocab, shape)
+        record["tuned_schedule"] = tune(args, LLM, target, spec, common, rows, vocab, shape, sweep_prompts)
     if args.hf_tokens:
         for peer, compiled in (("hf_generate", False), ("hf_compiled", True)):
             result = hf_generate_tokens_per_s(target, shape, args.hf_tokens, device, compiled)
@@ -453,7 +462,8 @@ def run(args) -> dict:
     return record
 
 
-def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict, vocab: int, shape: bool) -> dict:
+def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict, vocab: int, shape: bool,
+         prompts: list[list[int]] | None = None) -> dict:
     """``--tune-schedule``: DSpark step times at every shorter draft length k (an engine whose schedule drafts k above
     one request), the fastest length per concurrency (``cluster.schedule_tuning``), the schedule written to
     ``args.tune_schedule`` as a config fragment ``dspark serve --config`` reads. -> the record's ``tuned_schedule``."""
@@ -480,7 +490,7 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
         for c in sorted(rows):
             if c == 1:
                 continue  # one request drafts max_draft_len: the engine's schedule starts there
-            timing = time_steps(llm, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c)
+            timing = time_steps(llm, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c, prompts=prompts)
             candidates.append(Candidate(c, k, timing["step_ms"], tau(c, k, timing["mean_acceptance_length"])))
             print(f"dspark bench: tune k={k} concurrency {c}: {timing['step_ms']:.2f} ms", file=sys.stderr,
                   flush=True)
@@ -587,7 +597,8 @@ def add_parser(commands) -> None:
     bench.add_argument("--e2e-prompts", type=int, default=0, help="also decode N prompts one at a time through "
                        "LLM.generate with each engine: end-to-end speedup and the share of identical greedy outputs")
     bench.add_argument("--e2e-tokens", type=int, default=128, help="tokens per --e2e-prompts prompt (default 128)")
-    bench.add_argument("--prompts", help="JSONL prompts for --e2e-prompts (prompt, messages or prompt_ids rows); "
+    bench.add_argument("--prompts", help="JSONL prompts (prompt, messages or prompt_ids rows) for the sweep (cut "
+                       "to --prompt-len; a trained pair's acceptance needs its kind of text) and --e2e-prompts; "
                        "default: random token ids")
     bench.add_argument("--plot", help="also draw speedup and tokens/s against concurrency into this PNG "
                        "(needs matplotlib: pip install 'dspark[bench]')")
