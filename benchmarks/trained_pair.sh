@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The trained-pair figures of the GPU fast path on one H200, in two device commands that follow each other within
-# the machine's ~30 s keep-alive (the pair lives in WORK on the GPU host; it is too large to bring back):
+# The trained-pair figures of the GPU fast path on one H200. The pair lives in WORK on the GPU host (too large to
+# bring back), so either one device command runs `all` (a shorter training, the bench, under 10 minutes), or two
+# commands follow each other within the machine's keep-alive (~30 s, easy to miss):
+#   bash benchmarks/trained_pair.sh all WORK OUT     train with target 100 s and a 340 s recipe budget, then bench
 #   bash benchmarks/trained_pair.sh train WORK OUT   prepare the host, then the GPU recipe's target (150 s),
 #                                                    self-distillation and DSpark drafter (the rest of ~9 minutes)
 #                                                    -> OUT/gpu-recipe.json, WORK/{target,dspark,heldout-prompts.jsonl}
@@ -13,16 +15,19 @@ set -euo pipefail
 step=${1:?train or bench}; work=${2:?give a work folder}; out=${3:?give an output folder}
 eval "$(bash benchmarks/gpu_host.sh install)"
 export PYTHONUNBUFFERED=1
-case "$step" in
-  train)
-    python3 benchmarks/gpu_recipe.py --work "$work" --out "$out/gpu-recipe.json" --stages target,distill,dspark \
-      --target-seconds 150 --drafter-seconds 100000 --run-seconds 510
-    ;;
-  bench)
+train() {  # target seconds, the recipe's wall-time budget (the drafter trains for what is left)
+  python3 benchmarks/gpu_recipe.py --work "$work" --out "$out/gpu-recipe.json" --stages target,distill,dspark \
+    --target-seconds "$1" --drafter-seconds 100000 --run-seconds "$2"
+}
+bench() {
     python3 -m cluster.cli bench --model "$work/target" --speculative-model "$work/dspark" \
       --prompts "$work/heldout-prompts.jsonl" --prompt-len 64 --concurrency 1,4,16,64,256 --steps 30 \
       --kv-cache-gib 16 --tune-schedule "$out/tuned-schedule.json" --e2e-prompts 64 --e2e-tokens 128 \
-      --hf-tokens 64 --out "$out/bench.json"
-    ;;
-  *) echo "usage: $0 train|bench WORK OUT" >&2; exit 2 ;;
+      --out "$out/bench.json"
+}
+case "$step" in
+  train) train 150 510 ;;
+  bench) bench ;;
+  all) train 100 340; bench ;;
+  *) echo "usage: $0 train|bench|all WORK OUT" >&2; exit 2 ;;
 esac

@@ -5,8 +5,8 @@ For each concurrency ``c`` of the sweep, ``c`` requests decode together and the 
 with one, their tokens/s, TTFT and TPOT, acceptance (mean and per position), and the decode step against the
 bandwidth roofline (bytes the step must read: every weight once plus the cached keys and values, over the
 device copy bandwidth measured in the same run). With CUDA graphs, the last step's graphs are also replayed
-alone: the device time of the forward (``ar_forward_ms``; ``verify_step_ms`` with a drafter) and of the draft
-block (``draft_ms``); the rest of a step is host work and eager kernels (``ar_outside_forward_ms``).
+alone: the device time of the forward (``ar_forward_ms``; ``verify_step_ms`` with a drafter), of the drafter's
+context append (``context_ms``) and of its draft block (``draft_ms``); the rest of a step is host work and eager kernels (``ar_outside_forward_ms``).
 ``--model-shape qwen3-8b`` builds random-weight models of real shapes (``load_format="dummy"``): step times and
 roofline only, since random drafters accept nothing (``--projected-tau`` adds a projected speedup from a
 trained pair's acceptance); a trained pair (``--model``/``--speculative-model``) gives acceptance and
@@ -246,9 +246,9 @@ def host_times(llm, steps: int) -> dict:
 
 def device_times(llm, batch: int, tokens_per_request: int) -> dict:
     """The device time of the last step's graphs replayed alone: the target forward over ``tokens_per_request``
-    tokens per request (``forward_ms``: the verify forward with a drafter) and the drafter's block step
-    (``draft_ms``). Their inputs are the last step's, still in the graphs' buffers; a replay rewrites the same
-    cache slots with the same values. Empty without CUDA graphs."""
+    tokens per request (``forward_ms``: the verify forward with a drafter), the drafter's context append
+    (``context_ms``) and its block step (``draft_ms``). Their inputs are the last step's, still in the graphs'
+    buffers; a replay rewrites the same cache slots with the same values. Empty without CUDA graphs."""
     worker = llm.engine.executor.worker
     if worker.graphs is None:
         return {}
@@ -258,6 +258,8 @@ def device_times(llm, batch: int, tokens_per_request: int) -> dict:
     if forward is None:
         return {}
     out = {"forward_ms": replay_ms(forward.graph)}
+    if forward.context is not None:
+        out["context_ms"] = replay_ms(forward.context)
     channel = getattr(worker.engine_part, "channel", None)
     draft_graphs = getattr(getattr(channel, "runner", None), "graphs", None)
     if draft_graphs is not None and (bucket, tokens_per_request - 1) in draft_graphs.graphs:
@@ -413,7 +415,8 @@ def run(args) -> dict:
                 rows[c].update(mean_acceptance_length=timing["mean_acceptance_length"],
                                acceptance_per_position=timing["acceptance_per_position"])
                 if "forward_ms" in timing:
-                    rows[c].update(verify_step_ms=timing["forward_ms"], draft_ms=timing.get("draft_ms"))
+                    rows[c].update(verify_step_ms=timing["forward_ms"], draft_ms=timing.get("draft_ms"),
+                                   context_ms=timing.get("context_ms"))
             print(f"dspark bench: {kind} concurrency {c}: {timing}", file=sys.stderr, flush=True)
         if e2e_prompts is not None:
             e2e[kind] = end_to_end(llm, e2e_prompts, args.e2e_tokens)

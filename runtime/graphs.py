@@ -5,7 +5,10 @@ verify of K drafts; a prefill chunk of exactly Q tokens is the same computation)
 ``B >= len(requests)`` requests. The graph is a pure function of persistent buffers: one host-to-device copy
 writes the step's token ids, positions and cache slots, FlashInfer's plan writes the page table into the
 wrapper's own buffers, one replay runs embedding -> layers -> final norm (and the captured layers) -> LM head ->
-max and argmax of every row (what greedy verification needs; sampling reads the logits). Rows of
+max and argmax of every row (what greedy verification needs; sampling reads the logits). With a colocated
+drafter, a second graph per bucket (replayed right after, skipped once speculation is off for good) appends the
+step's captured states to the drafter's context cache: eagerly those dozen small kernels cost the host more than
+the whole target graph on a small model. Rows of
 padding requests feed token 0 at positions 0..Q-1 into a scratch page no request owns, so they never touch a
 real request's cache, and their outputs are dropped. Other steps (mixed prefill, ragged drafts) run eagerly.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +49,7 @@ class GraphOutputs:
     logits: torch.Tensor  # [T, V] in the model dtype
     top: torch.Tensor  # [T] max logit (NaN when the row has one)
     argmax: torch.Tensor  # [T]
+    context_appended: bool  # the drafter's context graph ran: the captured states are in its cache
 
     def step_tensors(self, reqs: list[ScheduledRequest], page_size: int, device: torch.device,
                      with_page_table: bool) -> StepTensors:
@@ -62,12 +67,19 @@ class _Graph:
     logits: torch.Tensor  # [B*Q, V] model dtype
     top: torch.Tensor  # [B*Q]
     argmax: torch.Tensor  # [B*Q]
+    context: torch.cuda.CUDAGraph | None  # appends captured [B*Q, m*d] at the step's positions and slots
+
+
+# A colocated drafter's context append: captured [N, m*d], positions [N], slots [N] -> writes its cache.
+ContextAppend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class GraphedTargetForward:
     def __init__(self, target: TargetModel, caches: KVCaches, backend, geometry: AttentionGeometry, page_size: int,
-                 scratch_page: int, max_batch: int, pages_per_seq: int, q_lens: list[int], device: torch.device):
+                 scratch_page: int, max_batch: int, pages_per_seq: int, q_lens: list[int], device: torch.device,
+                 append_context: ContextAppend | None = None):
         self.target, self.caches, self.backend, self.geometry = target, caches, backend, geometry
+        self.append_context = append_context
         self.page_size, self.scratch_page, self.device = page_size, scratch_page, device
         self.buckets = batch_buckets(max_batch)
         self.pages_per_seq = pages_per_seq
@@ -92,17 +104,21 @@ class GraphedTargetForward:
             return None
         return q_len if (self.buckets[0], q_len) in self.graphs else None
 
-    def run(self, reqs: list[ScheduledRequest], q_len: int) -> GraphOutputs:
-        """Replay the graph of ``len(reqs)`` requests (padded to a bucket) x ``q_len`` tokens."""
+    def run(self, reqs: list[ScheduledRequest], q_len: int, append_context: bool = False) -> GraphOutputs:
+        """Replay the graph of ``len(reqs)`` requests (padded to a bucket) x ``q_len`` tokens, then, if asked and
+        captured, the drafter's context graph (padding rows write the scratch page of its cache too)."""
         batch = next(b for b in self.buckets if b >= len(reqs))
         g = self.graphs[(batch, q_len)]
         layout = self._write_inputs(reqs, batch, q_len)
         self.backend.plan_attention(self._meta(layout, batch, q_len), g.wrapper)
         g.graph.replay()
+        appended = append_context and g.context is not None
+        if appended:
+            g.context.replay()
         rows = len(reqs) * q_len
         ids, positions, slots = (t[:rows] for t in self.inputs)
         return GraphOutputs(ids, positions, slots, g.hidden[:rows], g.captured[:rows] if g.captured is not None
-                            else None, g.logits[:rows], g.top[:rows], g.argmax[:rows])
+                            else None, g.logits[:rows], g.top[:rows], g.argmax[:rows], appended)
 
     # ---- building -----------------------------------------------------------------------------
 
@@ -150,4 +166,12 @@ class GraphedTargetForward:
             hidden, captured = self.target(ids, positions, self.caches, meta, slots)
             logits = self.target.lm_head(hidden)
             top, argmax = logits.max(dim=-1)
-        return _Graph(graph, wrapper, hidden, captured, logits, top, argmax)
+        context = None
+        if self.append_context is not None and captured is not None:
+            with torch.cuda.stream(stream):  # warm-up writes only the scratch page: every slot is a padding row's
+                self.append_context(captured, positions, slots)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            context = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(context, pool=self.pool):
+                self.append_context(captured, positions, slots)
+        return _Graph(graph, wrapper, hidden, captured, logits, top, argmax, context)

@@ -80,13 +80,13 @@ class ModelRunner:
         graphed = None
         with record_function("dspark.forward"):
             if q_len is not None:
-                graphed = self.graphs.run(reqs, q_len)
+                graphed = self.graphs.run(reqs, q_len, append_context=drafting)
                 hidden, captured = graphed.hidden, graphed.captured
                 t = graphed.step_tensors(reqs, self.page_size, self.device, with_page_table=drafting)
             else:
                 t = build_step_tensors(reqs, self.page_size, self.device, self.kernels, self.geometry)
                 hidden, captured = self.target(t.input_ids, t.positions, self.caches, t.meta, t.slots)
-        if drafting and self.is_leader:
+        if drafting and self.is_leader and not (graphed is not None and graphed.context_appended):
             with record_function("dspark.context"):
                 self.channel.send_context(captured, t)
         sampled = sampled_entries(reqs)

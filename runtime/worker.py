@@ -144,9 +144,11 @@ class Worker:
         caches = allocate_caches(self.target.model.layers, num_pages + 1, page_size, self.dtype, self.device)
         if self.uses_cuda_graphs:
             q_lens = [1] + [k + 1 for k in self.draft_lengths]
+            local = isinstance(channel, LocalDraftChannel)  # the drafter's context append joins the graphs
             self.graphs = GraphedTargetForward(self.target, caches, self.kernels, attention_geometry(self.target),
                                                page_size, num_pages, self.config.max_num_seqs, self.pages_per_seq,
-                                               q_lens, self.device)
+                                               q_lens, self.device,
+                                               draft_runner.append_context if local else None)
         self.engine_part = ModelRunner(self.target, self.spec, self.kernels, caches, page_size, self.device,
                                        self.parallel, channel, w2, self.graphs, self.config.logprobs_mode)
 
