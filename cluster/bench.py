@@ -6,11 +6,14 @@ with one, their tokens/s, TTFT and TPOT, acceptance (mean and per position), and
 bandwidth roofline (bytes the step must read: every weight once plus the cached keys and values, over the
 device copy bandwidth measured in the same run). With CUDA graphs, the last step's graphs are also replayed
 alone: the device time of the forward (``ar_forward_ms``; ``verify_step_ms`` with a drafter), of the drafter's
-context append (``context_ms``) and of its draft block (``draft_ms``); the rest of a step is host work and eager kernels (``ar_outside_forward_ms``).
-``--model-shape qwen3-8b`` builds random-weight models of real shapes (``load_format="dummy"``): step times and
-roofline only, since random drafters accept nothing (``--projected-tau`` adds a projected speedup from a
-trained pair's acceptance); a trained pair (``--model``/``--speculative-model``) gives acceptance and
-end-to-end speedup. Peers: Hugging Face ``generate`` on the same target, eager and compiled (static cache).
+context append (``context_ms``) and of its draft block (``draft_ms``); the rest of a step is host work and eager
+kernels (``ar_outside_forward_ms``). ``--model-shape qwen3-8b`` (or ``qwen3-30b-a3b``, an MoE target: each step
+also counts the distinct experts its routers wake, ``moe_experts_woken``, and a K+1-token verify's against one
+token's, ``verify_experts_vs_decode``; its roofline reads only the experts woken) builds random-weight models of
+real shapes (``load_format="dummy"``): step times and roofline only, since random drafters accept nothing
+(``--projected-tau`` adds a projected speedup from a trained pair's acceptance); a trained pair
+(``--model``/``--speculative-model``) gives acceptance and end-to-end speedup. Peers: Hugging Face ``generate``
+on the same target, eager and compiled (static cache).
 ``--tune-schedule FILE`` times every shorter draft length too and writes the fastest ``draft_len_schedule``
 (``cluster.schedule_tuning``). ``--e2e-prompts N`` decodes N prompts one at a time through ``LLM.generate`` with
 both engines: the end-to-end speedup against what the step times allow at the measured tau, and the share of
@@ -37,24 +40,38 @@ MODEL_SHAPES = {
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                      rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False),
+    # Qwen3-30B-A3B: 48 MoE layers of 128 experts, 8 per token (norm_topk_prob), 3.3B parameters read per token
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                          tie_word_embeddings=False),
     "tiny": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-6,
                  tie_word_embeddings=False),
+    "tiny-moe": dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
+                     num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                     max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
-DRAFT_LAYER_IDS = {"qwen3-8b": [1, 17, 33], "tiny": [0]}
+DRAFT_LAYER_IDS = {"qwen3-8b": [1, 17, 33], "qwen3-30b-a3b": [1, 23, 45], "tiny": [0], "tiny-moe": [0]}
+MOE_SHAPES = {"qwen3-30b-a3b", "tiny-moe"}  # written as qwen3_moe; their 1-layer-per-depth drafters stay dense
 HOST_TIMED_STEPS = 10  # steps after the timed ones whose host work is broken down (host_times)
+ROUTING_STEPS = 2  # eager steps after those whose MoE routing is counted (routing_stats; MoE targets only)
 
 
 def write_shape(root: Path, shape: str, draft_layers: int, block_size: int) -> tuple[Path, Path]:
     """config.json-only target and drafter directories of ``shape`` (loaded with load_format='dummy')."""
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
     fields = MODEL_SHAPES[shape]
     target = root / f"{shape}-target"
-    Qwen3Config(**fields, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16").save_pretrained(str(target))
+    family = Qwen3MoeConfig if shape in MOE_SHAPES else Qwen3Config
+    family(**fields, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16").save_pretrained(str(target))
     drafter = root / f"{shape}-drafter"
     drafter.mkdir(parents=True, exist_ok=True)
     config = json.loads((target / "config.json").read_text())
+    config.update(model_type="qwen3", num_experts=0)  # a dense Qwen3 drafter of the target's width
     config.update(architectures=["Qwen3DSparkModel"], num_target_layers=fields["num_hidden_layers"],
                   num_hidden_layers=draft_layers, block_size=block_size, mask_token_id=fields["vocab_size"] - 1,
                   target_layer_ids=DRAFT_LAYER_IDS[shape], markov_rank=256, markov_head_type="vanilla",
@@ -82,9 +99,51 @@ def copy_bandwidth(device, gib: float = 4.0) -> float:
 
 
 def weight_bytes(llm) -> int:
-    """Bytes of every weight matrix one decode step reads (the embedding reads only its rows: left out)."""
+    """Bytes of every weight matrix one decode step reads (the embedding reads only its rows: left out), MoE
+    experts excluded: a step reads only the experts its tokens wake (``expert_bytes``)."""
     target = llm.engine.executor.worker.target
-    return sum(p.numel() * p.element_size() for n, p in target.named_parameters() if "embed_tokens" not in n)
+    return sum(p.numel() * p.element_size() for n, p in target.named_parameters()
+               if "embed_tokens" not in n and ".w13" not in n and ".w2" not in n)
+
+
+def moe_blocks(llm) -> list:
+    from runtime.models.moe import SparseMoeBlock
+
+    return [m for m in llm.engine.executor.worker.target.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def expert_bytes(llm) -> int:
+    """Bytes of one expert of every MoE layer together (a step that wakes w experts per layer reads w times this)."""
+    return sum((b.w13.numel() + b.w2.numel()) * b.w13.element_size() // b.num_experts for b in moe_blocks(llm))
+
+
+def routing_stats(llm, steps: int = 2) -> dict:
+    """For an MoE target, while requests decode: the distinct experts each MoE layer's router wakes per step
+    (``moe_experts_woken``, averaged over layers and ``steps``) for the tokens the step feeds
+    (``moe_tokens_routed``). The steps run eagerly (forward hooks do not fire inside a graph replay); {} for a
+    dense target."""
+    blocks = moe_blocks(llm)
+    if not blocks:
+        return {}
+    woken, routed = [], []
+
+    def record(block, args):
+        ids = block.route(args[0])[1]
+        woken.append(ids.unique().numel())
+        routed.append(ids.shape[0])
+
+    hooks = [b.register_forward_pre_hook(record) for b in blocks]
+    runner = llm.engine.executor.worker.engine_part
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        for _ in range(steps):
+            llm.engine.step()
+    finally:
+        runner.graphs = graphs
+        for hook in hooks:
+            hook.remove()
+    return {"moe_experts_woken": sum(woken) / len(woken), "moe_tokens_routed": sum(routed) / len(routed),
+            "moe_num_experts": blocks[0].num_experts, "moe_top_k": blocks[0].top_k}
 
 
 def kv_bytes(llm, batch: int, context: int) -> int:
@@ -114,7 +173,7 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     per_step = engine.spec.max_draft_len + 1 if engine.spec else 1
     # room for every step the first request decodes while the last one prefills (decodes share the token budget)
     chunks = -(-batch * prompt_len // max(engine.config.max_num_batched_tokens - batch, 1))
-    max_tokens = (chunks + warmup + steps + HOST_TIMED_STEPS + 4) * per_step
+    max_tokens = (chunks + warmup + steps + HOST_TIMED_STEPS + ROUTING_STEPS + 4) * per_step
     if prompt_len + max_tokens > engine.max_model_len:
         raise ValueError(f"bench: {batch} requests of {prompt_len} tokens need max_model_len >= "
                          f"{prompt_len + max_tokens} to stay in the batch for the whole timing; lower --steps")
@@ -148,11 +207,12 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     context = prompt_len + (before + committed) // batch
     device = device_times(llm, batch, engine.draft_len() + 1)  # the block the last steps verified
     host = host_times(llm, steps=HOST_TIMED_STEPS)
+    routing = routing_stats(llm, steps=ROUTING_STEPS)
     engine.abort_all()
     return {"step_ms": 1e3 * elapsed / steps, "tokens_per_s": committed / elapsed, "ttft_ms": 1e3 * ttft,
             "tpot_ms": 1e3 * elapsed * batch / committed, "mean_acceptance_length": (1 + accepted / drafts)
             if drafts else None, "acceptance_per_position": per_pos if drafts else None, "context": context,
-            **device, **host}
+            **device, **host, **routing}
 
 
 def end_to_end(llm, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -373,6 +433,7 @@ def run(args) -> dict:
     vocab = AutoConfig.from_pretrained(str(target)).vocab_size
     bandwidth = copy_bandwidth(device)
     common = dict(dtype="bfloat16", device="cuda", kernel_backend=args.kernel_backend, enforce_eager=args.enforce_eager,
+                  moe_backend=args.moe_backend,
                   max_num_seqs=max(args.concurrency), max_model_len=args.prompt_len + 2048,
                   kv_cache_memory=args.kv_cache_gib << 30, max_num_batched_tokens=max(2048, args.prompt_len * 2),
                   load_format="dummy" if shape else "auto")
@@ -395,6 +456,8 @@ def run(args) -> dict:
         record[f"{kind}_rank_info"] = llm.rank_info()
         if kind == "ar":
             record["weight_bytes"] = weight_bytes(llm)
+            record["expert_bytes"] = expert_bytes(llm)
+            record["moe_backend"] = llm.rank_info()[0]["moe_backend"]
         if args.profile and kind == "ar":
             record["ar_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab, trace_path(args, "ar"))
             print(f"dspark bench: AR batch-1 profile: {json.dumps(record['ar_profile_batch1'])}", file=sys.stderr)
@@ -405,8 +468,10 @@ def run(args) -> dict:
             rows[c].update({f"{kind}_{name}": timing[name]
                             for name in ("step_ms", "tokens_per_s", "ttft_ms", "tpot_ms")})
             rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("host_")})
+            rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("moe_")})
             if kind == "ar":
-                floor = (record["weight_bytes"] + kv_bytes(llm, c, timing["context"])) / bandwidth
+                woken = timing.get("moe_experts_woken", 0.0) * record["expert_bytes"]  # MoE: the experts read
+                floor = (record["weight_bytes"] + woken + kv_bytes(llm, c, timing["context"])) / bandwidth
                 rows[c].update(roofline_ms=1e3 * floor, roofline_fraction=1e3 * floor / timing["step_ms"])
                 if "forward_ms" in timing:  # the device time of the graphed forward; the rest is outside it
                     rows[c].update(ar_forward_ms=timing["forward_ms"],
@@ -436,6 +501,8 @@ def run(args) -> dict:
         row["speedup"] = row["dspark_tokens_per_s"] / row["ar_tokens_per_s"]
         if "verify_step_ms" in row and "ar_forward_ms" in row:  # device time against device time
             row["verify_vs_ar_forward"] = row["verify_step_ms"] / row["ar_forward_ms"]
+        if row.get("ar_moe_experts_woken"):  # what a K+1-token verify wakes against one token per request
+            row["verify_experts_vs_decode"] = row["dspark_moe_experts_woken"] / row["ar_moe_experts_woken"]
     first = rows[min(rows)]
     if e2e:
         ar, ds = e2e["ar"], e2e["dspark"]
@@ -585,6 +652,8 @@ def add_parser(commands) -> None:
     bench.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "flashinfer"],
                        help="kernels of both engines (default auto: flashinfer on a GPU where it imports)")
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    bench.add_argument("--moe-backend", default="AUTO", choices=["AUTO", "VANILLA", "DENSEGEMM"],
+                       help="expert kernels of an MoE target (default AUTO; recorded as moe_backend)")
     bench.add_argument("--kv-cache-gib", type=int, default=40, help="KV cache per engine (default 40 GiB)")
     bench.add_argument("--hf-tokens", type=int, default=0, help="also time transformers generate for N tokens at "
                        "batch 1, eager and compiled with a static cache (peers)")

@@ -19,12 +19,14 @@ from cluster import bench, bench_plot
 from configs import ConfigError, LLMConfig, ParallelConfig, ReplicaConfig, ServeArgs, validate
 from configs.training import DrafterTrainConfig, TargetTrainConfig
 from configs.files import read_mapping
+from configs.speculative import MoeBackend
 
 # flag -> (section, field) of ServeArgs; section None is top level
 MODEL_FLAGS = {
     "model": ("engine", "model"), "tokenizer": ("engine", "tokenizer"), "dtype": ("engine", "dtype"),
     "device": ("engine", "device"), "max_model_len": ("engine", "max_model_len"),
     "max_num_seqs": ("engine", "max_num_seqs"), "kv_cache_memory": ("engine", "kv_cache_memory"),
+    "moe_backend": ("engine", "moe_backend"), "speculative_moe_backend": ("speculative", "moe_backend"),
     "speculative_model": ("speculative", "speculative_model"), "max_draft_len": ("speculative", "max_draft_len"),
     "use_rejection_sampling": ("speculative", "use_rejection_sampling"),
     "revision": ("engine", "revision"), "tokenizer_revision": ("engine", "tokenizer_revision"),
@@ -61,6 +63,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, help="requests decoding at once (default 64)")
     p.add_argument("--kv-cache-memory", type=int, help="bytes for KV pages per process")
+    p.add_argument("--moe-backend", choices=typing.get_args(MoeBackend), help="expert kernels of an MoE target's "
+                   "MoE layers, resolved on each rank (default AUTO: DENSEGEMM where torch's grouped GEMM runs, "
+                   "else VANILLA); one a rank cannot run is an error naming the rank and why")
+    p.add_argument("--speculative-moe-backend", choices=typing.get_args(MoeBackend), help="the drafter's MoE "
+                   "layers' backend (default: inherit --moe-backend; a dense drafter has none)")
     p.add_argument("--ray-address", help="Ray cluster to join (default: a running one, else a new local one; "
                    "'local' always starts a new one, e.g. for a second server on this machine)")
 

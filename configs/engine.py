@@ -45,7 +45,11 @@ class LLMConfig(BaseModel):
     max_num_seqs: Annotated[int, Field(gt=0)] = Field(default=64, description="Requests decoding at once.")
     max_num_batched_tokens: Annotated[int, Field(gt=0)] = Field(
         default=2048, description="Target tokens per step (prefill chunks + K+1 per decoding request).")
-    moe_backend: MoeBackend = Field(default="AUTO", description="MoE backend of the target's MoE layers.")
+    moe_backend: MoeBackend = Field(
+        default="AUTO", description="Expert kernels of the target's MoE layers (qwen3_moe), resolved on each rank: "
+        "VANILLA (per-expert loop, the reference), DENSEGEMM (grouped GEMMs, CUDA-graph safe; CPU, or CUDA bf16 on "
+        "Hopper+), AUTO (DENSEGEMM where it runs, else VANILLA). The reference's other names are valid values; a "
+        "rank that cannot run one raises an error naming the rank, the backend and why. Dense targets: AUTO only.")
     kernel_backend: KernelBackend = Field(
         default="auto", description="Kernels: torch (the reference, any device), flashinfer (CUDA: FlashInfer "
         "paged attention and fused Triton kernels; an error if it cannot run), or auto (flashinfer on a CUDA "

@@ -36,23 +36,58 @@ def kv_budget_bytes(config: LLMConfig, device: torch.device) -> int:
     return CPU_KV_DEFAULT_BYTES
 
 
-def resolve_moe_backend(requested: str | None, device: torch.device, has_moe_layers: bool, what: str) -> str:
-    """The MoE backend a model runs with on ``device``.
+# Backends of the reference's list (configs.speculative.MoeBackend) this build has no expert kernel for: why.
+MOE_BACKENDS_ELSEWHERE = {
+    "TRITON": "the fused Triton MoE kernel is not in this build yet (use DENSEGEMM, CUDA-graph safe)",
+    "CUTLASS": "FlashInfer's CUTLASS fused MoE is not wired into this build yet (use DENSEGEMM)",
+    "CUTEDSL": "CuTe DSL grouped GEMMs are TensorRT-LLM's, for Blackwell (SM100) with NVFP4 experts",
+    "CUTEDSL_FC12": "CuTe DSL grouped GEMMs are TensorRT-LLM's, for Blackwell (SM100) with NVFP4 experts",
+    "TRTLLM": "trtllm-gen MoE kernels are TensorRT-LLM's, for Blackwell (SM100/SM103)",
+    "DEEPGEMM": "DeepGEMM's grouped GEMMs need FP8 block-quantized experts; dspark loads unquantized weights",
+    "MARLIN": "Marlin needs weight-only quantized (int4 GPTQ/AWQ) experts; dspark loads unquantized weights",
+    "MEGAMOE_DEEPGEMM": "MegaMoE kernels are TensorRT-LLM's (expert parallel, FP8/FP4 experts)",
+    "MEGAMOE_CUTEDSL": "MegaMoE kernels are TensorRT-LLM's (expert parallel, FP8/FP4 experts)",
+}
 
-    A dense model has none ("none"), and asking for one is an error. MoE families resolve AUTO to
-    the torch reference on CPU; a concrete backend this build or device cannot run is an error
-    naming it and why (never a silent substitute).
+
+def grouped_gemm_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why torch's grouped GEMM (DENSEGEMM) cannot run on ``device`` in ``dtype``, or None when it can."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"torch's grouped GEMM does not run on {device.type}"
+    if dtype != torch.bfloat16:
+        return f"torch's CUDA grouped GEMM takes bfloat16 only, the model is {str(dtype).removeprefix('torch.')}"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return "torch's CUDA grouped GEMM needs compute capability 9.0 or newer (Hopper)"
+    return None
+
+
+def resolve_moe_backend(requested: str | None, device: torch.device, dtype: torch.dtype, has_moe_layers: bool,
+                        what: str, rank: str) -> str:
+    """The MoE backend a model's MoE layers run with on this rank (``rank`` names it in errors).
+
+    A dense model has none ("none"), and asking for one is an error. AUTO resolves from the device and dtype:
+    DENSEGEMM (grouped GEMMs, CUDA-graph safe) where torch's grouped GEMM runs, else VANILLA (the per-expert
+    loop, anywhere). A concrete backend this rank cannot run is an error naming the rank, the backend and why;
+    nothing is substituted.
     """
     if not has_moe_layers:
         if requested not in (None, "AUTO"):
             raise ValueError(f"{what}={requested!r}: the model has no MoE layers; leave it AUTO")
         return "none"
+    problem = grouped_gemm_problem(device, dtype)
     if requested in (None, "AUTO"):
-        return "VANILLA"
+        return "DENSEGEMM" if problem is None else "VANILLA"
     if requested == "VANILLA":
         return "VANILLA"
-    raise ValueError(f"{what}={requested!r} cannot run on {device}: this build implements the VANILLA (torch) "
-                     "MoE backend only")
+    if requested == "DENSEGEMM" and problem is None:
+        return "DENSEGEMM"
+    reason = problem if requested == "DENSEGEMM" else MOE_BACKENDS_ELSEWHERE.get(requested, "unknown backend")
+    if requested in ("TRITON", "CUTLASS") and device.type != "cuda":
+        reason = f"it needs a CUDA device, this rank's is {device}"
+    raise ValueError(f"{what}={requested!r} cannot run on {rank} ({device}): {reason}; this rank can run "
+                     f"VANILLA{'' if problem else ' and DENSEGEMM'} (or AUTO)")
 
 
 def check_draft_attention_backend(spec: DSparkDecodingConfig) -> str:

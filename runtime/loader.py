@@ -104,13 +104,14 @@ def load_parameters(module: nn.Module, reader: CheckpointReader, source: dict[st
 
 
 def load_target(path: str, kernels: KernelBackend, dtype: torch.dtype, device: torch.device,
-                parallel: ParallelContext = SINGLE, load_format: str = "auto") -> TargetModel:
-    """Build the target, shard it for ``parallel``, and read this rank's slice of every weight (``dummy``:
-    random weights, nothing read but config.json)."""
+                parallel: ParallelContext = SINGLE, load_format: str = "auto",
+                moe_backend: str | None = None) -> TargetModel:
+    """Build the target (its MoE layers on ``moe_backend``, resolved for this rank), shard it for ``parallel``,
+    and read this rank's slice of every weight (``dummy``: random weights, nothing read but config.json)."""
     config = load_hf_config(path, "model")
     try:
         with torch.device(device):
-            model = apply_tensor_parallel(TargetModel(config, kernels), parallel).to(dtype)
+            model = apply_tensor_parallel(TargetModel(config, kernels, moe_backend), parallel).to(dtype)
     except ValueError as exc:
         raise CheckpointError(f"model {path}: {exc}") from exc
     if load_format == "dummy":

@@ -140,6 +140,9 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
         for proj in ("q_proj", "k_proj", "v_proj"):
             setattr(attn, proj, ColumnParallelLinear(getattr(attn, proj), ctx))
         attn.o_proj = RowParallelLinear(attn.o_proj, ctx)
+        if hasattr(mlp, "experts"):  # a sparse MoE block: slice every expert, one all-reduce for the block
+            shard_experts(mlp, ctx)
+            continue
         mlp.gate_proj, mlp.up_proj = ColumnParallelLinear(mlp.gate_proj, ctx), ColumnParallelLinear(mlp.up_proj, ctx)
         mlp.down_proj = RowParallelLinear(mlp.down_proj, ctx)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
@@ -148,6 +151,28 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
+
+
+def shard_experts(block: nn.Module, ctx: ParallelContext) -> None:
+    """Tensor parallelism of a sparse MoE block (``runtime.models.moe.SparseMoeBlock``) by slicing every expert's
+    intermediate dimension: this rank holds rows [a, b) of each expert's gate/up and columns [a, b) of its down,
+    the router stays whole, and the block all-reduces its weighted sum once. Every rank does the same work for
+    every token whatever the routing (expert parallelism would leave ranks idle when a small batch wakes few
+    experts, and needs an all-to-all), and the sum is the one-GPU sum split in ``ctx.world_size`` parts."""
+    intermediate = block.experts[0].down_proj.in_features
+    if intermediate % ctx.world_size:
+        raise ValueError(f"tensor_parallel_size={ctx.world_size} must divide the target's moe_intermediate_size "
+                         f"({intermediate})")
+    start, end = shard_range(intermediate, ctx)
+    for expert in block.experts:
+        for name in ("gate_proj", "up_proj"):
+            part = ColumnParallelLinear(getattr(expert, name), ctx)
+            setattr(expert, name, part)
+        down = expert.down_proj
+        down.weight = nn.Parameter(torch.empty(down.out_features, end - start))
+        mark_shard(down.weight, 1, start, end)
+        down.in_features = end - start
+    block.parallel = ctx
 
 
 def slice_for(param: torch.Tensor, read_slice) -> torch.Tensor:

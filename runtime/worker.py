@@ -23,7 +23,9 @@ from runtime.draft_runner import DraftRunner
 from runtime.draft_server import DraftServer
 from runtime.graphs import GraphedTargetForward
 from runtime.kernels import get_backend
+from runtime.kernels.moe import GRAPH_SAFE
 from runtime.kv_cache import allocate_caches, bytes_per_page
+from runtime.models.moe import sparse_layer_ids
 from runtime.loader import drafter_spec, load_drafter, load_hf_config, load_markov_w2, load_target, load_vocab_modules
 from runtime.parallel import SINGLE, ParallelContext, init_distributed
 from runtime.runner import ModelRunner, attention_geometry
@@ -89,12 +91,15 @@ class Worker:
         if self.spec is not None:
             check_draft_attention_backend(self.spec)
         layers = []
+        rank = f"target rank {self.plan.tp_rank}" if self.plan.role == "target" else "the drafter process"
         if self.plan.role == "target":
+            self.moe_backend = resolve_moe_backend(self.config.moe_backend, self.device, self.dtype,
+                                                   bool(sparse_layer_ids(target_config)), "moe_backend", rank)
+            if self.moe_backend != "none":
+                log.info("dspark: %s: moe_backend %s -> %s", rank, self.config.moe_backend, self.moe_backend)
             self.target = load_target(self.config.model, self.kernels, self.dtype, self.device, self.parallel,
-                                      self.config.load_format)
+                                      self.config.load_format, self.moe_backend)
             self.target.fuse_projections()
-            self.moe_backend = resolve_moe_backend(self.config.moe_backend, self.device,
-                                                   self.target.has_moe_layers, "moe_backend")
             layers += list(self.target.model.layers)
             if self.spec is not None and self.plan.tp_rank == 0:
                 self.target.set_capture(self.spec.target_layer_ids)
@@ -102,10 +107,10 @@ class Worker:
                     and not (self.plan.holds_drafter and self.plan.tp_size == 1):
                 self.draft_w2 = load_markov_w2(self.spec, target_config.vocab_size, self.dtype, self.device)
         if self.spec is not None:
-            inherited = self.spec.moe_backend is None
-            what = "moe_backend (inherited by the drafter)" if inherited else "speculative_config.moe_backend"
-            self.draft_moe_backend = resolve_moe_backend(self.config.moe_backend if inherited else self.spec.moe_backend,
-                                                         self.device, False, what)
+            # a standalone DeepSpec drafter's layers are dense: its backend is "none", whatever the target's (asking
+            # for one in speculative_config.moe_backend is an error naming it)
+            self.draft_moe_backend = resolve_moe_backend(self.spec.moe_backend, self.device, self.dtype, False,
+                                                         "speculative_config.moe_backend", rank)
         if self.plan.holds_drafter and self.spec is not None:
             self.drafter = load_drafter(self.spec, target_config, self.kernels, self.dtype, self.device, draft_spec)
             self.drafter.fuse_projections()
@@ -169,10 +174,12 @@ class Worker:
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        """Graphs need the flashinfer kernels (host-planned attention), a GPU, and one TP rank with its drafter
-        colocated or none (graphed collectives and a graphed separate drafter are the cluster fast path's work)."""
+        """Graphs need the flashinfer kernels (host-planned attention), a GPU, one TP rank with its drafter
+        colocated or none (graphed collectives and a graphed separate drafter are the cluster fast path's work),
+        and an MoE backend a graph can capture (VANILLA reads expert choices back to the host)."""
         return (self.plan.role == "target" and self.kernel_backend == "flashinfer" and not self.config.enforce_eager
-                and self.device.type == "cuda" and self.plan.tp_size == 1)
+                and self.device.type == "cuda" and self.plan.tp_size == 1
+                and (self.moe_backend in (None, "none") or self.moe_backend in GRAPH_SAFE))
 
     def execute(self, batch: ScheduledBatch):
         return self.engine_part.execute(batch)

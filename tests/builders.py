@@ -29,7 +29,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{
 
 
 def target_config(family: str = "qwen3", **overrides):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -37,6 +37,10 @@ def target_config(family: str = "qwen3", **overrides):
     common.update(overrides)
     if family == "qwen3":
         return Qwen3Config(**{"head_dim": 16, **common})
+    if family == "qwen3_moe":  # 8 experts, 2 per token; layer 1 dense (mlp_only_layers)
+        return Qwen3MoeConfig(**{"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
+                                 "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                                 "mlp_only_layers": [1], **common})
     return LlamaConfig(**common)
 
 
@@ -67,7 +71,12 @@ def save_target(path: Path, family: str = "qwen3", seed: int = 0, residual_scale
         model.lm_head.weight.normal_(0, 0.5)
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(residual_scale)
-            layer.mlp.down_proj.weight.mul_(residual_scale)
+            if hasattr(layer.mlp, "experts"):  # an MoE block: a router that tells tokens apart, scaled experts
+                layer.mlp.gate.weight.normal_(0, 1.0)
+                layer.mlp.experts.gate_up_proj.normal_(0, 0.15)
+                layer.mlp.experts.down_proj.normal_(0, 0.15 * residual_scale)
+            else:
+                layer.mlp.down_proj.weight.mul_(residual_scale)
     model.save_pretrained(str(path))
     if tokenizer:
         save_tokenizer(path)

@@ -35,6 +35,12 @@ def llama_target(checkpoints):
 
 
 @pytest.fixture(scope="session")
+def moe_target(checkpoints):
+    """qwen3_moe: 8 experts, 2 per token, on layers 0, 2, 3 (layer 1 dense)."""
+    return builders.save_target(checkpoints / "qwen3-moe", "qwen3_moe", seed=7, residual_scale=0.8)
+
+
+@pytest.fixture(scope="session")
 def bigram_target(checkpoints):
     """Attention and MLP add nothing: logits depend on the current token only."""
     return builders.save_target(checkpoints / "bigram", "qwen3", seed=3, residual_scale=0.0)

@@ -58,3 +58,27 @@ def test_end_to_end_decodes_each_prompt_alone_and_compares_outputs(tmp_path):
                                                              "first_difference": [None, None, None]}
     assert agreement([[1, 2, 3], [4, 5]], [[1, 9, 3], [4, 5]]) == {"identical_fraction": 0.5,
                                                                    "first_difference": [1, None]}
+
+
+def test_an_moe_shape_decodes_and_counts_the_experts_a_step_wakes(tmp_path):
+    from cluster.bench import expert_bytes, routing_stats, weight_bytes
+
+    target, drafter = write_shape(tmp_path, "tiny-moe", draft_layers=1, block_size=3)
+    engine = dict(load_format="dummy", dtype="float32", device="cpu", num_pages=64, page_size=16)
+    spec = DSparkDecodingConfig(speculative_model=str(drafter), load_format="dummy")
+    stats = {}
+    for kind, speculative in (("ar", None), ("dspark", spec)):
+        llm = LLM(str(target), speculative_config=speculative, **engine)
+        assert llm.rank_info()[0]["moe_backend"] == "DENSEGEMM"
+        for prompt in ([5, 6, 7, 8], [9, 10, 11]):
+            llm.engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+        for _ in range(3):  # prefill, then decoding steps
+            llm.engine.step()
+        stats[kind] = routing_stats(llm, steps=2)
+        assert all(len(llm.engine.sequences[r].output_token_ids) > 1 for r in llm.engine.sequences)
+        llm.engine.abort_all()
+    assert stats["ar"]["moe_tokens_routed"] == 2 and stats["dspark"]["moe_tokens_routed"] == 2 * 4
+    assert 2 <= stats["ar"]["moe_experts_woken"] <= 4 <= stats["dspark"]["moe_experts_woken"] <= 8
+    total = sum(p.numel() * 4 for n, p in llm.engine.executor.worker.target.named_parameters() if "embed" not in n)
+    assert weight_bytes(llm) + 8 * expert_bytes(llm) == total
+    assert routing_stats(LLM(str(write_shape(tmp_path, "tiny", 1, 3)[0]), **engine)) == {}

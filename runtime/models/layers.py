@@ -209,10 +209,16 @@ class DecoderLayer(nn.Module):
     that follows it (``kernels.add_rms_norm``).
     """
 
-    def __init__(self, config, kernels: KernelBackend, qk_norm: bool):
+    def __init__(self, config, kernels: KernelBackend, qk_norm: bool, sparse_moe_backend: str | None = None):
         super().__init__()
         self.self_attn = Attention(config, kernels, qk_norm)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, kernels, bool(getattr(config, "mlp_bias", False)))
+        if sparse_moe_backend is not None:  # an MoE layer (runtime.models.moe.sparse_layer_ids) and its expert kernel
+            from runtime.models.moe import SparseMoeBlock
+
+            self.mlp = SparseMoeBlock(config, sparse_moe_backend)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, kernels,
+                           bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.kernels = kernels

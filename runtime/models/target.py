@@ -1,4 +1,5 @@
-"""Dense decoder-only targets (``qwen3``, ``llama``) over a paged KV cache, with hidden-state capture.
+"""Decoder-only targets over a paged KV cache, with hidden-state capture: dense ``qwen3`` and ``llama``, and
+``qwen3_moe`` (sparse MoE blocks on the layers its config names, ``runtime.models.moe``).
 
 Module names mirror Hugging Face (``model.layers.<i>.self_attn.q_proj`` ...), so a checkpoint's
 state dict loads as is and tensor parallelism can find layers by name.
@@ -11,11 +12,13 @@ from torch import nn
 
 from runtime.kernels import KernelBackend, PagedAttentionMeta
 from runtime.models.layers import AttentionInputs, DecoderLayer, RMSNorm, RotaryEmbedding
+from runtime.models.moe import sparse_layer_ids
 
 # model_type -> per-family switches
 TARGET_FAMILIES: dict[str, dict] = {
     "qwen3": {"qk_norm": True},
     "llama": {"qk_norm": False},
+    "qwen3_moe": {"qk_norm": True},
 }
 
 
@@ -38,10 +41,14 @@ def validate_capture_layers(layer_ids, num_layers: int) -> None:
 
 
 class DecoderStack(nn.Module):
-    def __init__(self, config, kernels: KernelBackend, qk_norm: bool):
+    def __init__(self, config, kernels: KernelBackend, qk_norm: bool, moe_backend: str | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, kernels, qk_norm) for _ in range(config.num_hidden_layers))
+        sparse = set(sparse_layer_ids(config))
+        if sparse and moe_backend is None:
+            raise ValueError(f"{config.model_type}: its MoE layers need a resolved moe_backend")
+        self.layers = nn.ModuleList(DecoderLayer(config, kernels, qk_norm, moe_backend if i in sparse else None)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
 
@@ -52,11 +59,11 @@ class TargetModel(nn.Module):
     the embedding output; the last layer cannot be captured (HF returns it final-normed).
     """
 
-    def __init__(self, config, kernels: KernelBackend):
+    def __init__(self, config, kernels: KernelBackend, moe_backend: str | None = None):
         super().__init__()
         check_target_config(config)
         self.config = config
-        self.model = DecoderStack(config, kernels, **TARGET_FAMILIES[config.model_type])
+        self.model = DecoderStack(config, kernels, moe_backend=moe_backend, **TARGET_FAMILIES[config.model_type])
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -66,7 +73,7 @@ class TargetModel(nn.Module):
 
     @property
     def has_moe_layers(self) -> bool:
-        return False  # qwen3 and llama are dense
+        return bool(sparse_layer_ids(self.config))
 
     @property
     def num_layers(self) -> int:

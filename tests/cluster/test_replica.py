@@ -70,6 +70,23 @@ def test_tp2_matches_the_single_process_engine(ray_cluster, near_bigram_target, 
     free_cpus_return()
 
 
+@pytest.mark.parametrize("backend", ["VANILLA", "DENSEGEMM"])
+def test_tp2_moe_target_equals_transformers_and_every_rank_reports_its_backend(ray_cluster, moe_target,
+                                                                               make_drafter, backend):
+    from tests import builders
+
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(moe_target, 4)))
+    with LLM(str(moe_target), speculative_config=spec, tensor_parallel_size=2, moe_backend=backend,
+             **ENGINE) as llm:
+        outputs = llm.generate(PROMPTS, PARAM_SETS["greedy"])
+        assert [o.token_ids for o in outputs] == builders.hf_greedy(moe_target, PROMPTS, 16)
+        info = llm.rank_info()
+        assert [(i["tp_rank"], i["moe_backend"], i["draft_moe_backend"]) for i in info] == [
+            (0, backend, "none"), (1, backend, "none")]
+        assert llm.get_metrics()["num_drafts"] > 0
+    free_cpus_return()
+
+
 def test_a_killed_shard_fails_in_flight_requests_then_the_replica_recovers(ray_cluster, near_bigram_target, drafter):
     spec = DSparkDecodingConfig(speculative_model=str(drafter))
     greedy = PARAM_SETS["greedy"]

@@ -40,3 +40,27 @@ def test_heads_must_divide(qwen3_target, world, field):
     with pytest.raises(ValueError, match=f"tensor_parallel_size={world} must divide the target's {field}"):
         load_target(str(qwen3_target), get_backend("torch"), torch.float32, torch.device("cpu"),
                     ParallelContext(rank=0, world_size=world))
+
+
+def test_each_rank_loads_its_slice_of_every_expert_and_the_whole_router(moe_target):
+    full = full_weights(moe_target)
+    parts = []
+    for rank in range(2):
+        ctx = ParallelContext(rank=rank, world_size=2)
+        model = load_target(str(moe_target), get_backend("torch"), torch.float32, torch.device("cpu"), ctx,
+                            moe_backend="VANILLA")
+        block = model.model.layers[0].mlp
+        assert block.parallel is ctx
+        params = dict(model.named_parameters())
+        assert torch.equal(params["model.layers.0.mlp.gate.weight"], full["model.layers.0.mlp.gate.weight"])
+        parts.append((params["model.layers.0.mlp.experts.3.up_proj.weight"],
+                      params["model.layers.0.mlp.experts.3.down_proj.weight"]))
+    assert torch.equal(torch.cat([p[0] for p in parts]), full["model.layers.0.mlp.experts.3.up_proj.weight"])
+    assert torch.equal(torch.cat([p[1] for p in parts], dim=1), full["model.layers.0.mlp.experts.3.down_proj.weight"])
+    from runtime.models.target import TargetModel
+    from runtime.parallel import apply_tensor_parallel
+    from tests import builders
+
+    odd = TargetModel(builders.target_config("qwen3_moe", moe_intermediate_size=33), get_backend("torch"), "VANILLA")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the target's moe_intermediate_size"):
+        apply_tensor_parallel(odd, ParallelContext(rank=0, world_size=2))
