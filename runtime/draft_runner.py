@@ -85,7 +85,8 @@ class DraftRunner:
         meta = self.kernels.plan_attention(PagedAttentionMeta(
             query_start_loc=torch.arange(num + 1, device=dev) * k_next, seq_lens=anchor_pos, page_table=page_table,
             max_query_len=k_next, max_seq_len=page_table.shape[1] * page_size, causal=False,
-            num_tokens=num * k_next, page_size=page_size, num_extra_keys=k_next))
+            num_tokens=num * k_next, page_size=page_size, num_extra_keys=k_next,
+            context_window=self.drafter.spec.context_window))
         positions = (anchor_pos[:, None] + torch.arange(k_next, device=dev)).view(-1)
         hidden = self.drafter.forward_block(self.embed(block_ids), positions, self.caches, meta)  # [S, K, d]
         base_logits = self.lm_head(hidden).float()  # [S, K, V]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Iterator
+import re
 from pathlib import Path
 
 import torch
@@ -13,10 +14,10 @@ from torch import nn
 from transformers import AutoConfig
 
 from configs import DSparkDecodingConfig
-from configs.checkpoint import draft_metadata, read_model_config
+from configs.checkpoint import MTP_KEY, draft_metadata, read_model_config
 from runtime.kernels import KernelBackend
 from runtime.models.drafter import DrafterSpec, DSparkDrafter
-from runtime.models.target import TargetModel, validate_capture_layers
+from runtime.models.target import TARGET_FAMILIES, TargetModel, check_target_config, validate_capture_layers
 from runtime.parallel import SINGLE, ParallelContext, apply_tensor_parallel, slice_for
 
 # Drafter tensors we never load: the target's embedding and LM head are used instead.
@@ -29,6 +30,12 @@ DRAFTER_KEY_ALIASES = {
     "confidence_proj.bias": "confidence_head.proj.bias",
 }
 DRAFTER_ARCHITECTURE_HINTS = ("DSpark", "DFlash")
+EMBEDDED_STAGE = re.compile(r"^mtp\.(\d+)\.(.+)$")
+# Embedded layout: stage 0's projection of the captured states, under the standalone drafter's names.
+EMBEDDED_STAGE0 = {"main_proj.weight": "fc.weight", "main_norm.weight": "hidden_norm.weight"}
+EMBEDDED_LAST_STAGE = ("norm.weight", "markov_head.", "confidence_head.", "markov_w1.", "markov_w2.",
+                       "confidence_proj.")
+DEFAULT_CONTEXT_WINDOW = 128  # embedded drafters' rolling window when config.json names none
 
 
 class CheckpointError(ValueError):
@@ -49,7 +56,11 @@ def safetensors_files(path: Path, what: str) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{what}: {index} names shard files that are not there: {missing[:4]}")
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{what}: no safetensors weights in {path}")
@@ -71,6 +82,9 @@ class CheckpointReader:
 
     def names(self) -> set[str]:
         return set(self._where)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._files[self._where[name]].get_slice(name).get_shape())
 
     def read(self, name: str, dim: int | None = None, start: int = 0, end: int = 0) -> torch.Tensor:
         tensor = self._files[self._where[name]].get_slice(name)
@@ -120,7 +134,8 @@ def load_target(path: str, kernels: KernelBackend, dtype: torch.dtype, device: t
     source = {name: name for name, _ in model.named_parameters(remove_duplicate=False)}
     if getattr(config, "tie_word_embeddings", False):
         source["lm_head.weight"] = "model.embed_tokens.weight"
-    ignored = {n for n in reader.names() if n.endswith("rotary_emb.inv_freq")}
+    # rotary caches of old checkpoints, and an embedded drafter's mtp.<s>.* stages (the drafter loads those)
+    ignored = {n for n in reader.names() if n.endswith("rotary_emb.inv_freq") or MTP_KEY.match(n)}
     if ignored:
         source.update({f"<ignored>{n}": n for n in ignored})
     load_parameters(model, reader, source, f"model {path}")
@@ -139,6 +154,56 @@ def init_dummy(model: nn.Module, std: float = 0.02, seed: int = 0) -> nn.Module:
     return model
 
 
+def embedded_sources(names: set[str], what: str) -> tuple[int, frozenset[int], dict[str, str]]:
+    """An embedded drafter's layout from its checkpoint names -> (stage count, sparse stages, parameter ->
+    checkpoint name). ``mtp.<s>.<layer name>`` are stage s's decoder block; stage 0 also holds ``main_proj`` /
+    ``main_norm`` (the standalone ``fc`` / ``hidden_norm``), the last stage ``norm`` and the heads."""
+    by_stage: dict[int, list[tuple[str, str]]] = {}
+    for name in names:
+        match = EMBEDDED_STAGE.match(name)
+        if match:
+            by_stage.setdefault(int(match.group(1)), []).append((match.group(2), name))
+    if not by_stage:
+        raise CheckpointError(f"{what}: no mtp.<s>.* tensors, so no embedded drafter")
+    stages = max(by_stage) + 1
+    if len(by_stage) != stages:
+        raise CheckpointError(f"{what}: embedded stages {sorted(by_stage)} are not 0..{stages - 1}")
+    source = {}
+    for stage, items in by_stage.items():
+        for rest, name in items:
+            if stage == 0 and rest in EMBEDDED_STAGE0:
+                source[EMBEDDED_STAGE0[rest]] = name
+            elif stage == stages - 1 and rest.startswith(EMBEDDED_LAST_STAGE):
+                source[DRAFTER_KEY_ALIASES.get(rest, rest)] = name
+            else:
+                source[f"layers.{stage}.{rest}"] = name
+    sparse = frozenset(s for s, items in by_stage.items() if any(r.startswith("mlp.experts.") for r, _ in items))
+    return stages, sparse, source
+
+
+def embedded_drafter_spec(spec_config: DSparkDecodingConfig, raw: dict, found: dict) -> DrafterSpec:
+    """The embedded drafter's shape: the dspark_* keys of the target's config.json, the stage layout and head
+    switches from its mtp.<s>.* tensors, the rolling window from ``dspark_window_size``/``window_size``."""
+    path = str(spec_config.speculative_model)
+    reader = CheckpointReader(path, "speculative_model")
+    stages, sparse, source = embedded_sources(reader.names(), f"speculative_model {path}")
+    rank = int(spec_config.markov_rank or 0)
+    confidence = source.get("confidence_head.proj.weight")
+    with_markov = found.get("confidence_head_with_markov")
+    if with_markov is None and confidence is not None:  # [1, d + r] reads the Markov embedding too
+        with_markov = reader.shape(confidence)[1] > raw["hidden_size"]
+    window = raw.get("dspark_window_size", raw.get("window_size", DEFAULT_CONTEXT_WINDOW))
+    if not isinstance(window, int) or window < 1:
+        raise CheckpointError(f"speculative_model: {path}: dspark_window_size must be a positive integer, got "
+                              f"{window!r}")
+    return DrafterSpec(block_size=int(spec_config.max_draft_len), mask_token_id=int(spec_config.mask_token_id),
+                       target_layer_ids=tuple(spec_config.target_layer_ids), markov_rank=rank,
+                       markov_head_type=spec_config.markov_head_type,
+                       enable_confidence_head=bool(found.get("enable_confidence_head", confidence is not None)),
+                       confidence_head_with_markov=bool(with_markov), context_window=window, embedded=True,
+                       sparse_stages=sparse)
+
+
 def drafter_spec(spec_config: DSparkDecodingConfig) -> DrafterSpec:
     """The drafter's shape: resolved config fields plus the head switches of its config.json."""
     path = Path(str(spec_config.speculative_model))
@@ -154,6 +219,8 @@ def drafter_spec(spec_config: DSparkDecodingConfig) -> DrafterSpec:
         missing = [f for f in ("max_draft_len", "mask_token_id", "target_layer_ids")
                    if getattr(spec_config, f) is None]
         raise CheckpointError(f"speculative_config: {missing} are neither set nor in {path / 'config.json'}")
+    if spec_config.draft_is_embedded_in_target:
+        return embedded_drafter_spec(spec_config, raw, found)
     rank = int(spec_config.markov_rank or 0)
     with_markov = bool(found.get("confidence_head_with_markov", False))
     if with_markov and rank == 0:
@@ -178,15 +245,43 @@ def drafter_sources(module: nn.Module, reader: CheckpointReader) -> dict[str, st
     return by_param
 
 
-def load_drafter(spec_config: DSparkDecodingConfig, target_config, kernels: KernelBackend, dtype: torch.dtype,
-                 device: torch.device, spec: DrafterSpec | None = None) -> DSparkDrafter:
-    """The standalone drafter; checked against the target's config (vocabulary, width, layers). ``spec`` is
-    ``drafter_spec(spec_config)`` when the caller already read it."""
-    if spec_config.draft_is_embedded_in_target:
-        raise CheckpointError("speculative_model: drafts embedded in the target (mtp.* layers) are not supported "
-                              "by this engine yet; use a standalone DeepSpec drafter checkpoint")
+def load_embedded_drafter(spec_config: DSparkDecodingConfig, target_config, kernels: KernelBackend,
+                          dtype: torch.dtype, device: torch.device, spec: DrafterSpec,
+                          moe_backend: str | None) -> DSparkDrafter:
+    """The drafter embedded in a target checkpoint: its mtp.<s>.* stages are blocks of the target's family (the
+    target's config with one layer per stage), loaded under the standalone drafter's module names."""
     path = str(spec_config.speculative_model)
+    what = f"speculative_model {path}"
+    config = copy.deepcopy(load_hf_config(path, "speculative_model"))
+    check_target_config(config)
+    for field in ("vocab_size", "hidden_size"):
+        if getattr(config, field) != getattr(target_config, field):
+            raise CheckpointError(f"speculative_model: the embedded drafter's {field} {getattr(config, field)} does "
+                                  f"not match the target's {getattr(target_config, field)}")
+    reader = CheckpointReader(path, "speculative_model")
+    stages, _, source = embedded_sources(reader.names(), what)
+    config.num_hidden_layers = stages
+    validate_capture_layers(spec.target_layer_ids, target_config.num_hidden_layers)
+    with torch.device(device):
+        drafter = DSparkDrafter(config, spec, kernels, qk_norm=TARGET_FAMILIES[config.model_type]["qk_norm"],
+                                sparse_stages=spec.sparse_stages, moe_backend=moe_backend).to(dtype)
+    if spec_config.load_format == "dummy":
+        return init_dummy(drafter).eval()
+    others = {f"<ignored>{n}": n for n in reader.names() if not MTP_KEY.match(n)}  # the target's own tensors
+    load_parameters(drafter, reader, {**source, **others}, what)
+    return drafter.eval()
+
+
+def load_drafter(spec_config: DSparkDecodingConfig, target_config, kernels: KernelBackend, dtype: torch.dtype,
+                 device: torch.device, spec: DrafterSpec | None = None,
+                 moe_backend: str | None = None) -> DSparkDrafter:
+    """The drafter: standalone (DeepSpec layout) or embedded in the target (``mtp.<s>.*``), as the probe said;
+    checked against the target's config (vocabulary, width, layers). ``spec`` is ``drafter_spec(spec_config)``
+    when the caller already read it; ``moe_backend`` runs an embedded drafter's MoE stages."""
     spec = spec or drafter_spec(spec_config)
+    if spec.embedded:
+        return load_embedded_drafter(spec_config, target_config, kernels, dtype, device, spec, moe_backend)
+    path = str(spec_config.speculative_model)
     config = load_hf_config(path, "speculative_model")
     for field in ("vocab_size", "hidden_size"):
         if getattr(config, field) != getattr(target_config, field):

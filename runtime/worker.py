@@ -107,12 +107,16 @@ class Worker:
                     and not (self.plan.holds_drafter and self.plan.tp_size == 1):
                 self.draft_w2 = load_markov_w2(self.spec, target_config.vocab_size, self.dtype, self.device)
         if self.spec is not None:
-            # a standalone DeepSpec drafter's layers are dense: its backend is "none", whatever the target's (asking
-            # for one in speculative_config.moe_backend is an error naming it)
-            self.draft_moe_backend = resolve_moe_backend(self.spec.moe_backend, self.device, self.dtype, False,
-                                                         "speculative_config.moe_backend", rank)
+            # a standalone DeepSpec drafter is dense: "none" whatever the target's (asking for one is an error);
+            # an embedded drafter's MoE stages inherit the target's moe_backend unless the spec names one
+            sparse = bool(draft_spec.sparse_stages)
+            inherit = self.spec.moe_backend is None and sparse
+            self.draft_moe_backend = resolve_moe_backend(
+                self.config.moe_backend if inherit else self.spec.moe_backend, self.device, self.dtype, sparse,
+                "moe_backend (inherited by the drafter)" if inherit else "speculative_config.moe_backend", rank)
         if self.plan.holds_drafter and self.spec is not None:
-            self.drafter = load_drafter(self.spec, target_config, self.kernels, self.dtype, self.device, draft_spec)
+            self.drafter = load_drafter(self.spec, target_config, self.kernels, self.dtype, self.device, draft_spec,
+                                        self.draft_moe_backend)
             self.drafter.fuse_projections()
             layers += list(self.drafter.layers)
             if self.target is None or self.parallel.is_parallel:
@@ -179,7 +183,7 @@ class Worker:
         and an MoE backend a graph can capture (VANILLA reads expert choices back to the host)."""
         return (self.plan.role == "target" and self.kernel_backend == "flashinfer" and not self.config.enforce_eager
                 and self.device.type == "cuda" and self.plan.tp_size == 1
-                and (self.moe_backend in (None, "none") or self.moe_backend in GRAPH_SAFE))
+                and all(b in (None, "none") or b in GRAPH_SAFE for b in (self.moe_backend, self.draft_moe_backend)))
 
     def execute(self, batch: ScheduledBatch):
         return self.engine_part.execute(batch)

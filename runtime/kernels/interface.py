@@ -50,6 +50,7 @@ class PagedAttentionMeta:
     num_tokens: int  # host int: query tokens in the flat dimension (T)
     page_size: int  # tokens per KV page
     num_extra_keys: int = 0  # per-request extra keys every query sees (the draft block's own K/V)
+    context_window: int | None = None  # with extra keys: only the last N cached keys are visible (None: all)
     plan: object | None = None  # backend-specific precomputation, from ``plan_attention`` (once per forward)
     host: HostLayout | None = None  # the layout on the host, when it is known there (target forwards)
     geometry: AttentionGeometry | None = None  # lets ``plan_attention`` plan fully up front (CUDA graphs)

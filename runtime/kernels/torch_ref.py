@@ -45,6 +45,8 @@ def plan_attention(meta: PagedAttentionMeta) -> PagedAttentionMeta:
     pos = torch.arange(lk, device=dev)
     key_slots = meta.page_table[:, pos // page_size] * page_size + pos % page_size
     allowed = (pos[None, None, :] < meta.seq_lens[:, None, None]).expand(batch, lq, lk)  # [B, Lq, Lk]
+    if meta.context_window is not None:  # a rolling window over the context: its last N keys only
+        allowed = allowed & (pos[None, None, :] >= meta.seq_lens[:, None, None] - meta.context_window)
     if meta.causal:
         q_pos = meta.seq_lens[:, None] - q_lens[:, None] + torch.arange(lq, device=dev)
         allowed = allowed & (pos[None, None, :] <= q_pos[:, :, None])

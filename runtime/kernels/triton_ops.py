@@ -185,12 +185,12 @@ def _attend_tile(q, k, v, key_ok, m_i, l_i, acc, scale):
 
 @triton.jit
 def _block_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, ctx_lens_ptr, xk_ptr, xv_ptr, out_ptr,
-                            scale, page_size, page_table_stride, num_q_heads, num_kv_heads,
+                            scale, page_size, page_table_stride, num_q_heads, num_kv_heads, window,
                             BLOCK: tl.constexpr, GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
                             BLOCK_N: tl.constexpr, X: tl.constexpr):
     """One program per (request b, kv head h): the BLOCK x GROUP query rows of its draft block attend to the
-    request's first ctx_lens[b] cached keys (paged) and to the block's own BLOCK keys (bidirectional), with an
-    online softmax over key tiles of BLOCK_N. Row r is (block slot r // GROUP, q head h * GROUP + r % GROUP)."""
+    request's first ctx_lens[b] cached keys (paged; only the last ``window`` of them when window > 0) and to the
+    block's own BLOCK keys (bidirectional), with an online softmax over key tiles of BLOCK_N. Row r is (block slot r // GROUP, q head h * GROUP + r % GROUP)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     rows = tl.arange(0, M)
@@ -204,8 +204,9 @@ def _block_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, ctx
     l_i = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([M, D], dtype=tl.float32)
     ctx_len = tl.load(ctx_lens_ptr + b)
+    first = tl.where(window > 0, tl.maximum(ctx_len - window, 0), 0)  # window 0: the whole context
     cols = tl.arange(0, BLOCK_N)
-    for start in range(0, ctx_len, BLOCK_N):
+    for start in range(first, ctx_len, BLOCK_N):
         pos = start + cols
         key_ok = pos < ctx_len
         page = tl.load(page_table_ptr + b * page_table_stride + pos // page_size, mask=key_ok, other=0)
@@ -225,9 +226,10 @@ def _block_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, ctx
 
 def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                     ctx_lens: torch.Tensor, extra_k: torch.Tensor, extra_v: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """Draft-block attention: q [B*K, Hq, D] over each request's ctx_lens[b] cached keys (page_table [B, P]) plus
-    the block's own keys extra_k/extra_v [B, K, Hkv, D]; every length is read on the device (CUDA-graph safe)."""
+                    scale: float, window: int | None = None) -> torch.Tensor:
+    """Draft-block attention: q [B*K, Hq, D] over each request's ctx_lens[b] cached keys (page_table [B, P]; the
+    last ``window`` only, if given) plus the block's own keys extra_k/extra_v [B, K, Hkv, D]; every length is read
+    on the device (CUDA-graph safe)."""
     batch, block, num_kv, dim = extra_k.shape
     num_q = q.shape[1]
     group = num_q // num_kv
@@ -239,7 +241,7 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     _block_attention_kernel[(batch, num_kv)](
         q, k_cache, v_cache, page_table, ctx_lens, extra_k, extra_v, out, scale, k_cache.shape[1],
-        page_table.stride(0), num_q, num_kv, BLOCK=block, GROUP=group,
+        page_table.stride(0), num_q, num_kv, window or 0, BLOCK=block, GROUP=group,
         M=max(16, triton.next_power_of_2(block * group)), D=dim, BLOCK_N=16,
         X=max(16, triton.next_power_of_2(block)))
     return out

@@ -31,16 +31,24 @@ class DrafterSpec:
     markov_head_type: str | None
     enable_confidence_head: bool
     confidence_head_with_markov: bool
+    context_window: int | None = None  # embedded flavour: the block sees only the last N context positions
+    embedded: bool = False  # the target checkpoint's mtp.<s>.* stages (full target decoder blocks)
+    sparse_stages: frozenset[int] = frozenset()  # embedded stages that are sparse MoE blocks
 
 
 class DSparkDrafter(nn.Module):
-    def __init__(self, config, spec: DrafterSpec, kernels: KernelBackend):
+    """Standalone (DeepSpec) layers are Qwen3 decoder blocks; an embedded drafter's stages are the target's own
+    blocks (``qk_norm`` of its family, sparse MoE blocks at ``sparse_stages`` on ``moe_backend``)."""
+
+    def __init__(self, config, spec: DrafterSpec, kernels: KernelBackend, qk_norm: bool = True,
+                 sparse_stages: frozenset[int] = frozenset(), moe_backend: str | None = None):
         super().__init__()
         d = config.hidden_size
         self.spec = spec
         self.fc = nn.Linear(len(spec.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps, kernels)
-        self.layers = nn.ModuleList(DecoderLayer(config, kernels, qk_norm=True) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, kernels, qk_norm, moe_backend if i in sparse_stages else None)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps, kernels)
         self.rotary = RotaryEmbedding(config, self.layers[0].self_attn.head_dim)
         self.markov_head = (MarkovHead(spec.markov_head_type or "vanilla", config.vocab_size, spec.markov_rank, d)

@@ -85,10 +85,14 @@ def test_trtllm_tensor_aliases_load(checkpoints, qwen3_target):
     assert len(out[0].token_ids) == 4
 
 
-def test_embedded_draft_is_refused_clearly(checkpoints, qwen3_target):
+def test_an_index_that_claims_an_embedded_drafter_the_tensors_lack_is_named(checkpoints, qwen3_target):
     path = drafter_dir(checkpoints, "embedded", qwen3_target)
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"mtp.0.fc.weight": "x"}}))
-    with pytest.raises(CheckpointError, match="embedded in the target"):
+    with pytest.raises(CheckpointError, match=r"names shard files that are not there: \['x'\]"):
+        llm(qwen3_target, path)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "mtp.0.fc.weight": "model.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"no mtp.<s>.\* tensors, so no embedded drafter"):
         llm(qwen3_target, path)
 
 
