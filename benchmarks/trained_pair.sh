@@ -8,7 +8,8 @@
 #                                                    -> OUT/gpu-recipe.json, WORK/{target,dspark,heldout-prompts.jsonl}
 #   bash benchmarks/trained_pair.sh bench WORK OUT   dspark bench on that pair over the held-out prompts: the
 #                                                    concurrency sweep, the tuned draft_len_schedule, the end-to-end
-#                                                    speedup and greedy agreement of 64 prompts x 128 tokens
+#                                                    speedup and greedy agreement of 64 prompts x 128 tokens,
+#                                                    and the confidence scheduler's sweep beside the fixed K
 #                                                    -> OUT/bench.json, OUT/tuned-schedule.json (dspark bench-plot draws it)
 # Both steps run from the checkout root with .whl-fi (and .fi-cache, if any) carried; see benchmarks/gpu_host.sh.
 set -euo pipefail
@@ -23,7 +24,7 @@ bench() {
     python3 -m cluster.cli bench --model "$work/target" --speculative-model "$work/dspark" \
       --prompts "$work/heldout-prompts.jsonl" --prompt-len 64 --concurrency 1,4,16,64,256 --steps 30 \
       --kv-cache-gib 16 --tune-schedule "$out/tuned-schedule.json" --e2e-prompts 64 --e2e-tokens 128 \
-      --out "$out/bench.json"
+      --confidence-scheduling --profile-steps "$out/step-costs.json" --out "$out/bench.json"
 }
 case "$step" in
   train) train 150 510 ;;

@@ -15,9 +15,11 @@ real shapes (``load_format="dummy"``): step times and roofline only, since rando
 (``--model``/``--speculative-model``) gives acceptance and end-to-end speedup. Peers: Hugging Face ``generate``
 on the same target, eager and compiled (static cache).
 ``--tune-schedule FILE`` times every shorter draft length too and writes the fastest ``draft_len_schedule``
-(``cluster.schedule_tuning``). ``--e2e-prompts N`` decodes N prompts one at a time through ``LLM.generate`` with
-both engines: the end-to-end speedup against what the step times allow at the measured tau, and the share of
-prompts whose greedy outputs are identical (bf16 verify batches reorder sums, so near-ties may part).
+(``cluster.schedule_tuning``). ``--confidence-scheduling`` sweeps a third engine whose verify lengths the
+confidence scheduler chooses (``confidence_*`` fields; ``--profile-steps FILE`` saves its step-time table).
+``--e2e-prompts N`` decodes N prompts one at a time through ``LLM.generate`` with both engines: the end-to-end
+speedup against what the step times allow at the measured tau, and the share of prompts whose greedy outputs
+are identical (bf16 verify batches reorder sums, so near-ties may part).
 """
 
 from __future__ import annotations
@@ -449,11 +451,20 @@ def run(args) -> dict:
         else None  # the sweep's too: a trained pair's acceptance on its own kind of text
     e2e_prompts = end_to_end_prompts(args, sweep_prompts, vocab) if args.e2e_prompts else None
     e2e = {}
-    for kind, speculative in (("ar", None), ("dspark", spec)):
+    engines = [("ar", None), ("dspark", spec)]
+    if args.confidence_scheduling:  # the same drafter, its verify lengths chosen by the confidence scheduler
+        engines.append(("confidence", {**spec, "enable_confidence_scheduling": True}))
+    record["schedules"] = {"dspark": "fixed" if spec.get("draft_len_schedule") is None else "tuned",
+                           **({"confidence": "confidence"} if args.confidence_scheduling else {})}
+    for kind, speculative in engines:
         start = time.perf_counter()
         llm = LLM(str(target), speculative_config=speculative, **common)
         record[f"{kind}_startup_s"] = time.perf_counter() - start
         record[f"{kind}_rank_info"] = llm.rank_info()
+        if kind == "confidence":  # the step-time table it profiled at startup
+            record["confidence_cost_table"] = llm.engine.confidence.costs.to_json()
+            if args.profile_steps:
+                llm.engine.confidence.costs.save(args.profile_steps)
         if kind == "ar":
             record["weight_bytes"] = weight_bytes(llm)
             record["expert_bytes"] = expert_bytes(llm)
@@ -476,6 +487,13 @@ def run(args) -> dict:
                 if "forward_ms" in timing:  # the device time of the graphed forward; the rest is outside it
                     rows[c].update(ar_forward_ms=timing["forward_ms"],
                                    ar_outside_forward_ms=timing["step_ms"] - timing["forward_ms"])
+            elif kind == "confidence":
+                stats = llm.get_metrics()["confidence_scheduling"]
+                rows[c].update(confidence_mean_acceptance_length=timing["mean_acceptance_length"],
+                               confidence_acceptance_per_position=timing["acceptance_per_position"],
+                               confidence_verify_budget_per_request=stats["mean_verify_budget_per_request"],
+                               confidence_predicted_step_ms=stats["mean_predicted_step_ms"],
+                               confidence_measured_step_ms=stats["mean_measured_step_ms"])
             else:
                 rows[c].update(mean_acceptance_length=timing["mean_acceptance_length"],
                                acceptance_per_position=timing["acceptance_per_position"])
@@ -498,6 +516,9 @@ def run(args) -> dict:
         torch.cuda.empty_cache()
     for row in rows.values():
         row["dspark_step_vs_ar"] = row["dspark_step_ms"] / row["ar_step_ms"]
+        if "confidence_tokens_per_s" in row:
+            row["confidence_speedup"] = row["confidence_tokens_per_s"] / row["ar_tokens_per_s"]
+            row["confidence_vs_dspark"] = row["confidence_tokens_per_s"] / row["dspark_tokens_per_s"]
         row["speedup"] = row["dspark_tokens_per_s"] / row["ar_tokens_per_s"]
         if "verify_step_ms" in row and "ar_forward_ms" in row:  # device time against device time
             row["verify_vs_ar_forward"] = row["verify_step_ms"] / row["ar_forward_ms"]
@@ -652,6 +673,11 @@ def add_parser(commands) -> None:
     bench.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "flashinfer"],
                        help="kernels of both engines (default auto: flashinfer on a GPU where it imports)")
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    bench.add_argument("--confidence-scheduling", action="store_true", help="also sweep DSpark with "
+                       "enable_confidence_scheduling (its step-time table profiled at startup, in the record): "
+                       "confidence_tokens_per_s beside the fixed (or tuned) schedule's dspark_tokens_per_s")
+    bench.add_argument("--profile-steps", metavar="FILE", help="with --confidence-scheduling: also write the "
+                       "profiled step-time table to FILE (a confidence_cost_table_path)")
     bench.add_argument("--moe-backend", default="AUTO", choices=["AUTO", "VANILLA", "DENSEGEMM"],
                        help="expert kernels of an MoE target (default AUTO; recorded as moe_backend)")
     bench.add_argument("--kv-cache-gib", type=int, default=40, help="KV cache per engine (default 40 GiB)")
@@ -684,6 +710,10 @@ def add_parser(commands) -> None:
 def main(args) -> int:
     if args.model is not None and args.speculative_model is None:
         print("dspark bench: --model needs --speculative-model", file=sys.stderr)
+        return 2
+    if args.profile_steps and not args.confidence_scheduling:
+        print("dspark bench: --profile-steps needs --confidence-scheduling (it writes that engine's table)",
+              file=sys.stderr)
         return 2
     if args.projected_tau is not None and not 1.0 <= args.projected_tau <= args.max_draft_len + 1:
         print(f"dspark bench: --projected-tau must be in [1, max_draft_len + 1 = {args.max_draft_len + 1}], got "

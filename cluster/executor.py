@@ -91,8 +91,9 @@ class RayExecutor:
         results = self._call_all("execute", ref, timeout_s=self.config.parallel.step_timeout_s)
         step = results[0]
         if self.plan.roles[-1] == "drafter":
-            drafts = results[-1]
-            step = [dataclasses.replace(r, next_draft_ids=drafts.get(r.request_id, [])) for r in step]
+            drafts = results[-1]  # request id -> (block, its confidences or None)
+            step = [dataclasses.replace(r, next_draft_ids=drafts.get(r.request_id, ([], None))[0],
+                                        next_draft_confidence=drafts.get(r.request_id, ([], None))[1]) for r in step]
         return step
 
     def describe(self) -> list[dict]:

@@ -130,6 +130,21 @@ class DSparkDecodingConfig(BaseModel):
     confidence_threshold: Annotated[float, Field(ge=0.0, le=1.0)] | None = Field(
         default=None, description="Extension. Propose only the leading drafts whose confidence-head "
         "probability is >= this value (per position, DeepSpec's rule); None proposes the whole block.")
+    enable_confidence_scheduling: bool = Field(
+        default=False, description="TensorRT-LLM 1.4's name. Each step verifies only what pays: every request's "
+        "draft survival (cumulative product of its calibrated confidences) against the step-time table, the verify "
+        "budget maximizing expected committed tokens per second (capacity from the previous step's confidences, "
+        "so it stays lossless). Needs a drafter with a confidence head.")
+    confidence_cost_table_path: str | None = Field(
+        default=None, description="TensorRT-LLM 1.4's name. A step-time table (JSON: batch_sizes, token_counts, "
+        "step_ms; written by dspark bench --profile-steps) to start from; None: the engine profiles its own steps "
+        "at startup. Either way the table keeps learning from the steps the engine serves.")
+    confidence_calibration_path: str | None = Field(
+        default=None, description="TensorRT-LLM 1.4's name. Per-position confidence temperatures (JSON: "
+        "temperatures) fitted on held-out data; None: the drafter config's confidence_temperatures, else 1.")
+    confidence_min_predicted_gain: Annotated[float, Field(ge=0.0)] = Field(
+        default=0.04, description="TensorRT-LLM 1.4's name. Verify drafts only when the predicted tokens per "
+        "second beat verifying none by at least this fraction.")
 
     _draft_is_embedded: bool = PrivateAttr(default=False)
     _probed: bool = PrivateAttr(default=False)
@@ -227,6 +242,24 @@ class DSparkDecodingConfig(BaseModel):
             if too_long:
                 raise ValueError(f"draft_len_schedule: draft lengths must be in 0..max_draft_len={k}, "
                                  f"got {too_long}")
+        return self
+
+    @model_validator(mode="after")
+    def validate_confidence_scheduling(self) -> DSparkDecodingConfig:
+        """The scheduler's files exist, and none of its knobs is set while it is off (it would be ignored)."""
+        for name in ("confidence_cost_table_path", "confidence_calibration_path"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not self.enable_confidence_scheduling:
+                raise ValueError(f"{name} is set but enable_confidence_scheduling is False: set it True or drop "
+                                 f"{name}")
+            if not Path(value).is_file():
+                raise ValueError(f"{name}: {value} is not a file")
+        if "confidence_min_predicted_gain" in self.model_fields_set and not self.enable_confidence_scheduling:
+            raise ValueError("confidence_min_predicted_gain is set but enable_confidence_scheduling is False")
+        if self.enable_confidence_scheduling and self.confidence_threshold is not None:
+            raise ValueError("enable_confidence_scheduling and confidence_threshold both trim the proposal: use one")
         return self
 
     @model_validator(mode="after")

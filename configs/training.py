@@ -52,6 +52,15 @@ class DrafterTrainConfig(BaseModel):
     seed: int = Field(default=0, description="Seed of initialization, data order and anchors.")
     log_every: Annotated[int, Field(gt=0)] = Field(default=50, description="Steps between log lines.")
     save_every: Annotated[int, Field(gt=0)] = Field(default=500, description="Steps between checkpoints.")
+    calibration_data: str | None = Field(
+        default=None, description="Held-out JSONL prompts (prompt, messages or prompt_ids rows): after training, "
+        "the drafter drafts greedily on them through the engine and a confidence temperature per position is "
+        "fitted (minimizing the calibration error of the survival products) into config.json as "
+        "confidence_temperatures, which confidence scheduling reads; None: no calibration.")
+    calibration_prompts: Annotated[int, Field(gt=0)] = Field(default=64, description="Prompts of "
+                                                              "calibration_data used.")
+    calibration_tokens: Annotated[int, Field(gt=0)] = Field(default=64, description="Greedy tokens per "
+                                                             "calibration prompt.")
 
 
 class TargetTrainConfig(BaseModel):

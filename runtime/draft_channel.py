@@ -35,6 +35,7 @@ class Proposal:
     tokens: torch.Tensor | None  # [S, K] (None when the drafter returns them to the driver itself)
     lengths: torch.Tensor | None  # [S]
     features: DraftFeatures | None  # for the rejection-sampled entries, in entry order
+    confidence: torch.Tensor | None = None  # [S, K] the confidence head's c_k (None without one)
 
 
 class DraftChannel(Protocol):
@@ -64,7 +65,7 @@ class LocalDraftChannel:
         if rejection_rows:
             rows = to_device(rejection_rows, out.hidden.device)
             features = DraftFeatures(out.hidden[rows], out.low_rank[rows] if out.low_rank is not None else None)
-        return Proposal(out.tokens, out.lengths, features)
+        return Proposal(out.tokens, out.lengths, features, out.confidence)
 
 
 class RemoteDraftChannel:

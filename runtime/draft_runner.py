@@ -37,6 +37,7 @@ class DraftOutput:
     lengths: torch.Tensor  # [S] proposed lengths after confidence truncation
     hidden: torch.Tensor  # [S, K, d] block states after the final norm (rebuild U_k = lm_head(h_k))
     low_rank: torch.Tensor | None  # [S, K, r] Markov features (z_k = U_k + W2 low_rank_k), None at rank 0
+    confidence: torch.Tensor | None = None  # [S, K] the confidence head's c_k (None without a head)
 
 
 class DraftRunner:
@@ -95,7 +96,7 @@ class DraftRunner:
         confidence = self.drafter.confidence(hidden, torch.cat([anchors[:, None], tokens[:, :-1]], dim=1))
         if confidence is not None and self.confidence_threshold is not None:
             lengths = (confidence >= self.confidence_threshold).to(torch.int64).cumprod(dim=1).sum(dim=1)
-        return DraftOutput(tokens, lengths, hidden, low_rank)
+        return DraftOutput(tokens, lengths, hidden, low_rank, confidence)
 
     def _markov_chain(self, base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
                       anchor_pos: torch.Tensor, sampling: DraftSampling | None):

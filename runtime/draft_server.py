@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from runtime.confidence_scheduler import CONFIDENCE_SCALE
 from runtime.draft_channel import DraftFeatures, send_features
 from runtime.draft_runner import DraftRunner
 from runtime.step_io import ScheduledBatch
@@ -27,8 +28,9 @@ class DraftServer:
         self.page_size, self.dtype, self.device = page_size, dtype, device
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[str, list[int]]:
-        """-> request id -> the block proposed for its next step."""
+    def execute(self, batch: ScheduledBatch) -> dict[str, tuple[list[int], list[float] | None]]:
+        """-> request id -> the block proposed for its next step and its drafts' confidences (None without a
+        confidence head)."""
         self.runner.scrub(batch.scrub_page_ids)
         reqs = batch.requests
         if not reqs or not batch.maintain_draft_context:
@@ -53,5 +55,10 @@ class DraftServer:
             index = to_device(rows, self.device)
             low = out.low_rank[index] if out.low_rank is not None else None
             send_features(DraftFeatures(out.hidden[index], low), dst=TARGET_LEADER)
-        host = torch.cat([out.tokens, out.lengths[:, None]], dim=1).tolist()
-        return {e.request_id: row[:row[-1]] for e, row in zip(entries, host)}
+        parts = [out.tokens, out.lengths[:, None]]
+        if out.confidence is not None:
+            parts.append((out.confidence.float() * CONFIDENCE_SCALE).round().to(torch.int64))
+        host = torch.cat(parts, dim=1).tolist()
+        k = out.tokens.shape[1]
+        return {e.request_id: (row[:row[k]], [c / CONFIDENCE_SCALE for c in row[k + 1:k + 1 + row[k]]]
+                               if out.confidence is not None else None) for e, row in zip(entries, host)}

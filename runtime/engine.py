@@ -13,12 +13,15 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from pathlib import Path
 
 from torch.profiler import record_function
 from transformers import AutoTokenizer, GenerationConfig
 
 from configs import LLMConfig
+from configs.checkpoint import read_model_config
+from runtime.confidence_scheduler import ConfidenceScheduler, ConfidenceStats, read_calibration
 from runtime.executor import Executor, LocalExecutor
 from runtime.loader import load_hf_config
 from runtime.metrics import AcceptanceGate, SpecMetrics
@@ -27,7 +30,9 @@ from runtime.pages import PageAllocator
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerLimits
 from runtime.sequence import Sequence
+from runtime.step_costs import StepCostTable
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
+from runtime.step_profile import profile_step_costs
 from runtime.stops import StopCriteria
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,12 @@ class Engine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
+        self.confidence: ConfidenceScheduler | None = None
+        self.confidence_stats = ConfidenceStats()
+        # when a list: every verify appends (the verified drafts' confidences, accepted count) (calibration)
+        self.verification_log: list[tuple[list[float], int]] | None = None
+        if self.spec is not None and self.spec.enable_confidence_scheduling:
+            self.confidence = self._confidence_scheduler()
 
     # ---- setup --------------------------------------------------------------------------------
 
@@ -83,6 +94,29 @@ class Engine:
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
         return frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    def _confidence_scheduler(self) -> ConfidenceScheduler:
+        """``enable_confidence_scheduling``: the drafter must have a confidence head; temperatures from
+        ``confidence_calibration_path`` or the drafter's config; the step-time table from
+        ``confidence_cost_table_path`` or profiled now, on this engine's own steps."""
+        if not any(info.get("draft_confidence_head") for info in self.executor.describe()):
+            raise ValueError("speculative_config.enable_confidence_scheduling needs a drafter with a confidence head; "
+                             f"{self.spec.speculative_model} has none (enable_confidence_head)")
+        spec = self.spec
+        temperatures = None
+        if spec.confidence_calibration_path is not None:
+            temperatures = read_calibration(spec.confidence_calibration_path, "confidence_calibration_path")
+        else:
+            raw = read_model_config(str(spec.speculative_model)) or {}
+            if raw.get("confidence_temperatures") is not None:
+                temperatures = read_calibration(raw, f"{spec.speculative_model}/config.json confidence_temperatures")
+        if spec.confidence_cost_table_path is not None:
+            costs = StepCostTable.load(spec.confidence_cost_table_path)
+        else:
+            costs = profile_step_costs(self)
+        log.info("dspark: confidence scheduling on, step-time table %s, temperatures %s",
+                 spec.confidence_cost_table_path or "profiled at startup", temperatures or "1")
+        return ConfidenceScheduler(int(spec.max_draft_len), costs, temperatures, spec.confidence_min_predicted_gain)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -163,20 +197,43 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         with record_function("dspark.schedule"):
+            if self.confidence is not None:
+                self._allot_verify_lengths()
             scheduled = self.scheduler.schedule()
         released, scrub = self.scheduler.take_released()
         batch = ScheduledBatch(requests=scheduled, num_next_drafts=self.draft_len(),
                                maintain_draft_context=self.has_drafter and not self.gate.closed,
                                released_request_ids=released, scrub_page_ids=scrub)
         with record_function("dspark.execute"):
+            start = time.perf_counter()
             results = self.executor.execute(batch)
+            if self.confidence is not None and scheduled:
+                self._learn_step_time(scheduled, time.perf_counter() - start)
         with record_function("dspark.commit"):
             return self._commit_step(scheduled, results)
+
+    def _allot_verify_lengths(self) -> None:
+        """Confidence scheduling: trim each decoding request's proposed block to what this step verifies."""
+        seqs = [s for s in self.scheduler.running if s.draft_ids and s.draft_confidence is not None]
+        if not seqs:
+            return
+        lengths = self.confidence.allot([s.draft_confidence for s in seqs])
+        for seq, length in zip(seqs, lengths):
+            seq.draft_ids, seq.draft_confidence = seq.draft_ids[:length], seq.draft_confidence[:length]
+        self.confidence_stats.record_decision(self.confidence.last, len(seqs))
+
+    def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
+        tokens = sum(len(e.token_ids) for e in scheduled)
+        self.confidence.costs.observe(len(scheduled), tokens, seconds)
+        self.confidence_stats.record_step(1e3 * seconds)
 
     def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:
         outputs, drafted, accepted = [], 0, 0
         for entry, result in zip(scheduled, results):
             seq = self.sequences[entry.request_id]
+            if self.verification_log is not None and entry.num_drafts and seq.draft_confidence is not None \
+                    and result.error is None:
+                self.verification_log.append((seq.draft_confidence[:entry.num_drafts], result.num_accepted))
             try:
                 if result.error is not None:
                     raise RequestFault(result.error)
@@ -218,7 +275,7 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 return kept
-        seq.draft_ids = result.next_draft_ids
+        seq.draft_ids, seq.draft_confidence = result.next_draft_ids, result.next_draft_confidence
         return kept
 
     def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
@@ -261,4 +318,6 @@ class Engine:
         return {**self.metrics.as_dict(), "speculation_disabled": self.gate.closed,
                 "num_preemptions": self.scheduler.num_preemptions, "num_kv_pages_used": self.pages.num_used,
                 "num_kv_pages": self.pages.num_pages, "prefix_cache_queries": self.pages.num_queried_tokens,
-                "prefix_cache_hits": self.pages.num_hit_tokens, "num_kv_pages_cached": self.pages.num_cached}
+                "prefix_cache_hits": self.pages.num_hit_tokens, "num_kv_pages_cached": self.pages.num_cached,
+                **({"confidence_scheduling": self.confidence_stats.as_dict(self.confidence)}
+                   if self.confidence is not None else {})}

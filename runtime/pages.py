@@ -92,6 +92,15 @@ class PageAllocator:
             if key is not None:
                 del self._page_of[key]
 
+    def forget_cached(self) -> None:
+        """Drop every cached prefix no request holds (its pages become free) and zero the lookup counters: what
+        an engine's own warm-up requests left behind."""
+        idle = list(self._evictable)
+        self.forget(idle)
+        self._evictable.clear()
+        self._free.extend(reversed(idle))
+        self.num_queried_tokens = self.num_hit_tokens = 0
+
     # ---- prefix cache -------------------------------------------------------------------------
 
     def match(self, keys: list[bytes]) -> list[int]:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from configs import DSparkDecodingConfig
+from runtime.confidence_scheduler import CONFIDENCE_SCALE
 from runtime.draft_channel import DraftChannel, Proposal, receive_features, send_features
 from runtime.graphs import GraphedTargetForward, GraphOutputs
 from runtime.kernels import AttentionGeometry, KernelBackend
@@ -111,8 +112,12 @@ class ModelRunner:
     def _results(self, reqs, entries, committed, accepted, faulty, proposal: Proposal | None,
                  logprobs: dict[int, list[list[TokenLogprob]]] | None = None) -> list[RequestStepResult]:
         parts = [committed, accepted[:, None], faulty[:, None].to(committed.dtype)]
+        k = 0
         if proposal is not None and proposal.tokens is not None:
+            k = proposal.tokens.shape[1]
             parts += [proposal.tokens, proposal.lengths[:, None]]
+            if proposal.confidence is not None:  # c * 2^24 as integers: the same single transfer
+                parts.append((proposal.confidence.float() * CONFIDENCE_SCALE).round().to(committed.dtype))
         host = torch.cat(parts, dim=1).tolist()  # the step's one device-to-host transfer
         width = committed.shape[1]
         sampled = {}
@@ -121,10 +126,15 @@ class ModelRunner:
             if bad:  # this request's rows hold NaN/inf: it fails alone, nothing of it is committed
                 sampled[entry.request_id] = RequestStepResult(entry.request_id, [], 0, [], NON_FINITE_LOGITS)
                 continue
-            drafts = row[width + 2: width + 2 + row[-1]] if len(row) > width + 2 else []
+            drafts, confidence = [], None
+            if k:
+                length = row[width + 2 + k]
+                drafts = row[width + 2: width + 2 + length]
+                if len(row) > width + 3 + k:
+                    confidence = [c / CONFIDENCE_SCALE for c in row[width + 3 + k: width + 3 + k + length]]
             token_logprobs = logprobs[i][:a + 1] if logprobs is not None and i in logprobs else None
             sampled[entry.request_id] = RequestStepResult(entry.request_id, row[:a + 1], a, drafts,
-                                                          logprobs=token_logprobs)
+                                                          logprobs=token_logprobs, next_draft_confidence=confidence)
         # in batch order; a request that only prefilled a chunk commits nothing
         return [sampled.get(r.request_id) or RequestStepResult(r.request_id, [], 0, []) for r in reqs]
 

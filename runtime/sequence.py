@@ -33,6 +33,7 @@ class Sequence:
     num_computed: int = 0
     page_ids: list[int] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)
+    draft_confidence: list[float] | None = None  # the confidence head's c_k of each draft_ids entry
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # drafts verified for this request (as counted in the engine's metrics)

@@ -54,3 +54,4 @@ class RequestStepResult:
     next_draft_ids: list[int]  # the block proposed for the next step (after confidence truncation)
     error: str | None = None  # a fault of this request alone (non-finite logits in its rows): it fails, others go on
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for them
+    next_draft_confidence: list[float] | None = None  # the confidence head's c_k of each next_draft_ids entry

@@ -195,7 +195,10 @@ class Worker:
                 "kernel_backend": self.kernel_backend, "cuda_graphs": self.graphs is not None,
                 "graph_capture_s": round(self.graphs.capture_seconds, 2) if self.graphs is not None else None,
                 "draft_graphs": self.graphs is not None and self.plan.holds_drafter and self.spec is not None,
-                "holds_drafter": self.plan.holds_drafter and self.spec is not None}
+                "holds_drafter": self.plan.holds_drafter and self.spec is not None,
+                "draft_confidence_head": bool(self.drafter is not None and self.drafter.confidence_head is not None),
+                "draft_flavour": None if self.spec is None else
+                ("embedded" if self.spec.draft_is_embedded_in_target else "standalone")}
 
     def shutdown(self) -> None:
         self.engine_part = None

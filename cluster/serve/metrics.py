@@ -46,6 +46,21 @@ class EngineCollector:
                    float(m["speculation_disabled"])))
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"{PREFIX}:{name}", doc, value=value)
+        scheduling = m.get("confidence_scheduling")
+        if scheduling is not None:  # enable_confidence_scheduling
+            last = scheduling["last"]
+            for name, doc, value in (
+                    ("confidence_verify_budget", "Drafts the last scheduled step verifies over the batch.",
+                     last.get("verify_budget", 0)),
+                    ("confidence_drafts_offered", "Drafts proposed to the last scheduled step.",
+                     last.get("offered", 0)),
+                    ("confidence_predicted_step_seconds", "The step time the table predicted for the last step.",
+                     last.get("predicted_step_ms", 0.0) / 1e3),
+                    ("confidence_measured_step_seconds", "The last scheduled step's measured time.",
+                     last.get("measured_step_ms", 0.0) / 1e3),
+                    ("confidence_mean_verify_budget_per_request", "Mean drafts verified per request and step.",
+                     scheduling["mean_verify_budget_per_request"])):
+                yield GaugeMetricFamily(f"{PREFIX}:{name}", doc, value=value)
         info = InfoMetricFamily(f"{PREFIX}:moe_backend", "MoE backend resolved on each rank.", labels=["rank", "role"])
         for rank in self.rank_info:
             info.add_metric([str(rank["rank"]), rank["role"]], {"backend": str(rank.get("moe_backend")),

@@ -164,9 +164,24 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
     bar.close()
     last = stats or {name: float(value) for name, value in step_stats.items()}
     result = {**last, "step": run.step, "seconds": time.monotonic() - start}
+    if rank == 0 and cfg.calibration_data is not None:
+        result["calibration"] = calibrate(cfg, device)
+        log.info("calibration %s", json.dumps(result["calibration"]))
     if rank == 0:
         (out / STATS_FILE).write_text(json.dumps(result))
     return result
+
+
+def calibrate(cfg: DrafterTrainConfig, device: torch.device) -> dict:
+    """Fit the saved drafter's confidence temperatures on ``cfg.calibration_data`` (held out) through the engine."""
+    from transformers import AutoTokenizer
+
+    from runtime.training.calibration import calibrate_drafter
+    from runtime.training.distill import dataset_prompts
+
+    prompts = dataset_prompts(cfg.calibration_data, AutoTokenizer.from_pretrained(cfg.target), cfg.calibration_prompts)
+    return calibrate_drafter(cfg.target, cfg.out, prompts, cfg.block_size, cfg.calibration_tokens, device=str(device),
+                             dtype=cfg.target_dtype)
 
 
 def drafter_step(target, drafter: DSparkDrafter, ids, loss_mask, attn, anchors, keep, cfg: DrafterTrainConfig,

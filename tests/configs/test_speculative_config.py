@@ -20,6 +20,9 @@ PAGE_FIELDS = {
     "markov_rank": None, "markov_head_type": None, "decoding_type": "DSpark", "attention_backend": "AUTO",
 }
 EXTENSIONS = {"confidence_threshold": None, "revision": None}
+# TensorRT-LLM 1.4's confidence-scheduling fields (not on the reference page, named as TRT-LLM names them)
+EXTENSIONS.update(enable_confidence_scheduling=False, confidence_cost_table_path=None,
+                  confidence_calibration_path=None, confidence_min_predicted_gain=0.04)
 
 
 def make(**kw):
@@ -203,3 +206,17 @@ def test_advanced_sampling_mode_filters():
     assert not AdvancedSamplingMode.NO_TOPP.allows_top_p and not AdvancedSamplingMode.NO_TOPP.allows_min_p
     mode = AdvancedSamplingMode.NO_TOPK_NO_TOPP
     assert not (mode.allows_top_k or mode.allows_top_p or mode.allows_min_p)
+
+
+def test_confidence_scheduling_knobs_need_the_switch_and_their_files(tmp_path):
+    table = tmp_path / "table.json"
+    table.write_text("{}")
+    with pytest.raises(ValidationError, match="confidence_cost_table_path is set but enable_confidence_scheduling"):
+        make(confidence_cost_table_path=str(table))
+    with pytest.raises(ValidationError, match="confidence_calibration_path: .*missing.json is not a file"):
+        make(enable_confidence_scheduling=True, confidence_calibration_path=str(tmp_path / "missing.json"))
+    with pytest.raises(ValidationError, match="confidence_min_predicted_gain is set but"):
+        make(confidence_min_predicted_gain=0.1)
+    with pytest.raises(ValidationError, match="both trim the proposal"):
+        make(enable_confidence_scheduling=True, confidence_threshold=0.5)
+    assert make(enable_confidence_scheduling=True, confidence_cost_table_path=str(table)).enable_confidence_scheduling

@@ -34,6 +34,7 @@ def test_the_embedded_copy_of_a_drafter_drafts_exactly_as_the_standalone_one(tmp
     inside, inside_out = run(embedded, embedded)  # speculative_model is the target itself
     assert inside_out == alone_out == builders.hf_greedy(near_bigram_target, PROMPTS, 16)
     assert inside.get_metrics() == alone.get_metrics() and inside.get_metrics()["num_drafts"] > 0
+    assert [i["draft_flavour"] for i in (inside.rank_info()[0], alone.rank_info()[0])] == ["embedded", "standalone"]
     drafter = inside.engine.executor.worker.drafter
     assert drafter.spec.embedded and drafter.spec.context_window == 512 and len(drafter.layers) == 2
 
@@ -95,7 +96,8 @@ def test_the_window_masks_all_but_the_last_context_keys():
                                   num_tokens=block, page_size=page, num_extra_keys=block, context_window=window)
         return torch_ref.paged_attention(q, k_cache, v_cache, torch_ref.plan_attention(meta), 0.3, xk, xv)
 
-    slots = torch.tensor([int(table[0, p // page]) * page + p % page for p in range(ctx - 4, ctx)])  # the last 4 context keys
+    # the last 4 context keys
+    slots = torch.tensor([int(table[0, p // page]) * page + p % page for p in range(ctx - 4, ctx)])
     keys = torch.cat([k_cache.view(-1, heads, dim)[slots], xk[0]])  # [4 + block, H, D]
     values = torch.cat([v_cache.view(-1, heads, dim)[slots], xv[0]])
     weights = torch.softmax(torch.einsum("qhd,khd->hqk", q, keys) * 0.3, dim=-1)

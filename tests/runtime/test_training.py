@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from configs import DSparkDecodingConfig
 from configs.training import DrafterTrainConfig
 from runtime.llm import LLM
 from runtime.training.blocks import attention_mask, block_inputs, block_labels, sample_anchors
@@ -274,3 +275,36 @@ def test_a_target_run_stopped_by_its_time_limit_has_annealed_its_learning_rate(t
     stats = train_target(cfg, progress=False)
     assert 10 < stats["steps"] < 10**6  # the clock stopped it
     assert stats["last_lr"] < 0.02 * cfg.lr  # the last steps ran at the end of the cosine, not at the peak
+
+
+def test_calibration_fits_a_temperature_per_position_that_lowers_the_error():
+    """Synthetic verifications: the head says 0.9 at every position where the truth is 0.6: the fit cools it."""
+    from runtime.training.calibration import expected_calibration_error, fit_temperatures
+
+    g = torch.Generator().manual_seed(0)
+    verifications = []
+    for _ in range(4000):
+        survive = torch.rand(3, generator=g) < 0.6
+        accepted = int(torch.cumprod(survive.int(), 0).sum())
+        verifications.append(([0.9, 0.9, 0.9], accepted))
+    fit = fit_temperatures(verifications, 3)
+    assert all(t > 1.5 for t in fit["temperatures"])  # sigmoid(logit(.9) / T) ~ .6 needs T ~ 5
+    assert all(a < 0.5 * b for a, b in zip(fit["ece_after"], fit["ece_before"]))
+    assert expected_calibration_error(torch.tensor([0.25, 0.75], dtype=torch.float64),
+                                      torch.tensor([0.0, 1.0], dtype=torch.float64)) == pytest.approx(0.25)
+
+
+@pytest.mark.slow
+def test_train_drafter_calibrates_on_held_out_prompts(near_bigram_target, distilled, tmp_path):
+    held = tmp_path / "held.jsonl"
+    rows = torch.randint(3, 300, (8, 8), generator=torch.Generator().manual_seed(5)).tolist()
+    held.write_text("".join(json.dumps({"prompt_ids": r}) + "\n" for r in rows))
+    out = tmp_path / "calibrated"
+    stats = train_drafter(config(near_bigram_target, distilled, out, steps=40, calibration_data=str(held),
+                                 calibration_prompts=8, calibration_tokens=16), progress=False)
+    temperatures = json.loads((out / "config.json").read_text())["confidence_temperatures"]
+    assert temperatures == stats["calibration"]["temperatures"] and len(temperatures) == 3
+    assert stats["calibration"]["verifications"] > 0
+    spec = DSparkDecodingConfig(speculative_model=str(out), enable_confidence_scheduling=True)
+    llm = LLM(str(near_bigram_target), speculative_config=spec, **ENGINE)  # the scheduler reads them
+    assert llm.engine.confidence.temperatures.tolist() == pytest.approx(temperatures)

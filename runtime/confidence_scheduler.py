@@ -1,0 +1,164 @@
+"""Hardware-aware confidence scheduling: each step verifies the drafts that pay on this hardware at this load.
+
+DSpark paper, Algorithm 1, in its production form (section 5.2). The confidence head's ``c_k`` is the chance that
+draft k survives given its prefix did; calibrated per position with a temperature (``sigmoid(logit(c_k) / T_k)``)
+its cumulative product is the draft's survival ``a_k``. Verifying a set of drafts commits, in expectation, one
+token per request plus the survivals of the drafts verified; the step costs ``StepCostTable.predict_ms(batch,
+tokens fed)``. The scheduler:
+
+1. ranks every proposed draft of the batch by survival (ties: earlier position, then earlier request), so any
+   budget of B drafts is a prefix of each request's block (survival never grows along a block);
+2. verifies the top ``B`` drafts, B taken from the **previous** step's confidences (a budget per request,
+   scaled to this step's batch): the choice of which drafts to verify then depends only on each draft's prefix
+   and on other requests, never on the draft token being verified, which is what keeps rejection sampling
+   lossless (a budget chosen from the current tokens is not: paper, appendix A);
+3. from this step's confidences, chooses the budget for the next step: the B maximizing expected committed tokens
+   per predicted second over every B from 0 to all of them (the cost curve has steps, so no local search), or 0
+   when the best beats verifying nothing by less than ``min_gain``.
+
+The first step (no earlier confidences) verifies whole blocks. The host work is a few tensor ops over the batch's
+``S x K`` confidences.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.step_costs import StepCostTable
+
+CONFIDENCE_SCALE = 1 << 24  # confidences cross the step's one int64 device-to-host transfer as c * 2^24
+
+
+@dataclass
+class Decision:
+    """One step's verify budget and what it was predicted to give (for metrics)."""
+
+    budget: int  # drafts verified over the batch
+    offered: int  # drafts proposed over the batch
+    expected_tokens: float  # committed tokens the survivals predict for the step
+    predicted_ms: float  # the step time the table predicts
+
+
+class ConfidenceScheduler:
+    def __init__(self, max_draft_len: int, costs: StepCostTable, temperatures: list[float] | None = None,
+                 min_gain: float = 0.04):
+        temps = list(temperatures) if temperatures else [1.0] * max_draft_len
+        if len(temps) == 1:
+            temps = temps * max_draft_len
+        if len(temps) < max_draft_len or any(t <= 0 for t in temps):
+            raise ValueError(f"confidence temperatures: {max_draft_len} positive values expected, got {temps}")
+        self.max_draft_len, self.costs, self.min_gain = max_draft_len, costs, min_gain
+        self.temperatures = torch.tensor(temps[:max_draft_len], dtype=torch.float64)
+        self.budget_per_request: float | None = None  # chosen from the previous step's confidences
+        self.last: Decision | None = None
+
+    def survival(self, confidence: torch.Tensor) -> torch.Tensor:
+        """confidence [S, K] (0 where nothing was proposed) -> calibrated survival [S, K], non-increasing in k."""
+        c = confidence.to(torch.float64).clamp(1e-9, 1 - 1e-9)
+        calibrated = torch.sigmoid(torch.logit(c) / self.temperatures[:c.shape[1]])
+        calibrated = torch.where(confidence > 0, calibrated, torch.zeros_like(calibrated))
+        return torch.cumprod(calibrated, dim=1)
+
+    def allot(self, confidences: list[list[float]]) -> list[int]:
+        """Each request's proposed drafts' confidences (in block order) -> how many of them to verify."""
+        num = len(confidences)
+        offered = sum(len(c) for c in confidences)
+        if num == 0 or offered == 0:
+            return [0] * num
+        k = max(len(c) for c in confidences)
+        table = torch.zeros(num, k, dtype=torch.float64)
+        for i, c in enumerate(confidences):
+            table[i, :len(c)] = torch.tensor(c, dtype=torch.float64)
+        survival = self.survival(table)
+        proposed = torch.arange(k)[None, :] < torch.tensor([len(c) for c in confidences])[:, None]
+        if self.budget_per_request is None:  # nothing earlier to take the capacity from: whole blocks
+            budget = offered
+        else:
+            budget = min(round(self.budget_per_request * num), offered)
+        lengths = top_drafts(survival, proposed, budget)
+        chosen = survival[torch.arange(k)[None, :] < lengths[:, None]].sum().item()
+        self.last = Decision(budget, offered, num + chosen, self.costs.predict_ms(num, num + budget))
+        self.budget_per_request = self.best_budget(survival, proposed) / num
+        return lengths.tolist()
+
+    def best_budget(self, survival: torch.Tensor, proposed: torch.Tensor) -> int:
+        """The budget B maximizing (S + the top-B survivals) / predicted ms of a step feeding S + B tokens."""
+        num = survival.shape[0]
+        ranked = survival[proposed].sort(descending=True).values
+        expected = num + torch.cat([ranked.new_zeros(1), ranked.cumsum(0)])  # [B+1]
+        budgets = torch.arange(len(expected))
+        rate = expected / self.costs.predict_ms_many(num, num + budgets)
+        best = int(rate.argmax())
+        if rate[best] < (1 + self.min_gain) * rate[0]:
+            return 0
+        return best
+
+
+def top_drafts(survival: torch.Tensor, proposed: torch.Tensor, budget: int) -> torch.Tensor:
+    """The lengths [S] that verify the ``budget`` proposed drafts of highest survival (ties: the earlier position,
+    then the earlier request), each request's a prefix of its block."""
+    num, k = survival.shape
+    # position-major order (all first drafts, then all second drafts, ...), then a stable sort by survival
+    values = torch.where(proposed, survival, torch.full_like(survival, -1.0)).T.reshape(-1)
+    order = torch.sort(values, descending=True, stable=True).indices[:budget]
+    lengths = torch.zeros(num, dtype=torch.int64)
+    lengths.scatter_add_(0, order % num, torch.ones_like(order))
+    return lengths
+
+
+def read_calibration(source: str | Path | dict, what: str) -> list[float]:
+    """Per-position temperatures: a JSON file ``{"temperatures": [...]}`` (or a config dict holding
+    ``confidence_temperatures``). A bad file or value is an error naming ``what``."""
+    try:
+        data = source if isinstance(source, dict) else json.loads(Path(source).read_text())
+        values = data.get("temperatures", data.get("confidence_temperatures"))
+        temps = [float(t) for t in ([values] if isinstance(values, (int, float)) else values)]
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{what}: expected {{\"temperatures\": [positive numbers]}}: {exc}") from None
+    if not temps or any(t <= 0 for t in temps):
+        raise ValueError(f"{what}: temperatures must be positive numbers, got {temps}")
+    return temps
+
+
+@dataclass
+class ConfidenceStats:
+    """What the scheduler chose and how its predictions held (engine metrics)."""
+
+    decisions: int = 0
+    budget: int = 0  # drafts verified, summed over decisions
+    offered: int = 0  # drafts proposed, summed
+    requests: int = 0  # requests with drafts, summed
+    expected_tokens: float = 0.0
+    predicted_ms: float = 0.0  # summed over decisions
+    measured_ms: float = 0.0  # summed over every step timed
+    steps: int = 0
+    last: dict = field(default_factory=dict)
+
+    def record_decision(self, decision: Decision, requests: int) -> None:
+        self.decisions += 1
+        self.budget += decision.budget
+        self.offered += decision.offered
+        self.requests += requests
+        self.expected_tokens += decision.expected_tokens
+        self.predicted_ms += decision.predicted_ms
+        self.last = {"verify_budget": decision.budget, "offered": decision.offered, "requests": requests,
+                     "predicted_step_ms": decision.predicted_ms, "expected_tokens": decision.expected_tokens}
+
+    def record_step(self, ms: float) -> None:
+        self.steps += 1
+        self.measured_ms += ms
+        if self.last:
+            self.last["measured_step_ms"] = ms
+
+    def as_dict(self, scheduler: ConfidenceScheduler) -> dict:
+        per = max(self.requests, 1)
+        return {"decisions": self.decisions, "mean_verify_budget_per_request": self.budget / per,
+                "mean_offered_per_request": self.offered / per,
+                "mean_predicted_step_ms": self.predicted_ms / max(self.decisions, 1),
+                "mean_measured_step_ms": self.measured_ms / max(self.steps, 1),
+                "next_budget_per_request": scheduler.budget_per_request,
+                "cost_table_observations": scheduler.costs.observations, "last": dict(self.last)}

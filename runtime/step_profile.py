@@ -1,0 +1,68 @@
+"""Profile an engine's own steps into a ``StepCostTable`` (confidence scheduling's cost model).
+
+For each batch bucket that fits the KV cache (1, 2, 4, ... up to ``max_num_seqs``), that many requests of random
+tokens decode together; once every one carries a proposed block, each verify length L = 0..K is forced on all of
+them for ``repeats`` steps and the median step time is the table's (batch, batch * (L + 1)) cell. The steps run
+through the engine as served steps do (graphs, kernels, the executor's round trip). Afterwards nothing of the
+profile is left: its requests are aborted, the counters and the acceptance gate start fresh, the prefix cache
+forgets its pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+from runtime.graphs import batch_buckets
+from runtime.metrics import AcceptanceGate, SpecMetrics
+from runtime.sampling_params import SamplingParams
+from runtime.step_costs import StepCostTable
+
+log = logging.getLogger(__name__)
+PROFILE_PROMPT_TOKENS = 16
+
+
+def profile_step_costs(engine, repeats: int = 3, max_batch: int | None = None) -> StepCostTable:
+    """-> the table of ``engine``'s step times (see the module docstring); ``engine`` is idle before and after."""
+    k = int(engine.spec.max_draft_len)
+    steps_per_length = repeats + 1  # one untimed step after each change of length
+    max_tokens = (k + 1) * (steps_per_length * (k + 1) + 4)
+    pages_per_request = -(-(PROFILE_PROMPT_TOKENS + max_tokens + k + 1) // engine.config.page_size)
+    fits = engine.pages.num_pages // pages_per_request
+    buckets = [b for b in batch_buckets(min(max_batch or engine.config.max_num_seqs, engine.config.max_num_seqs))
+               if b <= fits]
+    if not buckets:
+        raise ValueError("confidence scheduling: the KV cache cannot hold one profiling request "
+                         f"({pages_per_request} pages); give the engine more pages or a confidence_cost_table_path")
+    table = StepCostTable(buckets, sorted({b * (length + 1) for b in buckets for length in range(k + 1)}))
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for batch in buckets:
+        ids = [engine.add_request(torch.randint(3, engine.vocab_size, (PROFILE_PROMPT_TOKENS,),
+                                                generator=generator).tolist(), params) for _ in range(batch)]
+        while not all(engine.sequences[i].draft_ids for i in ids if i in engine.sequences):
+            engine.step()
+            if len([i for i in ids if i in engine.sequences]) < batch:
+                break  # never for these lengths; kept as a guard against a stall
+        for length in range(k + 1):
+            times = []
+            for repeat in range(steps_per_length):
+                for i in ids:
+                    seq = engine.sequences[i]
+                    seq.draft_ids = seq.draft_ids[:length]
+                began = time.perf_counter()
+                engine.step()
+                if repeat:
+                    times.append(time.perf_counter() - began)
+            table.record(batch, batch * (length + 1), 1e3 * statistics.median(times))
+        engine.abort_all()
+    engine.metrics, engine.gate = SpecMetrics(), AcceptanceGate(engine.spec.acceptance_rate_window_size,
+                                                                engine.spec.acceptance_rate_threshold)
+    engine.pages.forget_cached()
+    log.info("dspark: profiled step times for batches %s x verify lengths 0..%d in %.1f s", buckets, k,
+             time.perf_counter() - start)
+    return table

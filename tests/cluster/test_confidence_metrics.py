@@ -1,0 +1,21 @@
+"""/metrics exports what the confidence scheduler chose and how its step-time prediction held."""
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from cluster.serve.metrics import EngineCollector
+from configs import DSparkDecodingConfig
+from runtime import LLM, SamplingParams
+
+
+def test_the_scheduler_gauges_are_exported(near_bigram_target, make_drafter):
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4)),
+                                enable_confidence_scheduling=True)
+    llm = LLM(str(near_bigram_target), speculative_config=spec, dtype="float32", device="cpu", num_pages=256,
+              page_size=4, max_num_seqs=4)
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(lambda: llm.engine, llm.rank_info()))
+    text = generate_latest(registry).decode()
+    last = llm.get_metrics()["confidence_scheduling"]["last"]
+    assert f"dspark:confidence_verify_budget {float(last['verify_budget'])}" in text
+    assert "dspark:confidence_predicted_step_seconds" in text and "dspark:confidence_measured_step_seconds" in text

@@ -1,0 +1,151 @@
+"""Confidence scheduling: the step-time table, the budget and allocation rules, and the engine with it on
+(greedy outputs unchanged, sampled outputs still the target's distribution, its files and refusals)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from configs import DSparkDecodingConfig
+from runtime import LLM, SamplingParams
+from runtime.confidence_scheduler import ConfidenceScheduler, read_calibration, top_drafts
+from runtime.step_costs import StepCostTable
+from tests import builders
+from tests.runtime.test_sampling_distribution import FILTERS, N, empirical_tv, exact_joint, tv_bound
+
+PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [100, 3], list(range(20, 51)), [7] * 12]
+ENGINE = dict(dtype="float32", device="cpu", num_pages=512, page_size=4, max_num_seqs=8)
+
+
+def flat_table(ms_per_token: float, base: float = 10.0) -> StepCostTable:
+    """A step costs ``base`` ms plus ``ms_per_token`` per token fed, at any batch size."""
+    tokens = [1, 64, 512]
+    return StepCostTable([1, 64], tokens, [[base + ms_per_token * t for t in tokens]] * 2)
+
+
+# ---- the table --------------------------------------------------------------------------------------------
+
+
+def test_the_table_interpolates_extrapolates_learns_and_round_trips(tmp_path):
+    table = StepCostTable([1, 4], [1, 8, 16], [[2.0, 4.0, math.nan], [3.0, math.nan, 7.0]])
+    assert table.predict_ms(1, 4) == pytest.approx(2.0 + 2.0 * 3 / 7)  # within the batch-1 row
+    assert table.predict_ms(1, 24) == pytest.approx(4.0 + 2.0 * 16 / 7)  # the row's last slope, extended
+    assert table.predict_ms(2, 16) == pytest.approx((2 / 3) * table.predict_ms(1, 16) + (1 / 3) * 7.0)
+    many = table.predict_ms_many(2, torch.tensor([1, 8, 16]))
+    assert many.tolist() == pytest.approx([table.predict_ms(2, t) for t in (1, 8, 16)])
+    table.observe(4, 15, 0.009)  # 9 ms, nearest cell (4, 16) moves a tenth of the way
+    assert table.step_ms[1][2] == pytest.approx(7.2) and table.observations == 1
+    path = tmp_path / "table.json"
+    table.save(path)
+    again = StepCostTable.load(path)
+    assert again.to_json() == table.to_json()
+    path.write_text(json.dumps({"batch_sizes": [1]}))
+    with pytest.raises(ValueError, match=r"confidence_cost_table_path .*table.json: expected"):
+        StepCostTable.load(path)
+
+
+# ---- the rules --------------------------------------------------------------------------------------------
+
+
+def test_the_top_drafts_are_prefixes_ranked_by_survival_ties_to_the_earlier_position():
+    survival = torch.tensor([[0.9, 0.5, 0.5, 0.1], [0.8, 0.8, 0.3, 0.0]])
+    proposed = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    assert top_drafts(survival, proposed, 0).tolist() == [0, 0]
+    assert top_drafts(survival, proposed, 3).tolist() == [1, 2]
+    assert top_drafts(survival, proposed, 4).tolist() == [2, 2]  # 0.5 at position 1 before 0.5 at position 2
+    assert top_drafts(survival, proposed, 7).tolist() == [4, 3]
+
+
+def test_the_budget_follows_the_cost_of_a_token_and_lags_one_step():
+    confident = [[0.95, 0.9, 0.9, 0.9]] * 4
+    cheap = ConfidenceScheduler(4, flat_table(0.001))
+    assert cheap.allot(confident) == [4] * 4  # first step: whole blocks (nothing earlier to size the budget)
+    assert cheap.budget_per_request == 4.0  # verifying is nearly free: everything
+    dear = ConfidenceScheduler(4, flat_table(50.0))
+    dear.allot(confident)
+    assert dear.budget_per_request == 0.0  # a token costs 5x a step: nothing pays
+    assert dear.allot(confident) == [0] * 4 and dear.last.budget == 0
+    middle = ConfidenceScheduler(4, flat_table(1.0))
+    middle.allot([[0.99, 0.99, 0.2, 0.2]] * 4)
+    assert middle.budget_per_request == 2.0  # the two likely drafts pay, the unlikely ones do not
+    assert middle.allot([[0.99, 0.99, 0.99, 0.99], [0.1, 0.1, 0.1, 0.1]] * 2) == [4, 0, 4, 0]  # the same 8, re-spread
+
+
+def test_min_gain_and_calibration(tmp_path):
+    lukewarm = [[0.3, 0.2, 0.1, 0.1]] * 4
+    eager = ConfidenceScheduler(4, flat_table(0.01), min_gain=0.0)
+    eager.allot(lukewarm)
+    assert eager.budget_per_request > 0
+    strict = ConfidenceScheduler(4, flat_table(0.01), min_gain=1.0)  # must double the rate
+    strict.allot(lukewarm)
+    assert strict.budget_per_request == 0.0
+    hot = ConfidenceScheduler(2, flat_table(1.0), temperatures=[0.5, 0.5])
+    assert hot.survival(torch.tensor([[0.8, 0.8]]))[0, 0].item() == pytest.approx(16 / 17)  # sigmoid(2 logit(.8))
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"temperatures": [1.2, 0.9]}))
+    assert read_calibration(path, "confidence_calibration_path") == [1.2, 0.9]
+    path.write_text(json.dumps({"temperatures": [1.0, -1.0]}))
+    with pytest.raises(ValueError, match="confidence_calibration_path: temperatures must be positive"):
+        read_calibration(path, "confidence_calibration_path")
+
+
+# ---- the engine -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def confident_drafter(near_bigram_target, make_drafter):
+    return make_drafter(near_bigram_target, 4, oracle=True)
+
+
+def engine(target, drafter, **spec) -> LLM:
+    return LLM(str(target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter), **spec),
+               **ENGINE)
+
+
+def test_greedy_outputs_are_the_same_with_scheduling_on_and_off(near_bigram_target, confident_drafter):
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    off = engine(near_bigram_target, confident_drafter)
+    on = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True)
+    want = [o.token_ids for o in off.generate(PROMPTS, greedy)]
+    assert [o.token_ids for o in on.generate(PROMPTS, greedy)] == want == builders.hf_greedy(
+        near_bigram_target, PROMPTS, 24)
+    stats = on.get_metrics()["confidence_scheduling"]
+    assert stats["decisions"] > 0 and stats["cost_table_observations"] > 0  # profiled at startup, then learning
+    assert on.engine.confidence.costs.measured and "confidence_scheduling" not in off.get_metrics()
+    assert on.get_metrics()["prefix_cache_queries"] == off.get_metrics()["prefix_cache_queries"]  # no profile left
+
+
+def test_a_cost_table_file_is_used_instead_of_profiling(tmp_path, near_bigram_target, confident_drafter):
+    path = tmp_path / "table.json"
+    flat_table(100.0).save(path)  # tokens are dear: after the first step, nothing is verified
+    llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
+                 confidence_cost_table_path=str(path))
+    llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    stats = llm.get_metrics()["confidence_scheduling"]
+    assert stats["next_budget_per_request"] == 0.0 and stats["mean_verify_budget_per_request"] < 1.0
+
+
+def test_scheduling_needs_a_confidence_head(near_bigram_target, make_drafter):
+    bare = make_drafter(near_bigram_target, 4, confidence=False)
+    with pytest.raises(ValueError, match="enable_confidence_scheduling needs a drafter with a confidence head"):
+        engine(near_bigram_target, bare, enable_confidence_scheduling=True)
+
+
+@pytest.mark.slow
+def test_sampled_outputs_keep_the_target_distribution_with_scheduling_on(tmp_path, near_bigram_target,
+                                                                         make_drafter):
+    """Rejection sampling with ragged, confidence-chosen verify lengths: still the target's joint distribution."""
+    path = tmp_path / "table.json"
+    flat_table(0.02).save(path)  # a token costs a little: the budget lands between none and all
+    drafter = make_drafter(near_bigram_target, 2, "vanilla", oracle=True, oracle_scale=3.0)
+    spec = DSparkDecodingConfig(speculative_model=str(drafter), use_rejection_sampling=True,
+                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
+    llm = LLM(str(near_bigram_target), speculative_config=spec, dtype="float32", device="cpu", num_pages=4096,
+              page_size=4, max_num_seqs=512, max_num_batched_tokens=4096)
+    name = "top-k=5"
+    joint = exact_joint(near_bigram_target, 1.0, 5, 1.0)
+    tv, bound = empirical_tv(llm, joint, FILTERS[name]), tv_bound(joint, N)
+    stats = llm.get_metrics()["confidence_scheduling"]
+    assert 0 < stats["mean_verify_budget_per_request"] < stats["mean_offered_per_request"]  # really trimmed
+    assert tv < bound, f"TV {tv:.3f} >= bound {bound:.3f}"
