@@ -60,9 +60,11 @@ def mark_shard(param: nn.Parameter, dim: int | None, start: int, end: int, padde
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, full: nn.Linear, ctx: ParallelContext):
+    """Output rows [start, end) of ``full``: this rank's even share, or ``rows`` when given (a replicated slice)."""
+
+    def __init__(self, full: nn.Linear, ctx: ParallelContext, rows: tuple[int, int] | None = None):
         super().__init__()
-        start, end = shard_range(full.out_features, ctx)
+        start, end = rows if rows is not None else shard_range(full.out_features, ctx)
         self.in_features, self.out_features = full.in_features, end - start
         self.weight = nn.Parameter(torch.empty(end - start, full.in_features))
         mark_shard(self.weight, 0, start, end)
@@ -131,14 +133,12 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
     if not ctx.is_parallel:
         return model
     config = model.config
-    for name in ("num_attention_heads", "num_key_value_heads"):
-        if getattr(config, name) % ctx.world_size:
-            raise ValueError(f"tensor_parallel_size={ctx.world_size} must divide the target's {name} "
-                             f"({getattr(config, name)})")
+    kv_rows = kv_head_rows(config, model.model.layers[0].self_attn.head_dim, ctx)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, proj, ColumnParallelLinear(getattr(attn, proj), ctx))
+        attn.q_proj = ColumnParallelLinear(attn.q_proj, ctx)
+        for proj in ("k_proj", "v_proj"):
+            setattr(attn, proj, ColumnParallelLinear(getattr(attn, proj), ctx, kv_rows))
         attn.o_proj = RowParallelLinear(attn.o_proj, ctx)
         if hasattr(mlp, "experts"):  # a sparse MoE block: slice every expert, one all-reduce for the block
             shard_experts(mlp, ctx)
@@ -151,6 +151,25 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
+
+
+def kv_head_rows(config, head_dim: int, ctx: ParallelContext) -> tuple[int, int]:
+    """Rows of k_proj/v_proj this rank holds. The query heads split evenly; the key/value heads too when there are
+    at least as many as ranks, else each is replicated on the ``world / kv_heads`` ranks whose query heads read
+    it (rank r holds head ``r // (world / kv_heads)``), so attention stays local to every rank."""
+    world, heads, kv = ctx.world_size, config.num_attention_heads, config.num_key_value_heads
+    if heads % world:
+        raise ValueError(f"tensor_parallel_size={world} must divide the target's num_attention_heads ({heads})")
+    if kv >= world:
+        if kv % world:
+            raise ValueError(f"tensor_parallel_size={world} must divide the target's num_key_value_heads ({kv}), "
+                             "or be a multiple of it (key/value heads are then replicated)")
+        return shard_range(kv * head_dim, ctx)
+    if world % kv:
+        raise ValueError(f"tensor_parallel_size={world} must be a multiple of the target's num_key_value_heads "
+                         f"({kv}) to replicate them, or divide it")
+    head = ctx.rank // (world // kv)
+    return head * head_dim, (head + 1) * head_dim
 
 
 def shard_experts(block: nn.Module, ctx: ParallelContext) -> None:

@@ -87,6 +87,17 @@ def test_tp2_moe_target_equals_transformers_and_every_rank_reports_its_backend(r
     free_cpus_return()
 
 
+def test_tp2_over_one_kv_head_replicates_it_and_matches_transformers(ray_cluster, checkpoints):
+    from tests import builders
+
+    target = builders.save_target(checkpoints / "one-kv-head", "qwen3", seed=9, residual_scale=0.7,
+                                  num_key_value_heads=1)
+    greedy = PARAM_SETS["greedy"]
+    with LLM(str(target), tensor_parallel_size=2, **ENGINE) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == builders.hf_greedy(target, PROMPTS, 16)
+    free_cpus_return()
+
+
 def test_a_killed_shard_fails_in_flight_requests_then_the_replica_recovers(ray_cluster, near_bigram_target, drafter):
     spec = DSparkDecodingConfig(speculative_model=str(drafter))
     greedy = PARAM_SETS["greedy"]

@@ -35,11 +35,32 @@ def test_each_rank_loads_its_slice(qwen3_target, world):
         assert heads == 4 // world
 
 
-@pytest.mark.parametrize("world,field", [(3, "num_attention_heads"), (4, "num_key_value_heads")])
-def test_heads_must_divide(qwen3_target, world, field):
-    with pytest.raises(ValueError, match=f"tensor_parallel_size={world} must divide the target's {field}"):
+def test_heads_must_divide(qwen3_target):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the target's num_attention_heads"):
         load_target(str(qwen3_target), get_backend("torch"), torch.float32, torch.device("cpu"),
-                    ParallelContext(rank=0, world_size=world))
+                    ParallelContext(rank=0, world_size=3))
+    from runtime.models.target import TargetModel
+    from runtime.parallel import apply_tensor_parallel
+    from tests import builders
+
+    odd = TargetModel(builders.target_config("qwen3", num_attention_heads=6, num_key_value_heads=3),
+                      get_backend("torch"))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the target's num_key_value_heads "
+                                         r"\(3\), or be a multiple of it"):
+        apply_tensor_parallel(odd, ParallelContext(rank=0, world_size=2))
+
+
+def test_more_ranks_than_kv_heads_replicate_each_kv_head_on_the_ranks_that_read_it(qwen3_target):
+    """4 query heads over 2 key/value heads on 4 ranks: rank r holds query head r and key/value head r // 2."""
+    full = full_weights(qwen3_target)
+    k_full, q_full = full["model.layers.2.self_attn.k_proj.weight"], full["model.layers.2.self_attn.q_proj.weight"]
+    for rank in range(4):
+        model = load_target(str(qwen3_target), get_backend("torch"), torch.float32, torch.device("cpu"),
+                            ParallelContext(rank=rank, world_size=4))
+        attn = model.model.layers[2].self_attn
+        assert torch.equal(attn.q_proj.weight, q_full[rank * 16:(rank + 1) * 16])
+        head = rank // 2
+        assert torch.equal(attn.k_proj.weight, k_full[head * 16:(head + 1) * 16])
 
 
 def test_each_rank_loads_its_slice_of_every_expert_and_the_whole_router(moe_target):
