@@ -70,3 +70,14 @@ def test_smoke_recipe_records_both_drafters_and_a_rerun_skips_finished_stages(tm
     assert second["stages"] == first["stages"]
     assert second["results"] == first["results"]  # seeded evaluation of the same checkpoints
     assert {"eval-dspark.log", "eval-dflash.log"} <= {p.name for p in (tmp_path / "work").iterdir()}
+
+
+def test_moe_layer_benchmark_smoke(tmp_path):
+    out = tmp_path / "moe.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_layer.py"), "--smoke", "--tokens", "1,8",
+                    "--repeats", "2", "--out", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=300)
+    record = json.loads(out.read_text())
+    runs = {(r["tokens"], r["moe_backend"]): r for r in record["runs"]}
+    assert set(runs) == {(t, b) for t in (1, 8) for b in ("VANILLA", "DENSEGEMM")}
+    assert all(r["max_abs_diff_vs_vanilla"] < 1e-5 for r in runs.values())
+    assert runs[(1, "VANILLA")]["experts_woken"] == 2 and "eager_vs_densegemm" in runs[(8, "VANILLA")]
