@@ -24,7 +24,8 @@ bench() {
     python3 -m cluster.cli bench --model "$work/target" --speculative-model "$work/dspark" \
       --prompts "$work/heldout-prompts.jsonl" --prompt-len 64 --concurrency 1,4,16,64,256 --steps 30 \
       --kv-cache-gib 16 --tune-schedule "$out/tuned-schedule.json" --e2e-prompts 64 --e2e-tokens 128 \
-      --confidence-scheduling --profile-steps "$out/step-costs.json" --out "$out/bench.json"
+      --confidence-scheduling --profile-steps "$out/step-costs.json" --mixed-rate 100 --mixed-requests 256 \
+      --out "$out/bench.json"
 }
 case "$step" in
   train) train 150 510 ;;

@@ -242,6 +242,51 @@ def end_to_end(llm, prompts: list[list[int]], max_tokens: int) -> dict:
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
 
 
+def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, seed: int = 0) -> dict:
+    """Requests arriving while others decode (so steps mix prefill and decode): ``prompts`` submitted one by
+    one at Poisson arrival times of ``rate`` per second (seeded), greedy, ``max_tokens`` each; the engine steps
+    whenever it has work. -> output tokens/s over the whole run, mean TTFT and TPOT, steps, and the share of
+    steps taken while some requests decoded and others waited or prefilled."""
+    import random
+
+    from runtime import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rng = random.Random(seed)
+    arrivals, clock = [], 0.0
+    for _ in prompts:
+        clock += rng.expovariate(rate)
+        arrivals.append(clock)
+    engine = llm.engine
+    start = time.perf_counter()
+    submitted, first_token, finished, steps, mixed, pending = {}, {}, {}, 0, 0, 0
+    while len(finished) < len(prompts):
+        now = time.perf_counter() - start
+        while pending < len(prompts) and arrivals[pending] <= now:
+            submitted[engine.add_request(prompts[pending], params)] = time.perf_counter()
+            pending += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, min(arrivals[pending] - now, 0.01)))
+            continue
+        decoding = sum(1 for seq in engine.scheduler.running if seq.output_token_ids)
+        prefilling = engine.num_waiting + engine.num_running - decoding
+        outputs = engine.step()
+        steps += 1
+        mixed += int(decoding > 0 and prefilling > 0)
+        stamp = time.perf_counter()
+        for out in outputs:
+            first_token.setdefault(out.request_id, stamp)
+            if out.finish_reason is not None:
+                finished[out.request_id] = (stamp, len(out.token_ids))
+    seconds = time.perf_counter() - start
+    tokens = sum(n for _, n in finished.values())
+    ttft = [first_token[r] - submitted[r] for r in finished]
+    tpot = [(end - first_token[r]) / (n - 1) for r, (end, n) in finished.items() if n > 1]
+    return {"requests": len(prompts), "rate_per_s": rate, "max_tokens": max_tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds, "mean_ttft_ms": 1e3 * sum(ttft) / len(ttft),
+            "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1), "steps": steps, "mixed_step_share": mixed / steps}
+
+
 def agreement(first: list[list[int]], second: list[list[int]]) -> dict:
     """How two runs' greedy outputs of the same prompts agree: the share identical token for token, and per prompt
     the index of the first differing token (None: identical)."""
@@ -400,15 +445,16 @@ def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None
                             for e in top]}
 
 
-def end_to_end_prompts(args, prompts: list[list[int]] | None, vocab: int) -> list[list[int]]:
-    """``--e2e-prompts`` prompts: the first rows of ``--prompts`` (``prompts``, already tokenized), else random
-    token ids of ``--prompt-len`` (seeded)."""
+def end_to_end_prompts(args, prompts: list[list[int]] | None, vocab: int, count: int | None = None) -> list[list[int]]:
+    """``count`` (default ``--e2e-prompts``) prompts: the first rows of ``--prompts`` (``prompts``, already
+    tokenized), else random token ids of ``--prompt-len`` (seeded)."""
     import torch
 
+    count = count or args.e2e_prompts
     if prompts:
-        return prompts[:args.e2e_prompts]
+        return prompts[:count]
     g = torch.Generator().manual_seed(1234)
-    return [torch.randint(3, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(args.e2e_prompts)]
+    return [torch.randint(3, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(count)]
 
 
 def trace_path(args, kind: str) -> str | None:
@@ -501,6 +547,13 @@ def run(args) -> dict:
                     rows[c].update(verify_step_ms=timing["forward_ms"], draft_ms=timing.get("draft_ms"),
                                    context_ms=timing.get("context_ms"))
             print(f"dspark bench: {kind} concurrency {c}: {timing}", file=sys.stderr, flush=True)
+        if args.mixed_rate:
+            mixed_prompts = sweep_prompts or end_to_end_prompts(args, None, vocab, args.mixed_requests)
+            record.setdefault("mixed_workload", {})[kind] = mixed_workload(
+                llm, [mixed_prompts[i % len(mixed_prompts)][:args.prompt_len] for i in range(args.mixed_requests)],
+                args.mixed_rate, args.e2e_tokens)
+            print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,
+                  flush=True)
         if e2e_prompts is not None:
             e2e[kind] = end_to_end(llm, e2e_prompts, args.e2e_tokens)
             print(f"dspark bench: {kind} end to end: {e2e[kind]['tokens']} tokens in {e2e[kind]['seconds']:.2f} s",
@@ -694,7 +747,11 @@ def add_parser(commands) -> None:
                        "projects tau from it")
     bench.add_argument("--e2e-prompts", type=int, default=0, help="also decode N prompts one at a time through "
                        "LLM.generate with each engine: end-to-end speedup and the share of identical greedy outputs")
-    bench.add_argument("--e2e-tokens", type=int, default=128, help="tokens per --e2e-prompts prompt (default 128)")
+    bench.add_argument("--e2e-tokens", type=int, default=128, help="tokens per --e2e-prompts (and --mixed-rate) "
+                       "request (default 128)")
+    bench.add_argument("--mixed-rate", type=float, help="also run a mixed workload with every engine: requests "
+                       "arriving at this Poisson rate per second while others decode (steps mix prefill and decode)")
+    bench.add_argument("--mixed-requests", type=int, default=256, help="requests of --mixed-rate (default 256)")
     bench.add_argument("--prompts", help="JSONL prompts (prompt, messages or prompt_ids rows) for the sweep (cut "
                        "to --prompt-len; a trained pair's acceptance needs its kind of text) and --e2e-prompts; "
                        "default: random token ids")

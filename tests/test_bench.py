@@ -82,3 +82,16 @@ def test_an_moe_shape_decodes_and_counts_the_experts_a_step_wakes(tmp_path):
     total = sum(p.numel() * 4 for n, p in llm.engine.executor.worker.target.named_parameters() if "embed" not in n)
     assert weight_bytes(llm) + 8 * expert_bytes(llm) == total
     assert routing_stats(LLM(str(write_shape(tmp_path, "tiny", 1, 3)[0]), **engine)) == {}
+
+
+def test_a_mixed_workload_submits_while_others_decode(tmp_path):
+    from cluster.bench import mixed_workload
+
+    target, drafter = write_shape(tmp_path, "tiny", draft_layers=1, block_size=3)
+    spec = DSparkDecodingConfig(speculative_model=str(drafter), load_format="dummy")
+    llm = LLM(str(target), speculative_config=spec, load_format="dummy", dtype="float32", device="cpu",
+              num_pages=128, page_size=16, max_num_seqs=8)
+    prompts = [[5 + i, 6, 7, 8] for i in range(12)]
+    result = mixed_workload(llm, prompts, rate=400.0, max_tokens=8)
+    assert result["requests"] == 12 and result["tokens_per_s"] > 0 and result["mean_ttft_ms"] > 0
+    assert 0 < result["mixed_step_share"] <= 1 and not llm.engine.has_unfinished()
