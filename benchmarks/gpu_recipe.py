@@ -12,7 +12,8 @@ evaluated side by side, one child process per GPU:
   2. distill: the target answers code prompts greedily (self-distillation; ``--shard I/N`` splits the prompts
      over processes); the drafters' data is those answers plus the training files' text
   3. dspark / dflash: train-drafter on the same data and budget, both with ``--draft-layers`` (default 2):
-     DSpark (vanilla Markov head of rank ``--markov-rank``, confidence head, DeepSpec loss) and DFlash
+     DSpark (vanilla Markov head of rank ``--markov-rank``, confidence head, DeepSpec loss; its confidence
+     temperatures then calibrated on other held-out windows, ``WORK/calibration-prompts.jsonl``) and DFlash
      (Markov rank 0, cross-entropy only)
   4. eval: both on held-out files' prompts at K=7, temperature 0 and 1
 Writes one JSON record (stage statistics, tau, per-position acceptance), and ``WORK/heldout-prompts.jsonl``
@@ -52,6 +53,7 @@ DISTILL_BATCH = dict(max_num_seqs=1024, max_num_batched_tokens=16384)  # regener
 
 
 HELDOUT_PROMPTS = "heldout-prompts.jsonl"  # the eval stage's held-out prompts as JSONL prompt_ids rows
+CALIBRATION_PROMPTS = "calibration-prompts.jsonl"  # other held-out windows, for the confidence temperatures
 STAGES = ("target", "distill", "dspark", "dflash", "eval")
 PREPARE_SECONDS = 60  # a drafter process: imports, loading the target, tokenizing the data, the last save
 
@@ -78,7 +80,9 @@ def drafter_configs(work: Path, target: str, data: Path, args) -> dict[str, Draf
                   target_dtype="float32" if args.smoke else "bfloat16", log_every=100,
                   save_every=2000)
     return {"dspark": DrafterTrainConfig(out=str(work / "dspark"), num_draft_layers=args.draft_layers,
-                                         markov_rank=args.markov_rank, markov_head_type="vanilla", **common),
+                                         markov_rank=args.markov_rank, markov_head_type="vanilla",
+                                         calibration_data=str(work / CALIBRATION_PROMPTS),
+                                         calibration_prompts=8 if args.smoke else 64, **common),
             "dflash": DrafterTrainConfig(out=str(work / "dflash"), num_draft_layers=args.draft_layers,
                                          markov_rank=0, confidence_head=False, ce_weight=1.0, l1_weight=0.0,
                                          confidence_weight=0.0, **common)}
@@ -265,6 +269,10 @@ def main() -> None:
     prompts_file = work / HELDOUT_PROMPTS
     if not prompts_file.is_file():  # for dspark bench --prompts: the pair's acceptance on text it never saw
         prompts_file.write_text("".join(json.dumps({"prompt_ids": ids}) + "\n" for ids in held_prompts))
+    calibration_file = work / CALIBRATION_PROMPTS
+    if not calibration_file.is_file():  # other held-out windows: the DSpark drafter's confidence calibration
+        calibration_file.write_text("".join(json.dumps({"prompt_ids": ids}) + "\n" for ids in code_prompts(
+            heldout, tokenizer, 8 if args.smoke else 64, 64, seed=4)))
     if "distill" in wanted:
         if args.shard != (0, 1):  # one shard, in this process (a child of --gpus, or by hand)
             name = "distill-{}-of-{}".format(*args.shard)

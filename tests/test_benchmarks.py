@@ -62,6 +62,8 @@ def test_smoke_recipe_records_both_drafters_and_a_rerun_skips_finished_stages(tm
     assert set(first["results"]["dspark"]) == {"t=0.0", "t=1.0", "training_files_t=0.0"}
     assert all(1.0 <= r["mean_acceptance_length"] <= 8.0 for d in first["results"].values() for r in d.values())
     assert {"target", "distill", "train-dspark", "train-dflash"} <= set(first["stages"])
+    temperatures = json.loads((tmp_path / "work" / "dspark" / "config.json").read_text())["confidence_temperatures"]
+    assert len(temperatures) == 7 and all(t > 0 for t in temperatures)  # calibrated on other held-out windows
     held = [json.loads(line)["prompt_ids"] for line in (tmp_path / "work" / "heldout-prompts.jsonl").open()]
     assert len(held) == 2 and all(len(ids) == 64 for ids in held)  # what dspark bench --prompts reads
     for name in ("dspark", "dflash"):  # --draft-layers reaches both drafters
