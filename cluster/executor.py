@@ -14,6 +14,7 @@ actors over torch.distributed only. Other calls (load, info, health) stay ordina
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 
 import ray
@@ -26,6 +27,10 @@ from configs import ReplicaConfig
 from runtime.executor import replica_pages
 from runtime.step_io import RequestStepResult, ScheduledBatch
 from runtime.worker import WorkerPlan
+
+
+# Ray logs every compiled graph's teardown step by step at INFO on the driver's stderr: keep its warnings only
+logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.WARNING)
 
 
 class ReplicaFailure(RuntimeError):

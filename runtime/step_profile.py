@@ -41,13 +41,16 @@ def profile_step_costs(engine, repeats: int = 3, max_batch: int | None = None) -
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
+    engine.gate = AcceptanceGate(None, None)  # random prompts accept little: the gate must not stop the drafts
     for batch in buckets:
         ids = [engine.add_request(torch.randint(3, engine.vocab_size, (PROFILE_PROMPT_TOKENS,),
                                                 generator=generator).tolist(), params) for _ in range(batch)]
-        while not all(engine.sequences[i].draft_ids for i in ids if i in engine.sequences):
+        for _ in range(max_tokens):  # prefill (chunked when the budget is small) until every request drafted
+            if all(i in engine.sequences and engine.sequences[i].draft_ids for i in ids):
+                break
             engine.step()
-            if len([i for i in ids if i in engine.sequences]) < batch:
-                break  # never for these lengths; kept as a guard against a stall
+        if not all(i in engine.sequences and engine.sequences[i].draft_ids for i in ids):
+            raise RuntimeError(f"confidence scheduling: profiling {batch} requests never reached a drafted step")
         for length in range(k + 1):
             times = []
             for repeat in range(steps_per_length):
