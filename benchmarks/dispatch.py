@@ -3,8 +3,10 @@
 Two actors (a TP=2 replica's shards) each receive a real ``ScheduledBatch`` of ``--batch`` decoding requests
 (K=7 blocks, page lists of a 2,048-token context) and return as many small results, the shape of
 ``RayExecutor.execute``; the actors do no work, so the time is the dispatch alone:
-  tasks     ray.put(batch), one .remote() per actor, ray.get (what RayExecutor did before)
-  compiled  one execute() of a compiled graph over shared-memory channels (what it does now)
+  tasks     ray.put(batch), one .remote() per actor, ray.get (what RayExecutor did first)
+  compiled  one execute() of a compiled graph over shared-memory channels, the whole batch pickled
+  delta     the same graph carrying ``cluster.dispatch``'s delta (what RayExecutor does): the actors rebuild
+            the batch from the pages and parameters they already hold, and send their results as tuples
 Median of ``--steps`` round trips after warm-up. Writes a JSON record (hardware, command, date).
 
 usage: python3 benchmarks/dispatch.py [--batch 1,64,256] [--steps 300] [--out FILE.json]
@@ -27,6 +29,7 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cluster.dispatch import BatchDecoder, BatchEncoder, decode_results, encode_results  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest  # noqa: E402
 
@@ -38,10 +41,20 @@ def batch_of(num: int) -> ScheduledBatch:
         sample=True, params=params, seed=i) for i in range(num)], num_next_drafts=7, maintain_draft_context=True)
 
 
+def results_of(batch: ScheduledBatch) -> list[RequestStepResult]:
+    return [RequestStepResult(r.request_id, [1, 2, 3], 2, list(range(7))) for r in batch.requests]
+
+
 @ray.remote(num_cpus=0)
 class Shard:
+    def __init__(self):
+        self.decoder = BatchDecoder()
+
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
-        return [RequestStepResult(r.request_id, [1, 2, 3], 2, list(range(7))) for r in batch.requests]
+        return results_of(batch)
+
+    def execute_delta(self, wire) -> list[tuple]:
+        return encode_results(results_of(self.decoder.decode(wire)))
 
 
 def median_ms(step, steps: int) -> float:
@@ -65,24 +78,32 @@ def main() -> None:
 
     ray.init(include_dashboard=False, log_to_driver=False)
     shards = [Shard.remote() for _ in range(2)]
-    with InputNode() as inp:
-        graph = MultiOutputNode([s.execute.bind(inp) for s in shards]).experimental_compile()
-    runs = []
-    for num in args.batch:
-        batch = batch_of(num)
+    batches = {num: batch_of(num) for num in args.batch}
+    runs = {num: {"batch": num} for num in args.batch}
 
-        def tasks():
-            ref = ray.put(batch)
-            ray.get([s.execute.remote(ref) for s in shards])
+    def tasks(batch):
+        ref = ray.put(batch)
+        ray.get([s.execute.remote(ref) for s in shards])
 
-        def compiled():
-            ray.get(graph.execute(batch))
-
-        row = {"batch": num, "tasks_ms": median_ms(tasks, args.steps), "compiled_ms": median_ms(compiled, args.steps)}
+    for num, batch in batches.items():
+        runs[num]["tasks_ms"] = median_ms(lambda: tasks(batch), args.steps)
+    # an actor takes part in one compiled graph at a time: each variant gets its own, torn down after
+    for name, method in (("compiled_ms", "execute"), ("delta_ms", "execute_delta")):
+        with InputNode() as inp:
+            graph = MultiOutputNode([getattr(s, method).bind(inp) for s in shards]).experimental_compile()
+        encoder = BatchEncoder()
+        for num, batch in batches.items():
+            if method == "execute":
+                runs[num][name] = median_ms(lambda: ray.get(graph.execute(batch)), args.steps)
+            else:  # steady state: the same requests every step, no new pages
+                runs[num][name] = median_ms(lambda: decode_results(ray.get(graph.execute(encoder.encode(batch)))[0]),
+                                            args.steps)
+        graph.teardown()
+    for row in runs.values():
         row["compiled_vs_tasks"] = row["compiled_ms"] / row["tasks_ms"]
-        runs.append(row)
+        row["delta_vs_tasks"] = row["delta_ms"] / row["tasks_ms"]
         print(json.dumps(row), flush=True)
-    graph.teardown()
+    runs = list(runs.values())
     record = {"benchmark": "dispatch", "date": str(date.today()), "command": "python3 " + shlex.join(sys.argv),
               "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
               "ray": ray.__version__, "runs": runs}

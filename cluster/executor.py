@@ -4,11 +4,12 @@ Startup: plan placement (pure) -> reserve the placement group -> start one actor
 join one ``torch.distributed`` group (NCCL on GPUs, gloo on CPUs; world = TP ranks + a separate
 drafter, TP subgroup = ranks 0..N-1) -> load weights (each rank reads its slice) -> allocate the
 replica's KV pages (the minimum any process holds) -> compile the step. Each step is one round trip
-through a Ray Compiled Graph (``experimental_compile``: the batch, plain data, goes to every actor's ``execute``
-over shared-memory channels and the results come back the same way): vLLM's choice for its Ray executor, Ray's
-own machinery rather than a hand-made protocol. ``benchmarks/dispatch.py`` measured it at 0.11x a Ray task round
-trip at batch 1; from 64 requests up the batch's own serialization dominates either way. Tensors move between
-actors over torch.distributed only. Other calls (load, info, health) stay ordinary actor tasks.
+through a Ray Compiled Graph (``experimental_compile``: the batch goes to every actor's ``execute`` over
+shared-memory channels and the results come back the same way): vLLM's choice for its Ray executor, Ray's own
+machinery rather than a hand-made transport. What travels is the batch's delta in plain tuples
+(``cluster.dispatch``: pages added since the last step, parameters once per request), since pickling whole
+batches dominated at large batch sizes (``benchmarks/dispatch.py``). Tensors move between actors over
+torch.distributed only. Other calls (load, info, health) stay ordinary actor tasks.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.actors.workers import Drafter, TargetShard
+from cluster.dispatch import BatchEncoder, decode_results
 from cluster.placement import groups
 from cluster.placement.plan import plan_placement
 from configs import ReplicaConfig
@@ -54,6 +56,7 @@ class RayExecutor:
             self.group, self.first_bundle = groups.enclosing(self.plan), 1
         self.actors = []
         self.step_graph = None
+        self.encoder = BatchEncoder()
         try:
             self._start_actors(speculative)
             self.num_pages = replica_pages(engine, self._call_all("load"))
@@ -106,20 +109,29 @@ class RayExecutor:
             raise ReplicaFailure(f"replica actor failed during {method!r}: {_reason(exc)}") from exc
 
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
+        """One step: the batch's delta (``cluster.dispatch``) through the compiled graph; rank 0's results, with a
+        separate drafter's proposals merged in."""
         try:
-            results = ray.get(self.step_graph.execute(batch), timeout=self.config.parallel.step_timeout_s)
+            results = self._run_step(self.encoder.encode(batch))
+        except BaseException:
+            self.encoder.reset()  # what the actors applied is unknown: the next step starts over
+            raise
+        step = decode_results(results[0])
+        if self.plan.roles[-1] == "drafter":
+            drafts = results[-1]  # request id -> (block, its confidences or None)
+            step = [dataclasses.replace(r, next_draft_ids=drafts.get(r.request_id, ([], None))[0],
+                                        next_draft_confidence=drafts.get(r.request_id, ([], None))[1]) for r in step]
+        return step
+
+    def _run_step(self, wire) -> list:
+        try:
+            return ray.get(self.step_graph.execute(wire), timeout=self.config.parallel.step_timeout_s)
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if exc.cause is not None else exc
             raise type(cause)(f"a replica actor: {cause}") if isinstance(cause, (ValueError, RuntimeError)) else exc
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.RayChannelError,
                 TimeoutError) as exc:
             raise ReplicaFailure(f"replica actor failed during 'execute': {_reason(exc)}") from exc
-        step = results[0]
-        if self.plan.roles[-1] == "drafter":
-            drafts = results[-1]  # request id -> (block, its confidences or None)
-            step = [dataclasses.replace(r, next_draft_ids=drafts.get(r.request_id, ([], None))[0],
-                                        next_draft_confidence=drafts.get(r.request_id, ([], None))[1]) for r in step]
-        return step
 
     def describe(self) -> list[dict]:
         return self._call_all("info")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 
+from cluster.dispatch import BatchDecoder, encode_results
 from configs import LLMConfig
 from runtime.worker import Worker, WorkerPlan
 
@@ -15,6 +16,7 @@ from runtime.worker import Worker, WorkerPlan
 class _WorkerActor:
     def __init__(self, config: LLMConfig, plan: WorkerPlan):
         self.worker = Worker(config, plan)
+        self.decoder = BatchDecoder()
 
     def rendezvous(self) -> str:
         """``tcp://ip:port`` on this node with a free port, for the replica's process group."""
@@ -32,8 +34,11 @@ class _WorkerActor:
     def allocate(self, num_pages: int) -> None:
         self.worker.allocate(num_pages)
 
-    def execute(self, batch):
-        return self.worker.execute(batch)
+    def execute(self, wire):
+        """One step from the driver's delta (``cluster.dispatch``); a target rank's results go back as tuples, a
+        separate drafter's proposals as they are."""
+        results = self.worker.execute(self.decoder.decode(wire))
+        return encode_results(results) if isinstance(results, list) else results
 
     def info(self) -> dict:
         import ray

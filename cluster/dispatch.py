@@ -1,0 +1,92 @@
+"""The step's wire format between the driver and a replica's actors: deltas in plain tuples.
+
+A ``ScheduledBatch`` resends every request's whole page list and sampling parameters each step, and pickling
+hundreds of small dataclasses dominated the step's round trip at large batches (``benchmarks/dispatch.py``).
+Both ends keep what they already exchanged instead:
+
+- the driver's ``BatchEncoder`` sends, per request, the fed tokens and positions, only the pages added since
+  the actors last saw it (after how many it expects them to hold), and the parameters and seed once;
+- each actor's ``BatchDecoder`` keeps those and rebuilds the ``ScheduledBatch`` the worker runs.
+
+A request's pages only grow until it is released (finished, aborted or preempted: ``released_request_ids``),
+which both ends apply first, so a readmitted request starts over from an empty list. After a step that failed
+the driver cannot know what the actors applied: its next step resets both ends and resends everything. An actor
+that holds a different page count than the driver assumed fails the step loudly (never a silent mismatch). Results come
+back as tuples too (``encode_results`` / ``decode_results``).
+"""
+
+from __future__ import annotations
+
+from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
+
+# one request of a step: (request id, token ids, start position, pages held before, new pages, drafts, sample,
+#                         (params, seed) the first time else None, penalty history)
+WireRequest = tuple
+
+
+class BatchEncoder:
+    """Driver side: what every actor of the replica holds, and the deltas that bring it up to date."""
+
+    def __init__(self):
+        self.pages_sent: dict[str, int] = {}
+        self.reset_next = False
+
+    def reset(self) -> None:
+        """The last step failed: the next one makes every actor forget and resends each request whole."""
+        self.pages_sent, self.reset_next = {}, True
+
+    def encode(self, batch: ScheduledBatch) -> tuple:
+        reset, self.reset_next = self.reset_next, False
+        for request_id in batch.released_request_ids:
+            self.pages_sent.pop(request_id, None)
+        wire = []
+        for r in batch.requests:
+            held = self.pages_sent.get(r.request_id)
+            first = held is None
+            held = held or 0
+            wire.append((r.request_id, r.token_ids, r.start_position, held, r.page_ids[held:], r.num_drafts,
+                         r.sample, (r.params, r.seed) if first else None, r.penalty_history))
+            self.pages_sent[r.request_id] = len(r.page_ids)
+        return (wire, batch.num_next_drafts, batch.maintain_draft_context, batch.released_request_ids,
+                batch.scrub_page_ids, reset)
+
+
+class BatchDecoder:
+    """Actor side: the pages, parameters and seeds of every request it has seen, and the batches they rebuild."""
+
+    def __init__(self):
+        self.pages: dict[str, list[int]] = {}
+        self.params: dict[str, tuple] = {}
+
+    def decode(self, wire: tuple) -> ScheduledBatch:
+        requests, num_next_drafts, maintain, released, scrub, reset = wire
+        if reset:
+            self.pages.clear()
+            self.params.clear()
+        for request_id in released:
+            self.pages.pop(request_id, None)
+            self.params.pop(request_id, None)
+        out = []
+        for request_id, tokens, start, held, new_pages, drafts, sample, first, history in requests:
+            if first is not None:
+                self.params[request_id] = first
+                self.pages[request_id] = []
+            pages = self.pages.get(request_id)
+            if pages is None or len(pages) != held:
+                raise RuntimeError(f"dispatch: request {request_id!r}: this actor holds "
+                                   f"{None if pages is None else len(pages)} pages, the driver assumed {held}")
+            pages.extend(new_pages)
+            params, seed = self.params[request_id]
+            out.append(ScheduledRequest(request_id, tokens, start, list(pages), drafts, sample, params, seed,
+                                        history))
+        return ScheduledBatch(out, num_next_drafts, maintain, released, scrub)
+
+
+def encode_results(results: list[RequestStepResult]) -> list[tuple]:
+    return [(r.request_id, r.token_ids, r.num_accepted, r.next_draft_ids, r.error, r.logprobs,
+             r.next_draft_confidence) for r in results]
+
+
+def decode_results(wire: list[tuple]) -> list[RequestStepResult]:
+    return [RequestStepResult(rid, tokens, accepted, drafts, error, logprobs, confidence)
+            for rid, tokens, accepted, drafts, error, logprobs, confidence in wire]

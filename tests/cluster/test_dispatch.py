@@ -1,0 +1,52 @@
+"""The step's wire format: deltas the actors turn back into the batch the driver scheduled."""
+
+import pickle
+
+import pytest
+
+from cluster.dispatch import BatchDecoder, BatchEncoder, decode_results, encode_results
+from runtime.sampling_params import SamplingParams
+from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
+
+
+def request(rid, pages, tokens=(1, 2), start=4, seed=7, params=None):
+    return ScheduledRequest(rid, list(tokens), start, list(pages), 1, True, params or SamplingParams(), seed)
+
+
+def batch(*requests, released=()):
+    return ScheduledBatch(list(requests), 3, True, list(released), [])
+
+
+def through(encoder, decoders, b):
+    wire = pickle.loads(pickle.dumps(encoder.encode(b)))  # what crosses the channel
+    return [d.decode(wire) for d in decoders]
+
+
+def test_batches_round_trip_through_deltas_across_steps_releases_and_readmission():
+    encoder, decoders = BatchEncoder(), [BatchDecoder(), BatchDecoder()]
+    greedy = SamplingParams(temperature=0.0, max_tokens=5)
+    steps = [batch(request("a", [3], params=greedy), request("b", [5, 6], seed=9)),
+             batch(request("a", [3], params=greedy), request("b", [5, 6, 8], seed=9)),  # b grew a page
+             batch(request("a", [3, 4], params=greedy), released=["b"]),  # b preempted
+             batch(request("b", [1], start=0, seed=9), request("a", [3, 4], params=greedy))]  # b readmitted
+    for b in steps:
+        assert all(got == b for got in through(encoder, decoders, b)), b
+    wire = encoder.encode(batch(request("a", [3, 4, 2], params=greedy)))
+    assert wire[0][0][3:5] == (2, [2]) and wire[0][0][7] is None  # only the new page; parameters sent already
+
+
+def test_a_failed_step_resets_both_ends_and_a_mismatch_is_loud():
+    encoder, decoder = BatchEncoder(), BatchDecoder()
+    through(encoder, [decoder], batch(request("a", [3])))
+    encoder.encode(batch(request("a", [3, 4])))  # a step the actor never applied (it failed on the way)
+    with pytest.raises(RuntimeError, match=r"request 'a': this actor holds 1 pages, the driver assumed 2"):
+        decoder.decode(encoder.encode(batch(request("a", [3, 4, 5]))))
+    encoder.reset()
+    b = batch(request("a", [3, 4, 5]))
+    assert through(encoder, [decoder], b) == [b]
+
+
+def test_results_round_trip():
+    results = [RequestStepResult("a", [1, 2], 1, [3, 4], next_draft_confidence=[0.5, 0.25]),
+               RequestStepResult("b", [], 0, [], "bad logits")]
+    assert decode_results(pickle.loads(pickle.dumps(encode_results(results)))) == results
