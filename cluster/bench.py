@@ -520,6 +520,10 @@ def run(args) -> dict:
             print(f"dspark bench: AR batch-1 profile: {json.dumps(record['ar_profile_batch1'])}", file=sys.stderr)
         time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0)  # untimed: first-call costs stay out of TTFT
         for c in tqdm(args.concurrency, desc=f"{kind} sweep", disable=None):
+            if kind == "confidence":  # its figures per concurrency
+                from runtime.confidence_scheduler import ConfidenceStats
+
+                llm.engine.confidence_stats = ConfidenceStats()
             timing = time_steps(llm, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c,
                                 prompts=sweep_prompts)
             rows[c].update({f"{kind}_{name}": timing[name]
@@ -539,7 +543,9 @@ def run(args) -> dict:
                                confidence_acceptance_per_position=timing["acceptance_per_position"],
                                confidence_verify_budget_per_request=stats["mean_verify_budget_per_request"],
                                confidence_predicted_step_ms=stats["mean_predicted_step_ms"],
-                               confidence_measured_step_ms=stats["mean_measured_step_ms"])
+                               confidence_measured_step_ms=stats["mean_measured_step_ms"],
+                               confidence_expected_tokens_per_request=stats["mean_expected_tokens_per_request"],
+                               confidence_committed_tokens_per_request=stats["mean_committed_tokens_per_request"])
             else:
                 rows[c].update(mean_acceptance_length=timing["mean_acceptance_length"],
                                acceptance_per_position=timing["acceptance_per_position"])

@@ -136,6 +136,7 @@ class ConfidenceStats:
     predicted_ms: float = 0.0  # summed over decisions
     measured_ms: float = 0.0  # summed over every step timed
     steps: int = 0
+    committed_tokens: int = 0  # tokens the verifying requests committed (accepted drafts + one each), summed
     last: dict = field(default_factory=dict)
 
     def record_decision(self, decision: Decision, requests: int) -> None:
@@ -148,6 +149,11 @@ class ConfidenceStats:
         self.last = {"verify_budget": decision.budget, "offered": decision.offered, "requests": requests,
                      "predicted_step_ms": decision.predicted_ms, "expected_tokens": decision.expected_tokens}
 
+    def record_outcome(self, committed: int) -> None:
+        self.committed_tokens += committed
+        if self.last:
+            self.last["committed_tokens"] = committed
+
     def record_step(self, ms: float) -> None:
         self.steps += 1
         self.measured_ms += ms
@@ -158,6 +164,8 @@ class ConfidenceStats:
         per = max(self.requests, 1)
         return {"decisions": self.decisions, "mean_verify_budget_per_request": self.budget / per,
                 "mean_offered_per_request": self.offered / per,
+                "mean_expected_tokens_per_request": self.expected_tokens / per,
+                "mean_committed_tokens_per_request": self.committed_tokens / per,
                 "mean_predicted_step_ms": self.predicted_ms / max(self.decisions, 1),
                 "mean_measured_step_ms": self.measured_ms / max(self.steps, 1),
                 "next_budget_per_request": scheduler.budget_per_request,

@@ -71,6 +71,7 @@ class Engine:
         self._seeds = random.Random(config.seed)
         self.confidence: ConfidenceScheduler | None = None
         self.confidence_stats = ConfidenceStats()
+        self._decided: set[str] = set()  # requests whose verify length the scheduler chose this step
         # when a list: every verify appends (the verified drafts' confidences, accepted count) (calibration)
         self.verification_log: list[tuple[list[float], int]] | None = None
         if self.spec is not None and self.spec.enable_confidence_scheduling:
@@ -218,6 +219,7 @@ class Engine:
         if not seqs:
             return
         lengths = self.confidence.allot([s.draft_confidence for s in seqs])
+        self._decided = {s.request_id for s in seqs}
         for seq, length in zip(seqs, lengths):
             seq.draft_ids, seq.draft_confidence = seq.draft_ids[:length], seq.draft_confidence[:length]
         self.confidence_stats.record_decision(self.confidence.last, len(seqs))
@@ -254,6 +256,10 @@ class Engine:
             if seq.finish_reason is not None:
                 del self.sequences[seq.request_id]
         self.gate.record(drafted, accepted)
+        if self.confidence is not None and self._decided:  # against the survivals' prediction: what they committed
+            self.confidence_stats.record_outcome(sum(len(r.token_ids) for e, r in zip(scheduled, results)
+                                                     if e.request_id in self._decided))
+            self._decided = set()
         if self.gate.closed:  # drafts already proposed are dropped too: from now on, plain decoding
             for seq in self.scheduler.running:
                 seq.draft_ids = []

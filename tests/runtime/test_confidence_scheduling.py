@@ -112,6 +112,8 @@ def test_greedy_outputs_are_the_same_with_scheduling_on_and_off(near_bigram_targ
         near_bigram_target, PROMPTS, 24)
     stats = on.get_metrics()["confidence_scheduling"]
     assert stats["decisions"] > 0 and stats["cost_table_observations"] > 0  # profiled at startup, then learning
+    assert 1.0 <= stats["mean_committed_tokens_per_request"] <= 5.0  # what the survivals' prediction is against
+    assert 1.0 <= stats["mean_expected_tokens_per_request"] <= 5.0
     assert on.engine.confidence.costs.measured and "confidence_scheduling" not in off.get_metrics()
     assert on.get_metrics()["prefix_cache_queries"] == off.get_metrics()["prefix_cache_queries"]  # no profile left
 
