@@ -100,13 +100,11 @@ class RayExecutor:
         refs = [getattr(actor, method).remote(*args) for actor in self.actors]
         try:
             return ray.get(refs, timeout=timeout_s)
-        except ray.exceptions.RayTaskError as exc:
-            rank = next((r for r, ref in enumerate(refs) if _failed(ref)), None)
-            where = f"rank {rank} ({self.plan.roles[rank]})" if rank is not None else "a replica actor"
-            cause = exc.cause if exc.cause is not None else exc
-            raise type(cause)(f"{where}: {cause}") if isinstance(cause, (ValueError, RuntimeError)) else exc
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            raise ReplicaFailure(f"replica actor failed during {method!r}: {_reason(exc)}") from exc
+        except Exception as exc:  # noqa: BLE001 - translated (or re-raised) by _raise_from
+            rank = next((r for r, ref in enumerate(refs) if _failed(ref)), None) \
+                if isinstance(exc, ray.exceptions.RayTaskError) else None
+            _raise_from(exc, f"rank {rank} ({self.plan.roles[rank]})" if rank is not None else "a replica actor",
+                        method)
 
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
         """One step: the batch's delta (``cluster.dispatch``) through the compiled graph; rank 0's results, with a
@@ -126,12 +124,8 @@ class RayExecutor:
     def _run_step(self, wire) -> list:
         try:
             return ray.get(self.step_graph.execute(wire), timeout=self.config.parallel.step_timeout_s)
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if exc.cause is not None else exc
-            raise type(cause)(f"a replica actor: {cause}") if isinstance(cause, (ValueError, RuntimeError)) else exc
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.RayChannelError,
-                TimeoutError) as exc:
-            raise ReplicaFailure(f"replica actor failed during 'execute': {_reason(exc)}") from exc
+        except Exception as exc:  # noqa: BLE001 - translated (or re-raised) by _raise_from
+            _raise_from(exc, "a replica actor", "execute")
 
     def describe(self) -> list[dict]:
         return self._call_all("info")
@@ -153,6 +147,20 @@ class RayExecutor:
         if self.owns_group:  # an enclosing group is Serve's: it goes with the Serve replica
             groups.remove(self.group)
         self.group = None
+
+
+def _raise_from(exc: Exception, where: str, method: str):
+    """An error of a replica call, as the engine sees it: an actor's ValueError/RuntimeError re-raised naming
+    ``where``; a dead, hung or disconnected actor as ``ReplicaFailure``; anything else unchanged."""
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause if exc.cause is not None else exc
+        if isinstance(cause, (ValueError, RuntimeError)):
+            raise type(cause)(f"{where}: {cause}") from exc
+        raise exc
+    if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+                        ray.exceptions.RayChannelError, TimeoutError)):
+        raise ReplicaFailure(f"replica actor failed during {method!r}: {_reason(exc)}") from exc
+    raise exc
 
 
 def _failed(ref) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from runtime.confidence_scheduler import CONFIDENCE_SCALE
+from runtime.confidence_scheduler import confidence_as_ints, confidence_from_ints
 from runtime.draft_channel import DraftFeatures, send_features
 from runtime.draft_runner import DraftRunner
 from runtime.step_io import ScheduledBatch
@@ -57,8 +57,8 @@ class DraftServer:
             send_features(DraftFeatures(out.hidden[index], low), dst=TARGET_LEADER)
         parts = [out.tokens, out.lengths[:, None]]
         if out.confidence is not None:
-            parts.append((out.confidence.float() * CONFIDENCE_SCALE).round().to(torch.int64))
+            parts.append(confidence_as_ints(out.confidence))
         host = torch.cat(parts, dim=1).tolist()
         k = out.tokens.shape[1]
-        return {e.request_id: (row[:row[k]], [c / CONFIDENCE_SCALE for c in row[k + 1:k + 1 + row[k]]]
+        return {e.request_id: (row[:row[k]], confidence_from_ints(row[k + 1:k + 1 + row[k]])
                                if out.confidence is not None else None) for e, row in zip(entries, host)}

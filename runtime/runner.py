@@ -16,7 +16,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from configs import DSparkDecodingConfig
-from runtime.confidence_scheduler import CONFIDENCE_SCALE
+from runtime.confidence_scheduler import confidence_as_ints, confidence_from_ints
 from runtime.draft_channel import DraftChannel, Proposal, receive_features, send_features
 from runtime.graphs import GraphedTargetForward, GraphOutputs
 from runtime.kernels import AttentionGeometry, KernelBackend
@@ -117,7 +117,7 @@ class ModelRunner:
             k = proposal.tokens.shape[1]
             parts += [proposal.tokens, proposal.lengths[:, None]]
             if proposal.confidence is not None:  # c * 2^24 as integers: the same single transfer
-                parts.append((proposal.confidence.float() * CONFIDENCE_SCALE).round().to(committed.dtype))
+                parts.append(confidence_as_ints(proposal.confidence))
         host = torch.cat(parts, dim=1).tolist()  # the step's one device-to-host transfer
         width = committed.shape[1]
         sampled = {}
@@ -131,7 +131,7 @@ class ModelRunner:
                 length = row[width + 2 + k]
                 drafts = row[width + 2: width + 2 + length]
                 if len(row) > width + 3 + k:
-                    confidence = [c / CONFIDENCE_SCALE for c in row[width + 3 + k: width + 3 + k + length]]
+                    confidence = confidence_from_ints(row[width + 3 + k: width + 3 + k + length])
             token_logprobs = logprobs[i][:a + 1] if logprobs is not None and i in logprobs else None
             sampled[entry.request_id] = RequestStepResult(entry.request_id, row[:a + 1], a, drafts,
                                                           logprobs=token_logprobs, next_draft_confidence=confidence)

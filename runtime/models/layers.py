@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.kernels import KernelBackend, PagedAttentionMeta, torch_ref
+from runtime.models.moe import SparseMoeBlock
 
 
 class RMSNorm(nn.Module):
@@ -213,8 +214,6 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, kernels, qk_norm)
         if sparse_moe_backend is not None:  # an MoE layer (runtime.models.moe.sparse_layer_ids) and its expert kernel
-            from runtime.models.moe import SparseMoeBlock
-
             self.mlp = SparseMoeBlock(config, sparse_moe_backend)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, kernels,
