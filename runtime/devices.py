@@ -38,8 +38,9 @@ def kv_budget_bytes(config: LLMConfig, device: torch.device) -> int:
 
 # Backends of the reference's list (configs.speculative.MoeBackend) this build has no expert kernel for: why.
 MOE_BACKENDS_ELSEWHERE = {
-    "TRITON": "the fused Triton MoE kernel is not in this build yet (use DENSEGEMM, CUDA-graph safe)",
-    "CUTLASS": "FlashInfer's CUTLASS fused MoE is not wired into this build yet (use DENSEGEMM)",
+    "CUTLASS": ("FlashInfer's CUTLASS fused MoE is not wired into this build: its sm90 module is built with nvcc on "
+                "first use (every TensorRT-LLM MoE GEMM instantiation), longer than our GPU hosts allow; use TRITON or "
+                "DENSEGEMM"),
     "CUTEDSL": "CuTe DSL grouped GEMMs are TensorRT-LLM's, for Blackwell (SM100) with NVFP4 experts",
     "CUTEDSL_FC12": "CuTe DSL grouped GEMMs are TensorRT-LLM's, for Blackwell (SM100) with NVFP4 experts",
     "TRTLLM": "trtllm-gen MoE kernels are TensorRT-LLM's, for Blackwell (SM100/SM103)",
@@ -48,6 +49,19 @@ MOE_BACKENDS_ELSEWHERE = {
     "MEGAMOE_DEEPGEMM": "MegaMoE kernels are TensorRT-LLM's (expert parallel, FP8/FP4 experts)",
     "MEGAMOE_CUTEDSL": "MegaMoE kernels are TensorRT-LLM's (expert parallel, FP8/FP4 experts)",
 }
+
+
+def triton_moe_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the TRITON expert kernels cannot run on ``device`` in ``dtype``, or None when they can."""
+    if device.type != "cuda":
+        return f"it needs a CUDA device, this rank's is {device}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"its kernels take bfloat16 or float16, the model is {str(dtype).removeprefix('torch.')}"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed on this rank"
+    return None
 
 
 def grouped_gemm_problem(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -69,8 +83,8 @@ def resolve_moe_backend(requested: str | None, device: torch.device, dtype: torc
 
     A dense model has none ("none"), and asking for one is an error. AUTO resolves from the device and dtype:
     DENSEGEMM (grouped GEMMs, CUDA-graph safe) where torch's grouped GEMM runs, else VANILLA (the per-expert
-    loop, anywhere). A concrete backend this rank cannot run is an error naming the rank, the backend and why;
-    nothing is substituted.
+    loop, anywhere). TRITON runs where ``triton_moe_problem`` finds nothing against it. A concrete backend this
+    rank cannot run is an error naming the rank, the backend and why; nothing is substituted.
     """
     if not has_moe_layers:
         if requested not in (None, "AUTO"):
@@ -83,11 +97,16 @@ def resolve_moe_backend(requested: str | None, device: torch.device, dtype: torc
         return "VANILLA"
     if requested == "DENSEGEMM" and problem is None:
         return "DENSEGEMM"
-    reason = problem if requested == "DENSEGEMM" else MOE_BACKENDS_ELSEWHERE.get(requested, "unknown backend")
-    if requested in ("TRITON", "CUTLASS") and device.type != "cuda":
+    triton_problem = triton_moe_problem(device, dtype)
+    if requested == "TRITON" and triton_problem is None:
+        return "TRITON"
+    reason = {"DENSEGEMM": problem, "TRITON": triton_problem}.get(
+        requested, MOE_BACKENDS_ELSEWHERE.get(requested, "unknown backend"))
+    if requested == "CUTLASS" and device.type != "cuda":
         reason = f"it needs a CUDA device, this rank's is {device}"
+    runnable = ["VANILLA"] + ["DENSEGEMM"] * (problem is None) + ["TRITON"] * (triton_problem is None)
     raise ValueError(f"{what}={requested!r} cannot run on {rank} ({device}): {reason}; this rank can run "
-                     f"VANILLA{'' if problem else ' and DENSEGEMM'} (or AUTO)")
+                     f"{', '.join(runnable)} (or AUTO)")
 
 
 def check_draft_attention_backend(spec: DSparkDecodingConfig) -> str:

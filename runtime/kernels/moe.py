@@ -12,6 +12,10 @@ model's (``runtime.models.moe``); backends differ only in how they run the exper
 - ``DENSEGEMM``: the (token, choice) pairs sorted by expert, then two grouped GEMMs over all experts
   (``torch.nn.functional.grouped_mm``: an empty group costs nothing) and one scatter-add. Every shape is fixed
   by T and k and nothing is read back to the host, so a CUDA graph can capture it.
+- ``TRITON``: the pairs tiled by expert (``tile_pairs_by_expert``, torch, static shapes), then one Triton GEMM
+  kernel per projection that gathers its tile's token rows itself and writes each pair's row in place (the
+  routing weight folded into the down projection), and a sum over the k choices (``runtime.kernels.triton_moe``;
+  CUDA only, graph safe).
 
 Which backends a device can run, and what ``AUTO`` resolves to, is ``runtime.devices.resolve_moe_backend``.
 """
@@ -19,6 +23,7 @@ Which backends a device can run, and what ``AUTO`` resolves to, is ``runtime.dev
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -62,5 +67,48 @@ def experts_grouped_gemm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
     return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
-EXPERT_KERNELS: dict[str, ExpertKernel] = {"VANILLA": experts_vanilla, "DENSEGEMM": experts_grouped_gemm}
-GRAPH_SAFE = frozenset({"DENSEGEMM"})  # backends a CUDA graph can capture (no host synchronization)
+@dataclass(frozen=True)
+class ExpertTiles:
+    """The (token, choice) pairs of a routing, grouped by expert into tiles of ``block_m`` rows.
+
+    Invariants: ``pairs`` lists every pair index ``t * k + j`` exactly once; expert e's pairs fill consecutive whole
+    tiles (in token order), the rest of its last tile holds the sentinel ``T * k``; ``tile_expert[i]`` is the expert
+    of tile i, or E for the tiles past the last used one. The sizes depend on T, k, E and ``block_m`` only
+    (enough tiles for any routing), so the layout is built on the device without a host synchronization."""
+
+    pairs: torch.Tensor  # [num_tiles * block_m] int32
+    tile_expert: torch.Tensor  # [num_tiles] int32
+    block_m: int
+
+
+def tile_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertTiles:
+    """ids [T, k] -> ``ExpertTiles``. At most ceil(T*k / block_m) + min(T*k, E) tiles are ever used (each used
+    expert wastes less than one tile), which is what is allocated."""
+    n = ids.numel()
+    flat = ids.reshape(-1).to(torch.int64)  # [n]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    tiles = (counts + block_m - 1) // block_m  # [E] tiles per expert
+    tile_end = torch.cumsum(tiles, 0)  # [E]
+    num_tiles = -(-n // block_m) + min(n, num_experts)
+    order = torch.argsort(flat, stable=True)  # [n] pairs by expert, token order inside a group
+    expert = flat[order]
+    rank = torch.arange(n, device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]  # place in its group
+    dest = (tile_end - tiles)[expert] * block_m + rank  # [n]
+    pairs = torch.full((num_tiles * block_m,), n, dtype=torch.int32, device=ids.device)
+    pairs.scatter_(0, dest, order.to(torch.int32))
+    tile_expert = torch.searchsorted(tile_end, torch.arange(num_tiles, device=ids.device), right=True)
+    return ExpertTiles(pairs, tile_expert.to(torch.int32), block_m)
+
+
+def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``experts_vanilla``: the Triton kernels (imported on first use; needs triton and CUDA)."""
+    from runtime.kernels.triton_moe import fused_experts
+
+    return fused_experts(x, w13, w2, weights, ids)
+
+
+EXPERT_KERNELS: dict[str, ExpertKernel] = {"VANILLA": experts_vanilla, "DENSEGEMM": experts_grouped_gemm,
+                                           "TRITON": experts_triton}
+GRAPH_SAFE = frozenset({"DENSEGEMM", "TRITON"})  # backends a CUDA graph can capture (no host synchronization)

@@ -9,7 +9,7 @@ from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
 from runtime.devices import resolve_moe_backend
 from runtime.kernels import get_backend
-from runtime.kernels.moe import experts_grouped_gemm, experts_vanilla
+from runtime.kernels.moe import experts_grouped_gemm, experts_vanilla, tile_pairs_by_expert
 from runtime.loader import load_target
 from runtime.models.moe import SparseMoeBlock, sparse_layer_ids
 from tests import builders
@@ -107,3 +107,31 @@ def test_a_draft_moe_backend_for_a_dense_drafter_is_refused(moe_target, make_dra
     spec = DSparkDecodingConfig(speculative_model=str(make_drafter(moe_target, 4)), moe_backend="VANILLA")
     with pytest.raises(ValueError, match="speculative_config.moe_backend='VANILLA': the model has no MoE layers"):
         LLM(str(moe_target), speculative_config=spec, dtype="float32", device="cpu", num_pages=64, page_size=4)
+
+
+@pytest.mark.parametrize("tokens,k,experts,block_m", [(1, 8, 128, 16), (3, 2, 4, 16), (64, 8, 16, 16),
+                                                      (40, 4, 8, 64), (5, 1, 1, 4)])
+def test_tiles_group_every_pair_by_expert(tokens, k, experts, block_m):
+    """The TRITON backend's layout: every pair once, each expert's pairs in whole tiles of its own, in token order,
+    padding marked by the sentinel, unused tiles marked E; sized by the shapes alone."""
+    gen = torch.Generator().manual_seed(tokens * 7 + k)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])  # [T, k] distinct per row
+    tiles = tile_pairs_by_expert(ids, experts, block_m)
+    n = tokens * k
+    assert tiles.tile_expert.numel() == -(-n // block_m) + min(n, experts)
+    pairs = tiles.pairs.view(-1, block_m)
+    real = tiles.pairs[tiles.pairs < n]
+    assert sorted(real.tolist()) == list(range(n))
+    assert (tiles.pairs[tiles.pairs >= n] == n).all()
+    flat = ids.reshape(-1)
+    for tile, expert in zip(pairs, tiles.tile_expert.tolist()):
+        members = tile[tile < n]
+        if expert == experts:
+            assert members.numel() == 0
+            continue
+        assert (flat[members.long()] == expert).all() and members.numel() > 0
+        assert members.tolist() == sorted(members.tolist())
+    used = tiles.tile_expert[tiles.tile_expert < experts].tolist()
+    assert used == sorted(used)  # an expert's tiles are consecutive
+    expected_tiles = sum(-(-int((flat == e).sum()) // block_m) for e in range(experts))
+    assert len(used) == expected_tiles
