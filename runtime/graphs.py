@@ -1,16 +1,19 @@
 """CUDA graphs of the target's decode and verify forwards, one per (batch bucket, tokens per request).
 
-A step whose every request feeds the same number of tokens ``Q`` (``Q = 1`` plain decoding, ``Q = K + 1`` a
-verify of K drafts; a prefill chunk of exactly Q tokens is the same computation) replays a graph captured for
-``B >= len(requests)`` requests. The graph is a pure function of persistent buffers: one host-to-device copy
-writes the step's token ids, positions and cache slots, FlashInfer's plan writes the page table into the
-wrapper's own buffers, one replay runs embedding -> layers -> final norm (and the captured layers) -> LM head ->
-max and argmax of every row (what greedy verification needs; sampling reads the logits). With a colocated
-drafter, a second graph per bucket (replayed right after, skipped once speculation is off for good) appends the
-step's captured states to the drafter's context cache: eagerly those dozen small kernels cost the host more than
-the whole target graph on a small model. Rows of
-padding requests feed token 0 at positions 0..Q-1 into a scratch page no request owns, so they never touch a
-real request's cache, and their outputs are dropped. Other steps (mixed prefill, ragged drafts) run eagerly.
+A step whose requests feed at most ``Q`` tokens each (``Q = 1`` plain decoding, ``Q = K + 1`` a verify of K
+drafts; a prefill chunk is the same computation) replays a graph captured for ``B >= len(requests)`` requests
+of Q tokens. Shorter requests (a block trimmed at ``max_tokens``, a short prefill chunk) are padded to Q where
+that costs little (``worth_padding``): the padding tokens come after the request's real ones, so causal attention
+keeps them out of every real row; they write their keys into the scratch page and their outputs are dropped.
+The graph is a pure function of persistent buffers: one host-to-device copy writes the step's token ids,
+positions and cache slots, FlashInfer's plan writes the page table into the wrapper's own buffers, one replay runs
+embedding -> layers -> final norm (and the captured layers) -> LM head -> max and argmax of every row (what greedy
+verification needs; sampling reads the logits). With a colocated drafter, a second graph per bucket (replayed
+right after, skipped once speculation is off for good) appends the step's captured states to the drafter's
+context cache: eagerly those dozen small kernels cost the host more than the whole target graph on a small model.
+Padding requests (up to the bucket) feed token 0 at positions 0..Q-1 into the scratch page no request owns, so
+they never touch a real request's cache, and their outputs are dropped. Other steps (longer prefill chunks, mixes
+too ragged to pad) run eagerly.
 """
 
 from __future__ import annotations
@@ -26,10 +29,20 @@ from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta
 from runtime.kv_cache import KVCaches
 from runtime.models.target import TargetModel
 from runtime.step_io import ScheduledRequest
-from runtime.step_tensors import StepTensors, padded_page_table, query_start_loc
+from runtime.step_tensors import StepTensors, padded_page_table
 
 log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# Padding a ragged step to a graph pays while the step stays memory-bound: up to this many tokens in all, or up to
+# PAD_RATIO times the real tokens (an eager step launches every kernel from the host, ~10x a graph's replay time
+# on small batches; a padded token costs at most its share of compute).
+PAD_FREE_TOKENS = 128
+PAD_RATIO = 1.5
+
+
+def worth_padding(real_tokens: int, padded_tokens: int) -> bool:
+    """Whether a step of ``real_tokens`` fed tokens should replay a graph of ``padded_tokens``."""
+    return padded_tokens <= max(PAD_FREE_TOKENS, PAD_RATIO * real_tokens)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -50,12 +63,15 @@ class GraphOutputs:
     top: torch.Tensor  # [T] max logit (NaN when the row has one)
     argmax: torch.Tensor  # [T]
     context_appended: bool  # the drafter's context graph ran: the captured states are in its cache
+    q_len: int  # Q: request b's i-th fed token is row b*Q + i (rows past its real tokens are padding)
 
     def step_tensors(self, reqs: list[ScheduledRequest], page_size: int, device: torch.device,
                      with_page_table: bool) -> StepTensors:
-        """The step's tensors for verification and drafting: the graph's inputs, the page table if asked for."""
+        """The step's tensors for verification and drafting: the graph's inputs (padding rows included), the page
+        table if asked for."""
         table = padded_page_table(reqs, device) if with_page_table else None
-        return StepTensors(self.input_ids, self.positions, self.slots, None, table, query_start_loc(reqs))
+        row_ends = [b * self.q_len + len(r.token_ids) for b, r in enumerate(reqs)]
+        return StepTensors(self.input_ids, self.positions, self.slots, None, table, row_ends)
 
 
 @dataclass
@@ -83,6 +99,7 @@ class GraphedTargetForward:
         self.page_size, self.scratch_page, self.device = page_size, scratch_page, device
         self.buckets = batch_buckets(max_batch)
         self.pages_per_seq = pages_per_seq
+        self.q_lens = sorted(set(q_lens))
         width = max_batch * max(q_lens)
         self.inputs = torch.zeros(3, width, dtype=torch.int64, device=device)  # ids, positions, slots
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # unused by FlashInfer's plan
@@ -98,11 +115,15 @@ class GraphedTargetForward:
                  self.buckets, sorted(set(q_lens)), self.capture_seconds, used / 2**20)
 
     def tokens_per_request(self, reqs: list[ScheduledRequest]) -> int | None:
-        """Q if a graph serves this step (every request feeds Q tokens and a bucket holds them), else None."""
-        q_len = len(reqs[0].token_ids)
-        if len(reqs) > self.buckets[-1] or any(len(r.token_ids) != q_len for r in reqs):
+        """Q if a graph serves this step (a bucket holds the requests, Q is the smallest captured length that holds
+        the longest, and padding the others to Q is ``worth_padding``), else None."""
+        if len(reqs) > self.buckets[-1]:
             return None
-        return q_len if (self.buckets[0], q_len) in self.graphs else None
+        fed = [len(r.token_ids) for r in reqs]
+        q_len = next((q for q in self.q_lens if q >= max(fed)), None)
+        if q_len is None or not worth_padding(sum(fed), q_len * len(reqs)):
+            return None
+        return q_len
 
     def run(self, reqs: list[ScheduledRequest], q_len: int, append_context: bool = False) -> GraphOutputs:
         """Replay the graph of ``len(reqs)`` requests (padded to a bucket) x ``q_len`` tokens, then, if asked and
@@ -118,30 +139,40 @@ class GraphedTargetForward:
         rows = len(reqs) * q_len
         ids, positions, slots = (t[:rows] for t in self.inputs)
         return GraphOutputs(ids, positions, slots, g.hidden[:rows], g.captured[:rows] if g.captured is not None
-                            else None, g.logits[:rows], g.top[:rows], g.argmax[:rows], appended)
+                            else None, g.logits[:rows], g.top[:rows], g.argmax[:rows], appended, q_len)
 
     # ---- building -----------------------------------------------------------------------------
 
     def _write_inputs(self, reqs: list[ScheduledRequest], batch: int, q_len: int) -> HostLayout:
-        """Copy the step's token ids, positions and slots (padded to ``batch`` requests) into the graph's input
-        buffer with one non-blocking copy from pageable memory (``runtime.transfer`` says why not pinned);
-        returns the attention layout to plan."""
-        ps = self.page_size
-        ids, positions, slots = [], [], []
+        """Copy the step's token ids, positions and slots (each request padded to ``q_len`` tokens, the batch to
+        ``batch`` requests) into the graph's input buffer with one non-blocking copy from pageable memory
+        (``runtime.transfer`` says why not pinned); returns the attention layout to plan.
+
+        A request's padding tokens (token 0 at its last position) follow its real ones and write the scratch page;
+        its key range grows by as many keys, the pages past its own being the scratch page. Causal attention keeps
+        those keys from every real row (row i sees the keys up to its own position), so real rows are unchanged."""
+        ps, scratch_page = self.page_size, self.scratch_page
+        ids, positions, slots, kv_lens, pages = [], [], [], [], []
         for r in reqs:
-            ids += r.token_ids
+            short = q_len - len(r.token_ids)
+            ids += r.token_ids + [0] * short
             for pos in range(r.start_position, r.end_position):
                 positions.append(pos)
                 slots.append(r.page_ids[pos // ps] * ps + pos % ps)
+            positions += [r.end_position - 1] * short
+            slots += [scratch_page * ps + i % ps for i in range(short)]
+            kv_len = r.end_position + short
+            used = r.page_ids[:-(-kv_len // ps)]
+            kv_lens.append(kv_len)
+            pages.append(used + [scratch_page] * (-(-kv_len // ps) - len(used)))
         pad = batch - len(reqs)
         ids += [0] * (pad * q_len)
         positions += list(range(q_len)) * pad
-        slots += [self.scratch_page * ps + i % ps for i in range(q_len)] * pad
-        scratch = [self.scratch_page] * -(-q_len // ps)
+        slots += [scratch_page * ps + i % ps for i in range(q_len)] * pad
+        scratch = [scratch_page] * -(-q_len // ps)
         self.inputs[:, :batch * q_len].copy_(torch.tensor([ids, positions, slots], dtype=torch.int64),
                                              non_blocking=True)
-        return HostLayout([q_len] * batch, [r.end_position for r in reqs] + [q_len] * pad,
-                          [r.page_ids for r in reqs] + [scratch] * pad)
+        return HostLayout([q_len] * batch, kv_lens + [q_len] * pad, pages + [scratch] * pad)
 
     def _meta(self, layout: HostLayout, batch: int, q_len: int) -> PagedAttentionMeta:
         # Only the host layout and geometry matter to FlashInfer; the device fields are placeholders.

@@ -95,7 +95,7 @@ class ModelRunner:
             return [RequestStepResult(r.request_id, [], 0, []) for r in reqs] if self.is_leader else []
         entries = [reqs[i] for i in sampled]
         with record_function("dspark.verify"):
-            committed, accepted, faulty, logprob_source = self._verify(entries, hidden, t.query_start_loc, sampled,
+            committed, accepted, faulty, logprob_source = self._verify(entries, hidden, t.row_ends, sampled,
                                                                        graphed)
         k_next = batch.num_next_drafts if drafting else 0
         with record_function("dspark.draft"):
@@ -175,8 +175,8 @@ class ModelRunner:
 
     # ---- verification ------------------------------------------------------------------------
 
-    def _logits(self, entries: list[ScheduledRequest], hidden: torch.Tensor, qsl: list[int], batch_index: list[int],
-                k_max: int, num_drafts: torch.Tensor, graphed: GraphOutputs | None):
+    def _logits(self, entries: list[ScheduledRequest], hidden: torch.Tensor, row_ends: list[int],
+                batch_index: list[int], k_max: int, num_drafts: torch.Tensor, graphed: GraphOutputs | None):
         """-> (logits [S, K+1, V], (top, argmax) [S, K+1] or None): the target's rows for each entry's anchor (or
         last prefill token) and drafts; rows past a short block repeat its last. A graphed step whose every
         request verifies a full block already computed them (logits in the model dtype, max and argmax)."""
@@ -186,12 +186,12 @@ class ModelRunner:
             shape = (num, k_max + 1)
             return graphed.logits.view(*shape, -1), (graphed.top.view(shape), graphed.argmax.view(shape))
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
-        first = to_device([qsl[b + 1] - 1 - e.num_drafts for e, b in zip(entries, batch_index)], dev)
+        first = to_device([row_ends[b] - 1 - e.num_drafts for e, b in zip(entries, batch_index)], dev)
         rows = first[:, None] + torch.minimum(offsets[None, :], num_drafts[:, None])  # [S, K+1]
         return self.target.compute_logits(hidden[rows.view(-1)]).view(num, k_max + 1, -1), None
 
-    def _verify(self, entries: list[ScheduledRequest], hidden: torch.Tensor, qsl: list[int], batch_index: list[int],
-                graphed: GraphOutputs | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _verify(self, entries: list[ScheduledRequest], hidden: torch.Tensor, row_ends: list[int],
+                batch_index: list[int], graphed: GraphOutputs | None = None):
         """-> committed tokens [S, K+1] (the first ``accepted + 1`` valid), accepted [S], faulty [S]: the
         requests whose (penalized) logits hold NaN or +inf, and the ``LogprobSource`` of the entries that asked
         for logprobs (None when none did). Rows are independent, so a faulty request never changes another's
@@ -202,7 +202,7 @@ class ModelRunner:
         k_max = max(num_drafts_list)
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         num_drafts = to_device(num_drafts_list, dev)  # [S]
-        logits, top_argmax = self._logits(entries, hidden, qsl, batch_index, k_max, num_drafts, graphed)
+        logits, top_argmax = self._logits(entries, hidden, row_ends, batch_index, k_max, num_drafts, graphed)
         wanted = [i for i, e in enumerate(entries) if e.params.logprobs is not None] if self.is_leader else []
         source = LogprobSource(wanted, [entries[i].params.logprobs for i in wanted]) if wanted else None
         if source is not None and self.logprobs_mode == "raw":

@@ -18,7 +18,7 @@ class StepTensors:
     slots: torch.Tensor  # [T] flat KV slots (page * page_size + offset)
     meta: PagedAttentionMeta  # causal attention of the fed tokens over the pages
     page_table: torch.Tensor  # [B, max_pages]
-    query_start_loc: list[int]  # host copy of meta.query_start_loc
+    row_ends: list[int]  # [B] host: one past each request's last row of the step's outputs (its sampled row + 1)
 
 
 def query_start_loc(reqs: list[ScheduledRequest]) -> list[int]:
@@ -53,7 +53,7 @@ def build_step_tensors(reqs: list[ScheduledRequest], page_size: int, device: tor
                               page_size=page_size, geometry=geometry,
                               host=HostLayout(lens, [r.end_position for r in reqs], [r.page_ids for r in reqs]))
     input_ids = to_device([t for r in reqs for t in r.token_ids], device)
-    return StepTensors(input_ids, positions, slots, kernels.plan_attention(meta), page_table, qsl)
+    return StepTensors(input_ids, positions, slots, kernels.plan_attention(meta), page_table, qsl[1:])
 
 
 def sampled_entries(reqs: list[ScheduledRequest]) -> list[int]:

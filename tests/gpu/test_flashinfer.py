@@ -183,6 +183,30 @@ def test_graphed_steps_equal_eager_steps(wide_target, make_drafter, speculative)
     assert alone == tokens
 
 
+def test_ragged_steps_are_padded_into_graphs_and_exact(wide_target, make_drafter):
+    """Blocks trimmed at max_tokens and short prefills replay a padded graph (the real rows decide), and give the
+    eager steps' tokens."""
+    drafter = make_drafter(wide_target, 4)
+    spec = DSparkDecodingConfig(speculative_model=str(drafter))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 14, 23, 6, 31)]
+    runs, ragged = {}, []
+    for eager in (False, True):
+        llm = LLM(str(wide_target), speculative_config=spec, **{**ENGINE, "enforce_eager": eager})
+        if not eager:
+            graphs = llm.engine.executor.worker.graphs
+            replay = graphs.run
+
+            def spy(reqs, q_len, append_context=False):
+                if any(len(r.token_ids) < q_len for r in reqs):
+                    ragged.append((q_len, [len(r.token_ids) for r in reqs]))
+                return replay(reqs, q_len, append_context)
+
+            graphs.run = spy
+        runs[eager] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert ragged, "no ragged step was graphed"
+    assert runs[False] == runs[True]
+
+
 def test_a_draft_len_schedule_is_graphed_and_exact(wide_target, make_drafter):
     """The schedule's shorter block (2 drafts above 2 requests) gets its own target and drafter graphs, and its
     graphed steps give the eager steps' tokens."""

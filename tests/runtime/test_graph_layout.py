@@ -1,0 +1,53 @@
+"""The host layout of a graphed step (``runtime.graphs``): ragged requests padded to the graph's Q tokens.
+
+The graphs themselves need CUDA (``tests/gpu``); how their inputs are laid out is plain host work, checked here."""
+
+import torch
+
+from runtime.graphs import GraphedTargetForward, GraphOutputs, worth_padding
+from runtime.sampling_params import SamplingParams
+from runtime.step_io import ScheduledRequest
+
+PS, SCRATCH = 4, 99
+
+
+def request(rid, tokens, start, pages, drafts=0):
+    return ScheduledRequest(request_id=rid, token_ids=tokens, start_position=start, page_ids=pages,
+                            num_drafts=drafts, sample=True, params=SamplingParams(), seed=0)
+
+
+def layout_of(reqs, batch, q_len):
+    forward = object.__new__(GraphedTargetForward)  # only the host side: no graphs captured
+    forward.page_size, forward.scratch_page = PS, SCRATCH
+    forward.inputs = torch.zeros(3, batch * q_len, dtype=torch.int64)
+    return forward._write_inputs(reqs, batch, q_len), forward.inputs
+
+
+def test_a_short_block_is_padded_after_its_real_tokens_into_the_scratch_page():
+    full = request("a", [10, 11, 12], start=5, pages=[7, 8], drafts=2)  # positions 5..7
+    short = request("b", [20], start=3, pages=[3])  # position 3: one token of Q = 3
+    layout, inputs = layout_of([full, short], batch=4, q_len=3)
+    ids, positions, slots = inputs.tolist()
+    assert ids[:6] == [10, 11, 12, 20, 0, 0]
+    assert positions[:6] == [5, 6, 7, 3, 3, 3]
+    # real tokens in their pages; the short request's padding in the scratch page
+    assert slots[:6] == [8 * PS + 1, 8 * PS + 2, 8 * PS + 3, 3 * PS + 3, SCRATCH * PS, SCRATCH * PS + 1]
+    assert layout.qo_lens == [3, 3, 3, 3]
+    # b's key range grows by its 2 padding keys: they spill into a page past its own, the scratch page; causal
+    # attention still shows its real row only the keys up to position 3
+    assert layout.kv_lens[:2] == [8, 6] and layout.page_ids[:2] == [[7, 8], [3, SCRATCH]]
+    assert layout.page_ids[2:] == [[SCRATCH], [SCRATCH]]  # bucket padding requests
+
+
+def test_row_ends_point_at_each_requests_last_real_row():
+    reqs = [request("a", [1, 2, 3], 0, [0]), request("b", [4], 0, [1])]
+    rows = torch.zeros(6)
+    out = GraphOutputs(rows, rows, rows, rows, None, rows, rows, rows, False, q_len=3)
+    assert out.step_tensors(reqs, PS, torch.device("cpu"), with_page_table=False).row_ends == [3, 4]
+
+
+def test_padding_pays_on_small_steps_and_not_on_ragged_large_ones():
+    assert worth_padding(real_tokens=5, padded_tokens=8)  # one request's trimmed block
+    assert worth_padding(real_tokens=100, padded_tokens=128)
+    assert worth_padding(real_tokens=400, padded_tokens=512)  # 64 requests, a few blocks trimmed
+    assert not worth_padding(real_tokens=263, padded_tokens=2048)  # 256 requests, one of them verifying 7 drafts
