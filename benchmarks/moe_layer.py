@@ -7,7 +7,7 @@ and its device time is the median of CUDA-event-timed repeats: eagerly, and repl
 backends a graph can capture (``runtime.kernels.moe.GRAPH_SAFE``). Also recorded: how many distinct experts the
 tokens wake (what a step must read). Writes a JSON record (``moe_backend`` per run, hardware, command, date).
 
-usage: python3 benchmarks/moe_layer.py --out FILE.json [--tokens 1,8,64,512] [--backends VANILLA,DENSEGEMM]
+usage: python3 benchmarks/moe_layer.py --out FILE.json [--tokens 1,8,64,512] [--backends VANILLA,DENSEGEMM,TRITON]
        python3 benchmarks/moe_layer.py --smoke   (tiny shapes on the CPU: checks the script runs)
 """
 
@@ -111,6 +111,8 @@ def run(args) -> dict:
     for row in record["runs"]:
         if row["tokens"] in base and row["moe_backend"] != "DENSEGEMM":
             row["eager_vs_densegemm"] = row["eager_ms"] / base[row["tokens"]]["eager_ms"]
+            if "graph_ms" in row and "graph_ms" in base[row["tokens"]]:
+                row["graph_vs_densegemm"] = row["graph_ms"] / base[row["tokens"]]["graph_ms"]
     return record
 
 
@@ -118,10 +120,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="write the JSON record here")
     parser.add_argument("--tokens", default="1,8,64,512", type=lambda s: [int(t) for t in s.split(",")])
-    parser.add_argument("--backends", default="VANILLA,DENSEGEMM", type=lambda s: s.split(","))
+    parser.add_argument("--backends", type=lambda s: s.split(","),
+                        help="default VANILLA,DENSEGEMM,TRITON (VANILLA,DENSEGEMM with --smoke: TRITON needs CUDA)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, float32")
     args = parser.parse_args()
+    args.backends = args.backends or (["VANILLA", "DENSEGEMM"] if args.smoke else ["VANILLA", "DENSEGEMM", "TRITON"])
     record = run(args)
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

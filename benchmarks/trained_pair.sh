@@ -3,14 +3,17 @@
 # bring back), so either one device command runs `all` (a shorter training, the bench, under 10 minutes), or two
 # commands follow each other within the machine's keep-alive (~30 s, easy to miss):
 #   bash benchmarks/trained_pair.sh all WORK OUT     train with target 100 s and a 340 s recipe budget, then bench
-#   bash benchmarks/trained_pair.sh train WORK OUT   prepare the host, then the GPU recipe's target (150 s),
+#   bash benchmarks/trained_pair.sh train WORK OUT [TARGET_S RUN_S]
+#                                                    prepare the host, then the GPU recipe's target (150 s),
 #                                                    self-distillation and DSpark drafter (the rest of ~9 minutes)
 #                                                    -> OUT/gpu-recipe.json, WORK/{target,dspark,heldout-prompts.jsonl}
 #   bash benchmarks/trained_pair.sh bench WORK OUT   dspark bench on that pair over the held-out prompts: the
 #                                                    concurrency sweep, the tuned draft_len_schedule, the end-to-end
 #                                                    speedup and greedy agreement of 64 prompts x 128 tokens,
 #                                                    and the confidence scheduler's sweep beside the fixed K
-#                                                    -> OUT/bench.json, OUT/tuned-schedule.json (dspark bench-plot draws it)
+#                                                    -> OUT/bench.json (written as each engine finishes, marked
+#                                                    partial until the end), OUT/tuned-schedule.json,
+#                                                    OUT/step-costs.json (dspark bench-plot draws bench.json)
 # Both steps run from the checkout root with .whl-fi (and .fi-cache, if any) carried; see benchmarks/gpu_host.sh.
 set -euo pipefail
 step=${1:?train or bench}; work=${2:?give a work folder}; out=${3:?give an output folder}
@@ -28,7 +31,7 @@ bench() {
       --out "$out/bench.json"
 }
 case "$step" in
-  train) train 150 510 ;;
+  train) train "${4:-150}" "${5:-510}" ;;
   bench) bench ;;
   all) train 100 340; bench ;;
   *) echo "usage: $0 train|bench|all WORK OUT" >&2; exit 2 ;;

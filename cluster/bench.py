@@ -573,6 +573,7 @@ def run(args) -> dict:
         del llm
         gc.collect()  # engines hold reference cycles (graphs, caches): free their memory before the next
         torch.cuda.empty_cache()
+        save_partial(args, record, rows)
     for row in rows.values():
         row["dspark_step_vs_ar"] = row["dspark_step_ms"] / row["ar_step_ms"]
         if "confidence_tokens_per_s" in row:
@@ -600,7 +601,11 @@ def run(args) -> dict:
             row["projected_speedup"] = args.projected_tau * row["ar_step_ms"] / row["dspark_step_ms"]
         record["projected_tau"] = {"tau": args.projected_tau, "source": args.projected_tau_source}
     if args.tune_schedule:
-        record["tuned_schedule"] = tune(args, LLM, target, spec, common, rows, vocab, shape, sweep_prompts)
+        save_partial(args, record, rows)
+        record["tuned_schedule"] = tuned = tune(args, LLM, target, spec, common, rows, vocab, shape, sweep_prompts)
+        for c, best in tuned["best"].items():  # the confidence scheduler against the best fixed schedule
+            if "confidence_tokens_per_s" in rows[c]:
+                rows[c]["confidence_vs_tuned"] = rows[c]["confidence_tokens_per_s"] / best["tokens_per_s"]
     if args.hf_tokens:
         for peer, compiled in (("hf_generate", False), ("hf_compiled", True)):
             result = hf_generate_tokens_per_s(target, shape, args.hf_tokens, device, compiled)
@@ -610,6 +615,13 @@ def run(args) -> dict:
             print(f"dspark bench: {peer}: {result}", file=sys.stderr, flush=True)
     record["runs"] = list(rows.values())
     return record
+
+
+def save_partial(args, record: dict, rows: dict) -> None:
+    """Write what is measured so far to ``--out`` (marked ``partial``), so a run cut short keeps its figures; the
+    finished record replaces it."""
+    if args.out:
+        Path(args.out).write_text(json.dumps({**record, "runs": list(rows.values()), "partial": True}, indent=1) + "\n")
 
 
 def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict, vocab: int, shape: bool,
@@ -737,7 +749,7 @@ def add_parser(commands) -> None:
                        "confidence_tokens_per_s beside the fixed (or tuned) schedule's dspark_tokens_per_s")
     bench.add_argument("--profile-steps", metavar="FILE", help="with --confidence-scheduling: also write the "
                        "profiled step-time table to FILE (a confidence_cost_table_path)")
-    bench.add_argument("--moe-backend", default="AUTO", choices=["AUTO", "VANILLA", "DENSEGEMM"],
+    bench.add_argument("--moe-backend", default="AUTO", choices=["AUTO", "VANILLA", "DENSEGEMM", "TRITON"],
                        help="expert kernels of an MoE target (default AUTO; recorded as moe_backend)")
     bench.add_argument("--kv-cache-gib", type=int, default=40, help="KV cache per engine (default 40 GiB)")
     bench.add_argument("--hf-tokens", type=int, default=0, help="also time transformers generate for N tokens at "

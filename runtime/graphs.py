@@ -105,6 +105,7 @@ class GraphedTargetForward:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # unused by FlashInfer's plan
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.replays = 0  # steps served by a graph (padded ones included); the rest of the steps ran eagerly
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
         for q_len in sorted(set(q_lens)):
             for batch in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
@@ -133,6 +134,7 @@ class GraphedTargetForward:
         layout = self._write_inputs(reqs, batch, q_len)
         self.backend.plan_attention(self._meta(layout, batch, q_len), g.wrapper)
         g.graph.replay()
+        self.replays += 1
         appended = append_context and g.context is not None
         if appended:
             g.context.replay()

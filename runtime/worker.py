@@ -194,6 +194,7 @@ class Worker:
                 "moe_backend": self.moe_backend, "draft_moe_backend": self.draft_moe_backend,
                 "kernel_backend": self.kernel_backend, "cuda_graphs": self.graphs is not None,
                 "graph_capture_s": round(self.graphs.capture_seconds, 2) if self.graphs is not None else None,
+                "graph_replays": self.graphs.replays if self.graphs is not None else 0,
                 "draft_graphs": self.graphs is not None and self.plan.holds_drafter and self.spec is not None,
                 "holds_drafter": self.plan.holds_drafter and self.spec is not None,
                 "draft_confidence_head": bool(self.drafter is not None and self.drafter.confidence_head is not None),

@@ -125,11 +125,15 @@ def wide_target(checkpoints):
 def test_confidence_scheduling_keeps_greedy_outputs_on_the_graphed_path(wide_target, make_drafter):
     """Ragged verify lengths (the scheduler's) replay padded graphs; the tokens equal scheduling off and eager."""
     drafter = make_drafter(wide_target, 4, oracle=True)
-    runs, graphed_steps = {}, {}
+    runs, replays = {}, {}
     for name, spec, eager in (("off", {}, False), ("on", {"enable_confidence_scheduling": True}, False),
                               ("on-eager", {"enable_confidence_scheduling": True}, True)):
         config = DSparkDecodingConfig(speculative_model=str(drafter), **spec)
         llm = LLM(str(wide_target), speculative_config=config, **{**ENGINE, "enforce_eager": eager})
         runs[name] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        graphed_steps[name] = llm.get_metrics().get("graphed_steps")
+        replays[name] = llm.rank_info()[0]["graph_replays"]
+        if name == "on":
+            budgets = llm.get_metrics()["confidence_scheduling"]
+            assert budgets["decisions"] > 0
     assert runs["on"] == runs["off"] == runs["on-eager"]
+    assert replays["on"] > 0 and replays["on-eager"] == 0
