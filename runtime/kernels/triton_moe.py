@@ -1,9 +1,10 @@
 """The TRITON MoE backend: the routed experts as two tiled GEMMs that gather their own rows (CUDA, triton).
 
 ``fused_experts`` has the contract of ``runtime.kernels.moe.experts_vanilla``. The routing's (token, choice)
-pairs are grouped by expert into tiles of ``block_m`` rows (``tile_pairs_by_expert``); each program of
-``_expert_gemm_kernel`` takes one tile and ``BLOCK_N`` output columns, loads its rows of A by index (the token's
-hidden state for the gate/up projection, the pair's activation for the down projection), multiplies by its
+pairs are grouped by expert into tiles of ``block_m`` rows (``tile_pairs_by_expert``; a decode token's few pairs
+get one tile each and no layout at all); each program of ``_expert_gemm_kernel`` takes one tile and ``BLOCK_N``
+output columns, loads its rows of A by index (the token's hidden state for the gate/up projection, the pair's
+activation for the down projection), multiplies by its
 expert's weight slice in float32 and stores each row at its pair's index, so nothing is permuted or scattered
 outside the kernels. The down projection scales each row by its routing weight before the one rounding; the k
 choices of a token are then summed. Tiles past the routing's last exit at once, so the grid is fixed by the
@@ -20,24 +21,32 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.moe import tile_pairs_by_expert
+from runtime.kernels.moe import ExpertTiles, tile_pairs_by_expert
 from runtime.kernels.triton_ops import silu_and_mul
 
 BLOCK_N = 64
 BLOCK_K = 64
 SMALL_TILE_PAIRS = 256  # up to this many (token, choice) pairs, tiles of 16 rows (decode and verify steps)
+# Up to this many pairs (a decode token or two), each pair is its own tile: no layout kernels; an expert chosen by
+# two tokens is read twice, which costs less than the dozen small kernels that build the layout.
+ONE_PAIR_TILES_UP_TO = 16
 
 
 @triton.jit
-def _expert_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, pairs_ptr, tile_expert_ptr, n_out, k_in, num_pairs, num_experts,
-                        a_row_divisor, stride_a, stride_be, stride_bn, stride_c, WEIGHTED: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _expert_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, pairs_ptr, tile_expert_ptr, ids_ptr, n_out, k_in, num_pairs,
+                        num_experts, a_row_divisor, stride_a, stride_be, stride_bn, stride_c, WEIGHTED: tl.constexpr,
+                        ONE_PAIR_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     """C[pair, n] = (w[pair] *) sum_k A[pair // a_row_divisor, k] * B[expert, n, k] for the tile's pairs."""
     tile = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + tile)
-    if expert >= num_experts:  # a tile past the routing's last
-        return
-    pair = tl.load(pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]; num_pairs marks padding
+    if ONE_PAIR_PER_TILE:  # tile i is pair i alone (its other rows padding): no layout to build
+        expert = tl.load(ids_ptr + tile)
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, tile, num_pairs)
+    else:
+        expert = tl.load(tile_expert_ptr + tile)
+        if expert >= num_experts:  # a tile past the routing's last
+            return
+        pair = tl.load(pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]; num_pairs marks padding
     valid = pair < num_pairs
     a_row = tl.where(valid, pair // a_row_divisor, 0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -59,14 +68,18 @@ def _expert_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, pairs_ptr, tile_expert_ptr, 
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
-def _expert_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, tiles,
-                 a_row_divisor: int, weighted: bool) -> torch.Tensor:
-    """out [P, N] rows of the pairs in ``tiles``; a [rows, K], b [E, N, K] (last dims contiguous)."""
+def _expert_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 tiles: ExpertTiles | None, a_row_divisor: int, weighted: bool) -> torch.Tensor:
+    """out [P, N] rows of the pairs in ``tiles`` (None: one pair per tile, its expert ``ids[p]``); a [rows, K],
+    b [E, N, K] (last dims contiguous), ids [P] the expert of each pair."""
     num_experts, n_out, k_in = b.shape
-    grid = (tiles.tile_expert.numel(), triton.cdiv(n_out, BLOCK_N))
-    _expert_gemm_kernel[grid](a, b, out, weights, tiles.pairs, tiles.tile_expert, n_out, k_in, out.shape[0],
-                              num_experts, a_row_divisor, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-                              WEIGHTED=weighted, BLOCK_M=tiles.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    num_tiles = ids.numel() if tiles is None else tiles.tile_expert.numel()
+    grid = (num_tiles, triton.cdiv(n_out, BLOCK_N))
+    pairs, tile_expert = (ids, ids) if tiles is None else (tiles.pairs, tiles.tile_expert)  # unused when None
+    _expert_gemm_kernel[grid](a, b, out, weights, pairs, tile_expert, ids, n_out, k_in, out.shape[0], num_experts,
+                              a_row_divisor, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+                              WEIGHTED=weighted, ONE_PAIR_PER_TILE=tiles is None,
+                              BLOCK_M=16 if tiles is None else tiles.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                               num_warps=4)
     return out
 
@@ -79,9 +92,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
             raise ValueError(f"TRITON MoE: {name} needs a contiguous last dimension (strides {t.stride()})")
     tokens, k = ids.shape
     pairs = tokens * k
-    tiles = tile_pairs_by_expert(ids, w13.shape[0], 16 if pairs <= SMALL_TILE_PAIRS else 64)
+    flat = ids.reshape(-1).contiguous()  # [P] the expert of pair t*k+j
+    tiles = None if pairs <= ONE_PAIR_TILES_UP_TO else tile_pairs_by_expert(
+        ids, w13.shape[0], 16 if pairs <= SMALL_TILE_PAIRS else 64)
     weights = weights.reshape(-1).contiguous()  # [P] pair t*k+j's weight
-    gate_up = _expert_gemm(x, w13, x.new_empty(pairs, w13.shape[1]), weights, tiles, k, weighted=False)  # [P, 2I]
+    gate_up = _expert_gemm(x, w13, x.new_empty(pairs, w13.shape[1]), weights, flat, tiles, k, weighted=False)
     act = silu_and_mul(gate_up)  # [P, I]
-    down = _expert_gemm(act, w2, x.new_empty(pairs, w2.shape[1]), weights, tiles, 1, weighted=True)  # [P, H]
+    down = _expert_gemm(act, w2, x.new_empty(pairs, w2.shape[1]), weights, flat, tiles, 1, weighted=True)  # [P, H]
     return down.view(tokens, k, -1).sum(dim=1)
