@@ -49,6 +49,17 @@ def test_expert_kernels_match_vanilla(tokens):
     close(experts_grouped_gemm(x, w13, w2, weights, ids), want)
 
 
+@pytest.mark.parametrize("tokens,k,experts,block_m", [(2, 8, 128, 16), (8, 8, 128, 16), (16, 8, 128, 16),
+                                                      (5, 4, 8, 16), (3, 2, 4, 64)])
+def test_the_one_program_layout_equals_the_sorted_layout(tokens, k, experts, block_m):
+    from runtime.kernels.moe import tile_pairs_by_expert
+    from runtime.kernels.triton_moe import tile_layout
+
+    _, ids = routing(tokens, experts, k, tokens * k)
+    got, want = tile_layout(ids, experts, block_m), tile_pairs_by_expert(ids, experts, block_m)
+    assert torch.equal(got.tile_expert, want.tile_expert) and torch.equal(got.pairs, want.pairs)
+
+
 def test_triton_experts_replay_from_a_cuda_graph_with_new_routings():
     experts, k, hidden, inter, tokens = 32, 4, 256, 128, 16
     w13 = (0.05 * torch.randn(experts, 2 * inter, hidden, device=DEV)).to(BF16)
