@@ -5,8 +5,8 @@ torch profiler's labels say which phase, this says which functions. For each eng
 ``--prompt-len`` random tokens are prefilled, ``--warmup`` steps run, then ``--steps`` steps run under cProfile
 (and, apart, timed without it). Writes the wall ms per step and the top functions by own and cumulative time.
 
-usage: python3 benchmarks/host_profile.py --out FILE.json [--model-shape tiny | --model DIR --speculative-model DIR]
-       [--batch 1] [--steps 200]
+usage: python3 benchmarks/host_profile.py --out FILE.json [--model-shape tiny | --model DIR --speculative-model DIR
+       --prompts FILE.jsonl] [--batch 1] [--steps 200]
 """
 
 from __future__ import annotations
@@ -40,12 +40,15 @@ def top(stats: pstats.Stats, key: str, steps: int, count: int = 30) -> list[dict
     return rows
 
 
-def profile_engine(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab: int) -> dict:
+def profile_engine(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab: int,
+                   prompts: list[list[int]] | None) -> dict:
     engine = llm.engine
     params = SamplingParams(max_tokens=10 * (steps + warmup) + 64, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(batch):
-        engine.add_request(torch.randint(3, vocab - 1, (prompt_len,), generator=gen).tolist(), params)
+    for b in range(batch):
+        prompt = prompts[b % len(prompts)][:prompt_len] if prompts else \
+            torch.randint(3, vocab - 1, (prompt_len,), generator=gen).tolist()
+        engine.add_request(prompt, params)
     for _ in range(warmup):
         engine.step()
     torch.cuda.synchronize()
@@ -72,6 +75,7 @@ def main() -> None:
     parser.add_argument("--model-shape", default="tiny")
     parser.add_argument("--model")
     parser.add_argument("--speculative-model")
+    parser.add_argument("--prompts", help="a JSONL of prompts (a trained pair's held-out text), else random ids")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200)
@@ -86,6 +90,13 @@ def main() -> None:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(str(target)).vocab_size
+    prompts = None
+    if args.prompts:
+        from transformers import AutoTokenizer
+
+        from runtime.training.distill import dataset_prompts
+
+        prompts = dataset_prompts(args.prompts, AutoTokenizer.from_pretrained(str(target)))
     common = dict(dtype="bfloat16", device="cuda", max_num_seqs=max(args.batch, 1), kv_cache_memory=4 << 30,
                   max_model_len=args.prompt_len + 12 * (args.steps * 2 + args.warmup) + 128, **dummy)
     record = {"benchmark": "host_profile", "date": str(date.today()), "command": "python3 " + shlex.join(sys.argv),
@@ -94,7 +105,8 @@ def main() -> None:
     for kind, spec in (("ar", None), ("dspark", {"speculative_model": str(drafter),
                                                  "max_draft_len": args.max_draft_len, **dummy})):
         llm = LLM(str(target), speculative_config=spec, **common)
-        record["engines"][kind] = profile_engine(llm, args.batch, args.prompt_len, args.steps, args.warmup, vocab)
+        record["engines"][kind] = profile_engine(llm, args.batch, args.prompt_len, args.steps, args.warmup, vocab,
+                                                    prompts)
         print(f"{kind}: {record['engines'][kind]['step_ms']:.3f} ms per step", flush=True)
         for row in record["engines"][kind]["by_own_time"][:15]:
             print(f"  {row['own_ms_per_step']:.4f} own  {row['cumulative_ms_per_step']:.4f} cum  "

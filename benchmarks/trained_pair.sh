@@ -2,7 +2,10 @@
 # The trained-pair figures of the GPU fast path on one H200. The pair lives in WORK on the GPU host (too large to
 # bring back), so either one device command runs `all` (a shorter training, the bench, under 10 minutes), or two
 # commands follow each other within the machine's keep-alive (~30 s, easy to miss):
-#   bash benchmarks/trained_pair.sh all WORK OUT     train with target 100 s and a 340 s recipe budget, then bench
+#   bash benchmarks/trained_pair.sh all WORK OUT     train with target 100 s and a 300 s recipe budget, profile,
+#                                                    then bench
+#   bash benchmarks/trained_pair.sh profile WORK OUT cProfile of batch-1 AR and DSpark steps on the pair
+#                                                    -> OUT/host-profile.json (benchmarks/host_profile.py)
 #   bash benchmarks/trained_pair.sh train WORK OUT [TARGET_S RUN_S]
 #                                                    prepare the host, then the GPU recipe's target (150 s),
 #                                                    self-distillation and DSpark drafter (the rest of ~9 minutes)
@@ -30,9 +33,14 @@ bench() {
       --confidence-scheduling --profile-steps "$out/step-costs.json" --mixed-rate 100 --mixed-requests 256 \
       --out "$out/bench.json"
 }
+profile() {  # where the host time of a batch-1 step goes, AR and DSpark (cProfile)
+  python3 benchmarks/host_profile.py --model "$work/target" --speculative-model "$work/dspark" \
+    --prompts "$work/heldout-prompts.jsonl" --out "$out/host-profile.json"
+}
 case "$step" in
   train) train "${4:-150}" "${5:-510}" ;;
   bench) bench ;;
-  all) train 100 340; bench ;;
-  *) echo "usage: $0 train|bench|all WORK OUT" >&2; exit 2 ;;
+  profile) profile ;;
+  all) train 100 300; profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2; bench ;;
+  *) echo "usage: $0 train|bench|profile|all WORK OUT" >&2; exit 2 ;;
 esac
