@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-import torch
+import numpy as np
 
 OBSERVATION_WEIGHT = 0.1  # how far one served step moves its cell toward the measured time
 
@@ -79,16 +79,17 @@ class StepCostTable:
 
     def predict_ms(self, batch: int, tokens: int) -> float:
         """Predicted milliseconds of a step of ``batch`` requests feeding ``tokens`` tokens in all."""
-        return float(self.predict_ms_many(batch, torch.tensor([tokens]))[0])
+        return float(self.predict_ms_many(batch, np.asarray([tokens]))[0])
 
-    def predict_ms_many(self, batch: int, tokens: torch.Tensor) -> torch.Tensor:
-        """``predict_ms`` for every entry of ``tokens`` [N] (int) at once -> [N] float64."""
+    def predict_ms_many(self, batch: int, tokens) -> np.ndarray:
+        """``predict_ms`` for every entry of ``tokens`` [N] (ints: array-like) at once -> [N] float64 (numpy: the
+        scheduler calls this every step on the host)."""
         rows = [(b, row) for b, row in zip(self.batch_sizes, self.step_ms) if any(not math.isnan(v) for v in row)]
         if not rows:
             raise ValueError("step cost table: nothing measured yet")
         sizes = [b for b, _ in rows]
         k = bisect.bisect_left(sizes, batch)
-        x = tokens.to(torch.float64)
+        x = np.asarray(tokens, dtype=np.float64)
         if k == 0 or k == len(rows) or sizes[k] == batch:
             return _along_tokens_many(self.token_counts, rows[min(k, len(rows) - 1)][1], x)
         (b0, r0), (b1, r1) = rows[k - 1], rows[k]
@@ -97,17 +98,17 @@ class StepCostTable:
                                                                                                r1, x)
 
 
-def _along_tokens_many(token_counts: list[int], row: list[float], x: torch.Tensor) -> torch.Tensor:
+def _along_tokens_many(token_counts: list[int], row: list[float], x: np.ndarray) -> np.ndarray:
     """Piecewise-linear in tokens through the row's measured points (flat with one point, the end slopes
     extended outside them), at every entry of ``x``."""
     points = [(t, v) for t, v in zip(token_counts, row) if not math.isnan(v)]
     if len(points) == 1:
-        return torch.full_like(x, points[0][1])
-    xs = torch.tensor([t for t, _ in points], dtype=torch.float64)
-    ys = torch.tensor([v for _, v in points], dtype=torch.float64)
-    k = torch.searchsorted(xs, x).clamp(1, len(points) - 1)
+        return np.full_like(x, points[0][1])
+    xs = np.asarray([t for t, _ in points], dtype=np.float64)
+    ys = np.asarray([v for _, v in points], dtype=np.float64)
+    k = np.searchsorted(xs, x).clip(1, len(points) - 1)
     x0, x1, y0, y1 = xs[k - 1], xs[k], ys[k - 1], ys[k]
-    return (y0 + (y1 - y0) * (x - x0) / (x1 - x0)).clamp_min(1e-6)
+    return np.maximum(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-6)
 
 
 def _nearest(values: list[int], x: int) -> int:
