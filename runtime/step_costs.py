@@ -28,17 +28,19 @@ class StepCostTable:
         if not batch_sizes or not token_counts:
             raise ValueError("step cost table: batch_sizes and token_counts must not be empty")
         self.batch_sizes, self.token_counts = list(batch_sizes), list(token_counts)
-        self.step_ms = [list(row) for row in step_ms] if step_ms is not None else \
-            [[math.nan] * len(token_counts) for _ in batch_sizes]
-        if len(self.step_ms) != len(batch_sizes) or any(len(r) != len(token_counts) for r in self.step_ms):
-            raise ValueError(f"step cost table: step_ms must be {len(batch_sizes)} rows of {len(token_counts)}")
+        shape = (len(batch_sizes), len(token_counts))
+        if step_ms is not None and (len(step_ms) != shape[0] or any(len(r) != shape[1] for r in step_ms)):
+            raise ValueError(f"step cost table: step_ms must be {shape[0]} rows of {shape[1]}")
+        # [batch sizes, token counts] ms, NaN = not measured (numpy: the scheduler predicts from it every step)
+        self.step_ms = np.array(step_ms, dtype=np.float64) if step_ms is not None else np.full(shape, np.nan)
+        self._tokens = np.asarray(token_counts, dtype=np.float64)
         self.observations = 0
 
     # ---- persistence --------------------------------------------------------------------------
 
     def to_json(self) -> dict:
         return {"batch_sizes": self.batch_sizes, "token_counts": self.token_counts,
-                "step_ms": [[None if math.isnan(v) else round(v, 4) for v in row] for row in self.step_ms]}
+                "step_ms": [[None if math.isnan(v) else round(float(v), 4) for v in row] for row in self.step_ms]}
 
     @classmethod
     def from_json(cls, data: dict, where: str = "step cost table") -> StepCostTable:
@@ -63,14 +65,14 @@ class StepCostTable:
 
     @property
     def measured(self) -> bool:
-        return any(not math.isnan(v) for row in self.step_ms for v in row)
+        return bool((~np.isnan(self.step_ms)).any())
 
     def record(self, batch: int, tokens: int, ms: float, weight: float = 1.0) -> None:
         """Move the cell nearest to (batch, tokens) toward ``ms`` (weight 1: replace it; an empty cell takes it)."""
         i = _nearest(self.batch_sizes, batch)
         j = _nearest(self.token_counts, tokens)
-        old = self.step_ms[i][j]
-        self.step_ms[i][j] = ms if math.isnan(old) else old + weight * (ms - old)
+        old = self.step_ms[i, j]
+        self.step_ms[i, j] = ms if math.isnan(old) else old + weight * (ms - old)
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
         """A step the engine served: learn from it."""
@@ -82,31 +84,30 @@ class StepCostTable:
         return float(self.predict_ms_many(batch, np.asarray([tokens]))[0])
 
     def predict_ms_many(self, batch: int, tokens) -> np.ndarray:
-        """``predict_ms`` for every entry of ``tokens`` [N] (ints: array-like) at once -> [N] float64 (numpy: the
-        scheduler calls this every step on the host)."""
-        rows = [(b, row) for b, row in zip(self.batch_sizes, self.step_ms) if any(not math.isnan(v) for v in row)]
-        if not rows:
+        """``predict_ms`` for every entry of ``tokens`` [N] (ints: array-like) at once -> [N] float64 (numpy, a
+        dozen vectorized operations: the scheduler calls this every step on the host)."""
+        measured = ~np.isnan(self.step_ms)  # [nb, nt]
+        rows = np.flatnonzero(measured.any(axis=1))
+        if not len(rows):
             raise ValueError("step cost table: nothing measured yet")
-        sizes = [b for b, _ in rows]
+        sizes = [self.batch_sizes[i] for i in rows]
         k = bisect.bisect_left(sizes, batch)
         x = np.asarray(tokens, dtype=np.float64)
         if k == 0 or k == len(rows) or sizes[k] == batch:
-            return _along_tokens_many(self.token_counts, rows[min(k, len(rows) - 1)][1], x)
-        (b0, r0), (b1, r1) = rows[k - 1], rows[k]
-        f = (batch - b0) / (b1 - b0)
-        return (1 - f) * _along_tokens_many(self.token_counts, r0, x) + f * _along_tokens_many(self.token_counts,
-                                                                                               r1, x)
+            i = rows[min(k, len(rows) - 1)]
+            return _along_tokens_many(self._tokens[measured[i]], self.step_ms[i, measured[i]], x)
+        i0, i1 = rows[k - 1], rows[k]
+        f = (batch - sizes[k - 1]) / (sizes[k] - sizes[k - 1])
+        return (1 - f) * _along_tokens_many(self._tokens[measured[i0]], self.step_ms[i0, measured[i0]], x) + \
+            f * _along_tokens_many(self._tokens[measured[i1]], self.step_ms[i1, measured[i1]], x)
 
 
-def _along_tokens_many(token_counts: list[int], row: list[float], x: np.ndarray) -> np.ndarray:
-    """Piecewise-linear in tokens through the row's measured points (flat with one point, the end slopes
+def _along_tokens_many(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Piecewise-linear in tokens through a row's measured points (xs, ys) (flat with one point, the end slopes
     extended outside them), at every entry of ``x``."""
-    points = [(t, v) for t, v in zip(token_counts, row) if not math.isnan(v)]
-    if len(points) == 1:
-        return np.full_like(x, points[0][1])
-    xs = np.asarray([t for t, _ in points], dtype=np.float64)
-    ys = np.asarray([v for _, v in points], dtype=np.float64)
-    k = np.searchsorted(xs, x).clip(1, len(points) - 1)
+    if len(xs) == 1:
+        return np.full_like(x, ys[0])
+    k = np.searchsorted(xs, x).clip(1, len(xs) - 1)
     x0, x1, y0, y1 = xs[k - 1], xs[k], ys[k - 1], ys[k]
     return np.maximum(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-6)
 
