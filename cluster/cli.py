@@ -64,8 +64,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, help="requests decoding at once (default 64)")
     p.add_argument("--kv-cache-memory", type=int, help="bytes for KV pages per process")
     p.add_argument("--moe-backend", choices=typing.get_args(MoeBackend), help="expert kernels of an MoE target's "
-                   "MoE layers, resolved on each rank (default AUTO: DENSEGEMM where torch's grouped GEMM runs, "
-                   "else VANILLA); one a rank cannot run is an error naming the rank and why")
+                   "MoE layers, resolved on each rank (default AUTO: TRITON on CUDA, else DENSEGEMM where torch's "
+                   "grouped GEMM runs, else VANILLA); one a rank cannot run is an error naming the rank and why")
     p.add_argument("--speculative-moe-backend", choices=typing.get_args(MoeBackend), help="the drafter's MoE "
                    "layers' backend (default: inherit --moe-backend; a dense drafter has none)")
     p.add_argument("--ray-address", help="Ray cluster to join (default: a running one, else a new local one; "

@@ -48,7 +48,8 @@ class LLMConfig(BaseModel):
     moe_backend: MoeBackend = Field(
         default="AUTO", description="Expert kernels of the target's MoE layers (qwen3_moe), resolved on each rank: "
         "VANILLA (per-expert loop, the reference), DENSEGEMM (grouped GEMMs, CUDA-graph safe; CPU, or CUDA bf16 on "
-        "Hopper+), AUTO (DENSEGEMM where it runs, else VANILLA). The reference's other names are valid values; a "
+        "Hopper+), TRITON (fused Triton expert GEMMs, CUDA-graph safe; CUDA bf16/fp16), AUTO (the fastest that "
+        "runs: TRITON, else DENSEGEMM, else VANILLA). The reference's other names are valid values; a "
         "rank that cannot run one raises an error naming the rank, the backend and why. Dense targets: AUTO only.")
     kernel_backend: KernelBackend = Field(
         default="auto", description="Kernels: torch (the reference, any device), flashinfer (CUDA: FlashInfer "

@@ -96,8 +96,11 @@ class ConfidenceScheduler:
             budget = offered
         else:
             budget = min(round(self.budget_per_request * num), offered)
-        lengths = top_drafts(survival, proposed, budget)
-        chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
+        if budget >= offered:  # everything proposed is verified: no ranking needed
+            lengths, chosen = sizes, float(survival.sum())
+        else:
+            lengths = top_drafts(survival, proposed, budget)
+            chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
         self.last = Decision(budget, offered, num + chosen, self.costs.predict_ms(num, num + budget))
         self.budget_per_request = self.best_budget(survival, proposed) / num
         return lengths.tolist()
