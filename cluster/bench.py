@@ -1,4 +1,4 @@
-"""``dspark bench``: our autoregressive baseline and DSpark side by side, same engine and kernels, one GPU.
+"""``dspark bench``: our autoregressive baseline and DSpark side by side, same engine and kernels.
 
 For each concurrency ``c`` of the sweep, ``c`` requests decode together and the engine's steps are timed
 (host and device, what a client sees between tokens): ``ar_step_ms`` without a drafter, ``dspark_step_ms``
@@ -20,6 +20,11 @@ confidence scheduler chooses (``confidence_*`` fields; ``--profile-steps FILE`` 
 ``--e2e-prompts N`` decodes N prompts one at a time through ``LLM.generate`` with both engines: the end-to-end
 speedup against what the step times allow at the measured tau, and the share of prompts whose greedy outputs
 are identical (bf16 verify batches reorder sums, so near-ties may part).
+``--tensor-parallel-size N`` (and ``--drafter separate``) run every engine as a Ray replica through
+``cluster.LLM`` (N target shards, a separate drafter on a GPU of its own), the same sweep in the same format
+(``tensor_parallel_size``, ``drafter``; the separate layout also measures the colocated replica:
+``throughput_vs_colocated``); a replica's models live on its actors, so its record has step times, tokens/s and
+acceptance but no roofline, graph replays or host breakdown. ``--device cpu`` runs the plumbing on a CPU.
 """
 
 from __future__ import annotations
@@ -100,6 +105,22 @@ def copy_bandwidth(device, gib: float = 4.0) -> float:
     return 2 * src.numel() * src.element_size() / sorted(times[2:])[len(times[2:]) // 2]
 
 
+def local_worker(llm):
+    """The engine's in-process worker (``runtime.LLM``), or None for a Ray replica (``cluster.LLM``): its models
+    live on actors, so the breakdowns that read them (roofline bytes, graph replays, host timers, routing) are
+    left out of replica runs."""
+    return getattr(llm.engine.executor, "worker", None)
+
+
+def sync(llm) -> None:
+    """Wait for the in-process engine's GPU work (a replica's step returns only once its actors are done)."""
+    import torch
+
+    worker = local_worker(llm)
+    if worker is not None and getattr(worker, "device", None) is not None and worker.device.type == "cuda":
+        torch.cuda.synchronize(worker.device)
+
+
 def weight_bytes(llm) -> int:
     """Bytes of every weight matrix one decode step reads (the embedding reads only its rows: left out), MoE
     experts excluded: a step reads only the experts its tokens wake (``expert_bytes``)."""
@@ -124,7 +145,7 @@ def routing_stats(llm, steps: int = 2) -> dict:
     (``moe_experts_woken``, averaged over layers and ``steps``) for the tokens the step feeds
     (``moe_tokens_routed``). The steps run eagerly (forward hooks do not fire inside a graph replay); {} for a
     dense target."""
-    blocks = moe_blocks(llm)
+    blocks = moe_blocks(llm) if local_worker(llm) is not None else []
     if not blocks:
         return {}
     woken, routed = [], []
@@ -184,7 +205,7 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
         prompts = [prompts[(seed + i) % len(prompts)][:prompt_len] for i in range(batch)]
     else:
         prompts = [torch.randint(3, vocab - 1, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    torch.cuda.synchronize()
+    sync(llm)
     submitted = time.perf_counter()
     ids = [engine.add_request(prompt, params) for prompt in prompts]
     while any(not engine.sequences[i].output_token_ids for i in ids if i in engine.sequences):
@@ -192,13 +213,13 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     ttft = time.perf_counter() - submitted
     for _ in range(warmup):
         engine.step()
-    torch.cuda.synchronize()
+    sync(llm)
     before = sum(len(engine.sequences[i].output_token_ids) for i in ids)
     metrics_before = engine.metrics.as_dict()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    torch.cuda.synchronize()
+    sync(llm)
     elapsed = time.perf_counter() - start
     committed = sum(len(engine.sequences[i].output_token_ids) for i in ids) - before
     metrics = engine.metrics.as_dict()
@@ -220,20 +241,15 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
 def end_to_end(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     """Each prompt alone (concurrency 1), greedy, through ``LLM.generate`` as a user calls it (prefill, decode,
     stop checks, detokenization): wall seconds, tokens, the outputs, and the acceptance over these requests."""
-    import torch
-
     from runtime import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([prompts[0]], params)  # untimed: first-call costs
-    cuda = torch.cuda.is_available()
     metrics_before = llm.get_metrics()
-    if cuda:
-        torch.cuda.synchronize()
+    sync(llm)
     start = time.perf_counter()
     outputs = [llm.generate([p], params)[0].token_ids for p in prompts]
-    if cuda:
-        torch.cuda.synchronize()
+    sync(llm)
     seconds = time.perf_counter() - start
     metrics = llm.get_metrics()
     drafts = metrics["num_drafts"] - metrics_before["num_drafts"]
@@ -336,8 +352,8 @@ def host_times(llm, steps: int) -> dict:
     Empty without CUDA graphs."""
     import torch
 
-    engine, worker = llm.engine, llm.engine.executor.worker
-    if worker.graphs is None:
+    engine, worker = llm.engine, local_worker(llm)
+    if worker is None or worker.graphs is None:
         return {}
     totals: dict[str, float] = {}
     with timed(engine.scheduler, "schedule", totals, "host_schedule_ms"), \
@@ -356,8 +372,8 @@ def device_times(llm, batch: int, tokens_per_request: int) -> dict:
     tokens per request (``forward_ms``: the verify forward with a drafter), the drafter's context append
     (``context_ms``) and its block step (``draft_ms``). Their inputs are the last step's, still in the graphs'
     buffers; a replay rewrites the same cache slots with the same values. Empty without CUDA graphs."""
-    worker = llm.engine.executor.worker
-    if worker.graphs is None:
+    worker = local_worker(llm)
+    if worker is None or worker.graphs is None:
         return {}
     graphs = worker.graphs
     bucket = next(b for b in graphs.buckets if b >= batch)
@@ -467,7 +483,9 @@ def run(args) -> dict:
 
     from runtime import LLM
 
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    replica = args.tensor_parallel_size is not None or args.drafter == "separate"
+    tp = args.tensor_parallel_size or 1
     work = Path(tempfile.mkdtemp(prefix="dspark-bench-"))
     shape = args.model_shape is not None
     if shape:
@@ -479,32 +497,45 @@ def run(args) -> dict:
     from runtime.training.distill import dataset_prompts
 
     vocab = AutoConfig.from_pretrained(str(target)).vocab_size
-    bandwidth = copy_bandwidth(device)
-    common = dict(dtype="bfloat16", device="cuda", kernel_backend=args.kernel_backend, enforce_eager=args.enforce_eager,
-                  moe_backend=args.moe_backend,
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    common = dict(dtype="bfloat16" if device.type == "cuda" else "float32", device=args.device,
+                  kernel_backend=args.kernel_backend, enforce_eager=args.enforce_eager, moe_backend=args.moe_backend,
                   max_num_seqs=max(args.concurrency), max_model_len=args.prompt_len + 2048,
-                  kv_cache_memory=args.kv_cache_gib << 30, max_num_batched_tokens=max(2048, args.prompt_len * 2),
+                  kv_cache_memory=int(args.kv_cache_gib * 2**30), max_num_batched_tokens=max(2048, args.prompt_len * 2),
                   load_format="dummy" if shape else "auto")
+    if replica:  # through cluster.LLM: the target's shards (and a separate drafter) on Ray actors
+        from cluster.llm import LLM as ReplicaLLM
+
+        def engine_class(model, speculative_config=None, drafter=args.drafter, **kwargs):
+            place = drafter if speculative_config is not None else "colocated"  # AR: no drafter to place
+            return ReplicaLLM(model, speculative_config, tensor_parallel_size=tp, drafter=place, **kwargs)
+    else:
+        engine_class = LLM
     spec = {"speculative_model": str(drafter), "max_draft_len": args.max_draft_len,
             **({"load_format": "dummy"} if shape else {})}
     rows = {c: {"concurrency": c} for c in args.concurrency}
-    record = {"hardware": torch.cuda.get_device_name(device), "command": "dspark bench " + shlex.join(sys.argv[2:])
-              if len(sys.argv) > 1 and sys.argv[1] == "bench" else shlex.join(sys.argv), "date": str(date.today()),
+    command = "dspark bench " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" \
+        else shlex.join(sys.argv)
+    record = {"hardware": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "command": command, "date": str(date.today()),
               "host": platform.node(), "torch": torch.__version__, "model": args.model_shape or str(target),
-              "kind": "random-shape" if shape else "trained", "tensor_parallel_size": 1,
-              "copy_bandwidth_gbs": bandwidth / 1e9, "runs": []}
+              "kind": "random-shape" if shape else "trained", "tensor_parallel_size": tp,
+              "drafter": args.drafter, "replica": "ray" if replica else "single-process",
+              "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None, "runs": []}
     sweep_prompts = dataset_prompts(args.prompts, AutoTokenizer.from_pretrained(str(target))) if args.prompts \
         else None  # the sweep's too: a trained pair's acceptance on its own kind of text
     e2e_prompts = end_to_end_prompts(args, sweep_prompts, vocab) if args.e2e_prompts else None
     e2e = {}
-    engines = [("ar", None), ("dspark", spec)]
+    engines = [("ar", None, {}), ("dspark", spec, {})]
+    if replica and args.drafter == "separate":  # the same replica with its drafter colocated: what a GPU more buys
+        engines.append(("colocated", spec, {"drafter": "colocated"}))
     if args.confidence_scheduling:  # the same drafter, its verify lengths chosen by the confidence scheduler
-        engines.append(("confidence", {**spec, "enable_confidence_scheduling": True}))
+        engines.append(("confidence", {**spec, "enable_confidence_scheduling": True}, {}))
     record["schedules"] = {"dspark": "fixed" if spec.get("draft_len_schedule") is None else "tuned",
                            **({"confidence": "confidence"} if args.confidence_scheduling else {})}
-    for kind, speculative in engines:
+    for kind, speculative, layout in engines:
         start = time.perf_counter()
-        llm = LLM(str(target), speculative_config=speculative, **common)
+        llm = engine_class(str(target), speculative_config=speculative, **common, **layout)
         record[f"{kind}_startup_s"] = time.perf_counter() - start
         record[f"{kind}_rank_info"] = llm.rank_info()
         if kind == "confidence":  # the step-time table it profiled at startup
@@ -512,9 +543,11 @@ def run(args) -> dict:
             if args.profile_steps:
                 llm.engine.confidence.costs.save(args.profile_steps)
         if kind == "ar":
-            record["weight_bytes"] = weight_bytes(llm)
-            record["expert_bytes"] = expert_bytes(llm)
-            record["moe_backend"] = llm.rank_info()[0]["moe_backend"]
+            if local_worker(llm) is not None:  # a replica's weights are on its actors
+                record["weight_bytes"] = weight_bytes(llm)
+                record["expert_bytes"] = expert_bytes(llm)
+            record["moe_backend"] = [info.get("moe_backend") for info in llm.rank_info()
+                                     if info.get("role") == "target"][0] if replica else llm.rank_info()[0]["moe_backend"]
         if args.profile and kind == "ar":
             record["ar_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab, trace_path(args, "ar"))
             print(f"dspark bench: AR batch-1 profile: {json.dumps(record['ar_profile_batch1'])}", file=sys.stderr)
@@ -530,7 +563,7 @@ def run(args) -> dict:
                             for name in ("step_ms", "tokens_per_s", "ttft_ms", "tpot_ms")})
             rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("host_")})
             rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("moe_")})
-            if kind == "ar":
+            if kind == "ar" and bandwidth and "weight_bytes" in record:
                 woken = timing.get("moe_experts_woken", 0.0) * record["expert_bytes"]  # MoE: the experts read
                 floor = (record["weight_bytes"] + woken + kv_bytes(llm, c, timing["context"])) / bandwidth
                 rows[c].update(roofline_ms=1e3 * floor, roofline_fraction=1e3 * floor / timing["step_ms"])
@@ -546,7 +579,7 @@ def run(args) -> dict:
                                confidence_measured_step_ms=stats["mean_measured_step_ms"],
                                confidence_expected_tokens_per_request=stats["mean_expected_tokens_per_request"],
                                confidence_committed_tokens_per_request=stats["mean_committed_tokens_per_request"])
-            else:
+            elif kind == "dspark":
                 rows[c].update(mean_acceptance_length=timing["mean_acceptance_length"],
                                acceptance_per_position=timing["acceptance_per_position"])
                 if "forward_ms" in timing:
@@ -572,7 +605,8 @@ def run(args) -> dict:
         llm.engine.executor.shutdown()
         del llm
         gc.collect()  # engines hold reference cycles (graphs, caches): free their memory before the next
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         save_partial(args, record, rows)
     for row in rows.values():
         row["dspark_step_vs_ar"] = row["dspark_step_ms"] / row["ar_step_ms"]
@@ -580,6 +614,9 @@ def run(args) -> dict:
             row["confidence_speedup"] = row["confidence_tokens_per_s"] / row["ar_tokens_per_s"]
             row["confidence_vs_dspark"] = row["confidence_tokens_per_s"] / row["dspark_tokens_per_s"]
         row["speedup"] = row["dspark_tokens_per_s"] / row["ar_tokens_per_s"]
+        if "colocated_tokens_per_s" in row:  # a separate drafter against the same replica with it colocated
+            row["throughput_vs_colocated"] = row["dspark_tokens_per_s"] / row["colocated_tokens_per_s"]
+            row["step_vs_colocated"] = row["dspark_step_ms"] / row["colocated_step_ms"]
         if "verify_step_ms" in row and "ar_forward_ms" in row:  # device time against device time
             row["verify_vs_ar_forward"] = row["verify_step_ms"] / row["ar_forward_ms"]
         if row.get("ar_moe_experts_woken"):  # what a K+1-token verify wakes against one token per request
@@ -602,7 +639,8 @@ def run(args) -> dict:
         record["projected_tau"] = {"tau": args.projected_tau, "source": args.projected_tau_source}
     if args.tune_schedule:
         save_partial(args, record, rows)
-        record["tuned_schedule"] = tuned = tune(args, LLM, target, spec, common, rows, vocab, shape, sweep_prompts)
+        record["tuned_schedule"] = tuned = tune(args, engine_class, target, spec, common, rows, vocab, shape,
+                                                sweep_prompts)
         for c, best in tuned["best"].items():  # the confidence scheduler against the best fixed schedule
             if "confidence_tokens_per_s" in rows[c]:
                 rows[c]["confidence_vs_tuned"] = rows[c]["confidence_tokens_per_s"] / best["tokens_per_s"]
@@ -659,7 +697,8 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
         llm.engine.executor.shutdown()
         del llm
         gc.collect()  # engines hold reference cycles (graphs, caches): free their memory before the next
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     best = best_draft_lengths(candidates)
     result = {"tau": "projected from --acceptance-per-position" if shape else "measured",
               "acceptance_per_position": accept if shape else None,
@@ -687,14 +726,20 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
 
 
 def summary(record: dict) -> str:
-    lines = [f"{record['hardware']}  {record['model']} ({record['kind']})  copy bandwidth "
-             f"{record['copy_bandwidth_gbs']:.0f} GB/s",
+    bandwidth = record.get("copy_bandwidth_gbs")
+    layout = f"  {record.get('replica', 'single-process')} TP={record.get('tensor_parallel_size', 1)}, drafter " \
+             f"{record.get('drafter', 'colocated')}"
+    lines = [f"{record['hardware']}  {record['model']} ({record['kind']})" +
+             (f"  copy bandwidth {bandwidth:.0f} GB/s" if bandwidth else "") + layout,
              f"{'conc':>5} {'AR ms':>8} {'roofline':>8} {'DSpark ms':>10} {'ratio':>6} {'AR tok/s':>9} "
-             f"{'DSp tok/s':>9} {'speedup':>8}"]
+             f"{'DSp tok/s':>9} {'speedup':>8}" + (f" {'vs coloc':>8}" if "colocated" in record.get("schedules", {})
+                                                  or any("throughput_vs_colocated" in r for r in record["runs"]) else "")]
     for r in record["runs"]:
-        lines.append(f"{r['concurrency']:>5} {r['ar_step_ms']:>8.2f} {r['roofline_fraction']:>8.3f} "
+        roofline = f"{r['roofline_fraction']:>8.3f}" if "roofline_fraction" in r else f"{'-':>8}"
+        lines.append(f"{r['concurrency']:>5} {r['ar_step_ms']:>8.2f} {roofline} "
                      f"{r['dspark_step_ms']:>10.2f} {r['dspark_step_vs_ar']:>6.2f} {r['ar_tokens_per_s']:>9.1f} "
-                     f"{r['dspark_tokens_per_s']:>9.1f} {r['speedup']:>8.2f}")
+                     f"{r['dspark_tokens_per_s']:>9.1f} {r['speedup']:>8.2f}" +
+                     (f" {r['throughput_vs_colocated']:>8.2f}" if "throughput_vs_colocated" in r else ""))
     e2e = record.get("end_to_end")
     if e2e:
         lines.append(f"end to end, {e2e['prompts']} prompts x {e2e['max_tokens']} tokens at concurrency 1: speedup "
@@ -728,7 +773,7 @@ def acceptance_list(text: str) -> list[float]:
 
 
 def add_parser(commands) -> None:
-    bench = commands.add_parser("bench", help="our AR baseline and DSpark side by side on one GPU (JSON record)",
+    bench = commands.add_parser("bench", help="our AR baseline and DSpark side by side (JSON record)",
                                 description=__doc__)
     which = bench.add_mutually_exclusive_group(required=True)
     which.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), help="random weights of this shape")
@@ -751,7 +796,17 @@ def add_parser(commands) -> None:
                        "profiled step-time table to FILE (a confidence_cost_table_path)")
     bench.add_argument("--moe-backend", default="AUTO", choices=["AUTO", "VANILLA", "DENSEGEMM", "TRITON"],
                        help="expert kernels of an MoE target (default AUTO; recorded as moe_backend)")
-    bench.add_argument("--kv-cache-gib", type=int, default=40, help="KV cache per engine (default 40 GiB)")
+    bench.add_argument("--kv-cache-gib", type=float, default=40, help="KV cache per engine (default 40 GiB)")
+    bench.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (default; the figures), or "
+                       "cpu: float32 torch kernels, a run of the plumbing whose times mean nothing (no roofline, "
+                       "peers or profiles)")
+    bench.add_argument("--tensor-parallel-size", type=int, help="run every engine as a Ray replica "
+                       "(cluster.LLM) of this many target shards, one GPU each; the record says tensor_parallel_size "
+                       "and drafter (default: one process, runtime.LLM, with its CUDA graphs and host breakdowns)")
+    bench.add_argument("--drafter", default="colocated", choices=["colocated", "separate"], help="where a "
+                       "replica's drafter runs: colocated (TP rank 0's process) or separate (its own actor and GPU, "
+                       "implies a replica); separate also measures the colocated replica in the same run "
+                       "(throughput_vs_colocated, step_vs_colocated)")
     bench.add_argument("--hf-tokens", type=int, default=0, help="also time transformers generate for N tokens at "
                        "batch 1, eager and compiled with a static cache (peers)")
     bench.add_argument("--projected-tau", type=float, help="a trained pair's mean acceptance length: adds "
@@ -793,6 +848,18 @@ def main(args) -> int:
     if args.projected_tau is not None and not 1.0 <= args.projected_tau <= args.max_draft_len + 1:
         print(f"dspark bench: --projected-tau must be in [1, max_draft_len + 1 = {args.max_draft_len + 1}], got "
               f"{args.projected_tau}", file=sys.stderr)
+        return 2
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        print(f"dspark bench: --tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}", file=sys.stderr)
+        return 2
+    replica = args.tensor_parallel_size is not None or args.drafter == "separate"
+    local_only = [flag for flag, on in (("--profile", args.profile), ("--hf-tokens", args.hf_tokens)) if on]
+    if replica and local_only:
+        print(f"dspark bench: {', '.join(local_only)} time the single-process engine (or transformers) on one GPU; "
+              f"leave them out with --tensor-parallel-size or --drafter separate", file=sys.stderr)
+        return 2
+    if args.device == "cpu" and local_only:
+        print(f"dspark bench: {', '.join(local_only)} need --device cuda", file=sys.stderr)
         return 2
     if args.plot:
         require_matplotlib("--plot")

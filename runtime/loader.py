@@ -312,9 +312,14 @@ class VocabModules(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
 
-def load_vocab_modules(path: str, config, dtype: torch.dtype, device: torch.device) -> VocabModules:
+def load_vocab_modules(path: str, config, dtype: torch.dtype, device: torch.device,
+                       load_format: str = "auto") -> VocabModules:
+    """The target's embedding and LM head alone (a drafter process without the whole target). ``dummy``: random,
+    the embedding equal to a dummy target's (the same seeded first draw), the head not (shape benchmarks only)."""
     with torch.device(device):
         vocab = VocabModules(config).to(dtype)
+    if load_format == "dummy":
+        return init_dummy(vocab).eval()
     reader = CheckpointReader(path, "model")
     head = "model.embed_tokens.weight" if getattr(config, "tie_word_embeddings", False) else "lm_head.weight"
     with torch.no_grad():
@@ -325,7 +330,11 @@ def load_vocab_modules(path: str, config, dtype: torch.dtype, device: torch.devi
 
 def load_markov_w2(spec_config: DSparkDecodingConfig, vocab_size: int, dtype: torch.dtype,
                    device: torch.device) -> nn.Linear:
-    """The drafter's Markov ``W2`` alone (for target ranks that rebuild draft probabilities)."""
+    """The drafter's Markov ``W2`` alone (for target ranks that rebuild draft probabilities). A ``dummy`` drafter's
+    is random, the same on every rank (shape benchmarks: greedy, so never read)."""
+    if spec_config.load_format == "dummy":
+        with torch.device(device):
+            return init_dummy(nn.Linear(int(spec_config.markov_rank), vocab_size, bias=False).to(dtype)).eval()
     reader = CheckpointReader(str(spec_config.speculative_model), "speculative_model")
     name = next((n for n in ("markov_head.markov_w2.weight", "markov_w2.weight", "model.markov_head.markov_w2.weight")
                  if n in reader.names()), None)

@@ -120,7 +120,8 @@ class Worker:
             self.drafter.fuse_projections()
             layers += list(self.drafter.layers)
             if self.target is None or self.parallel.is_parallel:
-                self.vocab = load_vocab_modules(self.config.model, target_config, self.dtype, self.device)
+                self.vocab = load_vocab_modules(self.config.model, target_config, self.dtype, self.device,
+                                                self.config.load_format)
         per_page = bytes_per_page(layers, self.config.page_size, self.dtype)
         return max(kv_budget_bytes(self.config, self.device) // per_page, 0)
 
