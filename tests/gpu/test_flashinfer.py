@@ -134,8 +134,9 @@ def test_the_graphs_decode_wrapper_matches_the_reference(fi, q_len):
                                                                       ragged.host.page_ids)), wrapper)
 
 
+@pytest.mark.parametrize("window", [None, 1, 40, 500])  # an embedded drafter's rolling window over its context
 @pytest.mark.parametrize("head_dim,block", [(128, 7), (64, 4), (16, 3)])
-def test_draft_block_attention_matches_the_reference(fi, head_dim, block):
+def test_draft_block_attention_matches_the_reference(fi, head_dim, block, window):
     """Block queries over a paged context of device-side length plus the block's own keys (bidirectional)."""
     page, hq, hkv, batch = 16, 8, 2, 3
     k_cache, v_cache = (torch.randn(40, page, hkv, head_dim, device=DEV, dtype=BF16) for _ in range(2))
@@ -143,7 +144,7 @@ def test_draft_block_attention_matches_the_reference(fi, head_dim, block):
     table = torch.stack([torch.randperm(40, device=DEV)[:13] for _ in range(batch)])
     meta = PagedAttentionMeta(query_start_loc=torch.arange(batch + 1, device=DEV) * block, seq_lens=ctx,
                               page_table=table, max_query_len=block, max_seq_len=200, causal=False,
-                              num_tokens=batch * block, page_size=page, num_extra_keys=block)
+                              num_tokens=batch * block, page_size=page, num_extra_keys=block, context_window=window)
     q = torch.randn(batch * block, hq, head_dim, device=DEV, dtype=BF16)
     xk, xv = (torch.randn(batch, block, hkv, head_dim, device=DEV, dtype=BF16) for _ in range(2))
     got = fi.paged_attention(q, k_cache, v_cache, fi.plan_attention(meta), head_dim ** -0.5, xk, xv)
