@@ -12,7 +12,9 @@ verification needs; sampling reads the logits). With a colocated drafter, a seco
 right after, skipped once speculation is off for good) appends the step's captured states to the drafter's
 context cache: eagerly those dozen small kernels cost the host more than the whole target graph on a small model.
 Padding requests (up to the bucket) feed token 0 at positions 0..Q-1 into the scratch page no request owns, so
-they never touch a real request's cache, and their outputs are dropped. Other steps (longer prefill chunks, mixes
+they never touch a real request's cache, and their outputs are dropped. Masked keys still enter the kernels'
+arithmetic (weight 0), so a NaN in the scratch page would spread: the runner zeroes it after a step in which a
+request faulted. Other steps (longer prefill chunks, mixes
 too ragged to pad) run eagerly.
 """
 

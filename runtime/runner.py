@@ -107,7 +107,15 @@ class ModelRunner:
             return []
         with record_function("dspark.results"):
             logprobs = logprob_source.top(committed) if logprob_source is not None else None
-            return self._results(reqs, entries, committed, accepted, faulty, proposal, logprobs)
+            results = self._results(reqs, entries, committed, accepted, faulty, proposal, logprobs)
+        if graphed is not None and any(r.error is not None for r in results):
+            # a faulted request's padding tokens may have left NaN keys in the graphs' scratch page, whose slots
+            # other requests' padded key ranges read masked (0 x NaN is NaN): zero it before the next step (its own
+            # pages are scrubbed when it is finished)
+            scrub_pages(self.caches, [self.graphs.scratch_page], self.device)
+            if self.channel is not None:
+                self.channel.scrub([self.graphs.scratch_page])
+        return results
 
     def _results(self, reqs, entries, committed, accepted, faulty, proposal: Proposal | None,
                  logprobs: dict[int, list[list[TokenLogprob]]] | None = None) -> list[RequestStepResult]:
