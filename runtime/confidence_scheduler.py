@@ -101,16 +101,20 @@ class ConfidenceScheduler:
         else:
             lengths = top_drafts(survival, proposed, budget)
             chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
-        self.last = Decision(budget, offered, num + chosen, self.costs.predict_ms(num, num + budget))
-        self.budget_per_request = self.best_budget(survival, proposed) / num
+        predicted = self.costs.predict_ms_many(num, num + np.arange(offered + 1))  # [B+1] every budget's step
+        self.last = Decision(budget, offered, num + chosen, float(predicted[budget]))
+        self.budget_per_request = self.best_budget(survival, proposed, predicted) / num
         return lengths.tolist()
 
-    def best_budget(self, survival: np.ndarray, proposed: np.ndarray) -> int:
-        """The budget B maximizing (S + the top-B survivals) / predicted ms of a step feeding S + B tokens."""
+    def best_budget(self, survival: np.ndarray, proposed: np.ndarray, predicted_ms: np.ndarray | None = None) -> int:
+        """The budget B maximizing (S + the top-B survivals) / predicted ms of a step feeding S + B tokens
+        (``predicted_ms`` [B+1]: those predictions, if the caller has them)."""
         num = survival.shape[0]
         ranked = -np.sort(-survival[proposed])
         expected = num + np.concatenate([[0.0], ranked.cumsum()])  # [B+1]
-        rate = expected / self.costs.predict_ms_many(num, num + np.arange(len(expected)))
+        if predicted_ms is None:
+            predicted_ms = self.costs.predict_ms_many(num, num + np.arange(len(expected)))
+        rate = expected / predicted_ms
         best = int(rate.argmax())
         if rate[best] < (1 + self.min_gain) * rate[0]:
             return 0

@@ -34,6 +34,7 @@ class StepCostTable:
         # [batch sizes, token counts] ms, NaN = not measured (numpy: the scheduler predicts from it every step)
         self.step_ms = np.array(step_ms, dtype=np.float64) if step_ms is not None else np.full(shape, np.nan)
         self._tokens = np.asarray(token_counts, dtype=np.float64)
+        self._rows: list[tuple[int, np.ndarray, np.ndarray]] | None = None  # measured rows; rebuilt when one fills
         self.observations = 0
 
     # ---- persistence --------------------------------------------------------------------------
@@ -72,6 +73,8 @@ class StepCostTable:
         i = _nearest(self.batch_sizes, batch)
         j = _nearest(self.token_counts, tokens)
         old = self.step_ms[i, j]
+        if math.isnan(old):
+            self._rows = None  # a new measured cell: the rows' points change
         self.step_ms[i, j] = ms if math.isnan(old) else old + weight * (ms - old)
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
@@ -86,20 +89,28 @@ class StepCostTable:
     def predict_ms_many(self, batch: int, tokens) -> np.ndarray:
         """``predict_ms`` for every entry of ``tokens`` [N] (ints: array-like) at once -> [N] float64 (numpy, a
         dozen vectorized operations: the scheduler calls this every step on the host)."""
-        measured = ~np.isnan(self.step_ms)  # [nb, nt]
-        rows = np.flatnonzero(measured.any(axis=1))
-        if not len(rows):
+        rows = self._measured_rows()
+        if not rows:
             raise ValueError("step cost table: nothing measured yet")
-        sizes = [self.batch_sizes[i] for i in rows]
+        sizes = [self.batch_sizes[i] for i, _, _ in rows]
         k = bisect.bisect_left(sizes, batch)
         x = np.asarray(tokens, dtype=np.float64)
         if k == 0 or k == len(rows) or sizes[k] == batch:
-            i = rows[min(k, len(rows) - 1)]
-            return _along_tokens_many(self._tokens[measured[i]], self.step_ms[i, measured[i]], x)
-        i0, i1 = rows[k - 1], rows[k]
+            i, xs, cells = rows[min(k, len(rows) - 1)]
+            return _along_tokens_many(xs, self.step_ms[i, cells], x)
+        (i0, xs0, cells0), (i1, xs1, cells1) = rows[k - 1], rows[k]
         f = (batch - sizes[k - 1]) / (sizes[k] - sizes[k - 1])
-        return (1 - f) * _along_tokens_many(self._tokens[measured[i0]], self.step_ms[i0, measured[i0]], x) + \
-            f * _along_tokens_many(self._tokens[measured[i1]], self.step_ms[i1, measured[i1]], x)
+        return (1 - f) * _along_tokens_many(xs0, self.step_ms[i0, cells0], x) + \
+            f * _along_tokens_many(xs1, self.step_ms[i1, cells1], x)
+
+    def _measured_rows(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(row, its measured token counts, their column indices) of every row with a measured cell; cached until
+        an empty cell is filled (learning only moves values, the points stay)."""
+        if self._rows is None:
+            measured = ~np.isnan(self.step_ms)
+            self._rows = [(int(i), self._tokens[measured[i]], np.flatnonzero(measured[i]))
+                          for i in np.flatnonzero(measured.any(axis=1))]
+        return self._rows
 
 
 def _along_tokens_many(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:

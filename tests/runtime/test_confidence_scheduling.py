@@ -36,6 +36,9 @@ def test_the_table_interpolates_extrapolates_learns_and_round_trips(tmp_path):
     assert many.tolist() == pytest.approx([table.predict_ms(2, t) for t in (1, 8, 16)])
     table.observe(4, 15, 0.009)  # 9 ms, nearest cell (4, 16) moves a tenth of the way
     assert table.step_ms[1][2] == pytest.approx(7.2) and table.observations == 1
+    assert table.predict_ms(4, 16) == pytest.approx(7.2)  # learned values reach the (cached) rows at once
+    table.record(4, 8, 3.0)  # an empty cell filled: the row gains a point
+    assert table.predict_ms(4, 8) == pytest.approx(3.0) and table.predict_ms(4, 12) == pytest.approx(5.1)
     path = tmp_path / "table.json"
     table.save(path)
     again = StepCostTable.load(path)
