@@ -546,8 +546,8 @@ def run(args) -> dict:
             if local_worker(llm) is not None:  # a replica's weights are on its actors
                 record["weight_bytes"] = weight_bytes(llm)
                 record["expert_bytes"] = expert_bytes(llm)
-            record["moe_backend"] = [info.get("moe_backend") for info in llm.rank_info()
-                                     if info.get("role") == "target"][0] if replica else llm.rank_info()[0]["moe_backend"]
+            record["moe_backend"] = next(info.get("moe_backend") for info in llm.rank_info()
+                                         if info.get("role") == "target")  # rank 0's (every target rank's alike)
         if args.profile and kind == "ar":
             record["ar_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab, trace_path(args, "ar"))
             print(f"dspark bench: AR batch-1 profile: {json.dumps(record['ar_profile_batch1'])}", file=sys.stderr)
@@ -727,13 +727,13 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
 
 def summary(record: dict) -> str:
     bandwidth = record.get("copy_bandwidth_gbs")
+    separate = any("throughput_vs_colocated" in r for r in record["runs"])
     layout = f"  {record.get('replica', 'single-process')} TP={record.get('tensor_parallel_size', 1)}, drafter " \
              f"{record.get('drafter', 'colocated')}"
     lines = [f"{record['hardware']}  {record['model']} ({record['kind']})" +
              (f"  copy bandwidth {bandwidth:.0f} GB/s" if bandwidth else "") + layout,
              f"{'conc':>5} {'AR ms':>8} {'roofline':>8} {'DSpark ms':>10} {'ratio':>6} {'AR tok/s':>9} "
-             f"{'DSp tok/s':>9} {'speedup':>8}" + (f" {'vs coloc':>8}" if "colocated" in record.get("schedules", {})
-                                                  or any("throughput_vs_colocated" in r for r in record["runs"]) else "")]
+             f"{'DSp tok/s':>9} {'speedup':>8}" + (f" {'vs coloc':>8}" if separate else "")]
     for r in record["runs"]:
         roofline = f"{r['roofline_fraction']:>8.3f}" if "roofline_fraction" in r else f"{'-':>8}"
         lines.append(f"{r['concurrency']:>5} {r['ar_step_ms']:>8.2f} {roofline} "

@@ -134,3 +134,29 @@ def test_bench_refuses_single_process_measurements_on_a_replica(tmp_path):
                            "--tensor-parallel-size", "2", "--profile"], cwd=root, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--profile time the single-process engine" in proc.stderr
+
+
+def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
+    """Every phase of ``dspark bench`` (sweep, confidence scheduler, mixed workload, end to end, tuning) in one CPU
+    run of the tiny MoE shape: the record has each phase's fields and no GPU-only ones."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out, schedule = tmp_path / "bench.json", tmp_path / "schedule.json"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny-moe", "--device", "cpu",
+                           "--concurrency", "1,2", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2",
+                           "--warmup", "1", "--kv-cache-gib", "0.05", "--confidence-scheduling", "--tune-schedule",
+                           str(schedule), "--acceptance-per-position", "0.9,0.8,0.7", "--e2e-prompts", "2",
+                           "--e2e-tokens", "8", "--mixed-rate", "200", "--mixed-requests", "4", "--out", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["replica"] == "single-process" and record["moe_backend"] == "DENSEGEMM" and "partial" not in record
+    assert set(record["mixed_workload"]) == {"ar", "dspark", "confidence"} and record["end_to_end"]["prompts"] == 2
+    assert {b["draft_len"] for b in record["tuned_schedule"]["best"].values()} <= {0, 1, 2, 3}
+    for row in record["runs"]:
+        assert row["confidence_tokens_per_s"] > 0 and "confidence_vs_tuned" in row and row["ar_moe_experts_woken"] > 0
+        assert "roofline_fraction" not in row and "ar_forward_ms" not in row

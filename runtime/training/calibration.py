@@ -24,7 +24,6 @@ def expected_calibration_error(predicted: torch.Tensor, outcome: torch.Tensor, b
     if predicted.numel() == 0:
         return 0.0
     which = (predicted * bins).long().clamp(0, bins - 1)
-    total = torch.zeros(bins, dtype=torch.float64).index_add_(0, which, torch.ones_like(predicted))
     pred = torch.zeros(bins, dtype=torch.float64).index_add_(0, which, predicted)
     hit = torch.zeros(bins, dtype=torch.float64).index_add_(0, which, outcome)
     return float((pred - hit).abs().sum() / predicted.numel())
