@@ -14,7 +14,9 @@ tokens fed)``. The scheduler:
    lossless (a budget chosen from the current tokens is not: paper, appendix A);
 3. from this step's confidences, chooses the budget for the next step: the B maximizing expected committed tokens
    per predicted second over every B from 0 to all of them (the cost curve has steps, so no local search), or 0
-   when the best beats verifying nothing by less than ``min_gain``.
+   when the best beats verifying nothing by less than ``min_gain``. The predicted step includes what else it
+   feeds (prefill chunks of a mixed step, as the previous step had), so verify tokens are priced at the step's
+   real place on the cost curve.
 
 The first step (no earlier confidences) verifies whole blocks. The host work is a few numpy operations over the
 batch's ``S x K`` confidences (numpy, not torch: a CPU torch op costs several microseconds of dispatch, and at
@@ -76,8 +78,12 @@ class ConfidenceScheduler:
         calibrated = 1.0 / (1.0 + np.exp(-logit / self.temperatures[:c.shape[1]]))
         return np.cumprod(np.where(confidence > 0, calibrated, 0.0), axis=1)
 
-    def allot(self, confidences: list[list[float]]) -> list[int]:
-        """Each request's proposed drafts' confidences (in block order) -> how many of them to verify."""
+    def allot(self, confidences: list[list[float]], other_requests: int = 0, other_tokens: int = 0) -> list[int]:
+        """Each request's proposed drafts' confidences (in block order) -> how many of them to verify.
+
+        ``other_requests`` / ``other_tokens``: what else the step is expected to feed (prefill chunks, decodes
+        without drafts; the engine passes the previous step's): the step's cost is predicted with them, so on a
+        mixed step a verify token is priced where the step really is on the cost curve."""
         num = len(confidences)
         sizes = np.fromiter((len(c) for c in confidences), dtype=np.int64, count=num)
         offered = int(sizes.sum())
@@ -101,7 +107,7 @@ class ConfidenceScheduler:
         else:
             lengths = top_drafts(survival, proposed, budget)
             chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
-        predicted = self.costs.predict_ms_many(num, num + np.arange(offered + 1))  # [B+1] every budget's step
+        predicted = self.costs.predict_ms_many(num + other_requests, other_tokens + num + np.arange(offered + 1))
         self.last = Decision(budget, offered, num + chosen, float(predicted[budget]))
         self.budget_per_request = self.best_budget(survival, proposed, predicted) / num
         return lengths.tolist()

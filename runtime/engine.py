@@ -72,6 +72,7 @@ class Engine:
         self.confidence: ConfidenceScheduler | None = None
         self.confidence_stats = ConfidenceStats()
         self._decided: set[str] = set()  # requests whose verify length the scheduler chose this step
+        self._other_fed = (0, 0)  # (requests, tokens) the last step fed besides the scheduler's verifies
         # when a list: every verify appends (the verified drafts' confidences, accepted count) (calibration)
         self.verification_log: list[tuple[list[float], int]] | None = None
         if self.spec is not None and self.spec.enable_confidence_scheduling:
@@ -218,7 +219,7 @@ class Engine:
         seqs = [s for s in self.scheduler.running if s.draft_ids and s.draft_confidence is not None]
         if not seqs:
             return
-        lengths = self.confidence.allot([s.draft_confidence for s in seqs])
+        lengths = self.confidence.allot([s.draft_confidence for s in seqs], *self._other_fed)
         self._decided = {s.request_id for s in seqs}
         for seq, length in zip(seqs, lengths):
             seq.draft_ids, seq.draft_confidence = seq.draft_ids[:length], seq.draft_confidence[:length]
@@ -227,6 +228,8 @@ class Engine:
     def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
         tokens = sum(len(e.token_ids) for e in scheduled)
         self.confidence.costs.observe(len(scheduled), tokens, seconds)
+        others = [len(e.token_ids) for e in scheduled if e.request_id not in self._decided]
+        self._other_fed = (len(others), sum(others))  # prefills and draft-less decodes: the next decision's
         self.confidence_stats.record_step(1e3 * seconds)
 
     def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:

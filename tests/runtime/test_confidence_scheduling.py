@@ -75,6 +75,18 @@ def test_the_budget_follows_the_cost_of_a_token_and_lags_one_step():
     assert middle.allot([[0.99, 0.99, 0.99, 0.99], [0.1, 0.1, 0.1, 0.1]] * 2) == [4, 0, 4, 0]  # the same 8, re-spread
 
 
+def test_a_mixed_step_prices_verify_tokens_where_its_prefill_puts_it():
+    """Flat up to 512 tokens, then steep: alone, 8 requests' drafts are nearly free; behind a 480-token prefill
+    chunk they cross the knee, each costs real compute, and the scheduler verifies fewer."""
+    table = StepCostTable([1, 64], [1, 512, 4096], [[10.0, 10.5, 1000.0]] * 2)
+    confident = [[0.9, 0.8, 0.6, 0.4]] * 8
+    alone, mixed = ConfidenceScheduler(4, table), ConfidenceScheduler(4, table)
+    alone.allot(confident)
+    mixed.allot(confident, other_requests=1, other_tokens=480)
+    assert alone.budget_per_request == 4.0 and mixed.budget_per_request == 3.0
+    assert mixed.last.predicted_ms > alone.last.predicted_ms
+
+
 def test_min_gain_and_calibration(tmp_path):
     lukewarm = [[0.3, 0.2, 0.1, 0.1]] * 4
     eager = ConfidenceScheduler(4, flat_table(0.01), min_gain=0.0)
