@@ -3,7 +3,8 @@
 ``apply_tensor_parallel`` swaps the target's linears for sharded ones before weights load:
 ``q/k/v/gate/up`` are column-parallel (output rows split), ``o/down`` row-parallel (input columns
 split, then an all-reduce), the embedding and LM head vocab-parallel (the LM head all-gathers
-logits, so every rank sees full rows). Each parameter records how it is sliced from the full
+logits, so every rank sees full rows; greedy verification needs only each row's max and argmax, which the
+ranks reduce from their slices, ``ParallelLMHead.top_argmax``). Each parameter records how it is sliced from the full
 checkpoint tensor (``shard_dim``), so a rank reads only its own slice.
 """
 
@@ -34,6 +35,12 @@ class ParallelContext:
         if self.is_parallel:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def gather_stack(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` stacked in rank order: [W, *x.shape]."""
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.stack(parts)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dim, in rank order."""
@@ -126,6 +133,19 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ctx.all_gather_last(F.linear(x, self.weight))[..., :self.vocab_size]
+
+    def top_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [R, d] -> (max logit [R] float32, its token [R]) without gathering the logits: each rank reduces its
+        vocab slice, then only R (max, index) pairs cross. Equal to ``forward(x).float().max(-1)``: the same
+        slice GEMMs, ties to the lowest token (the lower rank), NaN propagated to ``max``."""
+        local = F.linear(x, self.weight).float()  # [R, V/W]
+        start = self.ctx.rank * local.shape[-1]
+        if start + local.shape[-1] > self.vocab_size:  # the last shard's padding rows are no tokens
+            local[..., max(self.vocab_size - start, 0):] = float("-inf")
+        top, index = local.max(dim=-1)
+        tops, indices = self.ctx.gather_stack(top), self.ctx.gather_stack(index + start)  # [W, R] each
+        best = tops.argmax(dim=0)  # [R] the first rank holding the max (NaN counts as the max)
+        return tops.max(dim=0).values, indices.gather(0, best[None, :])[0]
 
 
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:

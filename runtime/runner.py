@@ -184,10 +184,13 @@ class ModelRunner:
     # ---- verification ------------------------------------------------------------------------
 
     def _logits(self, entries: list[ScheduledRequest], hidden: torch.Tensor, row_ends: list[int],
-                batch_index: list[int], k_max: int, num_drafts: torch.Tensor, graphed: GraphOutputs | None):
-        """-> (logits [S, K+1, V], (top, argmax) [S, K+1] or None): the target's rows for each entry's anchor (or
-        last prefill token) and drafts; rows past a short block repeat its last. A graphed step whose every
-        request verifies a full block already computed them (logits in the model dtype, max and argmax)."""
+                batch_index: list[int], k_max: int, num_drafts: torch.Tensor, graphed: GraphOutputs | None,
+                need_logits: bool = True):
+        """-> (logits [S, K+1, V] or None, (top, argmax) [S, K+1] or None): the target's rows for each entry's
+        anchor (or last prefill token) and drafts; rows past a short block repeat its last. A graphed step whose
+        every request verifies a full block already computed them (logits in the model dtype, max and argmax).
+        Without ``need_logits`` (greedy, no logprobs, no penalties: the same answer on every TP rank) only the max
+        and argmax are computed, per vocab slice under tensor parallelism (no logits gathered)."""
         num, dev = len(entries), self.device
         if graphed is not None and num * (k_max + 1) == graphed.logits.shape[0] \
                 and all(e.num_drafts == k_max for e in entries):
@@ -196,6 +199,9 @@ class ModelRunner:
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         first = to_device([row_ends[b] - 1 - e.num_drafts for e, b in zip(entries, batch_index)], dev)
         rows = first[:, None] + torch.minimum(offsets[None, :], num_drafts[:, None])  # [S, K+1]
+        if not need_logits:
+            top, argmax = self.target.compute_top_argmax(hidden[rows.view(-1)])
+            return None, (top.view(num, k_max + 1), argmax.view(num, k_max + 1))
         return self.target.compute_logits(hidden[rows.view(-1)]).view(num, k_max + 1, -1), None
 
     def _verify(self, entries: list[ScheduledRequest], hidden: torch.Tensor, row_ends: list[int],
@@ -210,15 +216,17 @@ class ModelRunner:
         k_max = max(num_drafts_list)
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         num_drafts = to_device(num_drafts_list, dev)  # [S]
-        logits, top_argmax = self._logits(entries, hidden, row_ends, batch_index, k_max, num_drafts, graphed)
+        penalized = any(e.penalty_history is not None for e in entries)
+        greedy = all(e.params.greedy for e in entries)
+        need_logits = penalized or not greedy or any(e.params.logprobs is not None for e in entries)
+        logits, top_argmax = self._logits(entries, hidden, row_ends, batch_index, k_max, num_drafts, graphed,
+                                          need_logits)
         wanted = [i for i, e in enumerate(entries) if e.params.logprobs is not None] if self.is_leader else []
         source = LogprobSource(wanted, [entries[i].params.logprobs for i in wanted]) if wanted else None
         if source is not None and self.logprobs_mode == "raw":
             source.set_logits(logits)
         drafts = to_device([e.token_ids[len(e.token_ids) - e.num_drafts:] + [0] * (k_max - e.num_drafts)
                             for e in entries], dev, torch.int64).view(len(entries), k_max)  # [S, K]
-        penalized = any(e.penalty_history is not None for e in entries)
-        greedy = all(e.params.greedy for e in entries)
         row_params = RowParams.build([e.params for e in entries for _ in range(k_max + 1)], vocab, dev) \
             if penalized or not greedy else None
         if penalized or not greedy:

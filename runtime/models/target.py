@@ -107,3 +107,11 @@ class TargetModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [R, d] -> [R, V] in float32
         return self.lm_head(hidden).float()
+
+    def compute_top_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [R, d] -> (max logit [R] float32, argmax [R]): what greedy verification reads; under tensor
+        parallelism reduced per vocab slice (no logits gathered)."""
+        top_argmax = getattr(self.lm_head, "top_argmax", None)
+        if top_argmax is not None:
+            return top_argmax(hidden)
+        return self.compute_logits(hidden).max(dim=-1)

@@ -85,3 +85,58 @@ def test_each_rank_loads_its_slice_of_every_expert_and_the_whole_router(moe_targ
     odd = TargetModel(builders.target_config("qwen3_moe", moe_intermediate_size=33), get_backend("torch"), "VANILLA")
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the target's moe_intermediate_size"):
         apply_tensor_parallel(odd, ParallelContext(rank=0, world_size=2))
+
+
+def _top_argmax_rank(rank: int, world: int, port: int, x, weight, queue) -> None:
+    import torch.distributed as dist
+    from torch import nn
+
+    from runtime.parallel import ParallelLMHead
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        full = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        head = ParallelLMHead(full, ParallelContext(rank, world, dist.group.WORLD))
+        a, b = shard_range(weight.shape[0], head.ctx)
+        with torch.no_grad():
+            head.weight.zero_()
+            head.weight[:b - a] = weight[a:b]
+            logits = head(x).float()
+            top, index = head.top_argmax(x)
+        queue.put((rank, logits.max(dim=-1), (top, index)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_parallel_argmax_equals_the_gathered_logits_max():
+    """Three ranks over a vocabulary of 10 (the last shard half padding, whose zero logits must never win): the
+    reduced (max, argmax) equals the gathered logits' for rows with ties across ranks, all-negative logits and a
+    NaN."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    weight = torch.randn(10, 6)
+    weight[:, 5] = 1.0  # a constant feature: x[:, 5] shifts every logit of a row
+    weight[7] = weight[2]  # tokens 2 (rank 0) and 7 (rank 1) always tie
+    x = 0.1 * torch.randn(5, 6)
+    x[1] = 5.0 * weight[2]  # the max is the tie: the lower token wins
+    x[2, 5] = -100.0  # every logit negative: the last shard's padding zeros must not win
+    x[3, 0] = float("nan")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_top_argmax_rank, args=(r, 3, port, x, weight, queue)) for r in range(3)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    want = (x @ weight.T).max(dim=-1)
+    assert want.indices[1] == 2 and want.values[2] < 0
+    rows = [0, 1, 2, 4]
+    for _, (gathered_top, gathered_index), (top, index) in results:
+        assert torch.equal(index, gathered_index) and torch.equal(index[rows], want.indices[rows])
+        assert torch.allclose(top[rows], gathered_top[rows]) and top[3].isnan() and gathered_top[3].isnan()
