@@ -116,11 +116,13 @@ def test_vocab_parallel_argmax_equals_the_gathered_logits_max():
 
     import torch.multiprocessing as mp
 
-    weight = torch.randn(10, 6)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(10, 6, generator=gen)
+    weight[:, :5] /= weight[:, :5].norm(dim=1, keepdim=True)  # unit rows over the first five features
     weight[:, 5] = 1.0  # a constant feature: x[:, 5] shifts every logit of a row
     weight[7] = weight[2]  # tokens 2 (rank 0) and 7 (rank 1) always tie
-    x = 0.1 * torch.randn(5, 6)
-    x[1] = 5.0 * weight[2]  # the max is the tie: the lower token wins
+    x = 0.1 * torch.randn(5, 6, generator=gen)
+    x[1, :5], x[1, 5] = 5.0 * weight[2, :5], 0.0  # the max is the tie (Cauchy-Schwarz): the lower token wins
     x[2, 5] = -100.0  # every logit negative: the last shard's padding zeros must not win
     x[3, 0] = float("nan")
     with socket.socket() as s:
