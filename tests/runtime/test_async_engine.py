@@ -47,6 +47,9 @@ def test_a_failing_step_fails_in_flight_requests_then_recovers(llm):
     try:
         with pytest.raises(RuntimeError, match="actor died"):
             asyncio.run(collect(engine, [5, 6, 7], SamplingParams(max_tokens=20, temperature=0)))
+        deadline = time.monotonic() + 10  # callers are failed first, then the engine thread recovers
+        while not recovered and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert [str(e) for e in recovered] == ["actor died"] and not llm.engine.has_unfinished()
         outs = asyncio.run(collect(engine, [5, 6, 7], SamplingParams(max_tokens=5, temperature=0)))
         assert len(outs[-1].token_ids) == 5
