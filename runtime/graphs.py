@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta
@@ -45,6 +46,62 @@ PAD_RATIO = 1.5
 def worth_padding(real_tokens: int, padded_tokens: int) -> bool:
     """Whether a step of ``real_tokens`` fed tokens should replay a graph of ``padded_tokens``."""
     return padded_tokens <= max(PAD_FREE_TOKENS, PAD_RATIO * real_tokens)
+
+
+VECTORIZE_FROM = 16  # requests from which numpy lays a step out faster than a loop over its tokens
+
+
+def graph_inputs(reqs: list[ScheduledRequest], batch: int, q_len: int, page_size: int, scratch_page: int,
+                 vectorized: bool | None = None) -> tuple[np.ndarray, HostLayout]:
+    """-> ([3, batch * q_len] token ids, positions, slots; the attention layout) of a step whose requests are each
+    padded to ``q_len`` tokens and whose batch is padded to ``batch`` requests.
+
+    A request's padding tokens (token 0 at its last position) follow its real ones and write the scratch page; its
+    key range grows by as many keys, the pages past its own being the scratch page. Causal attention keeps those
+    keys from every real row (row i sees the keys up to its own position), so real rows are unchanged. Padding
+    requests feed token 0 at positions 0..Q-1 into the scratch page. From ``VECTORIZE_FROM`` requests on (or as
+    ``vectorized`` says) the per-token arithmetic runs in numpy; below, a loop over the tokens is cheaper than
+    numpy's per-call cost (measured on the host: 0.014 vs 0.039 ms at 1 request, 0.25 vs 0.15 ms at 64)."""
+    ps, num, pad = page_size, len(reqs), batch - len(reqs)
+    kv_lens = [r.start_position + q_len for r in reqs]  # each request's keys, its padding included
+    pages = [r.page_ids[:-(-kv // ps)] + [scratch_page] * max(0, -(-kv // ps) - len(r.page_ids))
+             for r, kv in zip(reqs, kv_lens)]
+    layout = HostLayout([q_len] * batch, kv_lens + [q_len] * pad, pages + [[scratch_page] * -(-q_len // ps)] * pad)
+    if not (num >= VECTORIZE_FROM if vectorized is None else vectorized):
+        ids, positions, slots = [], [], []
+        for r in reqs:
+            short = q_len - len(r.token_ids)
+            ids += r.token_ids + [0] * short
+            for pos in range(r.start_position, r.end_position):
+                positions.append(pos)
+                slots.append(r.page_ids[pos // ps] * ps + pos % ps)
+            positions += [r.end_position - 1] * short
+            slots += [scratch_page * ps + i % ps for i in range(short)]
+        ids += [0] * (pad * q_len)
+        positions += list(range(q_len)) * pad
+        slots += [scratch_page * ps + i % ps for i in range(q_len)] * pad
+        return np.array([ids, positions, slots], dtype=np.int64), layout
+    col = np.arange(q_len)  # [Q]
+    starts = np.fromiter((r.start_position for r in reqs), np.int64, num)  # [B']
+    fed = np.fromiter((len(r.token_ids) for r in reqs), np.int64, num)
+    span = (q_len - 1) // ps + 2  # pages a run of q_len positions can touch
+    under = np.array([(r.page_ids[r.start_position // ps:r.start_position // ps + span] + [scratch_page] * span)[:span]
+                      for r in reqs], dtype=np.int64).reshape(num, span)  # [B', span] the pages under the step
+    position = starts[:, None] + col[None, :]  # [B', Q]
+    real = col[None, :] < fed[:, None]
+    page = np.take_along_axis(under, np.minimum(position // ps - (starts // ps)[:, None], span - 1), axis=1)
+    inputs = np.zeros((3, batch, q_len), dtype=np.int64)
+    if (fed == q_len).all():  # the usual step: every request feeds a full block
+        inputs[0, :num] = [r.token_ids for r in reqs]
+    else:
+        for i, r in enumerate(reqs):
+            inputs[0, i, :len(r.token_ids)] = r.token_ids
+    inputs[1, :num] = np.where(real, position, (starts + fed - 1)[:, None])
+    inputs[2, :num] = np.where(real, page * ps + position % ps,
+                               scratch_page * ps + (col[None, :] - fed[:, None]) % ps)
+    inputs[1, num:] = col
+    inputs[2, num:] = scratch_page * ps + col % ps
+    return inputs.reshape(3, batch * q_len), layout
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -148,35 +205,12 @@ class GraphedTargetForward:
     # ---- building -----------------------------------------------------------------------------
 
     def _write_inputs(self, reqs: list[ScheduledRequest], batch: int, q_len: int) -> HostLayout:
-        """Copy the step's token ids, positions and slots (each request padded to ``q_len`` tokens, the batch to
-        ``batch`` requests) into the graph's input buffer with one non-blocking copy from pageable memory
-        (``runtime.transfer`` says why not pinned); returns the attention layout to plan.
-
-        A request's padding tokens (token 0 at its last position) follow its real ones and write the scratch page;
-        its key range grows by as many keys, the pages past its own being the scratch page. Causal attention keeps
-        those keys from every real row (row i sees the keys up to its own position), so real rows are unchanged."""
-        ps, scratch_page = self.page_size, self.scratch_page
-        ids, positions, slots, kv_lens, pages = [], [], [], [], []
-        for r in reqs:
-            short = q_len - len(r.token_ids)
-            ids += r.token_ids + [0] * short
-            for pos in range(r.start_position, r.end_position):
-                positions.append(pos)
-                slots.append(r.page_ids[pos // ps] * ps + pos % ps)
-            positions += [r.end_position - 1] * short
-            slots += [scratch_page * ps + i % ps for i in range(short)]
-            kv_len = r.end_position + short
-            used = r.page_ids[:-(-kv_len // ps)]
-            kv_lens.append(kv_len)
-            pages.append(used + [scratch_page] * (-(-kv_len // ps) - len(used)))
-        pad = batch - len(reqs)
-        ids += [0] * (pad * q_len)
-        positions += list(range(q_len)) * pad
-        slots += [scratch_page * ps + i % ps for i in range(q_len)] * pad
-        scratch = [scratch_page] * -(-q_len // ps)
-        self.inputs[:, :batch * q_len].copy_(torch.tensor([ids, positions, slots], dtype=torch.int64),
-                                             non_blocking=True)
-        return HostLayout([q_len] * batch, kv_lens + [q_len] * pad, pages + [scratch] * pad)
+        """Copy the step's token ids, positions and slots (``graph_inputs``) into the graph's input buffer with one
+        non-blocking copy from pageable memory (``runtime.transfer`` says why not pinned); returns the attention
+        layout to plan."""
+        inputs, layout = graph_inputs(reqs, batch, q_len, self.page_size, self.scratch_page)
+        self.inputs[:, :batch * q_len].copy_(torch.from_numpy(inputs), non_blocking=True)
+        return layout
 
     def _meta(self, layout: HostLayout, batch: int, q_len: int) -> PagedAttentionMeta:
         # Only the host layout and geometry matter to FlashInfer; the device fields are placeholders.
