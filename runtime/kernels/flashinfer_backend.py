@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from runtime.kernels import torch_ref
@@ -48,8 +49,8 @@ def host_indptrs(qo_lens: list[int], kv_lens: list[int], page_ids: list[list[int
         indices.extend(pages[:used])
         last.append(kv_len - (used - 1) * page_size)
 
-    def ints(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32)
+    def ints(values: list[int]) -> torch.Tensor:  # via numpy: torch.tensor(list) costs ~3x (1.8 ms for 33K ints)
+        return torch.from_numpy(np.array(values, dtype=np.int32))
 
     return HostIndptrs(ints(qo), ints(kv), ints(indices), ints(last))
 
