@@ -14,8 +14,7 @@ context cache: eagerly those dozen small kernels cost the host more than the who
 Padding requests (up to the bucket) feed token 0 at positions 0..Q-1 into the scratch page no request owns, so
 they never touch a real request's cache, and their outputs are dropped. Masked keys still enter the kernels'
 arithmetic (weight 0), so a NaN in the scratch page would spread: the runner zeroes it after a step in which a
-request faulted. Other steps (longer prefill chunks, mixes
-too ragged to pad) run eagerly.
+request faulted. Other steps (longer prefill chunks, mixes too ragged to pad) run eagerly.
 """
 
 from __future__ import annotations
@@ -166,13 +165,13 @@ class GraphedTargetForward:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = 0  # steps served by a graph (padded ones included); the rest of the steps ran eagerly
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
-        for q_len in sorted(set(q_lens)):
+        for q_len in self.q_lens:
             for batch in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
                 self.graphs[(batch, q_len)] = self._capture(batch, q_len)
         used = free_before - torch.cuda.mem_get_info(device)[0]
         self.capture_seconds = time.perf_counter() - start
         log.info("dspark: captured %d CUDA graphs (batch %s x tokens %s) in %.1f s, %.0f MiB", len(self.graphs),
-                 self.buckets, sorted(set(q_lens)), self.capture_seconds, used / 2**20)
+                 self.buckets, self.q_lens, self.capture_seconds, used / 2**20)
 
     def tokens_per_request(self, reqs: list[ScheduledRequest]) -> int | None:
         """Q if a graph serves this step (a bucket holds the requests, Q is the smallest captured length that holds

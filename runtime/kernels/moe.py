@@ -12,10 +12,11 @@ model's (``runtime.models.moe``); backends differ only in how they run the exper
 - ``DENSEGEMM``: the (token, choice) pairs sorted by expert, then two grouped GEMMs over all experts
   (``torch.nn.functional.grouped_mm``: an empty group costs nothing) and one scatter-add. Every shape is fixed
   by T and k and nothing is read back to the host, so a CUDA graph can capture it.
-- ``TRITON``: the pairs tiled by expert (``tile_pairs_by_expert``, torch, static shapes), then one Triton GEMM
-  kernel per projection that gathers its tile's token rows itself and writes each pair's row in place (the
-  routing weight folded into the down projection), and a sum over the k choices (``runtime.kernels.triton_moe``;
-  CUDA only, graph safe).
+- ``TRITON``: the pairs tiled by expert (a decode token's pairs one tile each; up to 128 pairs the tiles laid
+  out by one Triton program, beyond that by ``tile_pairs_by_expert``; static shapes), then one Triton GEMM kernel
+  per projection that gathers its tile's token rows itself and writes each pair's row in place (the routing weight
+  folded into the down projection), and a sum over the k choices (``runtime.kernels.triton_moe``; CUDA only,
+  graph safe).
 
 Which backends a device can run, and what ``AUTO`` resolves to, is ``runtime.devices.resolve_moe_backend``.
 """
