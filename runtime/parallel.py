@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.small_gemm import GemmChoice, linear
+
 
 @dataclass(frozen=True)
 class ParallelContext:
@@ -80,8 +82,10 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(end - start))
             mark_shard(self.bias, 0, start, end)
 
+    small_gemm: GemmChoice | None = None  # runtime.small_gemm.install_small_gemms
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.small_gemm)
 
 
 class RowParallelLinear(nn.Module):
@@ -97,8 +101,10 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(full.out_features))
             mark_shard(self.bias, None, 0, full.out_features)
 
+    small_gemm: GemmChoice | None = None  # runtime.small_gemm.install_small_gemms
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        y = self.ctx.all_reduce(linear(x, self.weight, None, self.small_gemm))
         return y + self.bias if self.bias is not None else y
 
 
@@ -131,14 +137,16 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(shard, full.in_features))
         mark_shard(self.weight, 0, start, end, padded=shard)
 
+    small_gemm: GemmChoice | None = None  # runtime.small_gemm.install_small_gemms
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.all_gather_last(F.linear(x, self.weight))[..., :self.vocab_size]
+        return self.ctx.all_gather_last(linear(x, self.weight, None, self.small_gemm))[..., :self.vocab_size]
 
     def top_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [R, d] -> (max logit [R] float32, its token [R]) without gathering the logits: each rank reduces its
         vocab slice, then only R (max, index) pairs cross. Equal to ``forward(x).float().max(-1)``: the same
         slice GEMMs, ties to the lowest token (the lower rank), NaN propagated to ``max``."""
-        local = F.linear(x, self.weight).float()  # [R, V/W]
+        local = linear(x, self.weight, None, self.small_gemm).float()  # [R, V/W]
         start = self.ctx.rank * local.shape[-1]
         if start + local.shape[-1] > self.vocab_size:  # the last shard's padding rows are no tokens
             local[..., max(self.vocab_size - start, 0):] = float("-inf")

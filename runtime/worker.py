@@ -29,6 +29,7 @@ from runtime.models.moe import sparse_layer_ids
 from runtime.loader import drafter_spec, load_drafter, load_hf_config, load_markov_w2, load_target, load_vocab_modules
 from runtime.parallel import SINGLE, ParallelContext, init_distributed
 from runtime.runner import ModelRunner, attention_geometry
+from runtime.small_gemm import SmallGemmReport, install_small_gemms
 from runtime.step_io import ScheduledBatch
 
 DRAFTER_MODES = ("colocated", "separate")
@@ -73,6 +74,7 @@ class Worker:
         self.target = self.drafter = self.vocab = self.draft_w2 = None
         self.engine_part: ModelRunner | DraftServer | None = None
         self.moe_backend = self.draft_moe_backend = None
+        self.small_gemms: SmallGemmReport | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -122,6 +124,9 @@ class Worker:
             if self.target is None or self.parallel.is_parallel:
                 self.vocab = load_vocab_modules(self.config.model, target_config, self.dtype, self.device,
                                                 self.config.load_format)
+        if self.kernel_backend == "flashinfer":  # few-row GEMMs: cuBLAS or Triton, whichever measures faster here
+            models = [m for m in (self.target, self.drafter, self.vocab) if m is not None]
+            self.small_gemms = install_small_gemms(models, self.device, self.dtype)
         per_page = bytes_per_page(layers, self.config.page_size, self.dtype)
         return max(kv_budget_bytes(self.config, self.device) // per_page, 0)
 
@@ -196,6 +201,7 @@ class Worker:
                 "kernel_backend": self.kernel_backend, "cuda_graphs": self.graphs is not None,
                 "graph_capture_s": round(self.graphs.capture_seconds, 2) if self.graphs is not None else None,
                 "graph_replays": self.graphs.replays if self.graphs is not None else 0,
+                "small_gemms": self.small_gemms.as_dict() if self.small_gemms is not None else None,
                 "draft_graphs": self.graphs is not None and self.plan.holds_drafter and self.spec is not None,
                 "holds_drafter": self.plan.holds_drafter and self.spec is not None,
                 "draft_confidence_head": bool(self.drafter is not None and self.drafter.confidence_head is not None),

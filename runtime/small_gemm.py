@@ -1,0 +1,191 @@
+"""Small-batch GEMMs: per weight shape and row count, the faster of cuBLAS and the Triton skinny GEMM, measured.
+
+A decode step multiplies each weight by one row per request, a verify by K+1: at up to 16 rows a linear layer only
+streams its weight, and how close a kernel comes to the bandwidth depends on the shape (on an H200 cuBLAS reads the
+Qwen3-8B shape's q/k/v and o projections at ~0.74 of the copy bandwidth, its MLP at ~0.9). ``install_small_gemms``
+(the flashinfer backend's fast path, once per process and shape) times cuBLAS and every
+``runtime.kernels.skinny_gemm.CANDIDATES`` config on the device for each weight shape at 1, 2, 4, 8 and 16 rows,
+as a CUDA graph over all the model's weights of that shape replayed with a cold L2 (as a forward meets them), and
+hands each linear the winners (``GemmChoice``). A config replaces cuBLAS only where it is at least ``MARGIN``
+faster. The choice for M rows is the one measured at the smallest bucket >= M, for eager steps and graphs alike,
+so a padded graph and the eager step it stands for run the same kernel; every Triton config is deterministic and
+computes each row independently of the others. Weights with a bias, MoE experts (their own kernels) and small
+weights (launch-bound either way) keep cuBLAS.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from bisect import bisect_left
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 16)  # rows measured; M rows use the choice of the smallest bucket >= M
+MARGIN = 0.97  # a Triton config must take at most this share of cuBLAS's time to replace it
+MIN_WEIGHT_ELEMENTS = 1 << 22  # smaller weights are launch-bound: cuBLAS stays
+FLUSH_BYTES = 256 << 20  # written between timed replays so that no weight is still in L2 (50 MiB on an H200)
+
+
+@dataclass
+class GemmChoice:
+    """For one weight shape, per ``ROW_BUCKETS`` entry the Triton config that beat cuBLAS (None: cuBLAS)."""
+
+    configs: tuple  # [len(ROW_BUCKETS)] SkinnyConfig | None
+    matmul: Callable | None = None  # runtime.kernels.skinny_gemm.skinny_matmul (None when every bucket is cuBLAS)
+
+    def for_rows(self, rows: int):
+        if rows < 1 or rows > ROW_BUCKETS[-1] or self.matmul is None:
+            return None
+        return self.configs[bisect_left(ROW_BUCKETS, rows)]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, choice: GemmChoice | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the skinny GEMM where ``choice`` says so for x's row count."""
+    if choice is not None and bias is None:
+        rows = x.numel() // x.shape[-1]
+        config = choice.for_rows(rows)
+        if config is not None:
+            return choice.matmul(x.reshape(rows, x.shape[-1]), weight, config).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+class SmallBatchLinear(nn.Linear):
+    """An ``nn.Linear`` (same parameters, same state-dict names) whose few-row products follow a ``GemmChoice``."""
+
+    def __init__(self, base: nn.Linear, choice: GemmChoice):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.choice = choice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.choice)
+
+
+@dataclass
+class SmallGemmReport:
+    """What the measurement chose: per weight shape ``"NxK"`` and row bucket, the device time of cuBLAS and of the
+    best Triton config over all of the model's weights of that shape (microseconds) and the winner."""
+
+    shapes: dict[str, dict[str, dict]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"calibration_s": round(self.seconds, 2), "shapes": self.shapes}
+
+
+_MEASURED: dict[tuple, tuple[GemmChoice, dict]] = {}  # (device, dtype, N, K) -> choice, report rows (per process)
+
+
+def _targets(modules: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, linear) for every linear the dispatch may serve: bias-free, large, not an MoE expert."""
+    from runtime.models.moe import SparseMoeBlock
+    from runtime.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+
+    kinds = (nn.Linear, ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+    found, seen = [], set()
+
+    def visit(parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            if isinstance(child, SparseMoeBlock):
+                continue
+            if isinstance(child, kinds) and not isinstance(child, SmallBatchLinear):
+                if id(child) not in seen and getattr(child, "bias", None) is None \
+                        and child.weight.numel() >= MIN_WEIGHT_ELEMENTS and child.weight.stride(1) == 1:
+                    seen.add(id(child))
+                    found.append((parent, name, child))
+                continue
+            visit(child)
+
+    for module in modules:
+        visit(module)
+    return found
+
+
+def _device_time_us(run: Callable[[], object], flush: torch.Tensor, reps: int = 5) -> float:
+    """Median device time of ``run`` captured in a CUDA graph, each replay after ``flush`` evicted L2."""
+    device = flush.device
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # compile and warm up outside the graph
+        run()
+        run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        graph.replay()
+        end.record()
+    events[-1][1].synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    del graph
+    return 1e3 * times[len(times) // 2]
+
+
+def _measure(weights: list[torch.Tensor], flush: torch.Tensor) -> tuple[GemmChoice, dict]:
+    from runtime.kernels.skinny_gemm import CANDIDATES, skinny_matmul
+
+    n, k = weights[0].shape
+    configs, rows_report = [], {}
+    if not any(config.fits(n, k) for config in CANDIDATES):
+        return GemmChoice((None,) * len(ROW_BUCKETS)), {"no Triton config fits": True}
+    for rows in ROW_BUCKETS:
+        x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
+        cublas = _device_time_us(lambda: [F.linear(x, w) for w in weights], flush)
+        best, best_us = None, float("inf")
+        for config in CANDIDATES:
+            if config.fits(n, k):
+                us = _device_time_us(lambda c=config: [skinny_matmul(x, w, c) for w in weights], flush)
+                if us < best_us:
+                    best, best_us = config, us
+        chosen = best if best is not None and best_us <= MARGIN * cublas else None
+        configs.append(chosen)
+        rows_report[str(rows)] = {"cublas_us": round(cublas, 1), "triton_us": round(best_us, 1),
+                                  "triton_config": best.label if best is not None else None,
+                                  "chosen": chosen.label if chosen is not None else "cublas"}
+    uses_triton = any(c is not None for c in configs)
+    return GemmChoice(tuple(configs), skinny_matmul if uses_triton else None), rows_report
+
+
+def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: torch.dtype) -> SmallGemmReport:
+    """Measure and install the small-batch GEMM choice of every eligible linear in ``modules`` (in place: an
+    ``nn.Linear`` becomes a ``SmallBatchLinear``, a tensor-parallel linear gets its ``small_gemm``). Call after the
+    weights are loaded and fused, before anything keeps a reference to a linear; needs a CUDA device, a half
+    dtype and triton."""
+    start = time.perf_counter()
+    report = SmallGemmReport()
+    targets = _targets(modules)
+    groups: dict[tuple[int, int], list[tuple[nn.Module, str, nn.Module]]] = {}
+    for parent, name, child in targets:
+        groups.setdefault(tuple(child.weight.shape), []).append((parent, name, child))
+    flush = None
+    for (n, k), members in groups.items():
+        key = (str(device), dtype, n, k)
+        if key not in _MEASURED:
+            if flush is None:
+                flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+            _MEASURED[key] = _measure([child.weight for _, _, child in members], flush)
+        choice, rows_report = _MEASURED[key]
+        report.shapes[f"{n}x{k}"] = {"weights": len(members), "rows": rows_report}
+        if choice.matmul is None:
+            continue
+        for parent, name, child in members:
+            if type(child) is nn.Linear:
+                setattr(parent, name, SmallBatchLinear(child, choice))
+            else:
+                child.small_gemm = choice
+    report.seconds = time.perf_counter() - start
+    chosen = {shape: [r["chosen"] for r in entry["rows"].values()] for shape, entry in report.shapes.items()}
+    log.info("dspark: small-batch GEMMs (rows %s) measured in %.1f s: %s", list(ROW_BUCKETS), report.seconds, chosen)
+    return report

@@ -1,0 +1,84 @@
+"""The Triton skinny GEMM against cuBLAS, its measured installation, and engines whose every linear runs it:
+graphed steps equal eager steps and a request decodes alone as in a batch. Skipped without a GPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from configs import DSparkDecodingConfig
+from runtime import LLM, SamplingParams
+from runtime import small_gemm
+from tests import builders
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("flashinfer")
+pytest.importorskip("triton")
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (1000, 512)])
+def test_every_candidate_matches_cublas(n, k):
+    from runtime.kernels.skinny_gemm import CANDIDATES, skinny_matmul
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k, device=DEV, dtype=BF16) / k ** 0.5
+    for m in (1, 3, 8, 16):
+        x = torch.randn(m, k, device=DEV, dtype=BF16)
+        want = F.linear(x.float(), w.float())
+        for config in CANDIDATES:
+            if not config.fits(n, k):
+                continue
+            got = skinny_matmul(x, w, config)
+            err = (got.float() - want).norm() / want.norm()
+            assert err < 1e-2, (config, m, float(err))
+            assert torch.equal(skinny_matmul(x, w, config), got)  # deterministic
+            assert torch.equal(skinny_matmul(x[:1].contiguous(), w, config)[0], got[0])  # rows independent
+
+
+@pytest.fixture(scope="module")
+def mid_target(checkpoints):
+    """Linears large enough for the dispatch (gate_up 8192 x 1024), head_dim 128, bf16."""
+    return builders.save_target(checkpoints / "mid-qwen3", "qwen3", seed=5, residual_scale=0.6, hidden_size=1024,
+                                intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+
+
+PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [100, 3], list(range(20, 51)), [7] * 12, [250, 251]]
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+ENGINE = dict(dtype="bfloat16", num_pages=256, page_size=16, kernel_backend="flashinfer", max_num_seqs=8)
+
+
+def test_the_measurement_is_reported_in_rank_info(mid_target):
+    llm = LLM(str(mid_target), **ENGINE)
+    gemms = llm.rank_info()[0]["small_gemms"]
+    assert gemms["calibration_s"] >= 0 and "8192x1024" in gemms["shapes"]
+    rows = gemms["shapes"]["8192x1024"]["rows"]
+    assert set(rows) == {str(r) for r in small_gemm.ROW_BUCKETS}
+    assert all(r["cublas_us"] > 0 and r["chosen"] for r in rows.values())
+
+
+@pytest.fixture
+def triton_everywhere(monkeypatch):
+    """Every linear of the model on one skinny GEMM config at up to 16 rows, whatever it measures (one config for
+    every row count: a row's result is then the same at any M, so a request decodes alone as in a batch)."""
+    from runtime.kernels import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "CANDIDATES", (skinny_gemm.SkinnyConfig(16, 256, 1, 4, 4),))
+    monkeypatch.setattr(small_gemm, "MIN_WEIGHT_ELEMENTS", 0)
+    monkeypatch.setattr(small_gemm, "MARGIN", 1e9)
+    monkeypatch.setattr(small_gemm, "_MEASURED", {})
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_graphed_steps_on_the_skinny_gemm_equal_eager_steps(triton_everywhere, mid_target, make_drafter, speculative):
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(mid_target, 4))) if speculative else None
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(str(mid_target), speculative_config=spec, **{**ENGINE, "enforce_eager": eager})
+        assert any(isinstance(m, small_gemm.SmallBatchLinear) for m in llm.engine.executor.worker.target.modules())
+        runs[eager] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        if not eager:
+            alone = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+            assert alone == runs[False]
+    assert runs[False] == runs[True]

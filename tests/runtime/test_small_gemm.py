@@ -1,0 +1,164 @@
+"""The small-batch GEMM dispatch (runtime.small_gemm) on the CPU: which rows go where, what is swapped, what is
+left alone. The Triton kernel itself is checked against cuBLAS on a GPU (tests/gpu/test_small_gemm.py) and, where
+triton is installed, under Triton's CPU interpreter here."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime import small_gemm
+from runtime.loader import load_target
+from runtime.kernels import get_backend
+from runtime.parallel import ParallelContext, RowParallelLinear
+from runtime.small_gemm import ROW_BUCKETS, GemmChoice, SmallBatchLinear, linear
+
+
+class Recorder:
+    """A stand-in kernel: records (rows, config) and computes what F.linear would."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, x, weight, config):
+        self.calls.append((x.shape[0], config))
+        return F.linear(x, weight)
+
+
+def choice_for(configs, kernel):
+    return GemmChoice(tuple(configs), kernel)
+
+
+def test_rows_take_the_choice_of_the_smallest_bucket_at_or_above_them():
+    kernel = Recorder()
+    choice = choice_for(["c1", None, "c4", "c8", None], kernel)  # 2 rows and 16 rows stay cuBLAS
+    w = torch.randn(24, 32)
+    for rows, expected in ((1, "c1"), (2, None), (3, "c4"), (4, "c4"), (5, "c8"), (8, "c8"), (9, None), (16, None),
+                           (17, None), (300, None)):
+        kernel.calls.clear()
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(linear(x, w, None, choice), F.linear(x, w))
+        assert kernel.calls == ([(rows, expected)] if expected else []), rows
+
+
+def test_three_dimensional_inputs_count_rows_and_keep_their_shape():
+    kernel = Recorder()
+    choice = choice_for(["c"] * len(ROW_BUCKETS), kernel)
+    x, w = torch.randn(2, 4, 32), torch.randn(24, 32)  # a drafter's [B, block, d]: 8 rows
+    out = linear(x, w, None, choice)
+    assert out.shape == (2, 4, 24) and kernel.calls == [(8, "c")]
+    torch.testing.assert_close(out, F.linear(x, w))
+
+
+def test_a_bias_or_no_choice_keeps_cublas():
+    kernel = Recorder()
+    choice = choice_for(["c"] * len(ROW_BUCKETS), kernel)
+    x, w, b = torch.randn(1, 32), torch.randn(24, 32), torch.randn(24)
+    torch.testing.assert_close(linear(x, w, b, choice), F.linear(x, w, b))
+    torch.testing.assert_close(linear(x, w, None, None), F.linear(x, w))
+    assert GemmChoice((None,) * len(ROW_BUCKETS)).for_rows(1) is None
+    assert kernel.calls == []
+
+
+def test_a_small_batch_linear_is_the_same_linear():
+    base = nn.Linear(32, 24, bias=False)
+    swapped = SmallBatchLinear(base, choice_for(["c"] * len(ROW_BUCKETS), Recorder()))
+    assert isinstance(swapped, nn.Linear) and swapped.weight is base.weight and swapped.bias is None
+    assert list(swapped.state_dict()) == list(base.state_dict())
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(swapped(x), base(x))
+
+
+def fake_measure(picks):
+    """A `_measure` that picks `picks` per bucket for every shape (no device timing)."""
+
+    def measure(weights, flush):
+        report = {str(r): {"chosen": str(p)} for r, p in zip(ROW_BUCKETS, picks)}
+        return GemmChoice(tuple(picks), Recorder() if any(p is not None for p in picks) else None), report
+
+    return measure
+
+
+@pytest.fixture
+def patched(monkeypatch):
+    monkeypatch.setattr(small_gemm, "MIN_WEIGHT_ELEMENTS", 1)
+    monkeypatch.setattr(small_gemm, "_MEASURED", {})
+    monkeypatch.setattr(small_gemm, "FLUSH_BYTES", 8)
+    return monkeypatch
+
+
+def test_install_swaps_every_dense_linear_once_and_keeps_the_state_dict(patched, qwen3_target, moe_target):
+    patched.setattr(small_gemm, "_measure", fake_measure(["c"] * len(ROW_BUCKETS)))
+    for path in (qwen3_target, moe_target):
+        model = load_target(str(path), get_backend("torch"), torch.float32, torch.device("cpu"),
+                            moe_backend="VANILLA" if path == moe_target else None)
+        model.fuse_projections()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        ids = torch.tensor([3, 5, 7])
+        report = small_gemm.install_small_gemms([model, model], torch.device("cpu"), torch.float32)  # twice: once
+        swapped = [name for name, m in model.named_modules() if isinstance(m, SmallBatchLinear)]
+        layer = model.model.layers[0]
+        assert "lm_head" in swapped and {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj"} \
+            <= set(swapped)
+        assert not any(".experts." in name or name.endswith(".gate") for name in swapped)  # MoE keeps its kernels
+        assert model.state_dict().keys() == before.keys()
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+        assert report.shapes and all(e["weights"] >= 1 for e in report.shapes.values())
+        assert isinstance(layer.self_attn.qkv_proj, SmallBatchLinear)
+        x = model.model.embed_tokens(ids)
+        torch.testing.assert_close(layer.self_attn.qkv_proj(x), F.linear(x, layer.self_attn.qkv_proj.weight))
+
+
+def test_install_leaves_cublas_shapes_alone_and_reports_them(patched, qwen3_target):
+    patched.setattr(small_gemm, "_measure", fake_measure([None] * len(ROW_BUCKETS)))
+    model = load_target(str(qwen3_target), get_backend("torch"), torch.float32, torch.device("cpu"))
+    model.fuse_projections()
+    report = small_gemm.install_small_gemms([model], torch.device("cpu"), torch.float32)
+    assert not any(isinstance(m, SmallBatchLinear) for m in model.modules())
+    assert all(set(r["chosen"] for r in e["rows"].values()) == {"None"} for e in report.shapes.values())
+
+
+def test_tensor_parallel_linears_take_the_choice_as_an_attribute(patched):
+    patched.setattr(small_gemm, "_measure", fake_measure(["c"] * len(ROW_BUCKETS)))
+    row = RowParallelLinear(nn.Linear(32, 24, bias=False), ParallelContext(0, 1, None))
+    holder = nn.Module()
+    holder.proj = row
+    small_gemm.install_small_gemms([holder], torch.device("cpu"), torch.float32)
+    assert holder.proj is row and row.small_gemm is not None
+    with torch.no_grad():
+        row.weight.normal_()
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(row(x), F.linear(x, row.weight))
+    assert row.small_gemm.matmul.calls == [(2, "c")]
+
+
+KERNEL_CHECK = """
+import torch
+from runtime.kernels.skinny_gemm import CANDIDATES, skinny_matmul
+torch.manual_seed(0)
+for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 5e-2)):
+    for n, k in ((48, 512), (40, 1024)):
+        w = torch.randn(n, k, dtype=dtype)
+        for m in (1, 5, 16):
+            x = torch.randn(m, k, dtype=dtype)
+            want = x.float() @ w.float().T
+            for config in CANDIDATES:
+                if config.fits(n, k):
+                    got = skinny_matmul(x, w, config)
+                    assert got.dtype == dtype and got.shape == (m, n)
+                    assert (got.float() - want).abs().max() < tol * k ** 0.5, (config, m)
+                    assert torch.equal(skinny_matmul(x[:1].clone(), w, config)[0], got[0])  # rows independent
+print("kernel ok")
+"""
+
+
+def test_the_triton_kernel_under_the_interpreter():
+    """Every candidate config against a float32 product, and a row's result independent of the rows beside it."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "kernel ok" in run.stdout, run.stderr[-3000:]
