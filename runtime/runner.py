@@ -187,10 +187,11 @@ class ModelRunner:
                 batch_index: list[int], k_max: int, num_drafts: torch.Tensor, graphed: GraphOutputs | None,
                 need_logits: bool = True):
         """-> (logits [S, K+1, V] or None, (top, argmax) [S, K+1] or None): the target's rows for each entry's
-        anchor (or last prefill token) and drafts; rows past a short block repeat its last. A graphed step whose
-        every request verifies a full block already computed them (logits in the model dtype, max and argmax).
-        Without ``need_logits`` (greedy, no logprobs, no penalties: the same answer on every TP rank) only the max
-        and argmax are computed, per vocab slice under tensor parallelism (no logits gathered)."""
+        anchor (or last prefill token) and drafts; rows past a short block repeat its last. A graphed step already
+        computed them (logits in the model dtype, max and argmax): a full block's rows are the graph's as they lie,
+        a ragged step's are gathered from it (no LM head of their own). Without ``need_logits`` (greedy, no
+        logprobs, no penalties: the same answer on every TP rank) only the max and argmax are computed, per vocab
+        slice under tensor parallelism (no logits gathered)."""
         num, dev = len(entries), self.device
         if graphed is not None and num * (k_max + 1) == graphed.logits.shape[0] \
                 and all(e.num_drafts == k_max for e in entries):
@@ -199,6 +200,10 @@ class ModelRunner:
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         first = to_device([row_ends[b] - 1 - e.num_drafts for e, b in zip(entries, batch_index)], dev)
         rows = first[:, None] + torch.minimum(offsets[None, :], num_drafts[:, None])  # [S, K+1]
+        if graphed is not None:  # a ragged graphed step: the graph computed every row (padding too), pick them
+            flat, shape = rows.view(-1), (num, k_max + 1)
+            return graphed.logits[flat].view(*shape, -1), (graphed.top[flat].view(shape),
+                                                           graphed.argmax[flat].view(shape))
         if not need_logits:
             top, argmax = self.target.compute_top_argmax(hidden[rows.view(-1)])
             return None, (top.view(num, k_max + 1), argmax.view(num, k_max + 1))
