@@ -193,10 +193,11 @@ class ModelRunner:
         logprobs, no penalties: the same answer on every TP rank) only the max and argmax are computed, per vocab
         slice under tensor parallelism (no logits gathered)."""
         num, dev = len(entries), self.device
-        if graphed is not None and num * (k_max + 1) == graphed.logits.shape[0] \
-                and all(e.num_drafts == k_max for e in entries):
+        if graphed is not None and num * (k_max + 1) == graphed.top.shape[0] \
+                and all(e.num_drafts == k_max for e in entries) and (graphed.logits is not None or not need_logits):
             shape = (num, k_max + 1)
-            return graphed.logits.view(*shape, -1), (graphed.top.view(shape), graphed.argmax.view(shape))
+            logits = graphed.logits.view(*shape, -1) if graphed.logits is not None else None
+            return logits, (graphed.top.view(shape), graphed.argmax.view(shape))
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         first = to_device([row_ends[b] - 1 - e.num_drafts for e, b in zip(entries, batch_index)], dev)
         rows = first[:, None] + torch.minimum(offsets[None, :], num_drafts[:, None])  # [S, K+1]
