@@ -8,9 +8,11 @@ keeps them out of every real row; they write their keys into the scratch page an
 The graph is a pure function of persistent buffers: one host-to-device copy writes the step's token ids,
 positions and cache slots, FlashInfer's plan writes the page table into the wrapper's own buffers, one replay runs
 embedding -> layers -> final norm (and the captured layers) -> LM head -> max and argmax of every row (what greedy
-verification needs; sampling reads the logits). With a colocated drafter, a second graph per bucket (replayed
-right after, skipped once speculation is off for good) appends the step's captured states to the drafter's
-context cache: eagerly those dozen small kernels cost the host more than the whole target graph on a small model.
+verification needs; sampling reads the logits; under tensor parallelism the all-reduces run inside the graph, the
+max/argmax are reduced per vocab slice, and a step that needs logits computes them from the hidden states). With
+a colocated drafter, a second graph per bucket (replayed right after, skipped once speculation is off for good)
+appends the step's captured states to the drafter's context cache: eagerly those dozen small kernels cost the host
+more than the whole target graph on a small model.
 Padding requests (up to the bucket) feed token 0 at positions 0..Q-1 into the scratch page no request owns, so
 they never touch a real request's cache, and their outputs are dropped. Masked keys still enter the kernels'
 arithmetic (weight 0), so a NaN in the scratch page would spread: the runner zeroes it after a step in which a
@@ -117,7 +119,7 @@ class GraphOutputs:
     slots: torch.Tensor  # [T]
     hidden: torch.Tensor  # [T, d] final-normed states
     captured: torch.Tensor | None  # [T, m*d]
-    logits: torch.Tensor  # [T, V] in the model dtype
+    logits: torch.Tensor | None  # [T, V] in the model dtype (None under tensor parallelism: computed on demand)
     top: torch.Tensor  # [T] max logit (NaN when the row has one)
     argmax: torch.Tensor  # [T]
     context_appended: bool  # the drafter's context graph ran: the captured states are in its cache
@@ -138,7 +140,7 @@ class _Graph:
     wrapper: object  # the FlashInfer wrapper whose buffers the graph reads
     hidden: torch.Tensor  # [B*Q, d] final-normed states
     captured: torch.Tensor | None  # [B*Q, m*d]
-    logits: torch.Tensor  # [B*Q, V] model dtype
+    logits: torch.Tensor | None  # [B*Q, V] model dtype (None under tensor parallelism: not gathered)
     top: torch.Tensor  # [B*Q]
     argmax: torch.Tensor  # [B*Q]
     context: torch.cuda.CUDAGraph | None  # appends captured [B*Q, m*d] at the step's positions and slots
@@ -199,7 +201,8 @@ class GraphedTargetForward:
         rows = len(reqs) * q_len
         ids, positions, slots = (t[:rows] for t in self.inputs)
         return GraphOutputs(ids, positions, slots, g.hidden[:rows], g.captured[:rows] if g.captured is not None
-                            else None, g.logits[:rows], g.top[:rows], g.argmax[:rows], appended, q_len)
+                            else None, g.logits[:rows] if g.logits is not None else None, g.top[:rows],
+                            g.argmax[:rows], appended, q_len)
 
     # ---- building -----------------------------------------------------------------------------
 
@@ -218,6 +221,16 @@ class GraphedTargetForward:
                                   max_query_len=q_len, max_seq_len=0, causal=True, num_tokens=batch * q_len,
                                   page_size=self.page_size, host=layout, geometry=self.geometry)
 
+    def _head(self, hidden: torch.Tensor):
+        """-> (logits [T, V] or None, (top, argmax) [T]): one rank's logits and their max/argmax; under tensor
+        parallelism only the max/argmax, reduced per vocab slice (gathering every row's logits inside each replay
+        would move R x V values a step; a step that needs logits computes them from ``hidden``)."""
+        top_argmax = getattr(self.target.lm_head, "top_argmax", None)
+        if top_argmax is not None:
+            return None, top_argmax(hidden)
+        logits = self.target.lm_head(hidden)
+        return logits, logits.max(dim=-1)
+
     def _capture(self, batch: int, q_len: int) -> _Graph:
         wrapper = self.backend.graph_wrapper(self.device, batch, batch * self.pages_per_seq, q_len)
         layout = self._write_inputs([], batch, q_len)
@@ -225,15 +238,14 @@ class GraphedTargetForward:
         ids, positions, slots = (t[:batch * q_len] for t in self.inputs)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm up outside the graph (lazy inits, Triton compilation)
+        with torch.cuda.stream(stream):  # warm up outside the graph (lazy inits, Triton compilation, NCCL)
             for _ in range(2):
-                self.target.lm_head(self.target(ids, positions, self.caches, meta, slots)[0]).max(dim=-1)
+                self._head(self.target(ids, positions, self.caches, meta, slots)[0])
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             hidden, captured = self.target(ids, positions, self.caches, meta, slots)
-            logits = self.target.lm_head(hidden)
-            top, argmax = logits.max(dim=-1)
+            logits, (top, argmax) = self._head(hidden)
         context = None
         if self.append_context is not None and captured is not None:
             with torch.cuda.stream(stream):  # warm-up writes only the scratch page: every slot is a padding row's

@@ -187,22 +187,32 @@ class ModelRunner:
                 batch_index: list[int], k_max: int, num_drafts: torch.Tensor, graphed: GraphOutputs | None,
                 need_logits: bool = True):
         """-> (logits [S, K+1, V] or None, (top, argmax) [S, K+1] or None): the target's rows for each entry's
-        anchor (or last prefill token) and drafts; rows past a short block repeat its last. A graphed step whose
-        every request verifies a full block already computed them (logits in the model dtype, max and argmax).
-        Without ``need_logits`` (greedy, no logprobs, no penalties: the same answer on every TP rank) only the max
-        and argmax are computed, per vocab slice under tensor parallelism (no logits gathered)."""
-        num, dev = len(entries), self.device
-        if graphed is not None and num * (k_max + 1) == graphed.logits.shape[0] \
+        anchor (or last prefill token) and drafts; rows past a short block repeat its last. A graphed step already
+        computed them (logits in the model dtype, max and argmax): a full block's rows are the graph's as they lie,
+        a ragged step's are gathered from it (no LM head of their own). Without ``need_logits`` (greedy, no
+        logprobs, no penalties: the same answer on every TP rank) only the max and argmax are computed, per vocab
+        slice under tensor parallelism (no logits gathered)."""
+        num, dev, shape = len(entries), self.device, (len(entries), k_max + 1)
+        if graphed is not None and num * (k_max + 1) == graphed.top.shape[0] \
                 and all(e.num_drafts == k_max for e in entries):
-            shape = (num, k_max + 1)
-            return graphed.logits.view(*shape, -1), (graphed.top.view(shape), graphed.argmax.view(shape))
-        offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
-        first = to_device([row_ends[b] - 1 - e.num_drafts for e, b in zip(entries, batch_index)], dev)
-        rows = first[:, None] + torch.minimum(offsets[None, :], num_drafts[:, None])  # [S, K+1]
+            flat = None  # every request verifies a full block: the graph's rows as they lie
+        else:
+            offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
+            first = to_device([row_ends[b] - 1 - e.num_drafts for e, b in zip(entries, batch_index)], dev)
+            flat = (first[:, None] + torch.minimum(offsets[None, :], num_drafts[:, None])).view(-1)  # [S*(K+1)]
+        if graphed is not None:  # the graph computed every row (padding too): pick the entries' rows
+            pick = (lambda t: t) if flat is None else (lambda t: t[flat])
+            top_argmax = (pick(graphed.top).view(shape), pick(graphed.argmax).view(shape))
+            if graphed.logits is not None:
+                return pick(graphed.logits).view(*shape, -1), top_argmax
+            if not need_logits:
+                return None, top_argmax
+            # tensor parallelism: the graph reduced only max/argmax; this step's logits come from its states
+            return self.target.compute_logits(pick(hidden)).view(*shape, -1), top_argmax
         if not need_logits:
-            top, argmax = self.target.compute_top_argmax(hidden[rows.view(-1)])
-            return None, (top.view(num, k_max + 1), argmax.view(num, k_max + 1))
-        return self.target.compute_logits(hidden[rows.view(-1)]).view(num, k_max + 1, -1), None
+            top, argmax = self.target.compute_top_argmax(hidden[flat])
+            return None, (top.view(shape), argmax.view(shape))
+        return self.target.compute_logits(hidden[flat]).view(*shape, -1), None
 
     def _verify(self, entries: list[ScheduledRequest], hidden: torch.Tensor, row_ends: list[int],
                 batch_index: list[int], graphed: GraphOutputs | None = None):

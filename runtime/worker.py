@@ -184,11 +184,13 @@ class Worker:
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        """Graphs need the flashinfer kernels (host-planned attention), a GPU, one TP rank with its drafter
-        colocated or none (graphed collectives and a graphed separate drafter are the cluster fast path's work),
-        and an MoE backend a graph can capture (VANILLA reads expert choices back to the host)."""
+        """Graphs need the flashinfer kernels (host-planned attention), a GPU, an MoE backend a graph can capture
+        (VANILLA reads expert choices back to the host), and under tensor parallelism NCCL (its all-reduces and
+        the LM head's max/argmax gather are captured inside the graphs; every rank captures and replays the same
+        graphs in the same order). A separate drafter's process runs eagerly."""
+        collectives_ok = self.plan.tp_size == 1 or dist.get_backend(self.parallel.group) == "nccl"
         return (self.plan.role == "target" and self.kernel_backend == "flashinfer" and not self.config.enforce_eager
-                and self.device.type == "cuda" and self.plan.tp_size == 1
+                and self.device.type == "cuda" and collectives_ok
                 and all(b in (None, "none") or b in GRAPH_SAFE for b in (self.moe_backend, self.draft_moe_backend)))
 
     def execute(self, batch: ScheduledBatch):
