@@ -14,9 +14,11 @@ real shapes (``load_format="dummy"``): step times and roofline only, since rando
 (``--projected-tau`` adds a projected speedup from a trained pair's acceptance); a trained pair
 (``--model``/``--speculative-model``) gives acceptance and end-to-end speedup. Peers: Hugging Face ``generate``
 on the same target, eager and compiled (static cache).
-``--tune-schedule FILE`` times every shorter draft length too and writes the fastest ``draft_len_schedule``
-(``cluster.schedule_tuning``). ``--confidence-scheduling`` sweeps a third engine whose verify lengths the
-confidence scheduler chooses (``confidence_*`` fields; ``--profile-steps FILE`` saves its step-time table).
+``--tune-schedule FILE`` times every shorter draft length too, writes the fastest ``draft_len_schedule``
+(``cluster.schedule_tuning``) and sweeps an engine with it (``tuned_*`` fields). ``--confidence-scheduling`` sweeps
+an engine whose verify lengths the confidence scheduler chooses (``confidence_*`` fields; ``--profile-steps FILE``
+saves its step-time table): within the tuned schedule when both are given (the schedule caps the block it
+drafts; ``confidence_vs_tuned`` compares the two engines measured in this run), else within ``max_draft_len``.
 ``--e2e-prompts N`` decodes N prompts one at a time through ``LLM.generate`` with both engines: the end-to-end
 speedup against what the step times allow at the measured tau, and the share of prompts whose greedy outputs
 are identical (bf16 verify batches reorder sums, so near-ties may part).
@@ -529,11 +531,16 @@ def run(args) -> dict:
     engines = [("ar", None, {}), ("dspark", spec, {})]
     if replica and args.drafter == "separate":  # the same replica with its drafter colocated: what a GPU more buys
         engines.append(("colocated", spec, {"drafter": "colocated"}))
-    if args.confidence_scheduling:  # the same drafter, its verify lengths chosen by the confidence scheduler
+    # with --tune-schedule the scheduler runs within the tuned schedule (its draft length cap), after it, beside a
+    # sweep of that schedule alone: both measured in this run; without, within the fixed max_draft_len
+    confidence_after_tuning = args.confidence_scheduling and args.tune_schedule
+    if args.confidence_scheduling and not confidence_after_tuning:
         engines.append(("confidence", {**spec, "enable_confidence_scheduling": True}, {}))
     record["schedules"] = {"dspark": "fixed" if spec.get("draft_len_schedule") is None else "tuned",
                            **({"confidence": "confidence"} if args.confidence_scheduling else {})}
-    for kind, speculative, layout in engines:
+
+    def sweep(kind: str, speculative: dict | None, layout: dict) -> None:
+        """Build one engine, run the concurrency sweep (and the mixed workload, end to end, profile) on it."""
         start = time.perf_counter()
         llm = engine_class(str(target), speculative_config=speculative, **common, **layout)
         record[f"{kind}_startup_s"] = time.perf_counter() - start
@@ -579,6 +586,8 @@ def run(args) -> dict:
                                confidence_measured_step_ms=stats["mean_measured_step_ms"],
                                confidence_expected_tokens_per_request=stats["mean_expected_tokens_per_request"],
                                confidence_committed_tokens_per_request=stats["mean_committed_tokens_per_request"])
+            elif kind == "tuned":
+                rows[c].update(tuned_mean_acceptance_length=timing["mean_acceptance_length"])
             elif kind == "dspark":
                 rows[c].update(mean_acceptance_length=timing["mean_acceptance_length"],
                                acceptance_per_position=timing["acceptance_per_position"])
@@ -608,11 +617,30 @@ def run(args) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         save_partial(args, record, rows)
+
+    for kind, speculative, layout in engines:
+        sweep(kind, speculative, layout)
+    if args.tune_schedule:
+        record["tuned_schedule"] = tuned = tune(args, engine_class, target, spec, common, rows, vocab, shape,
+                                                sweep_prompts)
+        schedule = tuned.get("schedule")
+        if schedule is not None:  # the tuned schedule measured as an engine of its own, beside the scheduler in it
+            sweep("tuned", {**spec, "draft_len_schedule": schedule}, {})
+            record["schedules"]["tuned"] = "tuned"
+        if confidence_after_tuning:
+            capped = {"draft_len_schedule": schedule} if schedule is not None else {}
+            sweep("confidence", {**spec, **capped, "enable_confidence_scheduling": True}, {})
+            record["schedules"]["confidence"] = "confidence within the tuned schedule" if capped else \
+                "confidence within max_draft_len (tuning gave no schedule)"
     for row in rows.values():
         row["dspark_step_vs_ar"] = row["dspark_step_ms"] / row["ar_step_ms"]
+        if "tuned_tokens_per_s" in row:
+            row["tuned_speedup"] = row["tuned_tokens_per_s"] / row["ar_tokens_per_s"]
         if "confidence_tokens_per_s" in row:
             row["confidence_speedup"] = row["confidence_tokens_per_s"] / row["ar_tokens_per_s"]
             row["confidence_vs_dspark"] = row["confidence_tokens_per_s"] / row["dspark_tokens_per_s"]
+            if "tuned_tokens_per_s" in row:  # both measured in this run, the scheduler inside the tuned schedule
+                row["confidence_vs_tuned"] = row["confidence_tokens_per_s"] / row["tuned_tokens_per_s"]
         row["speedup"] = row["dspark_tokens_per_s"] / row["ar_tokens_per_s"]
         if "colocated_tokens_per_s" in row:  # a separate drafter against the same replica with it colocated
             row["throughput_vs_colocated"] = row["dspark_tokens_per_s"] / row["colocated_tokens_per_s"]
@@ -637,13 +665,6 @@ def run(args) -> dict:
         for row in rows.values():
             row["projected_speedup"] = args.projected_tau * row["ar_step_ms"] / row["dspark_step_ms"]
         record["projected_tau"] = {"tau": args.projected_tau, "source": args.projected_tau_source}
-    if args.tune_schedule:
-        save_partial(args, record, rows)
-        record["tuned_schedule"] = tuned = tune(args, engine_class, target, spec, common, rows, vocab, shape,
-                                                sweep_prompts)
-        for c, best in tuned["best"].items():  # the confidence scheduler against the best fixed schedule
-            if "confidence_tokens_per_s" in rows[c]:
-                rows[c]["confidence_vs_tuned"] = rows[c]["confidence_tokens_per_s"] / best["tokens_per_s"]
     if args.hf_tokens:
         for peer, compiled in (("hf_generate", False), ("hf_compiled", True)):
             result = hf_generate_tokens_per_s(target, shape, args.hf_tokens, device, compiled)
@@ -791,7 +812,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     bench.add_argument("--confidence-scheduling", action="store_true", help="also sweep DSpark with "
                        "enable_confidence_scheduling (its step-time table profiled at startup, in the record): "
-                       "confidence_tokens_per_s beside the fixed (or tuned) schedule's dspark_tokens_per_s")
+                       "confidence_tokens_per_s beside the fixed schedule's dspark_tokens_per_s; with "
+                       "--tune-schedule it runs within the tuned schedule, beside a sweep of that schedule alone "
+                       "(confidence_vs_tuned)")
     bench.add_argument("--profile-steps", metavar="FILE", help="with --confidence-scheduling: also write the "
                        "profiled step-time table to FILE (a confidence_cost_table_path)")
     bench.add_argument("--moe-backend", default="AUTO", choices=["AUTO", "VANILLA", "DENSEGEMM", "TRITON"],

@@ -138,8 +138,9 @@ def _measure(weights: list[torch.Tensor], flush: torch.Tensor) -> tuple[GemmChoi
 
     n, k = weights[0].shape
     configs, rows_report = [], {}
-    if not any(config.fits(n, k) for config in CANDIDATES):
-        return GemmChoice((None,) * len(ROW_BUCKETS)), {"no Triton config fits": True}
+    if not any(config.fits(n, k) for config in CANDIDATES):  # nothing measured: cuBLAS
+        return GemmChoice((None,) * len(ROW_BUCKETS)), {str(rows): {"chosen": "cublas", "triton_config": None}
+                                                        for rows in ROW_BUCKETS}
     for rows in ROW_BUCKETS:
         x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
         cublas = _device_time_us(lambda: [F.linear(x, w) for w in weights], flush)

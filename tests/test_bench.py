@@ -155,8 +155,14 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["replica"] == "single-process" and record["moe_backend"] == "DENSEGEMM" and "partial" not in record
-    assert set(record["mixed_workload"]) == {"ar", "dspark", "confidence"} and record["end_to_end"]["prompts"] == 2
+    # the tuned schedule swept as an engine, the confidence scheduler within it, both after tuning
+    assert "schedule" in record["tuned_schedule"], record["tuned_schedule"]
+    assert record["schedules"] == {"dspark": "fixed", "tuned": "tuned",
+                                   "confidence": "confidence within the tuned schedule"}
+    assert set(record["mixed_workload"]) == {"ar", "dspark", "tuned", "confidence"}
+    assert record["end_to_end"]["prompts"] == 2
     assert {b["draft_len"] for b in record["tuned_schedule"]["best"].values()} <= {0, 1, 2, 3}
     for row in record["runs"]:
-        assert row["confidence_tokens_per_s"] > 0 and "confidence_vs_tuned" in row and row["ar_moe_experts_woken"] > 0
+        assert row["confidence_tokens_per_s"] > 0 and row["tuned_tokens_per_s"] > 0 and row["ar_moe_experts_woken"] > 0
+        assert row["confidence_vs_tuned"] == row["confidence_tokens_per_s"] / row["tuned_tokens_per_s"]
         assert "roofline_fraction" not in row and "ar_forward_ms" not in row
