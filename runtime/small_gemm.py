@@ -7,10 +7,12 @@ Qwen3-8B shape's q/k/v and o projections at ~0.74 of the copy bandwidth, its MLP
 ``runtime.kernels.skinny_gemm.CANDIDATES`` config on the device for each weight shape at 1, 2, 4, 8 and 16 rows,
 as a CUDA graph over all the model's weights of that shape replayed with a cold L2 (as a forward meets them), and
 hands each linear the winners (``GemmChoice``). A config replaces cuBLAS only where it is at least ``MARGIN``
-faster. The choice for M rows is the one measured at the smallest bucket >= M, for eager steps and graphs alike,
-so a padded graph and the eager step it stands for run the same kernel; every Triton config is deterministic and
-computes each row independently of the others. Weights with a bias, MoE experts (their own kernels) and small
-weights (launch-bound either way) keep cuBLAS.
+faster. The choice for M rows is the one measured at the smallest bucket >= M, for eager steps and graphs alike.
+Every Triton config is deterministic and computes each row independently of the others, but like cuBLAS's own
+heuristics the choice follows the row count: a graph padded past a bucket (3 requests of a K=4 verify: 15 rows
+eager, 20 in the graph of 4 requests) may run another kernel than the eager step of the same requests, and round
+differently in the last bit. Weights with a bias, MoE experts (their own kernels) and small weights (launch-bound
+either way) keep cuBLAS.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""A Triton GEMM for few rows: ``y [M, N] = x [M, K] @ W [N, K]^T`` with M <= ``MAX_ROWS`` (decode and verify).
+"""A Triton GEMM for few rows: ``y [M, N] = x [M, K] @ W [N, K]^T`` at M <= 16 (decode and verify).
 
 At one to sixteen rows a linear layer only streams its weight: every program reads a ``[BLOCK_N, K]`` strip of W
 (contiguous along K, so the reads coalesce) through a pipelined loop and multiplies it with all M rows of x
-(padded to 16 for the tensor-core ``dot``), accumulating in float32. ``split_k > 1`` cuts K in that many slices,
+(padded to 16 for the tensor-core ``dot``; more rows take a program per 16), accumulating in float32. ``split_k > 1`` cuts K in that many slices,
 each program writing a float32 partial, and one torch sum over the slices adds them in a fixed order: no
 atomics, so every config is deterministic, and a row's result never depends on the other rows (M may be padded
 freely). Which config, if any, beats cuBLAS for a weight shape and row count is measured on the device
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # rows of x one program multiplies (the dot's M): the kernel serves M <= MAX_ROWS
+BLOCK_M = 16  # rows of x one program multiplies (the dot's M); more rows take more programs
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, k_per_split, stride_xm, stride_w
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = pid_k * k_per_split + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
@@ -76,10 +76,11 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, k_per_split, stride_xm, stride_w
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS, unit stride along K) @ weight [N, K]^T -> [M, N] in x's dtype."""
+    """x [M, K] (unit stride along K) @ weight [N, K]^T -> [M, N] in x's dtype (meant for M <= 16: each block of
+    16 rows streams the whole weight)."""
     m, k = x.shape
     n = weight.shape[0]
-    if m > MAX_ROWS or weight.shape[1] != k or not config.fits(n, k):
+    if weight.shape[1] != k or not config.fits(n, k):
         raise ValueError(f"skinny_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} do not fit {config}")
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -92,8 +93,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig) -
     else:
         out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
         stride_os = out.stride(0)
-    grid = (triton.cdiv(n, config.block_n), split)
+    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, BLOCK_M))
     _skinny_kernel[grid](x, weight, out, m, n, k // split, x.stride(0), weight.stride(0), n, stride_os,
-                         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                          num_warps=config.num_warps, num_stages=config.num_stages)
     return out if split == 1 else out.sum(dim=0).to(x.dtype)

@@ -60,11 +60,14 @@ def test_the_measurement_is_reported_in_rank_info(mid_target):
 
 @pytest.fixture
 def triton_everywhere(monkeypatch):
-    """Every linear of the model on one skinny GEMM config at up to 16 rows, whatever it measures (one config for
-    every row count: a row's result is then the same at any M, so a request decodes alone as in a batch)."""
+    """Every linear of the model on one skinny GEMM config at every row count, whatever it measures: a row's result
+    is then the same at any M, so a padded graph, the eager step and a request alone all compute the same rows,
+    and token equality checks the graphs' plumbing with the Triton kernel inside."""
     from runtime.kernels import skinny_gemm
 
     monkeypatch.setattr(skinny_gemm, "CANDIDATES", (skinny_gemm.SkinnyConfig(16, 256, 1, 4, 4),))
+    monkeypatch.setattr(small_gemm.GemmChoice, "for_rows",
+                        lambda self, rows: self.configs[0] if self.matmul is not None and rows > 0 else None)
     monkeypatch.setattr(small_gemm, "MIN_WEIGHT_ELEMENTS", 0)
     monkeypatch.setattr(small_gemm, "MARGIN", 1e9)
     monkeypatch.setattr(small_gemm, "_MEASURED", {})
