@@ -475,6 +475,14 @@ def end_to_end_prompts(args, prompts: list[list[int]] | None, vocab: int, count:
     return [torch.randint(3, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(count)]
 
 
+PAIRED_ROUNDS = 3  # alternating rounds per concurrency when two engines are measured side by side
+
+
+def median_round(rounds: list[dict]) -> dict:
+    """The round whose tokens/s is the median (an odd count: the middle one)."""
+    return sorted(rounds, key=lambda r: r["tokens_per_s"])[len(rounds) // 2]
+
+
 def trace_path(args, kind: str) -> str | None:
     return str(Path(args.profile_trace) / f"{kind}-batch1.trace.json.gz") if args.profile_trace else None
 
@@ -539,8 +547,8 @@ def run(args) -> dict:
     record["schedules"] = {"dspark": "fixed" if spec.get("draft_len_schedule") is None else "tuned",
                            **({"confidence": "confidence"} if args.confidence_scheduling else {})}
 
-    def sweep(kind: str, speculative: dict | None, layout: dict) -> None:
-        """Build one engine, run the concurrency sweep (and the mixed workload, end to end, profile) on it."""
+    def build(kind: str, speculative: dict | None, layout: dict):
+        """One engine of the run, its startup time and rank info recorded, first-call costs paid."""
         start = time.perf_counter()
         llm = engine_class(str(target), speculative_config=speculative, **common, **layout)
         record[f"{kind}_startup_s"] = time.perf_counter() - start
@@ -559,50 +567,60 @@ def run(args) -> dict:
             record["ar_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab, trace_path(args, "ar"))
             print(f"dspark bench: AR batch-1 profile: {json.dumps(record['ar_profile_batch1'])}", file=sys.stderr)
         time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0)  # untimed: first-call costs stay out of TTFT
-        for c in tqdm(args.concurrency, desc=f"{kind} sweep", disable=None):
-            if kind == "confidence":  # its figures per concurrency
-                from runtime.confidence_scheduler import ConfidenceStats
+        return llm
 
-                llm.engine.confidence_stats = ConfidenceStats()
-            timing = time_steps(llm, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c,
-                                prompts=sweep_prompts)
-            rows[c].update({f"{kind}_{name}": timing[name]
-                            for name in ("step_ms", "tokens_per_s", "ttft_ms", "tpot_ms")})
-            rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("host_")})
-            rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("moe_")})
-            if kind == "ar" and bandwidth and "weight_bytes" in record:
-                woken = timing.get("moe_experts_woken", 0.0) * record["expert_bytes"]  # MoE: the experts read
-                floor = (record["weight_bytes"] + woken + kv_bytes(llm, c, timing["context"])) / bandwidth
-                rows[c].update(roofline_ms=1e3 * floor, roofline_fraction=1e3 * floor / timing["step_ms"])
-                if "forward_ms" in timing:  # the device time of the graphed forward; the rest is outside it
-                    rows[c].update(ar_forward_ms=timing["forward_ms"],
-                                   ar_outside_forward_ms=timing["step_ms"] - timing["forward_ms"])
-            elif kind == "confidence":
-                stats = llm.get_metrics()["confidence_scheduling"]
-                rows[c].update(confidence_mean_acceptance_length=timing["mean_acceptance_length"],
-                               confidence_acceptance_per_position=timing["acceptance_per_position"],
-                               confidence_verify_budget_per_request=stats["mean_verify_budget_per_request"],
-                               confidence_predicted_step_ms=stats["mean_predicted_step_ms"],
-                               confidence_measured_step_ms=stats["mean_measured_step_ms"],
-                               confidence_expected_tokens_per_request=stats["mean_expected_tokens_per_request"],
-                               confidence_committed_tokens_per_request=stats["mean_committed_tokens_per_request"])
-            elif kind == "tuned":
-                rows[c].update(tuned_mean_acceptance_length=timing["mean_acceptance_length"])
-            elif kind == "dspark":
-                rows[c].update(mean_acceptance_length=timing["mean_acceptance_length"],
-                               acceptance_per_position=timing["acceptance_per_position"])
-                if "forward_ms" in timing:
-                    rows[c].update(verify_step_ms=timing["forward_ms"], draft_ms=timing.get("draft_ms"),
-                                   context_ms=timing.get("context_ms"))
-            print(f"dspark bench: {kind} concurrency {c}: {timing}", file=sys.stderr, flush=True)
-        if args.mixed_rate:
-            mixed_prompts = sweep_prompts or end_to_end_prompts(args, None, vocab, args.mixed_requests)
-            record.setdefault("mixed_workload", {})[kind] = mixed_workload(
-                llm, [mixed_prompts[i % len(mixed_prompts)][:args.prompt_len] for i in range(args.mixed_requests)],
-                args.mixed_rate, args.e2e_tokens)
+    def reset_stats(kind: str, llm) -> None:
+        if kind == "confidence":  # its figures per concurrency
+            from runtime.confidence_scheduler import ConfidenceStats
+
+            llm.engine.confidence_stats = ConfidenceStats()
+
+    def measure(llm, c: int) -> dict:
+        return time_steps(llm, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c, prompts=sweep_prompts)
+
+    def record_row(kind: str, llm, c: int, timing: dict) -> None:
+        rows[c].update({f"{kind}_{name}": timing[name]
+                        for name in ("step_ms", "tokens_per_s", "ttft_ms", "tpot_ms")})
+        rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("host_")})
+        rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("moe_")})
+        if kind == "ar" and bandwidth and "weight_bytes" in record:
+            woken = timing.get("moe_experts_woken", 0.0) * record["expert_bytes"]  # MoE: the experts read
+            floor = (record["weight_bytes"] + woken + kv_bytes(llm, c, timing["context"])) / bandwidth
+            rows[c].update(roofline_ms=1e3 * floor, roofline_fraction=1e3 * floor / timing["step_ms"])
+            if "forward_ms" in timing:  # the device time of the graphed forward; the rest is outside it
+                rows[c].update(ar_forward_ms=timing["forward_ms"],
+                               ar_outside_forward_ms=timing["step_ms"] - timing["forward_ms"])
+        elif kind == "confidence":
+            stats = llm.get_metrics()["confidence_scheduling"]
+            rows[c].update(confidence_mean_acceptance_length=timing["mean_acceptance_length"],
+                           confidence_acceptance_per_position=timing["acceptance_per_position"],
+                           confidence_verify_budget_per_request=stats["mean_verify_budget_per_request"],
+                           confidence_predicted_step_ms=stats["mean_predicted_step_ms"],
+                           confidence_measured_step_ms=stats["mean_measured_step_ms"],
+                           confidence_expected_tokens_per_request=stats["mean_expected_tokens_per_request"],
+                           confidence_committed_tokens_per_request=stats["mean_committed_tokens_per_request"])
+        elif kind == "tuned":
+            rows[c].update(tuned_mean_acceptance_length=timing["mean_acceptance_length"])
+        elif kind == "dspark":
+            rows[c].update(mean_acceptance_length=timing["mean_acceptance_length"],
+                           acceptance_per_position=timing["acceptance_per_position"])
+            if "forward_ms" in timing:
+                rows[c].update(verify_step_ms=timing["forward_ms"], draft_ms=timing.get("draft_ms"),
+                               context_ms=timing.get("context_ms"))
+        print(f"dspark bench: {kind} concurrency {c}: {timing}", file=sys.stderr, flush=True)
+
+    def mixed(kind: str, llm) -> dict:
+        mixed_prompts = sweep_prompts or end_to_end_prompts(args, None, vocab, args.mixed_requests)
+        return mixed_workload(llm, [mixed_prompts[i % len(mixed_prompts)][:args.prompt_len]
+                                    for i in range(args.mixed_requests)], args.mixed_rate, args.e2e_tokens)
+
+    def finish(kind: str, llm, with_mixed: bool = True, with_e2e: bool = True) -> None:
+        """The mixed workload, end to end and profile where asked for, then the engine's memory freed."""
+        if args.mixed_rate and with_mixed:
+            record.setdefault("mixed_workload", {})[kind] = mixed(kind, llm)
             print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,
                   flush=True)
-        if e2e_prompts is not None:
+        if e2e_prompts is not None and with_e2e:
             e2e[kind] = end_to_end(llm, e2e_prompts, args.e2e_tokens)
             print(f"dspark bench: {kind} end to end: {e2e[kind]['tokens']} tokens in {e2e[kind]['seconds']:.2f} s",
                   file=sys.stderr, flush=True)
@@ -618,20 +636,64 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
         save_partial(args, record, rows)
 
+    def sweep(kind: str, speculative: dict | None, layout: dict) -> None:
+        """Build one engine, run the concurrency sweep (and the mixed workload, end to end, profile) on it."""
+        llm = build(kind, speculative, layout)
+        for c in tqdm(args.concurrency, desc=f"{kind} sweep", disable=None):
+            reset_stats(kind, llm)
+            record_row(kind, llm, c, measure(llm, c))
+        finish(kind, llm)
+
+    def paired(engines_: list[tuple[str, dict]]) -> None:
+        """Two engines alive together, measured in alternating rounds (``PAIRED_ROUNDS`` per concurrency, the
+        order flipped each round; the mixed workload too): each figure is the round with the median tokens/s, so
+        host drift and jitter fall on both alike. The record keeps every round's tokens/s."""
+        llms = {kind: build(kind, speculative, {}) for kind, speculative in engines_}
+        for c in tqdm(args.concurrency, desc="paired sweep", disable=None):
+            timings = {kind: [] for kind in llms}
+            for kind, llm in llms.items():
+                reset_stats(kind, llm)
+            for r in range(PAIRED_ROUNDS):
+                for kind in (list(llms) if r % 2 == 0 else list(reversed(llms))):
+                    timings[kind].append(measure(llms[kind], c))
+            for kind, llm in llms.items():
+                record_row(kind, llm, c, median_round(timings[kind]))
+                rows[c][f"{kind}_tokens_per_s_rounds"] = [t["tokens_per_s"] for t in timings[kind]]
+        if args.mixed_rate:
+            runs = {kind: [] for kind in llms}
+            for r in range(PAIRED_ROUNDS):
+                for kind in (list(llms) if r % 2 == 0 else list(reversed(llms))):
+                    runs[kind].append(mixed(kind, llms[kind]))
+            for kind, results in runs.items():
+                record.setdefault("mixed_workload", {})[kind] = {
+                    **median_round(results), "tokens_per_s_rounds": [m["tokens_per_s"] for m in results]}
+                print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,
+                      flush=True)
+        for kind in list(llms):
+            finish(kind, llms.pop(kind), with_mixed=False, with_e2e=False)
+
     for kind, speculative, layout in engines:
         sweep(kind, speculative, layout)
     if args.tune_schedule:
         record["tuned_schedule"] = tuned = tune(args, engine_class, target, spec, common, rows, vocab, shape,
                                                 sweep_prompts)
         schedule = tuned.get("schedule")
-        if schedule is not None:  # the tuned schedule measured as an engine of its own, beside the scheduler in it
-            sweep("tuned", {**spec, "draft_len_schedule": schedule}, {})
-            record["schedules"]["tuned"] = "tuned"
-        if confidence_after_tuning:
-            capped = {"draft_len_schedule": schedule} if schedule is not None else {}
-            sweep("confidence", {**spec, **capped, "enable_confidence_scheduling": True}, {})
+        capped = {"draft_len_schedule": schedule} if schedule is not None else {}
+        after = [("tuned", {**spec, **capped})] if schedule is not None else []  # the tuned schedule as an engine
+        if confidence_after_tuning:  # beside the scheduler within it, measured in alternating rounds
+            after.append(("confidence", {**spec, **capped, "enable_confidence_scheduling": True}))
             record["schedules"]["confidence"] = "confidence within the tuned schedule" if capped else \
                 "confidence within max_draft_len (tuning gave no schedule)"
+        if schedule is not None:
+            record["schedules"]["tuned"] = "tuned"
+        if len(after) == 2:
+            paired(after)
+        for kind, speculative in after if len(after) == 1 else []:
+            sweep(kind, speculative, {})
+    mixed_runs = record.get("mixed_workload", {})
+    if "confidence" in mixed_runs and "tuned" in mixed_runs:  # measured in alternating rounds, median each
+        record["mixed_confidence_vs_tuned"] = mixed_runs["confidence"]["tokens_per_s"] / mixed_runs["tuned"][
+            "tokens_per_s"]
     for row in rows.values():
         row["dspark_step_vs_ar"] = row["dspark_step_ms"] / row["ar_step_ms"]
         if "tuned_tokens_per_s" in row:

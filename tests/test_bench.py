@@ -165,4 +165,9 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     for row in record["runs"]:
         assert row["confidence_tokens_per_s"] > 0 and row["tuned_tokens_per_s"] > 0 and row["ar_moe_experts_woken"] > 0
         assert row["confidence_vs_tuned"] == row["confidence_tokens_per_s"] / row["tuned_tokens_per_s"]
+        for kind in ("tuned", "confidence"):  # alternating rounds, the median one recorded
+            rounds = row[f"{kind}_tokens_per_s_rounds"]
+            assert len(rounds) == 3 and row[f"{kind}_tokens_per_s"] == sorted(rounds)[1]
         assert "roofline_fraction" not in row and "ar_forward_ms" not in row
+    assert len(record["mixed_workload"]["confidence"]["tokens_per_s_rounds"]) == 3
+    assert record["mixed_confidence_vs_tuned"] > 0
