@@ -144,7 +144,8 @@ class DSparkDecodingConfig(BaseModel):
         "temperatures) fitted on held-out data; None: the drafter config's confidence_temperatures, else 1.")
     confidence_min_predicted_gain: Annotated[float, Field(ge=0.0)] = Field(
         default=0.04, description="TensorRT-LLM 1.4's name. Verify drafts only when the predicted tokens per "
-        "second beat verifying none by at least this fraction.")
+        "second beat verifying none by at least this fraction; trim a step's verifies below whole blocks only "
+        "when that beats verifying every draft by at least this fraction.")
 
     _draft_is_embedded: bool = PrivateAttr(default=False)
     _probed: bool = PrivateAttr(default=False)

@@ -14,7 +14,11 @@ tokens fed)``. The scheduler:
    lossless (a budget chosen from the current tokens is not: paper, appendix A);
 3. from this step's confidences, chooses the budget for the next step: the B maximizing expected committed tokens
    per predicted second over every B from 0 to all of them (the cost curve has steps, so no local search), or 0
-   when the best beats verifying nothing by less than ``min_gain``. The predicted step includes what else it
+   when the best beats verifying nothing by less than ``min_gain``, or all of them when it beats verifying every
+   proposed draft by less than ``min_gain``: a trimmed budget makes the step ragged (padded into a graph, its
+   verify rows gathered), host work the table's uniform-step profile does not price, so a trim has to pay for it
+   (on a target whose verify costs the same at any length, the scheduler then verifies whole blocks, as the
+   fixed schedule does, instead of trimming on noise in the table). The predicted step includes what else it
    feeds (prefill chunks of a mixed step, as the previous step had), so verify tokens are priced at the step's
    real place on the cost curve.
 
@@ -121,9 +125,11 @@ class ConfidenceScheduler:
         if predicted_ms is None:
             predicted_ms = self.costs.predict_ms_many(num, num + np.arange(len(expected)))
         rate = expected / predicted_ms
-        best = int(rate.argmax())
+        best, full = int(rate.argmax()), len(rate) - 1
         if rate[best] < (1 + self.min_gain) * rate[0]:
             return 0
+        if rate[best] < (1 + self.min_gain) * rate[full]:  # a trim must pay for its ragged step (see the module doc)
+            return full
         return best
 
 
