@@ -87,8 +87,8 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        follows: str | None = None, index: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield a snapshot of the request after every step that committed tokens for it, the last one
-        finished. Raises ``ValueError`` for a request the engine refuses, ``Overloaded`` when too many wait.
+        """Yield the request's output after every step that committed tokens for it (what it holds:
+        ``params.output_kind``; with "final_only" the one finished output), the last one finished. Raises ``ValueError`` for a request the engine refuses, ``Overloaded`` when too many wait.
         ``follows``/``index``: another sample of the same prompt and this sample's index (``Engine.add_request``)."""
         request_id = request_id or f"req-{next(self._ids)}"
         self.engine.validate_request(prompt_token_ids, params)

@@ -248,7 +248,8 @@ class Engine:
                 step_drafted, step_accepted = self._counted(entry, result, kept, seq.finish_reason is not None)
                 seq.num_draft_tokens += step_drafted
                 seq.num_accepted_tokens += step_accepted
-                out = self.output(seq, result.token_ids[:kept]) if result.token_ids else None
+                out = self.output(seq, result.token_ids[:kept]) if result.token_ids and (
+                    seq.finish_reason is not None or seq.params.output_kind != "final_only") else None
             except Exception as exc:  # this request's own fault (its logits, its text): it alone fails
                 outputs.append(self._fail(seq, exc))
                 continue
@@ -293,8 +294,9 @@ class Engine:
         log.warning("dspark: request %s failed alone: %s", seq.request_id, message)
         self.scheduler.finish(seq, "error", scrub=True)
         del self.sequences[seq.request_id]
+        committed = [] if seq.params.output_kind == "delta" else list(seq.output_token_ids)  # deltas sent the rest
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-                             token_ids=list(seq.output_token_ids), text="", finish_reason="error", new_token_ids=[],
+                             token_ids=committed, text="", finish_reason="error", new_token_ids=[],
                              error=message, num_draft_tokens=seq.num_draft_tokens,
                              num_accepted_tokens=seq.num_accepted_tokens, index=seq.index)
 
@@ -306,14 +308,19 @@ class Engine:
         return entry.num_drafts, result.num_accepted
 
     def output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
-        """A snapshot; ``text`` is decoded once the request finished (empty before)."""
+        """A snapshot (``SamplingParams.output_kind``: every token so far, or with "delta" this step's only);
+        ``text`` is decoded once the request finished (empty before)."""
         text = self.stops.text(seq) if seq.finish_reason is not None else ""
+        delta = seq.params.output_kind == "delta"
+        logprobs = None
+        if seq.params.logprobs is not None:
+            every = seq.output_logprobs or []
+            logprobs = every[len(every) - len(new_token_ids):] if delta else list(every)
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-                             token_ids=list(seq.output_token_ids), text=text,
+                             token_ids=list(new_token_ids) if delta else list(seq.output_token_ids), text=text,
                              finish_reason=seq.finish_reason, new_token_ids=new_token_ids,
                              num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens,
-                             logprobs=list(seq.output_logprobs or []) if seq.params.logprobs is not None else None,
-                             index=seq.index)
+                             logprobs=logprobs, index=seq.index)
 
     @property
     def num_waiting(self) -> int:

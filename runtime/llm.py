@@ -66,6 +66,7 @@ def generate(engine: Engine, prompts: Prompts, sampling_params=None) -> list[Req
             ids_of_prompt, group = token_ids(engine, prompt), []
             groups.append(group)
             for i, sample in enumerate(sample_params(p)):
+                sample = dataclasses.replace(sample, output_kind="final_only")  # no per-step snapshots to copy
                 group.append(engine.add_request(ids_of_prompt, sample, follows=group[0] if group else None, index=i))
                 ids.append(group[-1])
     except Exception:

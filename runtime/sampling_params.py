@@ -9,6 +9,7 @@ MAX_INT32 = 2**31 - 1  # bound of every integer parameter: token counts, top_k a
 MAX_LOGPROBS = 20  # most alternatives ``logprobs`` may ask for per token (OpenAI's top_logprobs bound)
 MAX_N = 128  # most samples ``n`` may ask for per prompt (OpenAI's bound; servers configure a lower one)
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule): 1/T would overflow the logits
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # vLLM's RequestOutputKind, lower-cased
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +27,11 @@ class SamplingParams:
     None returns none. ``n`` samples of one prompt decode as ``n`` requests that share its prefill
     (``runtime.llm.sample_params``: sample i has seed ``seed + i``, or its own random seed); with ``best_of``
     (>= n), that many are drawn and the n with the highest log-probability (the sum of their tokens' raw
-    logprobs) are returned, best first.
+    logprobs) are returned, best first. ``output_kind`` (vLLM's ``RequestOutputKind``) says what the engine's
+    per-step outputs of the request hold: ``"cumulative"`` every token so far (a copy of the whole list each step),
+    ``"delta"`` only the tokens (and logprobs) this step committed, so that concatenating the outputs gives the
+    cumulative one (``text`` stays "" until the last output, which has all of it), ``"final_only"`` one output, when
+    the request finishes. ``LLM.generate`` returns finished outputs whatever it says (and asks for final_only).
     """
 
     max_tokens: int = 16
@@ -44,6 +49,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     best_of: int | None = None
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +80,7 @@ class SamplingParams:
             ("best_of", self.best_of is None or (_integer(self.best_of) and _integer(self.n)
                                                  and self.n <= self.best_of <= MAX_N),
              f"None or an integer in n..{MAX_N}"),
+            ("output_kind", self.output_kind in OUTPUT_KINDS, f"one of {list(OUTPUT_KINDS)}"),
         ]
         for name, ok, allowed in checks:
             if not ok:

@@ -8,6 +8,7 @@ server-sent events ending in ``data: [DONE]``), ``GET /health`` (asks every shar
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import re
@@ -257,7 +258,10 @@ class DSparkServer:
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         # n samples: n engine requests with their own seeds; the later ones wait for the first to compute the
         # prompt and start from its cached pages
-        streams = [self.engine.generate(prompt, sample, f"{rid}/{i}", f"{rid}/0" if i else None, i)
+        # a stream's outputs carry only each step's new tokens and logprobs (no O(length) copy a step)
+        kind = "delta" if body.stream else "cumulative"
+        streams = [self.engine.generate(prompt, dataclasses.replace(sample, output_kind=kind), f"{rid}/{i}",
+                                        f"{rid}/0" if i else None, i)
                    for i, sample in enumerate(sample_params(params))]
         try:
             # validation errors surface here, before any byte is sent
@@ -314,7 +318,7 @@ class DSparkServer:
         kind = "chat.completion.chunk" if chat else "text_completion"
         n = len(streams)
         texts = [TextStream(self.tokenizer, body.stop) for _ in range(n)]
-        sent_logprobs, text_offsets = [0] * n, [0] * n  # per sample: logprobs sent, completion text they cover
+        text_offsets, generated = [0] * n, [0] * n  # per sample: completion text its logprobs cover, tokens
         lasts = list(firsts)
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -328,14 +332,14 @@ class DSparkServer:
         def chunk(i: int, out: RequestOutput) -> str | None:
             if timing["first"] is None and out.token_ids:
                 timing["first"] = time.monotonic()
+            generated[i] += len(out.token_ids)  # delta outputs: this step's tokens
             delta = texts[i].delta(out)
             reason = out.finish_reason if out.finished else None
-            # each chunk carries the logprobs of the tokens committed since the last one: concatenated, a
-            # sample's streamed logprobs are its non-streamed ones
-            new = out.logprobs[sent_logprobs[i]:] if out.logprobs is not None else None
+            # each chunk carries the logprobs of the tokens committed since the last one (the delta output's):
+            # concatenated, a sample's streamed logprobs are its non-streamed ones
+            new = out.logprobs
             logprobs = self._logprobs(new, chat, text_offsets[i]) if new else None
             if new:
-                sent_logprobs[i] += len(new)
                 if not chat:
                     text_offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             if not (delta or reason or logprobs):
@@ -371,10 +375,10 @@ class DSparkServer:
                 task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
-        for last in lasts:
-            self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
+        for count in generated:
+            self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), count)
         if body.include_usage:
-            yield sse(protocol.usage_chunk(rid, body.model, kind, protocol.usage(len(prompt), lasts)))
+            yield sse(protocol.usage_chunk(rid, body.model, kind, protocol.usage(len(prompt), lasts, generated)))
         yield "data: [DONE]\n\n"
 
 

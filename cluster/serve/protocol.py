@@ -123,12 +123,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, outs) -> dict:
+def usage(prompt_tokens: int, outs, generated: list[int] | None = None) -> dict:
     """OpenAI's usage of a request's finished (or last streamed) ``RequestOutput``s, one per sample (the prompt
-    counted once, the samples' tokens summed), plus our extension ``dspark``: the drafts the target verified and
-    those it accepted (each accepted draft saved a target step; both 0 without a drafter). OpenAI's schema
-    requires only the first three fields, so clients ignore the extension."""
-    completion_tokens = sum(len(out.token_ids) for out in outs)
+    counted once, the samples' tokens summed: ``generated`` per sample where the outputs were deltas), plus our
+    extension ``dspark``: the drafts the target verified and those it accepted (each accepted draft saved a target
+    step; both 0 without a drafter). OpenAI's schema requires only the first three fields, so clients ignore the
+    extension."""
+    completion_tokens = sum(generated) if generated is not None else sum(len(out.token_ids) for out in outs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "dspark": {"draft_tokens": sum(out.num_draft_tokens for out in outs),

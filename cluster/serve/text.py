@@ -27,13 +27,16 @@ class TextStream:
         self.text = ""  # the running output's text decoded so far
         self.prefix_offset = 0  # tokens [prefix_offset, read_offset): context decoded again with the new ones
         self.read_offset = 0  # tokens whose text is in self.text
+        self.ids: list[int] = []  # the output's tokens so far, from each output's new_token_ids (any output_kind)
 
     def delta(self, out: RequestOutput) -> str:
+        """The text to send after ``out`` (each of the request's outputs in turn, none skipped)."""
+        self.ids.extend(out.new_token_ids)
         if out.finished:
             text = out.text
         else:
             if self.tokenizer:
-                self._advance(out.token_ids)
+                self._advance(self.ids)
             text = self.text[:len(self.text) - self.holdback] if self.holdback else self.text
         new = text[self.sent:]
         self.sent = max(self.sent, len(text))

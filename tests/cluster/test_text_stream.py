@@ -19,9 +19,10 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def output(ids, finished_text=None):
-    return RequestOutput(request_id="r", prompt_token_ids=[1], token_ids=list(ids), text=finished_text or "",
-                         finish_reason="length" if finished_text is not None else None, new_token_ids=[])
+def output(new_ids, finished_text=None):
+    """A delta output (what the server streams from): this step's tokens only."""
+    return RequestOutput(request_id="r", prompt_token_ids=[1], token_ids=list(new_ids), text=finished_text or "",
+                         finish_reason="length" if finished_text is not None else None, new_token_ids=list(new_ids))
 
 
 def stream(tokenizer, ids, steps, stop=None):
@@ -29,10 +30,11 @@ def stream(tokenizer, ids, steps, stop=None):
     text = TextStream(tokenizer, stop)
     sent, at = [], 0
     for size in steps:
-        at = min(at + size, len(ids))
-        sent.append(text.delta(output(ids[:at])))
+        end = min(at + size, len(ids))
+        sent.append(text.delta(output(ids[at:end])))
+        at = end
     final = tokenizer.decode(ids, skip_special_tokens=True)
-    sent.append(text.delta(output(ids, final)))
+    sent.append(text.delta(output(ids[at:], final)))
     return sent, final
 
 
@@ -59,6 +61,9 @@ def test_random_token_ids_never_take_back_text(tokenizer):
 
 def test_a_possible_stop_string_is_held_back_until_the_end(tokenizer):
     text = TextStream(tokenizer, ["STOP"])
-    first = text.delta(output(tokenizer.encode("abc STO")))  # "STO" may still become the stop string
+    ids = tokenizer.encode("abc STOP")
+    first_ids = tokenizer.encode("abc STO")
+    assert ids[:len(first_ids)] == first_ids
+    first = text.delta(output(first_ids))  # "STO" may still become the stop string
     assert first == "abc "
-    assert text.delta(output(tokenizer.encode("abc STOP"), "abc ")) == ""  # it did: the finished text is cut there
+    assert text.delta(output(ids[len(first_ids):], "abc ")) == ""  # it did: the finished text is cut there

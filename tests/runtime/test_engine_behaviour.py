@@ -215,3 +215,45 @@ def test_string_prompts_and_text(qwen3_target, make_drafter):
     out = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert out.prompt_token_ids == llm.tokenizer("def add(a, b):")["input_ids"]
     assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+# ---- output kinds -------------------------------------------------------------------------------
+
+
+def outputs_by_step(llm, prompts, params) -> dict[str, list]:
+    """Every output engine.step() returns, per request, in order."""
+    engine, seen = llm.engine, {}
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    return {i: seen[i] for i in ids}
+
+
+def test_delta_outputs_concatenate_to_the_cumulative_ones(bigram_target, oracle):
+    """output_kind (vLLM's RequestOutputKind): "delta" outputs hold each step's new tokens and logprobs, and
+    concatenated they are the cumulative output; "final_only" gives one output, the finished one."""
+    prompts = [PROMPT, [3, 4, 5, 6]]
+    base = dict(max_tokens=17, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = {kind: outputs_by_step(make_llm(bigram_target, oracle), prompts, SamplingParams(**base, output_kind=kind))
+            for kind in ("cumulative", "delta", "final_only")}
+    for rid, cumulative in runs["cumulative"].items():
+        delta, final = runs["delta"][rid], runs["final_only"][rid]
+        assert len(delta) == len(cumulative) > 1 and len(final) == 1 and final[0].finished
+        assert [o.token_ids for o in delta] == [o.new_token_ids for o in cumulative]
+        assert sum((o.token_ids for o in delta), []) == cumulative[-1].token_ids == final[0].token_ids
+        assert sum((o.logprobs for o in delta), []) == cumulative[-1].logprobs == final[0].logprobs
+        assert [o.text for o in delta[:-1]] == [""] * (len(delta) - 1)
+        assert delta[-1].text == cumulative[-1].text == final[0].text
+
+
+def test_output_kind_is_validated_and_generate_returns_whole_outputs(bigram_target):
+    with pytest.raises(ValueError, match=r"SamplingParams.output_kind must be one of \['cumulative', 'delta', "
+                                         r"'final_only'\], got 'partial'"):
+        SamplingParams(output_kind="partial")
+    llm = make_llm(bigram_target)
+    whole = llm.generate([PROMPT], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))[0]
+    for kind in ("delta", "final_only"):  # generate asks for the finished output whatever the params say
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True,
+                                                    output_kind=kind))[0]
+        assert out.token_ids == whole.token_ids and len(out.token_ids) == 9
