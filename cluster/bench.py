@@ -202,7 +202,8 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     if prompt_len + max_tokens > engine.max_model_len:
         raise ValueError(f"bench: {batch} requests of {prompt_len} tokens need max_model_len >= "
                          f"{prompt_len + max_tokens} to stay in the batch for the whole timing; lower --steps")
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # delta outputs, as the server streams them (cumulative ones copy every request's whole output each step)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind="delta")
     if prompts:
         prompts = [prompts[(seed + i) % len(prompts)][:prompt_len] for i in range(batch)]
     else:

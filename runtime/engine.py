@@ -16,7 +16,6 @@ import random
 import time
 from pathlib import Path
 
-from torch.profiler import record_function
 from transformers import AutoTokenizer, GenerationConfig
 
 from configs import LLMConfig
@@ -27,6 +26,7 @@ from runtime.loader import load_hf_config
 from runtime.metrics import AcceptanceGate, SpecMetrics
 from runtime.outputs import RequestOutput
 from runtime.pages import PageAllocator
+from runtime.profiling import region
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerLimits
 from runtime.sequence import Sequence
@@ -198,7 +198,7 @@ class Engine:
         return self.spec.draft_len_for_batch_size(len(self.scheduler.running))
 
     def step(self) -> list[RequestOutput]:
-        with record_function("dspark.schedule"):
+        with region("dspark.schedule"):
             if self.confidence is not None:
                 self._allot_verify_lengths()
             scheduled = self.scheduler.schedule()
@@ -206,12 +206,12 @@ class Engine:
         batch = ScheduledBatch(requests=scheduled, num_next_drafts=self.draft_len(),
                                maintain_draft_context=self.has_drafter and not self.gate.closed,
                                released_request_ids=released, scrub_page_ids=scrub)
-        with record_function("dspark.execute"):
+        with region("dspark.execute"):
             start = time.perf_counter()
             results = self.executor.execute(batch)
             if self.confidence is not None and scheduled:
                 self._learn_step_time(scheduled, time.perf_counter() - start)
-        with record_function("dspark.commit"):
+        with region("dspark.commit"):
             return self._commit_step(scheduled, results)
 
     def _allot_verify_lengths(self) -> None:
@@ -273,7 +273,19 @@ class Engine:
         """Append committed tokens up to the first stop; returns how many were kept."""
         seq.num_computed = entry.end_position - entry.num_drafts + result.num_accepted if entry.sample \
             else entry.end_position
-        kept = 0
+        if not seq.params.stop:  # no stop strings: the cut is found over the step's tokens at once
+            kept, reason = self.stops.cut(seq, result.token_ids)
+            seq.output_token_ids.extend(result.token_ids[:kept])
+            if result.logprobs is not None:
+                if seq.output_logprobs is None:
+                    seq.output_logprobs = []
+                seq.output_logprobs.extend(result.logprobs[:kept])
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                return kept
+            seq.draft_ids, seq.draft_confidence = result.next_draft_ids, result.next_draft_confidence
+            return kept
+        kept = 0  # stop strings: the tail is decoded after each token
         for i, token in enumerate(result.token_ids):
             seq.output_token_ids.append(token)
             if result.logprobs is not None:

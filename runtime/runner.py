@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from configs import DSparkDecodingConfig
 from runtime.confidence_scheduler import confidence_as_ints, confidence_from_ints
@@ -26,6 +25,7 @@ from runtime.models.target import TargetModel
 from runtime.noise import Stream, exponentials, uniform
 from runtime.outputs import TokenLogprob
 from runtime.parallel import SINGLE, ParallelContext
+from runtime.profiling import region
 from runtime.sampler import RowParams, apply_penalties, filtered_probs, occurrence_counts
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.step_tensors import build_step_tensors, sampled_entries, uses_rejection
@@ -79,7 +79,7 @@ class ModelRunner:
         q_len = self.graphs.tokens_per_request(reqs) if self.graphs is not None else None
         drafting = self.has_drafter and batch.maintain_draft_context
         graphed = None
-        with record_function("dspark.forward"):
+        with region("dspark.forward"):
             if q_len is not None:
                 graphed = self.graphs.run(reqs, q_len, append_context=drafting)
                 hidden, captured = graphed.hidden, graphed.captured
@@ -88,24 +88,24 @@ class ModelRunner:
                 t = build_step_tensors(reqs, self.page_size, self.device, self.kernels, self.geometry)
                 hidden, captured = self.target(t.input_ids, t.positions, self.caches, t.meta, t.slots)
         if drafting and self.is_leader and not (graphed is not None and graphed.context_appended):
-            with record_function("dspark.context"):
+            with region("dspark.context"):
                 self.channel.send_context(captured, t)
         sampled = sampled_entries(reqs)
         if not sampled:
             return [RequestStepResult(r.request_id, [], 0, []) for r in reqs] if self.is_leader else []
         entries = [reqs[i] for i in sampled]
-        with record_function("dspark.verify"):
+        with region("dspark.verify"):
             committed, accepted, faulty, logprob_source = self._verify(entries, hidden, t.row_ends, sampled,
                                                                        graphed)
         k_next = batch.num_next_drafts if drafting else 0
-        with record_function("dspark.draft"):
+        with region("dspark.draft"):
             # a list index would copy it to the device synchronously: decode steps sample every request anyway
             table = t.page_table if len(sampled) == len(reqs) or not k_next else t.page_table[
                 to_device(sampled, self.device)]
             proposal = self._propose(entries, committed, accepted, table, k_next) if k_next else None
         if not self.is_leader:
             return []
-        with record_function("dspark.results"):
+        with region("dspark.results"):
             logprobs = logprob_source.top(committed) if logprob_source is not None else None
             results = self._results(reqs, entries, committed, accepted, faulty, proposal, logprobs)
         if graphed is not None and any(r.error is not None for r in results):

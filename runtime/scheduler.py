@@ -127,11 +127,12 @@ class Scheduler:
 
     @staticmethod
     def _entry(seq: Sequence, tokens: list[int], num_drafts: int, sample: bool) -> ScheduledRequest:
-        """The step's plain-data entry for ``seq``, once its pages cover the tokens (a snapshot of them)."""
+        """The step's plain-data entry for ``seq``, once its pages cover the tokens. ``page_ids`` is the request's
+        own list, not a copy (O(pages) a request a step): the scheduler only appends to it while scheduling a later
+        step, and a step's entries are read only during that step (a Ray executor pickles them anyway)."""
         history = ((seq.prompt_token_ids, seq.output_token_ids) if sample and seq.params.uses_penalties else None)
-        return ScheduledRequest(request_id=seq.request_id, token_ids=tokens, start_position=seq.num_computed,
-                                page_ids=list(seq.page_ids), num_drafts=num_drafts, sample=sample, params=seq.params,
-                                seed=seq.seed, penalty_history=history)
+        return ScheduledRequest(seq.request_id, tokens, seq.num_computed, seq.page_ids, num_drafts, sample,
+                                seq.params, seq.seed, history)
 
     def _waits_for_prefill(self, seq: Sequence) -> bool:
         """True while the sample ``seq`` follows is still computing their shared prompt (with prefix caching,

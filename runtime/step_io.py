@@ -11,7 +11,7 @@ from runtime.outputs import TokenLogprob
 from runtime.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request every step, and a frozen __init__ costs 5x
 class ScheduledRequest:
     """One request's share of a step.
 
@@ -46,7 +46,7 @@ class ScheduledBatch:
     scrub_page_ids: list[int] = field(default_factory=list)  # zeroed in every cache before the step (faulted pages)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per request every step, and a frozen __init__ costs 5x
 class RequestStepResult:
     request_id: str
     token_ids: list[int]  # committed this step: accepted drafts, then one target token

@@ -18,6 +18,24 @@ class StopCriteria:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
+    def cut(self, seq: Sequence, tokens: list[int]) -> tuple[int, str | None]:
+        """For ``tokens`` about to be appended to ``seq`` (which has no stop strings): how many to keep and the
+        finish reason after the last kept one (None to go on). The same answer as appending them one by one with
+        ``check`` after each: the first stop token ends the output with "stop", unless ``max_tokens`` or
+        ``max_model_len`` is reached before it ("length"; on the same token, "stop")."""
+        params = seq.params
+        stops = self.eos_token_ids if not params.ignore_eos else frozenset()
+        if params.stop_token_ids:
+            stops = stops | frozenset(params.stop_token_ids)
+        room = min(params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
+        if stops and not stops.isdisjoint(tokens):  # in C: the usual step holds no stop token
+            first = next(i for i, token in enumerate(tokens) if token in stops)
+            if first < room:
+                return first + 1, "stop"
+        if room <= len(tokens):
+            return max(room, 0), "length"
+        return len(tokens), None
+
     def check(self, seq: Sequence) -> str | None:
         """The finish reason after ``seq``'s last appended token, or None to go on."""
         token = seq.output_token_ids[-1]

@@ -83,14 +83,14 @@ def test_a_host_side_fault_while_committing_fails_that_request_alone(qwen3_targe
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     expected = outputs(llm, CLEAN, params)
     engine: Engine = llm.engine
-    check = StopCriteria.check
+    cut = StopCriteria.cut  # the stop check of requests without stop strings
 
-    def failing_check(self, seq):
+    def failing_cut(self, seq, tokens):
         if seq.request_id == "faulty" and len(seq.output_token_ids) >= 3:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected tokenizer fault")
-        return check(self, seq)
+        return cut(self, seq, tokens)
 
-    monkeypatch.setattr(StopCriteria, "check", failing_check)
+    monkeypatch.setattr(StopCriteria, "cut", failing_cut)
     ids = [engine.add_request(p, params) for p in CLEAN[:2]]
     engine.add_request([50, 51, 52], params, request_id="faulty")
     ids.append(engine.add_request(CLEAN[2], params))
