@@ -110,8 +110,9 @@ class LLM:
         return self.engine.get_metrics()
 
     def rank_info(self) -> list[dict]:
-        """One dict per actor: rank, role, node, device, moe_backend, ..."""
-        return self.engine.executor.describe()
+        """One dict per actor: rank, role, node, device, moe_backend, ... (with confidence scheduling, target rank
+        0's also holds the engine's step-time table, ``runtime.llm.rank_info``)."""
+        return runtime_llm.rank_info(self.engine)
 
     def shutdown(self) -> None:
         """Kill the replica's actors and remove its placement group."""

@@ -54,6 +54,18 @@ def best_samples(outputs: list[RequestOutput], params: SamplingParams) -> list[R
     return [dataclasses.replace(o, index=i, logprobs=o.logprobs if keep else None) for i, o in enumerate(ranked)]
 
 
+def rank_info(engine: Engine) -> list[dict]:
+    """One dict per process of the replica (``Worker.info``); with confidence scheduling, target rank 0's also has
+    the engine's step-time table as it stands (profiled or loaded, then learned from every step served)."""
+    infos = engine.executor.describe()
+    if engine.confidence is not None:
+        leader = next((i for i in infos if i.get("role") == "target" and i.get("tp_rank") == 0), None)
+        if leader is not None:
+            leader["confidence_cost_table"] = {**engine.confidence.costs.to_json(),
+                                               "observations": engine.confidence.costs.observations}
+    return infos
+
+
 def generate(engine: Engine, prompts: Prompts, sampling_params=None) -> list[RequestOutput]:
     """Queue every prompt (all or none: a bad one aborts those already queued), step until all finish. A prompt
     asking for ``n`` samples yields n outputs in a row (``index`` 0..n-1); its samples share its prefill."""
@@ -108,4 +120,4 @@ class LLM:
         return self.engine.get_metrics()
 
     def rank_info(self) -> list[dict]:
-        return self.engine.executor.describe()
+        return rank_info(self.engine)
