@@ -519,7 +519,9 @@ def run(args) -> dict:
 
         def engine_class(model, speculative_config=None, drafter=args.drafter, **kwargs):
             place = drafter if speculative_config is not None else "colocated"  # AR: no drafter to place
-            return ReplicaLLM(model, speculative_config, tensor_parallel_size=tp, drafter=place, **kwargs)
+            pipelined = bool(args.pipeline_drafter) and place == "separate"
+            return ReplicaLLM(model, speculative_config, tensor_parallel_size=tp, drafter=place,
+                              pipeline_drafter=pipelined, **kwargs)
     else:
         engine_class = LLM
     spec = {"speculative_model": str(drafter), "max_draft_len": args.max_draft_len,
@@ -531,7 +533,8 @@ def run(args) -> dict:
               "command": command, "date": str(date.today()),
               "host": platform.node(), "torch": torch.__version__, "model": args.model_shape or str(target),
               "kind": "random-shape" if shape else "trained", "tensor_parallel_size": tp,
-              "drafter": args.drafter, "replica": "ray" if replica else "single-process",
+              "drafter": args.drafter, "pipeline_drafter": bool(args.pipeline_drafter) and args.drafter == "separate",
+              "replica": "ray" if replica else "single-process",
               "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None, "runs": []}
     sweep_prompts = dataset_prompts(args.prompts, AutoTokenizer.from_pretrained(str(target))) if args.prompts \
         else None  # the sweep's too: a trained pair's acceptance on its own kind of text
@@ -893,6 +896,8 @@ def add_parser(commands) -> None:
                        "replica's drafter runs: colocated (TP rank 0's process) or separate (its own actor and GPU, "
                        "implies a replica); separate also measures the colocated replica in the same run "
                        "(throughput_vs_colocated, step_vs_colocated)")
+    bench.add_argument("--pipeline-drafter", action="store_true", help="with --drafter separate: the separate "
+                       "drafter drafts one request group while the target verifies the other (pipeline_drafter)")
     bench.add_argument("--hf-tokens", type=int, default=0, help="also time transformers generate for N tokens at "
                        "batch 1, eager and compiled with a static cache (peers)")
     bench.add_argument("--projected-tau", type=float, help="a trained pair's mean acceptance length: adds "
@@ -937,6 +942,9 @@ def main(args) -> int:
         return 2
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         print(f"dspark bench: --tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}", file=sys.stderr)
+        return 2
+    if args.pipeline_drafter and args.drafter != "separate":
+        print("dspark bench: --pipeline-drafter needs --drafter separate", file=sys.stderr)
         return 2
     replica = args.tensor_parallel_size is not None or args.drafter == "separate"
     local_only = [flag for flag, on in (("--profile", args.profile), ("--hf-tokens", args.hf_tokens)) if on]

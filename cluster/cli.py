@@ -32,6 +32,7 @@ MODEL_FLAGS = {
     "revision": ("engine", "revision"), "tokenizer_revision": ("engine", "tokenizer_revision"),
     "speculative_revision": ("speculative", "revision"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"), "drafter": ("parallel", "drafter"),
+    "pipeline_drafter": ("parallel", "pipeline_drafter"),
     "ray_address": ("parallel", "ray_address"),
 }
 APP_NAME = "dspark"  # the Serve application `dspark serve` deploys
@@ -58,6 +59,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, help="target shards, one GPU each (default 1)")
     p.add_argument("--drafter", choices=["colocated", "separate"],
                    help="colocated: in rank 0's process (default); separate: its own GPU")
+    p.add_argument("--pipeline-drafter", action="store_true", default=None,
+                   help="with --drafter separate: two request groups take turns, the drafter drafting one while "
+                   "the target verifies the other (pays with many requests; exact-match verification only)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="default auto (bf16 on GPU)")
     p.add_argument("--device", help="auto (default), cpu, cuda")
     p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")

@@ -49,6 +49,10 @@ class RayExecutor:
         speculative = engine.speculative_config is not None
         self.plan = plan_placement(parallel, speculative, self.use_gpus, groups.cluster_nodes())
         self.owns_group = parallel.placement_group == "own"
+        # the engine alternates two request groups; the drafter's blocks of the previous step's group come back
+        # with each step (take_late_drafts)
+        self.pipelined_drafting = speculative and parallel.drafter == "separate" and parallel.pipeline_drafter
+        self._late_drafts: dict = {}
         if self.owns_group:
             self.group, self.first_bundle = groups.create(self.plan, f"dspark-{uuid.uuid4().hex[:8]}",
                                                           parallel.init_timeout_s), 0
@@ -82,7 +86,8 @@ class RayExecutor:
         # Inside an actor Ray exposes exactly its own GPU (or none) as the visible device.
         engine = engine.model_copy(update={"device": "cuda" if self.use_gpus else "cpu"})
         for rank, role in enumerate(self.plan.roles):
-            plan = WorkerPlan(role=role, tp_rank=rank if role == "target" else 0, tp_size=tp, drafter=drafter_mode)
+            plan = WorkerPlan(role=role, tp_rank=rank if role == "target" else 0, tp_size=tp, drafter=drafter_mode,
+                              pipelined=self.pipelined_drafting)
             cls = TargetShard if role == "target" else Drafter
             strategy = PlacementGroupSchedulingStrategy(
                 self.group, placement_group_bundle_index=self.first_bundle + self.plan.rank_to_bundle[rank])
@@ -117,9 +122,17 @@ class RayExecutor:
         step = decode_results(results[0])
         if self.plan.roles[-1] == "drafter":
             drafts = results[-1]  # request id -> (block, its confidences or None)
+            if self.pipelined_drafting:  # the previous step's group: not in this batch
+                self._late_drafts = drafts
+                return step
             step = [dataclasses.replace(r, next_draft_ids=drafts.get(r.request_id, ([], None))[0],
                                         next_draft_confidence=drafts.get(r.request_id, ([], None))[1]) for r in step]
         return step
+
+    def take_late_drafts(self) -> dict[str, tuple[list[int], list[float] | None]]:
+        """Pipelined drafting: the blocks the drafter made in the last step for the group verified before it."""
+        drafts, self._late_drafts = self._late_drafts, {}
+        return drafts
 
     def _run_step(self, wire) -> list:
         try:

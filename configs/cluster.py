@@ -20,6 +20,11 @@ class ParallelConfig(BaseModel):
         default="colocated", description="colocated: the drafter runs in TP rank 0's process and reads its captured "
         "states in place (the only option on one GPU); separate: its own actor and GPU, fed over NCCL "
         "(needs tensor_parallel_size + 1 GPUs).")
+    pipeline_drafter: bool = Field(
+        default=False, description="With drafter='separate': the running requests form two groups that take turns, "
+        "the drafter drafting one group's next blocks while the target verifies the other's, so neither GPU waits "
+        "for the other. Each request then advances every other step: it pays where verifying half the batch costs "
+        "about half the time (many requests). Exact-match verification only (use_rejection_sampling=False).")
     placement_strategy: PlacementStrategy | None = Field(
         default=None, description="Ray placement-group strategy; None: STRICT_PACK when the replica fits one node, "
         "PACK across nodes otherwise.")
@@ -51,4 +56,19 @@ class ReplicaConfig(BaseModel):
     def separate_needs_a_drafter(self) -> ReplicaConfig:
         if self.parallel.drafter == "separate" and self.engine.speculative_config is None:
             raise ValueError("parallel.drafter='separate' needs a speculative_config (there is no drafter to place)")
+        check_pipelined_drafter(self.parallel, self.engine)
         return self
+
+
+def check_pipelined_drafter(parallel: ParallelConfig, engine: LLMConfig) -> None:
+    """``pipeline_drafter`` needs a separate drafter and exact-match verification; errors name the fields."""
+    if not parallel.pipeline_drafter:
+        return
+    if parallel.drafter != "separate":
+        raise ValueError(f"parallel.pipeline_drafter=True needs parallel.drafter='separate', got "
+                         f"{parallel.drafter!r} (a colocated drafter shares the target's GPU: nothing to overlap)")
+    spec = engine.speculative_config
+    if spec is not None and spec.use_rejection_sampling:
+        raise ValueError("parallel.pipeline_drafter=True verifies by exact match only: set "
+                         "speculative_config.use_rejection_sampling=False (rejection sampling would need the "
+                         "drafter's features a step before it has drafted)")

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from configs.cluster import ParallelConfig
+from configs.cluster import ParallelConfig, check_pipelined_drafter
 from configs.engine import LLMConfig
 from configs.hub_ids import is_hub_id
 
@@ -83,6 +83,7 @@ class ServeArgs(BaseModel):
     def separate_needs_a_drafter(self) -> ServeArgs:
         if self.parallel.drafter == "separate" and self.engine.speculative_config is None:
             raise ValueError("parallel.drafter='separate' needs engine.speculative_config")
+        check_pipelined_drafter(self.parallel, self.engine)
         return self
 
     @property

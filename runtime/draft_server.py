@@ -4,6 +4,12 @@ It receives the same plain-data batch as the target shards, so only tensors it c
 cross ``torch.distributed``: captured states from rank 0, then the verification outcome; it sends
 back the features rank 0 needs to rebuild draft probabilities, and returns the drafts themselves
 to the driver as plain data.
+
+Pipelined (``parallel.pipeline_drafter``): the engine alternates two request groups. A step first drafts the
+group rank 0 verified in the previous step (its verification outcome kept from then), while rank 0 verifies this
+step's group, then receives this group's captured states and outcome and keeps them for the next step; it returns
+the previous group's blocks. Rank 0's side is unchanged (it sends, it never waits for a draft), and its sends meet
+these receives in the same order. Exact-match verification only: no features travel back.
 """
 
 from __future__ import annotations
@@ -23,18 +29,25 @@ TARGET_LEADER = 0
 
 class DraftServer:
     def __init__(self, runner: DraftRunner, captured_width: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, pipelined: bool = False):
         self.runner, self.captured_width, self.kernels = runner, captured_width, runner.kernels
         self.page_size, self.dtype, self.device = page_size, dtype, device
+        self.pipelined = pipelined
+        self.pending: tuple | None = None  # pipelined: (entries, committed, accepted, page table, K) of last step
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[str, tuple[list[int], list[float] | None]]:
         """-> request id -> the block proposed for its next step and its drafts' confidences (None without a
-        confidence head)."""
+        confidence head): this step's requests, or pipelined the previous step's."""
         self.runner.scrub(batch.scrub_page_ids)
+        proposals = {}
+        if self.pending is not None:  # pipelined: the group verified last step, while rank 0 verifies this one
+            entries, committed, accepted, table, k_next = self.pending
+            self.pending = None
+            proposals = self._blocks(entries, self.runner.draft(entries, committed, accepted, table, k_next))
         reqs = batch.requests
         if not reqs or not batch.maintain_draft_context:
-            return {}
+            return proposals
         t = build_step_tensors(reqs, self.page_size, self.device, self.kernels)
         captured = torch.empty(len(t.input_ids), self.captured_width, dtype=self.dtype, device=self.device)
         dist.recv(captured, src=TARGET_LEADER)
@@ -42,19 +55,27 @@ class DraftServer:
         sampled = sampled_entries(reqs)
         k_next = batch.num_next_drafts
         if not sampled or not k_next:
-            return {}
+            return proposals
         entries = [reqs[i] for i in sampled]
         k_max = max(e.num_drafts for e in entries)
         committed = torch.empty(len(entries), k_max + 1, dtype=torch.int64, device=self.device)
         accepted = torch.empty(len(entries), dtype=torch.int64, device=self.device)
         dist.recv(committed, src=TARGET_LEADER)
         dist.recv(accepted, src=TARGET_LEADER)
-        out = self.runner.draft(entries, committed, accepted, t.page_table[sampled], k_next)
+        table = t.page_table[to_device(sampled, self.device)] if len(sampled) < len(reqs) else t.page_table
+        if self.pipelined:  # drafted next step, beside rank 0's verify of the other group
+            self.pending = (entries, committed, accepted, table, k_next)
+            return proposals
+        out = self.runner.draft(entries, committed, accepted, table, k_next)
         rows = [i for i, e in enumerate(entries) if uses_rejection(e, self.runner.use_rejection)]
         if rows:
             index = to_device(rows, self.device)
             low = out.low_rank[index] if out.low_rank is not None else None
             send_features(DraftFeatures(out.hidden[index], low), dst=TARGET_LEADER)
+        return self._blocks(entries, out)
+
+    def _blocks(self, entries, out) -> dict[str, tuple[list[int], list[float] | None]]:
+        """The driver's plain data of a drafted block: request id -> (drafts, confidences or None)."""
         parts = [out.tokens, out.lengths[:, None]]
         if out.confidence is not None:
             parts.append(confidence_as_ints(out.confidence))

@@ -29,7 +29,7 @@ from runtime.pages import PageAllocator
 from runtime.profiling import region
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerLimits
-from runtime.sequence import Sequence
+from runtime.sequence import Sequence, Status
 from runtime.step_costs import StepCostTable
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.step_profile import profile_step_costs
@@ -75,6 +75,10 @@ class Engine:
         self._other_fed = (0, 0)  # (requests, tokens) the last step fed besides the scheduler's verifies
         # when a list: every verify appends (the verified drafts' confidences, accepted count) (calibration)
         self.verification_log: list[tuple[list[float], int]] | None = None
+        # pipelined drafting (a separate drafter, cluster.RayExecutor): steps alternate two request groups and each
+        # step's results bring the drafter's blocks for the previous step's group
+        self.pipelined = bool(getattr(self.executor, "pipelined_drafting", False))
+        self._turn = 0  # the group the next step serves
         if self.spec is not None and self.spec.enable_confidence_scheduling:
             self.confidence = self._confidence_scheduler()
 
@@ -198,10 +202,13 @@ class Engine:
         return self.spec.draft_len_for_batch_size(len(self.scheduler.running))
 
     def step(self) -> list[RequestOutput]:
+        group = None
+        if self.pipelined:
+            group, self._turn = self._turn, 1 - self._turn
         with region("dspark.schedule"):
             if self.confidence is not None:
-                self._allot_verify_lengths()
-            scheduled = self.scheduler.schedule()
+                self._allot_verify_lengths(group)
+            scheduled = self.scheduler.schedule(group)
         released, scrub = self.scheduler.take_released()
         batch = ScheduledBatch(requests=scheduled, num_next_drafts=self.draft_len(),
                                maintain_draft_context=self.has_drafter and not self.gate.closed,
@@ -212,11 +219,24 @@ class Engine:
             if self.confidence is not None and scheduled:
                 self._learn_step_time(scheduled, time.perf_counter() - start)
         with region("dspark.commit"):
-            return self._commit_step(scheduled, results)
+            outputs = self._commit_step(scheduled, results)
+            if self.pipelined:
+                self._take_late_drafts()
+            return outputs
 
-    def _allot_verify_lengths(self) -> None:
-        """Confidence scheduling: trim each decoding request's proposed block to what this step verifies."""
-        seqs = [s for s in self.scheduler.running if s.draft_ids and s.draft_confidence is not None]
+    def _take_late_drafts(self) -> None:
+        """Pipelined drafting: the blocks drafted this step for the group the previous step verified. A request
+        that finished or was preempted since (its block was drafted from a state it no longer has) drops its own."""
+        for request_id, (drafts, confidence) in self.executor.take_late_drafts().items():
+            seq = self.sequences.get(request_id)
+            if seq is not None and seq.status is Status.RUNNING and seq.is_decoding and not self.gate.closed:
+                seq.draft_ids, seq.draft_confidence = drafts, confidence
+
+    def _allot_verify_lengths(self, group: int | None = None) -> None:
+        """Confidence scheduling: trim each decoding request's proposed block to what this step verifies (of
+        ``group``'s requests when drafting is pipelined)."""
+        seqs = [s for s in self.scheduler.running if s.draft_ids and s.draft_confidence is not None
+                and (group is None or s.group == group)]
         if not seqs:
             return
         lengths = self.confidence.allot([s.draft_confidence for s in seqs], *self._other_fed)

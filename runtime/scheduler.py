@@ -69,14 +69,18 @@ class Scheduler:
         scrub, self._scrub = self._scrub, []
         return released, scrub
 
-    def schedule(self) -> list[ScheduledRequest]:
+    def schedule(self, group: int | None = None) -> list[ScheduledRequest]:
+        """This step's entries. ``group`` (pipelined drafting): only the requests of that group (0 or 1), a waiting
+        request joining the group with fewer requests when it is first considered (it is admitted in its group's
+        steps); the limits still count both groups."""
         budget = self.limits.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        sizes = self._group_sizes() if group is not None else None
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if budget <= 0:
                 break
-            if seq.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not Status.RUNNING or (group is not None and seq.group != group):
+                continue  # preempted earlier in this loop, or the other group's turn
             tokens, num_drafts, sample = self._plan(seq, budget)
             end_position = seq.num_computed + len(tokens)
             while not self.pages.can_grow(seq.page_ids, end_position):
@@ -94,6 +98,12 @@ class Scheduler:
                 break
             if self._waits_for_prefill(seq):
                 continue
+            if group is not None:
+                if seq.group is None:  # joins the smaller group (ties: this step's)
+                    seq.group = group if sizes[group] <= sizes[1 - group] else 1 - group
+                    sizes[seq.group] += 1
+                if seq.group != group:
+                    continue
             cached = self._match(seq)
             seq.num_computed = len(cached) * self.pages.page_size
             tokens, num_drafts, sample = self._plan(seq, budget)
@@ -114,6 +124,16 @@ class Scheduler:
             scheduled.append(self._entry(seq, tokens, num_drafts, sample))
             budget -= len(tokens)
         return scheduled
+
+    def _group_sizes(self) -> list[int]:
+        """Requests of each group, running or waiting with a group."""
+        sizes = [0, 0]
+        for seq in self.running:
+            sizes[seq.group or 0] += 1
+        for seq in self.waiting:
+            if seq.group is not None:
+                sizes[seq.group] += 1
+        return sizes
 
     def _plan(self, seq: Sequence, budget: int) -> tuple[list[int], int, bool]:
         """What ``seq`` feeds this step within ``budget``: (tokens, drafts among them, whether it samples)."""

@@ -164,3 +164,35 @@ def test_regenerate_shards_the_target_over_ray_and_writes_the_same_answers(ray_c
     assert main(["regenerate", *common, "--out", str(tmp_path / "tp2.jsonl"), "--tensor-parallel-size", "2"]) == 0
     assert (tmp_path / "tp2.jsonl").read_text() == (tmp_path / "tp1.jsonl").read_text()  # seeded: same samples
     free_cpus_return()
+
+
+def test_a_pipelined_separate_drafter_matches_the_single_process_engine(ray_cluster, near_bigram_target, drafter):
+    """Two request groups taking turns, the drafter drafting one while the target verifies the other: every
+    request's tokens and the speculative counters are the serial engine's (the same blocks from the same
+    context, one step later); more prompts than one group so that both groups run."""
+    spec = DSparkDecodingConfig(speculative_model=str(drafter))
+    local = LocalLLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
+    prompts = PROMPTS + [[9, 8, 7, 6], [44]]
+    with LLM(str(near_bigram_target), speculative_config=spec, drafter="separate", pipeline_drafter=True,
+             **ENGINE) as llm:
+        assert llm.engine.pipelined
+        scheduler, served = llm.engine.scheduler, []
+        schedule = scheduler.schedule
+
+        def spy(group=None):
+            entries = schedule(group)
+            served.append((group, {e.request_id for e in entries}))
+            return entries
+
+        scheduler.schedule = spy
+        for name, params in PARAM_SETS.items():
+            params = params + params[:2]
+            expected = [o.token_ids for o in local.generate(prompts, params)]
+            assert [o.token_ids for o in llm.generate(prompts, params)] == expected, name
+        local_metrics, metrics = local.get_metrics(), llm.get_metrics()
+        assert metrics["num_draft_tokens"] == local_metrics["num_draft_tokens"] > 0
+        assert metrics["num_accepted_tokens_per_pos"] == local_metrics["num_accepted_tokens_per_pos"]
+    by_group = {g: set().union(*(ids for gg, ids in served if gg == g)) for g in (0, 1)}
+    assert [g for g, _ in served[:4]] == [0, 1, 0, 1] and by_group[0] and by_group[1]
+    assert not by_group[0] & by_group[1]  # a request stays in its group
+    free_cpus_return()
