@@ -196,3 +196,19 @@ def test_a_pipelined_separate_drafter_matches_the_single_process_engine(ray_clus
     assert [g for g, _ in served[:4]] == [0, 1, 0, 1] and by_group[0] and by_group[1]
     assert not by_group[0] & by_group[1]  # a request stays in its group
     free_cpus_return()
+
+
+@pytest.mark.parametrize("target", ["near_bigram_target", "moe_target"])
+def test_tp4_with_replicated_kv_heads_matches_the_single_process_engine(ray_cluster, request, make_drafter, target):
+    """Four shards of a target with 2 key/value heads (each replicated on the two ranks whose query heads read
+    it; the MoE target's experts cut four ways): the single-process engine's tokens, greedy and seeded. The code
+    path of the 4-GPU runs, rehearsed on CPUs over gloo."""
+    path = request.getfixturevalue(target)
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(path, 3)))
+    local = LocalLLM(str(path), speculative_config=spec, **ENGINE)
+    with LLM(str(path), speculative_config=spec, tensor_parallel_size=4, **ENGINE) as llm:
+        assert [i["tp_rank"] for i in llm.rank_info()] == [0, 1, 2, 3]
+        for name, params in PARAM_SETS.items():
+            expected = [o.token_ids for o in local.generate(PROMPTS, params)]
+            assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected, name
+    free_cpus_return()
