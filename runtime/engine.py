@@ -293,6 +293,8 @@ class Engine:
         """Append committed tokens up to the first stop; returns how many were kept."""
         seq.num_computed = entry.end_position - entry.num_drafts + result.num_accepted if entry.sample \
             else entry.end_position
+        if seq.first_token_time is None and result.token_ids:
+            seq.first_token_time = time.monotonic()
         if not seq.params.stop:  # no stop strings: the cut is found over the step's tokens at once
             kept, reason = self.stops.cut(seq, result.token_ids)
             seq.output_token_ids.extend(result.token_ids[:kept])
@@ -330,7 +332,8 @@ class Engine:
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
                              token_ids=committed, text="", finish_reason="error", new_token_ids=[],
                              error=message, num_draft_tokens=seq.num_draft_tokens,
-                             num_accepted_tokens=seq.num_accepted_tokens, index=seq.index)
+                             num_accepted_tokens=seq.num_accepted_tokens, index=seq.index,
+                             first_token_time=seq.first_token_time)
 
     @staticmethod
     def _counted(entry: ScheduledRequest, result: RequestStepResult, kept: int, finished: bool) -> tuple[int, int]:
@@ -352,7 +355,7 @@ class Engine:
                              token_ids=list(new_token_ids) if delta else list(seq.output_token_ids), text=text,
                              finish_reason=seq.finish_reason, new_token_ids=new_token_ids,
                              num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens,
-                             logprobs=logprobs, index=seq.index)
+                             logprobs=logprobs, index=seq.index, first_token_time=seq.first_token_time)
 
     @property
     def num_waiting(self) -> int:

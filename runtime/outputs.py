@@ -28,6 +28,7 @@ class RequestOutput:
     num_accepted_tokens: int = 0  # of those, the ones it accepted (each saved one target step)
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
     index: int = 0  # which of its prompt's n samples this is (0 with n = 1)
+    first_token_time: float | None = None  # time.monotonic() when the engine committed its first token
 
     @property
     def finished(self) -> bool:

@@ -43,6 +43,7 @@ class Sequence:
     num_registered_pages: int = 0  # leading pages of page_ids registered in the prefix cache (or matched from it)
     follows: Sequence | None = None  # another sample of the same prompt: wait until it computed the prompt
     index: int = 0  # which of its prompt's n samples this is
+    first_token_time: float | None = None  # time.monotonic() when its first output token was committed
     group: int | None = None  # pipelined drafting: the request group (0 or 1) whose steps serve it
 
     @property

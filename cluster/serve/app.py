@@ -256,10 +256,11 @@ class DSparkServer:
                 raise ApiError(400, f"{name} must be at most {self.args.max_n} on this server (max_n), got {value}",
                                name)
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+        arrival = time.monotonic()
         # n samples: n engine requests with their own seeds; the later ones wait for the first to compute the
-        # prompt and start from its cached pages
-        # a stream's outputs carry only each step's new tokens and logprobs (no O(length) copy a step)
-        kind = "delta" if body.stream else "cumulative"
+        # prompt and start from its cached pages. A stream's outputs carry only each step's new tokens and logprobs;
+        # a whole response needs only the finished output (no O(length) copy a step, no wake-up a step)
+        kind = "delta" if body.stream else "final_only"
         streams = [self.engine.generate(prompt, dataclasses.replace(sample, output_kind=kind), f"{rid}/{i}",
                                         f"{rid}/0" if i else None, i)
                    for i, sample in enumerate(sample_params(params))]
@@ -276,8 +277,7 @@ class DSparkServer:
             if isinstance(exc, Exception):
                 raise failure(exc) from None
             raise
-        timing = {"arrival": time.monotonic(),
-                  "first": time.monotonic() if any(f.token_ids for f in firsts) else None}
+        timing = {"arrival": arrival, "first": first_token_time(firsts)}
         if body.stream:
             return StreamingResponse(self._stream(body, rid, prompt, firsts, streams, chat, timing),
                                      media_type="text/event-stream")
@@ -294,6 +294,7 @@ class DSparkServer:
             raise failure(exc) from None
         finally:  # a cancelled handler (client gone) aborts its requests now, not at GC
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+        timing["first"] = first_token_time(lasts)
         for last in lasts:
             self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
         usage = protocol.usage(len(prompt), lasts)  # every sample drawn counts, best_of's discarded ones too
@@ -330,8 +331,8 @@ class DSparkServer:
                 merged.put_nowait((i, exc))
 
         def chunk(i: int, out: RequestOutput) -> str | None:
-            if timing["first"] is None and out.token_ids:
-                timing["first"] = time.monotonic()
+            if timing["first"] is None:
+                timing["first"] = out.first_token_time
             generated[i] += len(out.token_ids)  # delta outputs: this step's tokens
             delta = texts[i].delta(out)
             reason = out.finish_reason if out.finished else None
@@ -380,6 +381,12 @@ class DSparkServer:
         if body.include_usage:
             yield sse(protocol.usage_chunk(rid, body.model, kind, protocol.usage(len(prompt), lasts, generated)))
         yield "data: [DONE]\n\n"
+
+
+def first_token_time(outputs: list[RequestOutput]) -> float | None:
+    """When the engine committed the first token of any of a request's samples (time.monotonic), if it has."""
+    times = [out.first_token_time for out in outputs if out.first_token_time is not None]
+    return min(times) if times else None
 
 
 def sse(payload: dict) -> str:

@@ -388,6 +388,11 @@ def test_metrics_and_health(server):
         assert name in families, name
     positions = {s.labels["position"] for s in families["dspark:spec_decode_num_accepted_tokens_per_pos"].samples}
     assert positions == {"0", "1", "2", "3"}
+    # latencies from the request's arrival: the engine's first-token time (a whole response gets only its finished
+    # output from the engine), at most the request's whole latency
+    sums = {s.name: s.value for f in ("dspark:time_to_first_token_seconds", "dspark:e2e_request_latency_seconds")
+            for s in families[f].samples if s.name.endswith("_sum")}
+    assert 0 < sums["dspark:time_to_first_token_seconds_sum"] <= sums["dspark:e2e_request_latency_seconds_sum"]
     # the prefix cache: the same long prompt twice, the second finds the first's pages
     prompt = "def shared_system_prompt(x):\n    return x * 2 + 1\n" * 4
     before = metrics(server)

@@ -245,6 +245,8 @@ def test_delta_outputs_concatenate_to_the_cumulative_ones(bigram_target, oracle)
         assert sum((o.logprobs for o in delta), []) == cumulative[-1].logprobs == final[0].logprobs
         assert [o.text for o in delta[:-1]] == [""] * (len(delta) - 1)
         assert delta[-1].text == cumulative[-1].text == final[0].text
+        # when the engine committed the request's first token (time.monotonic), the same in every output
+        assert len({o.first_token_time for o in cumulative}) == 1 and final[0].first_token_time is not None
 
 
 def test_output_kind_is_validated_and_generate_returns_whole_outputs(bigram_target):
