@@ -25,7 +25,8 @@ are identical (bf16 verify batches reorder sums, so near-ties may part).
 ``--tensor-parallel-size N`` (and ``--drafter separate``) run every engine as a Ray replica through
 ``cluster.LLM`` (N target shards, a separate drafter on a GPU of its own), the same sweep in the same format
 (``tensor_parallel_size``, ``drafter``; the separate layout also measures the colocated replica:
-``throughput_vs_colocated``); a replica's models live on its actors, so its record has step times, tokens/s and
+``throughput_vs_colocated``; with ``--pipeline-drafter`` also the separate drafter without the pipeline:
+``throughput_vs_serial``); a replica's models live on its actors, so its record has step times, tokens/s and
 acceptance but no roofline, graph replays or host breakdown. ``--device cpu`` runs the plumbing on a CPU.
 """
 
@@ -517,11 +518,11 @@ def run(args) -> dict:
     if replica:  # through cluster.LLM: the target's shards (and a separate drafter) on Ray actors
         from cluster.llm import LLM as ReplicaLLM
 
-        def engine_class(model, speculative_config=None, drafter=args.drafter, **kwargs):
+        def engine_class(model, speculative_config=None, drafter=args.drafter, pipeline=args.pipeline_drafter,
+                         **kwargs):
             place = drafter if speculative_config is not None else "colocated"  # AR: no drafter to place
-            pipelined = bool(args.pipeline_drafter) and place == "separate"
             return ReplicaLLM(model, speculative_config, tensor_parallel_size=tp, drafter=place,
-                              pipeline_drafter=pipelined, **kwargs)
+                              pipeline_drafter=bool(pipeline) and place == "separate", **kwargs)
     else:
         engine_class = LLM
     spec = {"speculative_model": str(drafter), "max_draft_len": args.max_draft_len,
@@ -543,6 +544,8 @@ def run(args) -> dict:
     engines = [("ar", None, {}), ("dspark", spec, {})]
     if replica and args.drafter == "separate":  # the same replica with its drafter colocated: what a GPU more buys
         engines.append(("colocated", spec, {"drafter": "colocated"}))
+        if args.pipeline_drafter:  # and the separate drafter without the pipeline: what the overlap buys
+            engines.append(("serial", spec, {"pipeline": False}))
     # with --tune-schedule the scheduler runs within the tuned schedule (its draft length cap), after it, beside a
     # sweep of that schedule alone: both measured in this run; without, within the fixed max_draft_len
     confidence_after_tuning = args.confidence_scheduling and args.tune_schedule
@@ -711,6 +714,8 @@ def run(args) -> dict:
         if "colocated_tokens_per_s" in row:  # a separate drafter against the same replica with it colocated
             row["throughput_vs_colocated"] = row["dspark_tokens_per_s"] / row["colocated_tokens_per_s"]
             row["step_vs_colocated"] = row["dspark_step_ms"] / row["colocated_step_ms"]
+        if "serial_tokens_per_s" in row:  # pipelined against the same separate drafter without the pipeline
+            row["throughput_vs_serial"] = row["dspark_tokens_per_s"] / row["serial_tokens_per_s"]
         if "verify_step_ms" in row and "ar_forward_ms" in row:  # device time against device time
             row["verify_vs_ar_forward"] = row["verify_step_ms"] / row["ar_forward_ms"]
         if row.get("ar_moe_experts_woken"):  # what a K+1-token verify wakes against one token per request
@@ -897,7 +902,8 @@ def add_parser(commands) -> None:
                        "implies a replica); separate also measures the colocated replica in the same run "
                        "(throughput_vs_colocated, step_vs_colocated)")
     bench.add_argument("--pipeline-drafter", action="store_true", help="with --drafter separate: the separate "
-                       "drafter drafts one request group while the target verifies the other (pipeline_drafter)")
+                       "drafter drafts one request group while the target verifies the other (pipeline_drafter); "
+                       "the run also measures the separate drafter without the pipeline (throughput_vs_serial)")
     bench.add_argument("--hf-tokens", type=int, default=0, help="also time transformers generate for N tokens at "
                        "batch 1, eager and compiled with a static cache (peers)")
     bench.add_argument("--projected-tau", type=float, help="a trained pair's mean acceptance length: adds "

@@ -123,6 +123,7 @@ def test_the_sweep_runs_through_a_ray_replica_with_a_separate_drafter(tmp_path):
     for row in record["runs"]:
         assert row["ar_tokens_per_s"] > 0 and row["dspark_tokens_per_s"] > 0 and row["colocated_tokens_per_s"] > 0
         assert row["throughput_vs_colocated"] == row["dspark_tokens_per_s"] / row["colocated_tokens_per_s"]
+        assert row["throughput_vs_serial"] == row["dspark_tokens_per_s"] / row["serial_tokens_per_s"]
         assert "roofline_fraction" not in row and "verify_step_ms" not in row
     assert "ray TP=1, drafter separate" in proc.stderr
 
