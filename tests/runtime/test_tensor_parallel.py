@@ -103,7 +103,10 @@ def _top_argmax_rank(rank: int, world: int, port: int, x, weight, queue) -> None
             head.weight[:b - a] = weight[a:b]
             logits = head(x).float()
             top, index = head.top_argmax(x)
-        queue.put((rank, logits.max(dim=-1), (top, index)))
+        gathered = logits.max(dim=-1)
+        # plain lists: a tensor crosses a queue as a shared-memory handle the parent can only open while this
+        # process still lives, and it may have exited by then
+        queue.put((rank, (gathered.values.tolist(), gathered.indices.tolist()), (top.tolist(), index.tolist())))
     finally:
         dist.destroy_process_group()
 
@@ -140,5 +143,7 @@ def test_vocab_parallel_argmax_equals_the_gathered_logits_max():
     assert want.indices[1] == 2 and want.values[2] < 0
     rows = [0, 1, 2, 4]
     for _, (gathered_top, gathered_index), (top, index) in results:
+        gathered_top, gathered_index, top, index = (torch.tensor(v) for v in (gathered_top, gathered_index, top,
+                                                                             index))
         assert torch.equal(index, gathered_index) and torch.equal(index[rows], want.indices[rows])
         assert torch.allclose(top[rows], gathered_top[rows]) and top[3].isnan() and gathered_top[3].isnan()
