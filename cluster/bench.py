@@ -536,7 +536,9 @@ def run(args) -> dict:
               "kind": "random-shape" if shape else "trained", "tensor_parallel_size": tp,
               "drafter": args.drafter, "pipeline_drafter": bool(args.pipeline_drafter) and args.drafter == "separate",
               "replica": "ray" if replica else "single-process",
-              "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None, "runs": []}
+              "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
+              "step_outputs": "delta",  # the sweep's requests' output_kind (as the server streams; since 2026-12-01)
+              "runs": []}
     sweep_prompts = dataset_prompts(args.prompts, AutoTokenizer.from_pretrained(str(target))) if args.prompts \
         else None  # the sweep's too: a trained pair's acceptance on its own kind of text
     e2e_prompts = end_to_end_prompts(args, sweep_prompts, vocab) if args.e2e_prompts else None

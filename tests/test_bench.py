@@ -159,6 +159,7 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["replica"] == "single-process" and record["moe_backend"] == "DENSEGEMM" and "partial" not in record
+    assert record["step_outputs"] == "delta"
     # the tuned schedule swept as an engine, the confidence scheduler within it, both after tuning
     assert "schedule" in record["tuned_schedule"], record["tuned_schedule"]
     assert record["schedules"] == {"dspark": "fixed", "tuned": "tuned",
