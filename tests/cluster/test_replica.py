@@ -212,3 +212,20 @@ def test_tp4_with_replicated_kv_heads_matches_the_single_process_engine(ray_clus
             expected = [o.token_ids for o in local.generate(PROMPTS, params)]
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected, name
     free_cpus_return()
+
+
+def test_a_pipelined_drafter_under_preemption_keeps_every_output(ray_cluster, near_bigram_target, drafter):
+    """Too few KV pages for every request at once: requests are preempted and recomputed while their groups take
+    turns, and a block drafted for a request that was preempted meanwhile is dropped; every output is still the
+    single-process engine's."""
+    spec = DSparkDecodingConfig(speculative_model=str(drafter))
+    engine = {**ENGINE, "num_pages": 28}
+    prompts = PROMPTS + [[9, 8, 7, 6], [44, 45, 46]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LocalLLM(str(near_bigram_target), speculative_config=spec,
+                                               **engine).generate(prompts, params)]
+    with LLM(str(near_bigram_target), speculative_config=spec, drafter="separate", pipeline_drafter=True,
+             **engine) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        assert llm.get_metrics()["num_preemptions"] > 0
+    free_cpus_return()
