@@ -480,6 +480,13 @@ def end_to_end_prompts(args, prompts: list[list[int]] | None, vocab: int, count:
 PAIRED_ROUNDS = 3  # alternating rounds per concurrency when two engines are measured side by side
 
 
+def alternating_rounds(llms: dict, run) -> Iterator[tuple[str, dict]]:
+    """``run(llm)`` for each engine, ``PAIRED_ROUNDS`` times, the engines' order flipped every round."""
+    for r in range(PAIRED_ROUNDS):
+        for kind in (list(llms) if r % 2 == 0 else list(reversed(llms))):
+            yield kind, run(llms[kind])
+
+
 def median_round(rounds: list[dict]) -> dict:
     """The round whose tokens/s is the median (an odd count: the middle one)."""
     return sorted(rounds, key=lambda r: r["tokens_per_s"])[len(rounds) // 2]
@@ -618,7 +625,7 @@ def run(args) -> dict:
                                context_ms=timing.get("context_ms"))
         print(f"dspark bench: {kind} concurrency {c}: {timing}", file=sys.stderr, flush=True)
 
-    def mixed(kind: str, llm) -> dict:
+    def mixed(llm) -> dict:
         mixed_prompts = sweep_prompts or end_to_end_prompts(args, None, vocab, args.mixed_requests)
         return mixed_workload(llm, [mixed_prompts[i % len(mixed_prompts)][:args.prompt_len]
                                     for i in range(args.mixed_requests)], args.mixed_rate, args.e2e_tokens)
@@ -626,7 +633,7 @@ def run(args) -> dict:
     def finish(kind: str, llm, with_mixed: bool = True, with_e2e: bool = True) -> None:
         """The mixed workload, end to end and profile where asked for, then the engine's memory freed."""
         if args.mixed_rate and with_mixed:
-            record.setdefault("mixed_workload", {})[kind] = mixed(kind, llm)
+            record.setdefault("mixed_workload", {})[kind] = mixed(llm)
             print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,
                   flush=True)
         if e2e_prompts is not None and with_e2e:
@@ -662,17 +669,15 @@ def run(args) -> dict:
             timings = {kind: [] for kind in llms}
             for kind, llm in llms.items():
                 reset_stats(kind, llm)
-            for r in range(PAIRED_ROUNDS):
-                for kind in (list(llms) if r % 2 == 0 else list(reversed(llms))):
-                    timings[kind].append(measure(llms[kind], c))
+            for kind, result in alternating_rounds(llms, lambda llm: measure(llm, c)):
+                timings[kind].append(result)
             for kind, llm in llms.items():
                 record_row(kind, llm, c, median_round(timings[kind]))
                 rows[c][f"{kind}_tokens_per_s_rounds"] = [t["tokens_per_s"] for t in timings[kind]]
         if args.mixed_rate:
             runs = {kind: [] for kind in llms}
-            for r in range(PAIRED_ROUNDS):
-                for kind in (list(llms) if r % 2 == 0 else list(reversed(llms))):
-                    runs[kind].append(mixed(kind, llms[kind]))
+            for kind, result in alternating_rounds(llms, mixed):
+                runs[kind].append(result)
             for kind, results in runs.items():
                 record.setdefault("mixed_workload", {})[kind] = {
                     **median_round(results), "tokens_per_s_rounds": [m["tokens_per_s"] for m in results]}

@@ -295,31 +295,24 @@ class Engine:
             else entry.end_position
         if seq.first_token_time is None and result.token_ids:
             seq.first_token_time = time.monotonic()
+        tokens = result.token_ids
         if not seq.params.stop:  # no stop strings: the cut is found over the step's tokens at once
-            kept, reason = self.stops.cut(seq, result.token_ids)
-            seq.output_token_ids.extend(result.token_ids[:kept])
-            if result.logprobs is not None:
-                if seq.output_logprobs is None:
-                    seq.output_logprobs = []
-                seq.output_logprobs.extend(result.logprobs[:kept])
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                return kept
+            kept, reason = self.stops.cut(seq, tokens)
+            seq.output_token_ids.extend(tokens[:kept])
+        else:  # stop strings: the tail is decoded after each token
+            kept, reason = 0, None
+            while reason is None and kept < len(tokens):
+                seq.output_token_ids.append(tokens[kept])
+                kept += 1
+                reason = self.stops.check(seq)
+        if result.logprobs is not None:
+            if seq.output_logprobs is None:
+                seq.output_logprobs = []
+            seq.output_logprobs.extend(result.logprobs[:kept])
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        else:
             seq.draft_ids, seq.draft_confidence = result.next_draft_ids, result.next_draft_confidence
-            return kept
-        kept = 0  # stop strings: the tail is decoded after each token
-        for i, token in enumerate(result.token_ids):
-            seq.output_token_ids.append(token)
-            if result.logprobs is not None:
-                if seq.output_logprobs is None:
-                    seq.output_logprobs = []
-                seq.output_logprobs.append(result.logprobs[i])
-            kept += 1
-            reason = self.stops.check(seq)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                return kept
-        seq.draft_ids, seq.draft_confidence = result.next_draft_ids, result.next_draft_confidence
         return kept
 
     def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:

@@ -9,6 +9,7 @@ from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
 from runtime import small_gemm
 from tests import builders
+from tests.gpu.test_flashinfer import ENGINE, PROMPTS  # the flashinfer engine tests' prompts and settings
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("flashinfer")
@@ -44,9 +45,7 @@ def mid_target(checkpoints):
                                 intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
 
 
-PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [100, 3], list(range(20, 51)), [7] * 12, [250, 251]]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-ENGINE = dict(dtype="bfloat16", num_pages=256, page_size=16, kernel_backend="flashinfer", max_num_seqs=8)
 
 
 def test_the_measurement_is_reported_in_rank_info(mid_target):
