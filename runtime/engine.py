@@ -61,6 +61,8 @@ class Engine:
         self.pages = PageAllocator(self.executor.num_pages, config.page_size, caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.pages)
+        if not self.has_drafter and getattr(self.executor, "plans_ahead", False):
+            self.scheduler.lookahead = 1  # the next decode step's pages are known when this one is launched
         self.stops = StopCriteria(self._eos_token_ids(), self.tokenizer, self.max_model_len)
         self.metrics = SpecMetrics()
         self.gate = AcceptanceGate(self.spec.acceptance_rate_window_size if self.spec else None,

@@ -42,6 +42,8 @@ class LocalExecutor:
         self.worker = Worker(config, WorkerPlan(role="target", tp_rank=0, tp_size=1, drafter=drafter))
         self.num_pages = replica_pages(config, [self.worker.load()])
         self.worker.allocate(self.num_pages)
+        # the graphs plan a decode step's attention ahead (the engine allots pages a token ahead for it)
+        self.plans_ahead = self.worker.graphs is not None and self.worker.graphs.plan_ahead
 
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
         return self.worker.execute(batch)

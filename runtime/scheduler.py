@@ -38,6 +38,9 @@ class Scheduler:
         self._released: list[str] = []
         self._scrub: list[int] = []
         self.num_preemptions = 0
+        # tokens past a step's own that a scheduled request's pages also cover when pages are free (never at the
+        # price of a preemption): 1 lets the runner plan the next decode step's attention before it is scheduled
+        self.lookahead = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -91,6 +94,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue
             self.pages.grow(seq.page_ids, end_position)
+            if self.lookahead and self.pages.can_grow(seq.page_ids, end_position + self.lookahead):
+                self.pages.grow(seq.page_ids, end_position + self.lookahead)
             scheduled.append(self._entry(seq, tokens, num_drafts, sample))
             budget -= len(tokens)
         for seq in list(self.waiting):  # arrival order; a sample waiting for its prompt's first is passed over

@@ -169,7 +169,8 @@ class Worker:
             self.graphs = GraphedTargetForward(self.target, caches, self.kernels, attention_geometry(self.target),
                                                page_size, num_pages, self.config.max_num_seqs, self.pages_per_seq,
                                                q_lens, self.device,
-                                               draft_runner.append_context if local else None)
+                                               draft_runner.append_context if local else None,
+                                               plan_ahead=self.spec is None)
         self.engine_part = ModelRunner(self.target, self.spec, self.kernels, caches, page_size, self.device,
                                        self.parallel, channel, w2, self.graphs, self.config.logprobs_mode)
 
@@ -210,6 +211,7 @@ class Worker:
                 "kernel_backend": self.kernel_backend, "cuda_graphs": self.graphs is not None,
                 "graph_capture_s": round(self.graphs.capture_seconds, 2) if self.graphs is not None else None,
                 "graph_replays": self.graphs.replays if self.graphs is not None else 0,
+                "plans_made_ahead": self.graphs.plans_skipped if self.graphs is not None else 0,
                 "small_gemms": self.small_gemms.as_dict() if self.small_gemms is not None else None,
                 "draft_graphs": self.graphs is not None and self.plan.holds_drafter and self.spec is not None,
                 "holds_drafter": self.plan.holds_drafter and self.spec is not None,

@@ -176,6 +176,8 @@ def test_graphed_steps_equal_eager_steps(wide_target, make_drafter, speculative)
     graphed, tokens = generate(wide_target, drafter)
     info = graphed.rank_info()[0]
     assert info["kernel_backend"] == "flashinfer" and info["cuda_graphs"] and info["draft_graphs"] == speculative
+    # autoregressive: most decode steps were planned while the step before them ran (and still equal eager)
+    assert (info["plans_made_ahead"] > 0) == (not speculative)
     eager, eager_tokens = generate(wide_target, drafter, enforce_eager=True)
     assert not eager.rank_info()[0]["cuda_graphs"]
     assert tokens == eager_tokens

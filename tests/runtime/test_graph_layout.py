@@ -74,3 +74,19 @@ def test_the_vectorized_layout_equals_the_token_by_token_one():
         for vectorized in (True, None):
             inputs, layout = graph_inputs(reqs, batch, q_len, ps, 999, vectorized)
             assert inputs.tolist() == want.tolist() and layout == want_layout, (trial, vectorized)
+
+
+def test_the_next_decode_layout_is_the_one_the_next_step_lays_out():
+    """Planning ahead: after a one-token step, the layout of the step where every request decodes one more token
+    (the pages the scheduler allotted a token ahead) is what that step's own layout will be; a request whose pages
+    do not cover its next key yet gives no prediction."""
+    from runtime.graphs import next_decode_layout
+
+    pages = {"a": [7, 8, 9], "b": [3]}
+    now = [request("a", [10], start=7, pages=pages["a"]), request("b", [20], start=2, pages=pages["b"])]
+    layout, _ = layout_of(now, batch=4, q_len=1)
+    upcoming = next_decode_layout(layout, [r.page_ids for r in now], PS)
+    after = [request("a", [11], start=8, pages=pages["a"]), request("b", [21], start=3, pages=pages["b"])]
+    assert upcoming == layout_of(after, batch=4, q_len=1)[0]
+    at_boundary = [request("b", [21], start=3, pages=[3])]  # its next key (position 4) needs a page it lacks
+    assert next_decode_layout(layout_of(at_boundary, batch=1, q_len=1)[0], [[3]], PS) is None

@@ -81,3 +81,30 @@ def test_preemption_releases_the_newest_and_requeues_it_first():
     assert [e.request_id for e in entries] == ["old"]
     assert new.status is Status.WAITING and new.num_computed == 0 and new.draft_ids == []
     assert sched.waiting[0] is new and sched.take_released() == (["new"], []) and sched.num_preemptions == 1
+
+
+def test_lookahead_allots_the_next_tokens_page_when_one_is_free_and_never_preempts_for_it():
+    sched = Scheduler(SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+                      PageAllocator(3, 4))
+    sched.lookahead = 1
+    a = seq("a", 7, 0)
+    sched.add(a)
+    entry = sched.schedule()[0]  # prefill of 7 tokens (2 pages); its first decode writes position 7: same page
+    assert len(entry.page_ids) == 2
+    a.num_computed, a.output_token_ids = 7, [40]
+    entry = sched.schedule()[0]  # decode at position 7 fills page 2; position 8 (next step) needs page 3
+    assert len(entry.page_ids) == 3 and sched.pages.num_free == 0
+    b = seq("b", 1, 1)
+    sched.add(b)
+    a.num_computed, a.output_token_ids = 8, [40, 41]
+    assert [e.request_id for e in sched.schedule()] == ["a"]  # b waits: no page; a keeps its lookahead page
+    assert a.status is Status.RUNNING and sched.num_preemptions == 0
+    tight = Scheduler(SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+                      PageAllocator(2, 4))
+    tight.lookahead = 1
+    c = seq("c", 7, 0)
+    tight.add(c)
+    tight.schedule()
+    c.num_computed, c.output_token_ids = 7, [40]
+    entry = tight.schedule()[0]  # position 7 fits its 2 pages; the lookahead page does not exist: no preemption
+    assert entry.request_id == "c" and len(entry.page_ids) == 2 and tight.num_preemptions == 0
