@@ -77,8 +77,9 @@ class FlashInferPlan:
                 raise ValueError(f"a decode wrapper serves {self.wrapper.q_len} causal tokens per request, got "
                                  f"{sorted(set(q_lens))} (causal={self.causal})")
             extra = {"q_len_per_req": self.wrapper.q_len} if self.wrapper.q_len > 1 else {}
-            self.wrapper.inner.plan(i.kv_indptr, i.kv_indices, i.last_page_len, g.num_q_heads, g.num_kv_heads,
-                                    g.head_dim, self.page_size, **common, **extra)
+            indptr, indices, last = self.wrapper.stage(i)
+            self.wrapper.inner.plan(indptr, indices, last, g.num_q_heads, g.num_kv_heads, g.head_dim,
+                                    self.page_size, **common, **extra)
         else:
             self.wrapper.plan(i.qo_indptr, i.kv_indptr, i.kv_indices, i.last_page_len, g.num_q_heads,
                               g.num_kv_heads, g.head_dim, self.page_size, causal=self.causal, **common)
@@ -93,10 +94,31 @@ class FlashInferPlan:
 class DecodeGraphWrapper:
     """FlashInfer's decode wrapper (tensor cores, fa2) fixed to ``q_len`` tokens per request: what a CUDA graph of
     a uniform step replays. Measured on H200 (``benchmarks/attention_decode.py``): as fast as the prefill kernel
-    for one token at batch 1 and 1.3-1.6x faster for a K+1 = 8 token verify at batch 4-64."""
+    for one token at batch 1 and 1.3-1.6x faster for a K+1 = 8 token verify at batch 4-64.
+
+    Its plan never waits for the device: FlashInfer copies the page table into the graph's buffers on the stream,
+    and a copy from pageable host memory (or its blocking copy of host page indices) would first drain the
+    stream. So the indptrs are staged in pinned memory and the page indices on the device (``stage``), and a plan
+    can be made while the GPU still runs an earlier step (its copies queue behind that step). Invariant: the
+    pinned staging is rewritten only after the previous plan's copies have run (the graph runner waits on an
+    event recorded after each plan, ``GraphedTargetForward._plan``)."""
 
     inner: object
     q_len: int
+    indptr_host: torch.Tensor  # [B+1] int32, pinned
+    last_page_len_host: torch.Tensor  # [B] int32, pinned
+    indices_host: torch.Tensor  # [max_pages] int32, pinned
+    indices_device: torch.Tensor  # [max_pages] int32
+
+    def stage(self, indptrs: HostIndptrs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copy a plan's page table into the staging buffers -> (kv_indptr, kv_indices, last_page_len) views for
+        ``plan``: pinned host, device (its copy queued on the current stream), pinned host."""
+        b, n = len(indptrs.last_page_len), len(indptrs.kv_indices)
+        self.indptr_host[:b + 1].copy_(indptrs.kv_indptr)
+        self.last_page_len_host[:b].copy_(indptrs.last_page_len)
+        self.indices_host[:n].copy_(indptrs.kv_indices)
+        self.indices_device[:n].copy_(self.indices_host[:n], non_blocking=True)
+        return self.indptr_host[:b + 1], self.indices_device[:n], self.last_page_len_host[:b]
 
 
 class FlashInferBackend:
@@ -137,7 +159,12 @@ class FlashInferBackend:
             self.workspace(device), "NHD", use_cuda_graph=True, use_tensor_cores=True,
             paged_kv_indptr_buffer=buf(batch_size + 1), paged_kv_indices_buffer=buf(max_pages),
             paged_kv_last_page_len_buffer=buf(batch_size), backend="fa2")
-        return DecodeGraphWrapper(inner, q_len)
+
+        def pinned(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, pin_memory=True)
+
+        return DecodeGraphWrapper(inner, q_len, pinned(batch_size + 1), pinned(batch_size), pinned(max_pages),
+                                  buf(max_pages))
 
     def _eager_wrapper(self, device: torch.device):
         """The wrapper eager forwards on ``device`` plan and run (one at a time: a forward plans, then runs)."""

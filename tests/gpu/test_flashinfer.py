@@ -2,6 +2,7 @@
 against its eager steps with the same kernels (token for token). Skipped without a GPU and flashinfer."""
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -132,6 +133,44 @@ def test_the_graphs_decode_wrapper_matches_the_reference(fi, q_len):
         ragged = meta_for([q_len, 100, 333, 17 + q_len])
         fi.plan_attention(dataclasses.replace(ragged, host=HostLayout([q_len + 1] * batch, ragged.host.kv_lens,
                                                                       ragged.host.page_ids)), wrapper)
+
+
+def test_a_graph_plan_made_while_the_device_runs_neither_waits_nor_races(fi):
+    """Planning the next decode step while the GPU still runs this one (the autoregressive graphs' plan-ahead):
+    the plan returns long before the device work ends (no stream drain from a pageable or blocking copy), and its
+    copies run after the graph it replans, so the graph launched before the plan still reads the old plan."""
+    page, hq, hkv, d, batch = 16, 32, 8, 128, 2
+    k_cache, v_cache = (torch.randn(64, page, hkv, d, device=DEV, dtype=BF16) for _ in range(2))
+    wrapper = fi.graph_wrapper(torch.device(DEV), batch, 64, 1)
+    geometry = AttentionGeometry(hq, hkv, d, BF16, d ** -0.5)
+    q, out = torch.randn(batch, hq, d, device=DEV, dtype=BF16), torch.empty(batch, hq, d, device=DEV, dtype=BF16)
+
+    def meta_for(kv_lens):
+        pages = [list(range(32 * i, 32 * i + -(-n // page))) for i, n in enumerate(kv_lens)]
+        width = max(len(p) for p in pages)
+        table = torch.tensor([p + [0] * (width - len(p)) for p in pages], device=DEV)
+        return PagedAttentionMeta(query_start_loc=torch.arange(batch + 1, device=DEV),
+                                  seq_lens=torch.tensor(kv_lens, device=DEV), page_table=table,
+                                  max_query_len=1, max_seq_len=max(kv_lens), causal=True, num_tokens=batch,
+                                  page_size=page, host=HostLayout([1] * batch, kv_lens, pages), geometry=geometry)
+
+    now, upcoming = meta_for([100, 300]), meta_for([101, 301])
+    planned = fi.plan_attention(now, wrapper)
+    fi.paged_attention(q, k_cache, v_cache, planned, d ** -0.5)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(fi.paged_attention(q, k_cache, v_cache, planned, d ** -0.5))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of device time ahead of the graph
+    graph.replay()
+    started = time.perf_counter()
+    fi.plan_attention(upcoming, wrapper)
+    took = time.perf_counter() - started
+    torch.cuda.synchronize()
+    assert took < 0.1, f"the plan waited {took:.3f} s for the device"
+    close(out, torch_ref.paged_attention(q, k_cache, v_cache, torch_ref.plan_attention(now), d ** -0.5))
+    graph.replay()
+    close(out, torch_ref.paged_attention(q, k_cache, v_cache, torch_ref.plan_attention(upcoming), d ** -0.5))
 
 
 @pytest.mark.parametrize("window", [None, 1, 40, 500])  # an embedded drafter's rolling window over its context

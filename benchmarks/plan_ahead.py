@@ -1,0 +1,72 @@
+"""What planning the next decode step's attention ahead buys an autoregressive engine: the same engine (one
+``runtime.LLM`` on a random-weight shape, CUDA graphs, FlashInfer) timed with its graphs' ``plan_ahead`` off and
+on, in alternating rounds of ``cluster.bench.time_steps`` at each concurrency; the median round of each is kept
+with every round's step time. ``plans_made_ahead``: the steps of the last round that skipped their plan.
+
+usage: python3 benchmarks/plan_ahead.py [--model-shape qwen3-8b] [--concurrency 1,16,64] [--steps 30]
+                                        [--rounds 3] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from cluster.bench import MODEL_SHAPES, copy_bandwidth, time_steps, write_shape
+from runtime import LLM
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-shape", default="qwen3-8b", choices=sorted(MODEL_SHAPES))
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--kv-cache-gib", type=float, default=16.0)
+    parser.add_argument("--out", help="write the JSON record here")
+    args = parser.parse_args()
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    target, _ = write_shape(Path(tempfile.mkdtemp(prefix="plan-ahead-")), args.model_shape, 1, 8)
+    llm = LLM(str(target), dtype="bfloat16", device="cuda", kernel_backend="flashinfer", load_format="dummy",
+              max_num_seqs=max(concurrency), max_model_len=args.prompt_len + 2048,
+              kv_cache_memory=int(args.kv_cache_gib * 2**30), max_num_batched_tokens=max(2048, 2 * args.prompt_len))
+    graphs = llm.engine.executor.worker.graphs
+    if graphs is None or not graphs.plan_ahead:
+        raise SystemExit("plan_ahead: the engine runs no CUDA graphs that plan ahead (needs CUDA and flashinfer)")
+    vocab = MODEL_SHAPES[args.model_shape]["vocab_size"]
+    runs = []
+    for c in concurrency:
+        rounds = {"off": [], "on": []}
+        for r in range(args.rounds):
+            for mode in ("off", "on"):
+                graphs.plan_ahead = mode == "on"
+                skipped = graphs.plans_skipped
+                row = time_steps(llm, c, args.prompt_len, args.steps, warmup=3, vocab=vocab, seed=r)
+                row["plans_made_ahead"] = graphs.plans_skipped - skipped
+                rounds[mode].append(row)
+        median = {mode: sorted(rows, key=lambda row: row["step_ms"])[len(rows) // 2] for mode, rows in rounds.items()}
+        run = {"concurrency": c, "step_ms_off": median["off"]["step_ms"], "step_ms_on": median["on"]["step_ms"],
+               "on_vs_off": median["on"]["step_ms"] / median["off"]["step_ms"],
+               "step_ms_rounds": {mode: [row["step_ms"] for row in rows] for mode, rows in rounds.items()},
+               "host_attention_plan_ms": {m: median[m].get("host_attention_plan_ms") for m in median},
+               "plans_made_ahead_last_round": rounds["on"][-1]["plans_made_ahead"],
+               "forward_ms": median["off"].get("forward_ms")}
+        print(json.dumps(run), flush=True)
+        runs.append(run)
+    record = {"hardware": torch.cuda.get_device_name(), "date": str(date.today()), "torch": torch.__version__,
+              "command": "python3 benchmarks/plan_ahead.py " + shlex.join(sys.argv[1:]), "model": args.model_shape,
+              "copy_bandwidth_gbs": copy_bandwidth(torch.device("cuda")) / 1e9, "runs": runs}
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
