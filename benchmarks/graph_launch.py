@@ -5,7 +5,11 @@ For graphs of N small kernels (N = 50 .. 1000): host microseconds of ``CUDAGraph
 and the delay from the call until the graph's first kernel starts (a CUDA event recorded on the host clock
 reference before the call, and one captured as the graph's first node).
 
-usage: python3 benchmarks/graph_launch.py [--out FILE.json]
+Then (``--kinds``) the same for graphs of 36 launches of one kind of the engine's kernels (a cuBLAS GEMV, the
+Triton skinny GEMM, the Triton RMSNorm, FlashInfer's decode attention): which kind makes a graph expensive to
+launch; and (``--model-shape``) the engine's own batch-1 decode graph on that random-weight shape.
+
+usage: python3 benchmarks/graph_launch.py [--kinds] [--model-shape qwen3-8b] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ def capture(nodes: int, x: torch.Tensor, first: torch.cuda.Event) -> torch.cuda.
 def measure(nodes: int, repeats: int = 30) -> dict:
     x = torch.ones(4096, device="cuda")
     first = torch.cuda.Event(enable_timing=True, external=True)  # external: recordable inside a capture
-    graph = capture(nodes, x, first)
+    return {"kernels": nodes, **launch_times(capture(nodes, x, first), first, repeats)}
+
+
+def launch_times(graph: torch.cuda.CUDAGraph, first: torch.cuda.Event | None, repeats: int = 30) -> dict:
+    """Host microseconds of ``graph.replay()`` on an idle device, the delay until ``first`` (captured as the
+    graph's first node, if given) and the graph's device time: medians of ``repeats``."""
     graph.replay()
     torch.cuda.synchronize()
     launch, start_delay, device = [], [], []
@@ -44,15 +53,71 @@ def measure(nodes: int, repeats: int = 30) -> dict:
         launch.append(1e6 * (time.perf_counter() - t))
         end.record()
         end.synchronize()
-        start_delay.append(1e3 * before.elapsed_time(first))
-        device.append(1e3 * first.elapsed_time(end))
-    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    return {"kernels": nodes, "host_launch_us": med(launch), "first_kernel_after_call_us": med(start_delay),
-            "device_us": med(device)}
+        if first is not None:
+            start_delay.append(1e3 * before.elapsed_time(first))
+        device.append(1e3 * (first or before).elapsed_time(end))
+    med = lambda v: sorted(v)[len(v) // 2] if v else None  # noqa: E731
+    return {"host_launch_us": med(launch), "first_kernel_after_call_us": med(start_delay), "device_us": med(device)}
+
+
+def kind_graphs(layers: int = 36) -> dict:
+    """Graphs of ``layers`` launches of one kernel kind each, on the Qwen3-8B o_proj shape (bf16, one row)."""
+    from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta, get_backend, triton_ops
+    from runtime.kernels.skinny_gemm import SkinnyConfig, skinny_matmul
+
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    x = torch.randn(1, 4096, device=dev, dtype=bf16)
+    w = torch.randn(4096, 4096, device=dev, dtype=bf16)
+    norm_w = torch.ones(4096, device=dev, dtype=bf16)
+    fi = get_backend("flashinfer")
+    page, hq, hkv, d = 16, 32, 8, 128
+    k_cache, v_cache = (torch.randn(64, page, hkv, d, device=dev, dtype=bf16) for _ in range(2))
+    wrapper = fi.graph_wrapper(dev, 1, 64, 1)
+    meta = fi.plan_attention(PagedAttentionMeta(
+        query_start_loc=torch.arange(2, device=dev), seq_lens=torch.tensor([538], device=dev),
+        page_table=torch.arange(34, device=dev)[None], max_query_len=1, max_seq_len=538, causal=True, num_tokens=1,
+        page_size=page, host=HostLayout([1], [538], [list(range(34))]), geometry=AttentionGeometry(hq, hkv, d, bf16,
+                                                                                                    d ** -0.5)),
+        wrapper)
+    q = torch.randn(1, hq, d, device=dev, dtype=bf16)
+    ops = {"cublas_gemv": lambda: torch.mm(x, w.t()),
+           "triton_skinny_gemm": lambda: skinny_matmul(x, w, SkinnyConfig(64, 128, 1, 4, 4)),
+           "triton_rms_norm": lambda: triton_ops.rms_norm(x, norm_w, 1e-6),
+           "flashinfer_decode": lambda: fi.paged_attention(q, k_cache, v_cache, meta, d ** -0.5)}
+    points = {}
+    for name, op in ops.items():
+        op()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(layers):
+                op()
+        points[name] = {"launches": layers, **launch_times(graph, None)}
+        print(name, json.dumps(points[name]), flush=True)
+    return points
+
+
+def engine_graph(shape: str) -> dict:
+    """The engine's batch-1 one-token decode graph on a random-weight ``shape`` (the bench's model)."""
+    import tempfile
+    from pathlib import Path
+
+    from cluster.bench import write_shape
+    from runtime import LLM
+
+    target, _ = write_shape(Path(tempfile.mkdtemp(prefix="graph-launch-")), shape, 1, 8)
+    llm = LLM(str(target), dtype="bfloat16", device="cuda", kernel_backend="flashinfer", load_format="dummy",
+              max_num_seqs=16, max_model_len=2048, kv_cache_memory=4 * 2**30)
+    graphs = llm.engine.executor.worker.graphs
+    point = {"model_shape": shape, **launch_times(graphs.graphs[(1, 1)].graph, None)}
+    print("engine", json.dumps(point), flush=True)
+    return point
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", action="store_true", help="also graphs of 36 launches of each kernel kind")
+    parser.add_argument("--model-shape", help="also the engine's batch-1 decode graph on this random-weight shape")
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
     points = []
@@ -61,6 +126,10 @@ def main() -> None:
         print(json.dumps(points[-1]), flush=True)
     record = {"hardware": torch.cuda.get_device_name(), "date": str(date.today()), "torch": torch.__version__,
               "command": "python3 benchmarks/graph_launch.py " + " ".join(sys.argv[1:]), "points": points}
+    if args.kinds:
+        record["kinds"] = kind_graphs()
+    if args.model_shape:
+        record["engine"] = engine_graph(args.model_shape)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)

@@ -501,6 +501,7 @@ def run(args) -> dict:
     from tqdm.auto import tqdm
 
     from runtime import LLM
+    from runtime.heap import freeze_long_lived, unfreeze_long_lived
 
     device = torch.device(args.device)
     replica = args.tensor_parallel_size is not None or args.drafter == "separate"
@@ -583,6 +584,7 @@ def run(args) -> dict:
             record["ar_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab, trace_path(args, "ar"))
             print(f"dspark bench: AR batch-1 profile: {json.dumps(record['ar_profile_batch1'])}", file=sys.stderr)
         time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0)  # untimed: first-call costs stay out of TTFT
+        freeze_long_lived(f"bench engine {kind}")  # as a server does once started (runtime.heap)
         return llm
 
     def reset_stats(kind: str, llm) -> None:
@@ -647,6 +649,7 @@ def run(args) -> dict:
                   file=sys.stderr)
         llm.engine.executor.shutdown()
         del llm
+        unfreeze_long_lived()
         gc.collect()  # engines hold reference cycles (graphs, caches): free their memory before the next
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -769,6 +772,7 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
     import torch
 
     from cluster.schedule_tuning import Candidate, best_draft_lengths, projected_tau, schedule_from
+    from runtime.heap import freeze_long_lived, unfreeze_long_lived
 
     top = args.max_draft_len
     accept = args.acceptance_per_position
@@ -786,6 +790,7 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
     for k in range(1, top):
         llm = engine_class(str(target), speculative_config={**spec, "draft_len_schedule": {1: top, top_c: k}},
                            **common)
+        freeze_long_lived(f"bench engine k={k}")
         for c in sorted(rows):
             if c == 1:
                 continue  # one request drafts max_draft_len: the engine's schedule starts there
@@ -795,6 +800,7 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
                   flush=True)
         llm.engine.executor.shutdown()
         del llm
+        unfreeze_long_lived()
         gc.collect()  # engines hold reference cycles (graphs, caches): free their memory before the next
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

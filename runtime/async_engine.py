@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from runtime.engine import Engine
+from runtime.heap import freeze_long_lived, unfreeze_long_lived
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -71,6 +72,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+        freeze_long_lived("the serving engine")  # startup is done: full collections skip what it built
         self._thread.start()
 
     @property
@@ -117,6 +119,7 @@ class AsyncEngine:
         self._stopped.set()
         self._commands.put(("stop",))
         self._thread.join(timeout=30)
+        unfreeze_long_lived()
 
     # ---- the engine thread --------------------------------------------------------------------
 
@@ -190,9 +193,11 @@ class AsyncEngine:
         if self.recover is None:
             return
         self.recovering = True
+        unfreeze_long_lived()  # the lost engine's reference cycles can be collected once it is replaced
         try:
             self.recover(exc)
             self.recovery_failed = None
+            freeze_long_lived("the rebuilt engine")
         except Exception as failure:  # keep serving errors rather than dying; health checks report the state
             log.exception("dspark: recovery failed after %d failed request(s)", failed)
             self.recovery_failed = failure

@@ -10,6 +10,7 @@ import socket
 
 from cluster.dispatch import BatchDecoder, encode_results
 from configs import LLMConfig
+from runtime.heap import freeze_long_lived, unfreeze_long_lived
 from runtime.worker import Worker, WorkerPlan
 
 
@@ -33,6 +34,7 @@ class _WorkerActor:
 
     def allocate(self, num_pages: int) -> None:
         self.worker.allocate(num_pages)
+        freeze_long_lived(f"worker actor {os.getpid()}")  # loaded and captured: this process now only steps
 
     def execute(self, wire):
         """One step from the driver's delta (``cluster.dispatch``); a target rank's results go back as tuples, a
@@ -51,6 +53,7 @@ class _WorkerActor:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+        unfreeze_long_lived()
 
 
 class TargetShard(_WorkerActor):
