@@ -71,15 +71,19 @@ class ConfidenceScheduler:
             raise ValueError(f"confidence temperatures: {max_draft_len} positive values expected, got {temps}")
         self.max_draft_len, self.costs, self.min_gain = max_draft_len, costs, min_gain
         self.temperatures = np.asarray(temps[:max_draft_len], dtype=np.float64)
+        self.inverse_temperatures = 1.0 / self.temperatures
+        self.uncalibrated = bool((self.temperatures == 1.0).all())
         self.budget_per_request: float | None = None  # chosen from the previous step's confidences
         self.last: Decision | None = None
 
     def survival(self, confidence: np.ndarray) -> np.ndarray:
         """confidence [S, K] (0 where nothing was proposed) -> calibrated survival [S, K], non-increasing in k."""
         confidence = np.asarray(confidence, dtype=np.float64)
-        c = confidence.clip(1e-9, 1 - 1e-9)
-        logit = np.log(c) - np.log1p(-c)
-        calibrated = 1.0 / (1.0 + np.exp(-logit / self.temperatures[:c.shape[1]]))
+        if self.uncalibrated:  # temperature 1 everywhere: sigmoid(logit(c)) is c
+            return np.cumprod(np.maximum(confidence, 0.0), axis=1)
+        c = np.minimum(np.maximum(confidence, 1e-9), 1 - 1e-9)  # ufuncs: ndarray.clip costs ~5 us more per step
+        odds = (1.0 - c) / c  # sigmoid(logit(c) / T) = 1 / (1 + ((1 - c) / c) ** (1 / T))
+        calibrated = 1.0 / (1.0 + odds ** self.inverse_temperatures[:c.shape[1]])
         return np.cumprod(np.where(confidence > 0, calibrated, 0.0), axis=1)
 
     def allot(self, confidences: list[list[float]], other_requests: int = 0, other_tokens: int = 0) -> list[int]:

@@ -118,7 +118,7 @@ def _along_tokens_many(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndar
     extended outside them), at every entry of ``x``."""
     if len(xs) == 1:
         return np.full_like(x, ys[0])
-    k = np.searchsorted(xs, x).clip(1, len(xs) - 1)
+    k = np.minimum(np.maximum(np.searchsorted(xs, x), 1), len(xs) - 1)  # ufuncs: ndarray.clip costs ~5 us more
     x0, x1, y0, y1 = xs[k - 1], xs[k], ys[k - 1], ys[k]
     return np.maximum(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-6)
 
