@@ -1,12 +1,10 @@
-"""What a host-path switch of the graphs buys an autoregressive engine: the same engine (one ``runtime.LLM`` on a
-random-weight shape, CUDA graphs, FlashInfer) timed with the switch off and on, in alternating rounds of
-``cluster.bench.time_steps`` at each concurrency; the median round of each is kept with every round's step time.
-Switches (``--toggle``): ``plan_ahead`` (plan the next decode step's attention while the GPU runs this one;
-``plans_made_ahead``: the steps of the last round that skipped their plan) and ``pinned_inputs`` (the step's
-graph inputs copied through a pinned staging buffer rather than from pageable memory).
+"""What planning the next decode step's attention ahead buys an autoregressive engine: the same engine (one
+``runtime.LLM`` on a random-weight shape, CUDA graphs, FlashInfer) timed with its graphs' ``plan_ahead`` off and
+on, in alternating rounds of ``cluster.bench.time_steps`` at each concurrency; the median round of each is kept
+with every round's step time. ``plans_made_ahead``: the steps of the last round that skipped their plan.
 
-usage: python3 benchmarks/plan_ahead.py [--toggle plan_ahead] [--model-shape qwen3-8b] [--concurrency 1,16,64]
-                                        [--steps 30] [--rounds 3] [--out FILE.json]
+usage: python3 benchmarks/plan_ahead.py [--model-shape qwen3-8b] [--concurrency 1,16,64] [--steps 30]
+                                        [--rounds 3] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ from runtime import LLM
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--toggle", default="plan_ahead", choices=("plan_ahead", "pinned_inputs"))
     parser.add_argument("--model-shape", default="qwen3-8b", choices=sorted(MODEL_SHAPES))
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--steps", type=int, default=30)
@@ -50,7 +47,7 @@ def main() -> None:
         rounds = {"off": [], "on": []}
         for r in range(args.rounds):
             for mode in ("off", "on"):
-                setattr(graphs, args.toggle, mode == "on")
+                graphs.plan_ahead = mode == "on"
                 skipped = graphs.plans_skipped
                 row = time_steps(llm, c, args.prompt_len, args.steps, warmup=3, vocab=vocab, seed=r)
                 row["plans_made_ahead"] = graphs.plans_skipped - skipped
@@ -65,7 +62,6 @@ def main() -> None:
         print(json.dumps(run), flush=True)
         runs.append(run)
     record = {"hardware": torch.cuda.get_device_name(), "date": str(date.today()), "torch": torch.__version__,
-              "toggle": args.toggle,
               "command": "python3 benchmarks/plan_ahead.py " + shlex.join(sys.argv[1:]), "model": args.model_shape,
               "copy_bandwidth_gbs": copy_bandwidth(torch.device("cuda")) / 1e9, "runs": runs}
     if args.out:

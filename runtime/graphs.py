@@ -189,11 +189,6 @@ class GraphedTargetForward:
         self.q_lens = sorted(set(q_lens))
         width = max_batch * max(q_lens)
         self.inputs = torch.zeros(3, width, dtype=torch.int64, device=device)  # ids, positions, slots
-        # their host staging, pinned: the copy is a plain DMA queued on the stream (from pageable memory the driver
-        # stages it first); rewritten only once the previous step's copy has run (_inputs_copied)
-        self.inputs_host = torch.zeros(3, width, dtype=torch.int64, pin_memory=True)
-        self.pinned_inputs = True  # False: copy from pageable memory (benchmarks/plan_ahead.py --toggle compares)
-        self._inputs_copied: torch.cuda.Event | None = None
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # unused by FlashInfer's plan
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Graph] = {}
@@ -247,18 +242,10 @@ class GraphedTargetForward:
 
     def _write_inputs(self, reqs: list[ScheduledRequest], batch: int, q_len: int) -> HostLayout:
         """Copy the step's token ids, positions and slots (``graph_inputs``) into the graph's input buffer with one
-        non-blocking copy through the pinned staging buffer; returns the attention layout to plan."""
+        non-blocking copy from pageable memory (``runtime.transfer`` says why not pinned); returns the attention
+        layout to plan."""
         inputs, layout = graph_inputs(reqs, batch, q_len, self.page_size, self.scratch_page)
-        n = batch * q_len
-        if not self.pinned_inputs:
-            self.inputs[:, :n].copy_(torch.from_numpy(inputs), non_blocking=True)
-            return layout
-        if self._inputs_copied is not None:
-            self._inputs_copied.synchronize()  # the last step's copy ran long ago (its results were read back)
-        self.inputs_host[:, :n].numpy()[:] = inputs
-        self.inputs[:, :n].copy_(self.inputs_host[:, :n], non_blocking=True)
-        self._inputs_copied = torch.cuda.Event()
-        self._inputs_copied.record()
+        self.inputs[:, :batch * q_len].copy_(torch.from_numpy(inputs), non_blocking=True)
         return layout
 
     def _plan(self, layout: HostLayout, batch: int, q_len: int) -> None:
