@@ -9,7 +9,9 @@ Then (``--kinds``) the same for graphs of 36 launches of one kind of the engine'
 Triton skinny GEMM, the Triton RMSNorm, FlashInfer's decode attention): which kind makes a graph expensive to
 launch; and (``--model-shape``) the engine's own batch-1 decode graph on that random-weight shape.
 
-usage: python3 benchmarks/graph_launch.py [--kinds] [--model-shape qwen3-8b] [--out FILE.json]
+``--relaunch``: a graph launched again while it still runs, against another graph behind it.
+
+usage: python3 benchmarks/graph_launch.py [--kinds] [--relaunch] [--model-shape qwen3-8b] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -58,6 +60,36 @@ def launch_times(graph: torch.cuda.CUDAGraph, first: torch.cuda.Event | None, re
         device.append(1e3 * (first or before).elapsed_time(end))
     med = lambda v: sorted(v)[len(v) // 2] if v else None  # noqa: E731
     return {"host_launch_us": med(launch), "first_kernel_after_call_us": med(start_delay), "device_us": med(device)}
+
+
+def relaunch(nodes: int = 1000, repeats: int = 20) -> dict:
+    """Host microseconds of launching a graph while it still runs (the same executable graph twice in a row),
+    against launching another graph of the same kernels behind it: does the driver make the host wait?"""
+    x = torch.ones(4096, device="cuda")
+    first, other = capture(nodes, x, torch.cuda.Event(external=True)), capture(nodes, x, torch.cuda.Event(
+        external=True))
+    first.replay()
+    other.replay()
+    torch.cuda.synchronize()
+    out = {"kernels": nodes}
+    for name, second in (("same_graph", first), ("other_graph", other)):
+        launch, again = [], []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            a = time.perf_counter()
+            first.replay()
+            b = time.perf_counter()
+            second.replay()
+            launch.append(1e6 * (b - a))
+            again.append(1e6 * (time.perf_counter() - b))
+        out[name] = {"first_launch_us": sorted(launch)[repeats // 2], "second_launch_us": sorted(again)[repeats // 2]}
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    first.replay()
+    torch.cuda.synchronize()
+    out["graph_device_us"] = 1e6 * (time.perf_counter() - start)
+    print("relaunch", json.dumps(out), flush=True)
+    return out
 
 
 def kind_graphs(layers: int = 36) -> dict:
@@ -117,6 +149,7 @@ def engine_graph(shape: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", action="store_true", help="also graphs of 36 launches of each kernel kind")
+    parser.add_argument("--relaunch", action="store_true", help="also a graph launched again while it runs")
     parser.add_argument("--model-shape", help="also the engine's batch-1 decode graph on this random-weight shape")
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
@@ -126,6 +159,8 @@ def main() -> None:
         print(json.dumps(points[-1]), flush=True)
     record = {"hardware": torch.cuda.get_device_name(), "date": str(date.today()), "torch": torch.__version__,
               "command": "python3 benchmarks/graph_launch.py " + " ".join(sys.argv[1:]), "points": points}
+    if args.relaunch:
+        record["relaunch"] = relaunch()
     if args.kinds:
         record["kinds"] = kind_graphs()
     if args.model_shape:

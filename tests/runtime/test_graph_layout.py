@@ -90,3 +90,42 @@ def test_the_next_decode_layout_is_the_one_the_next_step_lays_out():
     assert upcoming == layout_of(after, batch=4, q_len=1)[0]
     at_boundary = [request("b", [21], start=3, pages=[3])]  # its next key (position 4) needs a page it lacks
     assert next_decode_layout(layout_of(at_boundary, batch=1, q_len=1)[0], [[3]], PS) is None
+
+
+def test_a_step_launched_ahead_serves_only_the_step_it_predicted():
+    """RunAhead.serves: the next step must be exactly the predicted one (same requests in order, each feeding the
+    token the step before committed at the predicted position and slot, greedy, nothing released or scrubbed)."""
+    import torch
+
+    from runtime.runner import RunAhead, key_slot, runs_ahead
+    from runtime.sampling_params import SamplingParams
+    from runtime.step_io import ScheduledBatch, ScheduledRequest
+
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)
+    pages = {"a": [3, 9], "b": [5]}
+
+    def req(rid, token, pos, params=greedy, page_ids=None):
+        return ScheduledRequest(rid, [token], pos, page_ids if page_ids is not None else pages[rid], 0, True,
+                                params, 0)
+
+    predicted = [req("a", 0, 17), req("b", 0, 6)]
+    ahead = RunAhead(predicted, [key_slot(r, 16) for r in predicted], torch.zeros(2, 1), torch.zeros(2, 3),
+                     fed=[41, 42])
+    assert ahead.slots == [9 * 16 + 1, 5 * 16 + 6]
+    assert ahead.serves(ScheduledBatch([req("a", 41, 17), req("b", 42, 6)], 0, False), 16)
+    for other in ([req("a", 41, 17)],  # a request left
+                  [req("b", 42, 6), req("a", 41, 17)],  # another order
+                  [req("a", 40, 17), req("b", 42, 6)],  # another token
+                  [req("a", 41, 18), req("b", 42, 6)],  # another position
+                  [req("a", 41, 17, page_ids=[3, 8]), req("b", 42, 6)],  # another slot
+                  [req("a", 41, 17, params=sampled), req("b", 42, 6)]):  # not the same (greedy) parameters
+        assert not ahead.serves(ScheduledBatch(other, 0, False), 16)
+    assert not ahead.serves(ScheduledBatch([req("a", 41, 17), req("b", 42, 6)], 0, False, ["c"]), 16)
+    assert not ahead.serves(ScheduledBatch([req("a", 41, 17), req("b", 42, 6)], 0, False, [], [7]), 16)
+    ahead.fed = [41, None]  # the step before faulted for b (or committed nothing)
+    assert not ahead.serves(ScheduledBatch([req("a", 41, 17), req("b", 42, 6)], 0, False), 16)
+    assert runs_ahead(req("a", 1, 3)) and not runs_ahead(req("a", 1, 3, params=sampled))
+    assert not runs_ahead(ScheduledRequest("a", [1, 2], 3, [3], 1, True, greedy, 0))  # a verify block
+    assert not runs_ahead(ScheduledRequest("a", [1], 3, [3], 0, True, SamplingParams(temperature=0.0, logprobs=2),
+                                           0))
+    assert key_slot(req("b", 0, 16), 16) is None  # its pages end before position 16
