@@ -1,13 +1,10 @@
-"""What a host-path switch buys an autoregressive engine: the same engine (one ``runtime.LLM`` on a random-weight
-shape, CUDA graphs, FlashInfer) timed with the switch off and on, in alternating rounds of
-``cluster.bench.time_steps`` at each concurrency; the median round of each is kept with every round's step time.
-Switches (``--toggle``): ``plan_ahead`` (the graphs plan the next decode step's attention while the GPU runs this
-one; ``plans_made_ahead``: the steps of the last round that skipped their plan) and ``run_ahead`` (the model
-runner launches the next greedy decode step behind this one before reading this one back,
-``runtime.runner.RunAhead``; the plan is made ahead either way).
+"""What planning the next decode step's attention ahead buys an autoregressive engine: the same engine (one
+``runtime.LLM`` on a random-weight shape, CUDA graphs, FlashInfer) timed with its graphs' ``plan_ahead`` off and
+on, in alternating rounds of ``cluster.bench.time_steps`` at each concurrency; the median round of each is kept
+with every round's step time. ``plans_made_ahead``: the steps of the last round that skipped their plan.
 
-usage: python3 benchmarks/plan_ahead.py [--toggle plan_ahead|run_ahead] [--model-shape qwen3-8b]
-                                        [--concurrency 1,16,64] [--steps 30] [--rounds 3] [--out FILE.json]
+usage: python3 benchmarks/plan_ahead.py [--model-shape qwen3-8b] [--concurrency 1,16,64] [--steps 30]
+                                        [--rounds 3] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from runtime import LLM
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--toggle", default="plan_ahead", choices=("plan_ahead", "run_ahead"))
     parser.add_argument("--model-shape", default="qwen3-8b", choices=sorted(MODEL_SHAPES))
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--steps", type=int, default=30)
@@ -42,18 +38,16 @@ def main() -> None:
     llm = LLM(str(target), dtype="bfloat16", device="cuda", kernel_backend="flashinfer", load_format="dummy",
               max_num_seqs=max(concurrency), max_model_len=args.prompt_len + 2048,
               kv_cache_memory=int(args.kv_cache_gib * 2**30), max_num_batched_tokens=max(2048, 2 * args.prompt_len))
-    graphs, runner = llm.engine.executor.worker.graphs, llm.engine.executor.worker.engine_part
+    graphs = llm.engine.executor.worker.graphs
     if graphs is None or not graphs.plan_ahead:
         raise SystemExit("plan_ahead: the engine runs no CUDA graphs that plan ahead (needs CUDA and flashinfer)")
-    if args.toggle == "plan_ahead":
-        runner.run_ahead = False  # the plan made ahead alone, as measured before steps ran ahead
     vocab = MODEL_SHAPES[args.model_shape]["vocab_size"]
     runs = []
     for c in concurrency:
         rounds = {"off": [], "on": []}
         for r in range(args.rounds):
             for mode in ("off", "on"):
-                setattr(graphs if args.toggle == "plan_ahead" else runner, args.toggle, mode == "on")
+                graphs.plan_ahead = mode == "on"
                 skipped = graphs.plans_skipped
                 row = time_steps(llm, c, args.prompt_len, args.steps, warmup=3, vocab=vocab, seed=r)
                 row["plans_made_ahead"] = graphs.plans_skipped - skipped
@@ -64,12 +58,10 @@ def main() -> None:
                "step_ms_rounds": {mode: [row["step_ms"] for row in rows] for mode, rows in rounds.items()},
                "host_attention_plan_ms": {m: median[m].get("host_attention_plan_ms") for m in median},
                "plans_made_ahead_last_round": rounds["on"][-1]["plans_made_ahead"],
-               "steps_run_ahead": runner.steps_run_ahead, "steps_ahead_dropped": runner.steps_ahead_dropped,
                "forward_ms": median["off"].get("forward_ms")}
         print(json.dumps(run), flush=True)
         runs.append(run)
     record = {"hardware": torch.cuda.get_device_name(), "date": str(date.today()), "torch": torch.__version__,
-              "toggle": args.toggle,
               "command": "python3 benchmarks/plan_ahead.py " + shlex.join(sys.argv[1:]), "model": args.model_shape,
               "copy_bandwidth_gbs": copy_bandwidth(torch.device("cuda")) / 1e9, "runs": runs}
     if args.out:

@@ -213,19 +213,12 @@ class GraphedTargetForward:
             return None
         return q_len
 
-    def run(self, reqs: list[ScheduledRequest], q_len: int, append_context: bool = False,
-            token_ids: torch.Tensor | None = None) -> GraphOutputs:
+    def run(self, reqs: list[ScheduledRequest], q_len: int, append_context: bool = False) -> GraphOutputs:
         """Replay the graph of ``len(reqs)`` requests (padded to a bucket) x ``q_len`` tokens, then, if asked and
-        captured, the drafter's context graph (padding rows write the scratch page of its cache too).
-        ``token_ids`` [len(reqs)] (one-token steps): the requests' tokens read on the device, in place of
-        ``token_ids`` of the requests (a step launched before the one before it was read back)."""
+        captured, the drafter's context graph (padding rows write the scratch page of its cache too)."""
         batch = next(b for b in self.buckets if b >= len(reqs))
         g = self.graphs[(batch, q_len)]
         layout = self._write_inputs(reqs, batch, q_len)
-        if token_ids is not None:
-            if q_len != 1:
-                raise ValueError(f"device token ids feed one-token steps only, not {q_len} tokens per request")
-            self.inputs[0, :len(reqs)].copy_(token_ids)  # queued after the host inputs' copy: overrides their ids
         if self.planned.get((batch, q_len)) == layout:
             self.plans_skipped += 1
         else:

@@ -11,8 +11,6 @@ logit gathers, the broadcast of draft features) and return nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -45,50 +43,6 @@ def attention_geometry(target: TargetModel) -> AttentionGeometry:
                              next(target.parameters()).dtype, attn.scale)
 
 
-@dataclass
-class RunAhead:
-    """A one-token decode step launched before it was scheduled, right behind the step before it: each request of
-    that step decodes the token that step commits, read on the device (greedy: the graph's argmax), at the next
-    position and slot (its pages allotted a token ahead, ``Scheduler.lookahead``). The host reads the step before
-    back, commits and schedules while the GPU already runs this one.
-
-    It serves the next ``execute`` only if that step is exactly this one (``serves``): the same requests in the
-    same order, each feeding the token the step before committed (``fed``, known once read back) at the predicted
-    position and slot, nothing released or scrubbed; otherwise it is dropped, its work wasted but harmless: it
-    wrote only the next key slot of requests that continue (rewritten with the same token by the real step, before
-    any read) or of requests that finished (never read again)."""
-
-    reqs: list[ScheduledRequest]  # the predicted step: token_ids placeholders, ids read on the device
-    slots: list[int]  # each request's predicted key slot
-    committed: torch.Tensor  # [S, 1] its committed tokens (a view of the graph's argmax: read before its next replay)
-    packed: torch.Tensor  # [S, 3] committed, accepted, faulty: its one device-to-host transfer
-    fed: list[int | None] | None = None  # the tokens the step before committed, per request (None: none or a fault)
-
-    def serves(self, batch: ScheduledBatch, page_size: int) -> bool:
-        if self.fed is None or batch.released_request_ids or batch.scrub_page_ids \
-                or len(batch.requests) != len(self.reqs):
-            return False
-        for real, predicted, token, slot in zip(batch.requests, self.reqs, self.fed, self.slots):
-            if token is None or real.request_id != predicted.request_id or real.token_ids != [token] \
-                    or real.start_position != predicted.start_position or real.params is not predicted.params \
-                    or not runs_ahead(real) or key_slot(real, page_size) != slot:
-                return False
-        return True
-
-
-def runs_ahead(req: ScheduledRequest) -> bool:
-    """Whether a request's one-token step can be launched before it is scheduled: greedy decoding with nothing
-    that needs its committed tokens on the host (no logprobs, no penalties)."""
-    return req.sample and req.num_drafts == 0 and len(req.token_ids) == 1 and req.params.greedy \
-        and req.params.logprobs is None and req.penalty_history is None
-
-
-def key_slot(req: ScheduledRequest, page_size: int) -> int | None:
-    """The cache slot of the request's first fed token (None when its pages do not reach it)."""
-    page = req.start_position // page_size
-    return req.page_ids[page] * page_size + req.start_position % page_size if page < len(req.page_ids) else None
-
-
 class ModelRunner:
     def __init__(self, target: TargetModel, spec: DSparkDecodingConfig | None, kernels: KernelBackend,
                  caches: KVCaches, page_size: int, device: torch.device, parallel: ParallelContext = SINGLE,
@@ -107,12 +61,6 @@ class ModelRunner:
         self.markov_rank = int(spec.markov_rank or 0) if spec else 0
         self.dtype = next(target.parameters()).dtype
         self.pending: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # request -> (h [K, d], low [K, r])
-        # autoregressive graphs launch each greedy one-token step's successor before reading it back (RunAhead)
-        self.run_ahead = graphs is not None and graphs.plan_ahead and spec is None and not parallel.is_parallel
-        self.ahead: RunAhead | None = None
-        self.steps_run_ahead = 0  # steps served by a step launched ahead
-        self.steps_ahead_dropped = 0  # steps launched ahead that the scheduler did not ask for
-        self.max_positions = int(target.config.max_position_embeddings)
 
     @property
     def is_leader(self) -> bool:
@@ -120,12 +68,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
-        ahead, self.ahead = self.ahead, None  # a step launched ahead serves this call or none
-        if ahead is not None:
-            if ahead.serves(batch, self.page_size):
-                self.steps_run_ahead += 1
-                return self._finish_ahead(ahead)
-            self.steps_ahead_dropped += 1
         for request_id in batch.released_request_ids:
             self.pending.pop(request_id, None)
         scrub_pages(self.caches, batch.scrub_page_ids, self.device)
@@ -165,58 +107,18 @@ class ModelRunner:
             return []
         with region("dspark.results"):
             logprobs = logprob_source.top(committed) if logprob_source is not None else None
-            packed, k = self._pack(committed, accepted, faulty, proposal)
-            if self.run_ahead and graphed is not None and q_len == 1 and len(entries) == len(reqs) \
-                    and all(runs_ahead(r) for r in reqs):
-                self.ahead = self._launch_ahead(reqs, committed)  # queued behind this step, before its read-back
-            results = self._unpack(reqs, entries, packed.tolist(), committed.shape[1], k, logprobs)
-        return self._after_results(results, graphed is not None)
-
-    def _after_results(self, results: list[RequestStepResult], graphed: bool) -> list[RequestStepResult]:
-        if self.ahead is not None:  # what the step launched ahead should have been fed
-            self.ahead.fed = [r.token_ids[0] if len(r.token_ids) == 1 and r.error is None else None for r in results]
-        if graphed and any(r.error is not None for r in results):
+            results = self._results(reqs, entries, committed, accepted, faulty, proposal, logprobs)
+        if graphed is not None and any(r.error is not None for r in results):
             # a faulted request's padding tokens may have left NaN keys in the graphs' scratch page, whose slots
             # other requests' padded key ranges read masked (0 x NaN is NaN): zero it before the next step (its own
-            # pages are scrubbed when it is finished; a step launched ahead before this is dropped, as the faulted
-            # request leaves the batch)
+            # pages are scrubbed when it is finished)
             scrub_pages(self.caches, [self.graphs.scratch_page], self.device)
             if self.channel is not None:
                 self.channel.scrub([self.graphs.scratch_page])
         return results
 
-    # ---- running ahead ------------------------------------------------------------------------
-
-    def _launch_ahead(self, reqs: list[ScheduledRequest], committed: torch.Tensor) -> RunAhead | None:
-        """Launch the step after ``reqs`` (each request decodes its committed token [S, 1], on the device), or None
-        when a request's pages or positions do not reach its next token."""
-        predicted, slots = [], []
-        for r in reqs:
-            nxt = ScheduledRequest(r.request_id, [0], r.end_position, r.page_ids, 0, True, r.params, r.seed)
-            slot = key_slot(nxt, self.page_size)
-            if slot is None or nxt.start_position >= self.max_positions:
-                return None
-            predicted.append(nxt)
-            slots.append(slot)
-        graphed = self.graphs.run(predicted, 1, token_ids=committed[:, 0])
-        n = len(predicted)
-        committed, accepted, faulty, _ = self._verify(predicted, graphed.hidden, list(range(1, n + 1)),
-                                                      list(range(n)), graphed)
-        packed, _ = self._pack(committed, accepted, faulty, None)
-        return RunAhead(predicted, slots, committed, packed)
-
-    def _finish_ahead(self, ahead: RunAhead) -> list[RequestStepResult]:
-        """The step launched ahead is the one asked for: launch its successor behind it, then read it back."""
-        with region("dspark.results"):
-            if self.run_ahead:
-                self.ahead = self._launch_ahead(ahead.reqs, ahead.committed)
-            results = self._unpack(ahead.reqs, ahead.reqs, ahead.packed.tolist(), 1, 0, None)
-        return self._after_results(results, True)
-
-    # ---- results ------------------------------------------------------------------------------
-
-    def _pack(self, committed, accepted, faulty, proposal: Proposal | None) -> tuple[torch.Tensor, int]:
-        """-> (the step's results as one device tensor [S, K+1 + 2 (+ the next block)], drafts per block)."""
+    def _results(self, reqs, entries, committed, accepted, faulty, proposal: Proposal | None,
+                 logprobs: dict[int, list[list[TokenLogprob]]] | None = None) -> list[RequestStepResult]:
         parts = [committed, accepted[:, None], faulty[:, None].to(committed.dtype)]
         k = 0
         if proposal is not None and proposal.tokens is not None:
@@ -224,11 +126,8 @@ class ModelRunner:
             parts += [proposal.tokens, proposal.lengths[:, None]]
             if proposal.confidence is not None:  # c * 2^24 as integers: the same single transfer
                 parts.append(confidence_as_ints(proposal.confidence))
-        return torch.cat(parts, dim=1), k
-
-    def _unpack(self, reqs, entries, host: list[list[int]], width: int, k: int,
-                logprobs: dict[int, list[list[TokenLogprob]]] | None = None) -> list[RequestStepResult]:
-        """The step's read-back rows (``_pack``'s, as lists) -> one result per request of ``reqs``."""
+        host = torch.cat(parts, dim=1).tolist()  # the step's one device-to-host transfer
+        width = committed.shape[1]
         sampled = {}
         for i, (entry, row) in enumerate(zip(entries, host)):
             a, bad = row[width], row[width + 1]

@@ -212,8 +212,6 @@ class Worker:
                 "graph_capture_s": round(self.graphs.capture_seconds, 2) if self.graphs is not None else None,
                 "graph_replays": self.graphs.replays if self.graphs is not None else 0,
                 "plans_made_ahead": self.graphs.plans_skipped if self.graphs is not None else 0,
-                "steps_run_ahead": getattr(self.engine_part, "steps_run_ahead", 0),
-                "steps_ahead_dropped": getattr(self.engine_part, "steps_ahead_dropped", 0),
                 "small_gemms": self.small_gemms.as_dict() if self.small_gemms is not None else None,
                 "draft_graphs": self.graphs is not None and self.plan.holds_drafter and self.spec is not None,
                 "holds_drafter": self.plan.holds_drafter and self.spec is not None,
