@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The multi-node rehearsal on one host: two Ray nodes with disjoint GPU sets (or CPUs), a replica spanning both,
-# its output checked against the single-process engine (benchmarks/two_node_check.py). From the checkout root with
+# its output checked against the single-process engine, and its ms per token against the same replica on one node
+# where one node holds it (benchmarks/two_node_check.py). From the checkout root with
 # .whl-ray and .whl-fi carried (benchmarks/gpu_host.sh installs them):
 #   bash benchmarks/two_node_rehearsal.sh OUT [cuda|cpu] [TP] [colocated|separate]
 # cuda (default): the head node gets the first half of the GPUs, the second node the rest, each `ray start` with

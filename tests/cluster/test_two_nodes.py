@@ -39,3 +39,17 @@ def test_a_replica_spanning_two_nodes_equals_the_single_process_engine(two_nodes
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
         nodes = {info["node"] for info in llm.rank_info()}
         assert len(nodes) == 2 and llm.get_metrics()["num_drafts"] > 0
+
+
+def test_the_rehearsal_check_measures_crossing_nodes_against_one_node(two_nodes, tmp_path):
+    """benchmarks/two_node_check.py's record on this two-node cluster: a TP=2 replica spread over both nodes and the
+    same replica packed on the head node (2 CPUs) both equal the single-process engine; the record has the cost of
+    crossing nodes. A replica no node can hold records why it has no one-node figure."""
+    from benchmarks.two_node_check import check
+
+    record = check(tmp_path / "a", "cpu", 2, "colocated", None)
+    assert record["outputs_equal"] and record["one_node_outputs_equal"]
+    assert record["nodes"] == 2 and len({r["node"] for r in record["one_node_ranks"]}) == 1
+    assert record["crossing_vs_one_node"] > 0
+    spread = check(tmp_path / "b", "cpu", 2, "separate", None)  # three processes: no node holds them
+    assert spread["outputs_equal"] and spread["one_node"].startswith("not measured: placement_strategy STRICT_PACK")
