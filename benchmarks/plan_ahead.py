@@ -3,8 +3,10 @@
 on, in alternating rounds of ``cluster.bench.time_steps`` at each concurrency; the median round of each is kept
 with every round's step time. ``plans_made_ahead``: the steps of the last round that skipped their plan.
 
+``--profile``: each mode's GPU idle time per step and its largest gaps (``cluster.bench.gpu_gaps``).
+
 usage: python3 benchmarks/plan_ahead.py [--model-shape qwen3-8b] [--concurrency 1,16,64] [--steps 30]
-                                        [--rounds 3] [--out FILE.json]
+                                        [--rounds 3] [--profile] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench import MODEL_SHAPES, copy_bandwidth, time_steps, write_shape
+from cluster.bench import MODEL_SHAPES, copy_bandwidth, profile_step, time_steps, write_shape
 from runtime import LLM
 
 
@@ -31,6 +33,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--kv-cache-gib", type=float, default=16.0)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile 5 steps of each mode (torch.profiler): the GPU's idle time per step and "
+                             "its largest gaps, with the activities either side")
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -59,6 +64,13 @@ def main() -> None:
                "host_attention_plan_ms": {m: median[m].get("host_attention_plan_ms") for m in median},
                "plans_made_ahead_last_round": rounds["on"][-1]["plans_made_ahead"],
                "forward_ms": median["off"].get("forward_ms")}
+        if args.profile:
+            run["profile"] = {}
+            for mode in ("off", "on"):
+                graphs.plan_ahead = mode == "on"
+                prof = profile_step(llm, c, args.prompt_len, vocab)
+                run["profile"][mode] = {k: prof[k] for k in ("kernels_per_step", "gpu_idle_ms_per_step",
+                                                             "largest_gpu_gaps")}
         print(json.dumps(run), flush=True)
         runs.append(run)
     record = {"hardware": torch.cuda.get_device_name(), "date": str(date.today()), "torch": torch.__version__,

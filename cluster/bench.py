@@ -457,12 +457,30 @@ def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None
         plain.unlink()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.device_time for e in kernels) / 5 / 1e3
+    idle = gpu_gaps([(e.time_range.start, e.time_range.end, e.name) for e in kernels], steps=5)
     top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:12]
     host = {e.key: round(e.cpu_time_total / 5 / 1e3, 3) for e in prof.key_averages()
             if e.key.startswith(("dspark.", "cuda")) and e.cpu_time_total > 0}
-    return {"kernels_per_step": len(kernels) / 5, "gpu_busy_ms_per_step": busy, "host_ms_per_step": host,
+    return {"kernels_per_step": len(kernels) / 5, "gpu_busy_ms_per_step": busy, **idle, "host_ms_per_step": host,
             "top_kernels": [{"name": e.key[:80], "ms_per_step": e.device_time_total / 5 / 1e3, "calls": e.count / 5}
                             for e in top]}
+
+
+def gpu_gaps(intervals: list[tuple[float, float, str]], steps: int, largest: int = 8) -> dict:
+    """Where the GPU idles: device activities (start us, end us, name; kernels, copies) of ``steps`` profiled steps
+    -> the idle milliseconds per step between the first activity's start and the last one's end (``gpu_idle_ms_per_
+    step``, time covered by no activity) and the ``largest`` gaps with the activities either side of each."""
+    spans = sorted(intervals)
+    gaps, reach, last = [], None, None
+    for start, end, name in spans:
+        if reach is not None and start > reach:
+            gaps.append((start - reach, last, name))
+        if reach is None or end > reach:
+            reach, last = end, name
+    top = sorted(gaps, key=lambda g: g[0], reverse=True)[:largest]
+    return {"gpu_idle_ms_per_step": sum(g[0] for g in gaps) / steps / 1e3,
+            "largest_gpu_gaps": [{"us": round(us, 1), "after": before[:60], "before": after[:60]}
+                                 for us, before, after in top]}
 
 
 def end_to_end_prompts(args, prompts: list[list[int]] | None, vocab: int, count: int | None = None) -> list[list[int]]:

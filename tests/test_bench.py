@@ -181,3 +181,15 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
         assert "roofline_fraction" not in row and "ar_forward_ms" not in row
     assert len(record["mixed_workload"]["confidence"]["tokens_per_s_rounds"]) == 3
     assert record["mixed_confidence_vs_tuned"] > 0
+
+
+def test_gpu_gaps_sum_the_time_no_device_activity_covers():
+    from cluster.bench import gpu_gaps
+
+    # two steps: a graph's kernels overlapping, a copy, then 30 us of nothing before the next step's kernel
+    spans = [(0, 10, "gemm"), (5, 12, "norm"), (12, 15, "memcpy"), (45, 60, "gemm"), (70, 71, "argmax")]
+    gaps = gpu_gaps(spans, steps=2)
+    assert gaps["gpu_idle_ms_per_step"] == (30 + 10) / 2 / 1e3
+    assert gaps["largest_gpu_gaps"][0] == {"us": 30, "after": "memcpy", "before": "gemm"}
+    assert gaps["largest_gpu_gaps"][1] == {"us": 10, "after": "gemm", "before": "argmax"}
+    assert gpu_gaps([], steps=1) == {"gpu_idle_ms_per_step": 0.0, "largest_gpu_gaps": []}
