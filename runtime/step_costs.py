@@ -2,7 +2,10 @@
 
 A grid of measured step times (``batch_sizes`` x ``token_counts``, milliseconds, NaN where nothing was measured)
 predicts any (batch, tokens) by linear interpolation in tokens within the two nearest measured batch rows (then
-between them); outside the measured range it extrapolates the nearest row's last slope. Every step the engine
+between them); outside the measured range it extrapolates the nearest row's last slope. Within a row, a cell is
+read as at least the cells of fewer tokens (a running maximum): feeding more tokens never makes a step cheaper, so
+a dip is measurement noise (a host-bound step's timing jitter, a cell measured from few steps), and taken at face
+value it would tell the scheduler that verifying fewer drafts saves time where it costs none. Every step the engine
 serves is an observation: the grid cell nearest to it moves toward the measured time (an exponential moving
 average), so the table follows the hardware and the load it actually sees, mixed prefill + decode steps included.
 JSON (``to_json`` / ``from_json``): ``{"batch_sizes": [...], "token_counts": [...], "step_ms": [[...], ...]}``,
@@ -97,11 +100,15 @@ class StepCostTable:
         x = np.asarray(tokens, dtype=np.float64)
         if k == 0 or k == len(rows) or sizes[k] == batch:
             i, xs, cells = rows[min(k, len(rows) - 1)]
-            return _along_tokens_many(xs, self.step_ms[i, cells], x)
+            return _along_tokens_many(xs, self._monotone(i, cells), x)
         (i0, xs0, cells0), (i1, xs1, cells1) = rows[k - 1], rows[k]
         f = (batch - sizes[k - 1]) / (sizes[k] - sizes[k - 1])
-        return (1 - f) * _along_tokens_many(xs0, self.step_ms[i0, cells0], x) + \
-            f * _along_tokens_many(xs1, self.step_ms[i1, cells1], x)
+        return (1 - f) * _along_tokens_many(xs0, self._monotone(i0, cells0), x) + \
+            f * _along_tokens_many(xs1, self._monotone(i1, cells1), x)
+
+    def _monotone(self, row: int, cells: np.ndarray) -> np.ndarray:
+        """The row's measured cells as read: each at least every cell of fewer tokens (see the module doc)."""
+        return np.maximum.accumulate(self.step_ms[row, cells])
 
     def _measured_rows(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """(row, its measured token counts, their column indices) of every row with a measured cell; cached until

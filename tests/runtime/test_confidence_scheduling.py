@@ -4,6 +4,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -179,3 +180,20 @@ def test_sampled_outputs_keep_the_target_distribution_with_scheduling_on(tmp_pat
     stats = llm.get_metrics()["confidence_scheduling"]
     assert 0 < stats["mean_verify_budget_per_request"] < stats["mean_offered_per_request"]  # really trimmed
     assert tv < bound, f"TV {tv:.3f} >= bound {bound:.3f}"
+
+
+def test_a_dip_in_a_noisy_row_is_read_as_its_running_maximum():
+    """A host-bound target's profiled row wobbles (run 21's batch-1 row: 1.49 1.65 1.70 1.65 1.68 1.68 1.62 1.50 ms
+    for 1..8 tokens). Read as measured, a dip (here 4 tokens at 1.10 ms) says a step of 3 drafts is far cheaper
+    than one of 7, and the scheduler would trim every block to 3 for nothing. Read as a running maximum, the row
+    never falls; the scheduler verifies whole blocks of likely drafts, as the (nearly flat) cost says."""
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    row = [1.49, 1.65, 1.70, 1.10, 1.68, 1.68, 1.72, 1.73]
+    table = StepCostTable([1], tokens, [row])
+    predicted = table.predict_ms_many(1, np.arange(1, 9))
+    assert (np.diff(predicted) >= 0).all() and predicted[3] == pytest.approx(1.70)
+    assert table.step_ms[0].tolist() == row  # what was measured is kept (and saved) as measured
+    scheduler = ConfidenceScheduler(7, table)
+    likely = [[0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5]]
+    scheduler.allot(likely)
+    assert scheduler.allot(likely) == [7]
