@@ -958,7 +958,8 @@ def add_parser(commands) -> None:
                        "default: random token ids")
     bench.add_argument("--plot", help="also draw speedup and tokens/s against concurrency into this PNG "
                        "(needs matplotlib: pip install 'dspark[bench]')")
-    bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 steps")
+    bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 steps: kernels per "
+                       "step, GPU busy and idle time per step, the largest GPU gaps, host time per region")
     bench.add_argument("--profile-trace", help="with --profile: also write each profile's timeline (Chrome trace, "
                        "gzip) into this folder")
     bench.add_argument("--out", help="write the JSON record here (default: print it)")
