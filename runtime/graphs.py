@@ -250,8 +250,10 @@ class GraphedTargetForward:
 
     def _plan(self, layout: HostLayout, batch: int, q_len: int) -> None:
         """Plan the (batch, q_len) graph's wrapper for ``layout``. FlashInfer stages a plan in a pinned host buffer
-        and copies it on the stream: the previous plan's copy must have run before the buffer is written again
-        (it has, unless a plan was made ahead right after its launch: then this waits microseconds)."""
+        and copies it on the stream (and the graph wrapper stages its page table in pinned memory): the previous
+        plan's copies must have run before those buffers are written again. They have, unless that plan was made
+        ahead right after a launch: its copies queue behind that step's graph, and this waits for the graph, which
+        the step's read-back waits for anyway."""
         if self._plan_copied is not None:
             self._plan_copied.synchronize()
         self.backend.plan_attention(self._meta(layout, batch, q_len), self.graphs[(batch, q_len)].wrapper)
