@@ -712,19 +712,15 @@ def run(args) -> dict:
     if args.tune_schedule:
         record["tuned_schedule"] = tuned = tune(args, engine_class, target, spec, common, rows, vocab, shape,
                                                 sweep_prompts)
-        schedule = tuned.get("schedule")
-        capped = {"draft_len_schedule": schedule} if schedule is not None else {}
-        after = [("tuned", {**spec, **capped})] if schedule is not None else []  # the tuned schedule as an engine
+        capped = {"draft_len_schedule": tuned["schedule"]}
+        after = [("tuned", {**spec, **capped})]  # the tuned schedule as an engine
+        record["schedules"]["tuned"] = "tuned"
         if confidence_after_tuning:  # beside the scheduler within it, measured in alternating rounds
             after.append(("confidence", {**spec, **capped, "enable_confidence_scheduling": True}))
-            record["schedules"]["confidence"] = "confidence within the tuned schedule" if capped else \
-                "confidence within max_draft_len (tuning gave no schedule)"
-        if schedule is not None:
-            record["schedules"]["tuned"] = "tuned"
-        if len(after) == 2:
+            record["schedules"]["confidence"] = "confidence within the tuned schedule"
             paired(after)
-        for kind, speculative in after if len(after) == 1 else []:
-            sweep(kind, speculative, {})
+        else:
+            sweep(*after[0], {})
     mixed_runs = record.get("mixed_workload", {})
     if "confidence" in mixed_runs and "tuned" in mixed_runs:  # measured in alternating rounds, median each
         record["mixed_confidence_vs_tuned"] = mixed_runs["confidence"]["tokens_per_s"] / mixed_runs["tuned"][
@@ -789,7 +785,7 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
     ``args.tune_schedule`` as a config fragment ``dspark serve --config`` reads. -> the record's ``tuned_schedule``."""
     import torch
 
-    from cluster.schedule_tuning import Candidate, best_draft_lengths, projected_tau, schedule_from
+    from cluster.schedule_tuning import Candidate, accepted_schedule, best_draft_lengths, projected_tau
     from runtime.heap import freeze_long_lived, unfreeze_long_lived
 
     top = args.max_draft_len
@@ -831,12 +827,10 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
                            "vs_autoregressive": b.tokens_per_s / next(
                                x.tokens_per_s for x in candidates if x.concurrency == c and x.draft_len == 0)}
                        for c, b in best.items()}}
-    try:
-        schedule = schedule_from({c: b.draft_len for c, b in best.items()}, top)
-    except ValueError as exc:
-        result["error"] = str(exc)
-        print(f"dspark bench: --tune-schedule: {exc}", file=sys.stderr)
-        return result
+    schedule, finding = accepted_schedule(best, candidates, top)
+    if finding is not None:  # the best schedule the engine accepts, with what its first entry costs
+        result["finding"] = finding
+        print(f"dspark bench: --tune-schedule: {finding}", file=sys.stderr)
     speculative = {"max_draft_len": top, "draft_len_schedule": schedule}
     engine = {"speculative_config": speculative}
     if not shape:
@@ -942,7 +936,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--projected-tau-source", default="", help="where --projected-tau was measured (recorded)")
     bench.add_argument("--tune-schedule", metavar="FILE", help="also time every shorter draft length and write the "
                        "draft_len_schedule with the most tokens/s at each concurrency to FILE (a config fragment for "
-                       "dspark serve --config); the sweep must include concurrency 1")
+                       "dspark serve --config; at the smallest concurrency max_draft_len, as the engine requires, "
+                       "the record saying what that costs where a shorter length is faster); the sweep must "
+                       "include concurrency 1")
     bench.add_argument("--acceptance-per-position", type=acceptance_list, help="a trained pair's acceptance per "
                        "draft position (comma-separated, max_draft_len values): --tune-schedule on a --model-shape "
                        "projects tau from it")

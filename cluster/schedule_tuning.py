@@ -8,8 +8,10 @@ acceptance (``1 + a_1 + ... + a_k``, ``a_i`` the share of blocks whose first i d
 The schedule is written in the engine's own format (``DSparkDecodingConfig.draft_len_schedule``: keys are
 batch-size upper bounds, above the largest key 0): each measured concurrency maps to its best length, equal
 neighbours merge into the larger key, and trailing zeros are dropped (0 is the default above the last key). The
-smallest key must map to ``max_draft_len`` (the engine's rule); when the best length at the smallest concurrency
-is another one, tuning fails with that finding rather than writing a schedule the engine would refuse.
+smallest key must map to ``max_draft_len`` (the engine's rule). When the best length at the smallest concurrency
+is another one, ``schedule_from`` refuses, and ``accepted_schedule`` gives the best schedule the engine accepts:
+``max_draft_len`` there, the best lengths elsewhere, with the finding (what that costs at that concurrency, and
+that a drafter trained for the shorter block would serve it better) for the record.
 """
 
 from __future__ import annotations
@@ -58,3 +60,22 @@ def schedule_from(best: dict[int, int], max_draft_len: int) -> dict[int, int]:
     while len(merged) > 1 and merged[max(merged)] == 0:
         del merged[max(merged)]
     return merged
+
+
+def accepted_schedule(best: dict[int, Candidate], candidates: list[Candidate],
+                      max_draft_len: int) -> tuple[dict[int, int], str | None]:
+    """The best ``draft_len_schedule`` the engine accepts -> (schedule, None), or, when the fastest length at the
+    smallest concurrency is not ``max_draft_len``, (the schedule with ``max_draft_len`` there, the finding: the
+    tokens/s that costs at that concurrency, from ``candidates``)."""
+    lengths = {c: b.draft_len for c, b in best.items()}
+    first = min(lengths)
+    if lengths[first] == max_draft_len:
+        return schedule_from(lengths, max_draft_len), None
+    forced = next((c for c in candidates if c.concurrency == first and c.draft_len == max_draft_len), None)
+    cost = f" ({forced.tokens_per_s / best[first].tokens_per_s:.2f}x its tokens/s)" if forced is not None else ""
+    better = "decoding without a drafter" if lengths[first] == 0 else \
+        f"a drafter trained for a block of {lengths[first]}"
+    finding = (f"at concurrency {first} the fastest draft length is {lengths[first]}, but a schedule starts at "
+               f"max_draft_len={max_draft_len}, which this schedule uses there{cost}; {better} would serve that "
+               f"load better")
+    return schedule_from({**lengths, first: max_draft_len}, max_draft_len), finding

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.schedule_tuning import Candidate, best_draft_lengths, projected_tau, schedule_from
+from cluster.schedule_tuning import Candidate, accepted_schedule, best_draft_lengths, projected_tau, schedule_from
 from configs import DSparkDecodingConfig
 
 ACCEPT = [0.69, 0.48, 0.34, 0.25, 0.18, 0.13, 0.10]
@@ -40,6 +40,23 @@ def test_ties_go_to_the_shorter_draft_and_a_schedule_must_start_at_max_draft_len
     with pytest.raises(ValueError, match="fastest draft length is 0, not max_draft_len=3"):
         schedule_from({1: 0, 4: 0}, 3)
     assert schedule_from({1: 3, 8: 3}, 3) == {8: 3}
+
+
+def test_the_accepted_schedule_starts_at_max_draft_len_and_says_what_that_costs():
+    """Run 21's finding: one request decodes fastest without drafts, busier steps with 5 of 7. The engine accepts
+    only a schedule starting at max_draft_len, so that is the tuned engine (and the confidence scheduler's cap),
+    with the finding recorded, rather than no tuned engine at all."""
+    candidates = [Candidate(1, 0, 0.69, 1.0), Candidate(1, 7, 1.50, 1.83), Candidate(64, 0, 1.69, 1.0),
+                  Candidate(64, 5, 2.47, 2.78), Candidate(64, 7, 3.78, 3.14), Candidate(256, 5, 5.36, 2.75),
+                  Candidate(256, 7, 9.61, 3.16)]
+    best = best_draft_lengths(candidates)
+    schedule, finding = accepted_schedule(best, candidates, 7)
+    assert schedule == {1: 7, 256: 5}
+    assert finding.startswith("at concurrency 1 the fastest draft length is 0, but a schedule starts at "
+                              "max_draft_len=7") and "(0.84x its tokens/s); decoding without a drafter" in finding
+    DSparkDecodingConfig(speculative_model="x", max_draft_len=7, draft_len_schedule=schedule)  # the engine's rule
+    trained_longer = [Candidate(1, 0, 1.0, 1.0), Candidate(1, 7, 1.2, 2.5)] + candidates[5:]  # drafting pays at 1
+    assert accepted_schedule(best_draft_lengths(trained_longer), trained_longer, 7) == ({1: 7, 256: 5}, None)
 
 
 def test_the_written_fragment_is_a_serve_config(tmp_path, qwen3_target, make_drafter):
