@@ -57,7 +57,7 @@ def launch_times(graph: torch.cuda.CUDAGraph, first: torch.cuda.Event | None, re
         end.synchronize()
         if first is not None:
             start_delay.append(1e3 * before.elapsed_time(first))
-        device.append(1e3 * (first or before).elapsed_time(end))
+        device.append(1e3 * (first if first is not None else before).elapsed_time(end))
     med = lambda v: sorted(v)[len(v) // 2] if v else None  # noqa: E731
     return {"host_launch_us": med(launch), "first_kernel_after_call_us": med(start_delay), "device_us": med(device)}
 

@@ -181,7 +181,7 @@ class GraphedTargetForward:
         self.plan_ahead = plan_ahead
         self.planned: dict[tuple[int, int], HostLayout] = {}  # per graph: the layout its wrapper is planned for
         self.plans_skipped = 0  # steps whose plan was made ahead
-        self._plan_copied: torch.cuda.Event | None = None  # the last plan's host-to-device copies
+        self._plan_copied = torch.cuda.Event()  # recorded after each plan's host-to-device copies
         self.append_context = append_context
         self.page_size, self.scratch_page, self.device = page_size, scratch_page, device
         self.buckets = batch_buckets(max_batch)
@@ -254,10 +254,8 @@ class GraphedTargetForward:
         plan's copies must have run before those buffers are written again. They have, unless that plan was made
         ahead right after a launch: its copies queue behind that step's graph, and this waits for the graph, which
         the step's read-back waits for anyway."""
-        if self._plan_copied is not None:
-            self._plan_copied.synchronize()
+        self._plan_copied.synchronize()  # (returns at once before its first record)
         self.backend.plan_attention(self._meta(layout, batch, q_len), self.graphs[(batch, q_len)].wrapper)
-        self._plan_copied = torch.cuda.Event()
         self._plan_copied.record()
         self.planned[(batch, q_len)] = layout
 
