@@ -83,3 +83,22 @@ def test_moe_layer_benchmark_smoke(tmp_path):
     assert set(runs) == {(t, b) for t in (1, 8) for b in ("VANILLA", "DENSEGEMM")}
     assert all(r["max_abs_diff_vs_vanilla"] < 1e-5 for r in runs.values())
     assert runs[(1, "VANILLA")]["experts_woken"] == 2 and "eager_vs_densegemm" in runs[(8, "VANILLA")]
+
+
+def test_tp_scaling_ratios_pair_each_layout_with_its_reference_and_skip_what_the_host_cannot_hold():
+    from benchmarks import tp_scaling
+
+    names = [(name, need, flags is None) for name, flags, need in tp_scaling.layouts([1, 2, 4], True, gpus=2)]
+    assert names == [("single-process", 1, False), ("ray-tp1", 1, False), ("ray-tp2", 2, False),
+                     ("ray-tp1-separate", 2, False), ("ray-tp4", 4, True)]
+    records = {
+        "single-process": {"runs": [{"concurrency": 1, "ar_step_ms": 5.0, "dspark_step_ms": 6.0}]},
+        "ray-tp1": {"runs": [{"concurrency": 1, "ar_step_ms": 5.5, "dspark_step_ms": 6.6}]},
+        "ray-tp2": {"runs": [{"concurrency": 1, "ar_step_ms": 3.3, "dspark_step_ms": 4.4}]},
+        "ray-tp1-separate": {"runs": [{"concurrency": 1, "step_vs_colocated": 1.02,
+                                       "throughput_vs_colocated": 0.98}]},
+    }
+    got = tp_scaling.ratios(records, [1, 2, 4])[1]
+    assert got == {"tp2_vs_tp1_ar_step": 0.6, "tp2_vs_tp1_dspark_step": round(4.4 / 6.6, 4),
+                   "ray_tp1_vs_single_process_ar_step": 1.1, "ray_tp1_vs_single_process_dspark_step": 1.1,
+                   "separate_step_vs_colocated": 1.02, "separate_throughput_vs_colocated": 0.98}
