@@ -33,11 +33,6 @@ from runtime.small_gemm import SmallGemmReport, install_small_gemms
 from runtime.step_io import ScheduledBatch
 
 DRAFTER_MODES = ("colocated", "separate")
-# CUDA graphs under tensor parallelism (the NCCL all-reduces and the LM head's vocab-parallel max/argmax captured
-# inside every rank's graphs) are built but stay off until tests/gpu/test_cuda.py::
-# test_tp2_cuda_graphs_equal_the_eager_replica has passed on two GPUs (no two-GPU machine was lent since they were
-# written): until then TP > 1 runs eagerly, as it always has. Set True in the commit that records that pass.
-TP_GRAPHS_VALIDATED = False
 log = logging.getLogger(__name__)
 
 
@@ -194,9 +189,9 @@ class Worker:
         """Graphs need the flashinfer kernels (host-planned attention), a GPU, an MoE backend a graph can capture
         (VANILLA reads expert choices back to the host), and under tensor parallelism NCCL (its all-reduces and
         the LM head's max/argmax gather are captured inside the graphs; every rank captures and replays the same
-        graphs in the same order; off until ``TP_GRAPHS_VALIDATED``). A separate drafter's process runs eagerly."""
-        collectives_ok = self.plan.tp_size == 1 or (TP_GRAPHS_VALIDATED
-                                                    and dist.get_backend(self.parallel.group) == "nccl")
+        graphs in the same order; validated on two H200s by tests/gpu/test_cuda.py). A separate drafter's process
+        runs eagerly."""
+        collectives_ok = self.plan.tp_size == 1 or dist.get_backend(self.parallel.group) == "nccl"
         return (self.plan.role == "target" and self.kernel_backend == "flashinfer" and not self.config.enforce_eager
                 and self.device.type == "cuda" and collectives_ok
                 and all(b in (None, "none") or b in GRAPH_SAFE for b in (self.moe_backend, self.draft_moe_backend)))

@@ -6,7 +6,6 @@ import torch
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.worker import TP_GRAPHS_VALIDATED
 
 pytestmark = pytest.mark.gpu
 
@@ -69,8 +68,6 @@ def wide_target(checkpoints):
                                 intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2, head_dim=128)
 
 
-@pytest.mark.xfail(not TP_GRAPHS_VALIDATED, strict=True, reason="TP graphs stay off (eager) until this test "
-                   "passes on two GPUs with runtime.worker.TP_GRAPHS_VALIDATED set")
 def test_tp2_cuda_graphs_equal_the_eager_replica(ray_gpus, wide_target, make_drafter):
     """TP=2 over NCCL with FlashInfer in bf16: each rank captures its graphs (all-reduces and the LM head's
     max/argmax gather inside), and the graphed replica gives the eager replica's tokens, greedy and sampled (a
