@@ -4,23 +4,27 @@ DSpark paper, Algorithm 1, in its production form (section 5.2). The confidence 
 draft k survives given its prefix did; calibrated per position with a temperature (``sigmoid(logit(c_k) / T_k)``)
 its cumulative product is the draft's survival ``a_k``. Verifying a set of drafts commits, in expectation, one
 token per request plus the survivals of the drafts verified; the step costs ``StepCostTable.predict_ms(batch,
-tokens fed)``. The scheduler:
+tokens fed)``. The scheduler, in either of two step layouts:
 
-1. ranks every proposed draft of the batch by survival (ties: earlier position, then earlier request), so any
-   budget of B drafts is a prefix of each request's block (survival never grows along a block);
-2. verifies the top ``B`` drafts, B taken from the **previous** step's confidences (a budget per request,
-   scaled to this step's batch): the choice of which drafts to verify then depends only on each draft's prefix
-   and on other requests, never on the draft token being verified, which is what keeps rejection sampling
-   lossless (a budget chosen from the current tokens is not: paper, appendix A);
-3. from this step's confidences, chooses the budget for the next step: the B maximizing expected committed tokens
-   per predicted second over every B from 0 to all of them (the cost curve has steps, so no local search), or 0
-   when the best beats verifying nothing by less than ``min_gain``, or all of them when it beats verifying every
-   proposed draft by less than ``min_gain``: a trimmed budget makes the step ragged (padded into a graph, its
-   verify rows gathered), host work the table's uniform-step profile does not price, so a trim has to pay for it
-   (on a target whose verify costs the same at any length, the scheduler then verifies whole blocks, as the
-   fixed schedule does, instead of trimming on noise in the table). The predicted step includes what else it
-   feeds (prefill chunks of a mixed step, as the previous step had), so verify tokens are priced at the step's
-   real place on the cost curve.
+1. **ragged** (eager kernels: a step costs the tokens it feeds): it ranks every proposed draft of the batch by
+   survival (ties: earlier position, then earlier request), so any budget of B drafts is a prefix of each
+   request's block (survival never grows along a block), and verifies the top ``B`` (the paper's global top-k);
+   **padded** (CUDA graphs, ``runtime.graphs``: every request of a step is padded to the step's longest verify,
+   so the step costs its batch x (longest + 1) tokens whatever the others verify): it verifies
+   ``min(proposed, Q)`` drafts of every request under one cap ``Q`` (the tier search over the cost curve's
+   steps: under padding, a draft below the cap is free and one above it costs a whole column);
+2. the budget (B per request, scaled to this step's batch; or Q) comes from the **previous** step's confidences:
+   the choice of which drafts to verify then depends only on each draft's prefix and on other requests, never on
+   the draft token being verified, which is what keeps rejection sampling lossless (a budget chosen from the
+   current tokens is not: paper, appendix A);
+3. from this step's confidences it chooses the budget for the next step: the B (or Q) maximizing expected
+   committed tokens per predicted second over every value from 0 to all of them (the cost curve has steps, so no
+   local search), or 0 when the best beats verifying nothing by less than ``min_gain``, or all of them when it
+   beats verifying every proposed draft by less than ``min_gain`` (a trim must beat the table's noise: on a
+   target whose verify costs the same at any length, the scheduler then verifies whole blocks, as the fixed
+   schedule does; a ragged trim also pays host work for its gathered rows that the uniform-step profile does not
+   price). The predicted step includes what else it feeds (prefill chunks of a mixed step, as the previous step
+   had), so verify tokens are priced at the step's real place on the cost curve.
 
 The first step (no earlier confidences) verifies whole blocks. The host work is a few numpy operations over the
 batch's ``S x K`` confidences (numpy, not torch: a CPU torch op costs several microseconds of dispatch, and at
@@ -61,9 +65,14 @@ class Decision:
     predicted_ms: float  # the step time the table predicts
 
 
+LAYOUTS = ("ragged", "padded")
+
+
 class ConfidenceScheduler:
     def __init__(self, max_draft_len: int, costs: StepCostTable, temperatures: list[float] | None = None,
-                 min_gain: float = 0.04):
+                 min_gain: float = 0.04, layout: str = "ragged"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"confidence scheduling layout: one of {LAYOUTS}, got {layout!r}")
         temps = list(temperatures) if temperatures else [1.0] * max_draft_len
         if len(temps) == 1:
             temps = temps * max_draft_len
@@ -73,7 +82,9 @@ class ConfidenceScheduler:
         self.temperatures = np.asarray(temps[:max_draft_len], dtype=np.float64)
         self.inverse_temperatures = 1.0 / self.temperatures
         self.uncalibrated = bool((self.temperatures == 1.0).all())
-        self.budget_per_request: float | None = None  # chosen from the previous step's confidences
+        self.layout = layout
+        self.budget_per_request: float | None = None  # ragged: chosen from the previous step's confidences
+        self.cap: int | None = None  # padded: likewise
         self.last: Decision | None = None
 
     def survival(self, confidence: np.ndarray) -> np.ndarray:
@@ -105,6 +116,8 @@ class ConfidenceScheduler:
             for i, c in enumerate(confidences):
                 table[i, :len(c)] = c
         survival = self.survival(table)
+        if self.layout == "padded":
+            return self._allot_padded(survival, sizes, other_requests, other_tokens)
         proposed = np.arange(k)[None, :] < sizes[:, None]
         if self.budget_per_request is None:  # nothing earlier to take the capacity from: whole blocks
             budget = offered
@@ -120,6 +133,32 @@ class ConfidenceScheduler:
         self.budget_per_request = self.best_budget(survival, proposed, predicted) / num
         return lengths.tolist()
 
+    def _allot_padded(self, survival: np.ndarray, sizes: np.ndarray, other_requests: int,
+                      other_tokens: int) -> list[int]:
+        """The padded layout: every request verifies ``min(proposed, cap)``, the cap chosen from the previous
+        step; the next cap from this step's survivals [S, K] (0 where nothing was proposed)."""
+        num, k = survival.shape
+        lengths = sizes if self.cap is None else np.minimum(sizes, self.cap)
+        columns = np.concatenate([[0.0], survival.sum(axis=0).cumsum()])  # [K+1] survivals under each cap
+        # a step of cap Q feeds num x (Q + 1) tokens (Q: its longest verify)
+        predicted = self.costs.predict_ms_many(num + other_requests, other_tokens + num * (np.arange(k + 1) + 1))
+        verified = int(lengths.max())
+        chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
+        self.last = Decision(int(lengths.sum()), int(sizes.sum()), num + chosen, float(predicted[verified]))
+        self.cap = self._best(num + columns, predicted)
+        return lengths.tolist()
+
+    def _best(self, expected: np.ndarray, predicted_ms: np.ndarray) -> int:
+        """The index maximizing expected / predicted, or 0 or the last where the best beats them by less than
+        ``min_gain`` (see the module doc)."""
+        rate = expected / predicted_ms
+        best, full = int(rate.argmax()), len(rate) - 1
+        if rate[best] < (1 + self.min_gain) * rate[0]:
+            return 0
+        if rate[best] < (1 + self.min_gain) * rate[full]:
+            return full
+        return best
+
     def best_budget(self, survival: np.ndarray, proposed: np.ndarray, predicted_ms: np.ndarray | None = None) -> int:
         """The budget B maximizing (S + the top-B survivals) / predicted ms of a step feeding S + B tokens
         (``predicted_ms`` [B+1]: those predictions, if the caller has them)."""
@@ -128,13 +167,7 @@ class ConfidenceScheduler:
         expected = num + np.concatenate([[0.0], ranked.cumsum()])  # [B+1]
         if predicted_ms is None:
             predicted_ms = self.costs.predict_ms_many(num, num + np.arange(len(expected)))
-        rate = expected / predicted_ms
-        best, full = int(rate.argmax()), len(rate) - 1
-        if rate[best] < (1 + self.min_gain) * rate[0]:
-            return 0
-        if rate[best] < (1 + self.min_gain) * rate[full]:  # a trim must pay for its ragged step (see the module doc)
-            return full
-        return best
+        return self._best(expected, predicted_ms)
 
 
 def top_drafts(survival: np.ndarray, proposed: np.ndarray, budget: int) -> np.ndarray:
@@ -206,5 +239,6 @@ class ConfidenceStats:
                 "mean_committed_tokens_per_request": self.committed_tokens / per,
                 "mean_predicted_step_ms": self.predicted_ms / max(self.decisions, 1),
                 "mean_measured_step_ms": self.measured_ms / max(self.steps, 1),
-                "next_budget_per_request": scheduler.budget_per_request,
+                "layout": scheduler.layout, "next_budget_per_request": scheduler.budget_per_request,
+                "next_cap": scheduler.cap,
                 "cost_table_observations": scheduler.costs.observations, "last": dict(self.last)}

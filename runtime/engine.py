@@ -22,6 +22,7 @@ from configs import LLMConfig
 from configs.checkpoint import read_model_config
 from runtime.confidence_scheduler import ConfidenceScheduler, ConfidenceStats, read_calibration
 from runtime.executor import Executor, LocalExecutor
+from runtime.graphs import graphed_q_len
 from runtime.loader import load_hf_config
 from runtime.metrics import AcceptanceGate, SpecMetrics
 from runtime.outputs import RequestOutput
@@ -107,7 +108,8 @@ class Engine:
         """``enable_confidence_scheduling``: the drafter must have a confidence head; temperatures from
         ``confidence_calibration_path`` or the drafter's config; the step-time table from
         ``confidence_cost_table_path`` or profiled now, on this engine's own steps."""
-        if not any(info.get("draft_confidence_head") for info in self.executor.describe()):
+        infos = self.executor.describe()
+        if not any(info.get("draft_confidence_head") for info in infos):
             raise ValueError("speculative_config.enable_confidence_scheduling needs a drafter with a confidence head; "
                              f"{self.spec.speculative_model} has none (enable_confidence_head)")
         spec = self.spec
@@ -122,9 +124,12 @@ class Engine:
             costs = StepCostTable.load(spec.confidence_cost_table_path)
         else:
             costs = profile_step_costs(self)
-        log.info("dspark: confidence scheduling on, step-time table %s, temperatures %s",
+        # the target's steps replayed as CUDA graphs pad each request to the step's longest verify (runtime.graphs)
+        layout = "padded" if any(i.get("cuda_graphs") for i in infos if i.get("role") == "target") else "ragged"
+        log.info("dspark: confidence scheduling on (%s steps), step-time table %s, temperatures %s", layout,
                  spec.confidence_cost_table_path or "profiled at startup", temperatures or "1")
-        return ConfidenceScheduler(int(spec.max_draft_len), costs, temperatures, spec.confidence_min_predicted_gain)
+        return ConfidenceScheduler(int(spec.max_draft_len), costs, temperatures, spec.confidence_min_predicted_gain,
+                                   layout)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -248,7 +253,13 @@ class Engine:
         self.confidence_stats.record_decision(self.confidence.last, len(seqs))
 
     def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
-        tokens = sum(len(e.token_ids) for e in scheduled)
+        """The step's time into the cost table, at the tokens the model was fed: padded into a graph (the worker's
+        verify graphs hold 1 to K+1 tokens per request under confidence scheduling), its batch x Q."""
+        fed = [len(e.token_ids) for e in scheduled]
+        tokens = sum(fed)
+        if self.confidence.layout == "padded":
+            q_len = graphed_q_len(fed, range(1, int(self.spec.max_draft_len) + 2), self.config.max_num_seqs)
+            tokens = len(fed) * q_len if q_len is not None else tokens
         self.confidence.costs.observe(len(scheduled), tokens, seconds)
         others = [len(e.token_ids) for e in scheduled if e.request_id not in self._decided]
         self._other_fed = (len(others), sum(others))  # prefills and draft-less decodes: the next decision's

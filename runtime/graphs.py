@@ -110,6 +110,18 @@ def graph_inputs(reqs: list[ScheduledRequest], batch: int, q_len: int, page_size
     return inputs.reshape(3, batch * q_len), layout
 
 
+def graphed_q_len(fed: list[int], q_lens: list[int], max_batch: int) -> int | None:
+    """Q if a graph serves a step whose requests feed ``fed`` tokens each (a bucket up to ``max_batch`` holds them,
+    Q is the smallest of the captured ``q_lens`` that holds the longest, and padding the others to Q is
+    ``worth_padding``), else None (the step runs eagerly). Such a step feeds len(fed) x Q tokens to the model."""
+    if not fed or len(fed) > max_batch:
+        return None
+    q_len = next((q for q in sorted(q_lens) if q >= max(fed)), None)
+    if q_len is None or not worth_padding(sum(fed), q_len * len(fed)):
+        return None
+    return q_len
+
+
 def next_decode_layout(layout: HostLayout, page_ids: list[list[int]], page_size: int) -> HostLayout | None:
     """The attention layout of the decode step after a one-token step of ``layout`` whose first ``len(page_ids)``
     requests (the real ones; their page lists as the scheduler holds them) each decode one token more, or None when
@@ -203,15 +215,8 @@ class GraphedTargetForward:
                  self.buckets, self.q_lens, self.capture_seconds, used / 2**20)
 
     def tokens_per_request(self, reqs: list[ScheduledRequest]) -> int | None:
-        """Q if a graph serves this step (a bucket holds the requests, Q is the smallest captured length that holds
-        the longest, and padding the others to Q is ``worth_padding``), else None."""
-        if len(reqs) > self.buckets[-1]:
-            return None
-        fed = [len(r.token_ids) for r in reqs]
-        q_len = next((q for q in self.q_lens if q >= max(fed)), None)
-        if q_len is None or not worth_padding(sum(fed), q_len * len(reqs)):
-            return None
-        return q_len
+        """Q if a graph serves this step (see ``graphed_q_len``), else None."""
+        return graphed_q_len([len(r.token_ids) for r in reqs], self.q_lens, self.buckets[-1])
 
     def run(self, reqs: list[ScheduledRequest], q_len: int, append_context: bool = False) -> GraphOutputs:
         """Replay the graph of ``len(reqs)`` requests (padded to a bucket) x ``q_len`` tokens, then, if asked and

@@ -159,7 +159,7 @@ class Worker:
         # one page more than the scheduler hands out: the scratch page padding rows of CUDA graphs write into
         caches = allocate_caches(self.target.model.layers, num_pages + 1, page_size, self.dtype, self.device)
         if self.uses_cuda_graphs:
-            q_lens = [1] + [k + 1 for k in self.draft_lengths]
+            q_lens = [1] + [k + 1 for k in self.verify_lengths]
             local = isinstance(channel, LocalDraftChannel)  # the drafter's context append joins the graphs
             self.graphs = GraphedTargetForward(self.target, caches, self.kernels, attention_geometry(self.target),
                                                page_size, num_pages, self.config.max_num_seqs, self.pages_per_seq,
@@ -168,6 +168,16 @@ class Worker:
                                                plan_ahead=self.spec is None)
         self.engine_part = ModelRunner(self.target, self.spec, self.kernels, caches, page_size, self.device,
                                        self.parallel, channel, w2, self.graphs, self.config.logprobs_mode)
+
+    @property
+    def verify_lengths(self) -> list[int]:
+        """Every number of drafts a step may verify per request, each a graph's q_len - 1: the drafted lengths, and
+        under confidence scheduling every length from 1 to ``max_draft_len`` (its padded layout verifies
+        ``min(proposed, cap)`` drafts, the cap any of them; a step padded past its length's graph, or refused
+        padding and run eagerly, would cost what the scheduler's table does not predict)."""
+        if self.spec is not None and self.spec.enable_confidence_scheduling:
+            return list(range(1, int(self.spec.max_draft_len) + 1))
+        return self.draft_lengths
 
     @property
     def draft_lengths(self) -> list[int]:

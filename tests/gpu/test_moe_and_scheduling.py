@@ -115,7 +115,8 @@ def wide_target(checkpoints):
 
 
 def test_confidence_scheduling_keeps_greedy_outputs_on_the_graphed_path(wide_target, make_drafter):
-    """Ragged verify lengths (the scheduler's) replay padded graphs; the tokens equal scheduling off and eager."""
+    """The scheduler's capped verify lengths replay graphs of every verify length (padded layout) and its eager
+    twin's ragged ones run eagerly; the tokens equal scheduling off."""
     drafter = make_drafter(wide_target, 4, oracle=True)
     runs, replays = {}, {}
     for name, spec, eager in (("off", {}, False), ("on", {"enable_confidence_scheduling": True}, False),
@@ -124,8 +125,10 @@ def test_confidence_scheduling_keeps_greedy_outputs_on_the_graphed_path(wide_tar
         llm = LLM(str(wide_target), speculative_config=config, **{**ENGINE, "enforce_eager": eager})
         runs[name] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         replays[name] = llm.rank_info()[0]["graph_replays"]
-        if name == "on":
+        if name.startswith("on"):
             budgets = llm.get_metrics()["confidence_scheduling"]
-            assert budgets["decisions"] > 0
+            assert budgets["decisions"] > 0 and budgets["layout"] == ("ragged" if eager else "padded")
+        if name == "on":  # a graph for every verify length 0..K: a capped step never pads past its length
+            assert sorted({q for _, q in llm.engine.executor.worker.graphs.graphs}) == [1, 2, 3, 4, 5]
     assert runs["on"] == runs["off"] == runs["on-eager"]
     assert replays["on"] > 0 and replays["on-eager"] == 0

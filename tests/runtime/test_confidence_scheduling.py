@@ -88,6 +88,32 @@ def test_a_mixed_step_prices_verify_tokens_where_its_prefill_puts_it():
     assert mixed.last.predicted_ms > alone.last.predicted_ms
 
 
+def test_padded_steps_verify_every_request_under_one_cap_chosen_a_step_ahead():
+    """Graphed steps pad every request to the longest verify, so a step of cap Q costs batch x (Q + 1) tokens
+    whatever each request verifies: the scheduler picks the cap (from the previous step's survivals) and verifies
+    min(proposed, Q) drafts of every block, never a ragged top-k."""
+    # 10 ms a step plus 1 ms per column of 4 requests: a draft column pays where its survivals sum past ~0.4 x
+    # the tokens a step already commits
+    table = StepCostTable([1, 64], [4, 8, 12, 16, 20], [[10.0, 11.0, 12.0, 13.0, 14.0]] * 2)
+    scheduler = ConfidenceScheduler(4, table, layout="padded")
+    mixed = [[0.99, 0.99, 0.99, 0.99], [0.9, 0.9, 0.1, 0.1], [0.9, 0.9, 0.1, 0.1], [0.9, 0.9, 0.1, 0.1]]
+    assert scheduler.allot(mixed) == [4, 4, 4, 4]  # first step: whole blocks
+    # columns of survival 3.69, 3.41, 1.21, 0.98: rates 4 / 10, 7.69 / 11, 11.10 / 12, 12.31 / 13, 13.30 / 14
+    # = 0.40, 0.70, 0.93, 0.95, 0.95: whole blocks
+    assert scheduler.cap == 4
+    doubtful = [[0.9, 0.9, 0.05, 0.05]] * 4
+    assert scheduler.allot(doubtful) == [4] * 4  # this step's tokens never choose this step's cap
+    assert scheduler.cap == 2  # columns 3.6, 3.24, 0.16, 0.01: two columns pay, the rest do not
+    assert scheduler.allot([[0.9, 0.9, 0.9], [0.99]] + [[0.9, 0.9, 0.9, 0.9]] * 2) == [2, 1, 2, 2]
+    assert scheduler.last.budget == 7 and scheduler.last.offered == 12
+    assert scheduler.last.predicted_ms == pytest.approx(table.predict_ms(4, 12))  # 4 requests x (2 + 1) tokens
+    dear = ConfidenceScheduler(4, flat_table(50.0), layout="padded")
+    dear.allot([[0.95, 0.9, 0.9, 0.9]] * 4)
+    assert dear.cap == 0 and dear.allot([[0.95, 0.9, 0.9, 0.9]] * 4) == [0] * 4
+    with pytest.raises(ValueError, match=r"layout: one of \('ragged', 'padded'\), got 'tiled'"):
+        ConfidenceScheduler(4, table, layout="tiled")
+
+
 def test_min_gain_and_calibration(tmp_path):
     lukewarm = [[0.3, 0.2, 0.1, 0.1]] * 4
     eager = ConfidenceScheduler(4, flat_table(0.01), min_gain=0.0)
@@ -144,6 +170,22 @@ def test_greedy_outputs_are_the_same_with_scheduling_on_and_off(near_bigram_targ
     assert 1.0 <= stats["mean_expected_tokens_per_request"] <= 5.0
     assert on.engine.confidence.costs.measured and "confidence_scheduling" not in off.get_metrics()
     assert on.get_metrics()["prefix_cache_queries"] == off.get_metrics()["prefix_cache_queries"]  # no profile left
+
+
+def test_the_padded_layout_keeps_greedy_outputs(tmp_path, near_bigram_target, confident_drafter):
+    """A GPU engine's scheduler caps every request's verify (its graphs pad); forced here on a CPU engine, whose
+    steps run eagerly, the cap still only decides how many drafts are verified, never the tokens."""
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    path = tmp_path / "table.json"
+    flat_table(3.0).save(path)  # a column of 4 drafts costs what 1.2 tokens pay: caps below whole blocks pay
+    llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
+                 confidence_cost_table_path=str(path))
+    assert llm.engine.confidence.layout == "ragged"  # no graphs on a CPU
+    llm.engine.confidence.layout = "padded"
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == builders.hf_greedy(near_bigram_target, PROMPTS, 24)
+    stats = llm.get_metrics()["confidence_scheduling"]
+    assert stats["layout"] == "padded" and stats["next_budget_per_request"] is None
+    assert 0 <= stats["next_cap"] < 4 and stats["mean_verify_budget_per_request"] < stats["mean_offered_per_request"]
 
 
 def test_a_cost_table_file_is_used_instead_of_profiling(tmp_path, near_bigram_target, confident_drafter):
