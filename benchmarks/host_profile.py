@@ -1,4 +1,5 @@
-"""Where the host time of an engine step goes: cProfile over decode steps of our AR and DSpark engines.
+"""Where the host time of an engine step goes: cProfile over decode steps of our AR and DSpark engines (and with
+``--confidence`` DSpark under confidence scheduling).
 
 On a host-bound target (the tiny shape, or the GPU recipe's 27M pair) a step's wall time is mostly Python; the
 torch profiler's labels say which phase, this says which functions. For each engine, ``--batch`` requests of
@@ -6,7 +7,7 @@ torch profiler's labels say which phase, this says which functions. For each eng
 (and, apart, timed without it). Writes the wall ms per step and the top functions by own and cumulative time.
 
 usage: python3 benchmarks/host_profile.py --out FILE.json [--model-shape tiny | --model DIR --speculative-model DIR
-       --prompts FILE.jsonl] [--batch 1] [--steps 200]
+       --prompts FILE.jsonl] [--batch 1] [--steps 200] [--confidence]
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--max-draft-len", type=int, default=7)
+    parser.add_argument("--confidence", action="store_true", help="also profile DSpark with confidence scheduling "
+                        "(the drafter needs a confidence head; its step-time table is profiled at startup)")
     args = parser.parse_args()
     if args.model:
         target, drafter, dummy = Path(args.model), Path(args.speculative_model), {}
@@ -102,8 +105,11 @@ def main() -> None:
     record = {"benchmark": "host_profile", "date": str(date.today()), "command": "python3 " + shlex.join(sys.argv),
               "hardware": torch.cuda.get_device_name(), "torch": torch.__version__, "model": str(target),
               "batch": args.batch, "engines": {}}
-    for kind, spec in (("ar", None), ("dspark", {"speculative_model": str(drafter),
-                                                 "max_draft_len": args.max_draft_len, **dummy})):
+    dspark = {"speculative_model": str(drafter), "max_draft_len": args.max_draft_len, **dummy}
+    engines = [("ar", None), ("dspark", dspark)]
+    if args.confidence:
+        engines.append(("confidence", {**dspark, "enable_confidence_scheduling": True}))
+    for kind, spec in engines:
         llm = LLM(str(target), speculative_config=spec, **common)
         record["engines"][kind] = profile_engine(llm, args.batch, args.prompt_len, args.steps, args.warmup, vocab,
                                                     prompts)

@@ -4,8 +4,9 @@
 # commands follow each other within the machine's keep-alive (~30 s, easy to miss):
 #   bash benchmarks/trained_pair.sh all WORK OUT     train with target 100 s and a 300 s recipe budget, profile,
 #                                                    then bench
-#   bash benchmarks/trained_pair.sh profile WORK OUT cProfile of batch-1 AR and DSpark steps on the pair
-#                                                    -> OUT/host-profile.json (benchmarks/host_profile.py)
+#   bash benchmarks/trained_pair.sh profile WORK OUT cProfile of AR, DSpark and confidence-scheduled steps at 1 and
+#                                                    4 requests on the pair -> OUT/host-profile-b{1,4}.json
+#                                                    (benchmarks/host_profile.py)
 #   bash benchmarks/trained_pair.sh train WORK OUT [TARGET_S RUN_S]
 #                                                    prepare the host, then the GPU recipe's target (150 s),
 #                                                    self-distillation and DSpark drafter (the rest of ~9 minutes)
@@ -33,9 +34,11 @@ bench() {
       --confidence-scheduling --profile-steps "$out/step-costs.json" --mixed-rate 100 --mixed-requests 256 \
       --out "$out/bench.json"
 }
-profile() {  # where the host time of a batch-1 step goes, AR and DSpark (cProfile)
-  python3 benchmarks/host_profile.py --model "$work/target" --speculative-model "$work/dspark" \
-    --prompts "$work/heldout-prompts.jsonl" --out "$out/host-profile.json"
+profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpark, confidence-scheduled (cProfile)
+  for batch in 1 4; do
+    python3 benchmarks/host_profile.py --model "$work/target" --speculative-model "$work/dspark" \
+      --prompts "$work/heldout-prompts.jsonl" --batch "$batch" --confidence --out "$out/host-profile-b$batch.json"
+  done
 }
 case "$step" in
   train) train "${4:-150}" "${5:-510}" ;;
