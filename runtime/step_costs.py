@@ -2,10 +2,12 @@
 
 A grid of measured step times (``batch_sizes`` x ``token_counts``, milliseconds, NaN where nothing was measured)
 predicts any (batch, tokens) by linear interpolation in tokens within the two nearest measured batch rows (then
-between them); outside the measured range it extrapolates the nearest row's last slope. Within a row, a cell is
-read as at least the cells of fewer tokens (a running maximum): feeding more tokens never makes a step cheaper, so
-a dip is measurement noise (a host-bound step's timing jitter, a cell measured from few steps), and taken at face
-value it would tell the scheduler that verifying fewer drafts saves time where it costs none. Every step the engine
+between them); outside the measured range it extrapolates the nearest row's last slope. A row is read as its
+least-squares non-decreasing fit (isotonic regression, pool adjacent violators): feeding more tokens never makes a
+step cheaper, so a dip is measurement noise (a host-bound step's timing jitter, a cell measured from few steps),
+and taken at face value it would tell the scheduler that verifying fewer drafts saves time where it costs none; a
+spike is noise as well, which a running maximum would carry to every longer length (a run-24 row of 3.2, 4.9, 4.0,
+4.2, 3.9 ms read as 4.9 from the second cell on), while the fit averages it with its neighbours. Every step the engine
 serves is an observation: the grid cell nearest to it moves toward the measured time (an exponential moving
 average), so the table follows the hardware and the load it actually sees, mixed prefill + decode steps included.
 JSON (``to_json`` / ``from_json``): ``{"batch_sizes": [...], "token_counts": [...], "step_ms": [[...], ...]}``,
@@ -38,6 +40,7 @@ class StepCostTable:
         self.step_ms = np.array(step_ms, dtype=np.float64) if step_ms is not None else np.full(shape, np.nan)
         self._tokens = np.asarray(token_counts, dtype=np.float64)
         self._rows: list[tuple[int, np.ndarray, np.ndarray]] | None = None  # measured rows; rebuilt when one fills
+        self._fits: dict[int, np.ndarray] = {}  # row -> its measured cells' non-decreasing fit; dropped on a change
         self.observations = 0
 
     # ---- persistence --------------------------------------------------------------------------
@@ -79,6 +82,7 @@ class StepCostTable:
         if math.isnan(old):
             self._rows = None  # a new measured cell: the rows' points change
         self.step_ms[i, j] = ms if math.isnan(old) else old + weight * (ms - old)
+        self._fits.pop(i, None)
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
         """A step the engine served: learn from it."""
@@ -107,8 +111,12 @@ class StepCostTable:
             f * _along_tokens_many(xs1, self._monotone(i1, cells1), x)
 
     def _monotone(self, row: int, cells: np.ndarray) -> np.ndarray:
-        """The row's measured cells as read: each at least every cell of fewer tokens (see the module doc)."""
-        return np.maximum.accumulate(self.step_ms[row, cells])
+        """The row's measured cells as read: their least-squares non-decreasing fit (see the module doc), cached
+        until a cell of the row changes."""
+        fit = self._fits.get(row)
+        if fit is None:
+            fit = self._fits[row] = isotonic(self.step_ms[row, cells])
+        return fit
 
     def _measured_rows(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """(row, its measured token counts, their column indices) of every row with a measured cell; cached until
@@ -118,6 +126,20 @@ class StepCostTable:
             self._rows = [(int(i), self._tokens[measured[i]], np.flatnonzero(measured[i]))
                           for i in np.flatnonzero(measured.any(axis=1))]
         return self._rows
+
+
+def isotonic(values: np.ndarray) -> np.ndarray:
+    """The least-squares non-decreasing fit of ``values`` [N] (pool adjacent violators: a value below the mean of
+    the block before it merges into that block, the merged block taking the mean)."""
+    sums: list[float] = []
+    counts: list[int] = []
+    for v in values.tolist():
+        total, count = v, 1
+        while sums and sums[-1] * count > total * counts[-1]:  # the previous block's mean above this one's
+            total, count = total + sums.pop(), count + counts.pop()
+        sums.append(total)
+        counts.append(count)
+    return np.repeat(np.asarray(sums) / np.asarray(counts), counts)
 
 
 def _along_tokens_many(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
