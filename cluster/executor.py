@@ -26,7 +26,7 @@ from cluster.dispatch import BatchEncoder, decode_results
 from cluster.placement import groups
 from cluster.placement.plan import plan_placement
 from configs import ReplicaConfig
-from runtime.executor import replica_pages
+from runtime.executor import plans_ahead, replica_pages
 from runtime.step_io import RequestStepResult, ScheduledBatch
 from runtime.worker import WorkerPlan
 
@@ -65,6 +65,7 @@ class RayExecutor:
             self._start_actors(speculative)
             self.num_pages = replica_pages(engine, self._call_all("load"))
             self._call_all("allocate", self.num_pages)
+            self.plans_ahead = plans_ahead(self._call_all("info"))  # the engine then allots pages a token ahead
             self.step_graph = self._compile_step()
         except BaseException:
             self.shutdown()

@@ -34,6 +34,14 @@ def replica_pages(config: LLMConfig, capacities: list[int]) -> int:
     return pages
 
 
+def plans_ahead(infos: list[dict]) -> bool:
+    """Whether every target rank (``Worker.info()`` of each) plans a decode step's attention ahead: the engine must
+    then allot each request's pages a token ahead (``Scheduler.lookahead``), else a request crossing into a new page
+    makes its rank plan again in the step (at 64 requests of 16-token pages, nearly every step)."""
+    targets = [info for info in infos if info.get("role") == "target"]
+    return bool(targets) and all(info.get("plan_ahead") for info in targets)
+
+
 class LocalExecutor:
     """The target and the drafter in this process, on one device (TP 1, drafter colocated)."""
 
@@ -43,7 +51,7 @@ class LocalExecutor:
         self.num_pages = replica_pages(config, [self.worker.load()])
         self.worker.allocate(self.num_pages)
         # the graphs plan a decode step's attention ahead (the engine allots pages a token ahead for it)
-        self.plans_ahead = self.worker.graphs is not None and self.worker.graphs.plan_ahead
+        self.plans_ahead = plans_ahead([self.worker.info()])
 
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
         return self.worker.execute(batch)

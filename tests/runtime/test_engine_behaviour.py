@@ -259,3 +259,28 @@ def test_output_kind_is_validated_and_generate_returns_whole_outputs(bigram_targ
         out = llm.generate([PROMPT], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True,
                                                     output_kind=kind))[0]
         assert out.token_ids == whole.token_ids and len(out.token_ids) == 9
+
+
+def test_pages_are_allotted_a_token_ahead_only_where_every_target_rank_plans_ahead(tmp_path):
+    """A graphed AR rank plans the next decode step's attention while the GPU runs this one, which needs the next
+    key's page already allotted: the engine allots a token ahead for an executor (local or a Ray replica) whose
+    target ranks all plan ahead, and not otherwise."""
+    from benchmarks.engine_host import CannedExecutor, model_dir
+    from configs import LLMConfig
+    from runtime.engine import Engine
+    from runtime.executor import plans_ahead
+
+    ranks = [{"role": "target", "plan_ahead": True}, {"role": "target", "plan_ahead": True}]
+    assert plans_ahead(ranks) and plans_ahead([*ranks, {"role": "drafter", "plan_ahead": False}])
+    assert not plans_ahead([ranks[0], {"role": "target", "plan_ahead": False}]) and not plans_ahead([])
+    config = LLMConfig(model=str(model_dir(tmp_path)), num_pages=64, page_size=4, device="cpu", dtype="float32")
+    lookahead = {}
+    for ahead in (True, False):
+        executor = CannedExecutor(config.num_pages, 0, 0)
+        executor.plans_ahead = ahead
+        engine = Engine(config, executor)
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        engine.step()  # prefill: 3 tokens in the first page
+        engine.step()  # decode: its key fills the page; the next one's needs a second
+        lookahead[ahead] = len(engine.scheduler.running[0].page_ids)
+    assert lookahead == {True: 2, False: 1}
