@@ -3,7 +3,7 @@
 on, in alternating rounds of ``cluster.bench.time_steps`` at each concurrency; the median round of each is kept
 with every round's step time. ``plans_made_ahead``: the steps of the last round that skipped their plan.
 
-``--profile``: each mode's GPU idle time per step and its largest gaps (``cluster.bench.gpu_gaps``).
+``--profile``: each mode's GPU idle time per step and its largest gaps (``runtime.profiling.gpu_gaps``).
 
 usage: python3 benchmarks/plan_ahead.py [--model-shape qwen3-8b] [--concurrency 1,16,64] [--steps 30]
                                         [--rounds 3] [--profile] [--out FILE.json]

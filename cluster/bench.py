@@ -27,7 +27,8 @@ are identical (bf16 verify batches reorder sums, so near-ties may part).
 (``tensor_parallel_size``, ``drafter``; the separate layout also measures the colocated replica:
 ``throughput_vs_colocated``; with ``--pipeline-drafter`` also the separate drafter without the pipeline:
 ``throughput_vs_serial``); a replica's models live on its actors, so its record has step times, tokens/s and
-acceptance but no roofline, graph replays or host breakdown. ``--device cpu`` runs the plumbing on a CPU.
+acceptance but no roofline, graph replays or host breakdown (``--profile`` profiles each rank's batch-1 steps:
+``*_profile_batch1.ranks``). ``--device cpu`` runs the plumbing on a CPU.
 """
 
 from __future__ import annotations
@@ -428,12 +429,15 @@ def hf_generate_tokens_per_s(target_dir: Path, shape: bool, tokens: int, device,
 
 
 def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None = None) -> dict:
-    """torch.profiler over 5 steps: CUDA kernels launched per step, GPU busy time per step, the top kernels;
-    ``trace``: also write the timeline as a Chrome trace (gzip) there."""
+    """torch.profiler over 5 steps of ``batch`` fresh requests (``runtime.profiling.summarize``: CUDA kernels launched
+    per step, GPU busy and idle time per step, host time per region, the top kernels); ``trace``: also the timeline
+    as a Chrome trace (gzip) there. A Ray replica's engine is profiled on every rank (``ranks``, one summary each:
+    the driver only dispatches)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from runtime import SamplingParams
+    from runtime.profiling import summarize
 
     engine = llm.engine
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -441,46 +445,20 @@ def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None
         engine.add_request(torch.randint(3, vocab - 1, (prompt_len,)).tolist(), params)
     for _ in range(4):
         engine.step()
+    ranks = getattr(engine.executor, "start_profile", None)
+    if ranks is not None:  # a replica: each rank profiles its next 5 steps (traces, if asked, on the ranks' hosts)
+        engine.executor.start_profile(5, trace)
+        for _ in range(5):
+            engine.step()
+        engine.abort_all()
+        return {"ranks": engine.executor.profile_results()}
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             engine.step()
         torch.cuda.synchronize()
     engine.abort_all()
-    if trace:
-        import gzip
-
-        plain = Path(trace).with_suffix("")
-        prof.export_chrome_trace(str(plain))
-        with open(plain, "rb") as src, gzip.open(trace, "wb") as dst:
-            dst.write(src.read())
-        plain.unlink()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = sum(e.device_time for e in kernels) / 5 / 1e3
-    idle = gpu_gaps([(e.time_range.start, e.time_range.end, e.name) for e in kernels], steps=5)
-    top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:12]
-    host = {e.key: round(e.cpu_time_total / 5 / 1e3, 3) for e in prof.key_averages()
-            if e.key.startswith(("dspark.", "cuda")) and e.cpu_time_total > 0}
-    return {"kernels_per_step": len(kernels) / 5, "gpu_busy_ms_per_step": busy, **idle, "host_ms_per_step": host,
-            "top_kernels": [{"name": e.key[:80], "ms_per_step": e.device_time_total / 5 / 1e3, "calls": e.count / 5}
-                            for e in top]}
-
-
-def gpu_gaps(intervals: list[tuple[float, float, str]], steps: int, largest: int = 8) -> dict:
-    """Where the GPU idles: device activities (start us, end us, name; kernels, copies) of ``steps`` profiled steps
-    -> the idle milliseconds per step between the first activity's start and the last one's end (``gpu_idle_ms_per_
-    step``, time covered by no activity) and the ``largest`` gaps with the activities either side of each."""
-    spans = sorted(intervals)
-    gaps, reach, last = [], None, None
-    for start, end, name in spans:
-        if reach is not None and start > reach:
-            gaps.append((start - reach, last, name))
-        if reach is None or end > reach:
-            reach, last = end, name
-    top = sorted(gaps, key=lambda g: g[0], reverse=True)[:largest]
-    return {"gpu_idle_ms_per_step": sum(g[0] for g in gaps) / steps / 1e3,
-            "largest_gpu_gaps": [{"us": round(us, 1), "after": before[:60], "before": after[:60]}
-                                 for us, before, after in top]}
+    return summarize(prof, 5, trace)
 
 
 def end_to_end_prompts(args, prompts: list[list[int]] | None, vocab: int, count: int | None = None) -> list[list[int]]:
@@ -660,10 +638,9 @@ def run(args) -> dict:
             e2e[kind] = end_to_end(llm, e2e_prompts, args.e2e_tokens)
             print(f"dspark bench: {kind} end to end: {e2e[kind]['tokens']} tokens in {e2e[kind]['seconds']:.2f} s",
                   file=sys.stderr, flush=True)
-        if args.profile and kind == "dspark":
-            record["dspark_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab,
-                                                           trace_path(args, "dspark"))
-            print(f"dspark bench: DSpark batch-1 profile: {json.dumps(record['dspark_profile_batch1'])}",
+        if args.profile and kind in ("dspark", "tuned", "confidence"):  # the schedules' steps side by side
+            record[f"{kind}_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab, trace_path(args, kind))
+            print(f"dspark bench: {kind} batch-1 profile: {json.dumps(record[f'{kind}_profile_batch1'])}",
                   file=sys.stderr)
         llm.engine.executor.shutdown()
         del llm
@@ -954,8 +931,10 @@ def add_parser(commands) -> None:
                        "default: random token ids")
     bench.add_argument("--plot", help="also draw speedup and tokens/s against concurrency into this PNG "
                        "(needs matplotlib: pip install 'dspark[bench]')")
-    bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 steps: kernels per "
-                       "step, GPU busy and idle time per step, the largest GPU gaps, host time per region")
+    bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 steps of each engine "
+                       "(AR, DSpark, and the tuned and confidence-scheduled ones where swept): kernels per step, GPU "
+                       "busy and idle time per step, the largest GPU gaps, host time per region; a replica's on "
+                       "every rank (its record's *_profile_batch1.ranks)")
     bench.add_argument("--profile-trace", help="with --profile: also write each profile's timeline (Chrome trace, "
                        "gzip) into this folder")
     bench.add_argument("--out", help="write the JSON record here (default: print it)")
@@ -982,9 +961,9 @@ def main(args) -> int:
         return 2
     replica = args.tensor_parallel_size is not None or args.drafter == "separate"
     local_only = [flag for flag, on in (("--profile", args.profile), ("--hf-tokens", args.hf_tokens)) if on]
-    if replica and local_only:
-        print(f"dspark bench: {', '.join(local_only)} time the single-process engine (or transformers) on one GPU; "
-              f"leave them out with --tensor-parallel-size or --drafter separate", file=sys.stderr)
+    if replica and args.hf_tokens:
+        print("dspark bench: --hf-tokens times transformers on one GPU; leave it out with --tensor-parallel-size or "
+              "--drafter separate", file=sys.stderr)
         return 2
     if args.device == "cpu" and local_only:
         print(f"dspark bench: {', '.join(local_only)} need --device cuda", file=sys.stderr)

@@ -144,6 +144,18 @@ class RayExecutor:
     def describe(self) -> list[dict]:
         return self._call_all("info")
 
+    def start_profile(self, steps: int, trace: str | None = None) -> None:
+        """Every rank profiles its next ``steps`` steps (``runtime.profiling.StepProfiler``); ``trace`` (a path
+        ending .json.gz): each rank also writes its timeline there on its own host, named by rank."""
+        refs = [actor.start_profile.remote(steps, _rank_trace(trace, rank)) for rank, actor in enumerate(self.actors)]
+        ray.get(refs, timeout=self.config.parallel.init_timeout_s)
+
+    def profile_results(self) -> list[dict]:
+        """Each rank's summary of its last finished profile, with its rank and role (None where none finished)."""
+        results = self._call_all("profile_result")
+        return [{"rank": rank, "role": role, **(result or {"unfinished": True})}
+                for rank, (role, result) in enumerate(zip(self.plan.roles, results))]
+
     def health(self, timeout_s: float = 30.0) -> list[dict]:
         """Every actor's info, or ``ReplicaFailure`` naming the first that is dead or silent."""
         return self._call_all("info", timeout_s=timeout_s)
@@ -161,6 +173,14 @@ class RayExecutor:
         if self.owns_group:  # an enclosing group is Serve's: it goes with the Serve replica
             groups.remove(self.group)
         self.group = None
+
+
+def _rank_trace(trace: str | None, rank: int) -> str | None:
+    """``DIR/name.trace.json.gz`` -> ``DIR/name.rank{rank}.trace.json.gz``."""
+    if trace is None:
+        return None
+    head, dot, tail = trace.partition(".trace")
+    return f"{head}.rank{rank}{dot}{tail}" if dot else f"{trace}.rank{rank}"
 
 
 def _raise_from(exc: Exception, where: str, method: str):

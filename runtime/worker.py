@@ -28,6 +28,7 @@ from runtime.kv_cache import allocate_caches, bytes_per_page
 from runtime.models.moe import sparse_layer_ids
 from runtime.loader import drafter_spec, load_drafter, load_hf_config, load_markov_w2, load_target, load_vocab_modules
 from runtime.parallel import SINGLE, ParallelContext, init_distributed
+from runtime.profiling import StepProfiler
 from runtime.runner import ModelRunner, attention_geometry
 from runtime.small_gemm import SmallGemmReport, install_small_gemms
 from runtime.step_io import ScheduledBatch
@@ -71,6 +72,7 @@ class Worker:
         if config.kernel_backend == "auto":
             log.info("dspark: kernel_backend auto -> %s on %s", self.kernel_backend, self.device)
         self.graphs: GraphedTargetForward | None = None
+        self.step_profiler = StepProfiler()  # idle until the driver starts a profile of this rank's steps
         self.parallel: ParallelContext = SINGLE
         self.target = self.drafter = self.vocab = self.draft_w2 = None
         self.engine_part: ModelRunner | DraftServer | None = None
@@ -207,7 +209,18 @@ class Worker:
                 and all(b in (None, "none") or b in GRAPH_SAFE for b in (self.moe_backend, self.draft_moe_backend)))
 
     def execute(self, batch: ScheduledBatch):
-        return self.engine_part.execute(batch)
+        self.step_profiler.before_step()
+        results = self.engine_part.execute(batch)
+        self.step_profiler.after_step()
+        return results
+
+    def start_profile(self, steps: int, trace: str | None = None) -> None:
+        """Profile this process's next ``steps`` steps (torch profiler; ``trace``: also a Chrome trace there)."""
+        self.step_profiler.start(steps, trace)
+
+    def profile_result(self) -> dict | None:
+        """The summary of the last profile this process finished (``runtime.profiling.summarize``), or None."""
+        return self.step_profiler.result
 
     def info(self) -> dict:
         return {"rank": self.plan.global_rank, "role": self.plan.role, "tp_rank": self.plan.tp_rank,

@@ -128,16 +128,16 @@ def test_the_sweep_runs_through_a_ray_replica_with_a_separate_drafter(tmp_path):
     assert "ray TP=1, drafter separate" in proc.stderr
 
 
-def test_bench_refuses_single_process_measurements_on_a_replica(tmp_path):
+def test_bench_refuses_a_transformers_peer_on_a_replica(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
-                           "--tensor-parallel-size", "2", "--profile"], cwd=root, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2 and "--profile time the single-process engine" in proc.stderr
+                           "--tensor-parallel-size", "2", "--hf-tokens", "8"], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--hf-tokens times transformers on one GPU" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--pipeline-drafter"], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--pipeline-drafter needs --drafter separate" in proc.stderr
@@ -184,7 +184,7 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
 
 
 def test_gpu_gaps_sum_the_time_no_device_activity_covers():
-    from cluster.bench import gpu_gaps
+    from runtime.profiling import gpu_gaps
 
     # two steps: a graph's kernels overlapping, a copy, then 30 us of nothing before the next step's kernel
     spans = [(0, 10, "gemm"), (5, 12, "norm"), (12, 15, "memcpy"), (45, 60, "gemm"), (70, 71, "argmax")]

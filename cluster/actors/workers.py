@@ -42,6 +42,12 @@ class _WorkerActor:
         results = self.worker.execute(self.decoder.decode(wire))
         return encode_results(results) if isinstance(results, list) else results
 
+    def start_profile(self, steps: int, trace: str | None = None) -> None:
+        self.worker.start_profile(steps, trace)
+
+    def profile_result(self) -> dict | None:
+        return self.worker.profile_result()
+
     def info(self) -> dict:
         import ray
 

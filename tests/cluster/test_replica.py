@@ -229,3 +229,24 @@ def test_a_pipelined_drafter_under_preemption_keeps_every_output(ray_cluster, ne
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
         assert llm.get_metrics()["num_preemptions"] > 0
     free_cpus_return()
+
+
+def test_bench_profile_traces_one_step_on_every_rank(ray_cluster, near_bigram_target, drafter, tmp_path):
+    """``dspark bench --profile`` on a replica: each rank profiles the same batch-1 steps in its own process and
+    returns its summary (the driver only dispatches), and leaves its timeline where asked, named by rank."""
+    from cluster.bench import profile_step
+
+    spec = DSparkDecodingConfig(speculative_model=str(drafter))
+    with LLM(str(near_bigram_target), speculative_config=spec, tensor_parallel_size=2, drafter="separate",
+             **ENGINE) as llm:
+        summary = profile_step(llm, 1, 8, 128, str(tmp_path / "dspark-batch1.trace.json.gz"))
+        assert [(r["rank"], r["role"]) for r in summary["ranks"]] == [(0, "target"), (1, "target"), (2, "drafter")]
+        for rank in summary["ranks"]:
+            assert "unfinished" not in rank and rank["kernels_per_step"] == 0  # a CPU: no CUDA kernels
+        for rank in summary["ranks"][:2]:  # every target rank runs the forward; rank 0 alone verifies
+            assert rank["host_ms_per_step"]["dspark.forward"] > 0
+        assert "dspark.verify" in summary["ranks"][0]["host_ms_per_step"]
+        assert sorted(p.name for p in tmp_path.glob("*.trace.json.gz")) == [
+            f"dspark-batch1.rank{r}.trace.json.gz" for r in range(3)]
+        assert [o.token_ids for o in llm.generate(PROMPTS[:1], PARAM_SETS["greedy"][:1])]  # serving goes on
+    free_cpus_return()
