@@ -66,8 +66,10 @@ def relaunch(nodes: int = 1000, repeats: int = 20) -> dict:
     """Host microseconds of launching a graph while it still runs (the same executable graph twice in a row),
     against launching another graph of the same kernels behind it: does the driver make the host wait?"""
     x = torch.ones(4096, device="cuda")
-    first, other = capture(nodes, x, torch.cuda.Event(external=True)), capture(nodes, x, torch.cuda.Event(
-        external=True))
+    # each graph records its event: the events must outlive the graphs (a destroyed event recorded by a replay is
+    # undefined behaviour: run 2026-12-01 on 2x H200 segfaulted here when they were temporaries)
+    events = [torch.cuda.Event(external=True) for _ in range(2)]
+    first, other = capture(nodes, x, events[0]), capture(nodes, x, events[1])
     first.replay()
     other.replay()
     torch.cuda.synchronize()
@@ -88,6 +90,7 @@ def relaunch(nodes: int = 1000, repeats: int = 20) -> dict:
     first.replay()
     torch.cuda.synchronize()
     out["graph_device_us"] = 1e6 * (time.perf_counter() - start)
+    del first, other, events  # the graphs before the events they record
     print("relaunch", json.dumps(out), flush=True)
     return out
 
