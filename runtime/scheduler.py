@@ -79,6 +79,7 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         sizes = self._group_sizes() if group is not None else None
+        page_size, lookahead = self.pages.page_size, self.lookahead
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if budget <= 0:
                 break
@@ -86,16 +87,19 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or the other group's turn
             tokens, num_drafts, sample = self._plan(seq, budget)
             end_position = seq.num_computed + len(tokens)
-            while not self.pages.can_grow(seq.page_ids, end_position):
-                victim = max(self.running, key=lambda s: s.arrival)
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status is not Status.RUNNING:
-                continue
-            self.pages.grow(seq.page_ids, end_position)
-            if self.lookahead and self.pages.can_grow(seq.page_ids, end_position + self.lookahead):
-                self.pages.grow(seq.page_ids, end_position + self.lookahead)
+            held = len(seq.page_ids) * page_size
+            if end_position > held:  # new pages (most steps of a decoding request need none)
+                while not self.pages.can_grow(seq.page_ids, end_position):
+                    victim = max(self.running, key=lambda s: s.arrival)
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not Status.RUNNING:
+                    continue
+                self.pages.grow(seq.page_ids, end_position)
+            if lookahead and end_position + lookahead > held \
+                    and self.pages.can_grow(seq.page_ids, end_position + lookahead):
+                self.pages.grow(seq.page_ids, end_position + lookahead)
             scheduled.append(self._entry(seq, tokens, num_drafts, sample))
             budget -= len(tokens)
         for seq in list(self.waiting):  # arrival order; a sample waiting for its prompt's first is passed over
@@ -142,12 +146,15 @@ class Scheduler:
 
     def _plan(self, seq: Sequence, budget: int) -> tuple[list[int], int, bool]:
         """What ``seq`` feeds this step within ``budget``: (tokens, drafts among them, whether it samples)."""
-        if seq.is_decoding:
-            room = min(budget - 1, self.limits.max_model_len - seq.num_tokens - 1,
-                       seq.params.max_tokens - len(seq.output_token_ids) - 1)
-            drafts = seq.draft_ids[:max(room, 0)]
+        num_tokens = seq.num_tokens
+        if seq.num_computed == num_tokens - 1:  # decoding (Sequence.is_decoding)
+            drafts = seq.draft_ids
+            if drafts:
+                room = min(budget - 1, self.limits.max_model_len - num_tokens - 1,
+                           seq.params.max_tokens - len(seq.output_token_ids) - 1)
+                drafts = drafts[:max(room, 0)]
             return [seq.last_token, *drafts], len(drafts), True
-        end = min(seq.num_tokens, seq.num_computed + budget)
+        end = min(num_tokens, seq.num_computed + budget)
         return seq.token_slice(seq.num_computed, end), 0, end == seq.num_tokens
 
     @staticmethod
