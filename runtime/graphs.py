@@ -39,6 +39,7 @@ from runtime.kv_cache import KVCaches
 from runtime.models.target import TargetModel
 from runtime.step_io import ScheduledRequest
 from runtime.step_tensors import StepTensors, padded_page_table
+from runtime.verify import greedy_verdicts
 
 log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -156,6 +157,7 @@ class GraphOutputs:
     argmax: torch.Tensor  # [T]
     context_appended: bool  # the drafter's context graph ran: the captured states are in its cache
     q_len: int  # Q: request b's i-th fed token is row b*Q + i (rows past its real tokens are padding)
+    verdict: torch.Tensor | None = None  # [T] one-token graphs: greedy_verdicts(top, argmax) (-1: a broken row)
 
     def step_tensors(self, reqs: list[ScheduledRequest], page_size: int, device: torch.device,
                      with_page_table: bool) -> StepTensors:
@@ -176,6 +178,7 @@ class _Graph:
     top: torch.Tensor  # [B*Q]
     argmax: torch.Tensor  # [B*Q]
     context: torch.cuda.CUDAGraph | None  # appends captured [B*Q, m*d] at the step's positions and slots
+    verdict: torch.Tensor | None  # [B] Q = 1: the greedy token of each row, -1 where the row's logits are broken
 
 
 # A colocated drafter's context append: captured [N, m*d], positions [N], slots [N] -> writes its cache.
@@ -241,7 +244,7 @@ class GraphedTargetForward:
         ids, positions, slots = (t[:rows] for t in self.inputs)
         return GraphOutputs(ids, positions, slots, g.hidden[:rows], g.captured[:rows] if g.captured is not None
                             else None, g.logits[:rows] if g.logits is not None else None, g.top[:rows],
-                            g.argmax[:rows], appended, q_len)
+                            g.argmax[:rows], appended, q_len, g.verdict[:rows] if g.verdict is not None else None)
 
     # ---- building -----------------------------------------------------------------------------
 
@@ -296,6 +299,8 @@ class GraphedTargetForward:
         with torch.cuda.graph(graph, pool=self.pool):
             hidden, captured = self.target(ids, positions, self.caches, meta, slots)
             logits, (top, argmax) = self._head(hidden)
+            # plain greedy decoding reads only this back (runtime.runner): one int a request, no verify kernels
+            verdict = greedy_verdicts(top, argmax) if q_len == 1 else None
         context = None
         if self.append_context is not None and captured is not None:
             with torch.cuda.stream(stream):  # warm-up writes only the scratch page: every slot is a padding row's
@@ -304,4 +309,4 @@ class GraphedTargetForward:
             context = torch.cuda.CUDAGraph()
             with torch.cuda.graph(context, pool=self.pool):
                 self.append_context(captured, positions, slots)
-        return _Graph(graph, wrapper, hidden, captured, logits, top, argmax, context)
+        return _Graph(graph, wrapper, hidden, captured, logits, top, argmax, context, verdict)

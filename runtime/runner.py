@@ -28,9 +28,9 @@ from runtime.parallel import SINGLE, ParallelContext
 from runtime.profiling import region
 from runtime.sampler import RowParams, apply_penalties, filtered_probs, occurrence_counts
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
-from runtime.step_tensors import build_step_tensors, sampled_entries, uses_rejection
+from runtime.step_tensors import build_step_tensors, plain_greedy, sampled_entries, uses_rejection
 from runtime.transfer import to_device
-from runtime.verify import accept_by_rejection, commit_by_match, gather_rows, residual_distribution
+from runtime.verify import accept_by_rejection, commit_by_match, gather_rows, greedy_verdicts, residual_distribution
 
 NON_FINITE_LOGITS = "the target produced non-finite logits (NaN/inf) for this request; it was stopped"
 
@@ -94,10 +94,19 @@ class ModelRunner:
         if not sampled:
             return [RequestStepResult(r.request_id, [], 0, []) for r in reqs] if self.is_leader else []
         entries = [reqs[i] for i in sampled]
+        k_next = batch.num_next_drafts if drafting else 0
+        if not k_next and all(plain_greedy(e) for e in entries):  # greedy decoding, nothing to verify or draft
+            with region("dspark.verify"):
+                verdicts = self._greedy_verdicts(entries, hidden, t.row_ends, sampled, graphed)
+            if not self.is_leader:
+                return []
+            with region("dspark.results"):
+                results = self._verdict_results(reqs, entries, verdicts.tolist())  # the step's one transfer
+            self._scrub_scratch_after_faults(graphed, results)
+            return results
         with region("dspark.verify"):
             committed, accepted, faulty, logprob_source = self._verify(entries, hidden, t.row_ends, sampled,
                                                                        graphed)
-        k_next = batch.num_next_drafts if drafting else 0
         with region("dspark.draft"):
             # a list index would copy it to the device synchronously: decode steps sample every request anyway
             table = t.page_table if len(sampled) == len(reqs) or not k_next else t.page_table[
@@ -108,14 +117,39 @@ class ModelRunner:
         with region("dspark.results"):
             logprobs = logprob_source.top(committed) if logprob_source is not None else None
             results = self._results(reqs, entries, committed, accepted, faulty, proposal, logprobs)
+        self._scrub_scratch_after_faults(graphed, results)
+        return results
+
+    def _scrub_scratch_after_faults(self, graphed: GraphOutputs | None, results: list[RequestStepResult]) -> None:
+        """A faulted request's padding tokens may have left NaN keys in the graphs' scratch page, whose slots other
+        requests' padded key ranges read masked (0 x NaN is NaN): zero it before the next step (its own pages are
+        scrubbed when it is finished)."""
         if graphed is not None and any(r.error is not None for r in results):
-            # a faulted request's padding tokens may have left NaN keys in the graphs' scratch page, whose slots
-            # other requests' padded key ranges read masked (0 x NaN is NaN): zero it before the next step (its own
-            # pages are scrubbed when it is finished)
             scrub_pages(self.caches, [self.graphs.scratch_page], self.device)
             if self.channel is not None:
                 self.channel.scrub([self.graphs.scratch_page])
-        return results
+
+    def _greedy_verdicts(self, entries: list[ScheduledRequest], hidden: torch.Tensor, row_ends: list[int],
+                         batch_index: list[int], graphed: GraphOutputs | None) -> torch.Tensor:
+        """-> [S] each entry's greedy token (the argmax of its last row's logits), -1 where that row's max logit is
+        NaN or infinite (the request faulted): what plain greedy decoding (no drafts, logprobs or penalties) reads
+        back, one int a request. A one-token graph computed the verdicts of all its rows; otherwise the entries'
+        rows are picked (under tensor parallelism every rank computes the max and argmax together)."""
+        if graphed is not None and graphed.verdict is not None:
+            if batch_index == list(range(len(entries))):  # every request of the step decodes: rows 0..S-1
+                return graphed.verdict[:len(entries)]
+            return graphed.verdict[to_device(batch_index, self.device)]
+        rows = to_device([row_ends[b] - 1 for b in batch_index], self.device)
+        top, argmax = (graphed.top[rows], graphed.argmax[rows]) if graphed is not None else \
+            self.target.compute_top_argmax(hidden[rows])
+        return greedy_verdicts(top, argmax)
+
+    @staticmethod
+    def _verdict_results(reqs: list[ScheduledRequest], entries: list[ScheduledRequest],
+                         verdicts: list[int]) -> list[RequestStepResult]:
+        sampled = {e.request_id: RequestStepResult(e.request_id, [v], 0, []) if v >= 0 else
+                   RequestStepResult(e.request_id, [], 0, [], NON_FINITE_LOGITS) for e, v in zip(entries, verdicts)}
+        return [sampled.get(r.request_id) or RequestStepResult(r.request_id, [], 0, []) for r in reqs]
 
     def _results(self, reqs, entries, committed, accepted, faulty, proposal: Proposal | None,
                  logprobs: dict[int, list[list[TokenLogprob]]] | None = None) -> list[RequestStepResult]:

@@ -61,6 +61,13 @@ def sampled_entries(reqs: list[ScheduledRequest]) -> list[int]:
     return [i for i, r in enumerate(reqs) if r.sample]
 
 
+def plain_greedy(entry: ScheduledRequest) -> bool:
+    """Whether ``entry`` decodes greedily with nothing else to compute: no drafts to verify, no logprobs, no
+    penalties (its step's answer is the argmax of one row: ``runtime.verify.greedy_verdicts``)."""
+    return entry.num_drafts == 0 and entry.params.greedy and entry.params.logprobs is None \
+        and entry.penalty_history is None
+
+
 def uses_rejection(entry: ScheduledRequest, use_rejection_sampling: bool) -> bool:
     """Whether ``entry``'s drafts are sampled from q and verified by rejection sampling."""
     return use_rejection_sampling and not entry.params.greedy

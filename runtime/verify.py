@@ -23,6 +23,12 @@ def accept_by_match(drafts: torch.Tensor, num_drafts: torch.Tensor, target_token
     return match.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
+def greedy_verdicts(top: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """Plain greedy decoding's answer per row: max logit [R] and its argmax [R] -> the argmax, or -1 where the max is
+    NaN or infinite (the row's logits are broken: its request fails alone). int64 [R]."""
+    return torch.where(torch.isfinite(top), argmax, -1)
+
+
 def commit_by_match(drafts: torch.Tensor, num_drafts: torch.Tensor,
                     target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy / exact-match verification -> (committed [B, K+1], accepted [B]); see ``accept_by_match``."""

@@ -225,6 +225,28 @@ def test_graphed_steps_equal_eager_steps(wide_target, make_drafter, speculative)
     assert alone == tokens
 
 
+def test_a_broken_row_in_a_graphed_greedy_step_fails_that_request_alone(wide_target, tmp_path):
+    """Plain greedy steps read back the one-token graph's verdicts (argmax, -1 for a broken row): one-token prompts
+    are served by that graph from their first step, and the one whose embedding is NaN fails alone."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(wide_target, poisoned)
+    weights = load_file(str(poisoned / "model.safetensors"))
+    weights["model.embed_tokens.weight"][7] = float("nan")
+    save_file(weights, str(poisoned / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(str(poisoned), **ENGINE)
+    clean = [[5], [100], [250]]
+    expected = [o.token_ids for o in llm.generate(clean, GREEDY)]
+    outs = llm.generate([clean[0], [7], clean[1], clean[2]], GREEDY)
+    assert outs[1].finish_reason == "error" and "non-finite" in outs[1].error and outs[1].token_ids == []
+    assert [o.token_ids for o in (outs[0], outs[2], outs[3])] == expected
+    assert llm.rank_info()[0]["graph_replays"] > 0
+    assert [o.token_ids for o in llm.generate(clean, GREEDY)] == expected  # the scratch page was cleaned
+
+
 def test_ragged_steps_are_padded_into_graphs_and_exact(wide_target, make_drafter):
     """Blocks trimmed at max_tokens and short prefills replay a padded graph (the real rows decide), and give the
     eager steps' tokens."""

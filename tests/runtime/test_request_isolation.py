@@ -128,3 +128,38 @@ def test_tiny_temperatures_decode_greedily(qwen3_target, make_drafter, temperatu
     tiny = outputs(llm, CLEAN, SamplingParams(max_tokens=12, temperature=temperature, ignore_eos=True))
     assert tiny == greedy and all(len(tokens) == 12 for tokens, _ in tiny)
     assert torch.tensor(greedy[0][0]).unique().numel() > 1  # real tokens, not a degenerate row
+
+
+def test_a_fault_in_a_plain_greedy_decode_step_fails_that_request_alone(qwen3_target, monkeypatch):
+    """Plain greedy decoding reads back one verdict a request (its argmax, or -1 for a broken row): a row whose max
+    logit turns NaN mid-decode fails its request with what it had committed; the others decode on unchanged."""
+    from runtime.models.target import TargetModel
+
+    llm = make_llm(qwen3_target)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = outputs(llm, CLEAN, params)
+    real, calls = TargetModel.compute_top_argmax, []
+
+    def broken_on_the_fourth_step(self, hidden):
+        top, argmax = real(self, hidden)
+        calls.append(top.shape[0])
+        if len(calls) == 4:  # step 1 prefilled the three, steps 2-4 decode them: break the second's row
+            top = top.clone()
+            top[1] = float("nan")
+        return top, argmax
+
+    monkeypatch.setattr(TargetModel, "compute_top_argmax", broken_on_the_fourth_step)
+    outs = llm.generate(CLEAN, params)
+    assert calls[:4] == [3, 3, 3, 3]
+    assert outs[1].finish_reason == "error" and "non-finite" in outs[1].error
+    assert outs[1].token_ids == expected[1][0][:3]  # what it committed before the broken step
+    assert [(o.token_ids, o.finish_reason) for o in (outs[0], outs[2])] == [expected[0], expected[2]]
+    assert llm.engine.pages.num_used == 0 and not llm.engine.sequences
+
+
+def test_greedy_verdicts_mark_every_broken_row():
+    from runtime.verify import greedy_verdicts
+
+    top = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), -3.0])
+    argmax = torch.tensor([4, 5, 6, 7, 8])
+    assert greedy_verdicts(top, argmax).tolist() == [4, -1, -1, -1, 8]
