@@ -7,7 +7,10 @@ Qwen3-8B shape's q/k/v and o projections at ~0.74 of the copy bandwidth, its MLP
 ``runtime.kernels.skinny_gemm.CANDIDATES`` config on the device for each weight shape at 1, 2, 4, 8 and 16 rows,
 as a CUDA graph over all the model's weights of that shape replayed with a cold L2 (as a forward meets them), and
 hands each linear the winners (``GemmChoice``). A config replaces cuBLAS only where it is at least ``MARGIN``
-faster. The choice for M rows is the one measured at the smallest bucket >= M, for eager steps and graphs alike.
+faster. An MLP's down projection is also timed with its SiLU-and-mul fused into the skinny GEMM's operand loads
+(``skinny_matmul(..., swiglu=True)``, bit for bit the activation kernel's output) against the activation kernel
+followed by the GEMM just chosen; where the fused kernel wins by ``MARGIN``, the MLP hands it gate/up directly
+(``swiglu_linear``: one launch and no intermediate a layer fewer). The choice for M rows is the one measured at the smallest bucket >= M, for eager steps and graphs alike.
 Every Triton config is deterministic and computes each row independently of the others, but like cuBLAS's own
 heuristics the choice follows the row count: a graph padded past a bucket (3 requests of a K=4 verify: 15 rows
 eager, 20 in the graph of 4 requests) may run another kernel than the eager step of the same requests, and round
@@ -37,15 +40,24 @@ FLUSH_BYTES = 256 << 20  # written between timed replays so that no weight is st
 
 @dataclass
 class GemmChoice:
-    """For one weight shape, per ``ROW_BUCKETS`` entry the Triton config that beat cuBLAS (None: cuBLAS)."""
+    """For one weight shape, per ``ROW_BUCKETS`` entry the Triton config that beat cuBLAS (None: cuBLAS), and for an
+    MLP's down projection the config whose fused SiLU-and-mul beat the activation kernel plus the chosen GEMM
+    (``swiglu_configs``; None: the two kernels)."""
 
     configs: tuple  # [len(ROW_BUCKETS)] SkinnyConfig | None
-    matmul: Callable | None = None  # runtime.kernels.skinny_gemm.skinny_matmul (None when every bucket is cuBLAS)
+    matmul: Callable | None = None  # runtime.kernels.skinny_gemm.skinny_matmul (None when nothing uses it)
+    swiglu_configs: tuple = (None,) * len(ROW_BUCKETS)  # [len(ROW_BUCKETS)] SkinnyConfig | None
 
     def for_rows(self, rows: int):
+        return self._of(self.configs, rows)
+
+    def swiglu_for_rows(self, rows: int):
+        return self._of(self.swiglu_configs, rows)
+
+    def _of(self, configs: tuple, rows: int):
         if rows < 1 or rows > ROW_BUCKETS[-1] or self.matmul is None:
             return None
-        return self.configs[bisect_left(ROW_BUCKETS, rows)]
+        return configs[bisect_left(ROW_BUCKETS, rows)]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, choice: GemmChoice | None) -> torch.Tensor:
@@ -56,6 +68,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cho
         if config is not None:
             return choice.matmul(x.reshape(rows, x.shape[-1]), weight, config).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, choice: GemmChoice | None,
+                  silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``linear(silu_and_mul(gate_up), weight, bias, choice)``: gate_up [..., 2K] (gate half, up half); in one
+    fused skinny GEMM where ``choice`` measured that faster for these rows, else the two kernels."""
+    if choice is not None and bias is None:
+        rows = gate_up.numel() // gate_up.shape[-1]
+        config = choice.swiglu_for_rows(rows)
+        if config is not None:
+            out = choice.matmul(gate_up.reshape(rows, gate_up.shape[-1]), weight, config, swiglu=True)
+            return out.view(*gate_up.shape[:-1], weight.shape[0])
+    return linear(silu_and_mul(gate_up), weight, bias, choice)
 
 
 class SmallBatchLinear(nn.Linear):
@@ -70,6 +95,10 @@ class SmallBatchLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.choice)
 
+    def swiglu_forward(self, gate_up: torch.Tensor, silu_and_mul: Callable) -> torch.Tensor:
+        """``forward(silu_and_mul(gate_up))``, fused where measured faster (``swiglu_linear``)."""
+        return swiglu_linear(gate_up, self.weight, self.bias, self.choice, silu_and_mul)
+
 
 @dataclass
 class SmallGemmReport:
@@ -83,7 +112,7 @@ class SmallGemmReport:
         return {"calibration_s": round(self.seconds, 2), "shapes": self.shapes}
 
 
-_MEASURED: dict[tuple, tuple[GemmChoice, dict]] = {}  # (device, dtype, N, K) -> choice, report rows (per process)
+_MEASURED: dict[tuple, tuple[GemmChoice, dict]] = {}  # (device, dtype, N, K, swiglu) -> choice, report (per process)
 
 
 def _targets(modules: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -135,11 +164,15 @@ def _device_time_us(run: Callable[[], object], flush: torch.Tensor, reps: int = 
     return 1e3 * times[len(times) // 2]
 
 
-def _measure(weights: list[torch.Tensor], flush: torch.Tensor) -> tuple[GemmChoice, dict]:
+def _measure(weights: list[torch.Tensor], flush: torch.Tensor,
+             silu_and_mul: Callable | None = None) -> tuple[GemmChoice, dict]:
+    """The choice for one weight shape (``weights``: the model's weights of it), each row bucket timed as a graph
+    over all of them. ``silu_and_mul`` (the shape is an MLP's down projection): also the fused SiLU-and-mul GEMM
+    against that kernel followed by the GEMM just chosen."""
     from runtime.kernels.skinny_gemm import CANDIDATES, skinny_matmul
 
     n, k = weights[0].shape
-    configs, rows_report = [], {}
+    configs, swiglu_configs, rows_report = [], [], {}
     if not any(config.fits(n, k) for config in CANDIDATES):  # nothing measured: cuBLAS
         return GemmChoice((None,) * len(ROW_BUCKETS)), {str(rows): {"chosen": "cublas", "triton_config": None}
                                                         for rows in ROW_BUCKETS}
@@ -157,8 +190,25 @@ def _measure(weights: list[torch.Tensor], flush: torch.Tensor) -> tuple[GemmChoi
         rows_report[str(rows)] = {"cublas_us": round(cublas, 1), "triton_us": round(best_us, 1),
                                   "triton_config": best.label if best is not None else None,
                                   "chosen": chosen.label if chosen is not None else "cublas"}
-    uses_triton = any(c is not None for c in configs)
-    return GemmChoice(tuple(configs), skinny_matmul if uses_triton else None), rows_report
+        swiglu = None
+        if silu_and_mul is not None:
+            gate_up = torch.randn(rows, 2 * k, dtype=x.dtype, device=x.device)
+            gemm = (lambda a, w: skinny_matmul(a, w, chosen)) if chosen is not None else F.linear
+            separate = _device_time_us(lambda: [gemm(silu_and_mul(gate_up), w) for w in weights], flush)
+            fused, fused_us = None, float("inf")
+            for config in CANDIDATES:
+                if config.fits(n, k):
+                    us = _device_time_us(
+                        lambda c=config: [skinny_matmul(gate_up, w, c, swiglu=True) for w in weights], flush)
+                    if us < fused_us:
+                        fused, fused_us = config, us
+            swiglu = fused if fused is not None and fused_us <= MARGIN * separate else None
+            rows_report[str(rows)].update(
+                swiglu_separate_us=round(separate, 1), swiglu_fused_us=round(fused_us, 1),
+                swiglu_chosen=swiglu.label if swiglu is not None else "separate")
+        swiglu_configs.append(swiglu)
+    uses_triton = any(c is not None for c in configs + swiglu_configs)
+    return GemmChoice(tuple(configs), skinny_matmul if uses_triton else None, tuple(swiglu_configs)), rows_report
 
 
 def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: torch.dtype) -> SmallGemmReport:
@@ -174,11 +224,14 @@ def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: t
         groups.setdefault(tuple(child.weight.shape), []).append((parent, name, child))
     flush = None
     for (n, k), members in groups.items():
-        key = (str(device), dtype, n, k)
+        # an MLP's down projection (its gate/up fused) may take the activation into its GEMM: measured too
+        act = next((parent.kernels.silu_and_mul for parent, name, _ in members if name == "down_proj"
+                    and getattr(parent, "gate_up_proj", None) is not None), None)
+        key = (str(device), dtype, n, k, act is not None)
         if key not in _MEASURED:
             if flush is None:
                 flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
-            _MEASURED[key] = _measure([child.weight for _, _, child in members], flush)
+            _MEASURED[key] = _measure([child.weight for _, _, child in members], flush, act)
         choice, rows_report = _MEASURED[key]
         report.shapes[f"{n}x{k}"] = {"weights": len(members), "rows": rows_report}
         if choice.matmul is None:
@@ -189,6 +242,7 @@ def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: t
             else:
                 child.small_gemm = choice
     report.seconds = time.perf_counter() - start
-    chosen = {shape: [r["chosen"] for r in entry["rows"].values()] for shape, entry in report.shapes.items()}
+    chosen = {shape: [r["chosen"] + (f"+{r['swiglu_chosen']}" if "swiglu_chosen" in r else "")
+                      for r in entry["rows"].values()] for shape, entry in report.shapes.items()}
     log.info("dspark: small-batch GEMMs (rows %s) measured in %.1f s: %s", list(ROW_BUCKETS), report.seconds, chosen)
     return report

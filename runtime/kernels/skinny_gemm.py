@@ -53,20 +53,26 @@ CANDIDATES = (
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, k_per_split, stride_xm, stride_wn, stride_om, stride_os,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, k_per_split, stride_xm, stride_wn, stride_om, stride_os, up_offset,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = pid_k * k_per_split + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K] (SWIGLU: the gate half's)
     w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
     row_ok = rows[:, None] < M
     col_ok = cols[:, None] < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, k_per_split, BLOCK_K):
-        x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+        if SWIGLU:  # x = silu(gate) * up, rounded as triton_ops.silu_and_mul rounds what it stores
+            gate = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
+            up = tl.load(x_ptrs + up_offset, mask=row_ok, other=0.0).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(w_ptr.dtype.element_ty).to(tl.float32)
+            x = (silu * up).to(w_ptr.dtype.element_ty)
+        else:
+            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
         w = tl.load(w_ptrs, mask=col_ok, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
@@ -75,13 +81,17 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, k_per_split, stride_xm, stride_w
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok & (cols[None, :] < N))
 
 
-def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig, swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride along K) @ weight [N, K]^T -> [M, N] in x's dtype (meant for M <= 16: each block of
-    16 rows streams the whole weight)."""
+    16 rows streams the whole weight). ``swiglu``: x is [M, 2K], a gate half and an up half, and the product is
+    ``silu_and_mul(x) @ weight^T``, the activation computed as the operand is loaded (bit for bit what
+    ``triton_ops.silu_and_mul`` stores; no [M, K] intermediate, no launch of its own)."""
     m, k = x.shape
+    k //= 2 if swiglu else 1
     n = weight.shape[0]
-    if weight.shape[1] != k or not config.fits(n, k):
-        raise ValueError(f"skinny_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} do not fit {config}")
+    if weight.shape[1] != k or (swiglu and x.shape[1] != 2 * k) or not config.fits(n, k):
+        raise ValueError(f"skinny_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} do not fit {config}"
+                         f"{' (swiglu: x holds gate and up halves)' if swiglu else ''}")
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
@@ -94,7 +104,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig) -
         out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
         stride_os = out.stride(0)
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, BLOCK_M))
-    _skinny_kernel[grid](x, weight, out, m, n, k // split, x.stride(0), weight.stride(0), n, stride_os,
-                         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+    _skinny_kernel[grid](x, weight, out, m, n, k // split, x.stride(0), weight.stride(0), n, stride_os, k,
+                         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
                          num_warps=config.num_warps, num_stages=config.num_stages)
     return out if split == 1 else out.sum(dim=0).to(x.dtype)

@@ -38,6 +38,23 @@ def test_every_candidate_matches_cublas(n, k):
             assert torch.equal(skinny_matmul(x[:1].contiguous(), w, config)[0], got[0])  # rows independent
 
 
+@pytest.mark.parametrize("n,k", [(4096, 12288), (1024, 4096)])
+def test_the_fused_activation_equals_the_activation_kernel_then_the_gemm(n, k):
+    """The down projection's fused SiLU-and-mul reads gate/up and rounds the activation as the separate kernel
+    stores it: bit for bit the separate kernel followed by the same config."""
+    from runtime.kernels import triton_ops
+    from runtime.kernels.skinny_gemm import CANDIDATES, skinny_matmul
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k, device=DEV, dtype=BF16) / k ** 0.5
+    for m in (1, 3, 8, 16):
+        gate_up = torch.randn(m, 2 * k, device=DEV, dtype=BF16)
+        for config in CANDIDATES:
+            if config.fits(n, k):
+                fused = skinny_matmul(gate_up, w, config, swiglu=True)
+                assert torch.equal(fused, skinny_matmul(triton_ops.silu_and_mul(gate_up), w, config)), (config, m)
+
+
 @pytest.fixture(scope="module")
 def mid_target(checkpoints):
     """Linears large enough for the dispatch (gate_up 8192 x 1024), head_dim 128, bf16."""
@@ -55,6 +72,9 @@ def test_the_measurement_is_reported_in_rank_info(mid_target):
     rows = gemms["shapes"]["8192x1024"]["rows"]
     assert set(rows) == {str(r) for r in small_gemm.ROW_BUCKETS}
     assert all(r["cublas_us"] > 0 and r["chosen"] for r in rows.values())
+    down = gemms["shapes"]["1024x4096"]["rows"]  # the MLP's down projection: the fused activation measured too
+    assert all(r["swiglu_separate_us"] > 0 and r["swiglu_chosen"] for r in down.values())
+    assert "swiglu_chosen" not in rows["1"]
 
 
 @pytest.fixture

@@ -24,8 +24,11 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, x, weight, config):
-        self.calls.append((x.shape[0], config))
+    def __call__(self, x, weight, config, swiglu=False):
+        self.calls.append((x.shape[0], config) if not swiglu else (x.shape[0], config, "swiglu"))
+        if swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
         return F.linear(x, weight)
 
 
@@ -73,14 +76,47 @@ def test_a_small_batch_linear_is_the_same_linear():
     torch.testing.assert_close(swapped(x), base(x))
 
 
-def fake_measure(picks):
-    """A `_measure` that picks `picks` per bucket for every shape (no device timing)."""
+def fake_measure(picks, swiglu_picks=None, seen=None):
+    """A `_measure` that picks `picks` per bucket for every shape (no device timing), and `swiglu_picks` for the
+    shapes measured with an activation (``seen``: a list that gets each call's (shape, with activation))."""
 
-    def measure(weights, flush):
+    def measure(weights, flush, silu_and_mul=None):
+        if seen is not None:
+            seen.append((tuple(weights[0].shape), silu_and_mul is not None))
+        fused = tuple(swiglu_picks) if swiglu_picks is not None and silu_and_mul is not None else \
+            (None,) * len(ROW_BUCKETS)
         report = {str(r): {"chosen": str(p)} for r, p in zip(ROW_BUCKETS, picks)}
-        return GemmChoice(tuple(picks), Recorder() if any(p is not None for p in picks) else None), report
+        used = any(p is not None for p in (*picks, *fused))
+        return GemmChoice(tuple(picks), Recorder() if used else None, fused), report
 
     return measure
+
+
+def test_an_mlp_down_projection_fuses_the_activation_where_measured_faster(patched, qwen3_target):
+    """The down projection of a fused MLP is measured with SiLU-and-mul too; where the fused kernel won (here 1-4
+    rows), the MLP hands it gate/up and no activation kernel runs; elsewhere the two kernels, same result."""
+    seen = []
+    patched.setattr(small_gemm, "_measure", fake_measure([None] * len(ROW_BUCKETS), ["f1", "f2", "f4", None, None],
+                                                         seen))
+    model = load_target(str(qwen3_target), get_backend("torch"), torch.float32, torch.device("cpu"))
+    model.fuse_projections()
+    mlp = model.model.layers[0].mlp
+    small_gemm.install_small_gemms([model], torch.device("cpu"), torch.float32)
+    down_shape = tuple(mlp.down_proj.weight.shape)
+    assert (down_shape, True) in seen and all(not act for shape, act in seen if shape != down_shape)
+    assert isinstance(mlp.down_proj, SmallBatchLinear)
+    activations = []
+    real = mlp.kernels.silu_and_mul
+    patched.setattr(mlp.kernels, "silu_and_mul", lambda x: activations.append(x.shape[0]) or real(x))
+    torch.manual_seed(0)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, mlp.gate_up_proj.in_features)
+        mlp.down_proj.choice.matmul.calls.clear()
+        gate, up = F.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
+        torch.testing.assert_close(mlp(x), F.linear(F.silu(gate) * up, mlp.down_proj.weight))
+        fused = rows <= 4
+        assert mlp.down_proj.choice.matmul.calls == ([(rows, f"f{1 if rows == 1 else 4}", "swiglu")] if fused else [])
+        assert (rows in activations) == (not fused)
 
 
 @pytest.fixture
@@ -134,6 +170,9 @@ def test_tensor_parallel_linears_take_the_choice_as_an_attribute(patched):
     x = torch.randn(2, 32)
     torch.testing.assert_close(row(x), F.linear(x, row.weight))
     assert row.small_gemm.matmul.calls == [(2, "c")]
+    gate_up = torch.randn(2, 64)  # no activation measured for it: the activation kernel, then the same GEMM
+    act = get_backend("torch").silu_and_mul
+    torch.testing.assert_close(row.swiglu_forward(gate_up, act), row(act(gate_up)))
 
 
 KERNEL_CHECK = """
@@ -152,6 +191,17 @@ for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 5e-2)):
                     assert got.dtype == dtype and got.shape == (m, n)
                     assert (got.float() - want).abs().max() < tol * k ** 0.5, (config, m)
                     assert torch.equal(skinny_matmul(x[:1].clone(), w, config)[0], got[0])  # rows independent
+from runtime.kernels import triton_ops
+for dtype in (torch.float32, torch.float16):
+    n, k = 48, 512
+    w = torch.randn(n, k, dtype=dtype)
+    for m in (1, 5, 16):
+        gate_up = torch.randn(m, 2 * k, dtype=dtype)
+        for config in CANDIDATES:
+            if config.fits(n, k):
+                fused = skinny_matmul(gate_up, w, config, swiglu=True)
+                separate = skinny_matmul(triton_ops.silu_and_mul(gate_up), w, config)
+                assert torch.equal(fused, separate), (config, m, dtype)  # bit for bit: the same operand
 print("kernel ok")
 """
 
