@@ -22,7 +22,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.actors.workers import Drafter, TargetShard
-from cluster.dispatch import BatchEncoder, decode_results
+from cluster.dispatch import BatchEncoder, decode_any, decode_results
 from cluster.placement import groups
 from cluster.placement.plan import plan_placement
 from configs import ReplicaConfig
@@ -122,7 +122,7 @@ class RayExecutor:
             raise
         step = decode_results(results[0])
         if self.plan.roles[-1] == "drafter":
-            drafts = results[-1]  # request id -> (block, its confidences or None)
+            drafts = decode_any(results[-1])  # request id -> (block, its confidences or None)
             if self.pipelined_drafting:  # the previous step's group: not in this batch
                 self._late_drafts = drafts
                 return step

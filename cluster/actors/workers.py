@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import socket
 
-from cluster.dispatch import BatchDecoder, encode_results
+from cluster.dispatch import BatchDecoder, encode_any, encode_results
 from configs import LLMConfig
 from runtime.heap import freeze_long_lived, unfreeze_long_lived
 from runtime.worker import Worker, WorkerPlan
@@ -38,9 +38,9 @@ class _WorkerActor:
 
     def execute(self, wire):
         """One step from the driver's delta (``cluster.dispatch``); a target rank's results go back as tuples, a
-        separate drafter's proposals as they are."""
+        separate drafter's proposals as they are, each pickled into one bytes object for the channel."""
         results = self.worker.execute(self.decoder.decode(wire))
-        return encode_results(results) if isinstance(results, list) else results
+        return encode_results(results) if isinstance(results, list) else encode_any(results)
 
     def start_profile(self, steps: int, trace: str | None = None) -> None:
         self.worker.start_profile(steps, trace)
