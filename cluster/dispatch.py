@@ -92,8 +92,9 @@ class BatchDecoder:
                                    f"{None if pages is None else len(pages)} pages, the driver assumed {held}")
             pages.extend(new_pages)
             params, seed = self.params[request_id]
-            out.append(ScheduledRequest(request_id, tokens, start, list(pages), drafts, sample, params, seed,
-                                        history))
+            # the request's own list, not a copy (as the scheduler's entries): it only grows when a later step is
+            # decoded, and a step's batch is read only while that step runs
+            out.append(ScheduledRequest(request_id, tokens, start, pages, drafts, sample, params, seed, history))
         return ScheduledBatch(out, num_next_drafts, maintain, released, scrub)
 
 
