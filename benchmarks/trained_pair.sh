@@ -2,12 +2,16 @@
 # The trained-pair figures of the GPU fast path on one H200. The pair lives in WORK on the GPU host (too large to
 # bring back), so either one device command runs `all` (a shorter training, the bench, under 10 minutes), or two
 # commands follow each other within the machine's keep-alive (~30 s, easy to miss):
-#   bash benchmarks/trained_pair.sh all WORK OUT     train with target 100 s and a 300 s recipe budget, profile,
-#                                                    then bench
+#   bash benchmarks/trained_pair.sh all WORK OUT [HIDDEN LAYERS]
+#                                                    train with target 100 s and a 300 s recipe budget, profile,
+#                                                    then bench (the target 512 wide, 8 layers, 27M parameters,
+#                                                    unless given: a wider one, e.g. 2048 16 (~0.8B), has a
+#                                                    compute-bound 64 x 8 verify, where trimming drafts saves
+#                                                    device time; untried: its quality in 100 s is unknown)
 #   bash benchmarks/trained_pair.sh profile WORK OUT cProfile of AR, DSpark and confidence-scheduled steps at 1 and
 #                                                    4 requests on the pair -> OUT/host-profile-b{1,4}.json
 #                                                    (benchmarks/host_profile.py)
-#   bash benchmarks/trained_pair.sh train WORK OUT [TARGET_S RUN_S]
+#   bash benchmarks/trained_pair.sh train WORK OUT [TARGET_S RUN_S [HIDDEN LAYERS]]
 #                                                    prepare the host, then the GPU recipe's target (150 s),
 #                                                    self-distillation and DSpark drafter (the rest of ~9 minutes)
 #                                                    -> OUT/gpu-recipe.json, WORK/{target,dspark,heldout-prompts.jsonl}
@@ -24,9 +28,9 @@ set -euo pipefail
 step=${1:?train or bench}; work=${2:?give a work folder}; out=${3:?give an output folder}
 eval "$(bash benchmarks/gpu_host.sh install)"
 export PYTHONUNBUFFERED=1
-train() {  # target seconds, the recipe's wall-time budget (the drafter trains for what is left)
+train() {  # target seconds, the recipe's wall-time budget (the drafter trains for what is left), target width, layers
   python3 benchmarks/gpu_recipe.py --work "$work" --out "$out/gpu-recipe.json" --stages target,distill,dspark \
-    --target-seconds "$1" --drafter-seconds 100000 --run-seconds "$2"
+    --target-seconds "$1" --drafter-seconds 100000 --run-seconds "$2" --target-hidden "$3" --target-layers "$4"
 }
 bench() {
     python3 -m cluster.cli bench --model "$work/target" --speculative-model "$work/dspark" \
@@ -42,9 +46,10 @@ profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpar
   done
 }
 case "$step" in
-  train) train "${4:-150}" "${5:-510}" ;;
+  train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" ;;
   bench) bench ;;
   profile) profile ;;
-  all) train 100 300; profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2; bench ;;
+  all) train 100 300 "${4:-512}" "${5:-8}"
+       profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2; bench ;;
   *) echo "usage: $0 train|bench|profile|all WORK OUT" >&2; exit 2 ;;
 esac
