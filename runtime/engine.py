@@ -333,6 +333,9 @@ class Engine:
         message = str(exc) if isinstance(exc, RequestFault) else f"{type(exc).__name__}: {exc}"
         log.warning("dspark: request %s failed alone: %s", seq.request_id, message)
         self.scheduler.finish(seq, "error", scrub=True)
+        # and the graphs' scratch page (the one past the allocator's, on every rank: each holds its own slice of it),
+        # which its padding rows may have filled with NaN that other requests' padded key ranges read masked
+        self.scheduler.scrub([self.pages.num_pages])
         del self.sequences[seq.request_id]
         committed = [] if seq.params.output_kind == "delta" else list(seq.output_token_ids)  # deltas sent the rest
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,

@@ -66,6 +66,11 @@ class Scheduler:
         self.pages.release(seq.page_ids)
         self._released.append(seq.request_id)
 
+    def scrub(self, page_ids: list[int]) -> None:
+        """Have the runner zero ``page_ids`` before the next step (pages outside the allocator's, such as the
+        graphs' scratch page)."""
+        self._scrub.extend(page_ids)
+
     def take_released(self) -> tuple[list[str], list[int]]:
         """(request ids whose runner state to drop, pages to zero) since the last call."""
         released, self._released = self._released, []

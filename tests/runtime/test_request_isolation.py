@@ -163,3 +163,23 @@ def test_greedy_verdicts_mark_every_broken_row():
     top = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), -3.0])
     argmax = torch.tensor([4, 5, 6, 7, 8])
     assert greedy_verdicts(top, argmax).tolist() == [4, -1, -1, -1, 8]
+
+
+def test_a_fault_has_every_rank_zero_the_graphs_scratch_page_next_step(poisoned_target):
+    """A faulted request's padding rows may have written NaN into the graphs' scratch page (the page past the
+    allocator's) on every tensor-parallel rank, so the fault is not the leader's alone to clean: the next step's
+    batch, which every rank applies first, names the scratch page beside the request's own pages."""
+    llm = make_llm(poisoned_target)
+    batches = []
+    execute = llm.engine.executor.execute
+
+    def recorded(batch):
+        batches.append(batch)
+        return execute(batch)
+
+    llm.engine.executor.execute = recorded
+    outs = llm.generate([CLEAN[0], POISONED], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert outs[1].finish_reason == "error"
+    scratch = llm.engine.pages.num_pages
+    scrubbed = [i for i, b in enumerate(batches) if scratch in b.scrub_page_ids]
+    assert scrubbed == [1]  # the step right after the fault (the prefill step), once
