@@ -25,7 +25,7 @@
 #                                                    OUT/step-costs.json (dspark bench-plot draws bench.json)
 # Both steps run from the checkout root with .whl-fi (and .fi-cache, if any) carried; see benchmarks/gpu_host.sh.
 set -euo pipefail
-step=${1:?train or bench}; work=${2:?give a work folder}; out=${3:?give an output folder}
+step=${1:?give a step: train, profile, bench or all}; work=${2:?give a work folder}; out=${3:?give an output folder}
 eval "$(bash benchmarks/gpu_host.sh install)"
 export PYTHONUNBUFFERED=1
 train() {  # target seconds, the recipe's wall-time budget (the drafter trains for what is left), target width, layers
