@@ -1,15 +1,17 @@
 """What one step's driver-to-replica round trip costs: Ray tasks against a Ray Compiled Graph, side by side.
 
-Two actors (a TP=2 replica's shards) each receive a real ``ScheduledBatch`` of ``--batch`` decoding requests
+``--actors`` actors (default 2: a TP=2 replica's shards; 1: a TP=1 replica) each receive a real ``ScheduledBatch`` of
+``--batch`` decoding requests
 (K=7 blocks, page lists of a 2,048-token context) and return as many small results, the shape of
 ``RayExecutor.execute``; the actors do no work, so the time is the dispatch alone:
   tasks     ray.put(batch), one .remote() per actor, ray.get (what RayExecutor did first)
   compiled  one execute() of a compiled graph over shared-memory channels, the whole batch pickled
   delta     the same graph carrying ``cluster.dispatch``'s delta (what RayExecutor does): the actors rebuild
-            the batch from the pages and parameters they already hold, and send their results as tuples
+            the batch from the pages and parameters they already hold, and send their results as tuples, each
+            direction pickled into one bytes object
 Median of ``--steps`` round trips after warm-up. Writes a JSON record (hardware, command, date).
 
-usage: python3 benchmarks/dispatch.py [--batch 1,64,256] [--steps 300] [--out FILE.json]
+usage: python3 benchmarks/dispatch.py [--batch 1,64,256] [--steps 300] [--actors 2] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -72,12 +74,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", default="1,64,256", type=lambda s: [int(b) for b in s.split(",")])
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--actors", type=int, default=2, help="replica actors (default 2: TP=2; 1: TP=1)")
     parser.add_argument("--out")
     args = parser.parse_args()
     from ray.dag import InputNode, MultiOutputNode
 
     ray.init(include_dashboard=False, log_to_driver=False)
-    shards = [Shard.remote() for _ in range(2)]
+    if args.actors < 1:
+        parser.error(f"--actors must be >= 1, got {args.actors}")
+    shards = [Shard.remote() for _ in range(args.actors)]
     batches = {num: batch_of(num) for num in args.batch}
     runs = {num: {"batch": num} for num in args.batch}
 
@@ -106,7 +111,7 @@ def main() -> None:
     runs = list(runs.values())
     record = {"benchmark": "dispatch", "date": str(date.today()), "command": "python3 " + shlex.join(sys.argv),
               "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-              "ray": ray.__version__, "runs": runs}
+              "ray": ray.__version__, "actors": args.actors, "runs": runs}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
