@@ -147,8 +147,12 @@ class ModelRunner:
     @staticmethod
     def _verdict_results(reqs: list[ScheduledRequest], entries: list[ScheduledRequest],
                          verdicts: list[int]) -> list[RequestStepResult]:
-        sampled = {e.request_id: RequestStepResult(e.request_id, [v], 0, []) if v >= 0 else
-                   RequestStepResult(e.request_id, [], 0, [], NON_FINITE_LOGITS) for e, v in zip(entries, verdicts)}
+        """In batch order: each entry's token, or its fault; a request that only prefilled a chunk commits nothing."""
+        results = [RequestStepResult(e.request_id, [v], 0, []) if v >= 0 else
+                   RequestStepResult(e.request_id, [], 0, [], NON_FINITE_LOGITS) for e, v in zip(entries, verdicts)]
+        if len(entries) == len(reqs):  # every request sampled (decode steps): already in batch order
+            return results
+        sampled = {r.request_id: r for r in results}
         return [sampled.get(r.request_id) or RequestStepResult(r.request_id, [], 0, []) for r in reqs]
 
     def _results(self, reqs, entries, committed, accepted, faulty, proposal: Proposal | None,
