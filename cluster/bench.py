@@ -445,9 +445,9 @@ def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None
         engine.add_request(torch.randint(3, vocab - 1, (prompt_len,)).tolist(), params)
     for _ in range(4):
         engine.step()
-    ranks = getattr(engine.executor, "start_profile", None)
-    if ranks is not None:  # a replica: each rank profiles its next 5 steps (traces, if asked, on the ranks' hosts)
-        engine.executor.start_profile(5, trace)
+    start_on_ranks = getattr(engine.executor, "start_profile", None)
+    if start_on_ranks is not None:  # a replica: each rank profiles its next 5 steps (traces on the ranks' hosts)
+        start_on_ranks(5, trace)
         for _ in range(5):
             engine.step()
         engine.abort_all()

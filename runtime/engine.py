@@ -76,6 +76,7 @@ class Engine:
         self.confidence_stats = ConfidenceStats()
         self._decided: set[str] = set()  # requests whose verify length the scheduler chose this step
         self._other_fed = (0, 0)  # (requests, tokens) the last step fed besides the scheduler's verifies
+        self._graph_q_lens: list[int] = []  # tokens per request of the target's graphs (none: eager steps)
         # when a list: every verify appends (the verified drafts' confidences, accepted count) (calibration)
         self.verification_log: list[tuple[list[float], int]] | None = None
         # pipelined drafting (a separate drafter, cluster.RayExecutor): steps alternate two request groups and each
@@ -125,7 +126,8 @@ class Engine:
         else:
             costs = profile_step_costs(self)
         # the target's steps replayed as CUDA graphs pad each request to the step's longest verify (runtime.graphs)
-        layout = "padded" if any(i.get("cuda_graphs") for i in infos if i.get("role") == "target") else "ragged"
+        self._graph_q_lens = next((i.get("graph_q_lens") or [] for i in infos if i.get("role") == "target"), [])
+        layout = "padded" if self._graph_q_lens else "ragged"
         log.info("dspark: confidence scheduling on (%s steps), step-time table %s, temperatures %s", layout,
                  spec.confidence_cost_table_path or "profiled at startup", temperatures or "1")
         return ConfidenceScheduler(int(spec.max_draft_len), costs, temperatures, spec.confidence_min_predicted_gain,
@@ -258,10 +260,10 @@ class Engine:
         fed = [len(e.token_ids) for e in scheduled]
         tokens = sum(fed)
         if self.confidence.layout == "padded":
-            q_len = graphed_q_len(fed, range(1, int(self.spec.max_draft_len) + 2), self.config.max_num_seqs)
+            q_len = graphed_q_len(fed, self._graph_q_lens, self.config.max_num_seqs)
             tokens = len(fed) * q_len if q_len is not None else tokens
         self.confidence.costs.observe(len(scheduled), tokens, seconds)
-        others = [len(e.token_ids) for e in scheduled if e.request_id not in self._decided]
+        others = [n for e, n in zip(scheduled, fed) if e.request_id not in self._decided]
         self._other_fed = (len(others), sum(others))  # prefills and draft-less decodes: the next decision's
         self.confidence_stats.record_step(1e3 * seconds)
 

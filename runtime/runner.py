@@ -101,9 +101,7 @@ class ModelRunner:
             if not self.is_leader:
                 return []
             with region("dspark.results"):
-                results = self._verdict_results(reqs, entries, verdicts.tolist())  # the step's one transfer
-            self._scrub_scratch_after_faults(graphed, results)
-            return results
+                return self._verdict_results(reqs, entries, verdicts.tolist())  # the step's one transfer
         with region("dspark.verify"):
             committed, accepted, faulty, logprob_source = self._verify(entries, hidden, t.row_ends, sampled,
                                                                        graphed)
@@ -116,18 +114,9 @@ class ModelRunner:
             return []
         with region("dspark.results"):
             logprobs = logprob_source.top(committed) if logprob_source is not None else None
-            results = self._results(reqs, entries, committed, accepted, faulty, proposal, logprobs)
-        self._scrub_scratch_after_faults(graphed, results)
-        return results
-
-    def _scrub_scratch_after_faults(self, graphed: GraphOutputs | None, results: list[RequestStepResult]) -> None:
-        """A faulted request's padding tokens may have left NaN keys in the graphs' scratch page, whose slots other
-        requests' padded key ranges read masked (0 x NaN is NaN): zero it before the next step (its own pages are
-        scrubbed when it is finished)."""
-        if graphed is not None and any(r.error is not None for r in results):
-            scrub_pages(self.caches, [self.graphs.scratch_page], self.device)
-            if self.channel is not None:
-                self.channel.scrub([self.graphs.scratch_page])
+            # a faulted request's pages, and the graphs' scratch page its padding rows may have filled with NaN, are
+            # zeroed on every rank before the next step: the engine names them in that step's scrub list
+            return self._results(reqs, entries, committed, accepted, faulty, proposal, logprobs)
 
     def _greedy_verdicts(self, entries: list[ScheduledRequest], hidden: torch.Tensor, row_ends: list[int],
                          batch_index: list[int], graphed: GraphOutputs | None) -> torch.Tensor:
@@ -136,7 +125,7 @@ class ModelRunner:
         back, one int a request. A one-token graph computed the verdicts of all its rows; otherwise the entries'
         rows are picked (under tensor parallelism every rank computes the max and argmax together)."""
         if graphed is not None and graphed.verdict is not None:
-            if batch_index == list(range(len(entries))):  # every request of the step decodes: rows 0..S-1
+            if len(entries) == graphed.verdict.shape[0]:  # every request of the step samples: rows 0..S-1
                 return graphed.verdict[:len(entries)]
             return graphed.verdict[to_device(batch_index, self.device)]
         rows = to_device([row_ends[b] - 1 for b in batch_index], self.device)

@@ -160,7 +160,7 @@ class Scheduler:
                 drafts = drafts[:max(room, 0)]
             return [seq.last_token, *drafts], len(drafts), True
         end = min(num_tokens, seq.num_computed + budget)
-        return seq.token_slice(seq.num_computed, end), 0, end == seq.num_tokens
+        return seq.token_slice(seq.num_computed, end), 0, end == num_tokens
 
     @staticmethod
     def _entry(seq: Sequence, tokens: list[int], num_drafts: int, sample: bool) -> ScheduledRequest:

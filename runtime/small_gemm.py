@@ -179,12 +179,8 @@ def _measure(weights: list[torch.Tensor], flush: torch.Tensor,
     for rows in ROW_BUCKETS:
         x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
         cublas = _device_time_us(lambda: [F.linear(x, w) for w in weights], flush)
-        best, best_us = None, float("inf")
-        for config in CANDIDATES:
-            if config.fits(n, k):
-                us = _device_time_us(lambda c=config: [skinny_matmul(x, w, c) for w in weights], flush)
-                if us < best_us:
-                    best, best_us = config, us
+        best, best_us = _fastest(n, k, lambda c: _device_time_us(lambda: [skinny_matmul(x, w, c) for w in weights],
+                                                                  flush))
         chosen = best if best is not None and best_us <= MARGIN * cublas else None
         configs.append(chosen)
         rows_report[str(rows)] = {"cublas_us": round(cublas, 1), "triton_us": round(best_us, 1),
@@ -195,13 +191,8 @@ def _measure(weights: list[torch.Tensor], flush: torch.Tensor,
             gate_up = torch.randn(rows, 2 * k, dtype=x.dtype, device=x.device)
             gemm = (lambda a, w: skinny_matmul(a, w, chosen)) if chosen is not None else F.linear
             separate = _device_time_us(lambda: [gemm(silu_and_mul(gate_up), w) for w in weights], flush)
-            fused, fused_us = None, float("inf")
-            for config in CANDIDATES:
-                if config.fits(n, k):
-                    us = _device_time_us(
-                        lambda c=config: [skinny_matmul(gate_up, w, c, swiglu=True) for w in weights], flush)
-                    if us < fused_us:
-                        fused, fused_us = config, us
+            fused, fused_us = _fastest(n, k, lambda c: _device_time_us(
+                lambda: [skinny_matmul(gate_up, w, c, swiglu=True) for w in weights], flush))
             swiglu = fused if fused is not None and fused_us <= MARGIN * separate else None
             rows_report[str(rows)].update(
                 swiglu_separate_us=round(separate, 1), swiglu_fused_us=round(fused_us, 1),
@@ -209,6 +200,20 @@ def _measure(weights: list[torch.Tensor], flush: torch.Tensor,
         swiglu_configs.append(swiglu)
     uses_triton = any(c is not None for c in configs + swiglu_configs)
     return GemmChoice(tuple(configs), skinny_matmul if uses_triton else None, tuple(swiglu_configs)), rows_report
+
+
+def _fastest(n: int, k: int, device_us: Callable) -> tuple:
+    """(the candidate config serving an [n, k] weight with the least ``device_us(config)``, its time); (None, inf)
+    when none serves it."""
+    from runtime.kernels.skinny_gemm import CANDIDATES
+
+    best, best_us = None, float("inf")
+    for config in CANDIDATES:
+        if config.fits(n, k):
+            us = device_us(config)
+            if us < best_us:
+                best, best_us = config, us
+    return best, best_us
 
 
 def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: torch.dtype) -> SmallGemmReport:
