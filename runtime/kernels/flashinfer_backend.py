@@ -35,6 +35,7 @@ class HostIndptrs:
     kv_indptr: torch.Tensor  # [B+1]
     kv_indices: torch.Tensor  # [sum of pages]
     last_page_len: torch.Tensor  # [B]
+    kv_lens: torch.Tensor  # [B] keys per request
 
 
 def host_indptrs(qo_lens: list[int], kv_lens: list[int], page_ids: list[list[int]], page_size: int) -> HostIndptrs:
@@ -52,7 +53,7 @@ def host_indptrs(qo_lens: list[int], kv_lens: list[int], page_ids: list[list[int
     def ints(values: list[int]) -> torch.Tensor:  # via numpy: torch.tensor(list) costs ~3x (1.8 ms for 33K ints)
         return torch.from_numpy(np.array(values, dtype=np.int32))
 
-    return HostIndptrs(ints(qo), ints(kv), ints(indices), ints(last))
+    return HostIndptrs(ints(qo), ints(kv), ints(indices), ints(last), ints(kv_lens))
 
 
 class FlashInferPlan:
@@ -70,19 +71,15 @@ class FlashInferPlan:
         if self.planned == geometry:
             return
         i, g = self.indptrs, geometry
-        common = dict(sm_scale=g.scale, q_data_type=g.dtype, kv_data_type=g.dtype)
         if isinstance(self.wrapper, DecodeGraphWrapper):
-            q_lens = (i.qo_indptr[1:] - i.qo_indptr[:-1]).tolist()
-            if any(q != self.wrapper.q_len for q in q_lens) or not self.causal:
-                raise ValueError(f"a decode wrapper serves {self.wrapper.q_len} causal tokens per request, got "
-                                 f"{sorted(set(q_lens))} (causal={self.causal})")
-            extra = {"q_len_per_req": self.wrapper.q_len} if self.wrapper.q_len > 1 else {}
-            indptr, indices, last = self.wrapper.stage(i)
-            self.wrapper.inner.plan(indptr, indices, last, g.num_q_heads, g.num_kv_heads, g.head_dim,
-                                    self.page_size, **common, **extra)
+            if not self.causal:
+                raise ValueError(f"a decode wrapper serves {self.wrapper.q_len} causal tokens per request, got a "
+                                 "non-causal layout")
+            self.wrapper.plan(i, g, self.page_size)
         else:
             self.wrapper.plan(i.qo_indptr, i.kv_indptr, i.kv_indices, i.last_page_len, g.num_q_heads,
-                              g.num_kv_heads, g.head_dim, self.page_size, causal=self.causal, **common)
+                              g.num_kv_heads, g.head_dim, self.page_size, causal=self.causal, sm_scale=g.scale,
+                              q_data_type=g.dtype, kv_data_type=g.dtype)
         self.planned = geometry
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -90,7 +87,7 @@ class FlashInferPlan:
         return wrapper.run(q, (k_cache, v_cache))
 
 
-@dataclass(frozen=True)
+@dataclass
 class DecodeGraphWrapper:
     """FlashInfer's decode wrapper (tensor cores, fa2) fixed to ``q_len`` tokens per request: what a CUDA graph of
     a uniform step replays. Measured on H200 (``benchmarks/attention_decode.py``): as fast as the prefill kernel
@@ -101,7 +98,14 @@ class DecodeGraphWrapper:
     stream. So the indptrs are staged in pinned memory and the page indices on the device (``stage``), and a plan
     can be made while the GPU still runs an earlier step (its copies queue behind that step). Invariant: the
     pinned staging is rewritten only after the previous plan's copies have run (the graph runner waits on an
-    event recorded after each plan, ``GraphedTargetForward._plan``)."""
+    event recorded after each plan, ``GraphedTargetForward._plan``).
+
+    Replanning is the hot path (every step whose layout was not planned ahead): the first plan of a geometry goes
+    through FlashInfer's ``plan`` (which resolves and caches the kernel module and checks every argument), every
+    later one (``_replan``) writes the page table into the wrapper's buffers and calls that cached module's planner
+    directly with the keys per request the host already knows: the same planner, arguments and buffers as
+    ``plan``'s fa2 tensor-core path (what FlashInfer's own ``fast_decode_plan`` does for SGLang), without ~0.2 ms
+    of Python checks a step. ``tests/gpu`` holds both to the same plan info and outputs."""
 
     inner: object
     q_len: int
@@ -109,6 +113,9 @@ class DecodeGraphWrapper:
     last_page_len_host: torch.Tensor  # [B] int32, pinned
     indices_host: torch.Tensor  # [max_pages] int32, pinned
     indices_device: torch.Tensor  # [max_pages] int32
+    qo_indptr_host: torch.Tensor  # [B+1] int32: 0, Q, 2Q, ... (every request feeds Q tokens)
+    planned_geometry: AttentionGeometry | None = None  # what FlashInfer's own plan last resolved
+    fast_plans: int = 0  # plans made by ``_replan``
 
     def stage(self, indptrs: HostIndptrs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copy a plan's page table into the staging buffers -> (kv_indptr, kv_indices, last_page_len) views for
@@ -119,6 +126,46 @@ class DecodeGraphWrapper:
         self.indices_host[:n].copy_(indptrs.kv_indices)
         self.indices_device[:n].copy_(self.indices_host[:n], non_blocking=True)
         return self.indptr_host[:b + 1], self.indices_device[:n], self.last_page_len_host[:b]
+
+    def plan(self, indptrs: HostIndptrs, geometry: AttentionGeometry, page_size: int) -> None:
+        """Plan for ``indptrs`` (B requests of ``q_len`` tokens, B the wrapper's batch)."""
+        batch = len(self.qo_indptr_host) - 1
+        if not torch.equal(indptrs.qo_indptr, self.qo_indptr_host):
+            q_lens = sorted(set((indptrs.qo_indptr[1:] - indptrs.qo_indptr[:-1]).tolist()))
+            raise ValueError(f"a decode wrapper serves {batch} requests of {self.q_len} tokens per request, got "
+                             f"{len(indptrs.qo_indptr) - 1} requests of {q_lens} tokens")
+        indptr, indices, last = self.stage(indptrs)
+        if self.planned_geometry == geometry:
+            self._replan(indptr, indptrs.kv_lens, len(indptrs.kv_indices), geometry, page_size)
+            return
+        extra = {"q_len_per_req": self.q_len} if self.q_len > 1 else {}
+        self.inner.plan(indptr, indices, last, geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim,
+                        page_size, sm_scale=geometry.scale, q_data_type=geometry.dtype, kv_data_type=geometry.dtype,
+                        **extra)
+        inner = self.inner
+        if not (inner.use_tensor_cores and inner._backend == "fa2" and inner.is_cuda_graph_enabled):
+            raise RuntimeError(f"kernel backend 'flashinfer': the graph's decode wrapper resolved to backend "
+                               f"{inner._backend!r} (tensor cores {inner.use_tensor_cores}); its replanning "
+                               "serves the fa2 tensor-core path only")
+        self.planned_geometry = geometry
+
+    def _replan(self, indptr_host: torch.Tensor, kv_lens: torch.Tensor, num_pages: int, geometry: AttentionGeometry,
+                page_size: int) -> None:
+        """FlashInfer's fa2 tensor-core plan for the staged page table: the buffers the graph reads, then the cached
+        module's planner (it writes the work split into the pinned int workspace and queues its copy)."""
+        inner, b = self.inner, len(kv_lens)
+        inner._paged_kv_indptr_buf.copy_(indptr_host, non_blocking=True)
+        inner._paged_kv_last_page_len_buf.copy_(self.last_page_len_host[:b], non_blocking=True)
+        inner._paged_kv_indices_buf[:num_pages].copy_(self.indices_device[:num_pages], non_blocking=True)
+        inner._plan_info = inner._cached_module.plan(
+            inner._float_workspace_buffer, inner._int_workspace_buffer, inner._pin_memory_int_workspace_buffer,
+            self.qo_indptr_host, indptr_host, kv_lens, b * self.q_len, b, geometry.num_q_heads,
+            geometry.num_kv_heads, page_size, True, geometry.head_dim, geometry.head_dim,
+            self.q_len > 1,  # causal within the request's block
+            -1,  # no sliding window
+            -1, False, 0,  # split size chosen by the planner, split-kv allowed, no colocated CTAs
+            self.q_len, True)  # every request feeds exactly q_len rows
+        self.fast_plans += 1
 
 
 class FlashInferBackend:
@@ -163,8 +210,9 @@ class FlashInferBackend:
         def pinned(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, pin_memory=True)
 
+        qo_indptr = torch.arange(batch_size + 1, dtype=torch.int32) * q_len
         return DecodeGraphWrapper(inner, q_len, pinned(batch_size + 1), pinned(batch_size), pinned(max_pages),
-                                  buf(max_pages))
+                                  buf(max_pages), qo_indptr)
 
     def _eager_wrapper(self, device: torch.device):
         """The wrapper eager forwards on ``device`` plan and run (one at a time: a forward plans, then runs)."""

@@ -2,6 +2,7 @@
 against its eager steps with the same kernels (token for token). Skipped without a GPU and flashinfer."""
 
 import dataclasses
+import random
 import time
 
 import pytest
@@ -318,3 +319,41 @@ def test_flashinfer_refuses_float32(wide_target):
 
     with pytest.raises(KernelBackendUnavailable, match="bfloat16 or float16"):
         LLM(str(wide_target), **{**ENGINE, "dtype": "float32"})
+
+
+@pytest.mark.parametrize("q_len", [1, 8])
+def test_a_graph_wrappers_fast_replan_equals_flashinfers_own_plan(fi, q_len):
+    """After its first plan, a graph's decode wrapper replans by calling FlashInfer's cached planner directly
+    (``DecodeGraphWrapper._replan``): for every layout it leaves the same plan info and page-table buffers as
+    FlashInfer's ``plan`` on a twin wrapper, and attention through it equals the torch reference."""
+    page, hq, hkv, d, batch = 16, 32, 8, 128, 4
+    geometry = AttentionGeometry(hq, hkv, d, BF16, d ** -0.5)
+    k_cache, v_cache = (torch.randn(128, page, hkv, d, device=DEV, dtype=BF16) for _ in range(2))
+    fast, twin = (fi.graph_wrapper(torch.device(DEV), batch, 128, q_len) for _ in range(2))
+    q = torch.randn(batch * q_len, hq, d, device=DEV, dtype=BF16)
+    rng = random.Random(q_len)
+    for step in range(6):
+        kv_lens = [rng.randint(q_len, 500) for _ in range(batch)]
+        ids = rng.sample(range(128), sum(-(-n // page) for n in kv_lens))
+        pages, at = [], 0
+        for n in kv_lens:
+            pages.append(ids[at:at + -(-n // page)])
+            at += len(pages[-1])
+        width = max(len(p) for p in pages)
+        meta = PagedAttentionMeta(query_start_loc=torch.arange(batch + 1, device=DEV) * q_len,
+                                  seq_lens=torch.tensor(kv_lens, device=DEV),
+                                  page_table=torch.tensor([p + [0] * (width - len(p)) for p in pages], device=DEV),
+                                  max_query_len=q_len, max_seq_len=max(kv_lens), causal=True,
+                                  num_tokens=batch * q_len, page_size=page, host=HostLayout([q_len] * batch, kv_lens,
+                                                                                            pages), geometry=geometry)
+        planned = fi.plan_attention(meta, fast)
+        twin.planned_geometry = None  # FlashInfer's own plan, every time
+        fi.plan_attention(meta, twin)
+        assert fast.fast_plans == step and twin.fast_plans == 0
+        assert list(fast.inner._plan_info) == list(twin.inner._plan_info)
+        for name in ("_paged_kv_indptr_buf", "_paged_kv_last_page_len_buf"):
+            assert torch.equal(getattr(fast.inner, name), getattr(twin.inner, name)), name
+        used = sum(len(p) for p in pages)
+        assert torch.equal(fast.inner._paged_kv_indices_buf[:used], twin.inner._paged_kv_indices_buf[:used])
+        close(fi.paged_attention(q, k_cache, v_cache, planned, d ** -0.5),
+              torch_ref.paged_attention(q, k_cache, v_cache, torch_ref.plan_attention(meta), d ** -0.5))

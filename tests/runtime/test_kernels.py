@@ -65,12 +65,14 @@ def test_registry_fails_loudly():
 
 def test_flashinfer_plan_inputs_are_the_csr_of_each_requests_used_pages():
     """The host side of FlashInfer's plan (no flashinfer needed): query and page indptrs, the pages each request's
-    keys use (not the spare ones it holds), the fill of its last page; a layout short of pages is refused."""
+    keys use (not the spare ones it holds), the fill of its last page, the keys per request (the graph wrapper's
+    replan hands them to FlashInfer's planner); a layout short of pages is refused."""
     from runtime.kernels.flashinfer_backend import host_indptrs
 
     got = host_indptrs([3, 1], [9, 4], [[7, 2, 5], [4, 6]], page_size=4)
     assert got.qo_indptr.tolist() == [0, 3, 4] and got.kv_indptr.tolist() == [0, 3, 4]
     assert got.kv_indices.tolist() == [7, 2, 5, 4] and got.last_page_len.tolist() == [1, 4]
-    assert all(t.dtype == torch.int32 and t.device.type == "cpu" for t in (got.qo_indptr, got.kv_indices))
+    assert got.kv_lens.tolist() == [9, 4]
+    assert all(t.dtype == torch.int32 and t.device.type == "cpu" for t in (got.qo_indptr, got.kv_indices, got.kv_lens))
     with pytest.raises(ValueError, match="9 keys need 3 pages, the request holds 2"):
         host_indptrs([1], [9], [[1, 2]], page_size=4)
