@@ -28,7 +28,9 @@ are identical (bf16 verify batches reorder sums, so near-ties may part).
 ``throughput_vs_colocated``; with ``--pipeline-drafter`` also the separate drafter without the pipeline:
 ``throughput_vs_serial``); a replica's models live on its actors, so its record has step times, tokens/s and
 acceptance but no roofline, graph replays or host breakdown (``--profile`` profiles each rank's batch-1 steps:
-``*_profile_batch1.ranks``). ``--device cpu`` runs the plumbing on a CPU.
+``*_profile_batch1.ranks``). ``--profile`` profiles every engine's batch-1 steps after all the figures are taken
+(on the engine built again): a process the profiler has run in launches CUDA graphs several times slower.
+``--device cpu`` runs the plumbing on a CPU.
 """
 
 from __future__ import annotations
@@ -452,11 +454,14 @@ def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None
             engine.step()
         engine.abort_all()
         return {"ranks": engine.executor.profile_results()}
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(5):
             engine.step()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     engine.abort_all()
     return summarize(prof, 5, trace)
 
@@ -576,9 +581,6 @@ def run(args) -> dict:
                 record["expert_bytes"] = expert_bytes(llm)
             record["moe_backend"] = next(info.get("moe_backend") for info in llm.rank_info()
                                          if info.get("role") == "target")  # rank 0's (every target rank's alike)
-        if args.profile and kind == "ar":
-            record["ar_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab, trace_path(args, "ar"))
-            print(f"dspark bench: AR batch-1 profile: {json.dumps(record['ar_profile_batch1'])}", file=sys.stderr)
         time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0)  # untimed: first-call costs stay out of TTFT
         freeze_long_lived(f"bench engine {kind}")  # as a server does once started (runtime.heap)
         return llm
@@ -629,7 +631,7 @@ def run(args) -> dict:
                                     for i in range(args.mixed_requests)], args.mixed_rate, args.e2e_tokens)
 
     def finish(kind: str, llm, with_mixed: bool = True, with_e2e: bool = True) -> None:
-        """The mixed workload, end to end and profile where asked for, then the engine's memory freed."""
+        """The mixed workload and end to end where asked for, then the engine's memory freed."""
         if args.mixed_rate and with_mixed:
             record.setdefault("mixed_workload", {})[kind] = mixed(llm)
             print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,
@@ -638,10 +640,10 @@ def run(args) -> dict:
             e2e[kind] = end_to_end(llm, e2e_prompts, args.e2e_tokens)
             print(f"dspark bench: {kind} end to end: {e2e[kind]['tokens']} tokens in {e2e[kind]['seconds']:.2f} s",
                   file=sys.stderr, flush=True)
-        if args.profile and kind in ("dspark", "tuned", "confidence"):  # the schedules' steps side by side
-            record[f"{kind}_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab, trace_path(args, kind))
-            print(f"dspark bench: {kind} batch-1 profile: {json.dumps(record[f'{kind}_profile_batch1'])}",
-                  file=sys.stderr)
+        release(llm)
+
+    def release(llm) -> None:
+        """Shut an engine down and free its memory before the next one is built."""
         llm.engine.executor.shutdown()
         del llm
         unfreeze_long_lived()
@@ -650,13 +652,34 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
         save_partial(args, record, rows)
 
+    # --profile: each engine's batch-1 steps, profiled once every figure of the run is taken, on the engine rebuilt.
+    # torch.profiler leaves CUPTI attached to the process (and to a replica's actors) once it has run, and from
+    # then on every CUDA graph launch costs the host several times more (Qwen3-8B shape on an H200, AR batch 1:
+    # 0.13 ms of replay() a step in the run profiled first, 0.02 ms without), so a profile taken before a sweep
+    # slows every figure after it.
+    profiled: list[tuple[str, dict | None, dict]] = []
+
+    def profile_later(kind: str, speculative: dict | None, layout: dict) -> None:
+        if args.profile and kind in ("ar", "dspark", "tuned", "confidence"):
+            profiled.append((kind, speculative, layout))
+
+    def profile_all() -> None:
+        for kind, speculative, layout in profiled:
+            llm = engine_class(str(target), speculative_config=speculative, **common, **layout)
+            time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0)  # first-call costs stay out of the profile
+            record[f"{kind}_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab, trace_path(args, kind))
+            print(f"dspark bench: {kind} batch-1 profile: {json.dumps(record[f'{kind}_profile_batch1'])}",
+                  file=sys.stderr, flush=True)
+            release(llm)
+
     def sweep(kind: str, speculative: dict | None, layout: dict) -> None:
-        """Build one engine, run the concurrency sweep (and the mixed workload, end to end, profile) on it."""
+        """Build one engine, run the concurrency sweep (and the mixed workload, end to end) on it."""
         llm = build(kind, speculative, layout)
         for c in tqdm(args.concurrency, desc=f"{kind} sweep", disable=None):
             reset_stats(kind, llm)
             record_row(kind, llm, c, measure(llm, c))
         finish(kind, llm)
+        profile_later(kind, speculative, layout)
 
     def paired(engines_: list[tuple[str, dict]]) -> None:
         """Two engines alive together, measured in alternating rounds (``PAIRED_ROUNDS`` per concurrency, the
@@ -681,8 +704,9 @@ def run(args) -> dict:
                     **median_round(results), "tokens_per_s_rounds": [m["tokens_per_s"] for m in results]}
                 print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,
                       flush=True)
-        for kind in list(llms):
+        for kind, speculative in engines_:
             finish(kind, llms.pop(kind), with_mixed=False, with_e2e=False)
+            profile_later(kind, speculative, {})
 
     for kind, speculative, layout in engines:
         sweep(kind, speculative, layout)
@@ -698,6 +722,7 @@ def run(args) -> dict:
             paired(after)
         else:
             sweep(*after[0], {})
+    profile_all()
     mixed_runs = record.get("mixed_workload", {})
     if "confidence" in mixed_runs and "tuned" in mixed_runs:  # measured in alternating rounds, median each
         record["mixed_confidence_vs_tuned"] = mixed_runs["confidence"]["tokens_per_s"] / mixed_runs["tuned"][
@@ -934,7 +959,8 @@ def add_parser(commands) -> None:
     bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 steps of each engine "
                        "(AR, DSpark, and the tuned and confidence-scheduled ones where swept): kernels per step, GPU "
                        "busy and idle time per step, the largest GPU gaps, host time per region; a replica's on "
-                       "every rank (its record's *_profile_batch1.ranks)")
+                       "every rank (its record's *_profile_batch1.ranks); taken after every figure of the run, on the "
+                       "engines built again (a profiled process launches CUDA graphs slower)")
     bench.add_argument("--profile-trace", help="with --profile: also write each profile's timeline (Chrome trace, "
                        "gzip) into this folder")
     bench.add_argument("--out", help="write the JSON record here (default: print it)")
@@ -960,13 +986,12 @@ def main(args) -> int:
         print("dspark bench: --pipeline-drafter needs --drafter separate", file=sys.stderr)
         return 2
     replica = args.tensor_parallel_size is not None or args.drafter == "separate"
-    local_only = [flag for flag, on in (("--profile", args.profile), ("--hf-tokens", args.hf_tokens)) if on]
     if replica and args.hf_tokens:
         print("dspark bench: --hf-tokens times transformers on one GPU; leave it out with --tensor-parallel-size or "
               "--drafter separate", file=sys.stderr)
         return 2
-    if args.device == "cpu" and local_only:
-        print(f"dspark bench: {', '.join(local_only)} need --device cuda", file=sys.stderr)
+    if args.device == "cpu" and args.hf_tokens:
+        print("dspark bench: --hf-tokens needs --device cuda (the peers' figures are GPU figures)", file=sys.stderr)
         return 2
     if args.plot:
         require_matplotlib("--plot")

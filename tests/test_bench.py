@@ -144,8 +144,8 @@ def test_bench_refuses_a_transformers_peer_on_a_replica(tmp_path):
 
 
 def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
-    """Every phase of ``dspark bench`` (sweep, confidence scheduler, mixed workload, end to end, tuning) in one CPU
-    run of the tiny MoE shape: the record has each phase's fields and no GPU-only ones."""
+    """Every phase of ``dspark bench`` (sweep, confidence scheduler, mixed workload, end to end, tuning, profiles) in
+    one CPU run of the tiny MoE shape: the record has each phase's fields and no GPU-only ones."""
     import json
     import subprocess
     import sys
@@ -157,7 +157,8 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
                            "--concurrency", "1,2", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2",
                            "--warmup", "1", "--kv-cache-gib", "0.05", "--confidence-scheduling", "--tune-schedule",
                            str(schedule), "--acceptance-per-position", "0.99,0.99,0.99", "--e2e-prompts", "2",
-                           "--e2e-tokens", "8", "--mixed-rate", "200", "--mixed-requests", "4", "--out", str(out)],
+                           "--e2e-tokens", "8", "--mixed-rate", "200", "--mixed-requests", "4", "--profile",
+                           "--out", str(out)],
                           cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -181,6 +182,12 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
         assert "roofline_fraction" not in row and "ar_forward_ms" not in row
     assert len(record["mixed_workload"]["confidence"]["tokens_per_s_rounds"]) == 3
     assert record["mixed_confidence_vs_tuned"] > 0
+    # every engine profiled, and only after the last figure was taken (the confidence engine's sweep is the last):
+    # a process the profiler has run in launches CUDA graphs slower
+    keys = list(record)
+    for kind in ("ar", "dspark", "tuned", "confidence"):
+        assert record[f"{kind}_profile_batch1"]["host_ms_per_step"], kind
+        assert keys.index(f"{kind}_profile_batch1") > keys.index("confidence_rank_info"), kind
 
 
 def test_gpu_gaps_sum_the_time_no_device_activity_covers():
