@@ -6,8 +6,11 @@ torch profiler's labels say which phase, this says which functions. For each eng
 ``--prompt-len`` random tokens are prefilled, ``--warmup`` steps run, then ``--steps`` steps run under cProfile
 (and, apart, timed without it). Writes the wall ms per step and the top functions by own and cumulative time.
 
+On a machine without a GPU, ``--device cpu`` profiles the same engines in float32 on the CPU: the host code is the
+same apart from the kernels and graphs, so the scheduler's, the verifier's and the engine's own Python show up there.
+
 usage: python3 benchmarks/host_profile.py --out FILE.json [--model-shape tiny | --model DIR --speculative-model DIR
-       --prompts FILE.jsonl] [--batch 1] [--steps 200] [--confidence]
+       --prompts FILE.jsonl] [--batch 1] [--steps 200] [--confidence] [--device cpu]
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import shlex
 import sys
@@ -41,6 +45,11 @@ def top(stats: pstats.Stats, key: str, steps: int, count: int = 30) -> list[dict
     return rows
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def profile_engine(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab: int,
                    prompts: list[list[int]] | None) -> dict:
     engine = llm.engine
@@ -52,17 +61,17 @@ def profile_engine(llm, batch: int, prompt_len: int, steps: int, warmup: int, vo
         engine.add_request(prompt, params)
     for _ in range(warmup):
         engine.step()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    torch.cuda.synchronize()
+    sync()
     wall = (time.perf_counter() - start) / steps
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
         engine.step()
-    torch.cuda.synchronize()
+    sync()
     profiler.disable()
     engine.abort_all()
     stats = pstats.Stats(profiler)
@@ -82,6 +91,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--max-draft-len", type=int, default=7)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda (bfloat16, the figures) or cpu (float32: the host code without a GPU)")
     parser.add_argument("--confidence", action="store_true", help="also profile DSpark with confidence scheduling "
                         "(the drafter needs a confidence head; its step-time table is profiled at startup)")
     args = parser.parse_args()
@@ -100,10 +111,11 @@ def main() -> None:
         from runtime.training.distill import dataset_prompts
 
         prompts = dataset_prompts(args.prompts, AutoTokenizer.from_pretrained(str(target)))
-    common = dict(dtype="bfloat16", device="cuda", max_num_seqs=max(args.batch, 1), kv_cache_memory=4 << 30,
+    gpu = args.device == "cuda"
+    common = dict(dtype="bfloat16" if gpu else "float32", device=args.device, max_num_seqs=max(args.batch, 1), kv_cache_memory=(4 << 30) if gpu else (64 << 20),
                   max_model_len=args.prompt_len + 12 * (args.steps * 2 + args.warmup) + 128, **dummy)
     record = {"benchmark": "host_profile", "date": str(date.today()), "command": "python3 " + shlex.join(sys.argv),
-              "hardware": torch.cuda.get_device_name(), "torch": torch.__version__, "model": str(target),
+              "hardware": torch.cuda.get_device_name() if gpu else f"cpu ({os.cpu_count()} cores)", "torch": torch.__version__, "model": str(target),
               "batch": args.batch, "engines": {}}
     dspark = {"speculative_model": str(drafter), "max_draft_len": args.max_draft_len, **dummy}
     engines = [("ar", None), ("dspark", dspark)]
@@ -119,7 +131,8 @@ def main() -> None:
                   f"{row['calls_per_step']:.1f}x  {row['function']}", flush=True)
         llm.engine.executor.shutdown()
         del llm
-        torch.cuda.empty_cache()
+        if gpu:
+            torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
 
