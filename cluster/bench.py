@@ -30,6 +30,11 @@ are identical (bf16 verify batches reorder sums, so near-ties may part).
 acceptance but no roofline, graph replays or host breakdown (``--profile`` profiles each rank's batch-1 steps:
 ``*_profile_batch1.ranks``). ``--profile`` profiles every engine's batch-1 steps after all the figures are taken
 (on the engine built again): a process the profiler has run in launches CUDA graphs several times slower.
+On one process every engine compared is alive at once and measured in alternating rounds (three per
+concurrency, the order flipped each round, the median round kept; the end-to-end prompts alternate per prompt;
+the tuning candidates are timed against the DSpark engine and read in its terms): the host's speed drifts by tens
+of percent over tens of seconds on a shared machine, so figures timed minutes apart do not compare.
+``--sequential`` (and every replica) measures each engine alone, one after another.
 ``--device cpu`` runs the plumbing on a CPU.
 """
 
@@ -245,24 +250,35 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
             **device, **host, **routing}
 
 
-def end_to_end(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+def end_to_end(llms: dict, prompts: list[list[int]], max_tokens: int) -> dict[str, dict]:
     """Each prompt alone (concurrency 1), greedy, through ``LLM.generate`` as a user calls it (prefill, decode,
-    stop checks, detokenization): wall seconds, tokens, the outputs, and the acceptance over these requests."""
+    stop checks, detokenization), on every engine of ``llms`` ({kind: llm}) -> per kind: wall seconds, tokens, the
+    outputs, and the acceptance over these requests. With several engines each prompt runs on each in turn, the
+    order flipped every prompt, so a drift of the host's speed falls on all of them alike."""
     from runtime import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate([prompts[0]], params)  # untimed: first-call costs
-    metrics_before = llm.get_metrics()
-    sync(llm)
-    start = time.perf_counter()
-    outputs = [llm.generate([p], params)[0].token_ids for p in prompts]
-    sync(llm)
-    seconds = time.perf_counter() - start
-    metrics = llm.get_metrics()
-    drafts = metrics["num_drafts"] - metrics_before["num_drafts"]
-    accepted = metrics["num_accepted_tokens"] - metrics_before["num_accepted_tokens"]
-    return {"seconds": seconds, "tokens": sum(len(o) for o in outputs), "outputs": outputs,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+    kinds = list(llms)
+    before, seconds, outputs = {}, dict.fromkeys(kinds, 0.0), {kind: [] for kind in kinds}
+    for kind, llm in llms.items():
+        llm.generate([prompts[0]], params)  # untimed: first-call costs
+        before[kind] = llm.get_metrics()
+    for i, prompt in enumerate(prompts):
+        for kind in (kinds if i % 2 == 0 else reversed(kinds)):
+            llm = llms[kind]
+            sync(llm)
+            start = time.perf_counter()
+            outputs[kind].append(llm.generate([prompt], params)[0].token_ids)
+            sync(llm)
+            seconds[kind] += time.perf_counter() - start
+    results = {}
+    for kind, llm in llms.items():
+        metrics = llm.get_metrics()
+        drafts = metrics["num_drafts"] - before[kind]["num_drafts"]
+        accepted = metrics["num_accepted_tokens"] - before[kind]["num_accepted_tokens"]
+        results[kind] = {"seconds": seconds[kind], "tokens": sum(len(o) for o in outputs[kind]),
+                         "outputs": outputs[kind], "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+    return results
 
 
 def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, seed: int = 0) -> dict:
@@ -562,6 +578,11 @@ def run(args) -> dict:
     confidence_after_tuning = args.confidence_scheduling and args.tune_schedule
     if args.confidence_scheduling and not confidence_after_tuning:
         engines.append(("confidence", {**spec, "enable_confidence_scheduling": True}, {}))
+    # single-process engines are measured side by side in alternating rounds (the host's speed drifts: on the lent
+    # H200 hosts by up to 1.6x over tens of seconds, benchmarks/results/2026-12-01-draft-len-steps-pinned-h200.json);
+    # a replica's engines one after another (two replicas would need twice the GPUs), as with --sequential
+    alternate = not replica and not args.sequential
+    record["measurement"] = "alternating rounds" if alternate else "sequential"
     record["schedules"] = {"dspark": "fixed" if spec.get("draft_len_schedule") is None else "tuned",
                            **({"confidence": "confidence"} if args.confidence_scheduling else {})}
 
@@ -630,6 +651,12 @@ def run(args) -> dict:
         return mixed_workload(llm, [mixed_prompts[i % len(mixed_prompts)][:args.prompt_len]
                                     for i in range(args.mixed_requests)], args.mixed_rate, args.e2e_tokens)
 
+    def report_e2e(results: dict) -> None:
+        for kind, result in results.items():
+            e2e[kind] = result
+            print(f"dspark bench: {kind} end to end: {result['tokens']} tokens in {result['seconds']:.2f} s",
+                  file=sys.stderr, flush=True)
+
     def finish(kind: str, llm, with_mixed: bool = True, with_e2e: bool = True) -> None:
         """The mixed workload and end to end where asked for, then the engine's memory freed."""
         if args.mixed_rate and with_mixed:
@@ -637,9 +664,7 @@ def run(args) -> dict:
             print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,
                   flush=True)
         if e2e_prompts is not None and with_e2e:
-            e2e[kind] = end_to_end(llm, e2e_prompts, args.e2e_tokens)
-            print(f"dspark bench: {kind} end to end: {e2e[kind]['tokens']} tokens in {e2e[kind]['seconds']:.2f} s",
-                  file=sys.stderr, flush=True)
+            report_e2e(end_to_end({kind: llm}, e2e_prompts, args.e2e_tokens))
         release(llm)
 
     def release(llm) -> None:
@@ -681,11 +706,21 @@ def run(args) -> dict:
         finish(kind, llm)
         profile_later(kind, speculative, layout)
 
-    def paired(engines_: list[tuple[str, dict]]) -> None:
-        """Two engines alive together, measured in alternating rounds (``PAIRED_ROUNDS`` per concurrency, the
-        order flipped each round; the mixed workload too): each figure is the round with the median tokens/s, so
-        host drift and jitter fall on both alike. The record keeps every round's tokens/s."""
-        llms = {kind: build(kind, speculative, {}) for kind, speculative in engines_}
+    def build_together(kind: str, speculative: dict | None, layout: dict):
+        try:
+            return build(kind, speculative, layout)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise SystemExit(f"dspark bench: the {kind} engine does not fit beside the engines it is measured "
+                             f"against ({exc}); pass --sequential to measure each engine alone, one after "
+                             "another, or lower --kv-cache-gib") from None
+
+    def paired(engines_: list[tuple[str, dict | None, dict]], with_e2e: bool = False,
+               keep: frozenset = frozenset()) -> dict:
+        """Engines alive together, measured in alternating rounds (``PAIRED_ROUNDS`` per concurrency, the order
+        flipped each round; the mixed workload too, and with ``with_e2e`` the end-to-end prompts, alternating per
+        prompt): each figure is the round with the median tokens/s, so host drift and jitter fall on all alike.
+        The record keeps every round's tokens/s. -> the engines named in ``keep``, still alive (the rest freed)."""
+        llms = {kind: build_together(kind, speculative, layout) for kind, speculative, layout in engines_}
         for c in tqdm(args.concurrency, desc="paired sweep", disable=None):
             timings = {kind: [] for kind in llms}
             for kind, llm in llms.items():
@@ -704,24 +739,41 @@ def run(args) -> dict:
                     **median_round(results), "tokens_per_s_rounds": [m["tokens_per_s"] for m in results]}
                 print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,
                       flush=True)
-        for kind, speculative in engines_:
-            finish(kind, llms.pop(kind), with_mixed=False, with_e2e=False)
-            profile_later(kind, speculative, {})
+        if with_e2e and e2e_prompts is not None:
+            report_e2e(end_to_end(llms, e2e_prompts, args.e2e_tokens))
+        kept = {}
+        for kind, speculative, layout in engines_:
+            profile_later(kind, speculative, layout)
+            if kind in keep:
+                kept[kind] = llms.pop(kind)
+            else:
+                finish(kind, llms.pop(kind), with_mixed=False, with_e2e=False)
+        return kept
 
-    for kind, speculative, layout in engines:
-        sweep(kind, speculative, layout)
+    reference = None  # the DSpark engine the tuning candidates are measured against, when alive
+    if alternate:  # every engine of the sweep alive at once, in alternating rounds
+        kept = paired(engines, with_e2e=True, keep=frozenset({"dspark"} if args.tune_schedule else ()))
+        reference = kept.get("dspark")
+    else:
+        for kind, speculative, layout in engines:
+            sweep(kind, speculative, layout)
     if args.tune_schedule:
         record["tuned_schedule"] = tuned = tune(args, engine_class, target, spec, common, rows, vocab, shape,
-                                                sweep_prompts)
+                                                sweep_prompts, reference)
+        if reference is not None:
+            finish("dspark", reference, with_mixed=False, with_e2e=False)
+            reference = None
         capped = {"draft_len_schedule": tuned["schedule"]}
-        after = [("tuned", {**spec, **capped})]  # the tuned schedule as an engine
+        after = [("tuned", {**spec, **capped}, {})]  # the tuned schedule as an engine
         record["schedules"]["tuned"] = "tuned"
         if confidence_after_tuning:  # beside the scheduler within it, measured in alternating rounds
-            after.append(("confidence", {**spec, **capped, "enable_confidence_scheduling": True}))
+            after.append(("confidence", {**spec, **capped, "enable_confidence_scheduling": True}, {}))
             record["schedules"]["confidence"] = "confidence within the tuned schedule"
             paired(after)
+        elif alternate:
+            paired(after)
         else:
-            sweep(*after[0], {})
+            sweep(*after[0])
     profile_all()
     mixed_runs = record.get("mixed_workload", {})
     if "confidence" in mixed_runs and "tuned" in mixed_runs:  # measured in alternating rounds, median each
@@ -781,10 +833,15 @@ def save_partial(args, record: dict, rows: dict) -> None:
 
 
 def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict, vocab: int, shape: bool,
-         prompts: list[list[int]] | None = None) -> dict:
+         prompts: list[list[int]] | None = None, reference=None) -> dict:
     """``--tune-schedule``: DSpark step times at every shorter draft length k (an engine whose schedule drafts k above
     one request), the fastest length per concurrency (``cluster.schedule_tuning``), the schedule written to
-    ``args.tune_schedule`` as a config fragment ``dspark serve --config`` reads. -> the record's ``tuned_schedule``."""
+    ``args.tune_schedule`` as a config fragment ``dspark serve --config`` reads. -> the record's ``tuned_schedule``.
+
+    With ``reference`` (the sweep's DSpark engine, still alive) each candidate is timed against it in alternating
+    rounds and its step read in the sweep's terms: the median over rounds of candidate / reference step time, times
+    the sweep's ``dspark_step_ms``, so the candidates of different lengths, timed minutes apart, compare as if timed
+    together (the host's speed drifts). Without it, each candidate's own step time."""
     import torch
 
     from cluster.schedule_tuning import Candidate, accepted_schedule, best_draft_lengths, projected_tau
@@ -810,10 +867,21 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
         for c in sorted(rows):
             if c == 1:
                 continue  # one request drafts max_draft_len: the engine's schedule starts there
-            timing = time_steps(llm, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c, prompts=prompts)
-            candidates.append(Candidate(c, k, timing["step_ms"], tau(c, k, timing["mean_acceptance_length"])))
-            print(f"dspark bench: tune k={k} concurrency {c}: {timing['step_ms']:.2f} ms", file=sys.stderr,
-                  flush=True)
+            def measure(llm_):
+                return time_steps(llm_, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c, prompts=prompts)
+
+            if reference is None:
+                timing = measure(llm)
+                step = timing["step_ms"]
+            else:
+                rounds = {"candidate": [], "reference": []}
+                for kind, result in alternating_rounds({"candidate": llm, "reference": reference}, measure):
+                    rounds[kind].append(result)
+                ratios = sorted(a["step_ms"] / b["step_ms"] for a, b in zip(rounds["candidate"], rounds["reference"]))
+                step = ratios[len(ratios) // 2] * rows[c]["dspark_step_ms"]
+                timing = median_round(rounds["candidate"])
+            candidates.append(Candidate(c, k, step, tau(c, k, timing["mean_acceptance_length"])))
+            print(f"dspark bench: tune k={k} concurrency {c}: {step:.2f} ms", file=sys.stderr, flush=True)
         llm.engine.executor.shutdown()
         del llm
         unfreeze_long_lived()
@@ -822,6 +890,8 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
             torch.cuda.empty_cache()
     best = best_draft_lengths(candidates)
     result = {"tau": "projected from --acceptance-per-position" if shape else "measured",
+              "step_ms": "candidate / reference in alternating rounds x the sweep's dspark_step_ms"
+              if reference is not None else "each candidate timed alone",
               "acceptance_per_position": accept if shape else None,
               "candidates": [{"concurrency": c.concurrency, "draft_len": c.draft_len, "step_ms": c.step_ms,
                               "tau": c.tau, "tokens_per_s": c.tokens_per_s} for c in candidates],
@@ -956,6 +1026,10 @@ def add_parser(commands) -> None:
                        "default: random token ids")
     bench.add_argument("--plot", help="also draw speedup and tokens/s against concurrency into this PNG "
                        "(needs matplotlib: pip install 'dspark[bench]')")
+    bench.add_argument("--sequential", action="store_true", help="measure each engine alone, one after another, "
+                       "instead of all of them alive together in alternating rounds (the default on one process: "
+                       "the host's speed drifts between engines timed apart); for targets too large to hold two "
+                       "engines at once. A replica's engines are always measured one after another")
     bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 steps of each engine "
                        "(AR, DSpark, and the tuned and confidence-scheduled ones where swept): kernels per step, GPU "
                        "busy and idle time per step, the largest GPU gaps, host time per region; a replica's on "

@@ -44,14 +44,23 @@ def test_bench_plot_draws_a_record_and_rejects_a_non_record(tmp_path):
 
 
 def test_end_to_end_decodes_each_prompt_alone_and_compares_outputs(tmp_path):
+    """Each prompt alone on every engine, alternating, greedy outputs compared."""
     from cluster.bench import agreement, end_to_end
 
     target, drafter = write_shape(tmp_path, "tiny", draft_layers=1, block_size=3)
     engine = dict(load_format="dummy", dtype="float32", device="cpu", num_pages=64, page_size=16)
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
-    plain = end_to_end(LLM(str(target), **engine), prompts, 6)
     spec = DSparkDecodingConfig(speculative_model=str(drafter), load_format="dummy")
-    spark = end_to_end(LLM(str(target), speculative_config=spec, **engine), prompts, 6)
+    llms = {"ar": LLM(str(target), **engine), "dspark": LLM(str(target), speculative_config=spec, **engine)}
+    calls = []
+    for kind, llm in llms.items():  # record the order the prompts reach the engines
+        llm.generate = (lambda original, kind: lambda prompts_, params: calls.append((kind, prompts_[0])) or
+                        original(prompts_, params))(llm.generate, kind)
+    results = end_to_end(llms, prompts, 6)
+    plain, spark = results["ar"], results["dspark"]
+    # each prompt on each engine in turn, the order flipped every prompt (after one untimed call each)
+    assert calls[2:] == [("ar", prompts[0]), ("dspark", prompts[0]), ("dspark", prompts[1]), ("ar", prompts[1]),
+                         ("ar", prompts[2]), ("dspark", prompts[2])]
     assert plain["tokens"] == spark["tokens"] == 18 and plain["mean_acceptance_length"] is None
     assert spark["mean_acceptance_length"] >= 1.0 and spark["seconds"] > 0
     assert agreement(plain["outputs"], spark["outputs"]) == {"identical_fraction": 1.0,
@@ -117,7 +126,7 @@ def test_the_sweep_runs_through_a_ray_replica_with_a_separate_drafter(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["replica"] == "ray" and record["tensor_parallel_size"] == 1 and record["drafter"] == "separate"
-    assert record["pipeline_drafter"] is True
+    assert record["pipeline_drafter"] is True and record["measurement"] == "sequential"  # two replicas: 2x GPUs
     assert "partial" not in record and record["hardware"] == "cpu" and record["copy_bandwidth_gbs"] is None
     assert sorted(info["role"] for info in record["dspark_rank_info"]) == ["drafter", "target"]
     for row in record["runs"]:
@@ -163,6 +172,10 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["replica"] == "single-process" and record["moe_backend"] == "DENSEGEMM" and "partial" not in record
+    # every engine measured beside the ones it is compared with, in alternating rounds; the tuning candidates
+    # against the DSpark engine
+    assert record["measurement"] == "alternating rounds"
+    assert record["tuned_schedule"]["step_ms"].startswith("candidate / reference")
     assert record["step_outputs"] == "delta"
     # the tuned schedule swept as an engine, the confidence scheduler within it, both after tuning (a projected tau
     # near 4 keeps K=3 ahead of autoregressive decoding at one request however loaded this CPU is: a schedule must
@@ -176,7 +189,7 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     for row in record["runs"]:
         assert row["confidence_tokens_per_s"] > 0 and row["tuned_tokens_per_s"] > 0 and row["ar_moe_experts_woken"] > 0
         assert row["confidence_vs_tuned"] == row["confidence_tokens_per_s"] / row["tuned_tokens_per_s"]
-        for kind in ("tuned", "confidence"):  # alternating rounds, the median one recorded
+        for kind in ("ar", "dspark", "tuned", "confidence"):  # alternating rounds, the median one recorded
             rounds = row[f"{kind}_tokens_per_s_rounds"]
             assert len(rounds) == 3 and row[f"{kind}_tokens_per_s"] == sorted(rounds)[1]
         assert "roofline_fraction" not in row and "ar_forward_ms" not in row
@@ -200,3 +213,26 @@ def test_gpu_gaps_sum_the_time_no_device_activity_covers():
     assert gaps["largest_gpu_gaps"][0] == {"us": 30, "after": "memcpy", "before": "gemm"}
     assert gaps["largest_gpu_gaps"][1] == {"us": 10, "after": "gemm", "before": "argmax"}
     assert gpu_gaps([], steps=1) == {"gpu_idle_ms_per_step": 0.0, "largest_gpu_gaps": []}
+
+
+def test_sequential_measures_each_engine_alone(tmp_path):
+    """``--sequential``: one engine alive at a time (a target too large for two), the tuning candidates timed alone;
+    the record says so."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out, schedule = tmp_path / "bench.json", tmp_path / "schedule.json"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
+                           "--concurrency", "1,2", "--max-draft-len", "2", "--prompt-len", "8", "--steps", "2",
+                           "--warmup", "1", "--kv-cache-gib", "0.05", "--sequential", "--tune-schedule", str(schedule),
+                           "--acceptance-per-position", "0.99,0.99", "--e2e-prompts", "2", "--e2e-tokens", "4",
+                           "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["measurement"] == "sequential" and record["tuned_schedule"]["step_ms"] == "each candidate timed alone"
+    assert record["end_to_end"]["prompts"] == 2
+    for row in record["runs"]:
+        assert row["ar_tokens_per_s"] > 0 and row["tuned_tokens_per_s"] > 0 and "ar_tokens_per_s_rounds" not in row
