@@ -39,7 +39,7 @@ from runtime.kv_cache import KVCaches
 from runtime.models.target import TargetModel
 from runtime.step_io import ScheduledRequest
 from runtime.step_tensors import StepTensors, padded_page_table
-from runtime.verify import greedy_verdicts
+from runtime.verify import block_verdicts, greedy_verdicts
 
 log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -158,6 +158,7 @@ class GraphOutputs:
     context_appended: bool  # the drafter's context graph ran: the captured states are in its cache
     q_len: int  # Q: request b's i-th fed token is row b*Q + i (rows past its real tokens are padding)
     verdict: torch.Tensor | None = None  # [T] one-token graphs: greedy_verdicts(top, argmax) (-1: a broken row)
+    block_verdict: torch.Tensor | None = None  # [requests, Q+2] verify graphs: block_verdicts (greedy verification)
 
     def step_tensors(self, reqs: list[ScheduledRequest], page_size: int, device: torch.device,
                      with_page_table: bool) -> StepTensors:
@@ -179,6 +180,7 @@ class _Graph:
     argmax: torch.Tensor  # [B*Q]
     context: torch.cuda.CUDAGraph | None  # appends captured [B*Q, m*d] at the step's positions and slots
     verdict: torch.Tensor | None  # [B] Q = 1: the greedy token of each row, -1 where the row's logits are broken
+    block_verdict: torch.Tensor | None  # [B, Q+2] Q > 1: each request's greedy verification (block_verdicts)
 
 
 # A colocated drafter's context append: captured [N, m*d], positions [N], slots [N] -> writes its cache.
@@ -244,7 +246,8 @@ class GraphedTargetForward:
         ids, positions, slots = (t[:rows] for t in self.inputs)
         return GraphOutputs(ids, positions, slots, g.hidden[:rows], g.captured[:rows] if g.captured is not None
                             else None, g.logits[:rows] if g.logits is not None else None, g.top[:rows],
-                            g.argmax[:rows], appended, q_len, g.verdict[:rows] if g.verdict is not None else None)
+                            g.argmax[:rows], appended, q_len, g.verdict[:rows] if g.verdict is not None else None,
+                            g.block_verdict[:len(reqs)] if g.block_verdict is not None else None)
 
     # ---- building -----------------------------------------------------------------------------
 
@@ -299,8 +302,10 @@ class GraphedTargetForward:
         with torch.cuda.graph(graph, pool=self.pool):
             hidden, captured = self.target(ids, positions, self.caches, meta, slots)
             logits, (top, argmax) = self._head(hidden)
-            # plain greedy decoding reads only this back (runtime.runner): one int a request, no verify kernels
+            # plain greedy decoding reads only this back (runtime.runner): one int a request, no verify kernels;
+            # a greedy verify its block's verification, computed here rather than by a dozen eager kernels after
             verdict = greedy_verdicts(top, argmax) if q_len == 1 else None
+            block_verdict = block_verdicts(ids, positions, top, argmax, q_len) if q_len > 1 else None
         context = None
         if self.append_context is not None and captured is not None:
             with torch.cuda.stream(stream):  # warm-up writes only the scratch page: every slot is a padding row's
@@ -309,4 +314,4 @@ class GraphedTargetForward:
             context = torch.cuda.CUDAGraph()
             with torch.cuda.graph(context, pool=self.pool):
                 self.append_context(captured, positions, slots)
-        return _Graph(graph, wrapper, hidden, captured, logits, top, argmax, context, verdict)
+        return _Graph(graph, wrapper, hidden, captured, logits, top, argmax, context, verdict, block_verdict)

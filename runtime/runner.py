@@ -251,6 +251,14 @@ class ModelRunner:
         dev, vocab = self.device, self.vocab_size
         num_drafts_list = [e.num_drafts for e in entries]
         k_max = max(num_drafts_list)
+        if graphed is not None and graphed.block_verdict is not None and all(
+                e.params.greedy and e.params.logprobs is None and e.penalty_history is None
+                and len(e.token_ids) == e.num_drafts + 1 for e in entries):
+            # greedy blocks of anchor + drafts: the graph verified them (runtime.verify.block_verdicts)
+            rows = graphed.block_verdict if len(entries) == graphed.block_verdict.shape[0] else \
+                graphed.block_verdict[to_device(batch_index, dev)]
+            q_len = graphed.q_len
+            return rows[:, :k_max + 1], rows[:, q_len], rows[:, q_len + 1].bool(), None
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         num_drafts = to_device(num_drafts_list, dev)  # [S]
         penalized = any(e.penalty_history is not None for e in entries)

@@ -29,6 +29,25 @@ def greedy_verdicts(top: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(top), argmax, -1)
 
 
+def block_verdicts(input_ids: torch.Tensor, positions: torch.Tensor, top: torch.Tensor, argmax: torch.Tensor,
+                   q_len: int) -> torch.Tensor:
+    """Greedy verification of a uniform step on the device (what a verify graph computes after its LM head): B
+    requests of ``q_len`` fed rows each, ``[anchor, d_1..d_k]`` then padding that repeats the last position.
+
+    input_ids, positions [B*Q]; top (max logit), argmax [B*Q] -> int64 [B, Q + 2]: each row's argmax (the committed
+    candidates), the accepted draft count (``accept_by_match`` with the drafts read from the fed tokens, their
+    number from the positions), and 1 where a verified row (anchor and drafts) has a NaN or infinite max logit.
+    The same answer as ``commit_by_match`` and the runner's fault check on those rows, for requests whose fed
+    tokens are their anchor and drafts (not a prefill chunk)."""
+    ids, pos = input_ids.view(-1, q_len), positions.view(-1, q_len)
+    arg = argmax.view(-1, q_len).to(torch.int64)
+    num_drafts = (pos[:, 1:] > pos[:, :-1]).sum(dim=1)  # [B]: padding repeats the last real position
+    accepted = accept_by_match(ids[:, 1:], num_drafts, arg)
+    verified = torch.arange(q_len, device=ids.device)[None, :] <= num_drafts[:, None]
+    faulty = (~torch.isfinite(top.view(-1, q_len)) & verified).any(dim=1)
+    return torch.cat([arg, accepted[:, None], faulty[:, None].to(torch.int64)], dim=1)
+
+
 def commit_by_match(drafts: torch.Tensor, num_drafts: torch.Tensor,
                     target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy / exact-match verification -> (committed [B, K+1], accepted [B]); see ``accept_by_match``."""

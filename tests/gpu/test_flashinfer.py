@@ -248,6 +248,31 @@ def test_a_broken_row_in_a_graphed_greedy_step_fails_that_request_alone(wide_tar
     assert [o.token_ids for o in llm.generate(clean, GREEDY)] == expected  # the scratch page was cleaned
 
 
+def test_a_verify_graphs_verdicts_equal_eager_verification_faults_included(wide_target, make_drafter, tmp_path):
+    """Greedy verify steps read the verify graph's own verification (``runtime.verify.block_verdicts``): with a
+    token whose embedding is NaN in some prompts (so some anchors or drafts break their rows), the graphed engine's
+    tokens and failed requests equal the eager engine's, which verifies with torch kernels after the forward."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(wide_target, poisoned)
+    weights = load_file(str(poisoned / "model.safetensors"))
+    weights["model.embed_tokens.weight"][7] = float("nan")
+    save_file(weights, str(poisoned / "model.safetensors"), metadata={"format": "pt"})
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(wide_target, 4)))
+    prompts = PROMPTS + [[5, 7], [33, 2]]
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(str(poisoned), speculative_config=spec, **{**ENGINE, "enforce_eager": eager})
+        runs[eager] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, GREEDY)]
+        if not eager:
+            assert llm.rank_info()[0]["graph_replays"] > 0
+    assert runs[False] == runs[True]
+    assert any(reason == "error" for _, reason in runs[False]) and any(r != "error" for _, r in runs[False])
+
+
 def test_ragged_steps_are_padded_into_graphs_and_exact(wide_target, make_drafter):
     """Blocks trimmed at max_tokens and short prefills replay a padded graph (the real rows decide), and give the
     eager steps' tokens."""

@@ -90,3 +90,36 @@ def test_the_next_decode_layout_is_the_one_the_next_step_lays_out():
     assert upcoming == layout_of(after, batch=4, q_len=1)[0]
     at_boundary = [request("b", [21], start=3, pages=[3])]  # its next key (position 4) needs a page it lacks
     assert next_decode_layout(layout_of(at_boundary, batch=1, q_len=1)[0], [[3]], PS) is None
+
+
+def test_a_verify_graphs_greedy_verdicts_equal_the_eager_verification():
+    """``block_verdicts`` (what a verify graph computes after its LM head) on a real padded layout: blocks of 3, 1
+    and 0 drafts in a Q = 4 graph of 4 requests. Its accepted counts equal ``commit_by_match`` over each request's
+    own drafts, its candidates are the rows' argmax, and a NaN row faults its request only where the row is
+    verified (a padding row's NaN is not that request's)."""
+    from runtime.verify import block_verdicts, commit_by_match
+
+    reqs = [request("a", [10, 11, 12, 13], start=8, pages=[5, 6, 7], drafts=3),
+            request("b", [20, 21], start=3, pages=[2, 3], drafts=1),
+            request("c", [30], start=6, pages=[1, 4], drafts=0)]
+    q_len, batch = 4, 4
+    _, inputs = layout_of(reqs, batch, q_len)
+    ids, positions = inputs[0], inputs[1]
+    argmax = torch.tensor([11, 12, 99, 7,  # a: d1, d2 accepted, d3 rejected (13 != 99)
+                           21, 5, 5, 5,  # b: its one draft accepted; rows 2-3 are padding
+                           4, 30, 30, 30,  # c: no drafts (its padding rows must not count as drafts)
+                           0, 0, 0, 0])
+    top = torch.zeros(batch * q_len)
+    top[6] = float("nan")  # b's padding row: not b's fault
+    top[15] = float("inf")  # a padding request's row: dropped
+    got = block_verdicts(ids, positions, top, argmax, q_len)
+    assert got.shape == (batch, q_len + 2) and got.dtype == torch.int64
+    for b, r in enumerate(reqs):
+        drafts = torch.tensor([r.token_ids[1:] + [0] * (q_len - 1 - r.num_drafts)])
+        committed, accepted = commit_by_match(drafts, torch.tensor([r.num_drafts]), argmax.view(batch, q_len)[b:b + 1])
+        assert got[b, :q_len].tolist() == committed[0].tolist() and got[b, q_len].item() == accepted.item()
+    assert got[:3, q_len].tolist() == [2, 1, 0] and got[:3, q_len + 1].tolist() == [0, 0, 0]
+    top[9] = float("nan")  # c's padding row: still not its fault
+    top[8] = float("nan")  # c's anchor row: its verdict is broken
+    top[2] = float("-inf")  # a's second draft row
+    assert block_verdicts(ids, positions, top, argmax, q_len)[:3, q_len + 1].tolist() == [1, 0, 1]
