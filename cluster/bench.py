@@ -28,7 +28,8 @@ are identical (bf16 verify batches reorder sums, so near-ties may part).
 ``throughput_vs_colocated``; with ``--pipeline-drafter`` also the separate drafter without the pipeline:
 ``throughput_vs_serial``); a replica's models live on its actors, so its record has step times, tokens/s and
 acceptance but no roofline, graph replays or host breakdown (``--profile`` profiles each rank's batch-1 steps:
-``*_profile_batch1.ranks``). ``--profile`` profiles every engine's batch-1 steps after all the figures are taken
+``*_profile_batch1.ranks``). ``--profile`` profiles every engine's batch-1 steps (``--profile-batches``: other
+batch sizes too) after all the figures are taken
 (on the engine built again): a process the profiler has run in launches CUDA graphs several times slower.
 On one process every engine compared is alive at once and measured in alternating rounds (three per
 concurrency, the order flipped each round, the median round kept; the end-to-end prompts alternate per prompt;
@@ -509,8 +510,8 @@ def median_round(rounds: list[dict]) -> dict:
     return sorted(rounds, key=lambda r: r["tokens_per_s"])[len(rounds) // 2]
 
 
-def trace_path(args, kind: str) -> str | None:
-    return str(Path(args.profile_trace) / f"{kind}-batch1.trace.json.gz") if args.profile_trace else None
+def trace_path(args, kind: str, batch: int) -> str | None:
+    return str(Path(args.profile_trace) / f"{kind}-batch{batch}.trace.json.gz") if args.profile_trace else None
 
 
 def run(args) -> dict:
@@ -692,9 +693,11 @@ def run(args) -> dict:
         for kind, speculative, layout in profiled:
             llm = engine_class(str(target), speculative_config=speculative, **common, **layout)
             time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0)  # first-call costs stay out of the profile
-            record[f"{kind}_profile_batch1"] = profile_step(llm, 1, args.prompt_len, vocab, trace_path(args, kind))
-            print(f"dspark bench: {kind} batch-1 profile: {json.dumps(record[f'{kind}_profile_batch1'])}",
-                  file=sys.stderr, flush=True)
+            for batch in args.profile_batches:
+                record[f"{kind}_profile_batch{batch}"] = summary_ = profile_step(
+                    llm, batch, args.prompt_len, vocab, trace_path(args, kind, batch))
+                print(f"dspark bench: {kind} batch-{batch} profile: {json.dumps(summary_)}", file=sys.stderr,
+                      flush=True)
             release(llm)
 
     def sweep(kind: str, speculative: dict | None, layout: dict) -> None:
@@ -936,16 +939,22 @@ def summary(record: dict) -> str:
     return "\n".join(lines)
 
 
-def concurrency_list(text: str) -> list[int]:
-    import argparse
+def batch_list(flag: str):
+    """An argparse type: ``flag``'s comma-separated integers >= 1 -> sorted, distinct."""
+    def parse(text: str) -> list[int]:
+        import argparse
 
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"--concurrency wants integers >= 1 separated by commas, got {text!r}")
-    return sorted(set(values))
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{flag} wants integers >= 1 separated by commas, got {text!r}")
+        return sorted(set(values))
+    return parse
+
+
+concurrency_list = batch_list("--concurrency")
 
 
 def acceptance_list(text: str) -> list[float]:
@@ -1035,6 +1044,9 @@ def add_parser(commands) -> None:
                        "busy and idle time per step, the largest GPU gaps, host time per region; a replica's on "
                        "every rank (its record's *_profile_batch1.ranks); taken after every figure of the run, on the "
                        "engines built again (a profiled process launches CUDA graphs slower)")
+    bench.add_argument("--profile-batches", type=batch_list("--profile-batches"), default=[1],
+                       help="with --profile: the batch sizes profiled (default 1; each at most the largest "
+                       "--concurrency), one record field *_profile_batch{N} each")
     bench.add_argument("--profile-trace", help="with --profile: also write each profile's timeline (Chrome trace, "
                        "gzip) into this folder")
     bench.add_argument("--out", help="write the JSON record here (default: print it)")
@@ -1063,6 +1075,10 @@ def main(args) -> int:
     if replica and args.hf_tokens:
         print("dspark bench: --hf-tokens times transformers on one GPU; leave it out with --tensor-parallel-size or "
               "--drafter separate", file=sys.stderr)
+        return 2
+    if args.profile and max(args.profile_batches) > max(args.concurrency):
+        print(f"dspark bench: --profile-batches {max(args.profile_batches)} exceeds the largest --concurrency "
+              f"{max(args.concurrency)} (the engines hold that many requests)", file=sys.stderr)
         return 2
     if args.device == "cpu" and args.hf_tokens:
         print("dspark bench: --hf-tokens needs --device cuda (the peers' figures are GPU figures)", file=sys.stderr)

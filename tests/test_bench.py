@@ -150,6 +150,13 @@ def test_bench_refuses_a_transformers_peer_on_a_replica(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--pipeline-drafter"], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--pipeline-drafter needs --drafter separate" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
+                           "--concurrency", "1,4", "--profile", "--profile-batches", "1,8"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--profile-batches 8 exceeds the largest --concurrency 4" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--profile-batches", "0"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--profile-batches wants integers >= 1" in proc.stderr
 
 
 def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
@@ -166,7 +173,7 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
                            "--concurrency", "1,2", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2",
                            "--warmup", "1", "--kv-cache-gib", "0.05", "--confidence-scheduling", "--tune-schedule",
                            str(schedule), "--acceptance-per-position", "0.99,0.99,0.99", "--e2e-prompts", "2",
-                           "--e2e-tokens", "8", "--mixed-rate", "200", "--mixed-requests", "4", "--profile",
+                           "--e2e-tokens", "8", "--mixed-rate", "200", "--mixed-requests", "4", "--profile", "--profile-batches", "1,2",
                            "--out", str(out)],
                           cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -199,8 +206,9 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     # a process the profiler has run in launches CUDA graphs slower
     keys = list(record)
     for kind in ("ar", "dspark", "tuned", "confidence"):
-        assert record[f"{kind}_profile_batch1"]["host_ms_per_step"], kind
-        assert keys.index(f"{kind}_profile_batch1") > keys.index("confidence_rank_info"), kind
+        for batch in (1, 2):
+            assert record[f"{kind}_profile_batch{batch}"]["host_ms_per_step"], (kind, batch)
+            assert keys.index(f"{kind}_profile_batch{batch}") > keys.index("confidence_rank_info"), (kind, batch)
 
 
 def test_gpu_gaps_sum_the_time_no_device_activity_covers():
