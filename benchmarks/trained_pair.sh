@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The trained-pair figures of the GPU fast path on one H200. The pair lives in WORK on the GPU host (too large to
-# bring back), so either one device command runs `all` (a shorter training, the bench, under 10 minutes), or two
-# commands follow each other within the machine's keep-alive (~30 s, easy to miss):
+# bring back), so either one device command runs `all` (a shorter training, then the bench), or two commands follow
+# each other within the machine's keep-alive (~30 s, easy to miss). Since the bench measures its engines in
+# alternating rounds (three per point, the tuning candidates against the DSpark engine too) it takes ~2-3x longer
+# than before (run 28: 140 s): `train WORK OUT 50 220` (~165 s) then `bench` in one command may pass the 10-minute
+# limit; give the bench `--rounds 1` through BENCH_ARGS, or split the two steps:
 #   bash benchmarks/trained_pair.sh all WORK OUT [HIDDEN LAYERS]
 #                                                    train with target 100 s and a 300 s recipe budget, profile,
 #                                                    then bench (the target 512 wide, 8 layers, 27M parameters,
@@ -37,7 +40,7 @@ bench() {
       --prompts "$work/heldout-prompts.jsonl" --prompt-len 64 --concurrency 1,4,16,64,256 --steps 30 \
       --kv-cache-gib 16 --tune-schedule "$out/tuned-schedule.json" --e2e-prompts 64 --e2e-tokens 128 \
       --confidence-scheduling --profile-steps "$out/step-costs.json" --mixed-rate 100 --mixed-requests 256 \
-      --profile --out "$out/bench.json"
+      --profile ${BENCH_ARGS:-} --out "$out/bench.json"
 }
 profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpark, confidence-scheduled (cProfile)
   for batch in 1 4; do

@@ -495,12 +495,12 @@ def end_to_end_prompts(args, prompts: list[list[int]] | None, vocab: int, count:
     return [torch.randint(3, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(count)]
 
 
-PAIRED_ROUNDS = 3  # alternating rounds per concurrency when two engines are measured side by side
+PAIRED_ROUNDS = 3  # default alternating rounds per concurrency when engines are measured side by side (--rounds)
 
 
-def alternating_rounds(llms: dict, run) -> Iterator[tuple[str, dict]]:
-    """``run(llm)`` for each engine, ``PAIRED_ROUNDS`` times, the engines' order flipped every round."""
-    for r in range(PAIRED_ROUNDS):
+def alternating_rounds(llms: dict, run, rounds: int = PAIRED_ROUNDS) -> Iterator[tuple[str, dict]]:
+    """``run(llm)`` for each engine, ``rounds`` times, the engines' order flipped every round."""
+    for r in range(rounds):
         for kind in (list(llms) if r % 2 == 0 else list(reversed(llms))):
             yield kind, run(llms[kind])
 
@@ -584,6 +584,7 @@ def run(args) -> dict:
     # a replica's engines one after another (two replicas would need twice the GPUs), as with --sequential
     alternate = not replica and not args.sequential
     record["measurement"] = "alternating rounds" if alternate else "sequential"
+    record["rounds"] = args.rounds  # also the paired tuned / confidence engines' under --sequential
     record["schedules"] = {"dspark": "fixed" if spec.get("draft_len_schedule") is None else "tuned",
                            **({"confidence": "confidence"} if args.confidence_scheduling else {})}
 
@@ -719,7 +720,7 @@ def run(args) -> dict:
 
     def paired(engines_: list[tuple[str, dict | None, dict]], with_e2e: bool = False,
                keep: frozenset = frozenset()) -> dict:
-        """Engines alive together, measured in alternating rounds (``PAIRED_ROUNDS`` per concurrency, the order
+        """Engines alive together, measured in alternating rounds (``--rounds`` per concurrency, the order
         flipped each round; the mixed workload too, and with ``with_e2e`` the end-to-end prompts, alternating per
         prompt): each figure is the round with the median tokens/s, so host drift and jitter fall on all alike.
         The record keeps every round's tokens/s. -> the engines named in ``keep``, still alive (the rest freed)."""
@@ -728,14 +729,14 @@ def run(args) -> dict:
             timings = {kind: [] for kind in llms}
             for kind, llm in llms.items():
                 reset_stats(kind, llm)
-            for kind, result in alternating_rounds(llms, lambda llm: measure(llm, c)):
+            for kind, result in alternating_rounds(llms, lambda llm: measure(llm, c), args.rounds):
                 timings[kind].append(result)
             for kind, llm in llms.items():
                 record_row(kind, llm, c, median_round(timings[kind]))
                 rows[c][f"{kind}_tokens_per_s_rounds"] = [t["tokens_per_s"] for t in timings[kind]]
         if args.mixed_rate:
             runs = {kind: [] for kind in llms}
-            for kind, result in alternating_rounds(llms, mixed):
+            for kind, result in alternating_rounds(llms, mixed, args.rounds):
                 runs[kind].append(result)
             for kind, results in runs.items():
                 record.setdefault("mixed_workload", {})[kind] = {
@@ -878,7 +879,8 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
                 step = timing["step_ms"]
             else:
                 rounds = {"candidate": [], "reference": []}
-                for kind, result in alternating_rounds({"candidate": llm, "reference": reference}, measure):
+                for kind, result in alternating_rounds({"candidate": llm, "reference": reference}, measure,
+                                                       args.rounds):
                     rounds[kind].append(result)
                 ratios = sorted(a["step_ms"] / b["step_ms"] for a, b in zip(rounds["candidate"], rounds["reference"]))
                 step = ratios[len(ratios) // 2] * rows[c]["dspark_step_ms"]
@@ -1039,6 +1041,9 @@ def add_parser(commands) -> None:
                        "instead of all of them alive together in alternating rounds (the default on one process: "
                        "the host's speed drifts between engines timed apart); for targets too large to hold two "
                        "engines at once. A replica's engines are always measured one after another")
+    bench.add_argument("--rounds", type=int, default=PAIRED_ROUNDS, help="alternating rounds per concurrency "
+                       f"(and per tuning candidate) when engines are measured side by side; the median round is "
+                       f"kept (default {PAIRED_ROUNDS}; odd)")
     bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 steps of each engine "
                        "(AR, DSpark, and the tuned and confidence-scheduled ones where swept): kernels per step, GPU "
                        "busy and idle time per step, the largest GPU gaps, host time per region; a replica's on "
@@ -1075,6 +1080,10 @@ def main(args) -> int:
     if replica and args.hf_tokens:
         print("dspark bench: --hf-tokens times transformers on one GPU; leave it out with --tensor-parallel-size or "
               "--drafter separate", file=sys.stderr)
+        return 2
+    if args.rounds < 1 or args.rounds % 2 == 0:
+        print(f"dspark bench: --rounds must be an odd number >= 1 (the median round is kept), got {args.rounds}",
+              file=sys.stderr)
         return 2
     if args.profile and max(args.profile_batches) > max(args.concurrency):
         print(f"dspark bench: --profile-batches {max(args.profile_batches)} exceeds the largest --concurrency "

@@ -154,6 +154,9 @@ def test_bench_refuses_a_transformers_peer_on_a_replica(tmp_path):
                            "--concurrency", "1,4", "--profile", "--profile-batches", "1,8"], cwd=root,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--profile-batches 8 exceeds the largest --concurrency 4" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
+                           "--rounds", "2"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--rounds must be an odd number >= 1" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--profile-batches", "0"], cwd=root,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--profile-batches wants integers >= 1" in proc.stderr
@@ -181,7 +184,7 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     assert record["replica"] == "single-process" and record["moe_backend"] == "DENSEGEMM" and "partial" not in record
     # every engine measured beside the ones it is compared with, in alternating rounds; the tuning candidates
     # against the DSpark engine
-    assert record["measurement"] == "alternating rounds"
+    assert record["measurement"] == "alternating rounds" and record["rounds"] == 3
     assert record["tuned_schedule"]["step_ms"].startswith("candidate / reference")
     assert record["step_outputs"] == "delta"
     # the tuned schedule swept as an engine, the confidence scheduler within it, both after tuning (a projected tau
