@@ -4,7 +4,7 @@
 # each other within the machine's keep-alive (~30 s, easy to miss). Since the bench measures its engines in
 # alternating rounds (three per point, the tuning candidates against the DSpark engine too) it takes ~2-3x longer
 # than before (run 28: 140 s): `train WORK OUT 50 220` (~165 s) then `bench` in one command may pass the 10-minute
-# limit; give the bench `--rounds 1` through BENCH_ARGS, or split the two steps:
+# limit; split the two steps, or give the bench fewer rounds (`bench WORK OUT --rounds 1`):
 #   bash benchmarks/trained_pair.sh all WORK OUT [HIDDEN LAYERS]
 #                                                    train with target 100 s and a 300 s recipe budget, profile,
 #                                                    then bench (the target 512 wide, 8 layers, 27M parameters,
@@ -18,7 +18,8 @@
 #                                                    prepare the host, then the GPU recipe's target (150 s),
 #                                                    self-distillation and DSpark drafter (the rest of ~9 minutes)
 #                                                    -> OUT/gpu-recipe.json, WORK/{target,dspark,heldout-prompts.jsonl}
-#   bash benchmarks/trained_pair.sh bench WORK OUT   dspark bench on that pair over the held-out prompts: the
+#   bash benchmarks/trained_pair.sh bench WORK OUT [BENCH FLAGS]
+#                                                    dspark bench on that pair over the held-out prompts: the
 #                                                    concurrency sweep, the tuned draft_len_schedule, the end-to-end
 #                                                    speedup and greedy agreement of 64 prompts x 128 tokens,
 #                                                    and the confidence scheduler's sweep beside the fixed K,
@@ -40,7 +41,7 @@ bench() {
       --prompts "$work/heldout-prompts.jsonl" --prompt-len 64 --concurrency 1,4,16,64,256 --steps 30 \
       --kv-cache-gib 16 --tune-schedule "$out/tuned-schedule.json" --e2e-prompts 64 --e2e-tokens 128 \
       --confidence-scheduling --profile-steps "$out/step-costs.json" --mixed-rate 100 --mixed-requests 256 \
-      --profile ${BENCH_ARGS:-} --out "$out/bench.json"
+      --profile "$@" --out "$out/bench.json"
 }
 profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpark, confidence-scheduled (cProfile)
   for batch in 1 4; do
@@ -50,7 +51,7 @@ profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpar
 }
 case "$step" in
   train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" ;;
-  bench) bench ;;
+  bench) shift 3; bench "$@" ;;
   profile) profile ;;
   all) train 100 300 "${4:-512}" "${5:-8}"
        profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2; bench ;;
