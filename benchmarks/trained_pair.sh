@@ -23,7 +23,7 @@
 #                                                    concurrency sweep, the tuned draft_len_schedule, the end-to-end
 #                                                    speedup and greedy agreement of 64 prompts x 128 tokens,
 #                                                    and the confidence scheduler's sweep beside the fixed K,
-#                                                    a torch profile of each engine's batch-1 steps
+#                                                    a torch profile of each engine's steps at 1 and 64 requests
 #                                                    -> OUT/bench.json (written as each engine finishes, marked
 #                                                    partial until the end), OUT/tuned-schedule.json,
 #                                                    OUT/step-costs.json (dspark bench-plot draws bench.json)
@@ -41,7 +41,7 @@ bench() {
       --prompts "$work/heldout-prompts.jsonl" --prompt-len 64 --concurrency 1,4,16,64,256 --steps 30 \
       --kv-cache-gib 16 --tune-schedule "$out/tuned-schedule.json" --e2e-prompts 64 --e2e-tokens 128 \
       --confidence-scheduling --profile-steps "$out/step-costs.json" --mixed-rate 100 --mixed-requests 256 \
-      --profile "$@" --out "$out/bench.json"
+      --profile --profile-batches 1,64 "$@" --out "$out/bench.json"
 }
 profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpark, confidence-scheduled (cProfile)
   for batch in 1 4; do
