@@ -14,7 +14,7 @@ Each layout's full bench record is kept under ``layouts``. Layouts needing more 
 skipped and said so in the record.
 
 usage: python3 benchmarks/tp_scaling.py --out FILE.json [--model-shape qwen3-8b] [--tensor-parallel-sizes 1,2]
-       [--concurrency 1,64] [--steps 30] [--no-separate] [--kv-cache-gib 16] [--profile]
+       [--concurrency 1,64] [--steps 30] [--no-separate] [--kv-cache-gib 16] [--profile] [--sequential]
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per point (default 30)")
     parser.add_argument("--kv-cache-gib", type=float, default=16, help="KV cache per engine (default 16)")
     parser.add_argument("--no-separate", action="store_true", help="leave out the separate-drafter layout")
+    parser.add_argument("--sequential", action="store_true", help="dspark bench --sequential in every layout: the "
+                        "single-process layout's engines one at a time (a target too large for two on one GPU, "
+                        "e.g. qwen3-30b-a3b; a replica's always are)")
     parser.add_argument("--profile", action="store_true", help="dspark bench --profile in every layout: a torch "
                         "profile of batch-1 steps (on every rank of a replica) in each layout's record")
     args = parser.parse_args()
@@ -118,7 +121,8 @@ def main() -> int:
             out = Path(tmp) / f"{name}.json"
             cmd = [sys.executable, "-m", "cluster.cli", "bench", "--model-shape", args.model_shape,
                    "--concurrency", args.concurrency, "--steps", str(args.steps), "--kv-cache-gib",
-                   str(args.kv_cache_gib), *flags, *(["--profile"] if args.profile else []), "--out", str(out)]
+                   str(args.kv_cache_gib), *flags, *(["--profile"] if args.profile else []),
+                   *(["--sequential"] if args.sequential else []), "--out", str(out)]
             commands[name] = "dspark " + shlex.join(cmd[3:])
             print(f"tp_scaling.py: {name}: {commands[name]}", file=sys.stderr, flush=True)
             done = subprocess.run(cmd, cwd=ROOT)
