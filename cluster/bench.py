@@ -783,6 +783,9 @@ def run(args) -> dict:
     if "confidence" in mixed_runs and "tuned" in mixed_runs:  # measured in alternating rounds, median each
         record["mixed_confidence_vs_tuned"] = mixed_runs["confidence"]["tokens_per_s"] / mixed_runs["tuned"][
             "tokens_per_s"]
+        # below saturation both keep up with the arrivals (tokens/s near equal): then the time per token differs
+        record["mixed_confidence_vs_tuned_tpot"] = mixed_runs["confidence"]["mean_tpot_ms"] / mixed_runs["tuned"][
+            "mean_tpot_ms"]
     for row in rows.values():
         row["dspark_step_vs_ar"] = row["dspark_step_ms"] / row["ar_step_ms"]
         if "tuned_tokens_per_s" in row:
