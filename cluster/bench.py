@@ -770,14 +770,14 @@ def run(args) -> dict:
         capped = {"draft_len_schedule": tuned["schedule"]}
         after = [("tuned", {**spec, **capped}, {})]  # the tuned schedule as an engine
         record["schedules"]["tuned"] = "tuned"
-        if confidence_after_tuning:  # beside the scheduler within it, measured in alternating rounds
+        if confidence_after_tuning:  # beside the scheduler within it
             after.append(("confidence", {**spec, **capped, "enable_confidence_scheduling": True}, {}))
             record["schedules"]["confidence"] = "confidence within the tuned schedule"
+        if alternate:  # in alternating rounds
             paired(after)
-        elif alternate:
-            paired(after)
-        else:
-            sweep(*after[0])
+        else:  # one at a time: two replicas would need twice the GPUs, and --sequential said two do not fit
+            for kind, speculative, layout in after:
+                sweep(kind, speculative, layout)
     profile_all()
     mixed_runs = record.get("mixed_workload", {})
     if "confidence" in mixed_runs and "tuned" in mixed_runs:  # measured in alternating rounds, median each

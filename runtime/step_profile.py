@@ -2,7 +2,9 @@
 
 For each batch bucket that fits the KV cache (1, 2, 4, ... up to ``max_num_seqs``), that many requests of random
 tokens decode together; once every one carries a proposed block, each verify length L = 0..K is forced on all of
-them for ``repeats`` steps and the median step time is the table's (batch, batch * (L + 1)) cell. The steps run
+them for ``repeats`` steps and the median step time is the table's (batch, batch * (L + 1)) cell. K is the block
+the engine drafts at that batch size: ``max_draft_len``, or a ``draft_len_schedule``'s length there; a bucket the
+schedule drafts nothing for is left out (no step of that size has drafts to choose among). The steps run
 through the engine as served steps do (graphs, kernels, the executor's round trip). Afterwards nothing of the
 profile is left: its requests are aborted, the counters and the acceptance gate start fresh, the prefix cache
 forgets its pages.
@@ -42,7 +44,12 @@ def profile_step_costs(engine, repeats: int = 3, max_batch: int | None = None) -
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     engine.gate = AcceptanceGate(None, None)  # random prompts accept little: the gate must not stop the drafts
+    profiled = []
     for batch in buckets:
+        drafts = engine.spec.draft_len_for_batch_size(batch)  # a draft_len_schedule may draft less, or nothing
+        if drafts == 0:  # no step of this size verifies drafts: nothing for the scheduler to choose
+            continue
+        profiled.append(batch)
         ids = [engine.add_request(torch.randint(3, engine.vocab_size, (PROFILE_PROMPT_TOKENS,),
                                                 generator=generator).tolist(), params) for _ in range(batch)]
         for _ in range(max_tokens):  # prefill (chunked when the budget is small) until every request drafted
@@ -51,7 +58,7 @@ def profile_step_costs(engine, repeats: int = 3, max_batch: int | None = None) -
             engine.step()
         if not all(i in engine.sequences and engine.sequences[i].draft_ids for i in ids):
             raise RuntimeError(f"confidence scheduling: profiling {batch} requests never reached a drafted step")
-        for length in range(k + 1):
+        for length in range(drafts + 1):
             times = []
             for repeat in range(steps_per_length):
                 for i in ids:
@@ -66,6 +73,6 @@ def profile_step_costs(engine, repeats: int = 3, max_batch: int | None = None) -
     engine.metrics, engine.gate = SpecMetrics(), AcceptanceGate(engine.spec.acceptance_rate_window_size,
                                                                 engine.spec.acceptance_rate_threshold)
     engine.pages.forget_cached()
-    log.info("dspark: profiled step times for batches %s x verify lengths 0..%d in %.1f s", buckets, k,
+    log.info("dspark: profiled step times for batches %s x verify lengths 0..%d in %.1f s", profiled, k,
              time.perf_counter() - start)
     return table

@@ -227,8 +227,8 @@ def test_gpu_gaps_sum_the_time_no_device_activity_covers():
 
 
 def test_sequential_measures_each_engine_alone(tmp_path):
-    """``--sequential``: one engine alive at a time (a target too large for two), the tuning candidates timed alone;
-    the record says so."""
+    """``--sequential``: one engine alive at a time (a target too large for two), the tuning candidates timed alone,
+    the tuned and confidence engines swept one after the other; the record says so."""
     import json
     import subprocess
     import sys
@@ -240,10 +240,12 @@ def test_sequential_measures_each_engine_alone(tmp_path):
                            "--concurrency", "1,2", "--max-draft-len", "2", "--prompt-len", "8", "--steps", "2",
                            "--warmup", "1", "--kv-cache-gib", "0.05", "--sequential", "--tune-schedule", str(schedule),
                            "--acceptance-per-position", "0.99,0.99", "--e2e-prompts", "2", "--e2e-tokens", "4",
-                           "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
+                           "--confidence-scheduling", "--out", str(out)], cwd=root, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["measurement"] == "sequential" and record["tuned_schedule"]["step_ms"] == "each candidate timed alone"
     assert record["end_to_end"]["prompts"] == 2
     for row in record["runs"]:
         assert row["ar_tokens_per_s"] > 0 and row["tuned_tokens_per_s"] > 0 and "ar_tokens_per_s_rounds" not in row
+        assert row["confidence_tokens_per_s"] > 0 and "confidence_tokens_per_s_rounds" not in row  # one at a time

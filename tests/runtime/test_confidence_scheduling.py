@@ -188,6 +188,21 @@ def test_the_padded_layout_keeps_greedy_outputs(tmp_path, near_bigram_target, co
     assert 0 <= stats["next_cap"] < 4 and stats["mean_verify_budget_per_request"] < stats["mean_offered_per_request"]
 
 
+def test_the_startup_profile_follows_a_schedule_that_drafts_less_or_nothing(near_bigram_target, confident_drafter):
+    """Under a ``draft_len_schedule`` the startup profile times each batch at the block drafted there (3 drafts at 2
+    requests) and leaves out the sizes it drafts nothing for (above 2): a tuned schedule that turns speculation off
+    at some loads used to stop the engine from starting ("never reached a drafted step")."""
+    llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
+                 draft_len_schedule={1: 4, 2: 3})
+    costs = llm.engine.confidence.costs
+    rows = {b: [t for t, v in zip(costs.token_counts, row) if v == v] for b, row in zip(costs.batch_sizes,
+                                                                                        costs.step_ms.tolist())}
+    assert rows[1] == [1, 2, 3, 4, 5] and rows[2] == [2, 4, 6, 8]  # up to 4 and 3 drafts
+    assert all(not measured for b, measured in rows.items() if b > 2)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == builders.hf_greedy(near_bigram_target, PROMPTS, 16)
+
+
 def test_a_cost_table_file_is_used_instead_of_profiling(tmp_path, near_bigram_target, confident_drafter):
     path = tmp_path / "table.json"
     flat_table(100.0).save(path)  # tokens are dear: after the first steps, nothing is verified
