@@ -27,11 +27,11 @@ are identical (bf16 verify batches reorder sums, so near-ties may part).
 (``tensor_parallel_size``, ``drafter``; the separate layout also measures the colocated replica:
 ``throughput_vs_colocated``; with ``--pipeline-drafter`` also the separate drafter without the pipeline:
 ``throughput_vs_serial``); a replica's models live on its actors, so its record has step times, tokens/s and
-acceptance but no roofline, graph replays or host breakdown (``--profile`` profiles each rank's batch-1 steps:
-``*_profile_batch1.ranks``). ``--profile`` profiles every engine's batch-1 steps (``--profile-batches``: other
-batch sizes too) after all the figures are taken
-(on the engine built again): a process the profiler has run in launches CUDA graphs several times slower.
-On one process every engine compared is alive at once and measured in alternating rounds (three per
+acceptance but no roofline, graph replays or host breakdown.
+``--profile`` profiles every engine's batch-1 steps (``--profile-batches``: other batch sizes too; a replica's on
+every rank: ``*_profile_batch1.ranks``) after all the figures are taken, on the engine built again: a process the
+profiler has run in launches CUDA graphs several times slower.
+On one process every engine compared is alive at once and measured in alternating rounds (``--rounds``, three per
 concurrency, the order flipped each round, the median round kept; the end-to-end prompts alternate per prompt;
 the tuning candidates are timed against the DSpark engine and read in its terms): the host's speed drifts by tens
 of percent over tens of seconds on a shared machine, so figures timed minutes apart do not compare.

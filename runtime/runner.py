@@ -28,7 +28,7 @@ from runtime.parallel import SINGLE, ParallelContext
 from runtime.profiling import region
 from runtime.sampler import RowParams, apply_penalties, filtered_probs, occurrence_counts
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
-from runtime.step_tensors import build_step_tensors, plain_greedy, sampled_entries, uses_rejection
+from runtime.step_tensors import build_step_tensors, greedy_only, plain_greedy, sampled_entries, uses_rejection
 from runtime.transfer import to_device
 from runtime.verify import accept_by_rejection, commit_by_match, gather_rows, greedy_verdicts, residual_distribution
 
@@ -125,13 +125,17 @@ class ModelRunner:
         back, one int a request. A one-token graph computed the verdicts of all its rows; otherwise the entries'
         rows are picked (under tensor parallelism every rank computes the max and argmax together)."""
         if graphed is not None and graphed.verdict is not None:
-            if len(entries) == graphed.verdict.shape[0]:  # every request of the step samples: rows 0..S-1
-                return graphed.verdict[:len(entries)]
-            return graphed.verdict[to_device(batch_index, self.device)]
+            return self._entry_rows(graphed.verdict, batch_index)
         rows = to_device([row_ends[b] - 1 for b in batch_index], self.device)
         top, argmax = (graphed.top[rows], graphed.argmax[rows]) if graphed is not None else \
             self.target.compute_top_argmax(hidden[rows])
         return greedy_verdicts(top, argmax)
+
+    def _entry_rows(self, per_request: torch.Tensor, batch_index: list[int]) -> torch.Tensor:
+        """The entries' rows of a graph output with one row per request of the step ([R, ...], batch order)."""
+        if len(batch_index) == per_request.shape[0]:  # every request of the step samples: rows 0..S-1
+            return per_request
+        return per_request[to_device(batch_index, self.device)]
 
     @staticmethod
     def _verdict_results(reqs: list[ScheduledRequest], entries: list[ScheduledRequest],
@@ -252,12 +256,9 @@ class ModelRunner:
         num_drafts_list = [e.num_drafts for e in entries]
         k_max = max(num_drafts_list)
         if graphed is not None and graphed.block_verdict is not None and all(
-                e.params.greedy and e.params.logprobs is None and e.penalty_history is None
-                and len(e.token_ids) == e.num_drafts + 1 for e in entries):
+                greedy_only(e) and len(e.token_ids) == e.num_drafts + 1 for e in entries):
             # greedy blocks of anchor + drafts: the graph verified them (runtime.verify.block_verdicts)
-            rows = graphed.block_verdict if len(entries) == graphed.block_verdict.shape[0] else \
-                graphed.block_verdict[to_device(batch_index, dev)]
-            q_len = graphed.q_len
+            rows, q_len = self._entry_rows(graphed.block_verdict, batch_index), graphed.q_len
             return rows[:, :k_max + 1], rows[:, q_len], rows[:, q_len + 1].bool(), None
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         num_drafts = to_device(num_drafts_list, dev)  # [S]

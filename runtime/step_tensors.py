@@ -61,11 +61,15 @@ def sampled_entries(reqs: list[ScheduledRequest]) -> list[int]:
     return [i for i, r in enumerate(reqs) if r.sample]
 
 
+def greedy_only(entry: ScheduledRequest) -> bool:
+    """Whether ``entry``'s tokens are argmaxes and nothing else: greedy, no logprobs, no penalties."""
+    return entry.params.greedy and entry.params.logprobs is None and entry.penalty_history is None
+
+
 def plain_greedy(entry: ScheduledRequest) -> bool:
     """Whether ``entry`` decodes greedily with nothing else to compute: no drafts to verify, no logprobs, no
     penalties (its step's answer is the argmax of one row: ``runtime.verify.greedy_verdicts``)."""
-    return entry.num_drafts == 0 and entry.params.greedy and entry.params.logprobs is None \
-        and entry.penalty_history is None
+    return entry.num_drafts == 0 and greedy_only(entry)
 
 
 def uses_rejection(entry: ScheduledRequest, use_rejection_sampling: bool) -> bool:
