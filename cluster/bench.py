@@ -33,8 +33,10 @@ every rank: ``*_profile_batch1.ranks``) after all the figures are taken, on the 
 profiler has run in launches CUDA graphs several times slower.
 On one process every engine compared is alive at once and measured in alternating rounds (``--rounds``, three per
 concurrency, the order flipped each round, the median round kept; the end-to-end prompts alternate per prompt;
-the tuning candidates are timed against the DSpark engine and read in its terms): the host's speed drifts by tens
-of percent over tens of seconds on a shared machine, so figures timed minutes apart do not compare.
+the tuning candidates are timed against the DSpark engine and read in its terms; with ``--tune-schedule`` the AR and
+DSpark engines are measured again in one set of rounds with the tuned and confidence-scheduled engines, and those
+rows replace the sweep's): the host's speed drifts by tens of percent over tens of seconds on a shared machine, so
+figures timed minutes apart do not compare.
 ``--sequential`` (and every replica) measures each engine alone, one after another.
 ``--device cpu`` runs the plumbing on a CPU.
 """
@@ -448,7 +450,7 @@ def hf_generate_tokens_per_s(target_dir: Path, shape: bool, tokens: int, device,
 
 
 def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None = None) -> dict:
-    """torch.profiler over 5 steps of ``batch`` fresh requests (``runtime.profiling.summarize``: CUDA kernels launched
+    """torch.profiler over 5 decode steps of ``batch`` fresh requests, once each has its first token (``runtime.profiling.summarize``: CUDA kernels launched
     per step, GPU busy and idle time per step, host time per region, the top kernels); ``trace``: also the timeline
     as a Chrome trace (gzip) there. A Ray replica's engine is profiled on every rank (``ranks``, one summary each:
     the driver only dispatches)."""
@@ -459,10 +461,13 @@ def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None
     from runtime.profiling import summarize
 
     engine = llm.engine
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(torch.randint(3, vocab - 1, (prompt_len,)).tolist(), params)
-    for _ in range(4):
+    params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(torch.randint(3, vocab - 1, (prompt_len,)).tolist(), params) for _ in range(batch)]
+    # the profiled steps are decode steps: past every prefill chunk (64 prompts of 548 tokens take several steps),
+    # then a few more
+    while any(not engine.sequences[i].output_token_ids for i in ids if i in engine.sequences):
+        engine.step()
+    for _ in range(2):
         engine.step()
     start_on_ranks = getattr(engine.executor, "start_profile", None)
     if start_on_ranks is not None:  # a replica: each rank profiles its next 5 steps (traces on the ranks' hosts)
@@ -684,14 +689,14 @@ def run(args) -> dict:
     # then on every CUDA graph launch costs the host several times more (Qwen3-8B shape on an H200, AR batch 1:
     # 0.13 ms of replay() a step in the run profiled first, 0.02 ms without), so a profile taken before a sweep
     # slows every figure after it.
-    profiled: list[tuple[str, dict | None, dict]] = []
+    profiled: dict[str, tuple[dict | None, dict]] = {}  # kind -> how to build it again (each kind once)
 
     def profile_later(kind: str, speculative: dict | None, layout: dict) -> None:
         if args.profile and kind in ("ar", "dspark", "tuned", "confidence"):
-            profiled.append((kind, speculative, layout))
+            profiled[kind] = (speculative, layout)
 
     def profile_all() -> None:
-        for kind, speculative, layout in profiled:
+        for kind, (speculative, layout) in profiled.items():
             llm = engine_class(str(target), speculative_config=speculative, **common, **layout)
             time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0)  # first-call costs stay out of the profile
             for batch in args.profile_batches:
@@ -719,12 +724,15 @@ def run(args) -> dict:
                              "another, or lower --kv-cache-gib") from None
 
     def paired(engines_: list[tuple[str, dict | None, dict]], with_e2e: bool = False,
-               keep: frozenset = frozenset()) -> dict:
+               keep: frozenset = frozenset(), alive: dict | None = None) -> dict:
         """Engines alive together, measured in alternating rounds (``--rounds`` per concurrency, the order
         flipped each round; the mixed workload too, and with ``with_e2e`` the end-to-end prompts, alternating per
         prompt): each figure is the round with the median tokens/s, so host drift and jitter fall on all alike.
-        The record keeps every round's tokens/s. -> the engines named in ``keep``, still alive (the rest freed)."""
-        llms = {kind: build_together(kind, speculative, layout) for kind, speculative, layout in engines_}
+        The record keeps every round's tokens/s. ``alive``: engines of ``engines_`` already built (kind -> engine;
+        measured again, their rows replaced). -> the engines named in ``keep``, still alive (the rest freed)."""
+        alive = alive or {}
+        llms = {kind: alive[kind] if kind in alive else build_together(kind, speculative, layout)
+                for kind, speculative, layout in engines_}
         for c in tqdm(args.concurrency, desc="paired sweep", disable=None):
             timings = {kind: [] for kind in llms}
             for kind, llm in llms.items():
@@ -754,27 +762,28 @@ def run(args) -> dict:
                 finish(kind, llms.pop(kind), with_mixed=False, with_e2e=False)
         return kept
 
-    reference = None  # the DSpark engine the tuning candidates are measured against, when alive
+    kept = {}  # with --tune-schedule in alternating rounds: the sweep's engines, alive for the tuned ones' rounds
     if alternate:  # every engine of the sweep alive at once, in alternating rounds
-        kept = paired(engines, with_e2e=True, keep=frozenset({"dspark"} if args.tune_schedule else ()))
-        reference = kept.get("dspark")
+        kept = paired(engines, with_e2e=True, keep=frozenset(kind for kind, _, _ in engines)
+                      if args.tune_schedule else frozenset())
     else:
         for kind, speculative, layout in engines:
             sweep(kind, speculative, layout)
     if args.tune_schedule:
         record["tuned_schedule"] = tuned = tune(args, engine_class, target, spec, common, rows, vocab, shape,
-                                                sweep_prompts, reference)
-        if reference is not None:
-            finish("dspark", reference, with_mixed=False, with_e2e=False)
-            reference = None
+                                                sweep_prompts, kept.get("dspark"))
         capped = {"draft_len_schedule": tuned["schedule"]}
         after = [("tuned", {**spec, **capped}, {})]  # the tuned schedule as an engine
         record["schedules"]["tuned"] = "tuned"
         if confidence_after_tuning:  # beside the scheduler within it
             after.append(("confidence", {**spec, **capped, "enable_confidence_scheduling": True}, {}))
             record["schedules"]["confidence"] = "confidence within the tuned schedule"
-        if alternate:  # in alternating rounds
-            paired(after)
+        if alternate:  # in alternating rounds with the sweep's engines again: every schedule and the AR baseline
+            # measured together (the sweep's figures, minutes earlier, are replaced; the host's speed drifts)
+            paired([(kind, speculative, layout) for kind, speculative, layout in engines if kind in kept] + after,
+                   alive=kept)
+            record["measurement"] = "alternating rounds; the sweep measured again beside the tuned engines"
+            record["measured_together"] = [kind for kind, _, _ in engines if kind in kept] + [k for k, _, _ in after]
         else:  # one at a time: two replicas would need twice the GPUs, and --sequential said two do not fit
             for kind, speculative, layout in after:
                 sweep(kind, speculative, layout)
