@@ -29,10 +29,20 @@ def plot(record: dict, path: str | Path) -> Path:
     runs = sorted(record["runs"], key=lambda r: r["concurrency"])
     conc = [r["concurrency"] for r in runs]
     fig, (rate, speed) = plt.subplots(1, 2, figsize=(11, 4.2))
-    rate.plot(conc, [r["ar_tokens_per_s"] for r in runs], "o-", label="autoregressive")
-    rate.plot(conc, [r["dspark_tokens_per_s"] for r in runs], "s-", label="DSpark")
+    schedules = [(kind, label, marker, color) for kind, label, marker, color in
+                 (("tuned", "DSpark, tuned schedule", "^-", "C2"),
+                  ("confidence", "DSpark, confidence scheduling", "v-", "C3"))
+                 if all(f"{kind}_tokens_per_s" in r for r in runs)]  # the schedules the run swept too
+    dspark = "DSpark, fixed K" if schedules else "DSpark"
+    rate.plot(conc, [r["ar_tokens_per_s"] for r in runs], "o-", color="C0", label="autoregressive")
+    rate.plot(conc, [r["dspark_tokens_per_s"] for r in runs], "s-", color="C1", label=dspark)
+    for kind, label, marker, color in schedules:
+        rate.plot(conc, [r[f"{kind}_tokens_per_s"] for r in runs], marker, color=color, label=label)
     rate.set_ylabel("output tokens/s")
-    speed.plot(conc, [r["speedup"] for r in runs], "s-", label="measured")
+    speed.plot(conc, [r["speedup"] for r in runs], "s-", color="C1", label=dspark if schedules else "measured")
+    for kind, label, marker, color in schedules:
+        speed.plot(conc, [r[f"{kind}_tokens_per_s"] / r["ar_tokens_per_s"] for r in runs], marker, color=color,
+                   label=label)
     if all("projected_speedup" in r for r in runs):
         tau = record.get("projected_tau", {}).get("tau")
         speed.plot(conc, [r["projected_speedup"] for r in runs], "d--", label=f"projected (tau {tau})")

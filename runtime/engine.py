@@ -214,6 +214,7 @@ class Engine:
         group = None
         if self.pipelined:
             group, self._turn = self._turn, 1 - self._turn
+        began = time.perf_counter()
         with region("dspark.schedule"):
             if self.confidence is not None:
                 self._allot_verify_lengths(group)
@@ -223,15 +224,17 @@ class Engine:
                                maintain_draft_context=self.has_drafter and not self.gate.closed,
                                released_request_ids=released, scrub_page_ids=scrub)
         with region("dspark.execute"):
-            start = time.perf_counter()
             results = self.executor.execute(batch)
-            if self.confidence is not None and scheduled:
-                self._learn_step_time(scheduled, time.perf_counter() - start)
+        learn = self.confidence is not None and bool(scheduled)
+        if learn:
+            self._note_other_fed(scheduled)
         with region("dspark.commit"):
             outputs = self._commit_step(scheduled, results)
             if self.pipelined:
                 self._take_late_drafts()
-            return outputs
+        if learn:
+            self._learn_step_time(scheduled, time.perf_counter() - began)
+        return outputs
 
     def _take_late_drafts(self) -> None:
         """Pipelined drafting: the blocks drafted this step for the group the previous step verified. A request
@@ -254,17 +257,25 @@ class Engine:
             seq.draft_ids, seq.draft_confidence = seq.draft_ids[:length], seq.draft_confidence[:length]
         self.confidence_stats.record_decision(self.confidence.last, len(seqs))
 
+    def _note_other_fed(self, scheduled: list[ScheduledRequest]) -> None:
+        """What the step fed besides the verifies the scheduler chose (prefill chunks, draft-less decodes): the next
+        decision prices its verifies beside as much."""
+        others = [len(e.token_ids) for e in scheduled if e.request_id not in self._decided]
+        self._other_fed = (len(others), sum(others))
+
     def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
-        """The step's time into the cost table, at the tokens the model was fed: padded into a graph (the worker's
-        verify graphs hold 1 to K+1 tokens per request under confidence scheduling), its batch x Q."""
+        """The step's wall time, schedule to commit (what the startup profile times: ``runtime.step_profile``), into
+        the cost table at the tokens the model was fed: padded into a graph (the worker's verify graphs hold 1 to
+        K+1 tokens per request under confidence scheduling), its batch x Q. The whole step, not the executor's part
+        alone: the host's per-step work is paid at every verify length, and a table whose served cells lacked it
+        while the profiled ones held it would make the lengths the scheduler chose look cheaper than the ones it
+        did not (run 31: trims to 4.6 of 7 drafts at 256 requests, predicted to pay, lost 14%)."""
         fed = [len(e.token_ids) for e in scheduled]
         tokens = sum(fed)
         if self.confidence.layout == "padded":
             q_len = graphed_q_len(fed, self._graph_q_lens, self.config.max_num_seqs)
             tokens = len(fed) * q_len if q_len is not None else tokens
         self.confidence.costs.observe(len(scheduled), tokens, seconds)
-        others = [n for e, n in zip(scheduled, fed) if e.request_id not in self._decided]
-        self._other_fed = (len(others), sum(others))  # prefills and draft-less decodes: the next decision's
         self.confidence_stats.record_step(1e3 * seconds)
 
     def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:

@@ -264,3 +264,28 @@ def test_a_noisy_row_is_read_as_its_non_decreasing_fit():
     assert rising.predict_ms_many(1, np.arange(1, 9)) == pytest.approx([1.0 + 0.1 * t for t in tokens])
     spiky.observe(192, 2, 0.0030)  # a served step moves the spike down: the fit follows at once
     assert spiky.predict_ms(192, 2) < fit[1]
+
+
+def test_the_table_learns_whole_steps_as_the_startup_profile_times_them(tmp_path, near_bigram_target,
+                                                                         confident_drafter, monkeypatch):
+    """A served step is observed schedule to commit, as ``runtime.step_profile`` times a step: host work outside the
+    executor (here a commit made 30 ms slower) is in the observed time. Observing the executor alone made the cells the
+    scheduler served look cheaper than the profiled ones it did not serve, so it kept trimming (run 31)."""
+    import time as time_module
+
+    path = tmp_path / "table.json"
+    flat_table(0.0, base=1.0).save(path)  # every step 1 ms, whatever it verifies
+    llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
+                 confidence_cost_table_path=str(path))
+    eng = llm.engine
+    slow_commit = eng._commit_step
+
+    def commit(*args, **kwargs):
+        time_module.sleep(0.03)
+        return slow_commit(*args, **kwargs)
+
+    monkeypatch.setattr(eng, "_commit_step", commit)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    stats = llm.get_metrics()["confidence_scheduling"]
+    assert stats["mean_measured_step_ms"] >= 30.0
+    assert eng.confidence.costs.observations > 0 and np.nanmax(eng.confidence.costs.step_ms) > 1.0 + 0.1 * 29.0
