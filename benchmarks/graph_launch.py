@@ -11,7 +11,15 @@ launch; and (``--model-shape``) the engine's own batch-1 decode graph on that ra
 
 ``--relaunch``: a graph launched again while it still runs, against another graph behind it.
 
-usage: python3 benchmarks/graph_launch.py [--kinds] [--relaunch] [--model-shape qwen3-8b] [--out FILE.json]
+``--readback``: why the run-ahead of 2026-12-01 (the next step launched before this one is read back) gained
+nothing. Steps of a ~5 ms graph, each followed by ``--host-us`` of host work that needs the step's output (the
+engine's commit and scheduling), three ways: serial (launch, read back, host work: the engine today); run-ahead
+reading back with ``.tolist()`` (a pageable copy queued on the stream behind the step launched ahead, so it waits
+for that step too: the hypothesis); run-ahead reading back through a pinned buffer copied right after the step
+and an event (the copy is queued before the next step). Reports the step time of each.
+
+usage: python3 benchmarks/graph_launch.py [--kinds] [--relaunch] [--readback] [--model-shape qwen3-8b]
+       [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -95,6 +103,66 @@ def relaunch(nodes: int = 1000, repeats: int = 20) -> dict:
     return out
 
 
+def readback(host_us: float = 250.0, steps: int = 40, kernels: int = 500) -> dict:
+    """Step time (ms) of serial steps against two run-ahead read-backs (see the module doc)."""
+    x = torch.ones(1 << 20, device="cuda")  # 4 MB: each of the graph's kernels streams it
+    out = torch.zeros(8, dtype=torch.int64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(kernels):
+            x.mul_(1.0000001)
+        out.add_(1)
+    pinned = torch.zeros(2, 8, dtype=torch.int64, pin_memory=True)
+    done = [torch.cuda.Event(), torch.cuda.Event()]
+
+    def host_work() -> None:  # the engine's commit and next schedule: Python that needs the step's tokens
+        end = time.perf_counter() + host_us / 1e6
+        while time.perf_counter() < end:
+            pass
+
+    def serial() -> None:
+        for _ in range(steps):
+            graph.replay()
+            out.tolist()
+            host_work()
+
+    def ahead_tolist() -> None:
+        graph.replay()
+        for _ in range(steps):
+            graph.replay()  # the next step, launched before this one is read back
+            out.tolist()  # queued behind it: returns once both ran
+            host_work()
+
+    def ahead_pinned() -> None:
+        graph.replay()
+        pinned[0].copy_(out, non_blocking=True)
+        done[0].record()
+        for i in range(steps):
+            graph.replay()
+            pinned[(i + 1) % 2].copy_(out, non_blocking=True)  # queued right behind the step it reads
+            done[(i + 1) % 2].record()
+            done[i % 2].synchronize()  # the previous step's tokens only
+            pinned[i % 2].tolist()
+            host_work()
+
+    result = {"host_us": host_us, "kernels": kernels}
+    for name, run in (("serial", serial), ("ahead_tolist", ahead_tolist), ("ahead_pinned", ahead_pinned)):
+        run()  # warm
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        result[f"{name}_step_ms"] = 1e3 * (time.perf_counter() - start) / steps
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+    torch.cuda.synchronize()
+    result["graph_ms"] = 1e3 * (time.perf_counter() - start) / steps
+    print("readback", json.dumps(result), flush=True)
+    return result
+
+
 def kind_graphs(layers: int = 36) -> dict:
     """Graphs of ``layers`` launches of one kernel kind each, on the Qwen3-8B o_proj shape (bf16, one row)."""
     from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta, get_backend, triton_ops
@@ -153,6 +221,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", action="store_true", help="also graphs of 36 launches of each kernel kind")
     parser.add_argument("--relaunch", action="store_true", help="also a graph launched again while it runs")
+    parser.add_argument("--readback", action="store_true", help="also serial steps against two run-ahead read-backs")
+    parser.add_argument("--host-us", type=float, default=250.0, help="with --readback: host work per step (us)")
     parser.add_argument("--model-shape", help="also the engine's batch-1 decode graph on this random-weight shape")
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
@@ -164,6 +234,8 @@ def main() -> None:
               "command": "python3 benchmarks/graph_launch.py " + " ".join(sys.argv[1:]), "points": points}
     if args.relaunch:
         record["relaunch"] = relaunch()
+    if args.readback:
+        record["readback"] = readback(args.host_us)
     if args.kinds:
         record["kinds"] = kind_graphs()
     if args.model_shape:
