@@ -36,6 +36,7 @@ class Proposal:
     lengths: torch.Tensor | None  # [S]
     features: DraftFeatures | None  # for the rejection-sampled entries, in entry order
     confidence: torch.Tensor | None = None  # [S, K] the confidence head's c_k (None without one)
+    block: torch.Tensor | None = None  # [S, K + 1 (+ K)] int64 read-back row (runtime.draft_runner.DraftOutput)
 
 
 class DraftChannel(Protocol):
@@ -65,7 +66,7 @@ class LocalDraftChannel:
         if rejection_rows:
             rows = to_device(rejection_rows, out.hidden.device)
             features = DraftFeatures(out.hidden[rows], out.low_rank[rows] if out.low_rank is not None else None)
-        return Proposal(out.tokens, out.lengths, features, out.confidence)
+        return Proposal(out.tokens, out.lengths, features, out.confidence, out.block)
 
 
 class RemoteDraftChannel:

@@ -59,9 +59,7 @@ class DraftGraphs:
             self.page_table[num:batch, 0].fill_(self.scratch_page)
         graph, out = self.graphs[(batch, k_next)]
         graph.replay()
-        low_rank = out.low_rank[:num] if out.low_rank is not None else None
-        confidence = out.confidence[:num] if out.confidence is not None else None
-        return DraftOutput(out.tokens[:num], out.lengths[:num], out.hidden[:num], low_rank, confidence)
+        return out.rows(num)
 
     def _capture(self, batch: int, block: int) -> tuple[torch.cuda.CUDAGraph, DraftOutput]:
         args = (self.anchors[:batch], self.anchor_pos[:batch], self.page_table[:batch], block)

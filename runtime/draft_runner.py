@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from runtime.confidence_scheduler import confidence_as_ints
 from runtime.kernels import KernelBackend, PagedAttentionMeta
 from runtime.kv_cache import scrub_pages
 from runtime.models.drafter import DSparkDrafter
@@ -19,7 +20,6 @@ from runtime.noise import Stream, exponentials
 from runtime.step_io import ScheduledRequest
 from runtime.step_tensors import uses_rejection
 from runtime.transfer import to_device
-from runtime.verify import gather_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +38,15 @@ class DraftOutput:
     hidden: torch.Tensor  # [S, K, d] block states after the final norm (rebuild U_k = lm_head(h_k))
     low_rank: torch.Tensor | None  # [S, K, r] Markov features (z_k = U_k + W2 low_rank_k), None at rank 0
     confidence: torch.Tensor | None = None  # [S, K] the confidence head's c_k (None without a head)
+    # [S, K + 1 (+ K)] int64: tokens, length (and the confidences as c * 2^24): what the step reads back of the block,
+    # packed where it is drafted (inside the drafter's graph), so the read-back needs no conversion kernels
+    block: torch.Tensor | None = None
+
+    def rows(self, num: int) -> DraftOutput:
+        """The first ``num`` requests' rows (a graph's output holds its padding rows too)."""
+        cut = (lambda t: t[:num] if t is not None else None)
+        return DraftOutput(self.tokens[:num], self.lengths[:num], self.hidden[:num], cut(self.low_rank),
+                           cut(self.confidence), cut(self.block))
 
 
 class DraftRunner:
@@ -61,7 +70,7 @@ class DraftRunner:
 
         committed [S, K+1], accepted [S]: the verification outcome; page_table [S, P] of the entries.
         """
-        anchors = gather_rows(committed, accepted)  # [S]
+        anchors = committed.gather(1, accepted[:, None]).squeeze(1)  # [S]: one kernel (gather_rows takes two)
         base = to_device([e.end_position - e.num_drafts for e in entries], self.device)
         anchor_pos = base + accepted  # = the drafter's context length
         drawn_rows = [uses_rejection(e, self.use_rejection) for e in entries]
@@ -96,7 +105,8 @@ class DraftRunner:
         confidence = self.drafter.confidence(hidden, torch.cat([anchors[:, None], tokens[:, :-1]], dim=1))
         if confidence is not None and self.confidence_threshold is not None:
             lengths = (confidence >= self.confidence_threshold).to(torch.int64).cumprod(dim=1).sum(dim=1)
-        return DraftOutput(tokens, lengths, hidden, low_rank, confidence)
+        parts = [tokens, lengths[:, None]] + ([confidence_as_ints(confidence)] if confidence is not None else [])
+        return DraftOutput(tokens, lengths, hidden, low_rank, confidence, torch.cat(parts, dim=1))
 
     def _markov_chain(self, base_logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
                       anchor_pos: torch.Tensor, sampling: DraftSampling | None):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from runtime.confidence_scheduler import confidence_as_ints, confidence_from_ints
+from runtime.confidence_scheduler import confidence_from_ints
 from runtime.draft_channel import DraftFeatures, send_features
 from runtime.draft_runner import DraftRunner
 from runtime.step_io import ScheduledBatch
@@ -76,10 +76,7 @@ class DraftServer:
 
     def _blocks(self, entries, out) -> dict[str, tuple[list[int], list[float] | None]]:
         """The driver's plain data of a drafted block: request id -> (drafts, confidences or None)."""
-        parts = [out.tokens, out.lengths[:, None]]
-        if out.confidence is not None:
-            parts.append(confidence_as_ints(out.confidence))
-        host = torch.cat(parts, dim=1).tolist()
+        host = out.block.tolist()  # tokens, length, confidences: packed where they were drafted
         k = out.tokens.shape[1]
         return {e.request_id: (row[:row[k]], confidence_from_ints(row[k + 1:k + 1 + row[k]])
                                if out.confidence is not None else None) for e, row in zip(entries, host)}

@@ -11,11 +11,13 @@ logit gathers, the broadcast of draft features) and return nothing.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from configs import DSparkDecodingConfig
-from runtime.confidence_scheduler import confidence_as_ints, confidence_from_ints
+from runtime.confidence_scheduler import confidence_from_ints
 from runtime.draft_channel import DraftChannel, Proposal, receive_features, send_features
 from runtime.graphs import GraphedTargetForward, GraphOutputs
 from runtime.kernels import AttentionGeometry, KernelBackend
@@ -41,6 +43,16 @@ def attention_geometry(target: TargetModel) -> AttentionGeometry:
     q_width = attn.q_size if attn.qkv_proj is not None else attn.q_proj.out_features
     return AttentionGeometry(q_width // attn.head_dim, attn.kv_width // attn.head_dim, attn.head_dim,
                              next(target.parameters()).dtype, attn.scale)
+
+
+class Verified(NamedTuple):
+    """A verification's outcome for the sampled entries of a step."""
+
+    committed: torch.Tensor  # [S, K+1] committed tokens, the first accepted + 1 valid
+    accepted: torch.Tensor  # [S] drafts accepted
+    faulty: torch.Tensor  # [S] nonzero where the request's rows held NaN/inf (it fails alone)
+    source: LogprobSource | None  # the entries that asked for logprobs (None when none did)
+    packed: torch.Tensor | None = None  # [S, W + 2] committed (W >= K+1 columns), accepted, fault: as read back
 
 
 class ModelRunner:
@@ -103,20 +115,20 @@ class ModelRunner:
             with region("dspark.results"):
                 return self._verdict_results(reqs, entries, verdicts.tolist())  # the step's one transfer
         with region("dspark.verify"):
-            committed, accepted, faulty, logprob_source = self._verify(entries, hidden, t.row_ends, sampled,
-                                                                       graphed)
+            verified = self._verify(entries, hidden, t.row_ends, sampled, graphed)
         with region("dspark.draft"):
             # a list index would copy it to the device synchronously: decode steps sample every request anyway
             table = t.page_table if len(sampled) == len(reqs) or not k_next else t.page_table[
                 to_device(sampled, self.device)]
-            proposal = self._propose(entries, committed, accepted, table, k_next) if k_next else None
+            proposal = self._propose(entries, verified.committed, verified.accepted, table, k_next) if k_next \
+                else None
         if not self.is_leader:
             return []
         with region("dspark.results"):
-            logprobs = logprob_source.top(committed) if logprob_source is not None else None
+            logprobs = verified.source.top(verified.committed) if verified.source is not None else None
             # a faulted request's pages, and the graphs' scratch page its padding rows may have filled with NaN, are
             # zeroed on every rank before the next step: the engine names them in that step's scrub list
-            return self._results(reqs, entries, committed, accepted, faulty, proposal, logprobs)
+            return self._results(reqs, entries, verified, proposal, logprobs)
 
     def _greedy_verdicts(self, entries: list[ScheduledRequest], hidden: torch.Tensor, row_ends: list[int],
                          batch_index: list[int], graphed: GraphOutputs | None) -> torch.Tensor:
@@ -148,17 +160,21 @@ class ModelRunner:
         sampled = {r.request_id: r for r in results}
         return [sampled.get(r.request_id) or RequestStepResult(r.request_id, [], 0, []) for r in reqs]
 
-    def _results(self, reqs, entries, committed, accepted, faulty, proposal: Proposal | None,
+    def _results(self, reqs, entries, verified: Verified, proposal: Proposal | None,
                  logprobs: dict[int, list[list[TokenLogprob]]] | None = None) -> list[RequestStepResult]:
-        parts = [committed, accepted[:, None], faulty[:, None].to(committed.dtype)]
+        """The step's one device-to-host transfer, a row per entry: its committed tokens (``width`` columns, the
+        first accepted + 1 valid), accepted, fault flag, then its next block (drafts, length and confidences as
+        c * 2^24, packed by the drafter: ``DraftOutput.block``) -> results in batch order."""
+        committed, accepted, faulty = verified.committed, verified.accepted, verified.faulty
+        head = verified.packed if verified.packed is not None else torch.cat(
+            [committed, accepted[:, None], faulty[:, None].to(committed.dtype)], dim=1)  # [S, width + 2]
+        parts = [head]
         k = 0
         if proposal is not None and proposal.tokens is not None:
             k = proposal.tokens.shape[1]
-            parts += [proposal.tokens, proposal.lengths[:, None]]
-            if proposal.confidence is not None:  # c * 2^24 as integers: the same single transfer
-                parts.append(confidence_as_ints(proposal.confidence))
-        host = torch.cat(parts, dim=1).tolist()  # the step's one device-to-host transfer
-        width = committed.shape[1]
+            parts.append(proposal.block)
+        host = (torch.cat(parts, dim=1) if len(parts) > 1 else head).tolist()
+        width = head.shape[1] - 2
         sampled = {}
         for i, (entry, row) in enumerate(zip(entries, host)):
             a, bad = row[width], row[width + 1]
@@ -246,10 +262,10 @@ class ModelRunner:
         return self.target.compute_logits(hidden[flat]).view(*shape, -1), None
 
     def _verify(self, entries: list[ScheduledRequest], hidden: torch.Tensor, row_ends: list[int],
-                batch_index: list[int], graphed: GraphOutputs | None = None):
-        """-> committed tokens [S, K+1] (the first ``accepted + 1`` valid), accepted [S], faulty [S]: the
-        requests whose (penalized) logits hold NaN or +inf, and the ``LogprobSource`` of the entries that asked
-        for logprobs (None when none did). Rows are independent, so a faulty request never changes another's
+                batch_index: list[int], graphed: GraphOutputs | None = None) -> Verified:
+        """-> ``Verified``: committed tokens [S, K+1] (the first ``accepted + 1`` valid), accepted [S], faulty [S]
+        (the requests whose (penalized) logits hold NaN or +inf), the ``LogprobSource`` of the entries that asked
+        for logprobs (None when none did), and where a graph verified the block, its rows as they lie. Rows are independent, so a faulty request never changes another's
         tokens; the caller fails it alone. Row r of a request is the distribution of its r-th committed token,
         the one plain decoding would have computed for it, so logprobs do not depend on speculation."""
         dev, vocab = self.device, self.vocab_size
@@ -259,7 +275,8 @@ class ModelRunner:
                 greedy_only(e) and len(e.token_ids) == e.num_drafts + 1 for e in entries):
             # greedy blocks of anchor + drafts: the graph verified them (runtime.verify.block_verdicts)
             rows, q_len = self._entry_rows(graphed.block_verdict, batch_index), graphed.q_len
-            return rows[:, :k_max + 1], rows[:, q_len], rows[:, q_len + 1].bool(), None
+            # the rows already lie as the read-back wants them: committed (q_len columns), accepted, fault flag
+            return Verified(rows[:, :k_max + 1], rows[:, q_len], rows[:, q_len + 1], None, rows)
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         num_drafts = to_device(num_drafts_list, dev)  # [S]
         penalized = any(e.penalty_history is not None for e in entries)
@@ -286,7 +303,7 @@ class ModelRunner:
         if greedy:  # the argmax fast path: no distributions, no noise, no per-row parameters
             if source is not None and self.logprobs_mode == "processed":
                 source.set_logits(logits)
-            return (*commit_by_match(drafts, num_drafts, argmax), faulty, source)
+            return Verified(*commit_by_match(drafts, num_drafts, argmax), faulty, source)
         anchor_pos = to_device([e.end_position - e.num_drafts for e in entries], dev)
         positions = anchor_pos[:, None] + offsets[None, :]  # [S, K+1]: position of the token each row decides
         seeds = to_device([e.seed for e in entries], dev)
@@ -301,12 +318,12 @@ class ModelRunner:
         target_tokens = self.kernels.sample_exponential_race(probs.view(-1, vocab), noise).view_as(positions)
         committed, accepted = commit_by_match(drafts, num_drafts, target_tokens)
         if q is None:
-            return committed, accepted, faulty, source
+            return Verified(committed, accepted, faulty, source)
         rejection = to_device(by_rejection, dev)
         by_rule, accepted_by_rule = self._rejection_sample(drafts, num_drafts, probs, q, target_tokens, seeds,
                                                            positions)
-        return (torch.where(rejection[:, None], by_rule, committed),
-                torch.where(rejection, accepted_by_rule, accepted), faulty, source)
+        return Verified(torch.where(rejection[:, None], by_rule, committed),
+                        torch.where(rejection, accepted_by_rule, accepted), faulty, source)
 
     def _rejection_sample(self, drafts, num_drafts, probs, q, target_tokens, seeds, positions):
         """Leviathan verification of every row -> (committed [S, K+1], accepted [S]): accepted drafts, then a

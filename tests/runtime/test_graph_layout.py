@@ -123,3 +123,31 @@ def test_a_verify_graphs_greedy_verdicts_equal_the_eager_verification():
     top[8] = float("nan")  # c's anchor row: its verdict is broken
     top[2] = float("-inf")  # a's second draft row
     assert block_verdicts(ids, positions, top, argmax, q_len)[:3, q_len + 1].tolist() == [1, 0, 1]
+
+
+def test_the_read_back_parses_graph_packed_rows_as_it_parses_eager_ones():
+    """A verify graph's verdict rows go to the host as they lie (committed in Q columns, accepted, fault) beside the
+    drafter's packed block (drafts, length, confidences as c * 2^24): each request's committed tokens, next drafts
+    and confidences equal those of the eager path's separate tensors, and a faulted request commits nothing."""
+    from runtime.confidence_scheduler import confidence_as_ints
+    from runtime.draft_channel import Proposal
+    from runtime.runner import ModelRunner, Verified
+
+    reqs = [request("a", [10, 11, 12, 13], start=8, pages=[5, 6, 7], drafts=3),
+            request("b", [20, 21], start=3, pages=[2, 3], drafts=1)]
+    q_len = 5  # the graph's block is wider than this step's (k_max + 1 = 4): its extra column is never read
+    rows = torch.tensor([[11, 12, 50, 0, 0, 2, 0],  # a: 2 accepted, then its correction 50
+                         [21, 9, 0, 0, 0, 1, 1]])  # b: faulted
+    tokens = torch.tensor([[60, 61, 62], [70, 71, 72]])
+    lengths = torch.tensor([3, 2])
+    confidence = torch.tensor([[0.875, 0.5, 0.25], [0.75, 0.125, 0.0]])  # exact in float32 and in c * 2^24
+    block = torch.cat([tokens, lengths[:, None], confidence_as_ints(confidence)], dim=1)
+    proposal = Proposal(tokens, lengths, None, confidence, block)
+    packed = Verified(rows[:, :4], rows[:, q_len], rows[:, q_len + 1], None, rows)
+    eager = Verified(rows[:, :4], rows[:, q_len], rows[:, q_len + 1].bool(), None)
+    got = [ModelRunner._results(None, reqs, reqs, v, proposal) for v in (packed, eager)]
+    assert got[0] == got[1]
+    a, b = got[0]
+    assert a.token_ids == [11, 12, 50] and a.num_accepted == 2 and a.next_draft_ids == [60, 61, 62]
+    assert a.next_draft_confidence == [0.875, 0.5, 0.25] and a.error is None
+    assert b.token_ids == [] and b.error is not None
