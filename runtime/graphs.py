@@ -209,6 +209,7 @@ class GraphedTargetForward:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # unused by FlashInfer's plan
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.decode_kernels: dict[tuple[int, int], dict] = {}  # (batch, q_len) -> the attention kernel chosen
         self.replays = 0  # steps served by a graph (padded ones included); the rest of the steps ran eagerly
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
         for q_len in self.q_lens:
@@ -289,6 +290,9 @@ class GraphedTargetForward:
 
     def _capture(self, batch: int, q_len: int) -> _Graph:
         wrapper = self.backend.graph_wrapper(self.device, batch, batch * self.pages_per_seq, q_len)
+        choose = getattr(self.backend, "choose_decode_kernel", None)
+        if choose is not None:  # which attention kernel this graph bakes in, measured on the engine's caches
+            self.decode_kernels[(batch, q_len)] = choose(wrapper, self.caches, self.geometry, self.page_size)
         layout = self._write_inputs([], batch, q_len)
         meta = self.backend.plan_attention(self._meta(layout, batch, q_len), wrapper)
         ids, positions, slots = (t[:batch * q_len] for t in self.inputs)

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.kernels.timing import graph_device_us
+
 log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # rows measured; M rows use the choice of the smallest bucket >= M
@@ -140,30 +142,6 @@ def _targets(modules: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Module]]
     return found
 
 
-def _device_time_us(run: Callable[[], object], flush: torch.Tensor, reps: int = 5) -> float:
-    """Median device time of ``run`` captured in a CUDA graph, each replay after ``flush`` evicted L2."""
-    device = flush.device
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):  # compile and warm up outside the graph
-        run()
-        run()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        graph.replay()
-        end.record()
-    events[-1][1].synchronize()
-    times = sorted(start.elapsed_time(end) for start, end in events)
-    del graph
-    return 1e3 * times[len(times) // 2]
-
-
 def _measure(weights: list[torch.Tensor], flush: torch.Tensor,
              silu_and_mul: Callable | None = None) -> tuple[GemmChoice, dict]:
     """The choice for one weight shape (``weights``: the model's weights of it), each row bucket timed as a graph
@@ -178,8 +156,8 @@ def _measure(weights: list[torch.Tensor], flush: torch.Tensor,
                                                         for rows in ROW_BUCKETS}
     for rows in ROW_BUCKETS:
         x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
-        cublas = _device_time_us(lambda: [F.linear(x, w) for w in weights], flush)
-        best, best_us = _fastest(n, k, lambda c: _device_time_us(lambda: [skinny_matmul(x, w, c) for w in weights],
+        cublas = graph_device_us(lambda: [F.linear(x, w) for w in weights], flush)
+        best, best_us = _fastest(n, k, lambda c: graph_device_us(lambda: [skinny_matmul(x, w, c) for w in weights],
                                                                   flush))
         chosen = best if best is not None and best_us <= MARGIN * cublas else None
         configs.append(chosen)
@@ -190,8 +168,8 @@ def _measure(weights: list[torch.Tensor], flush: torch.Tensor,
         if silu_and_mul is not None:
             gate_up = torch.randn(rows, 2 * k, dtype=x.dtype, device=x.device)
             gemm = (lambda a, w: skinny_matmul(a, w, chosen)) if chosen is not None else F.linear
-            separate = _device_time_us(lambda: [gemm(silu_and_mul(gate_up), w) for w in weights], flush)
-            fused, fused_us = _fastest(n, k, lambda c: _device_time_us(
+            separate = graph_device_us(lambda: [gemm(silu_and_mul(gate_up), w) for w in weights], flush)
+            fused, fused_us = _fastest(n, k, lambda c: graph_device_us(
                 lambda: [skinny_matmul(gate_up, w, c, swiglu=True) for w in weights], flush))
             swiglu = fused if fused is not None and fused_us <= MARGIN * separate else None
             rows_report[str(rows)].update(

@@ -230,6 +230,8 @@ class Worker:
                 "graph_capture_s": round(self.graphs.capture_seconds, 2) if self.graphs is not None else None,
                 "graph_replays": self.graphs.replays if self.graphs is not None else 0,
                 "graph_q_lens": self.graphs.q_lens if self.graphs is not None else [],
+                # per graph, the attention kernel it bakes in and the timings that chose it
+                "decode_kernels": list(self.graphs.decode_kernels.values()) if self.graphs is not None else [],
                 "plan_ahead": self.graphs is not None and self.graphs.plan_ahead,
                 "plans_made_ahead": self.graphs.plans_skipped if self.graphs is not None else 0,
                 "small_gemms": self.small_gemms.as_dict() if self.small_gemms is not None else None,
