@@ -70,22 +70,25 @@ def _split_kv_kernel(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_ptr, par
     else:
         slot = (b * num_kv_heads + h) * SPLITS
         lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # [M]
-        tl.store(part_lse_ptr + (slot + s) * M + rows, lse)
+        tl.store(part_lse_ptr + (slot + s) * M + rows, lse, mask=row_ok)  # real rows only: the merge reads these
         tl.store(part_o_ptr + ((slot + s) * M + rows)[:, None] * D + dims[None, :],
-                 acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
+                 acc / tl.where(l_i > 0, l_i, 1.0)[:, None], mask=row_ok[:, None])
         tl.debug_barrier()  # every thread's partial stored before the ticket is taken
         ticket = tl.atomic_add(ticket_ptr + b * num_kv_heads + h, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLITS - 1:  # the last of (b, h): merge every slice, in slice order
             tl.debug_barrier()
             m = tl.full([M], float("-inf"), dtype=tl.float32)
             for j in range(SPLITS):
-                m = tl.maximum(m, tl.load(part_lse_ptr + (slot + j) * M + rows, cache_modifier=".cg"))
+                m = tl.maximum(m, tl.load(part_lse_ptr + (slot + j) * M + rows, mask=row_ok, other=float("-inf"),
+                                          cache_modifier=".cg"))
             m = tl.where(m == float("-inf"), 0.0, m)
             den = tl.zeros([M], dtype=tl.float32)
             num = tl.zeros([M, D], dtype=tl.float32)
             for j in range(SPLITS):
-                w = tl.exp(tl.load(part_lse_ptr + (slot + j) * M + rows, cache_modifier=".cg") - m)
-                o = tl.load(part_o_ptr + ((slot + j) * M + rows)[:, None] * D + dims[None, :], cache_modifier=".cg")
+                w = tl.exp(tl.load(part_lse_ptr + (slot + j) * M + rows, mask=row_ok, other=float("-inf"),
+                                   cache_modifier=".cg") - m)
+                o = tl.load(part_o_ptr + ((slot + j) * M + rows)[:, None] * D + dims[None, :], mask=row_ok[:, None],
+                            other=0.0, cache_modifier=".cg")
                 den += w
                 num += w[:, None] * o
             out = num / tl.where(den > 0, den, 1.0)[:, None]
