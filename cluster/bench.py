@@ -28,8 +28,9 @@ are identical (bf16 verify batches reorder sums, so near-ties may part).
 ``throughput_vs_colocated``; with ``--pipeline-drafter`` also the separate drafter without the pipeline:
 ``throughput_vs_serial``); a replica's models live on its actors, so its record has step times, tokens/s and
 acceptance but no roofline, graph replays or host breakdown.
-``--profile`` profiles every engine's batch-1 steps (``--profile-batches``: other batch sizes too; a replica's on
-every rank: ``*_profile_batch1.ranks``) after all the figures are taken, on the engine built again: a process the
+``--profile`` profiles every engine's batch-1 decode steps (``--profile-batches``: other batch sizes too, each once
+every request has its first token; a replica's on every rank: ``*_profile_batch1.ranks``) after all the figures are
+taken, on the engine built again: a process the
 profiler has run in launches CUDA graphs several times slower.
 On one process every engine compared is alive at once and measured in alternating rounds (``--rounds``, three per
 concurrency, the order flipped each round, the median round kept; the end-to-end prompts alternate per prompt;
@@ -450,9 +451,9 @@ def hf_generate_tokens_per_s(target_dir: Path, shape: bool, tokens: int, device,
 
 
 def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None = None) -> dict:
-    """torch.profiler over 5 decode steps of ``batch`` fresh requests, once each has its first token (``runtime.profiling.summarize``: CUDA kernels launched
-    per step, GPU busy and idle time per step, host time per region, the top kernels); ``trace``: also the timeline
-    as a Chrome trace (gzip) there. A Ray replica's engine is profiled on every rank (``ranks``, one summary each:
+    """torch.profiler over 5 decode steps of ``batch`` fresh requests, once each has its first token
+    (``runtime.profiling.summarize``: CUDA kernels launched per step, GPU busy and idle time per step, host time per
+    region, the top kernels); ``trace``: also the timeline as a Chrome trace (gzip) there. A Ray replica's engine is profiled on every rank (``ranks``, one summary each:
     the driver only dispatches)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -1056,7 +1057,7 @@ def add_parser(commands) -> None:
     bench.add_argument("--rounds", type=int, default=PAIRED_ROUNDS, help="alternating rounds per concurrency "
                        f"(and per tuning candidate) when engines are measured side by side; the median round is "
                        f"kept (default {PAIRED_ROUNDS}; odd)")
-    bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 steps of each engine "
+    bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 decode steps of each engine "
                        "(AR, DSpark, and the tuned and confidence-scheduled ones where swept): kernels per step, GPU "
                        "busy and idle time per step, the largest GPU gaps, host time per region; a replica's on "
                        "every rank (its record's *_profile_batch1.ranks); taken after every figure of the run, on the "
