@@ -3,8 +3,8 @@
 The Qwen3-8B shape's decode layer at batch 1 (H200, run 25's profile): four weight-streaming GEMMs take ~4 us a
 launch more than their bytes at the copy bandwidth (o 12 us for 7.9, qkv 15.5 for 11.8, down 28.3 for 23.6), and
 between them kernels that read almost nothing run ~19 us a layer (attention 11.4, norms, RoPE, SiLU) with HBM
-idle. ``prefetch_rows`` (below: ``cp.async.bulk.prefetch.L2``, sm_90+, a hint that changes no value) queues bulk L2 prefetches of a weight's rows (or of the head
-of each row) before such a window.
+idle. ``prefetch_rows`` (below: ``cp.async.bulk.prefetch.L2``, sm_90+, a hint that changes no value) queues bulk
+L2 prefetches of a weight's rows (or of the head of each row) before such a window.
 
 For each of the layer's weight shapes, 36 weights (as a forward meets them, cold), a CUDA graph of 36 x
 [window, GEMM] against 36 x [prefetch, window, GEMM], the window a spin kernel of W us (``torch.cuda._sleep``:

@@ -453,8 +453,8 @@ def hf_generate_tokens_per_s(target_dir: Path, shape: bool, tokens: int, device,
 def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None = None) -> dict:
     """torch.profiler over 5 decode steps of ``batch`` fresh requests, once each has its first token
     (``runtime.profiling.summarize``: CUDA kernels launched per step, GPU busy and idle time per step, host time per
-    region, the top kernels); ``trace``: also the timeline as a Chrome trace (gzip) there. A Ray replica's engine is profiled on every rank (``ranks``, one summary each:
-    the driver only dispatches)."""
+    region, the top kernels); ``trace``: also the timeline as a Chrome trace (gzip) there. A Ray replica's engine is
+    profiled on every rank (``ranks``, one summary each: the driver only dispatches)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -1057,10 +1057,10 @@ def add_parser(commands) -> None:
     bench.add_argument("--rounds", type=int, default=PAIRED_ROUNDS, help="alternating rounds per concurrency "
                        f"(and per tuning candidate) when engines are measured side by side; the median round is "
                        f"kept (default {PAIRED_ROUNDS}; odd)")
-    bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 decode steps of each engine "
-                       "(AR, DSpark, and the tuned and confidence-scheduled ones where swept): kernels per step, GPU "
-                       "busy and idle time per step, the largest GPU gaps, host time per region; a replica's on "
-                       "every rank (its record's *_profile_batch1.ranks); taken after every figure of the run, on the "
+    bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 decode steps of "
+                       "each engine (AR, DSpark, and the tuned and confidence-scheduled ones where swept): kernels "
+                       "per step, GPU busy and idle time per step, the largest GPU gaps, host time per region; a "
+                       "replica's on every rank (its record's *_profile_batch1.ranks); taken after every figure of the run, on the "
                        "engines built again (a profiled process launches CUDA graphs slower)")
     bench.add_argument("--profile-batches", type=batch_list("--profile-batches"), default=[1],
                        help="with --profile: the batch sizes profiled (default 1; each at most the largest "

@@ -264,10 +264,11 @@ class ModelRunner:
     def _verify(self, entries: list[ScheduledRequest], hidden: torch.Tensor, row_ends: list[int],
                 batch_index: list[int], graphed: GraphOutputs | None = None) -> Verified:
         """-> ``Verified``: committed tokens [S, K+1] (the first ``accepted + 1`` valid), accepted [S], faulty [S]
-        (the requests whose (penalized) logits hold NaN or +inf), the ``LogprobSource`` of the entries that asked
-        for logprobs (None when none did), and where a graph verified the block, its rows as they lie. Rows are independent, so a faulty request never changes another's
-        tokens; the caller fails it alone. Row r of a request is the distribution of its r-th committed token,
-        the one plain decoding would have computed for it, so logprobs do not depend on speculation."""
+        (the requests whose (penalized) logits hold NaN or +inf), the ``LogprobSource`` of the entries that asked for
+        logprobs (None when none did), and where a graph verified the block, its rows as they lie. Rows are independent,
+        so a faulty request never changes another's tokens; the caller fails it alone. Row r of a request is the
+        distribution of its r-th committed token, the one plain decoding would have computed for it, so logprobs do not
+        depend on speculation."""
         dev, vocab = self.device, self.vocab_size
         num_drafts_list = [e.num_drafts for e in entries]
         k_max = max(num_drafts_list)

@@ -4,10 +4,11 @@ Attention over the paged cache (prefill chunks, decode, the K+1-token verify) is
 layout the engine already uses (``[pages, page_size, kv_heads, head_dim]``, FlashInfer's NHD), planned once per
 forward from the step's host-side layout (``PagedAttentionMeta.host``) and reused by every layer: its batch
 prefill kernel for eager forwards (any mix of query lengths), its tensor-core decode kernel for the CUDA graphs
-of uniform steps (``graph_wrapper``: Q tokens per request, the faster of the two there), or, where it measured
-faster for that graph's batch and Q (``choose_decode_kernel``, at capture), the split-KV Triton kernel of
-``triton_decode`` (one launch with the merge fused, no planner run a step). A draft block (its context plus its own keys, the context length known only on the device) runs a
-Triton flash-attention kernel (``triton_ops.block_attention``) that needs no plan, so drafts can be graphed too.
+of uniform steps (``graph_wrapper``: Q tokens per request, the faster of the two there), or, where it measured faster
+for that graph's batch and Q (``choose_decode_kernel``, at capture), the split-KV Triton kernel of ``triton_decode``
+(one launch with the merge fused, no planner run a step). A draft block (its context plus its own keys, the context
+length known only on the device) runs a Triton flash-attention kernel (``triton_ops.block_attention``) that needs no
+plan, so drafts can be graphed too.
 RMSNorm (with the residual add fused), q/k norm + RoPE (fused with the KV-cache write) and SiLU-and-mul are the
 Triton kernels of ``triton_ops``; the exponential-race sampler is the torch reference's.
 
