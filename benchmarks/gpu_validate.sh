@@ -5,7 +5,8 @@
 # 1. tests/gpu (the graphed paths: in-graph verification, the packed read-back, the split-KV decode kernel);
 # 2. benchmarks/graph_launch.py --readback (why the run-ahead gained nothing) -> OUT/graph-launch-readback.json;
 # 3. benchmarks/attention_decode.py (FlashInfer's decode paths against the split-KV Triton kernel)
-#    -> OUT/attention-decode.json;
+#    -> OUT/attention-decode.json; benchmarks/pdl_chain.py (does programmatic dependent launch shorten a chain of
+#    small kernels and GEMVs) -> OUT/pdl-chain.json;
 # 4. dspark bench on the Qwen3-8B shape, the engines in alternating rounds, profiles at 1 and 64 requests (decode
 #    steps), each graph's chosen attention kernel in rank_info -> OUT/bench-8b.json;
 # then the FlashInfer JIT cache packed into OUT (bring it back as .fi-cache/). A failing step is reported and the
@@ -23,6 +24,7 @@ step() {  # name, command...
 step tests-gpu python3 -m pytest -q -x tests/gpu -p no:cacheprovider
 step readback python3 benchmarks/graph_launch.py --readback --out "$out/graph-launch-readback.json"
 step attention python3 benchmarks/attention_decode.py --out "$out/attention-decode.json"
+step pdl python3 benchmarks/pdl_chain.py --out "$out/pdl-chain.json"
 step bench-8b python3 -m cluster.cli bench --model-shape qwen3-8b --concurrency 1,4,16,64 --steps 30 \
   --kv-cache-gib 16 --hf-tokens 24 --profile --profile-batches 1,64 --out "$out/bench-8b.json"
 bash benchmarks/gpu_host.sh save-cache "$out" >/dev/null 2>&1 || true
