@@ -761,6 +761,7 @@ def run(args) -> dict:
                 kept[kind] = llms.pop(kind)
             else:
                 finish(kind, llms.pop(kind), with_mixed=False, with_e2e=False)
+        save_partial(args, record, rows)  # engines kept alive write nothing yet: a later phase may not fit beside them
         return kept
 
     kept = {}  # with --tune-schedule in alternating rounds: the sweep's engines, alive for the tuned ones' rounds
