@@ -77,6 +77,7 @@ class Engine:
         self._decided: set[str] = set()  # requests whose verify length the scheduler chose this step
         self._other_fed = (0, 0)  # (requests, tokens) the last step fed besides the scheduler's verifies
         self._graph_q_lens: list[int] = []  # tokens per request of the target's graphs (none: eager steps)
+        self._graph_prefill = ([], 0)  # the prefill chunk graphs' lengths and token cap (graphs.graphed_q_len)
         # when a list: every verify appends (the verified drafts' confidences, accepted count) (calibration)
         self.verification_log: list[tuple[list[float], int]] | None = None
         # pipelined drafting (a separate drafter, cluster.RayExecutor): steps alternate two request groups and each
@@ -126,7 +127,9 @@ class Engine:
         else:
             costs = profile_step_costs(self)
         # the target's steps replayed as CUDA graphs pad each request to the step's longest verify (runtime.graphs)
-        self._graph_q_lens = next((i.get("graph_q_lens") or [] for i in infos if i.get("role") == "target"), [])
+        target = next((i for i in infos if i.get("role") == "target"), {})
+        self._graph_q_lens = target.get("graph_q_lens") or []
+        self._graph_prefill = (target.get("graph_prefill_q_lens") or [], target.get("graph_prefill_tokens") or 0)
         layout = "padded" if self._graph_q_lens else "ragged"
         log.info("dspark: confidence scheduling on (%s steps), step-time table %s, temperatures %s", layout,
                  spec.confidence_cost_table_path or "profiled at startup", temperatures or "1")
@@ -273,7 +276,7 @@ class Engine:
         fed = [len(e.token_ids) for e in scheduled]
         tokens = sum(fed)
         if self.confidence.layout == "padded":
-            q_len = graphed_q_len(fed, self._graph_q_lens, self.config.max_num_seqs)
+            q_len = graphed_q_len(fed, self._graph_q_lens, self.config.max_num_seqs, *self._graph_prefill)
             tokens = len(fed) * q_len if q_len is not None else tokens
         self.confidence.costs.observe(len(scheduled), tokens, seconds)
         self.confidence_stats.record_step(1e3 * seconds)

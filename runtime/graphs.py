@@ -16,7 +16,11 @@ more than the whole target graph on a small model.
 Padding requests (up to the bucket) feed token 0 at positions 0..Q-1 into the scratch page no request owns, so
 they never touch a real request's cache, and their outputs are dropped. Masked keys still enter the kernels'
 arithmetic (weight 0), so a NaN in the scratch page would spread: the runner zeroes it after a step in which a
-request faulted. Other steps (longer prefill chunks, mixes too ragged to pad) run eagerly.
+request faulted. Prefill chunks longer than a verify block are graphed too at small batches (``PREFILL_Q_LENS``,
+captured for the buckets whose batch x Q stays within ``PREFILL_GRAPH_TOKENS``): a request's first token then
+costs a replay, not an eager forward that launches every kernel from the host (9.3 ms for a 64-token prompt on a
+0.8B target at one request on an H200, run 31; ~13% of a 128-token DSpark request's time). Other steps (longer
+prefill chunks, larger batches of them, mixes too ragged to pad) run eagerly.
 
 An autoregressive engine plans ahead (``plan_ahead``): right after a one-token step is launched, FlashInfer is
 planned for the step in which every request decodes one more token (the scheduler allots each request's pages a
@@ -48,6 +52,10 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # on small batches; a padded token costs at most its share of compute).
 PAD_FREE_TOKENS = 128
 PAD_RATIO = 1.5
+# Tokens per request of the prefill graphs (each within PAD_RATIO of the next: a chunk pads by at most 1.5x), and
+# the most tokens one of them holds (batch x Q): a graph's LM head computes every row, so larger ones run eagerly.
+PREFILL_Q_LENS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+PREFILL_GRAPH_TOKENS = 512
 
 
 def worth_padding(real_tokens: int, padded_tokens: int) -> bool:
@@ -111,13 +119,19 @@ def graph_inputs(reqs: list[ScheduledRequest], batch: int, q_len: int, page_size
     return inputs.reshape(3, batch * q_len), layout
 
 
-def graphed_q_len(fed: list[int], q_lens: list[int], max_batch: int) -> int | None:
+def graphed_q_len(fed: list[int], q_lens: list[int], max_batch: int, prefill_q_lens: list[int] | tuple = (),
+                  prefill_tokens: int = 0) -> int | None:
     """Q if a graph serves a step whose requests feed ``fed`` tokens each (a bucket up to ``max_batch`` holds them,
-    Q is the smallest of the captured ``q_lens`` that holds the longest, and padding the others to Q is
+    Q is the smallest captured length that holds the longest: one of ``q_lens``, captured at every bucket, or of
+    ``prefill_q_lens`` where the bucket x Q is at most ``prefill_tokens``; and padding the others to Q is
     ``worth_padding``), else None (the step runs eagerly). Such a step feeds len(fed) x Q tokens to the model."""
     if not fed or len(fed) > max_batch:
         return None
-    q_len = next((q for q in sorted(q_lens) if q >= max(fed)), None)
+    longest = max(fed)
+    q_len = next((q for q in sorted(q_lens) if q >= longest), None)
+    if q_len is None and prefill_q_lens:
+        bucket = next(b for b in batch_buckets(max_batch) if b >= len(fed))
+        q_len = next((q for q in sorted(prefill_q_lens) if q >= longest and bucket * q <= prefill_tokens), None)
     if q_len is None or not worth_padding(sum(fed), q_len * len(fed)):
         return None
     return q_len
@@ -190,7 +204,8 @@ ContextAppend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 class GraphedTargetForward:
     def __init__(self, target: TargetModel, caches: KVCaches, backend, geometry: AttentionGeometry, page_size: int,
                  scratch_page: int, max_batch: int, pages_per_seq: int, q_lens: list[int], device: torch.device,
-                 append_context: ContextAppend | None = None, plan_ahead: bool = False):
+                 append_context: ContextAppend | None = None, plan_ahead: bool = False,
+                 prefill_q_lens: list[int] | tuple = (), prefill_tokens: int = 0):
         self.target, self.caches, self.backend, self.geometry = target, caches, backend, geometry
         # plan_ahead (autoregressive engines): after a one-token step is launched, FlashInfer is planned for the
         # step that follows if every request decodes one token more (its pages are allotted a token ahead,
@@ -204,7 +219,13 @@ class GraphedTargetForward:
         self.buckets = batch_buckets(max_batch)
         self.pages_per_seq = pages_per_seq
         self.q_lens = sorted(set(q_lens))
-        width = max_batch * max(q_lens)
+        # prefill chunk graphs: lengths past the verify blocks, at the buckets whose batch x Q fits prefill_tokens
+        self.prefill_q_lens = sorted(q for q in set(prefill_q_lens) if q > self.q_lens[-1])
+        self.prefill_tokens = prefill_tokens
+        shapes = [(batch, q_len) for q_len in self.q_lens for batch in reversed(self.buckets)]
+        shapes += [(batch, q_len) for q_len in self.prefill_q_lens for batch in reversed(self.buckets)
+                   if batch * q_len <= prefill_tokens]
+        width = max(batch * q_len for batch, q_len in shapes)
         self.inputs = torch.zeros(3, width, dtype=torch.int64, device=device)  # ids, positions, slots
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # unused by FlashInfer's plan
         self.pool = torch.cuda.graph_pool_handle()
@@ -212,17 +233,18 @@ class GraphedTargetForward:
         self.decode_kernels: dict[tuple[int, int], dict] = {}  # (batch, q_len) -> the attention kernel chosen
         self.replays = 0  # steps served by a graph (padded ones included); the rest of the steps ran eagerly
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
-        for q_len in self.q_lens:
-            for batch in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
-                self.graphs[(batch, q_len)] = self._capture(batch, q_len)
+        for batch, q_len in shapes:  # per length the largest batch first: smaller graphs reuse its pool memory
+            self.graphs[(batch, q_len)] = self._capture(batch, q_len)
         used = free_before - torch.cuda.mem_get_info(device)[0]
         self.capture_seconds = time.perf_counter() - start
-        log.info("dspark: captured %d CUDA graphs (batch %s x tokens %s) in %.1f s, %.0f MiB", len(self.graphs),
-                 self.buckets, self.q_lens, self.capture_seconds, used / 2**20)
+        log.info("dspark: captured %d CUDA graphs (batch %s x tokens %s; prefill chunks of %s up to %d tokens) in "
+                 "%.1f s, %.0f MiB", len(self.graphs), self.buckets, self.q_lens, self.prefill_q_lens,
+                 prefill_tokens, self.capture_seconds, used / 2**20)
 
     def tokens_per_request(self, reqs: list[ScheduledRequest]) -> int | None:
         """Q if a graph serves this step (see ``graphed_q_len``), else None."""
-        return graphed_q_len([len(r.token_ids) for r in reqs], self.q_lens, self.buckets[-1])
+        return graphed_q_len([len(r.token_ids) for r in reqs], self.q_lens, self.buckets[-1], self.prefill_q_lens,
+                             self.prefill_tokens)
 
     def run(self, reqs: list[ScheduledRequest], q_len: int, append_context: bool = False) -> GraphOutputs:
         """Replay the graph of ``len(reqs)`` requests (padded to a bucket) x ``q_len`` tokens, then, if asked and

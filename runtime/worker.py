@@ -21,7 +21,7 @@ from runtime.draft_channel import LocalDraftChannel, RemoteDraftChannel
 from runtime.draft_graphs import DraftGraphs
 from runtime.draft_runner import DraftRunner
 from runtime.draft_server import DraftServer
-from runtime.graphs import GraphedTargetForward
+from runtime.graphs import PREFILL_GRAPH_TOKENS, PREFILL_Q_LENS, GraphedTargetForward
 from runtime.kernels import get_backend
 from runtime.kernels.moe import GRAPH_SAFE
 from runtime.kv_cache import allocate_caches, bytes_per_page
@@ -167,7 +167,10 @@ class Worker:
                                                page_size, num_pages, self.config.max_num_seqs, self.pages_per_seq,
                                                q_lens, self.device,
                                                draft_runner.append_context if local else None,
-                                               plan_ahead=self.spec is None)
+                                               plan_ahead=self.spec is None,
+                                               prefill_q_lens=[q for q in PREFILL_Q_LENS
+                                                               if q <= self.config.max_num_batched_tokens],
+                                               prefill_tokens=PREFILL_GRAPH_TOKENS)
         self.engine_part = ModelRunner(self.target, self.spec, self.kernels, caches, page_size, self.device,
                                        self.parallel, channel, w2, self.graphs, self.config.logprobs_mode)
 
@@ -230,6 +233,9 @@ class Worker:
                 "graph_capture_s": round(self.graphs.capture_seconds, 2) if self.graphs is not None else None,
                 "graph_replays": self.graphs.replays if self.graphs is not None else 0,
                 "graph_q_lens": self.graphs.q_lens if self.graphs is not None else [],
+                # prefill chunks graphed too: these lengths, at the buckets whose batch x length is within the cap
+                "graph_prefill_q_lens": self.graphs.prefill_q_lens if self.graphs is not None else [],
+                "graph_prefill_tokens": self.graphs.prefill_tokens if self.graphs is not None else 0,
                 # per graph, the attention kernel it bakes in and the timings that chose it
                 "decode_kernels": list(self.graphs.decode_kernels.values()) if self.graphs is not None else [],
                 "plan_ahead": self.graphs is not None and self.graphs.plan_ahead,

@@ -30,6 +30,7 @@ from runtime.kernels.interface import AttentionGeometry, PagedAttentionMeta
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-k scratch, one per device (its docs recommend 128 MiB and up)
 CALIBRATION_KEYS = 512  # keys per request of the layout a graph's decode kernel is chosen on
 SPLIT_KV_MARGIN = 0.97  # the split-KV kernel must take at most this share of FlashInfer's time to replace it
+SPLIT_KV_MAX_ROWS = 64  # query rows per kv head (Q x group) the split-KV kernel is tried for: decode and verify
 # (device, batch, q_len, geometry, page size, layers) -> the choice's report: measured once per process
 _DECODE_CHOICES: dict[tuple, dict] = {}
 
@@ -257,6 +258,10 @@ class FlashInferBackend:
         num_pages = caches[0][0].shape[0]
         pages = min(-(-(CALIBRATION_KEYS + q_len) // page_size), num_pages // batch)
         report = {"batch": batch, "q_len": q_len, "chosen": "flashinfer"}
+        rows = q_len * geometry.num_q_heads // geometry.num_kv_heads
+        if rows > SPLIT_KV_MAX_ROWS:  # a prefill chunk's graph: one program would hold all its query rows
+            return {**report, "reason": f"{rows} query rows per kv head exceed the split-KV kernel's "
+                                        f"{SPLIT_KV_MAX_ROWS}"}
         if pages < 2:
             return {**report, "reason": f"a cache of {num_pages} pages is too small to time {batch} requests"}
         keys = pages * page_size

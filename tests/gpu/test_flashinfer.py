@@ -406,3 +406,18 @@ def test_a_graph_takes_the_decode_kernel_that_measured_faster(fi):
             continue
         assert report["chosen"] in ("flashinfer", "triton") and report["flashinfer_us"] > 0 and report["triton_us"] > 0
         assert (wrapper.split_kv is not None) == (report["chosen"] == "triton")
+
+
+def test_a_short_prefill_replays_a_graph_and_decodes_as_the_eager_one(wide_target):
+    """A prompt chunk longer than any verify block (here 20 tokens, no drafter) replays a prefill graph (Q = 24 at
+    batch 1) rather than running eagerly, and the request decodes as it does on the eager engine."""
+    prompt = list(range(40, 60))
+    graphed = LLM(str(wide_target), **ENGINE)
+    info = graphed.rank_info()[0]
+    assert 24 in info["graph_prefill_q_lens"] and info["graph_prefill_tokens"] > 0
+    before = info["graph_replays"]
+    first = graphed.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
+    assert graphed.rank_info()[0]["graph_replays"] == before + 1  # the prefill step itself
+    tokens = graphed.generate([prompt], GREEDY)[0].token_ids
+    eager = LLM(str(wide_target), **{**ENGINE, "enforce_eager": True})
+    assert tokens == eager.generate([prompt], GREEDY)[0].token_ids and first.token_ids == tokens[:1]

@@ -151,3 +151,21 @@ def test_the_read_back_parses_graph_packed_rows_as_it_parses_eager_ones():
     assert a.token_ids == [11, 12, 50] and a.num_accepted == 2 and a.next_draft_ids == [60, 61, 62]
     assert a.next_draft_confidence == [0.875, 0.5, 0.25] and a.error is None
     assert b.token_ids == [] and b.error is not None
+
+
+def test_which_graph_a_step_replays_prefill_chunks_included():
+    """A step replays the graph of the smallest captured length holding its longest request: a verify length (every
+    bucket), else a prefill chunk length whose bucket x length is within the cap; never one padded past
+    ``worth_padding``, nor a batch past the largest bucket."""
+    from runtime.graphs import PREFILL_Q_LENS, graphed_q_len
+
+    verify, cap = [1, 8], 512
+    assert graphed_q_len([1, 1], verify, 64) == 1 and graphed_q_len([8, 3], verify, 64) == 8
+    assert graphed_q_len([12], verify, 64) is None  # no prefill graphs: a 12-token chunk runs eagerly
+    assert graphed_q_len([12], verify, 64, PREFILL_Q_LENS, cap) == 16
+    assert graphed_q_len([300], verify, 64, PREFILL_Q_LENS, cap) == 384  # within 1.5x of its tokens
+    assert graphed_q_len([20, 1, 1], verify, 64, PREFILL_Q_LENS, cap) == 24  # bucket 4 x 24 = 96 tokens
+    assert graphed_q_len([12] * 40, verify, 64, PREFILL_Q_LENS, cap) is None  # bucket 48 x 16 > the cap
+    assert graphed_q_len([600], verify, 64, PREFILL_Q_LENS, cap) is None  # longer than every prefill graph
+    assert graphed_q_len([1] * 65, verify, 64, PREFILL_Q_LENS, cap) is None  # past the largest bucket
+    assert all(b / a <= 1.5 for a, b in zip(PREFILL_Q_LENS, PREFILL_Q_LENS[1:]))  # a chunk pads by at most 1.5x
