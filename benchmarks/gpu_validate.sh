@@ -21,7 +21,7 @@ step() {  # name, command...
   echo "== $name" >&2
   if ! "$@"; then echo "== $name FAILED" >&2; [ "$status" -eq 0 ] && status=1; fi
 }
-step tests-gpu python3 -m pytest -q -x tests/gpu -p no:cacheprovider
+step tests-gpu python3 -m pytest -q tests/gpu -p no:cacheprovider
 step readback python3 benchmarks/graph_launch.py --readback --out "$out/graph-launch-readback.json"
 step attention python3 benchmarks/attention_decode.py --out "$out/attention-decode.json"
 step pdl python3 benchmarks/pdl_chain.py --out "$out/pdl-chain.json"
