@@ -2,11 +2,13 @@
 ``runtime.LLM`` on a random-weight shape, CUDA graphs, FlashInfer) timed with its graphs' ``plan_ahead`` off and
 on, in alternating rounds of ``cluster.bench.time_steps`` at each concurrency; the median round of each is kept
 with every round's step time. ``plans_made_ahead``: the steps of the last round that skipped their plan.
+``--toggle run_ahead``: planning ahead in both modes, launching steady greedy decode steps ahead
+(``GraphedTargetForward.run_ahead``) off and on; ``steps_run_ahead`` / ``steps_ahead_dropped`` of the last round.
 
 ``--profile``: each mode's GPU idle time per step and its largest gaps (``runtime.profiling.gpu_gaps``).
 
 usage: python3 benchmarks/plan_ahead.py [--model-shape qwen3-8b] [--concurrency 1,16,64] [--steps 30]
-                                        [--rounds 3] [--profile] [--out FILE.json]
+                                        [--rounds 3] [--toggle plan_ahead|run_ahead] [--profile] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from cluster.bench import MODEL_SHAPES, copy_bandwidth, profile_step, time_steps
 from runtime import LLM
 
 
+def set_mode(graphs, toggle: str, on: bool) -> None:
+    """plan_ahead: planning (and so launching) ahead off or on; run_ahead: planning ahead, launching ahead off or on."""
+    graphs.plan_ahead = on or toggle == "run_ahead"
+    graphs.run_ahead = on
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default="qwen3-8b", choices=sorted(MODEL_SHAPES))
@@ -36,6 +44,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also profile 5 steps of each mode (torch.profiler): the GPU's idle time per step and "
                              "its largest gaps, with the activities either side")
+    parser.add_argument("--toggle", choices=("plan_ahead", "run_ahead"), default="plan_ahead",
+                        help="what the off and on modes differ in (run_ahead: both plan ahead)")
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -52,10 +62,12 @@ def main() -> None:
         rounds = {"off": [], "on": []}
         for r in range(args.rounds):
             for mode in ("off", "on"):
-                graphs.plan_ahead = mode == "on"
-                skipped = graphs.plans_skipped
+                set_mode(graphs, args.toggle, mode == "on")
+                skipped, ahead, dropped = graphs.plans_skipped, graphs.steps_run_ahead, graphs.steps_ahead_dropped
                 row = time_steps(llm, c, args.prompt_len, args.steps, warmup=3, vocab=vocab, seed=r)
                 row["plans_made_ahead"] = graphs.plans_skipped - skipped
+                row["steps_run_ahead"] = graphs.steps_run_ahead - ahead
+                row["steps_ahead_dropped"] = graphs.steps_ahead_dropped - dropped
                 rounds[mode].append(row)
         median = {mode: sorted(rows, key=lambda row: row["step_ms"])[len(rows) // 2] for mode, rows in rounds.items()}
         run = {"concurrency": c, "step_ms_off": median["off"]["step_ms"], "step_ms_on": median["on"]["step_ms"],
@@ -63,11 +75,13 @@ def main() -> None:
                "step_ms_rounds": {mode: [row["step_ms"] for row in rows] for mode, rows in rounds.items()},
                "host_attention_plan_ms": {m: median[m].get("host_attention_plan_ms") for m in median},
                "plans_made_ahead_last_round": rounds["on"][-1]["plans_made_ahead"],
+               "steps_run_ahead_last_round": rounds["on"][-1]["steps_run_ahead"],
+               "steps_ahead_dropped_last_round": rounds["on"][-1]["steps_ahead_dropped"],
                "forward_ms": median["off"].get("forward_ms")}
         if args.profile:
             run["profile"] = {}
             for mode in ("off", "on"):
-                graphs.plan_ahead = mode == "on"
+                set_mode(graphs, args.toggle, mode == "on")
                 prof = profile_step(llm, c, args.prompt_len, vocab)
                 run["profile"][mode] = {k: prof[k] for k in ("kernels_per_step", "gpu_idle_ms_per_step",
                                                              "largest_gpu_gaps")}
@@ -75,6 +89,7 @@ def main() -> None:
         runs.append(run)
     record = {"hardware": torch.cuda.get_device_name(), "date": str(date.today()), "torch": torch.__version__,
               "command": "python3 benchmarks/plan_ahead.py " + shlex.join(sys.argv[1:]), "model": args.model_shape,
+              "toggle": args.toggle,
               "copy_bandwidth_gbs": copy_bandwidth(torch.device("cuda")) / 1e9, "runs": runs}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1))

@@ -376,7 +376,9 @@ def host_times(llm, steps: int) -> dict:
     """Host milliseconds per step of the work around the graphed forward, over ``steps`` more steps (timed apart
     from the step times above, so the timers cannot change them): scheduling, committing, and inside the
     forward's ``run`` the graph inputs, FlashInfer's plan and the graph launch (``CUDAGraph.replay``, host side).
-    Empty without CUDA graphs."""
+    A plain greedy decode step goes through ``decode_greedy`` instead (``host_decode_greedy_ms``: its inputs, plan
+    and launches, the next step launched ahead included, and the wait for its own read-back). Empty without CUDA
+    graphs."""
     import torch
 
     engine, worker = llm.engine, local_worker(llm)
@@ -386,6 +388,7 @@ def host_times(llm, steps: int) -> dict:
     with timed(engine.scheduler, "schedule", totals, "host_schedule_ms"), \
             timed(engine, "_commit_step", totals, "host_commit_ms"), \
             timed(worker.graphs, "run", totals, "host_forward_run_ms"), \
+            timed(worker.graphs, "decode_greedy", totals, "host_decode_greedy_ms"), \
             timed(worker.graphs.backend, "plan_attention", totals, "host_attention_plan_ms"), \
             timed(torch.cuda.CUDAGraph, "replay", totals, "host_graph_launch_ms"):
         for _ in range(steps):

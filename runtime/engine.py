@@ -34,6 +34,7 @@ from runtime.sequence import Sequence, Status
 from runtime.step_costs import StepCostTable
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.step_profile import profile_step_costs
+from runtime.step_tensors import plain_greedy
 from runtime.stops import StopCriteria
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,10 @@ class Engine:
                                                    self.max_model_len), self.pages)
         if not self.has_drafter and getattr(self.executor, "plans_ahead", False):
             self.scheduler.lookahead = 1  # the next decode step's pages are known when this one is launched
+        # the worker (this process's graphs) may launch a steady greedy decode step before the previous one is read
+        # back (ScheduledBatch.run_ahead; runtime.graphs.GraphedTargetForward.decode_greedy)
+        self._runs_ahead = not self.has_drafter and getattr(self.executor, "runs_ahead", False)
+        self._ran_ahead = False  # the step just scheduled may be launched ahead of its turn
         self.stops = StopCriteria(self._eos_token_ids(), self.tokenizer, self.max_model_len)
         self.metrics = SpecMetrics()
         self.gate = AcceptanceGate(self.spec.acceptance_rate_window_size if self.spec else None,
@@ -221,11 +226,13 @@ class Engine:
         with region("dspark.schedule"):
             if self.confidence is not None:
                 self._allot_verify_lengths(group)
-            scheduled = self.scheduler.schedule(group)
+            # a step the worker may have launched ahead is the running requests' decode: arrivals join the next
+            scheduled = self.scheduler.schedule(group, admit=not self._ran_ahead)
+            self._ran_ahead = self._runs_ahead and self._steady_decode(scheduled)
         released, scrub = self.scheduler.take_released()
         batch = ScheduledBatch(requests=scheduled, num_next_drafts=self.draft_len(),
                                maintain_draft_context=self.has_drafter and not self.gate.closed,
-                               released_request_ids=released, scrub_page_ids=scrub)
+                               released_request_ids=released, scrub_page_ids=scrub, run_ahead=self._ran_ahead)
         with region("dspark.execute"):
             results = self.executor.execute(batch)
         learn = self.confidence is not None and bool(scheduled)
@@ -238,6 +245,20 @@ class Engine:
         if learn:
             self._learn_step_time(scheduled, time.perf_counter() - began)
         return outputs
+
+    def _steady_decode(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Whether the step after ``scheduled`` is expected to be the same requests decoding one token more: every
+        one a plain greedy decode of one token, none at its token limit after it, nothing waiting to be admitted (an
+        end of sequence or a stop string can still end one: the worker then drops the step it launched)."""
+        if not scheduled or self.scheduler.waiting:
+            return False
+        for entry in scheduled:
+            if len(entry.token_ids) != 1 or not entry.sample or not plain_greedy(entry):
+                return False
+            seq = self.sequences[entry.request_id]
+            if len(seq.output_token_ids) + 2 > seq.params.max_tokens or entry.end_position + 1 >= self.max_model_len:
+                return False
+        return True
 
     def _take_late_drafts(self) -> None:
         """Pipelined drafting: the blocks drafted this step for the group the previous step verified. A request

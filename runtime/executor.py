@@ -50,8 +50,10 @@ class LocalExecutor:
         self.worker = Worker(config, WorkerPlan(role="target", tp_rank=0, tp_size=1, drafter=drafter))
         self.num_pages = replica_pages(config, [self.worker.load()])
         self.worker.allocate(self.num_pages)
-        # the graphs plan a decode step's attention ahead (the engine allots pages a token ahead for it)
+        # the graphs plan a decode step's attention ahead (the engine allots pages a token ahead for it), and launch a
+        # steady greedy decode step ahead of its turn when the engine says so (ScheduledBatch.run_ahead)
         self.plans_ahead = plans_ahead([self.worker.info()])
+        self.runs_ahead = self.plans_ahead
 
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
         return self.worker.execute(batch)

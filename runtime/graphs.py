@@ -26,6 +26,17 @@ An autoregressive engine plans ahead (``plan_ahead``): right after a one-token s
 planned for the step in which every request decodes one more token (the scheduler allots each request's pages a
 token ahead, ``Scheduler.lookahead``), while the GPU runs; when that step comes with exactly that layout, its plan
 (~0.24 ms of host time on the Qwen3-8B shape) is skipped. Any other layout is planned as usual.
+
+Plain greedy decode steps go further (``decode_greedy``, when the engine says the next step is expected to be the
+same requests decoding one token more: ``ScheduledBatch.run_ahead``): right after this step's graph, its verdicts
+are copied into pinned host memory (an event marks them), copied on the device into the next step's input ids,
+and the next step is launched; only then does the host wait, for this step's verdicts alone. While it commits them
+and schedules, the GPU already runs the next step; when the engine schedules exactly that step (the same requests
+in the same order, each feeding the token this step decided, at the next position, on the same pages), its
+verdicts are read back without a launch. Otherwise it is dropped: it only wrote cache slots at positions no later
+step has used yet, and every later step runs after it in stream order, so whatever they write there wins. (A
+read-back with ``.tolist()`` would be queued behind the step launched ahead and wait for it too: then the GPU idles
+while the host commits, as 2026-12-01's first run-ahead measured; ``benchmarks/graph_launch.py --readback``.)
 """
 
 from __future__ import annotations
@@ -184,6 +195,30 @@ class GraphOutputs:
 
 
 @dataclass
+class _Ahead:
+    """A plain greedy decode step launched before the engine scheduled it (``GraphedTargetForward.decode_greedy``)."""
+
+    request_ids: tuple[str, ...]
+    positions: tuple[int, ...]  # each request's position in it (where its one token sits)
+    layout: HostLayout  # its attention layout (pages as the scheduler allotted them a token ahead)
+    inputs: np.ndarray  # [3, batch] its host inputs (the ids row is stale: the ids were copied on the device)
+    slot: int  # its read-back row in the pinned buffer
+    tokens: tuple[int, ...] = ()  # the tokens it feeds: the verdicts of the step before it, once read back
+
+    def matches(self, reqs: list[ScheduledRequest]) -> bool:
+        """Whether ``reqs`` is exactly this step: the same requests in order, each feeding its token at its
+        position on the same pages."""
+        if len(reqs) != len(self.request_ids):
+            return False
+        for r, rid, pos, token, pages in zip(reqs, self.request_ids, self.positions, self.tokens,
+                                             self.layout.page_ids):
+            if r.request_id != rid or r.start_position != pos or r.token_ids != [token] \
+                    or r.page_ids[:len(pages)] != pages:
+                return False
+        return True
+
+
+@dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     wrapper: object  # the FlashInfer wrapper whose buffers the graph reads
@@ -211,6 +246,7 @@ class GraphedTargetForward:
         # step that follows if every request decodes one token more (its pages are allotted a token ahead,
         # Scheduler.lookahead); that step then skips its plan, which ran while the GPU was busy
         self.plan_ahead = plan_ahead
+        self.run_ahead = plan_ahead  # launch steady greedy decode steps ahead (decode_greedy); off: plan ahead only
         self.planned: dict[tuple[int, int], HostLayout] = {}  # per graph: the layout its wrapper is planned for
         self.plans_skipped = 0  # steps whose plan was made ahead
         self._plan_copied = torch.cuda.Event()  # recorded after each plan's host-to-device copies
@@ -230,6 +266,14 @@ class GraphedTargetForward:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # unused by FlashInfer's plan
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        # run-ahead of plain greedy decode steps (decode_greedy): the pinned read-back rows (two: the step being
+        # read and the one launched ahead), their events, the step launched ahead and how often it paid
+        self._read_host = torch.zeros(2, max_batch, dtype=torch.int64, pin_memory=True)
+        self._read_done = [torch.cuda.Event(), torch.cuda.Event()]
+        self._next_slot = 0
+        self._ahead: _Ahead | None = None
+        self.steps_run_ahead = 0  # steps whose graph had been launched before the engine scheduled them
+        self.steps_ahead_dropped = 0  # steps launched ahead that the engine then scheduled otherwise
         self.decode_kernels: dict[tuple[int, int], dict] = {}  # (batch, q_len) -> the attention kernel chosen
         self.replays = 0  # steps served by a graph (padded ones included); the rest of the steps ran eagerly
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
@@ -249,6 +293,7 @@ class GraphedTargetForward:
     def run(self, reqs: list[ScheduledRequest], q_len: int, append_context: bool = False) -> GraphOutputs:
         """Replay the graph of ``len(reqs)`` requests (padded to a bucket) x ``q_len`` tokens, then, if asked and
         captured, the drafter's context graph (padding rows write the scratch page of its cache too)."""
+        self._drop_ahead()
         batch = next(b for b in self.buckets if b >= len(reqs))
         g = self.graphs[(batch, q_len)]
         layout = self._write_inputs(reqs, batch, q_len)
@@ -271,6 +316,82 @@ class GraphedTargetForward:
                             else None, g.logits[:rows] if g.logits is not None else None, g.top[:rows],
                             g.argmax[:rows], appended, q_len, g.verdict[:rows] if g.verdict is not None else None,
                             g.block_verdict[:len(reqs)] if g.block_verdict is not None else None)
+
+    def decode_greedy(self, reqs: list[ScheduledRequest], run_ahead: bool) -> list[int]:
+        """A plain greedy decode step (one token per request): its verdicts [len(reqs)] (each request's greedy token,
+        -1 where its row broke), read back through pinned memory; replayed now, or taken from the step launched
+        ahead when ``reqs`` is exactly that step. ``run_ahead`` (the engine expects the next step to be these
+        requests decoding one token more; the scheduler allots pages a token ahead): launch that step before
+        waiting for this one."""
+        batch = next(b for b in self.buckets if b >= len(reqs))
+        g = self.graphs[(batch, 1)]
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and not ahead.matches(reqs):
+            self.steps_ahead_dropped += 1
+            ahead = None
+        if ahead is None:
+            inputs, layout = graph_inputs(reqs, batch, 1, self.page_size, self.scratch_page)
+            self.inputs[:, :batch].copy_(torch.from_numpy(inputs), non_blocking=True)
+            if self.planned.get((batch, 1)) == layout:
+                self.plans_skipped += 1
+            else:
+                self._plan(layout, batch, 1)
+            g.graph.replay()
+            self.replays += 1
+            slot = self._read_back(g, len(reqs))
+        else:
+            self.steps_run_ahead += 1
+            inputs, layout, slot = ahead.inputs, ahead.layout, ahead.slot
+        if run_ahead and self.run_ahead and self.plan_ahead:
+            self._launch_ahead(reqs, batch, g, inputs, layout)
+        elif self.plan_ahead:  # plan the step after, in case it is these requests one token on
+            upcoming = next_decode_layout(layout, [r.page_ids for r in reqs], self.page_size)
+            if upcoming is not None:
+                self._plan(upcoming, batch, 1)
+        self._read_done[slot].synchronize()  # this step's verdicts only: the one launched ahead still runs
+        verdicts = self._read_host[slot, :len(reqs)].tolist()
+        if self._ahead is not None:
+            self._ahead.tokens = tuple(verdicts)
+        return verdicts
+
+    def _read_back(self, g: _Graph, num: int) -> int:
+        """Queue the copy of a replay's first ``num`` verdicts into a pinned row (right behind the replay, before
+        anything launched after it) and the event that marks it. -> the row."""
+        slot, self._next_slot = self._next_slot, 1 - self._next_slot
+        self._read_host[slot, :num].copy_(g.verdict[:num], non_blocking=True)
+        self._read_done[slot].record()
+        return slot
+
+    def _launch_ahead(self, reqs: list[ScheduledRequest], batch: int, g: _Graph, inputs: np.ndarray,
+                      layout: HostLayout) -> None:
+        """Launch the step in which every request of ``reqs`` decodes the token the step just launched decides
+        (read on the device; a broken row's -1 becomes token 0, and that request fails, so the step is dropped),
+        if the scheduler's pages already cover it."""
+        num, ps = len(reqs), self.page_size
+        upcoming = next_decode_layout(layout, [r.page_ids for r in reqs], ps)
+        if upcoming is None:
+            return
+        nxt = inputs.copy()
+        positions = inputs[1, :num] + 1
+        pages = np.fromiter((upcoming.page_ids[i][p // ps] for i, p in enumerate(positions.tolist())), np.int64, num)
+        nxt[1, :num] = positions
+        nxt[2, :num] = pages * ps + positions % ps
+        self.inputs[1:, :batch].copy_(torch.from_numpy(nxt[1:]), non_blocking=True)
+        torch.clamp(g.verdict[:num], min=0, out=self.inputs[0, :num])
+        if self.planned.get((batch, 1)) == upcoming:
+            self.plans_skipped += 1
+        else:
+            self._plan(upcoming, batch, 1)
+        g.graph.replay()
+        self.replays += 1
+        self._ahead = _Ahead(tuple(r.request_id for r in reqs), tuple(positions.tolist()), upcoming, nxt,
+                             self._read_back(g, num))
+
+    def _drop_ahead(self) -> None:
+        """Any other step: a step launched ahead is no longer the next one."""
+        if self._ahead is not None:
+            self.steps_ahead_dropped += 1
+            self._ahead = None
 
     # ---- building -----------------------------------------------------------------------------
 

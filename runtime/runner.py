@@ -88,6 +88,10 @@ class ModelRunner:
         reqs = batch.requests
         if not reqs:
             return []
+        if self._decodes_greedy(batch):  # a graphed plain greedy decode step, read back through pinned memory
+            with region("dspark.forward"):
+                verdicts = self.graphs.decode_greedy(reqs, batch.run_ahead)
+            return self._verdict_results(reqs, reqs, verdicts)
         q_len = self.graphs.tokens_per_request(reqs) if self.graphs is not None else None
         drafting = self.has_drafter and batch.maintain_draft_context
         graphed = None
@@ -129,6 +133,16 @@ class ModelRunner:
             # a faulted request's pages, and the graphs' scratch page its padding rows may have filled with NaN, are
             # zeroed on every rank before the next step: the engine names them in that step's scrub list
             return self._results(reqs, entries, verified, proposal, logprobs)
+
+    def _decodes_greedy(self, batch: ScheduledBatch) -> bool:
+        """Whether ``batch`` is a plain greedy decode step a one-token graph serves on this single rank (no drafter
+        to feed, no faulted pages to scrub first): ``GraphedTargetForward.decode_greedy`` runs it (and may launch
+        the next one ahead)."""
+        reqs = batch.requests
+        return self.graphs is not None and not self.parallel.is_parallel and not batch.scrub_page_ids \
+            and not (self.has_drafter and batch.maintain_draft_context) and not batch.num_next_drafts \
+            and len(reqs) <= self.graphs.buckets[-1] \
+            and all(len(r.token_ids) == 1 and r.sample and plain_greedy(r) for r in reqs)
 
     def _greedy_verdicts(self, entries: list[ScheduledRequest], hidden: torch.Tensor, row_ends: list[int],
                          batch_index: list[int], graphed: GraphOutputs | None) -> torch.Tensor:

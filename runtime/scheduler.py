@@ -77,10 +77,11 @@ class Scheduler:
         scrub, self._scrub = self._scrub, []
         return released, scrub
 
-    def schedule(self, group: int | None = None) -> list[ScheduledRequest]:
+    def schedule(self, group: int | None = None, admit: bool = True) -> list[ScheduledRequest]:
         """This step's entries. ``group`` (pipelined drafting): only the requests of that group (0 or 1), a waiting
         request joining the group with fewer requests when it is first considered (it is admitted in its group's
-        steps); the limits still count both groups."""
+        steps); the limits still count both groups. ``admit`` False: no waiting request joins this step (the step
+        was launched ahead as the running requests' decode; they join the next)."""
         budget = self.limits.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         sizes = self._group_sizes() if group is not None else None
@@ -107,7 +108,8 @@ class Scheduler:
                 self.pages.grow(seq.page_ids, end_position + lookahead)
             scheduled.append(self._entry(seq, tokens, num_drafts, sample))
             budget -= len(tokens)
-        for seq in list(self.waiting):  # arrival order; a sample waiting for its prompt's first is passed over
+        # arrival order; a sample waiting for its prompt's first is passed over
+        for seq in list(self.waiting) if admit else ():
             if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
                 break
             if self._waits_for_prefill(seq):

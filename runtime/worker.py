@@ -240,6 +240,9 @@ class Worker:
                 "decode_kernels": list(self.graphs.decode_kernels.values()) if self.graphs is not None else [],
                 "plan_ahead": self.graphs is not None and self.graphs.plan_ahead,
                 "plans_made_ahead": self.graphs.plans_skipped if self.graphs is not None else 0,
+                # plain greedy decode steps launched before the engine scheduled them: used, and dropped
+                "steps_run_ahead": self.graphs.steps_run_ahead if self.graphs is not None else 0,
+                "steps_ahead_dropped": self.graphs.steps_ahead_dropped if self.graphs is not None else 0,
                 "small_gemms": self.small_gemms.as_dict() if self.small_gemms is not None else None,
                 "draft_graphs": self.graphs is not None and self.plan.holds_drafter and self.spec is not None,
                 "holds_drafter": self.plan.holds_drafter and self.spec is not None,

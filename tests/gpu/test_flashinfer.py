@@ -421,3 +421,31 @@ def test_a_short_prefill_replays_a_graph_and_decodes_as_the_eager_one(wide_targe
     tokens = graphed.generate([prompt], GREEDY)[0].token_ids
     eager = LLM(str(wide_target), **{**ENGINE, "enforce_eager": True})
     assert tokens == eager.generate([prompt], GREEDY)[0].token_ids and first.token_ids == tokens[:1]
+
+
+def test_decode_steps_run_ahead_and_decode_as_eager_steps(wide_target):
+    """Plain greedy decoding launches each steady step before the previous one is read back (pinned read-back,
+    the tokens fed on the device): requests finishing at different lengths and one arriving mid-decode still
+    decode exactly as on the eager engine; most steps were launched ahead, a few dropped (a finish, the arrival)."""
+    lengths = (9, 23, 40, 17, 31)
+    late = [33, 34, 35, 36, 37, 38]
+
+    def run(llm):
+        eng = llm.engine
+        ids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+               for p, n in zip(PROMPTS, lengths)]
+        outputs, steps = {}, 0
+        while eng.has_unfinished():
+            for out in eng.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            steps += 1
+            if steps == 12:
+                ids.append(eng.add_request(late, SamplingParams(max_tokens=15, temperature=0.0, ignore_eos=True)))
+        return [outputs[i] for i in ids]
+
+    graphed = LLM(str(wide_target), **{**ENGINE, "max_num_seqs": 8})
+    tokens = run(graphed)
+    info = graphed.rank_info()[0]
+    assert info["steps_run_ahead"] > 20 and info["steps_ahead_dropped"] >= 1
+    eager = LLM(str(wide_target), **{**ENGINE, "enforce_eager": True})
+    assert tokens == run(eager)
