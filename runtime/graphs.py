@@ -293,7 +293,7 @@ class GraphedTargetForward:
     def run(self, reqs: list[ScheduledRequest], q_len: int, append_context: bool = False) -> GraphOutputs:
         """Replay the graph of ``len(reqs)`` requests (padded to a bucket) x ``q_len`` tokens, then, if asked and
         captured, the drafter's context graph (padding rows write the scratch page of its cache too)."""
-        self._drop_ahead()
+        self.drop_ahead()
         batch = next(b for b in self.buckets if b >= len(reqs))
         g = self.graphs[(batch, q_len)]
         layout = self._write_inputs(reqs, batch, q_len)
@@ -387,8 +387,8 @@ class GraphedTargetForward:
         self._ahead = _Ahead(tuple(r.request_id for r in reqs), tuple(positions.tolist()), upcoming, nxt,
                              self._read_back(g, num))
 
-    def _drop_ahead(self) -> None:
-        """Any other step: a step launched ahead is no longer the next one."""
+    def drop_ahead(self) -> None:
+        """Any other step (graphed or eager): a step launched ahead is no longer the next one."""
         if self._ahead is not None:
             self.steps_ahead_dropped += 1
             self._ahead = None

@@ -92,6 +92,8 @@ class ModelRunner:
             with region("dspark.forward"):
                 verdicts = self.graphs.decode_greedy(reqs, batch.run_ahead)
             return self._verdict_results(reqs, reqs, verdicts)
+        if self.graphs is not None:
+            self.graphs.drop_ahead()
         q_len = self.graphs.tokens_per_request(reqs) if self.graphs is not None else None
         drafting = self.has_drafter and batch.maintain_draft_context
         graphed = None
