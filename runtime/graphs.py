@@ -208,7 +208,7 @@ class _Ahead:
     def matches(self, reqs: list[ScheduledRequest]) -> bool:
         """Whether ``reqs`` is exactly this step: the same requests in order, each feeding its token at its
         position on the same pages."""
-        if len(reqs) != len(self.request_ids):
+        if not len(reqs) == len(self.request_ids) == len(self.tokens):  # tokens: set once the step before is read
             return False
         for r, rid, pos, token, pages in zip(reqs, self.request_ids, self.positions, self.tokens,
                                              self.layout.page_ids):
