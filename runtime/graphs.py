@@ -297,12 +297,7 @@ class GraphedTargetForward:
         batch = next(b for b in self.buckets if b >= len(reqs))
         g = self.graphs[(batch, q_len)]
         layout = self._write_inputs(reqs, batch, q_len)
-        if self.planned.get((batch, q_len)) == layout:
-            self.plans_skipped += 1
-        else:
-            self._plan(layout, batch, q_len)
-        g.graph.replay()
-        self.replays += 1
+        self._plan_and_replay(g, layout, batch, q_len)
         appended = append_context and g.context is not None
         if appended:
             g.context.replay()
@@ -332,12 +327,7 @@ class GraphedTargetForward:
         if ahead is None:
             inputs, layout = graph_inputs(reqs, batch, 1, self.page_size, self.scratch_page)
             self.inputs[:, :batch].copy_(torch.from_numpy(inputs), non_blocking=True)
-            if self.planned.get((batch, 1)) == layout:
-                self.plans_skipped += 1
-            else:
-                self._plan(layout, batch, 1)
-            g.graph.replay()
-            self.replays += 1
+            self._plan_and_replay(g, layout, batch, 1)
             slot = self._read_back(g, len(reqs))
         else:
             self.steps_run_ahead += 1
@@ -378,14 +368,19 @@ class GraphedTargetForward:
         nxt[2, :num] = pages * ps + positions % ps
         self.inputs[1:, :batch].copy_(torch.from_numpy(nxt[1:]), non_blocking=True)
         torch.clamp(g.verdict[:num], min=0, out=self.inputs[0, :num])
-        if self.planned.get((batch, 1)) == upcoming:
-            self.plans_skipped += 1
-        else:
-            self._plan(upcoming, batch, 1)
-        g.graph.replay()
-        self.replays += 1
+        self._plan_and_replay(g, upcoming, batch, 1)
         self._ahead = _Ahead(tuple(r.request_id for r in reqs), tuple(positions.tolist()), upcoming, nxt,
                              self._read_back(g, num))
+
+    def _plan_and_replay(self, g: _Graph, layout: HostLayout, batch: int, q_len: int) -> None:
+        """Plan the (batch, q_len) graph's wrapper for ``layout`` unless it already is (planned ahead), then replay
+        the graph (its inputs already written)."""
+        if self.planned.get((batch, q_len)) == layout:
+            self.plans_skipped += 1
+        else:
+            self._plan(layout, batch, q_len)
+        g.graph.replay()
+        self.replays += 1
 
     def drop_ahead(self) -> None:
         """Any other step (graphed or eager): a step launched ahead is no longer the next one."""
