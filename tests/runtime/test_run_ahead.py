@@ -1,6 +1,10 @@
-"""The engine's side of running decode steps ahead (``ScheduledBatch.run_ahead``): it says so only when the next
-step should be the same requests decoding one token more, and it keeps that step as it was launched (an arrival
-joins the step after). The worker's side (graphs launched ahead, pinned read-back) is CUDA-only: tests/gpu."""
+"""Running decode steps ahead. The engine's side (``ScheduledBatch.run_ahead``): it says so only when the next step
+should be the same requests decoding one token more, and it keeps that step as it was launched (an arrival joins
+the step after). The worker's side (``GraphedTargetForward.decode_greedy``) over a fake one-token graph on the CPU:
+what the step launched ahead is fed (the tokens decided on the device, the next positions and slots), when it is
+used and when dropped. The real graphs, pinned read-back and stream order: tests/gpu."""
+
+import torch
 
 from configs import LLMConfig
 from runtime.engine import Engine
@@ -78,3 +82,91 @@ def test_sampled_or_drafted_requests_never_run_ahead(tmp_path):
     while eng.has_unfinished():
         eng.step()
     assert not any(b.run_ahead for b in ex.batches)
+
+
+# ---- the worker's side, on the CPU: GraphedTargetForward.decode_greedy over a fake one-token graph ---------------
+
+class _Event:
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _FakeGraph:
+    """A one-token decode graph that decides token (id * 3 + position) % 97 for each row of the inputs it holds
+    when replayed (-1 for token 13: a broken row). Replays run at once: the CPU's order is the stream's."""
+
+    def __init__(self, forward, batch: int):
+        self.forward, self.batch = forward, batch
+        self.verdict = torch.zeros(batch, dtype=torch.int64)
+        self.fed: list[tuple[list[int], list[int], list[int]]] = []  # (ids, positions, slots) of every replay
+
+    def replay(self) -> None:
+        ids, positions, slots = (row[:self.batch].clone() for row in self.forward.inputs)
+        self.fed.append((ids.tolist(), positions.tolist(), slots.tolist()))
+        decided = (ids * 3 + positions) % 97
+        self.verdict.copy_(torch.where(ids == 13, -1, decided))
+
+
+def _forward(batch: int, page_size: int = 4):
+    from runtime.graphs import GraphedTargetForward
+
+    forward = object.__new__(GraphedTargetForward)  # the decode path's state only: no CUDA graphs captured
+    forward.buckets, forward.page_size, forward.scratch_page = [batch], page_size, 99
+    forward.inputs = torch.zeros(3, batch, dtype=torch.int64)
+    forward.plan_ahead = forward.run_ahead = True
+    forward.planned, forward.plans_skipped, forward.replays = {}, 0, 0
+    forward._read_host = torch.zeros(2, batch, dtype=torch.int64)
+    forward._read_done = [_Event(), _Event()]
+    forward._next_slot, forward._ahead = 0, None
+    forward.steps_run_ahead = forward.steps_ahead_dropped = 0
+    planned = []
+    forward._plan = lambda layout, b, q: (planned.append(layout), forward.planned.__setitem__((b, q), layout))
+    g = _FakeGraph(forward, batch)
+    forward.graphs = {(batch, 1): type("G", (), {"graph": g, "verdict": g.verdict})()}
+    return forward, g, planned
+
+
+def _decode(rid: str, token: int, position: int, pages: list[int]):
+    from runtime.step_io import ScheduledRequest
+
+    return ScheduledRequest(rid, [token], position, pages, 0, True, greedy(100), 0)
+
+
+def test_a_step_launched_ahead_feeds_the_tokens_decided_before_it_and_is_used_when_scheduled_as_launched():
+    forward, g, planned = _forward(batch=2)
+    pages = {"a": [5, 6, 7], "b": [8, 9, 10]}  # allotted ahead: a at position 7 (page 6) has page 7 for 8
+    step = [_decode("a", 40, 7, pages["a"]), _decode("b", 41, 6, pages["b"])]
+    first = forward.decode_greedy(step, run_ahead=True)
+    assert first == [(40 * 3 + 7) % 97, (41 * 3 + 6) % 97]
+    # launched ahead: the ids decided on the device, the next positions, their slots on the allotted pages
+    assert g.fed[-1] == (first, [8, 7], [7 * 4 + 0, 9 * 4 + 3]) and forward.replays == 2
+    assert planned[-1].kv_lens == [9, 8]
+    nxt = [_decode("a", first[0], 8, pages["a"]), _decode("b", first[1], 7, pages["b"])]
+    second = forward.decode_greedy(nxt, run_ahead=True)  # exactly the step launched ahead: no launch of its own
+    assert second == [(first[0] * 3 + 8) % 97, (first[1] * 3 + 7) % 97]
+    assert forward.steps_run_ahead == 1 and forward.replays == 3  # one more: the step after, launched ahead
+    # b finished (an end of sequence): the step launched ahead is dropped and this one replayed afresh
+    third = forward.decode_greedy([_decode("a", second[0], 9, pages["a"])], run_ahead=False)
+    assert forward.steps_ahead_dropped == 1 and third == [(second[0] * 3 + 9) % 97]
+    assert g.fed[-1][0][:1] == [second[0]] and forward._ahead is None  # run_ahead False: nothing launched
+
+
+def test_a_step_launched_ahead_is_not_used_for_other_tokens_or_pages_and_a_broken_row_feeds_token_0():
+    forward, g, _ = _forward(batch=1)
+    step = [_decode("a", 13, 3, [1, 2])]  # token 13 breaks its row: verdict -1
+    assert forward.decode_greedy(step, run_ahead=True) == [-1]
+    assert g.fed[-1][0] == [0]  # the step launched ahead fed token 0, not -1 (an embedding index)
+    again = forward.decode_greedy([_decode("a", 5, 4, [1, 2])], run_ahead=False)  # not the token it decided
+    assert forward.steps_ahead_dropped == 1 and again == [(5 * 3 + 4) % 97]
+    forward.decode_greedy([_decode("a", 7, 5, [1, 2])], run_ahead=True)
+    moved = forward.decode_greedy([_decode("a", (7 * 3 + 5) % 97, 6, [3, 2])], run_ahead=False)  # other pages
+    assert forward.steps_ahead_dropped == 2 and forward.steps_run_ahead == 0 and len(moved) == 1
+
+
+def test_no_step_is_launched_ahead_before_the_scheduler_allots_its_page():
+    forward, g, _ = _forward(batch=1)
+    forward.decode_greedy([_decode("a", 7, 7, [1, 2])], run_ahead=True)  # position 8 needs a third page
+    assert forward._ahead is None and forward.replays == 1
