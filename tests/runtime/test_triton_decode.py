@@ -51,12 +51,58 @@ print("kernel ok")
 """
 
 
+WRAPPER_CHECK = r"""
+from types import SimpleNamespace
+
+import torch
+from runtime.kernels import AttentionGeometry, torch_ref
+from runtime.kernels.flashinfer_backend import DecodeGraphWrapper, host_indptrs
+from runtime.kernels.interface import PagedAttentionMeta
+from runtime.kernels.triton_decode import SplitKVDecode
+
+# a graph's decode wrapper with the split-KV kernel: plan() only copies the page table into the buffers the kernel
+# reads (no FlashInfer planner: the inner wrapper here has buffers and nothing else), run() takes the kernel
+page, hq, hkv, d, batch, q_len, pages = 4, 8, 2, 16, 2, 3, 40
+buf = lambda n: torch.zeros(n, dtype=torch.int32)
+inner = SimpleNamespace(_paged_kv_indptr_buf=buf(batch + 1), _paged_kv_indices_buf=buf(pages),
+                        _paged_kv_last_page_len_buf=buf(batch))
+pinned = lambda n: torch.zeros(n, dtype=torch.int32)
+wrapper = DecodeGraphWrapper(inner, q_len, pinned(batch + 1), pinned(batch), pinned(pages), buf(pages),
+                             torch.arange(batch + 1, dtype=torch.int32) * q_len)
+wrapper.split_kv = SplitKVDecode(batch, q_len, hq, hkv, d, 4, torch.device("cpu"))
+geometry = AttentionGeometry(hq, hkv, d, torch.float32, d ** -0.5)
+k_cache, v_cache = (torch.randn(pages, page, hkv, d) for _ in range(2))
+q = torch.randn(batch * q_len, hq, d)
+for kv_lens, page_ids in (([9, 30], [[3, 1, 7], [20, 21, 22, 23, 24, 25, 26, 27]]),
+                          ([17, 5], [[9, 8, 30, 31, 32], [0, 2]])):
+    wrapper.plan(host_indptrs([q_len] * batch, kv_lens, page_ids, page), geometry, page)
+    got = wrapper.run(q, k_cache, v_cache, geometry.scale)
+    width = max(len(p) for p in page_ids)
+    meta = PagedAttentionMeta(query_start_loc=torch.arange(batch + 1) * q_len, seq_lens=torch.tensor(kv_lens),
+                              page_table=torch.tensor([p + [0] * (width - len(p)) for p in page_ids]),
+                              max_query_len=q_len, max_seq_len=max(kv_lens), causal=True, num_tokens=batch * q_len,
+                              page_size=page)
+    want = torch_ref.paged_attention(q, k_cache, v_cache, torch_ref.plan_attention(meta), geometry.scale)
+    assert (got - want).abs().max().item() < 1e-4, kv_lens
+assert wrapper.planned_geometry is None and wrapper.fast_plans == 0  # FlashInfer's planner never ran
+print("wrapper ok")
+"""
+
+
 def test_the_split_kv_kernel_under_the_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert run.returncode == 0 and "kernel ok" in run.stdout, run.stderr[-3000:]
+
+
+def test_a_graphs_decode_wrapper_runs_the_split_kv_kernel_on_its_own_page_table():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", WRAPPER_CHECK], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert run.returncode == 0 and "wrapper ok" in run.stdout, run.stderr[-3000:]
 
 
 def test_the_kernel_refuses_shapes_it_cannot_serve():
