@@ -250,7 +250,6 @@ class FlashInferBackend:
         keys stream from HBM as in a forward) on ``CALIBRATION_KEYS`` keys per request. The Triton kernel is kept
         (``wrapper.split_kv``) where it agrees with FlashInfer and takes at most ``SPLIT_KV_MARGIN`` of its time;
         measured once per process and shape. -> the report (``rank_info()["decode_kernels"]``)."""
-        from runtime.kernels.interface import HostLayout
         from runtime.kernels.triton_decode import SplitKVDecode, default_splits
 
         batch, q_len, device = len(wrapper.qo_indptr_host) - 1, wrapper.q_len, wrapper.indices_device.device
@@ -264,22 +263,23 @@ class FlashInferBackend:
                                         f"{SPLIT_KV_MAX_ROWS}"}
         if pages < 2:
             return {**report, "reason": f"a cache of {num_pages} pages is too small to time {batch} requests"}
-        keys = pages * page_size
-        layout = HostLayout([q_len] * batch, [keys] * batch, [list(range(b * pages, (b + 1) * pages))
-                                                               for b in range(batch)])
-        wrapper.split_kv = None
-        wrapper.plan(host_indptrs(layout.qo_lens, layout.kv_lens, layout.page_ids, page_size), geometry, page_size)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        split = SplitKVDecode(batch, q_len, geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim,
-                              default_splits(batch, geometry.num_kv_heads, sms), device)
-        if key not in _DECODE_CHOICES:
+        splits = default_splits(batch, geometry.num_kv_heads, sms)
+        if key not in _DECODE_CHOICES:  # measured once per process and shape: later engines take the choice
+            keys = pages * page_size
+            wrapper.plan(host_indptrs([q_len] * batch, [keys] * batch,
+                                      [list(range(b * pages, (b + 1) * pages)) for b in range(batch)], page_size),
+                         geometry, page_size)
+            split = SplitKVDecode(batch, q_len, geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim,
+                                  splits, device)
             q = torch.randn(batch * q_len, geometry.num_q_heads, geometry.head_dim, dtype=geometry.dtype,
                             device=device)
-            _DECODE_CHOICES[key] = {**report, "keys": keys, "splits": split.splits,
+            _DECODE_CHOICES[key] = {**report, "keys": keys, "splits": splits,
                                     **self._time_decode_kernels(wrapper, split, q, caches, geometry, batch * pages)}
         report = _DECODE_CHOICES[key]
         if report["chosen"] == "triton":
-            wrapper.split_kv = split
+            wrapper.split_kv = SplitKVDecode(batch, q_len, geometry.num_q_heads, geometry.num_kv_heads,
+                                             geometry.head_dim, splits, device)
         return report
 
     @staticmethod
