@@ -253,3 +253,40 @@ def test_sequential_measures_each_engine_alone(tmp_path):
     for row in record["runs"]:
         assert row["ar_tokens_per_s"] > 0 and row["tuned_tokens_per_s"] > 0 and "ar_tokens_per_s_rounds" not in row
         assert row["confidence_tokens_per_s"] > 0 and "confidence_tokens_per_s_rounds" not in row  # one at a time
+
+
+def test_a_profile_takes_decode_steps_after_every_prefill_chunk(tmp_path, monkeypatch):
+    """``profile_step`` profiles decode steps only: with more prompt tokens than one step's budget the prefill takes
+    several steps, and none of them may fall inside the profile (run 30's batch-64 profiles were prefill steps)."""
+    import contextlib
+
+    import torch.profiler
+
+    from cluster.bench import profile_step
+    from runtime import LLM
+
+    target, _ = write_shape(tmp_path, "tiny", draft_layers=1, block_size=3)
+    llm = LLM(str(target), dtype="float32", device="cpu", load_format="dummy", max_num_seqs=8, max_model_len=512,
+              max_num_batched_tokens=64, kv_cache_memory=64 << 20)
+    profiling, steps = [False], []
+
+    @contextlib.contextmanager
+    def fake_profile(*args, **kwargs):
+        profiling[0] = True
+        yield None
+        profiling[0] = False
+
+    engine, step = llm.engine, llm.engine.step
+
+    def recording_step():
+        prefilling = any(not seq.output_token_ids for seq in engine.sequences.values())
+        steps.append((profiling[0], prefilling))
+        return step()
+
+    monkeypatch.setattr(torch.profiler, "profile", fake_profile)
+    monkeypatch.setattr("runtime.profiling.summarize", lambda prof, n, trace: {"steps": n})
+    monkeypatch.setattr(engine, "step", recording_step)
+    assert profile_step(llm, 8, 40, 500) == {"steps": 5}  # 8 prompts of 40 tokens: 5 steps of 64 to prefill
+    assert sum(prefilling for _, prefilling in steps) >= 5
+    profiled = [prefilling for inside, prefilling in steps if inside]
+    assert len(profiled) == 5 and not any(profiled)
