@@ -7,8 +7,6 @@ Variants, for ``Q`` query tokens per request (1: decode, 8: a K=7 verify):
   decode-cuda-cores  BatchDecodeWithPagedKVCacheWrapper without tensor cores (Q = 1 only)
   decode-tc          BatchDecodeWithPagedKVCacheWrapper with tensor cores (q_len_per_req = Q), backend fa2
   decode-tc-auto     the same, backend auto (on SM90 it may pick XQA for Q > 1)
-  triton-splitkv     runtime.kernels.triton_decode: split-KV with the merge fused, one launch (the slices per
-                     request and kv head as a graph of that batch takes them: default_splits)
 Every variant's output is checked against the first's (max abs difference printed).
 
 usage: python3 benchmarks/attention_decode.py [--out FILE.json]   (prints one JSON line per point)
@@ -52,25 +50,7 @@ def wrappers(batch: int, q_len: int, max_pages: int, workspace: torch.Tensor) ->
         out["decode-cuda-cores"] = decode(False, "fa2")
     out["decode-tc"] = decode(True, "fa2")
     out["decode-tc-auto"] = decode(True, "auto")
-    out["triton-splitkv"] = SplitKV(batch, q_len, dev)
     return out
-
-
-class SplitKV:
-    """The split-KV Triton kernel over FlashInfer's page-table arrays, with a wrapper's plan / run calls."""
-
-    def __init__(self, batch: int, q_len: int, dev: torch.device):
-        from runtime.kernels.triton_decode import SplitKVDecode, default_splits
-
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        self.kernel = SplitKVDecode(batch, q_len, HQ, HKV, D, default_splits(batch, HKV, sms), dev)
-        self.dev = dev
-
-    def plan(self, kv_indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
-        self.arrays = tuple(t.to(self.dev) for t in (kv_indptr, indices, last))
-
-    def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return self.kernel.run(q, kv[0], kv[1], *self.arrays, D ** -0.5)
 
 
 def plan(name: str, wrapper, batch: int, q_len: int, context: int) -> None:
@@ -79,9 +59,7 @@ def plan(name: str, wrapper, batch: int, q_len: int, context: int) -> None:
     indices = torch.arange(batch * pages, dtype=torch.int32)
     last = torch.full((batch,), context - (pages - 1) * PAGE, dtype=torch.int32)
     common = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=D ** -0.5)
-    if name == "triton-splitkv":
-        wrapper.plan(kv_indptr, indices, last)
-    elif name == "prefill-fa2":
+    if name == "prefill-fa2":
         qo = torch.arange(batch + 1, dtype=torch.int32) * q_len
         wrapper.plan(qo, kv_indptr, indices, last, HQ, HKV, D, PAGE, causal=True, **common)
     else:

@@ -4,11 +4,14 @@ on, in alternating rounds of ``cluster.bench.time_steps`` at each concurrency; t
 with every round's step time. ``plans_made_ahead``: the steps of the last round that skipped their plan.
 ``--toggle run_ahead``: planning ahead in both modes, launching steady greedy decode steps ahead
 (``GraphedTargetForward.run_ahead``) off and on; ``steps_run_ahead`` / ``steps_ahead_dropped`` of the last round.
+``--toggle pdl``: two engines side by side (both planning and running ahead), the "off" one built with its
+Triton kernels launched plainly (``runtime.kernels.pdl.supported`` patched to False while its graphs are
+captured), the "on" one with programmatic dependent launch; only decode steps are timed, all of them replays.
 
 ``--profile``: each mode's GPU idle time per step and its largest gaps (``runtime.profiling.gpu_gaps``).
 
 usage: python3 benchmarks/plan_ahead.py [--model-shape qwen3-8b] [--concurrency 1,16,64] [--steps 30]
-                                        [--rounds 3] [--toggle plan_ahead|run_ahead] [--profile] [--out FILE.json]
+                                        [--rounds 3] [--toggle plan_ahead|run_ahead|pdl] [--profile] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -28,9 +31,26 @@ from runtime import LLM
 
 
 def set_mode(graphs, toggle: str, on: bool) -> None:
-    """plan_ahead: planning (and so launching) ahead off or on; run_ahead: planning ahead, launching ahead off or on."""
-    graphs.plan_ahead = on or toggle == "run_ahead"
-    graphs.run_ahead = on
+    """plan_ahead: planning (and so launching) ahead off or on; run_ahead: planning ahead, launching ahead off or on;
+    pdl: both ahead (the modes are two engines)."""
+    graphs.plan_ahead = on or toggle in ("run_ahead", "pdl")
+    graphs.run_ahead = on or toggle == "pdl"
+
+
+def build(target: Path, args, concurrency: list[int], pdl: bool = True) -> LLM:
+    """The engine under test; ``pdl=False``: its graphs captured with every Triton kernel launched plainly."""
+    from runtime.kernels import pdl as pdl_module
+
+    supported = pdl_module.supported
+    if not pdl:
+        pdl_module.supported = lambda device: False
+    try:
+        return LLM(str(target), dtype="bfloat16", device="cuda", kernel_backend="flashinfer", load_format="dummy",
+                   max_num_seqs=max(concurrency), max_model_len=args.prompt_len + 2048,
+                   kv_cache_memory=int(args.kv_cache_gib * 2**30),
+                   max_num_batched_tokens=max(2048, 2 * args.prompt_len))
+    finally:
+        pdl_module.supported = supported
 
 
 def main() -> None:
@@ -44,27 +64,29 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also profile 5 steps of each mode (torch.profiler): the GPU's idle time per step and "
                              "its largest gaps, with the activities either side")
-    parser.add_argument("--toggle", choices=("plan_ahead", "run_ahead"), default="plan_ahead",
-                        help="what the off and on modes differ in (run_ahead: both plan ahead)")
+    parser.add_argument("--toggle", choices=("plan_ahead", "run_ahead", "pdl"), default="plan_ahead",
+                        help="what the off and on modes differ in (run_ahead: both plan ahead; pdl: two engines, "
+                             "both running ahead)")
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     target, _ = write_shape(Path(tempfile.mkdtemp(prefix="plan-ahead-")), args.model_shape, 1, 8)
-    llm = LLM(str(target), dtype="bfloat16", device="cuda", kernel_backend="flashinfer", load_format="dummy",
-              max_num_seqs=max(concurrency), max_model_len=args.prompt_len + 2048,
-              kv_cache_memory=int(args.kv_cache_gib * 2**30), max_num_batched_tokens=max(2048, 2 * args.prompt_len))
-    graphs = llm.engine.executor.worker.graphs
-    if graphs is None or not graphs.plan_ahead:
-        raise SystemExit("plan_ahead: the engine runs no CUDA graphs that plan ahead (needs CUDA and flashinfer)")
+    llm = build(target, args, concurrency)
+    engines = {"off": build(target, args, concurrency, pdl=False) if args.toggle == "pdl" else llm, "on": llm}
+    for engine in engines.values():
+        graphs = engine.engine.executor.worker.graphs
+        if graphs is None or not graphs.plan_ahead:
+            raise SystemExit("plan_ahead: the engine runs no CUDA graphs that plan ahead (needs CUDA and flashinfer)")
     vocab = MODEL_SHAPES[args.model_shape]["vocab_size"]
     runs = []
     for c in concurrency:
         rounds = {"off": [], "on": []}
         for r in range(args.rounds):
             for mode in ("off", "on"):
+                graphs = engines[mode].engine.executor.worker.graphs
                 set_mode(graphs, args.toggle, mode == "on")
                 skipped, ahead, dropped = graphs.plans_skipped, graphs.steps_run_ahead, graphs.steps_ahead_dropped
-                row = time_steps(llm, c, args.prompt_len, args.steps, warmup=3, vocab=vocab, seed=r)
+                row = time_steps(engines[mode], c, args.prompt_len, args.steps, warmup=3, vocab=vocab, seed=r)
                 row["plans_made_ahead"] = graphs.plans_skipped - skipped
                 row["steps_run_ahead"] = graphs.steps_run_ahead - ahead
                 row["steps_ahead_dropped"] = graphs.steps_ahead_dropped - dropped
@@ -77,12 +99,12 @@ def main() -> None:
                "plans_made_ahead_last_round": rounds["on"][-1]["plans_made_ahead"],
                "steps_run_ahead_last_round": rounds["on"][-1]["steps_run_ahead"],
                "steps_ahead_dropped_last_round": rounds["on"][-1]["steps_ahead_dropped"],
-               "forward_ms": median["off"].get("forward_ms")}
+               "forward_ms": median["off"].get("forward_ms"), "forward_ms_on": median["on"].get("forward_ms")}
         if args.profile:
             run["profile"] = {}
             for mode in ("off", "on"):
-                set_mode(graphs, args.toggle, mode == "on")
-                prof = profile_step(llm, c, args.prompt_len, vocab)
+                set_mode(engines[mode].engine.executor.worker.graphs, args.toggle, mode == "on")
+                prof = profile_step(engines[mode], c, args.prompt_len, vocab)
                 run["profile"][mode] = {k: prof[k] for k in ("kernels_per_step", "gpu_idle_ms_per_step",
                                                              "largest_gpu_gaps")}
         print(json.dumps(run), flush=True)

@@ -274,7 +274,6 @@ class GraphedTargetForward:
         self._ahead: _Ahead | None = None
         self.steps_run_ahead = 0  # steps whose graph had been launched before the engine scheduled them
         self.steps_ahead_dropped = 0  # steps launched ahead that the engine then scheduled otherwise
-        self.decode_kernels: dict[tuple[int, int], dict] = {}  # (batch, q_len) -> the attention kernel chosen
         self.replays = 0  # steps served by a graph (padded ones included); the rest of the steps ran eagerly
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
         for batch, q_len in shapes:  # per length the largest batch first: smaller graphs reuse its pool memory
@@ -428,9 +427,6 @@ class GraphedTargetForward:
 
     def _capture(self, batch: int, q_len: int) -> _Graph:
         wrapper = self.backend.graph_wrapper(self.device, batch, batch * self.pages_per_seq, q_len)
-        choose = getattr(self.backend, "choose_decode_kernel", None)
-        if choose is not None:  # which attention kernel this graph bakes in, measured on the engine's caches
-            self.decode_kernels[(batch, q_len)] = choose(wrapper, self.caches, self.geometry, self.page_size)
         layout = self._write_inputs([], batch, q_len)
         meta = self.backend.plan_attention(self._meta(layout, batch, q_len), wrapper)
         ids, positions, slots = (t[:batch * q_len] for t in self.inputs)

@@ -237,7 +237,6 @@ class Worker:
                 "graph_prefill_q_lens": self.graphs.prefill_q_lens if self.graphs is not None else [],
                 "graph_prefill_tokens": self.graphs.prefill_tokens if self.graphs is not None else 0,
                 # per graph, the attention kernel it bakes in and the timings that chose it
-                "decode_kernels": list(self.graphs.decode_kernels.values()) if self.graphs is not None else [],
                 "plan_ahead": self.graphs is not None and self.graphs.plan_ahead,
                 "plans_made_ahead": self.graphs.plans_skipped if self.graphs is not None else 0,
                 # plain greedy decode steps launched before the engine scheduled them: used, and dropped

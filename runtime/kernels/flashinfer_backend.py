@@ -4,9 +4,7 @@ Attention over the paged cache (prefill chunks, decode, the K+1-token verify) is
 layout the engine already uses (``[pages, page_size, kv_heads, head_dim]``, FlashInfer's NHD), planned once per
 forward from the step's host-side layout (``PagedAttentionMeta.host``) and reused by every layer: its batch
 prefill kernel for eager forwards (any mix of query lengths), its tensor-core decode kernel for the CUDA graphs
-of uniform steps (``graph_wrapper``: Q tokens per request, the faster of the two there), or, where it measured faster
-for that graph's batch and Q (``choose_decode_kernel``, at capture), the split-KV Triton kernel of ``triton_decode``
-(one launch with the merge fused, no planner run a step). A draft block (its context plus its own keys, the context
+of uniform steps (``graph_wrapper``: Q tokens per request, the faster of the two there). A draft block (its context plus its own keys, the context
 length known only on the device) runs a Triton flash-attention kernel (``triton_ops.block_attention``) that needs no
 plan, so drafts can be graphed too.
 RMSNorm (with the residual add fused), q/k norm + RoPE (fused with the KV-cache write) and SiLU-and-mul are the
@@ -28,11 +26,6 @@ from runtime.kernels import torch_ref
 from runtime.kernels.interface import AttentionGeometry, PagedAttentionMeta
 
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-k scratch, one per device (its docs recommend 128 MiB and up)
-CALIBRATION_KEYS = 512  # keys per request of the layout a graph's decode kernel is chosen on
-SPLIT_KV_MARGIN = 0.97  # the split-KV kernel must take at most this share of FlashInfer's time to replace it
-SPLIT_KV_MAX_ROWS = 64  # query rows per kv head (Q x group) the split-KV kernel is tried for: decode and verify
-# (device, batch, q_len, geometry, page size, layers) -> the choice's report: measured once per process
-_DECODE_CHOICES: dict[tuple, dict] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,17 +118,10 @@ class DecodeGraphWrapper:
     qo_indptr_host: torch.Tensor  # [B+1] int32: 0, Q, 2Q, ... (every request feeds Q tokens)
     planned_geometry: AttentionGeometry | None = None  # what FlashInfer's own plan last resolved
     fast_plans: int = 0  # plans made by ``_replan``
-    # the split-KV Triton kernel (runtime.kernels.triton_decode) where it measured faster for this (batch, Q)
-    # (``FlashInferBackend.choose_decode_kernel``): it reads the same page-table buffers and needs no planner run
-    split_kv: object | None = None
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of the planned step's queries q [B * q_len, Hq, D] over the caches."""
-        inner = self.inner
-        if self.split_kv is not None:
-            return self.split_kv.run(q, k_cache, v_cache, inner._paged_kv_indptr_buf, inner._paged_kv_indices_buf,
-                                     inner._paged_kv_last_page_len_buf, scale)
-        return inner.run(q, (k_cache, v_cache))
+        return self.inner.run(q, (k_cache, v_cache))
 
     def stage(self, indptrs: HostIndptrs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copy a plan's page table into the staging buffers -> (kv_indptr, kv_indices, last_page_len) views for
@@ -155,9 +141,6 @@ class DecodeGraphWrapper:
             raise ValueError(f"a decode wrapper serves {batch} requests of {self.q_len} tokens per request, got "
                              f"{len(indptrs.qo_indptr) - 1} requests of {q_lens} tokens")
         indptr, indices, last = self.stage(indptrs)
-        if self.split_kv is not None:  # the Triton kernel reads the page table alone: no FlashInfer plan
-            self._copy_page_table(indptr, len(indptrs.kv_indices))
-            return
         if self.planned_geometry == geometry:
             self._replan(indptr, indptrs.kv_lens, len(indptrs.kv_indices), geometry, page_size)
             return
@@ -241,91 +224,6 @@ class FlashInferBackend:
         qo_indptr = torch.arange(batch_size + 1, dtype=torch.int32) * q_len
         return DecodeGraphWrapper(inner, q_len, pinned(batch_size + 1), pinned(batch_size), pinned(max_pages),
                                   buf(max_pages), qo_indptr)
-
-    def choose_decode_kernel(self, wrapper: DecodeGraphWrapper, caches, geometry: AttentionGeometry,
-                             page_size: int) -> dict:
-        """Which kernel a graph of ``wrapper``'s (batch, Q) runs for attention: FlashInfer's decode kernel (its
-        split-KV pass and a merge) or the split-KV Triton kernel of ``runtime.kernels.triton_decode`` (one launch,
-        the merge fused), each timed as a CUDA graph of one call per layer's cache (``caches``: the engine's, so the
-        keys stream from HBM as in a forward) on ``CALIBRATION_KEYS`` keys per request. The Triton kernel is kept
-        (``wrapper.split_kv``) where it agrees with FlashInfer and takes at most ``SPLIT_KV_MARGIN`` of its time;
-        measured once per process and shape. -> the report (``rank_info()["decode_kernels"]``)."""
-        from runtime.kernels.triton_decode import SplitKVDecode, default_splits
-
-        batch, q_len, device = len(wrapper.qo_indptr_host) - 1, wrapper.q_len, wrapper.indices_device.device
-        key = (device, batch, q_len, geometry, page_size, len(caches))
-        num_pages = caches[0][0].shape[0]
-        pages = min(-(-(CALIBRATION_KEYS + q_len) // page_size), num_pages // batch)
-        report = {"batch": batch, "q_len": q_len, "chosen": "flashinfer"}
-        rows = q_len * geometry.num_q_heads // geometry.num_kv_heads
-        if rows > SPLIT_KV_MAX_ROWS:  # a prefill chunk's graph: one program would hold all its query rows
-            return {**report, "reason": f"{rows} query rows per kv head exceed the split-KV kernel's "
-                                        f"{SPLIT_KV_MAX_ROWS}"}
-        if pages < 2:
-            return {**report, "reason": f"a cache of {num_pages} pages is too small to time {batch} requests"}
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        splits = default_splits(batch, geometry.num_kv_heads, sms)
-        if key not in _DECODE_CHOICES:  # measured once per process and shape: later engines take the choice
-            keys = pages * page_size
-            wrapper.plan(host_indptrs([q_len] * batch, [keys] * batch,
-                                      [list(range(b * pages, (b + 1) * pages)) for b in range(batch)], page_size),
-                         geometry, page_size)
-            split = SplitKVDecode(batch, q_len, geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim,
-                                  splits, device)
-            q = torch.randn(batch * q_len, geometry.num_q_heads, geometry.head_dim, dtype=geometry.dtype,
-                            device=device)
-            _DECODE_CHOICES[key] = {**report, "keys": keys, "splits": splits,
-                                    **self._time_decode_kernels(wrapper, split, q, caches, geometry, batch * pages)}
-        report = _DECODE_CHOICES[key]
-        if report["chosen"] == "triton":
-            wrapper.split_kv = SplitKVDecode(batch, q_len, geometry.num_q_heads, geometry.num_kv_heads,
-                                             geometry.head_dim, splits, device)
-        return report
-
-    @staticmethod
-    def _time_decode_kernels(wrapper: DecodeGraphWrapper, split, q: torch.Tensor, caches,
-                             geometry: AttentionGeometry, pages: int) -> dict:
-        """The two kernels on the wrapper's planned layout (pages 0..``pages`` - 1): first both on the first
-        layer's cache filled with random keys and values there (the Triton kernel is a candidate only where it
-        agrees with FlashInfer to bf16 rounding; the pages are zeroed again after: this runs at graph capture,
-        before any request owns a page), then each timed over every layer's cache.
-        -> {flashinfer_us, triton_us, chosen[, reason]}"""
-        import logging
-
-        from runtime.kernels.timing import graph_device_us
-
-        k, v = caches[0]
-        k[:pages].normal_()
-        v[:pages].normal_()
-        want = wrapper.run(q, k, v, geometry.scale).float()
-        try:
-            wrapper.split_kv = split
-            got = wrapper.run(q, k, v, geometry.scale).float()
-        except Exception as exc:  # a candidate this Triton build cannot compile or run: FlashInfer stays, said why
-            logging.getLogger(__name__).warning("split-KV decode kernel unavailable: %s", exc)
-            return {"chosen": "flashinfer", "reason": f"the split-KV kernel failed: {type(exc).__name__}: {exc}"}
-        finally:
-            wrapper.split_kv = None
-            k[:pages].zero_()
-            v[:pages].zero_()
-        error = float((got - want).norm() / want.norm().clamp_min(1e-12))
-        if not error < 2e-2:
-            return {"chosen": "flashinfer", "reason": f"the split-KV kernel disagreed with FlashInfer (relative "
-                                                      f"error {error:.2e})"}
-        flush = torch.empty(1, device=q.device)  # each call reads another layer's cache: nothing stays in L2
-
-        def layers():
-            return [wrapper.run(q, k_, v_, geometry.scale) for k_, v_ in caches]
-
-        flashinfer_us = graph_device_us(layers, flush)
-        wrapper.split_kv = split
-        try:
-            triton_us = graph_device_us(layers, flush)
-        finally:
-            wrapper.split_kv = None
-        return {"flashinfer_us": round(flashinfer_us, 1), "triton_us": round(triton_us, 1),
-                "relative_error": error, "chosen": "triton" if triton_us <= SPLIT_KV_MARGIN * flashinfer_us
-                else "flashinfer"}
 
     def _eager_wrapper(self, device: torch.device):
         """The wrapper eager forwards on ``device`` plan and run (one at a time: a forward plans, then runs)."""

@@ -6,7 +6,8 @@ At one to sixteen rows a linear layer only streams its weight: every program rea
 each program writing a float32 partial, and one torch sum over the slices adds them in a fixed order: no
 atomics, so every config is deterministic, and a row's result never depends on the other rows (M may be padded
 freely). Which config, if any, beats cuBLAS for a weight shape and row count is measured on the device
-(``runtime.small_gemm``), not assumed. Importing this module needs triton; the kernel needs CUDA tensors (or
+(``runtime.small_gemm``), not assumed. It launches with programmatic dependent launch on sm_90
+(``runtime.kernels.pdl``). Importing this module needs triton; the kernel needs CUDA tensors (or
 Triton's interpreter).
 """
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from runtime.kernels.pdl import launch_options, wait_for_inputs
 
 BLOCK_M = 16  # rows of x one program multiplies (the dot's M); more rows take more programs
 
@@ -54,7 +57,9 @@ CANDIDATES = (
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, k_per_split, stride_xm, stride_wn, stride_om, stride_os, up_offset,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
+                   PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -106,5 +111,5 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig, s
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, BLOCK_M))
     _skinny_kernel[grid](x, weight, out, m, n, k // split, x.stride(0), weight.stride(0), n, stride_os, k,
                          BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
-                         num_warps=config.num_warps, num_stages=config.num_stages)
+                         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x))
     return out if split == 1 else out.sum(dim=0).to(x.dtype)

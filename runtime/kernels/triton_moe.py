@@ -8,7 +8,8 @@ program of ``_expert_gemm_kernel`` takes one tile and ``BLOCK_N`` output columns
 by its expert's weight slice in float32 and stores each row at its pair's index, so nothing is permuted or
 scattered outside the kernels. The down projection scales each row by its routing weight before the one
 rounding; the k choices of a token are then summed. Tiles past the routing's last exit at once, so the grid is
-fixed by the shapes and a CUDA graph can capture the whole forward.
+fixed by the shapes and a CUDA graph can capture the whole forward. Both kernels launch with programmatic
+dependent launch on sm_90 (``runtime.kernels.pdl``).
 
 Arithmetic differs from VANILLA only in rounding: VANILLA rounds each expert's output to the model dtype before
 weighting and accumulates in expert order; here the weighting happens in float32 and the sum over choices in
@@ -22,6 +23,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.moe import ExpertTiles, tile_pairs_by_expert
+from runtime.kernels.pdl import launch_options, wait_for_inputs
 from runtime.kernels.triton_ops import silu_and_mul
 
 BLOCK_N = 64
@@ -36,8 +38,9 @@ ONE_PAIR_TILES_UP_TO = 16
 def _expert_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, pairs_ptr, tile_expert_ptr, ids_ptr, n_out, k_in, num_pairs,
                         num_experts, a_row_divisor, stride_a, stride_be, stride_bn, stride_c, WEIGHTED: tl.constexpr,
                         ONE_PAIR_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """C[pair, n] = (w[pair] *) sum_k A[pair // a_row_divisor, k] * B[expert, n, k] for the tile's pairs."""
+    wait_for_inputs(PDL)
     tile = tl.program_id(0)
     if ONE_PAIR_PER_TILE:  # tile i is pair i alone (its other rows padding): no layout to build
         expert = tl.load(ids_ptr + tile)
@@ -70,9 +73,10 @@ def _expert_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, pairs_ptr, tile_expert_ptr, 
 
 @triton.jit
 def _tile_layout_kernel(ids_ptr, pairs_ptr, tile_expert_ptr, n, num_tiles, num_experts, BLOCK_M: tl.constexpr,
-                        N_POW2: tl.constexpr, TILES_POW2: tl.constexpr):
+                        N_POW2: tl.constexpr, TILES_POW2: tl.constexpr, PDL: tl.constexpr):
     """One program writes ``tile_pairs_by_expert``'s layout of n <= N_POW2 pairs: quadratic in n, for the few
     pairs of decode and verify steps (one launch instead of a dozen)."""
+    wait_for_inputs(PDL)
     i = tl.arange(0, N_POW2)
     ok = i < n
     e = tl.load(ids_ptr + i, mask=ok, other=num_experts).to(tl.int32)  # [N] expert of pair i
@@ -108,7 +112,8 @@ def tile_layout(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertTile
     tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=ids.device)
     _tile_layout_kernel[(1,)](ids.reshape(-1), pairs, tile_expert, n, num_tiles, num_experts, BLOCK_M=block_m,
                               N_POW2=max(16, triton.next_power_of_2(n)),
-                              TILES_POW2=max(16, triton.next_power_of_2(num_tiles)), num_warps=4)
+                              TILES_POW2=max(16, triton.next_power_of_2(num_tiles)), num_warps=4,
+                              **launch_options(ids))
     return ExpertTiles(pairs, tile_expert, block_m)
 
 
@@ -124,7 +129,7 @@ def _expert_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: t
                               a_row_divisor, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
                               WEIGHTED=weighted, ONE_PAIR_PER_TILE=tiles is None,
                               BLOCK_M=16 if tiles is None else tiles.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                              num_warps=4)
+                              num_warps=4, **launch_options(a))
     return out
 
 

@@ -3,7 +3,9 @@
 Each kernel does in one launch what the torch reference does in several, with the same arithmetic in float32
 and one rounding to the output dtype at the end (the reference rounds after some intermediate steps, so bf16
 results may differ in the last bit; fp32 results agree to rounding). Shapes and semantics are those of
-``runtime.kernels.interface.KernelBackend``. Importing this module needs triton; the kernels need CUDA tensors.
+``runtime.kernels.interface.KernelBackend``. Every kernel launches with programmatic dependent launch on sm_90
+(``runtime.kernels.pdl``: it waits for the kernel before it first thing, so its launch overlaps that kernel's
+tail). Importing this module needs triton; the kernels need CUDA tensors.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.pdl import launch_options, wait_for_inputs
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, x_row_stride, res_row_stride, d, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < d
@@ -40,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     d = rows.shape[1]
     _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, rows.stride(0), rows.stride(0), d, eps,
-                                       HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(d))
+                                       HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(d), **launch_options(x))
     return out.view(x.shape)
 
 
@@ -51,12 +56,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     summed = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     d = rows.shape[1]
     _rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, summed, rows.stride(0), res.stride(0), d, eps,
-                                       HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(d))
+                                       HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(d), **launch_options(x))
     return out.view(x.shape), summed.view(x.shape)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n, x_row_stride, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n, x_row_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -71,7 +77,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = rows.shape[1] // 2
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, n, rows.stride(0), BLOCK=block)
+    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, n, rows.stride(0), BLOCK=block,
+                                                                   **launch_options(x))
     return out.view(*x.shape[:-1], n)
 
 
@@ -79,9 +86,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
                          slots_ptr, q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, v_tok_stride,
                          v_head_stride, cos_stride, num_q_heads, num_k_heads, eps, HALF: tl.constexpr,
-                         NORM: tl.constexpr, STORE: tl.constexpr):
+                         NORM: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
     """One program per (token, head) of q, k (and v when STORE): q and k normed and rotated; with STORE, k and v
     go to their cache slot ([slots, Hkv, D] rows of the flat cache), else k to k_out [T, Hkv, D]."""
+    wait_for_inputs(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
     cols = tl.arange(0, HALF)
@@ -148,7 +156,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     _qk_norm_rope_kernel[(tokens, num_q + num_k)](
         q, k, k, q_weight if norm else cos, k_weight if norm else cos, cos, sin, q_out, k_out, k_out, cos,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), 0, 0, cos.stride(0), num_q, num_k, eps, HALF=half,
-        NORM=norm, STORE=False)
+        NORM=norm, STORE=False, **launch_options(q))
     return q_out, k_out
 
 
@@ -168,7 +176,7 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: 
     _qk_norm_rope_kernel[(tokens, num_q + 2 * num_k)](
         q, k, v, q_weight if norm else cos, k_weight if norm else cos, cos, sin, q_out, k_cache, v_cache, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), num_q, num_k,
-        eps, HALF=half, NORM=norm, STORE=True)
+        eps, HALF=half, NORM=norm, STORE=True, **launch_options(q))
     return q_out
 
 
@@ -187,10 +195,11 @@ def _attend_tile(q, k, v, key_ok, m_i, l_i, acc, scale):
 def _block_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, ctx_lens_ptr, xk_ptr, xv_ptr, out_ptr,
                             scale, page_size, page_table_stride, num_q_heads, num_kv_heads, window,
                             BLOCK: tl.constexpr, GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
-                            BLOCK_N: tl.constexpr, X: tl.constexpr):
+                            BLOCK_N: tl.constexpr, X: tl.constexpr, PDL: tl.constexpr):
     """One program per (request b, kv head h): the BLOCK x GROUP query rows of its draft block attend to the
     request's first ctx_lens[b] cached keys (paged; only the last ``window`` of them when window > 0) and to the
     block's own BLOCK keys (bidirectional), with an online softmax over key tiles of BLOCK_N. Row r is (block slot r // GROUP, q head h * GROUP + r % GROUP)."""
+    wait_for_inputs(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     rows = tl.arange(0, M)
@@ -243,5 +252,5 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, page_table, ctx_lens, extra_k, extra_v, out, scale, k_cache.shape[1],
         page_table.stride(0), num_q, num_kv, window or 0, BLOCK=block, GROUP=group,
         M=max(16, triton.next_power_of_2(block * group)), D=dim, BLOCK_N=16,
-        X=max(16, triton.next_power_of_2(block)))
+        X=max(16, triton.next_power_of_2(block)), **launch_options(q))
     return out

@@ -95,20 +95,13 @@ def test_paged_attention_matches_the_reference(fi):
     close(got, want)
 
 
-@pytest.mark.parametrize("split_kv", [False, True])
 @pytest.mark.parametrize("q_len", [1, 8])
-def test_the_graphs_decode_wrapper_matches_the_reference(fi, q_len, split_kv):
+def test_the_graphs_decode_wrapper_matches_the_reference(fi, q_len):
     """The decode wrapper CUDA graphs replay (tensor cores, Q tokens per request, causal within the block), planned
-    for a fixed batch of 4 and captured once, then replanned for other lengths: equal to the torch reference; the
-    same with the split-KV Triton kernel in the wrapper (5 slices: some empty at short lengths; its merge tickets
-    reset between replays)."""
-    from runtime.kernels.triton_decode import SplitKVDecode
-
+    for a fixed batch of 4 and captured once, then replanned for other lengths: equal to the torch reference."""
     page, hq, hkv, d, batch = 16, 32, 8, 128, 4
     k_cache, v_cache = (torch.randn(96, page, hkv, d, device=DEV, dtype=BF16) for _ in range(2))
     wrapper = fi.graph_wrapper(torch.device(DEV), batch, 96, q_len)
-    if split_kv:
-        wrapper.split_kv = SplitKVDecode(batch, q_len, hq, hkv, d, 5, DEV)
     q = torch.randn(batch * q_len, hq, d, device=DEV, dtype=BF16)
     out = torch.empty_like(q)
 
@@ -389,23 +382,6 @@ def test_a_graph_wrappers_fast_replan_equals_flashinfers_own_plan(fi, q_len):
         assert torch.equal(fast.inner._paged_kv_indices_buf[:used], twin.inner._paged_kv_indices_buf[:used])
         close(fi.paged_attention(q, k_cache, v_cache, planned, d ** -0.5),
               torch_ref.paged_attention(q, k_cache, v_cache, torch_ref.plan_attention(meta), d ** -0.5))
-
-
-def test_a_graph_takes_the_decode_kernel_that_measured_faster(fi):
-    """``choose_decode_kernel`` times FlashInfer's decode kernel against the split-KV Triton kernel over a stack of
-    layer caches and leaves the wrapper with the faster one; the report says which and why."""
-    page, hq, hkv, d = 16, 32, 8, 128
-    caches = [tuple(torch.randn(200, page, hkv, d, device=DEV, dtype=BF16) for _ in range(2)) for _ in range(8)]
-    geometry = AttentionGeometry(hq, hkv, d, BF16, d ** -0.5)
-    for batch, q_len in ((1, 1), (4, 8), (128, 1)):
-        wrapper = fi.graph_wrapper(torch.device(DEV), batch, 200, q_len)
-        report = fi.choose_decode_kernel(wrapper, caches, geometry, page)
-        assert report["batch"] == batch and report["q_len"] == q_len
-        if batch == 128:  # 200 pages cannot hold 128 requests of two pages: not timed, FlashInfer kept
-            assert report["chosen"] == "flashinfer" and "too small" in report["reason"]
-            continue
-        assert report["chosen"] in ("flashinfer", "triton") and report["flashinfer_us"] > 0 and report["triton_us"] > 0
-        assert (wrapper.split_kv is not None) == (report["chosen"] == "triton")
 
 
 def test_a_short_prefill_replays_a_graph_and_decodes_as_the_eager_one(wide_target):

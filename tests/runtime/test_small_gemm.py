@@ -212,3 +212,12 @@ def test_the_triton_kernel_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "kernel ok" in run.stdout, run.stderr[-3000:]
+
+
+def test_kernels_launch_with_pdl_only_on_hopper_and_later():
+    """``runtime.kernels.pdl``: no programmatic dependent launch off CUDA (the interpreter, CPU tensors)."""
+    pytest.importorskip("triton")
+    from runtime.kernels import pdl
+
+    x = torch.zeros(2)
+    assert not pdl.supported(x.device) and pdl.launch_options(x) == {"PDL": False}
