@@ -63,8 +63,11 @@ class Engine:
         self.pages = PageAllocator(self.executor.num_pages, config.page_size, caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.pages)
-        if not self.has_drafter and getattr(self.executor, "plans_ahead", False):
-            self.scheduler.lookahead = 1  # the next decode step's pages are known when this one is launched
+        if getattr(self.executor, "plans_ahead", False):
+            # the next decode step's pages are known when this one is launched (its attention is planned while the
+            # GPU runs this step): a token ahead, or with a drafter a whole block (the next verify starts at most
+            # max_draft_len + 1 positions on and spans as many)
+            self.scheduler.lookahead = int(self.spec.max_draft_len or 0) + 1 if self.has_drafter else 1
         # the worker (this process's graphs) may launch a steady greedy decode step before the previous one is read
         # back (ScheduledBatch.run_ahead; runtime.graphs.GraphedTargetForward.decode_greedy)
         self._runs_ahead = not self.has_drafter and getattr(self.executor, "runs_ahead", False)

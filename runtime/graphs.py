@@ -22,10 +22,15 @@ costs a replay, not an eager forward that launches every kernel from the host (9
 0.8B target at one request on an H200, run 31; ~13% of a 128-token DSpark request's time). Other steps (longer
 prefill chunks, larger batches of them, mixes too ragged to pad) run eagerly.
 
-An autoregressive engine plans ahead (``plan_ahead``): right after a one-token step is launched, FlashInfer is
+Engines plan ahead (``plan_ahead``): right after a one-token step is launched, FlashInfer is
 planned for the step in which every request decodes one more token (the scheduler allots each request's pages a
 token ahead, ``Scheduler.lookahead``), while the GPU runs; when that step comes with exactly that layout, its plan
 (~0.24 ms of host time on the Qwen3-8B shape) is skipped. Any other layout is planned as usual.
+
+A DSpark engine plans its next verify step while the drafter drafts (``read_accepted``, ``plan_next_verify``):
+the verification's accepted counts are copied into pinned memory before the draft is launched, the host waits for
+them alone, and plans the step in which every request verifies a block as long from its next position (the
+scheduler allots pages a block ahead); that step's plan is then skipped when it comes with exactly that layout.
 
 Plain greedy decode steps go further (``decode_greedy``, when the engine says the next step is expected to be the
 same requests decoding one token more: ``ScheduledBatch.run_ahead``): right after this step's graph, its verdicts
@@ -163,6 +168,25 @@ def next_decode_layout(layout: HostLayout, page_ids: list[list[int]], page_size:
     return HostLayout(layout.qo_lens, kv + layout.kv_lens[real:], pages + layout.page_ids[real:])
 
 
+def next_verify_layout(layout: HostLayout, reqs: list[ScheduledRequest], accepted: list[int], q_len: int,
+                       page_size: int, scratch_page: int) -> HostLayout | None:
+    """The attention layout ``graph_inputs`` will give the verify step after a ``q_len``-token step of ``layout``
+    whose requests ``reqs`` accepted ``accepted`` drafts each, if every request then verifies a block of the same
+    length from the position after its last committed token (``start + accepted + 1``), on the pages it holds now
+    (the scheduler allots them a block ahead, ``Scheduler.lookahead``); None when a count is not a valid one (a
+    faulted row). Padding requests keep their layout."""
+    real = len(reqs)
+    kv, pages = [], []
+    for r, a in zip(reqs, accepted):
+        if not 0 <= a < q_len:
+            return None
+        k = r.start_position + a + 1 + q_len
+        need = -(-k // page_size)
+        pages.append(r.page_ids[:need] + [scratch_page] * max(0, need - len(r.page_ids)))
+        kv.append(k)
+    return HostLayout(layout.qo_lens, kv + layout.kv_lens[real:], pages + layout.page_ids[real:])
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """The batch sizes graphs are captured for: the defaults below ``max_batch``, then ``max_batch``."""
     return [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
@@ -274,6 +298,12 @@ class GraphedTargetForward:
         self._ahead: _Ahead | None = None
         self.steps_run_ahead = 0  # steps whose graph had been launched before the engine scheduled them
         self.steps_ahead_dropped = 0  # steps launched ahead that the engine then scheduled otherwise
+        # planning the next verify step while the drafter drafts (read_accepted, plan_next_verify): the last
+        # replay's requests and layout, and its accepted counts read back through pinned memory
+        self._last_run: tuple[list[ScheduledRequest], HostLayout, int, int] | None = None
+        self._accepted_host = torch.zeros(max_batch, dtype=torch.int64, pin_memory=True)
+        self._accepted_read = torch.cuda.Event()
+        self._accepted_pending = 0
         self.replays = 0  # steps served by a graph (padded ones included); the rest of the steps ran eagerly
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
         for batch, q_len in shapes:  # per length the largest batch first: smaller graphs reuse its pool memory
@@ -297,6 +327,7 @@ class GraphedTargetForward:
         g = self.graphs[(batch, q_len)]
         layout = self._write_inputs(reqs, batch, q_len)
         self._plan_and_replay(g, layout, batch, q_len)
+        self._last_run = (reqs, layout, batch, q_len)
         appended = append_context and g.context is not None
         if appended:
             g.context.replay()
@@ -310,6 +341,33 @@ class GraphedTargetForward:
                             else None, g.logits[:rows] if g.logits is not None else None, g.top[:rows],
                             g.argmax[:rows], appended, q_len, g.verdict[:rows] if g.verdict is not None else None,
                             g.block_verdict[:len(reqs)] if g.block_verdict is not None else None)
+
+    def read_accepted(self, accepted: torch.Tensor) -> None:
+        """Queue the copy of the last replay's verification, ``accepted`` [len(reqs)] drafts per request, into
+        pinned memory, with an event: called right after the verification is queued and before the draft is
+        launched, so that ``plan_next_verify`` can read it while the drafter runs."""
+        num = accepted.shape[0]
+        self._accepted_host[:num].copy_(accepted, non_blocking=True)
+        self._accepted_read.record()
+        self._accepted_pending = num
+
+    def plan_next_verify(self) -> None:
+        """While the drafter drafts: wait for the accepted counts ``read_accepted`` queued (the verification is
+        done, the draft still runs), then plan the verify step in which the last replay's requests each verify a
+        block as long as this one from their next position (``next_verify_layout``). When the engine schedules
+        exactly that step, its plan (~0.2 ms of host time a step on the Qwen3-8B shape) was made while the GPU
+        drafted; any other step plans as usual."""
+        num, self._accepted_pending = self._accepted_pending, 0
+        if not self.plan_ahead or self._last_run is None or num == 0:
+            return
+        reqs, layout, batch, q_len = self._last_run
+        if num != len(reqs):
+            return
+        self._accepted_read.synchronize()
+        accepted = self._accepted_host[:num].tolist()
+        upcoming = next_verify_layout(layout, reqs, accepted, q_len, self.page_size, self.scratch_page)
+        if upcoming is not None:
+            self._plan(upcoming, batch, q_len)
 
     def decode_greedy(self, reqs: list[ScheduledRequest], run_ahead: bool) -> list[int]:
         """A plain greedy decode step (one token per request): its verdicts [len(reqs)] (each request's greedy token,

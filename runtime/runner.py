@@ -122,12 +122,19 @@ class ModelRunner:
                 return self._verdict_results(reqs, entries, verdicts.tolist())  # the step's one transfer
         with region("dspark.verify"):
             verified = self._verify(entries, hidden, t.row_ends, sampled, graphed)
+        # plan the next verify step's attention while the drafter drafts (a single rank's graphed decode step)
+        plan_next = graphed is not None and k_next and len(entries) == len(reqs) and not self.parallel.is_parallel
+        if plan_next:
+            self.graphs.read_accepted(verified.accepted)
         with region("dspark.draft"):
             # a list index would copy it to the device synchronously: decode steps sample every request anyway
             table = t.page_table if len(sampled) == len(reqs) or not k_next else t.page_table[
                 to_device(sampled, self.device)]
             proposal = self._propose(entries, verified.committed, verified.accepted, table, k_next) if k_next \
                 else None
+        if plan_next:
+            with region("dspark.plan_next"):
+                self.graphs.plan_next_verify()
         if not self.is_leader:
             return []
         with region("dspark.results"):

@@ -39,7 +39,8 @@ class Scheduler:
         self._scrub: list[int] = []
         self.num_preemptions = 0
         # tokens past a step's own that a scheduled request's pages also cover when pages are free (never at the
-        # price of a preemption): 1 lets the runner plan the next decode step's attention before it is scheduled
+        # price of a preemption): 1 lets the runner plan the next decode step's attention before it is scheduled,
+        # max_draft_len + 1 the next verify step's (runtime.graphs: plan_next_verify)
         self.lookahead = 0
 
     def add(self, seq: Sequence) -> None:

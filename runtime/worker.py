@@ -167,7 +167,7 @@ class Worker:
                                                page_size, num_pages, self.config.max_num_seqs, self.pages_per_seq,
                                                q_lens, self.device,
                                                draft_runner.append_context if local else None,
-                                               plan_ahead=self.spec is None,
+                                               plan_ahead=True,
                                                prefill_q_lens=[q for q in PREFILL_Q_LENS
                                                                if q <= self.config.max_num_batched_tokens],
                                                prefill_tokens=PREFILL_GRAPH_TOKENS)

@@ -92,6 +92,31 @@ def test_the_next_decode_layout_is_the_one_the_next_step_lays_out():
     assert next_decode_layout(layout_of(at_boundary, batch=1, q_len=1)[0], [[3]], PS) is None
 
 
+def test_the_next_verify_layout_is_the_one_the_next_verify_step_lays_out():
+    """Planning a verify step while the drafter drafts: from the accepted counts alone, the layout of the step in
+    which each request verifies a block as long from its next position (pages allotted a block ahead) is what that
+    step's own layout will be, padding requests and pages past a request's own (the scratch page) included; an
+    invalid count (a faulted row) gives no prediction."""
+    from runtime.graphs import next_verify_layout
+
+    pages = {"a": [7, 8, 9, 10], "b": [3, 4, 5]}
+    now = [request("a", [10, 11, 12, 13], start=5, pages=pages["a"], drafts=3),
+           request("b", [20, 21, 22, 23], start=2, pages=pages["b"], drafts=3)]
+    layout, _ = layout_of(now, batch=4, q_len=4)
+    for accepted in ([3, 0], [0, 2], [1, 3]):
+        upcoming = next_verify_layout(layout, now, accepted, 4, PS, SCRATCH)
+        after = [request(r.request_id, [30, 31, 32, 33], start=r.start_position + a + 1, pages=pages[r.request_id],
+                         drafts=3) for r, a in zip(now, accepted)]
+        assert upcoming == layout_of(after, batch=4, q_len=4)[0], accepted
+    # a block trimmed to its anchor (a request one token from its limit): the padding keys spill past its one page
+    short = [request("c", [1, 2, 3, 4], start=0, pages=[6], drafts=3)]
+    predicted = next_verify_layout(layout_of(short, batch=1, q_len=4)[0], short, [2], 4, PS, SCRATCH)
+    assert predicted == layout_of([request("c", [5], start=3, pages=[6])], 1, 4)[0]
+    assert predicted.page_ids == [[6, SCRATCH]]
+    assert next_verify_layout(layout, now, [-1, 0], 4, PS, SCRATCH) is None
+    assert next_verify_layout(layout, now, [4, 0], 4, PS, SCRATCH) is None
+
+
 def test_a_verify_graphs_greedy_verdicts_equal_the_eager_verification():
     """``block_verdicts`` (what a verify graph computes after its LM head) on a real padded layout: blocks of 3, 1
     and 0 drafts in a Q = 4 graph of 4 requests. Its accepted counts equal ``commit_by_match`` over each request's
