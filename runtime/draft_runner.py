@@ -118,15 +118,20 @@ class DraftRunner:
         tokens, low_ranks = [], []
         for k in range(k_next):
             z = base_logits[:, k]
+            low_rank = None
             if head is not None:
                 low_rank, state = head.low_rank(prev, hidden[:, k], state)
-                z = z + head.markov_w2(low_rank).float()
                 low_ranks.append(low_rank)
-            token = z.argmax(dim=-1)
-            if sampling is not None:
-                q = torch.softmax(z / sampling.temperature, dim=-1)
-                noise = exponentials(sampling.seeds, anchor_pos + 1 + k, Stream.DRAFT, vocab)
-                token = torch.where(sampling.drawn, self.kernels.sample_exponential_race(q, noise), token)
+            if head is not None and sampling is None:  # greedy drafting: product, add and argmax in one kernel
+                token = self.kernels.markov_argmax(z, low_rank, head.markov_w2.weight)
+            else:
+                if head is not None:
+                    z = z + head.markov_w2(low_rank).float()
+                token = z.argmax(dim=-1)
+                if sampling is not None:
+                    q = torch.softmax(z / sampling.temperature, dim=-1)
+                    noise = exponentials(sampling.seeds, anchor_pos + 1 + k, Stream.DRAFT, vocab)
+                    token = torch.where(sampling.drawn, self.kernels.sample_exponential_race(q, noise), token)
             tokens.append(token)
             prev = token
         return torch.stack(tokens, dim=1), (torch.stack(low_ranks, dim=1) if low_ranks else None)

@@ -7,8 +7,8 @@ prefill kernel for eager forwards (any mix of query lengths), its tensor-core de
 of uniform steps (``graph_wrapper``: Q tokens per request, the faster of the two there). A draft block (its context plus its own keys, the context
 length known only on the device) runs a Triton flash-attention kernel (``triton_ops.block_attention``) that needs no
 plan, so drafts can be graphed too.
-RMSNorm (with the residual add fused), q/k norm + RoPE (fused with the KV-cache write) and SiLU-and-mul are the
-Triton kernels of ``triton_ops``; the exponential-race sampler is the torch reference's.
+RMSNorm (with the residual add fused), q/k norm + RoPE (fused with the KV-cache write), SiLU-and-mul and a greedy
+Markov-head step (its product, the add and the argmax in one launch) are the Triton kernels of ``triton_ops``; the exponential-race sampler is the torch reference's.
 
 Loading this backend imports flashinfer and triton and needs a CUDA device; anything missing raises
 ``KernelBackendUnavailable`` naming it (the registry never substitutes another backend).
@@ -274,6 +274,9 @@ class FlashInferBackend:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._ops.silu_and_mul(x)
+
+    def markov_argmax(self, base: torch.Tensor, low_rank: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._ops.markov_argmax(base, low_rank, weight)
 
     def qk_norm_rope(self, q, k, q_weight, k_weight, eps, cos, sin):
         return self._ops.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)

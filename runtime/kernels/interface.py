@@ -99,3 +99,8 @@ class KernelBackend(Protocol):
 
     def sample_exponential_race(self, probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
         """Categorical sample per row of probs [R, V] given Exp(1) noise [R, V]: argmax(p / E)."""
+
+    def markov_argmax(self, base: torch.Tensor, low_rank: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One greedy step of the Markov head: argmax over V of base [S, V] (float32; rows may be strided) plus
+        ``low_rank`` [S, r] @ ``weight`` [V, r]^T rounded to the weight's dtype (what ``nn.Linear`` returns), the
+        first index on ties -> [S] int64 token ids."""

@@ -124,6 +124,11 @@ def sample_exponential_race(probs: torch.Tensor, exponentials: torch.Tensor) -> 
     return (probs / exponentials).argmax(dim=-1)
 
 
+def markov_argmax(base: torch.Tensor, low_rank: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(base [S, V] + (low_rank [S, r] @ weight [V, r]^T in the weight's dtype)).argmax(-1) -> [S]."""
+    return (base + F.linear(low_rank, weight).float()).argmax(dim=-1)
+
+
 class TorchReference:
     """The ``torch`` backend: always registered, runs on any device."""
 
@@ -137,3 +142,4 @@ class TorchReference:
     qk_norm_rope = staticmethod(qk_norm_rope)
     rope_and_cache = staticmethod(rope_and_cache)
     sample_exponential_race = staticmethod(sample_exponential_race)
+    markov_argmax = staticmethod(markov_argmax)

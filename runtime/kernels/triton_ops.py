@@ -1,4 +1,5 @@
-"""Fused elementwise kernels in Triton (CUDA): RMSNorm, residual add + RMSNorm, SiLU-and-mul, q/k norm + RoPE.
+"""Fused kernels in Triton (CUDA): RMSNorm, residual add + RMSNorm, SiLU-and-mul, q/k norm + RoPE, the draft
+block's attention, and a greedy Markov-head step.
 
 Each kernel does in one launch what the torch reference does in several, with the same arithmetic in float32
 and one rounding to the output dtype at the end (the reference rounds after some intermediate steps, so bf16
@@ -254,3 +255,65 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         M=max(16, triton.next_power_of_2(block * group)), D=dim, BLOCK_N=16,
         X=max(16, triton.next_power_of_2(block)), **launch_options(q))
     return out
+
+
+MARKOV_BLOCK_V = 256  # vocabulary columns per program of the Markov step
+MARKOV_BLOCK_S = 16  # request rows per program (the dot's M): the weight is read once per 16 requests
+_INT64_MIN = -(1 << 63)
+
+
+@triton.jit
+def _markov_argmax_kernel(base_ptr, low_rank_ptr, w_ptr, best_ptr, num, vocab, rank, base_stride, low_rank_stride,
+                          BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    """Program (tile, row block): z = base[rows, tile] + round(low_rank[rows] @ w[tile]^T) over BLOCK_V columns
+    and BLOCK_S rows; each row's max over the tile and its first argmax, packed into one int64 ordered by
+    (value, -index), go to best[row] by atomic max."""
+    wait_for_inputs(PDL)
+    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BV]
+    rows = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)  # [BS]
+    col_ok = cols < vocab
+    row_ok = rows < num
+    acc = tl.zeros((BLOCK_S, BLOCK_V), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        rs = r0 + tl.arange(0, BLOCK_R)
+        r_ok = rs < rank
+        u = tl.load(low_rank_ptr + rows[:, None] * low_rank_stride + rs[None, :], mask=row_ok[:, None] & r_ok[None, :],
+                    other=0.0)  # [BS, BR]
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * rank + rs[:, None], mask=r_ok[:, None] & col_ok[None, :],
+                    other=0.0)  # [BR, BV]
+        acc = tl.dot(u.to(w.dtype), w, acc)
+    product = acc.to(w_ptr.dtype.element_ty).to(tl.float32)  # the Linear's output, in the weight's dtype
+    z = tl.load(base_ptr + rows[:, None].to(tl.int64) * base_stride + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0) + product
+    z = tl.where(col_ok[None, :], z, float("-inf"))
+    top = tl.max(z, axis=1)  # [BS]
+    first = tl.min(tl.where(z == top[:, None], cols[None, :], vocab), axis=1)
+    first = tl.where(first < vocab, first, tl.program_id(0) * BLOCK_V)  # NaN rows: any valid id (garbage drafts)
+    bits = top.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # the bits' signed order is the floats' order
+    packed = key.to(tl.int64) * 4294967296 + (4294967295 - first.to(tl.int64))  # (value, 2^32 - 1 - index)
+    tl.atomic_max(best_ptr + rows, packed, mask=row_ok)
+
+
+def markov_argmax(base: torch.Tensor, low_rank: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``torch_ref.markov_argmax`` in one kernel (plus a fill and the unpacking): base [S, V] float32 (unit stride
+    along V; rows may be strided), low_rank [S, r], weight [V, r]. Each program reads BLOCK_V rows of the weight
+    once for up to 16 requests (a tensor-core dot over r in float32, rounded to the weight's dtype as the Linear's
+    output is): the tokens equal the reference's except where two columns tie within that rounding, which for
+    draft tokens costs acceptance, never correctness."""
+    num, vocab = base.shape
+    rank = weight.shape[1]
+    if base.dtype != torch.float32 or base.stride(1) != 1 or weight.shape[0] != vocab or low_rank.shape != (num, rank):
+        raise ValueError(f"markov_argmax (triton): base [S, V] float32, low_rank [S, r], weight [V, r]; got "
+                         f"{tuple(base.shape)} {base.dtype}, {tuple(low_rank.shape)}, {tuple(weight.shape)}")
+    weight = weight if weight.is_contiguous() else weight.contiguous()
+    low_rank = low_rank if low_rank.stride(1) == 1 else low_rank.contiguous()
+    best = torch.full((num,), _INT64_MIN, dtype=torch.int64, device=base.device)
+    if num == 0:
+        return best
+    grid = (triton.cdiv(vocab, MARKOV_BLOCK_V), triton.cdiv(num, MARKOV_BLOCK_S))
+    _markov_argmax_kernel[grid](base, low_rank, weight, best, num, vocab, rank, base.stride(0), low_rank.stride(0),
+                                BLOCK_S=MARKOV_BLOCK_S, BLOCK_V=MARKOV_BLOCK_V,
+                                BLOCK_R=min(64, max(16, triton.next_power_of_2(rank))), num_warps=4,
+                                **launch_options(base))
+    return 4294967295 - (best & 4294967295)

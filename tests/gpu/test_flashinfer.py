@@ -431,3 +431,21 @@ def test_decode_steps_run_ahead_and_decode_as_eager_steps(wide_target):
     assert info["steps_run_ahead"] > 20 and info["steps_ahead_dropped"] >= 1
     eager = LLM(str(wide_target), **{**ENGINE, "enforce_eager": True})
     assert tokens == run(eager) and 0 < len(tokens[2]) < lengths[2]
+
+
+@pytest.mark.parametrize("num", [1, 17, 64])
+def test_the_markov_step_kernel_matches_the_reference_up_to_bf16_ties(fi, num):
+    """The fused greedy Markov step on the Qwen3-8B drafter's shape (V = 151936, rank 256, bf16): the reference's
+    token, or where not, a column whose reference value ties the maximum within the bf16 rounding of the product."""
+    torch.manual_seed(num)
+    vocab, rank = 151936, 256
+    base = torch.randn(num, 7, vocab, device=DEV)[:, 3]
+    low_rank = torch.randn(num, rank, device=DEV, dtype=BF16)
+    weight = torch.randn(vocab, rank, device=DEV, dtype=BF16) / 16
+    got = fi.markov_argmax(base, low_rank, weight)
+    want = torch_ref.markov_argmax(base, low_rank, weight)
+    z = base + torch.nn.functional.linear(low_rank, weight).float()
+    assert got.shape == (num,) and bool(((got >= 0) & (got < vocab)).all())
+    gap = z.max(dim=-1).values - z.gather(1, got[:, None])[:, 0]
+    assert bool((gap <= 2 * 2 ** -7 * z.abs().max()).all()), gap
+    assert (got == want).float().mean().item() >= 0.9

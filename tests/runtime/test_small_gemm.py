@@ -2,10 +2,6 @@
 left alone. The Triton kernel itself is checked against cuBLAS on a GPU (tests/gpu/test_small_gemm.py) and, where
 triton is installed, under Triton's CPU interpreter here."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +12,7 @@ from runtime.loader import load_target
 from runtime.kernels import get_backend
 from runtime.parallel import ParallelContext, RowParallelLinear
 from runtime.small_gemm import ROW_BUCKETS, GemmChoice, SmallBatchLinear, linear
+from tests.runtime.interpreter import run_interpreted
 
 
 class Recorder:
@@ -208,10 +205,7 @@ print("kernel ok")
 
 def test_the_triton_kernel_under_the_interpreter():
     """Every candidate config against a float32 product, and a row's result independent of the rows beside it."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and "kernel ok" in run.stdout, run.stderr[-3000:]
+    run_interpreted(KERNEL_CHECK, "kernel ok")
 
 
 def test_kernels_launch_with_pdl_only_on_hopper_and_later():
