@@ -2,12 +2,14 @@
 # One device command that checks what CPU-only sessions built for the GPU, on one H200 (carry .whl-fi and .fi-cache;
 # ~5 minutes, inside the 10-minute limit; the Qwen3-8B-shape bench is the next command, README "GPU machines"):
 #   bash benchmarks/gpu_validate.sh OUT
-# 1. tests/gpu (the graphed paths: in-graph verification, the packed read-back, prefill graphs, run-ahead, PDL);
-# 2. the engine's Triton kernels launched with programmatic dependent launch against plain launches, two engines on
-#    the Qwen3-8B shape side by side at 1 and 64 requests (benchmarks/plan_ahead.py --toggle pdl) -> OUT/pdl.json;
+# 1. tests/gpu (the graphed paths: in-graph verification, the packed read-back, prefill graphs, run-ahead of decode
+#    and of verify steps, PDL, the fused Markov step);
+# 2. DSpark's next verify launched while the drafter drafts against planning it ahead only, the same engine on the
+#    Qwen3-8B shape at 1 and 16 requests (benchmarks/plan_ahead.py --toggle run_ahead --speculative)
+#    -> OUT/run-ahead-dspark.json;
 # then the FlashInfer JIT cache packed into OUT (bring it back as .fi-cache/). A failing step is reported and the
-# next one still runs; the exit status is the first failure's. (Session 8's experiments, the read-back, run-ahead,
-# split-KV attention and PDL-chain runs, are in benchmarks/results with the commit they ran at.)
+# next one still runs; the exit status is the first failure's. (Earlier experiments (the read-back, decode run-ahead,
+# split-KV attention, PDL chain and PDL engine runs) are in benchmarks/results with the commit they ran at.)
 set -uo pipefail
 out=${1:?give an output folder}
 eval "$(bash benchmarks/gpu_host.sh install)"
@@ -19,6 +21,7 @@ step() {  # name, command...
   if ! "$@"; then echo "== $name FAILED" >&2; [ "$status" -eq 0 ] && status=1; fi
 }
 step tests-gpu python3 -m pytest -q tests/gpu -p no:cacheprovider
-step pdl python3 benchmarks/plan_ahead.py --toggle pdl --concurrency 1,64 --steps 30 --out "$out/pdl.json"
+step run-ahead-dspark python3 benchmarks/plan_ahead.py --toggle run_ahead --speculative --concurrency 1,16 \
+  --steps 30 --out "$out/run-ahead-dspark.json"
 bash benchmarks/gpu_host.sh save-cache "$out" >/dev/null 2>&1 || true
 exit "$status"

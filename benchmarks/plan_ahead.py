@@ -4,6 +4,8 @@ on, in alternating rounds of ``cluster.bench.time_steps`` at each concurrency; t
 with every round's step time. ``plans_made_ahead``: the steps of the last round that skipped their plan.
 ``--toggle run_ahead``: planning ahead in both modes, launching steady greedy decode steps ahead
 (``GraphedTargetForward.run_ahead``) off and on; ``steps_run_ahead`` / ``steps_ahead_dropped`` of the last round.
+``--speculative``: DSpark engines (a 1-layer random drafter, K=7); ``--toggle run_ahead`` then launches the next
+greedy verify of full blocks ahead (``GraphedTargetForward.launch_verify_ahead``) or not.
 ``--toggle pdl``: two engines side by side (both planning and running ahead), the "off" one built with its
 Triton kernels launched plainly (``runtime.kernels.pdl.supported`` patched to False while its graphs are
 captured), the "on" one with programmatic dependent launch; only decode steps are timed, all of them replays.
@@ -11,7 +13,7 @@ captured), the "on" one with programmatic dependent launch; only decode steps ar
 ``--profile``: each mode's GPU idle time per step and its largest gaps (``runtime.profiling.gpu_gaps``).
 
 usage: python3 benchmarks/plan_ahead.py [--model-shape qwen3-8b] [--concurrency 1,16,64] [--steps 30]
-                                        [--rounds 3] [--toggle plan_ahead|run_ahead|pdl] [--profile] [--out FILE.json]
+                                        [--rounds 3] [--toggle plan_ahead|run_ahead|pdl] [--speculative] [--profile] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def set_mode(graphs, toggle: str, on: bool) -> None:
     graphs.run_ahead = on or toggle == "pdl"
 
 
-def build(target: Path, args, concurrency: list[int], pdl: bool = True) -> LLM:
+def build(target: Path, args, concurrency: list[int], pdl: bool = True, drafter: Path | None = None) -> LLM:
     """The engine under test; ``pdl=False``: its graphs captured with every Triton kernel launched plainly."""
     from runtime.kernels import pdl as pdl_module
 
@@ -45,7 +47,9 @@ def build(target: Path, args, concurrency: list[int], pdl: bool = True) -> LLM:
     if not pdl:
         pdl_module.supported = lambda device: False
     try:
-        return LLM(str(target), dtype="bfloat16", device="cuda", kernel_backend="flashinfer", load_format="dummy",
+        spec = {"speculative_model": str(drafter), "max_draft_len": 7, "load_format": "dummy"} if drafter else None
+        return LLM(str(target), speculative_config=spec, dtype="bfloat16", device="cuda", kernel_backend="flashinfer",
+                   load_format="dummy",
                    max_num_seqs=max(concurrency), max_model_len=args.prompt_len + 2048,
                    kv_cache_memory=int(args.kv_cache_gib * 2**30),
                    max_num_batched_tokens=max(2048, 2 * args.prompt_len))
@@ -67,12 +71,15 @@ def main() -> None:
     parser.add_argument("--toggle", choices=("plan_ahead", "run_ahead", "pdl"), default="plan_ahead",
                         help="what the off and on modes differ in (run_ahead: both plan ahead; pdl: two engines, "
                              "both running ahead)")
+    parser.add_argument("--speculative", action="store_true", help="DSpark engines (a 1-layer random drafter, K=7)")
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    target, _ = write_shape(Path(tempfile.mkdtemp(prefix="plan-ahead-")), args.model_shape, 1, 8)
-    llm = build(target, args, concurrency)
-    engines = {"off": build(target, args, concurrency, pdl=False) if args.toggle == "pdl" else llm, "on": llm}
+    target, drafter = write_shape(Path(tempfile.mkdtemp(prefix="plan-ahead-")), args.model_shape, 1, 8)
+    drafter = drafter if args.speculative else None
+    llm = build(target, args, concurrency, drafter=drafter)
+    engines = {"off": build(target, args, concurrency, pdl=False, drafter=drafter) if args.toggle == "pdl" else llm,
+               "on": llm}
     for engine in engines.values():
         graphs = engine.engine.executor.worker.graphs
         if graphs is None or not graphs.plan_ahead:
@@ -111,7 +118,7 @@ def main() -> None:
         runs.append(run)
     record = {"hardware": torch.cuda.get_device_name(), "date": str(date.today()), "torch": torch.__version__,
               "command": "python3 benchmarks/plan_ahead.py " + shlex.join(sys.argv[1:]), "model": args.model_shape,
-              "toggle": args.toggle,
+              "toggle": args.toggle, "speculative": args.speculative,
               "copy_bandwidth_gbs": copy_bandwidth(torch.device("cuda")) / 1e9, "runs": runs}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1))

@@ -34,7 +34,7 @@ from runtime.sequence import Sequence, Status
 from runtime.step_costs import StepCostTable
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.step_profile import profile_step_costs
-from runtime.step_tensors import plain_greedy
+from runtime.step_tensors import greedy_only, plain_greedy
 from runtime.stops import StopCriteria
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,10 @@ class Engine:
             # GPU runs this step): a token ahead, or with a drafter a whole block (the next verify starts at most
             # max_draft_len + 1 positions on and spans as many)
             self.scheduler.lookahead = int(self.spec.max_draft_len or 0) + 1 if self.has_drafter else 1
-        # the worker (this process's graphs) may launch a steady greedy decode step before the previous one is read
-        # back (ScheduledBatch.run_ahead; runtime.graphs.GraphedTargetForward.decode_greedy)
-        self._runs_ahead = not self.has_drafter and getattr(self.executor, "runs_ahead", False)
+        # the worker (this process's graphs) may launch the next step before this one is read back
+        # (ScheduledBatch.run_ahead): a steady greedy decode step (GraphedTargetForward.decode_greedy), or with a
+        # drafter the next greedy verify of full blocks (GraphedTargetForward.launch_verify_ahead)
+        self._runs_ahead = getattr(self.executor, "runs_ahead", False)
         self._ran_ahead = False  # the step just scheduled may be launched ahead of its turn
         self.stops = StopCriteria(self._eos_token_ids(), self.tokenizer, self.max_model_len)
         self.metrics = SpecMetrics()
@@ -231,7 +232,8 @@ class Engine:
                 self._allot_verify_lengths(group)
             # a step the worker may have launched ahead is the running requests' decode: arrivals join the next
             scheduled = self.scheduler.schedule(group, admit=not self._ran_ahead)
-            self._ran_ahead = self._runs_ahead and self._steady_decode(scheduled)
+            self._ran_ahead = self._runs_ahead and (self._steady_verify(scheduled) if self.has_drafter
+                                                    else self._steady_decode(scheduled))
         released, scrub = self.scheduler.take_released()
         batch = ScheduledBatch(requests=scheduled, num_next_drafts=self.draft_len(),
                                maintain_draft_context=self.has_drafter and not self.gate.closed,
@@ -260,6 +262,29 @@ class Engine:
                 return False
             seq = self.sequences[entry.request_id]
             if len(seq.output_token_ids) + 2 > seq.params.max_tokens or entry.end_position + 1 >= self.max_model_len:
+                return False
+        return True
+
+    def _steady_verify(self, scheduled: list[ScheduledRequest]) -> bool:
+        """With a drafter: whether the step after ``scheduled`` is expected to be the same requests each verifying a
+        full block again: every one a greedy verify of this step's block length (no logprobs, penalties or
+        sampling), that length the schedule's for this batch next step too, neither step able to reach a request's
+        token limit, nothing waiting to be admitted, and no trimming of blocks between steps (confidence scheduling,
+        pipelined drafting). An end of sequence, a stop string, a fault or a closing acceptance gate can still end
+        it: the worker then drops the step it launched."""
+        if not scheduled or self.scheduler.waiting or self.pipelined or self.confidence is not None \
+                or self.gate.closed:
+            return False
+        k = scheduled[0].num_drafts
+        if k == 0 or self.spec.draft_len_for_batch_size(len(scheduled)) != k:
+            return False
+        for entry in scheduled:
+            if entry.num_drafts != k or len(entry.token_ids) != k + 1 or not entry.sample or not greedy_only(entry):
+                return False
+            seq = self.sequences[entry.request_id]
+            # this step commits up to k + 1 tokens, the next one verifies a full block and commits up to k + 1 more
+            if len(seq.output_token_ids) + 2 * (k + 1) > seq.params.max_tokens \
+                    or entry.end_position + 2 * (k + 1) >= self.max_model_len:
                 return False
         return True
 

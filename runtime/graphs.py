@@ -32,6 +32,16 @@ the verification's accepted counts are copied into pinned memory before the draf
 them alone, and plans the step in which every request verifies a block as long from its next position (the
 scheduler allots pages a block ahead); that step's plan is then skipped when it comes with exactly that layout.
 
+With a drafter the next verify goes further too (``launch_verify_ahead``, when the engine expects the same requests
+to verify full blocks again: ``ScheduledBatch.run_ahead``): once the accepted counts are read and the next step
+planned, and this step's rows are queued for read-back through pinned memory (the replay reuses their buffers),
+the next verify is launched right behind the draft, its anchors (each request's last committed token) and drafts
+copied on the device from this step's verification and draft, its positions and slots from the accepted counts;
+its context append follows. The host then reads this step back, commits and schedules while the GPU verifies;
+``run`` takes that step when the engine schedules exactly it (the same requests, each feeding the anchor and
+drafts it was fed, at the same positions on the same pages), else drops it (it wrote only cache slots past every
+request's committed tokens, in both caches, which later steps write again before any reads them).
+
 Plain greedy decode steps go further (``decode_greedy``, when the engine says the next step is expected to be the
 same requests decoding one token more: ``ScheduledBatch.run_ahead``): right after this step's graph, its verdicts
 are copied into pinned host memory (an event marks them), copied on the device into the next step's input ids,
@@ -243,6 +253,31 @@ class _Ahead:
 
 
 @dataclass
+class _AheadVerify:
+    """A DSpark verify step launched before the engine scheduled it (``GraphedTargetForward.launch_verify_ahead``):
+    each request verifying a full block from the position after its last committed token."""
+
+    request_ids: tuple[str, ...]
+    starts: tuple[int, ...]  # each request's first position in it (its anchor's)
+    q_len: int
+    pages: tuple[list[int], ...]  # each request's pages under it
+    layout: HostLayout
+    appended: bool  # the drafter's context graph was replayed after it
+    tokens: tuple[tuple[int, ...] | None, ...] = ()  # what each request feeds (anchor, drafts), once read back
+
+    def matches(self, reqs: list[ScheduledRequest], append_context: bool) -> bool:
+        """Whether ``reqs`` is exactly this step: the same requests in order, each feeding the tokens it was fed
+        (its anchor and drafts) at the same positions on the same pages, and the same context append."""
+        if not len(reqs) == len(self.request_ids) == len(self.tokens) or append_context != self.appended:
+            return False
+        for r, rid, start, tokens, pages in zip(reqs, self.request_ids, self.starts, self.tokens, self.pages):
+            if r.request_id != rid or r.start_position != start or tokens is None or tuple(r.token_ids) != tokens \
+                    or r.num_drafts != self.q_len - 1 or r.page_ids[:len(pages)] != pages:
+                return False
+        return True
+
+
+@dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     wrapper: object  # the FlashInfer wrapper whose buffers the graph reads
@@ -270,7 +305,9 @@ class GraphedTargetForward:
         # step that follows if every request decodes one token more (its pages are allotted a token ahead,
         # Scheduler.lookahead); that step then skips its plan, which ran while the GPU was busy
         self.plan_ahead = plan_ahead
-        self.run_ahead = plan_ahead  # launch steady greedy decode steps ahead (decode_greedy); off: plan ahead only
+        # launch steady greedy decode steps (decode_greedy) and full-block verify steps (launch_verify_ahead) ahead;
+        # off: plan ahead only
+        self.run_ahead = plan_ahead
         self.planned: dict[tuple[int, int], HostLayout] = {}  # per graph: the layout its wrapper is planned for
         self.plans_skipped = 0  # steps whose plan was made ahead
         self._plan_copied = torch.cuda.Event()  # recorded after each plan's host-to-device copies
@@ -304,6 +341,7 @@ class GraphedTargetForward:
         self._accepted_host = torch.zeros(max_batch, dtype=torch.int64, pin_memory=True)
         self._accepted_read = torch.cuda.Event()
         self._accepted_pending = 0
+        self._ahead_verify: _AheadVerify | None = None  # a verify step launched ahead (launch_verify_ahead)
         self.replays = 0  # steps served by a graph (padded ones included); the rest of the steps ran eagerly
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
         for batch, q_len in shapes:  # per length the largest batch first: smaller graphs reuse its pool memory
@@ -322,19 +360,26 @@ class GraphedTargetForward:
     def run(self, reqs: list[ScheduledRequest], q_len: int, append_context: bool = False) -> GraphOutputs:
         """Replay the graph of ``len(reqs)`` requests (padded to a bucket) x ``q_len`` tokens, then, if asked and
         captured, the drafter's context graph (padding rows write the scratch page of its cache too)."""
+        ahead, self._ahead_verify = self._ahead_verify, None
         self.drop_ahead()
         batch = next(b for b in self.buckets if b >= len(reqs))
         g = self.graphs[(batch, q_len)]
-        layout = self._write_inputs(reqs, batch, q_len)
-        self._plan_and_replay(g, layout, batch, q_len)
-        self._last_run = (reqs, layout, batch, q_len)
         appended = append_context and g.context is not None
-        if appended:
-            g.context.replay()
-        if self.plan_ahead and q_len == 1:  # while the GPU runs this step (the plan's copies queue behind it)
-            upcoming = next_decode_layout(layout, [r.page_ids for r in reqs], self.page_size)
-            if upcoming is not None:
-                self._plan(upcoming, batch, q_len)
+        if ahead is not None and ahead.q_len == q_len and ahead.matches(reqs, appended):
+            self.steps_run_ahead += 1  # launched (and its context appended) while the step before it drafted
+            self._last_run = (reqs, ahead.layout, batch, q_len)
+        else:
+            if ahead is not None:
+                self.steps_ahead_dropped += 1
+            layout = self._write_inputs(reqs, batch, q_len)
+            self._plan_and_replay(g, layout, batch, q_len)
+            self._last_run = (reqs, layout, batch, q_len)
+            if appended:
+                g.context.replay()
+            if self.plan_ahead and q_len == 1:  # while the GPU runs this step (the plan's copies queue behind it)
+                upcoming = next_decode_layout(layout, [r.page_ids for r in reqs], self.page_size)
+                if upcoming is not None:
+                    self._plan(upcoming, batch, q_len)
         rows = len(reqs) * q_len
         ids, positions, slots = (t[:rows] for t in self.inputs)
         return GraphOutputs(ids, positions, slots, g.hidden[:rows], g.captured[:rows] if g.captured is not None
@@ -351,23 +396,65 @@ class GraphedTargetForward:
         self._accepted_read.record()
         self._accepted_pending = num
 
-    def plan_next_verify(self) -> None:
+    def plan_next_verify(self) -> list[int] | None:
         """While the drafter drafts: wait for the accepted counts ``read_accepted`` queued (the verification is
         done, the draft still runs), then plan the verify step in which the last replay's requests each verify a
         block as long as this one from their next position (``next_verify_layout``). When the engine schedules
         exactly that step, its plan (~0.2 ms of host time a step on the Qwen3-8B shape) was made while the GPU
-        drafted; any other step plans as usual."""
+        drafted; any other step plans as usual. -> the accepted counts when it planned, else None."""
         num, self._accepted_pending = self._accepted_pending, 0
         if not self.plan_ahead or self._last_run is None or num == 0:
-            return
+            return None
         reqs, layout, batch, q_len = self._last_run
         if num != len(reqs):
-            return
+            return None
         self._accepted_read.synchronize()
         accepted = self._accepted_host[:num].tolist()
         upcoming = next_verify_layout(layout, reqs, accepted, q_len, self.page_size, self.scratch_page)
-        if upcoming is not None:
-            self._plan(upcoming, batch, q_len)
+        if upcoming is None:
+            return None
+        self._plan(upcoming, batch, q_len)
+        return accepted
+
+    def launch_verify_ahead(self, accepted: list[int], committed: torch.Tensor, accepted_device: torch.Tensor,
+                            drafts: torch.Tensor, append_context: bool) -> bool:
+        """Launch, right behind the draft, the verify step in which every request of the last replay verifies the
+        block just drafted (``drafts`` [S, K], device) from its next position, its anchor the token this step
+        committed last (``committed`` [S, K+1] at ``accepted_device`` [S], device; ``accepted`` the same counts
+        read back by ``plan_next_verify``, which planned it), if each request's pages cover it. The step's inputs
+        are written on the device; its context append follows when ``append_context``. The caller has already
+        queued the read-back of this step (the replay reuses its output buffers) and, once it has read back,
+        says what each request feeds (``set_ahead_tokens``). -> whether it was launched."""
+        if not self.run_ahead or self._last_run is None:
+            return False
+        reqs, _, batch, q_len = self._last_run
+        num, ps = len(reqs), self.page_size
+        if drafts.shape != (num, q_len - 1) or len(accepted) != num:
+            return False
+        upcoming = [ScheduledRequest(r.request_id, [0] * q_len, r.start_position + a + 1, r.page_ids, q_len - 1, True,
+                                     r.params, r.seed) for r, a in zip(reqs, accepted)]
+        if any(-(-r.end_position // ps) > len(r.page_ids) for r in upcoming):
+            return False  # its pages do not cover the block yet
+        g = self.graphs[(batch, q_len)]
+        inputs, layout = graph_inputs(upcoming, batch, q_len, ps, self.scratch_page)
+        self.inputs[:, :batch * q_len].copy_(torch.from_numpy(inputs), non_blocking=True)
+        ids = self.inputs[0, :num * q_len].view(num, q_len)  # [S, Q]: anchor, then the drafts
+        ids[:, :1].copy_(committed.gather(1, accepted_device[:, None]))
+        ids[:, 1:].copy_(drafts)
+        self._plan_and_replay(g, layout, batch, q_len)  # planned by plan_next_verify: the plan is skipped
+        appended = append_context and g.context is not None
+        if appended:
+            g.context.replay()
+        self._ahead_verify = _AheadVerify(tuple(r.request_id for r in upcoming),
+                                          tuple(r.start_position for r in upcoming), q_len,
+                                          tuple(layout.page_ids[:num]), layout, appended)
+        return True
+
+    def set_ahead_tokens(self, tokens: list[tuple[int, ...] | None]) -> None:
+        """What each request of the verify step launched ahead feeds (its anchor, then its drafts), as this step
+        read them back; None for a request that will not feed a full block (it faulted)."""
+        if self._ahead_verify is not None:
+            self._ahead_verify.tokens = tuple(tokens)
 
     def decode_greedy(self, reqs: list[ScheduledRequest], run_ahead: bool) -> list[int]:
         """A plain greedy decode step (one token per request): its verdicts [len(reqs)] (each request's greedy token,
@@ -441,9 +528,10 @@ class GraphedTargetForward:
 
     def drop_ahead(self) -> None:
         """Any other step (graphed or eager): a step launched ahead is no longer the next one."""
-        if self._ahead is not None:
-            self.steps_ahead_dropped += 1
-            self._ahead = None
+        for name in ("_ahead", "_ahead_verify"):
+            if getattr(self, name) is not None:
+                self.steps_ahead_dropped += 1
+                setattr(self, name, None)
 
     # ---- building -----------------------------------------------------------------------------
 

@@ -66,6 +66,8 @@ class ModelRunner:
         self.page_size, self.device, self.parallel = page_size, device, parallel
         self.channel = channel  # rank 0 only
         self.has_drafter = spec is not None
+        self._pinned_rows: torch.Tensor | None = None  # a step's read-back rows when the next step runs ahead
+        self._rows_read = None  # the event after their copy
         self.use_rejection = bool(spec and spec.use_rejection_sampling)
         self.draft_w2 = draft_w2  # Markov W2 [V, r], to rebuild draft logits (None: rank 0 head or no rejection)
         self.vocab_size = target.config.vocab_size
@@ -92,9 +94,9 @@ class ModelRunner:
             with region("dspark.forward"):
                 verdicts = self.graphs.decode_greedy(reqs, batch.run_ahead)
             return self._verdict_results(reqs, reqs, verdicts)
-        if self.graphs is not None:
-            self.graphs.drop_ahead()
         q_len = self.graphs.tokens_per_request(reqs) if self.graphs is not None else None
+        if self.graphs is not None and (q_len is None or batch.scrub_page_ids):
+            self.graphs.drop_ahead()  # (a graphed step takes or drops a verify launched ahead: graphs.run)
         drafting = self.has_drafter and batch.maintain_draft_context
         graphed = None
         with region("dspark.forward"):
@@ -132,11 +134,26 @@ class ModelRunner:
                 to_device(sampled, self.device)]
             proposal = self._propose(entries, verified.committed, verified.accepted, table, k_next) if k_next \
                 else None
+        accepted_host = None
         if plan_next:
             with region("dspark.plan_next"):
-                self.graphs.plan_next_verify()
+                accepted_host = self.graphs.plan_next_verify()
         if not self.is_leader:
             return []
+        if accepted_host is not None and batch.run_ahead and self._verifies_full_blocks(verified, proposal, graphed):
+            with region("dspark.run_ahead"):
+                # this step's rows read back through pinned memory first: the next replay reuses their buffers
+                rows = self._read_back(self._packed(verified, proposal)[0])
+                launched = self.graphs.launch_verify_ahead(accepted_host, verified.committed, verified.accepted,
+                                                           proposal.tokens, drafting)
+            with region("dspark.results"):
+                results = self._results(reqs, entries, verified, proposal, host=rows())
+            if launched:  # what each request feeds next: its last committed token, then the block just drafted
+                k = proposal.tokens.shape[1]
+                self.graphs.set_ahead_tokens([
+                    (r.token_ids[-1], *r.next_draft_ids) if r.error is None and len(r.next_draft_ids) == k else None
+                    for r in results])
+            return results
         with region("dspark.results"):
             logprobs = verified.source.top(verified.committed) if verified.source is not None else None
             # a faulted request's pages, and the graphs' scratch page its padding rows may have filled with NaN, are
@@ -183,21 +200,55 @@ class ModelRunner:
         sampled = {r.request_id: r for r in results}
         return [sampled.get(r.request_id) or RequestStepResult(r.request_id, [], 0, []) for r in reqs]
 
-    def _results(self, reqs, entries, verified: Verified, proposal: Proposal | None,
-                 logprobs: dict[int, list[list[TokenLogprob]]] | None = None) -> list[RequestStepResult]:
-        """The step's one device-to-host transfer, a row per entry: its committed tokens (``width`` columns, the
-        first accepted + 1 valid), accepted, fault flag, then its next block (drafts, length and confidences as
-        c * 2^24, packed by the drafter: ``DraftOutput.block``) -> results in batch order."""
+    def _verifies_full_blocks(self, verified: Verified, proposal: Proposal | None, graphed: GraphOutputs) -> bool:
+        """Whether the next verify may be launched before this step is read back: a graph verified this step
+        (greedy, no logprobs), and the block just drafted here, in this process, is a full one for the same graph
+        (no confidence threshold trims it)."""
+        runner = getattr(self.channel, "runner", None)
+        return verified.packed is not None and verified.source is None and proposal is not None \
+            and proposal.tokens is not None and proposal.tokens.shape[1] == graphed.q_len - 1 \
+            and runner is not None and runner.confidence_threshold is None
+
+    def _read_back(self, packed: torch.Tensor):
+        """Queue the copy of ``packed`` [S, W] (int64, device) into pinned memory with an event -> a function that
+        waits for it alone and returns the rows as lists."""
+        n = packed.numel()
+        if self._pinned_rows is None or self._pinned_rows.numel() < n:
+            self._pinned_rows = torch.empty(max(n, 2 * (0 if self._pinned_rows is None else
+                                                        self._pinned_rows.numel())), dtype=torch.int64,
+                                            pin_memory=True)
+            self._rows_read = torch.cuda.Event()
+        host = self._pinned_rows[:n].view(packed.shape)
+        host.copy_(packed, non_blocking=True)
+        self._rows_read.record()
+
+        def rows() -> list[list[int]]:
+            self._rows_read.synchronize()
+            return host.tolist()
+        return rows
+
+    @staticmethod
+    def _packed(verified: Verified, proposal: Proposal | None) -> tuple[torch.Tensor, int, int]:
+        """The step's read-back rows [S, W] on the device: committed tokens (``width`` columns, the first
+        accepted + 1 valid), accepted, fault flag, then the next block (drafts, length and confidences as c * 2^24,
+        packed by the drafter: ``DraftOutput.block``) -> (rows, width, drafts per block)."""
         committed, accepted, faulty = verified.committed, verified.accepted, verified.faulty
         head = verified.packed if verified.packed is not None else torch.cat(
             [committed, accepted[:, None], faulty[:, None].to(committed.dtype)], dim=1)  # [S, width + 2]
-        parts = [head]
-        k = 0
-        if proposal is not None and proposal.tokens is not None:
-            k = proposal.tokens.shape[1]
-            parts.append(proposal.block)
-        host = (torch.cat(parts, dim=1) if len(parts) > 1 else head).tolist()
-        width = head.shape[1] - 2
+        if proposal is None or proposal.tokens is None:
+            return head, head.shape[1] - 2, 0
+        return torch.cat([head, proposal.block], dim=1), head.shape[1] - 2, proposal.tokens.shape[1]
+
+    @staticmethod
+    def _results(reqs, entries, verified: Verified, proposal: Proposal | None,
+                 logprobs: dict[int, list[list[TokenLogprob]]] | None = None,
+                 host: list[list[int]] | None = None) -> list[RequestStepResult]:
+        """The step's one device-to-host transfer (``_packed``'s rows; ``host``: already read back) -> results in
+        batch order."""
+        if host is None:
+            host = ModelRunner._packed(verified, proposal)[0].tolist()
+        width = (verified.packed.shape[1] - 2) if verified.packed is not None else verified.committed.shape[1]
+        k = proposal.tokens.shape[1] if proposal is not None and proposal.tokens is not None else 0
         sampled = {}
         for i, (entry, row) in enumerate(zip(entries, host)):
             a, bad = row[width], row[width + 1]

@@ -449,3 +449,38 @@ def test_the_markov_step_kernel_matches_the_reference_up_to_bf16_ties(fi, num):
     gap = z.max(dim=-1).values - z.gather(1, got[:, None])[:, 0]
     assert bool((gap <= 2 * 2 ** -7 * z.abs().max()).all()), gap
     assert (got == want).float().mean().item() >= 0.9
+
+
+def test_verify_steps_run_ahead_and_decode_as_eager_steps(wide_target, make_drafter):
+    """DSpark greedy verify steps are launched while the drafter drafts the block they verify (its anchor and
+    drafts fed on the device, this step read back through pinned memory first): requests finishing at different
+    lengths, one arriving mid-decode and one aborted decode as on the eager engine; most verify steps were
+    launched ahead, and the abort dropped the one launched for it."""
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(wide_target, 4)))
+    lengths = (30, 44, 40, 35, 38)
+    late = [33, 34, 35, 36, 37, 38]
+
+    def run(llm):
+        eng = llm.engine
+        ids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+               for p, n in zip(PROMPTS, lengths)]
+        outputs, steps = {}, 0
+        while eng.has_unfinished():
+            for out in eng.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            steps += 1
+            if steps == 6:
+                ids.append(eng.add_request(late, SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True)))
+            if steps == 10:
+                eng.abort(ids[2])
+        return [outputs[i] for i in ids]
+
+    graphed = LLM(str(wide_target), speculative_config=spec, **ENGINE)
+    tokens = run(graphed)
+    info = graphed.rank_info()[0]
+    assert info["steps_run_ahead"] > 5 and info["steps_ahead_dropped"] >= 1
+    eager = LLM(str(wide_target), speculative_config=spec, **{**ENGINE, "enforce_eager": True})
+    want = run(eager)
+    assert [t for i, t in enumerate(tokens) if i != 2] == [t for i, t in enumerate(want) if i != 2]
+    short, long = sorted((tokens[2], want[2]), key=len)  # aborted after as many steps: as many blocks accepted
+    assert 0 < len(short) < lengths[2] and long[:len(short)] == short

@@ -170,8 +170,11 @@ def test_the_read_back_parses_graph_packed_rows_as_it_parses_eager_ones():
     proposal = Proposal(tokens, lengths, None, confidence, block)
     packed = Verified(rows[:, :4], rows[:, q_len], rows[:, q_len + 1], None, rows)
     eager = Verified(rows[:, :4], rows[:, q_len], rows[:, q_len + 1].bool(), None)
-    got = [ModelRunner._results(None, reqs, reqs, v, proposal) for v in (packed, eager)]
+    got = [ModelRunner._results(reqs, reqs, v, proposal) for v in (packed, eager)]
     assert got[0] == got[1]
+    # read back apart (through pinned memory, when the next step runs ahead): the same results from the same rows
+    assert ModelRunner._results(reqs, reqs, packed, proposal, host=ModelRunner._packed(packed, proposal)[0].tolist()) \
+        == got[0]
     a, b = got[0]
     assert a.token_ids == [11, 12, 50] and a.num_accepted == 2 and a.next_draft_ids == [60, 61, 62]
     assert a.next_draft_confidence == [0.875, 0.5, 0.25] and a.error is None

@@ -2,7 +2,10 @@
 should be the same requests decoding one token more, and it keeps that step as it was launched (an arrival joins
 the step after). The worker's side (``GraphedTargetForward.decode_greedy``) over a fake one-token graph on the CPU:
 what the step launched ahead is fed (the tokens decided on the device, the next positions and slots), when it is
-used and when dropped. The real graphs, pinned read-back and stream order: tests/gpu."""
+used and when dropped. With a drafter, the same for the next greedy verify of full blocks: the engine's condition
+(two more full blocks fit every request) and the worker's ``GraphedTargetForward.launch_verify_ahead`` over a fake
+verify graph (anchor and drafts fed on the device, used when scheduled as launched, else dropped). The real
+graphs, pinned read-back and stream order: tests/gpu."""
 
 import torch
 
@@ -170,3 +173,152 @@ def test_no_step_is_launched_ahead_before_the_scheduler_allots_its_page():
     forward, g, _ = _forward(batch=1)
     forward.decode_greedy([_decode("a", 7, 7, [1, 2])], run_ahead=True)  # position 8 needs a third page
     assert forward._ahead is None and forward.replays == 1
+
+
+# ---- DSpark: the next verify launched while the drafter drafts (GraphedTargetForward.launch_verify_ahead) --------
+
+class _FakeVerifyGraph:
+    """A verify graph of ``batch`` requests x ``q_len`` tokens that records what each replay was fed."""
+
+    def __init__(self, forward, batch: int, q_len: int):
+        self.forward, self.rows = forward, batch * q_len
+        self.fed: list[tuple[list[int], list[int], list[int]]] = []
+
+    def replay(self) -> None:
+        self.fed.append(tuple(row[:self.rows].tolist() for row in self.forward.inputs))
+
+
+def _verify_forward(batch: int, q_len: int, page_size: int = 4):
+    from runtime.graphs import GraphedTargetForward
+
+    forward = object.__new__(GraphedTargetForward)  # the verify path's host state only: no CUDA graphs captured
+    forward.buckets, forward.page_size, forward.scratch_page = [batch], page_size, 99
+    forward.inputs = torch.zeros(3, batch * q_len, dtype=torch.int64)
+    forward.plan_ahead = forward.run_ahead = True
+    forward.planned, forward.plans_skipped, forward.replays = {}, 0, 0
+    forward._ahead = forward._ahead_verify = forward._last_run = None
+    forward.steps_run_ahead = forward.steps_ahead_dropped = 0
+    forward._plan = lambda layout, b, q: forward.planned.__setitem__((b, q), layout)
+    g = _FakeVerifyGraph(forward, batch, q_len)
+    out = torch.zeros(batch * q_len)
+    forward.graphs = {(batch, q_len): type("G", (), dict(graph=g, context=None, hidden=out, captured=None, logits=None,
+                                                        top=out, argmax=out, verdict=None, block_verdict=None))()}
+    return forward, g
+
+
+def _verify(rid: str, tokens: list[int], start: int, pages: list[int]):
+    from runtime.step_io import ScheduledRequest
+
+    return ScheduledRequest(rid, tokens, start, pages, len(tokens) - 1, True, greedy(100), 0)
+
+
+def test_a_verify_launched_ahead_feeds_anchor_and_drafts_and_is_used_when_scheduled_as_launched():
+    forward, g = _verify_forward(batch=2, q_len=3)
+    pages = {"a": [5, 6, 7], "b": [8, 9]}  # allotted a block ahead
+    step = [_verify("a", [10, 11, 12], 4, pages["a"]), _verify("b", [20, 21, 22], 1, pages["b"])]
+    forward.run(step, 3)
+    assert len(g.fed) == 1 and g.fed[0][1] == [4, 5, 6, 1, 2, 3]
+    # this step committed a's 10, 11 + target token 40 (accepted 2) and b's target token 50 (accepted 0); drafted
+    committed = torch.tensor([[11, 12, 40], [50, 0, 0]])
+    accepted = torch.tensor([2, 0])
+    drafts = torch.tensor([[41, 42], [51, 52]])
+    assert forward.launch_verify_ahead([2, 0], committed, accepted, drafts, append_context=False)
+    ids, positions, slots = g.fed[1]
+    assert ids == [40, 41, 42, 50, 51, 52]  # anchors (the tokens committed last) and drafts, written on the device
+    assert positions == [7, 8, 9, 2, 3, 4]  # from the position after the last committed one
+    assert slots == [6 * 4 + 3, 7 * 4 + 0, 7 * 4 + 1, 8 * 4 + 2, 8 * 4 + 3, 9 * 4 + 0]
+    forward.set_ahead_tokens([(40, 41, 42), (50, 51, 52)])
+    following = [_verify("a", [40, 41, 42], 7, pages["a"]), _verify("b", [50, 51, 52], 2, pages["b"])]
+    out = forward.run(following, 3)
+    assert len(g.fed) == 2 and forward.steps_run_ahead == 1  # no second launch: the outputs are the ahead step's
+    assert out.positions.tolist() == positions
+    # the next one is launched ahead again, but the engine schedules otherwise (b's block was trimmed): dropped
+    assert forward.launch_verify_ahead([0, 1], committed, torch.tensor([0, 1]), drafts, append_context=False)
+    forward.set_ahead_tokens([(11, 41, 42), (0, 51, 52)])
+    forward.run([_verify("a", [11, 41, 42], 8, pages["a"]), _verify("b", [0, 51], 4, pages["b"])], 3)
+    assert len(g.fed) == 4 and forward.steps_ahead_dropped == 1
+    assert g.fed[3][0][3:5] == [0, 51]
+
+
+def test_a_verify_is_not_launched_ahead_past_its_pages_nor_matched_without_its_tokens():
+    forward, g = _verify_forward(batch=1, q_len=3)
+    forward.run([_verify("a", [10, 11, 12], 5, [5, 6])], 3)  # positions 5..7: its two pages end at 7
+    committed, accepted, drafts = torch.tensor([[11, 12, 40]]), torch.tensor([2]), torch.tensor([[41, 42]])
+    assert not forward.launch_verify_ahead([2], committed, accepted, drafts, append_context=False)
+    assert len(g.fed) == 1 and forward._ahead_verify is None
+    forward.run([_verify("a", [10, 11, 12], 1, [5, 6])], 3)
+    assert forward.launch_verify_ahead([0], committed, torch.tensor([0]), drafts, append_context=False)
+    forward.set_ahead_tokens([None])  # the request faulted: whatever the engine schedules, the step is dropped
+    forward.run([_verify("a", [11, 41, 42], 2, [5, 6])], 3)
+    assert forward.steps_run_ahead == 0 and forward.steps_ahead_dropped == 1 and len(g.fed) == 4
+
+
+# ---- the engine's side with a drafter: ScheduledBatch.run_ahead on steady greedy verify steps --------------------
+
+class DraftingExecutor(RecordingExecutor):
+    """Each sampled request commits its first draft and a target token (7s) and gets a full block of 8s; it records
+    every batch with each request's output length when it was scheduled."""
+
+    def __init__(self, num_pages: int):
+        super().__init__(num_pages)
+        self.engine = None
+        self.lengths: list[list[int]] = []
+
+    def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
+        self.batches.append(batch)
+        self.lengths.append([len(self.engine.sequences[r.request_id].output_token_ids) for r in batch.requests])
+        k = batch.num_next_drafts
+        return [RequestStepResult(r.request_id, [7] * (min(r.num_drafts, 1) + 1), min(r.num_drafts, 1), [8] * k,
+                                  next_draft_confidence=[0.9] * k) if r.sample
+                else RequestStepResult(r.request_id, [], 0, []) for r in batch.requests]
+
+
+def spark_engine(tmp_path, block: int = 4) -> tuple[Engine, DraftingExecutor]:
+    from configs import DSparkDecodingConfig
+    from tests import builders
+
+    target = builders.save_target(tmp_path / "target", "qwen3", seed=0)
+    cfg = builders.drafter_config(target, block_size=block, markov_rank=16, head_type="vanilla", confidence=True)
+    drafter = builders.save_drafter(tmp_path / "drafter", cfg, builders.drafter_tensors(cfg, seed=0))
+    config = LLMConfig(model=str(target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter)),
+                       num_pages=256, page_size=16, max_num_seqs=8, device="cpu", dtype="float32")
+    executor = DraftingExecutor(config.num_pages)
+    eng = Engine(config, executor)
+    executor.engine = eng
+    return eng, executor
+
+
+def test_steady_greedy_verify_steps_run_ahead_while_two_more_blocks_fit(tmp_path):
+    eng, ex = spark_engine(tmp_path)
+    eng.add_request(list(range(10, 30)), greedy(30))
+    eng.add_request(list(range(40, 45)), greedy(24))
+    while eng.has_unfinished():
+        eng.step()
+    assert not ex.batches[0].run_ahead  # the prefill: no block to verify yet
+    verify = [(b, lengths) for b, lengths in zip(ex.batches, ex.lengths) if b.requests[0].num_drafts]
+    assert verify and verify[0][0].run_ahead
+    for b, lengths in verify:  # ahead exactly while this step's and the next one's full blocks fit every request
+        fits = all(n + 2 * (4 + 1) <= r.params.max_tokens for n, r in zip(lengths, b.requests))
+        assert b.run_ahead == (fits and all(r.num_drafts == 4 for r in b.requests)), lengths
+    assert not verify[-1][0].run_ahead
+
+
+def test_a_verify_launched_ahead_makes_an_arrival_wait_one_step(tmp_path):
+    eng, ex = spark_engine(tmp_path)
+    eng.add_request(list(range(10, 30)), greedy(60))
+    eng.step()  # prefill
+    eng.step()  # the first verify: the next one may be launched ahead
+    assert ex.batches[-1].run_ahead
+    late = eng.add_request(list(range(50, 60)), greedy(3))
+    eng.step()  # the verify launched ahead: the running request alone; no further run-ahead while one waits
+    assert [r.request_id for r in ex.batches[-1].requests] != [late] and not ex.batches[-1].run_ahead
+    eng.step()
+    assert late in [r.request_id for r in ex.batches[-1].requests]
+
+
+def test_sampled_verify_steps_never_run_ahead(tmp_path):
+    eng, ex = spark_engine(tmp_path)
+    eng.add_request(list(range(10, 30)), SamplingParams(max_tokens=20, temperature=0.8, seed=1, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert not any(b.run_ahead for b in ex.batches)
