@@ -276,7 +276,7 @@ class Engine:
                 or self.gate.closed:
             return False
         k = scheduled[0].num_drafts
-        if k == 0 or self.spec.draft_len_for_batch_size(len(scheduled)) != k:
+        if k == 0 or len(scheduled) != len(self.scheduler.running) or self.draft_len() != k:
             return False
         for entry in scheduled:
             if entry.num_drafts != k or len(entry.token_ids) != k + 1 or not entry.sample or not greedy_only(entry):
