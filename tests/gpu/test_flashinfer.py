@@ -402,28 +402,34 @@ def test_a_short_prefill_replays_a_graph_and_decodes_as_the_eager_one(wide_targe
     assert tokens == eager.generate([prompt], GREEDY)[0].token_ids and first.token_ids == tokens[:1]
 
 
+def drive(llm, lengths: tuple[int, ...], late_at: int, late_tokens: int, abort_at: int) -> list[list[int]]:
+    """Step ``llm``'s engine over PROMPTS (greedy, ``lengths`` tokens each), a late request of ``late_tokens``
+    arriving after step ``late_at`` and the third prompt aborted after step ``abort_at`` -> each one's tokens."""
+    eng = llm.engine
+    ids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+           for p, n in zip(PROMPTS, lengths)]
+    outputs, steps = {}, 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+        if steps == late_at:
+            ids.append(eng.add_request([33, 34, 35, 36, 37, 38],
+                                       SamplingParams(max_tokens=late_tokens, temperature=0.0, ignore_eos=True)))
+        if steps == abort_at:
+            eng.abort(ids[2])
+    return [outputs[i] for i in ids]
+
+
 def test_decode_steps_run_ahead_and_decode_as_eager_steps(wide_target):
     """Plain greedy decoding launches each steady step before the previous one is read back (pinned read-back,
     the tokens fed on the device): requests finishing at different lengths and one arriving mid-decode still
     decode exactly as on the eager engine; most steps were launched ahead. The engine foresees finishes and
     arrivals (they lag a step), so what drops a step launched ahead is the unforeseen: a request aborted mid-decode."""
     lengths = (9, 23, 40, 17, 31)
-    late = [33, 34, 35, 36, 37, 38]
 
     def run(llm):
-        eng = llm.engine
-        ids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-               for p, n in zip(PROMPTS, lengths)]
-        outputs, steps = {}, 0
-        while eng.has_unfinished():
-            for out in eng.step():
-                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-            steps += 1
-            if steps == 12:
-                ids.append(eng.add_request(late, SamplingParams(max_tokens=15, temperature=0.0, ignore_eos=True)))
-            if steps == 20:
-                eng.abort(ids[2])
-        return [outputs[i] for i in ids]
+        return drive(llm, lengths, late_at=12, late_tokens=15, abort_at=20)
 
     graphed = LLM(str(wide_target), **{**ENGINE, "max_num_seqs": 8})
     tokens = run(graphed)
@@ -458,22 +464,9 @@ def test_verify_steps_run_ahead_and_decode_as_eager_steps(wide_target, make_draf
     launched ahead, and the abort dropped the one launched for it."""
     spec = DSparkDecodingConfig(speculative_model=str(make_drafter(wide_target, 4)))
     lengths = (30, 44, 40, 35, 38)
-    late = [33, 34, 35, 36, 37, 38]
 
     def run(llm):
-        eng = llm.engine
-        ids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-               for p, n in zip(PROMPTS, lengths)]
-        outputs, steps = {}, 0
-        while eng.has_unfinished():
-            for out in eng.step():
-                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-            steps += 1
-            if steps == 6:
-                ids.append(eng.add_request(late, SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True)))
-            if steps == 10:
-                eng.abort(ids[2])
-        return [outputs[i] for i in ids]
+        return drive(llm, lengths, late_at=6, late_tokens=25, abort_at=10)
 
     graphed = LLM(str(wide_target), speculative_config=spec, **ENGINE)
     tokens = run(graphed)

@@ -7,6 +7,7 @@ used and when dropped. With a drafter, the same for the next greedy verify of fu
 verify graph (anchor and drafts fed on the device, used when scheduled as launched, else dropped). The real
 graphs, pinned read-back and stream order: tests/gpu."""
 
+import pytest
 import torch
 
 from configs import LLMConfig
@@ -65,8 +66,10 @@ def test_steady_greedy_decoding_runs_ahead_until_a_request_reaches_its_limit(tmp
     assert [h[2] for h in hints[1:]] == [True, True, False, True, False]
 
 
-def test_an_arrival_waits_one_step_when_the_step_was_launched_ahead(tmp_path):
-    eng, ex = engine(tmp_path)
+@pytest.mark.parametrize("drafter", [False, True])
+def test_an_arrival_waits_one_step_when_the_step_was_launched_ahead(tmp_path, drafter):
+    """A decode step (or with a drafter, a verify of full blocks) launched ahead is the running requests' alone."""
+    eng, ex = spark_engine(tmp_path) if drafter else engine(tmp_path)
     eng.add_request(list(range(10, 30)), greedy(20))
     eng.step()  # prefill
     eng.step()  # the first decode step: the next one may be launched ahead
@@ -79,8 +82,9 @@ def test_an_arrival_waits_one_step_when_the_step_was_launched_ahead(tmp_path):
     assert late in [r.request_id for r in ex.batches[-1].requests]
 
 
-def test_sampled_or_drafted_requests_never_run_ahead(tmp_path):
-    eng, ex = engine(tmp_path)
+@pytest.mark.parametrize("drafter", [False, True])
+def test_sampled_requests_never_run_ahead(tmp_path, drafter):
+    eng, ex = spark_engine(tmp_path) if drafter else engine(tmp_path)
     eng.add_request(list(range(10, 30)), SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True))
     while eng.has_unfinished():
         eng.step()
@@ -301,24 +305,3 @@ def test_steady_greedy_verify_steps_run_ahead_while_two_more_blocks_fit(tmp_path
         fits = all(n + 2 * (4 + 1) <= r.params.max_tokens for n, r in zip(lengths, b.requests))
         assert b.run_ahead == (fits and all(r.num_drafts == 4 for r in b.requests)), lengths
     assert not verify[-1][0].run_ahead
-
-
-def test_a_verify_launched_ahead_makes_an_arrival_wait_one_step(tmp_path):
-    eng, ex = spark_engine(tmp_path)
-    eng.add_request(list(range(10, 30)), greedy(60))
-    eng.step()  # prefill
-    eng.step()  # the first verify: the next one may be launched ahead
-    assert ex.batches[-1].run_ahead
-    late = eng.add_request(list(range(50, 60)), greedy(3))
-    eng.step()  # the verify launched ahead: the running request alone; no further run-ahead while one waits
-    assert [r.request_id for r in ex.batches[-1].requests] != [late] and not ex.batches[-1].run_ahead
-    eng.step()
-    assert late in [r.request_id for r in ex.batches[-1].requests]
-
-
-def test_sampled_verify_steps_never_run_ahead(tmp_path):
-    eng, ex = spark_engine(tmp_path)
-    eng.add_request(list(range(10, 30)), SamplingParams(max_tokens=20, temperature=0.8, seed=1, ignore_eos=True))
-    while eng.has_unfinished():
-        eng.step()
-    assert not any(b.run_ahead for b in ex.batches)
