@@ -33,7 +33,8 @@ them alone, and plans the step in which every request verifies a block as long f
 scheduler allots pages a block ahead); that step's plan is then skipped when it comes with exactly that layout.
 
 With a drafter the next verify goes further too (``launch_verify_ahead``, when the engine expects the same requests
-to verify full blocks again: ``ScheduledBatch.run_ahead``): once the accepted counts are read and the next step
+to verify the blocks drafted now, whole or cut to the confidence scheduler's cap already chosen:
+``ScheduledBatch.run_ahead``, ``next_verify_len``): once the accepted counts are read and the next step
 planned, and this step's rows are queued for read-back through pinned memory (the replay reuses their buffers),
 the next verify is launched right behind the draft, its anchors (each request's last committed token) and drafts
 copied on the device from this step's verification and draft, its positions and slots from the accepted counts;
@@ -178,23 +179,24 @@ def next_decode_layout(layout: HostLayout, page_ids: list[list[int]], page_size:
     return HostLayout(layout.qo_lens, kv + layout.kv_lens[real:], pages + layout.page_ids[real:])
 
 
-def next_verify_layout(layout: HostLayout, reqs: list[ScheduledRequest], accepted: list[int], q_len: int,
+def next_verify_layout(reqs: list[ScheduledRequest], accepted: list[int], q_len: int, next_q_len: int, batch: int,
                        page_size: int, scratch_page: int) -> HostLayout | None:
-    """The attention layout ``graph_inputs`` will give the verify step after a ``q_len``-token step of ``layout``
-    whose requests ``reqs`` accepted ``accepted`` drafts each, if every request then verifies a block of the same
-    length from the position after its last committed token (``start + accepted + 1``), on the pages it holds now
-    (the scheduler allots them a block ahead, ``Scheduler.lookahead``); None when a count is not a valid one (a
-    faulted row). Padding requests keep their layout."""
-    real = len(reqs)
+    """The attention layout ``graph_inputs`` will give the verify step after a ``q_len``-token step of ``reqs``
+    (padded to ``batch`` requests) that accepted ``accepted`` drafts each, if every request then verifies a block
+    of ``next_q_len`` tokens from the position after its last committed token (``start + accepted + 1``), on the
+    pages it holds now (the scheduler allots them a block ahead, ``Scheduler.lookahead``); None when a count is not
+    a valid one (a faulted row)."""
     kv, pages = [], []
     for r, a in zip(reqs, accepted):
         if not 0 <= a < q_len:
             return None
-        k = r.start_position + a + 1 + q_len
+        k = r.start_position + a + 1 + next_q_len
         need = -(-k // page_size)
         pages.append(r.page_ids[:need] + [scratch_page] * max(0, need - len(r.page_ids)))
         kv.append(k)
-    return HostLayout(layout.qo_lens, kv + layout.kv_lens[real:], pages + layout.page_ids[real:])
+    pad = batch - len(reqs)
+    return HostLayout([next_q_len] * batch, kv + [next_q_len] * pad,
+                      pages + [[scratch_page] * -(-next_q_len // page_size)] * pad)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -396,30 +398,35 @@ class GraphedTargetForward:
         self._accepted_read.record()
         self._accepted_pending = num
 
-    def plan_next_verify(self) -> list[int] | None:
+    def plan_next_verify(self, next_q_len: int | None = None) -> list[int] | None:
         """While the drafter drafts: wait for the accepted counts ``read_accepted`` queued (the verification is
         done, the draft still runs), then plan the verify step in which the last replay's requests each verify a
-        block as long as this one from their next position (``next_verify_layout``). When the engine schedules
+        block of ``next_q_len`` tokens (the engine's prediction; else as long as this one) from their next position
+        (``next_verify_layout``), if a graph of that length is captured. When the engine schedules
         exactly that step, its plan (~0.2 ms of host time a step on the Qwen3-8B shape) was made while the GPU
         drafted; any other step plans as usual. -> the accepted counts when it planned, else None."""
         num, self._accepted_pending = self._accepted_pending, 0
         if not self.plan_ahead or self._last_run is None or num == 0:
             return None
-        reqs, layout, batch, q_len = self._last_run
+        reqs, _, batch, q_len = self._last_run
         if num != len(reqs):
+            return None
+        next_q_len = next_q_len or q_len
+        if (batch, next_q_len) not in self.graphs:
             return None
         self._accepted_read.synchronize()
         accepted = self._accepted_host[:num].tolist()
-        upcoming = next_verify_layout(layout, reqs, accepted, q_len, self.page_size, self.scratch_page)
+        upcoming = next_verify_layout(reqs, accepted, q_len, next_q_len, batch, self.page_size, self.scratch_page)
         if upcoming is None:
             return None
-        self._plan(upcoming, batch, q_len)
+        self._plan(upcoming, batch, next_q_len)
         return accepted
 
     def launch_verify_ahead(self, accepted: list[int], committed: torch.Tensor, accepted_device: torch.Tensor,
                             drafts: torch.Tensor, append_context: bool) -> bool:
-        """Launch, right behind the draft, the verify step in which every request of the last replay verifies the
-        block just drafted (``drafts`` [S, K], device) from its next position, its anchor the token this step
+        """Launch, right behind the draft, the verify step in which every request of the last replay verifies
+        ``drafts`` [S, N] (device: the block just drafted, or its first N drafts) from its next position, its
+        anchor the token this step
         committed last (``committed`` [S, K+1] at ``accepted_device`` [S], device; ``accepted`` the same counts
         read back by ``plan_next_verify``, which planned it), if each request's pages cover it. The step's inputs
         are written on the device; its context append follows when ``append_context``. The caller has already
@@ -427,9 +434,10 @@ class GraphedTargetForward:
         says what each request feeds (``set_ahead_tokens``). -> whether it was launched."""
         if not self.run_ahead or self._last_run is None:
             return False
-        reqs, _, batch, q_len = self._last_run
+        reqs, _, batch, _ = self._last_run
         num, ps = len(reqs), self.page_size
-        if drafts.shape != (num, q_len - 1) or len(accepted) != num:
+        q_len = drafts.shape[1] + 1 if drafts.dim() == 2 else 0
+        if drafts.shape[0] != num or len(accepted) != num or (batch, q_len) not in self.graphs:
             return False
         upcoming = [ScheduledRequest(r.request_id, [0] * q_len, r.start_position + a + 1, r.page_ids, q_len - 1, True,
                                      r.params, r.seed) for r, a in zip(reqs, accepted)]

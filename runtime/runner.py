@@ -137,22 +137,24 @@ class ModelRunner:
         accepted_host = None
         if plan_next:
             with region("dspark.plan_next"):
-                accepted_host = self.graphs.plan_next_verify()
+                accepted_host = self.graphs.plan_next_verify(batch.next_verify_len + 1 if batch.next_verify_len
+                                                             else None)
         if not self.is_leader:
             return []
-        if accepted_host is not None and batch.run_ahead and self._verifies_full_blocks(verified, proposal, graphed):
+        n = batch.next_verify_len
+        if accepted_host is not None and batch.run_ahead and self._verifies_blocks_ahead(verified, proposal, n):
             with region("dspark.run_ahead"):
                 # this step's rows read back through pinned memory first: the next replay reuses their buffers
                 rows = self._read_back(self._packed(verified, proposal)[0])
                 launched = self.graphs.launch_verify_ahead(accepted_host, verified.committed, verified.accepted,
-                                                           proposal.tokens, drafting)
+                                                           proposal.tokens[:, :n], drafting)
             with region("dspark.results"):
                 results = self._results(reqs, entries, verified, proposal, host=rows())
-            if launched:  # what each request feeds next: its last committed token, then the block just drafted
+            if launched:  # what each request feeds next: its last committed token, then n drafts of the new block
                 k = proposal.tokens.shape[1]
                 self.graphs.set_ahead_tokens([
-                    (r.token_ids[-1], *r.next_draft_ids) if r.error is None and len(r.next_draft_ids) == k else None
-                    for r in results])
+                    (r.token_ids[-1], *r.next_draft_ids[:n]) if r.error is None and len(r.next_draft_ids) == k
+                    else None for r in results])
             return results
         with region("dspark.results"):
             logprobs = verified.source.top(verified.committed) if verified.source is not None else None
@@ -200,13 +202,13 @@ class ModelRunner:
         sampled = {r.request_id: r for r in results}
         return [sampled.get(r.request_id) or RequestStepResult(r.request_id, [], 0, []) for r in reqs]
 
-    def _verifies_full_blocks(self, verified: Verified, proposal: Proposal | None, graphed: GraphOutputs) -> bool:
-        """Whether the next verify may be launched before this step is read back: a graph verified this step
-        (greedy, no logprobs), and the block just drafted here, in this process, is a full one for the same graph
-        (no confidence threshold trims it)."""
+    def _verifies_blocks_ahead(self, verified: Verified, proposal: Proposal | None, n: int) -> bool:
+        """Whether the next verify (``n`` drafts of the block drafted now) may be launched before this step is read
+        back: a graph verified this step (greedy, no logprobs), and the block was drafted here, in this process,
+        in full (no confidence threshold trims it) and at least ``n`` long."""
         runner = getattr(self.channel, "runner", None)
-        return verified.packed is not None and verified.source is None and proposal is not None \
-            and proposal.tokens is not None and proposal.tokens.shape[1] == graphed.q_len - 1 \
+        return n > 0 and verified.packed is not None and verified.source is None and proposal is not None \
+            and proposal.tokens is not None and proposal.tokens.shape[1] >= n \
             and runner is not None and runner.confidence_threshold is None
 
     def _read_back(self, packed: torch.Tensor):

@@ -45,8 +45,10 @@ class ScheduledBatch:
     released_request_ids: list[str] = field(default_factory=list)  # the runner drops their state
     scrub_page_ids: list[int] = field(default_factory=list)  # zeroed in every cache before the step (faulted pages)
     # the engine expects the next step to be these requests decoding one token more (plain greedy decoding, nothing
-    # waiting, none at its token limit): the worker may launch it before this one is read back
+    # waiting, none at its token limit), or with a drafter each verifying ``next_verify_len`` drafts of the block
+    # drafted now: the worker may launch it before this one is read back
     run_ahead: bool = False
+    next_verify_len: int = 0
 
 
 @dataclass(slots=True)  # not frozen: built per request every step, and a frozen __init__ costs 5x

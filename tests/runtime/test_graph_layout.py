@@ -102,19 +102,22 @@ def test_the_next_verify_layout_is_the_one_the_next_verify_step_lays_out():
     pages = {"a": [7, 8, 9, 10], "b": [3, 4, 5]}
     now = [request("a", [10, 11, 12, 13], start=5, pages=pages["a"], drafts=3),
            request("b", [20, 21, 22, 23], start=2, pages=pages["b"], drafts=3)]
-    layout, _ = layout_of(now, batch=4, q_len=4)
     for accepted in ([3, 0], [0, 2], [1, 3]):
-        upcoming = next_verify_layout(layout, now, accepted, 4, PS, SCRATCH)
+        upcoming = next_verify_layout(now, accepted, 4, 4, 4, PS, SCRATCH)
         after = [request(r.request_id, [30, 31, 32, 33], start=r.start_position + a + 1, pages=pages[r.request_id],
                          drafts=3) for r, a in zip(now, accepted)]
         assert upcoming == layout_of(after, batch=4, q_len=4)[0], accepted
+    # a shorter next block (a confidence scheduler's cap): the layout of that step's graph
+    after = [request(r.request_id, [30, 31], start=r.start_position + 1, pages=pages[r.request_id], drafts=1)
+             for r in now]
+    assert next_verify_layout(now, [0, 0], 4, 2, 4, PS, SCRATCH) == layout_of(after, batch=4, q_len=2)[0]
     # a block trimmed to its anchor (a request one token from its limit): the padding keys spill past its one page
     short = [request("c", [1, 2, 3, 4], start=0, pages=[6], drafts=3)]
-    predicted = next_verify_layout(layout_of(short, batch=1, q_len=4)[0], short, [2], 4, PS, SCRATCH)
+    predicted = next_verify_layout(short, [2], 4, 4, 1, PS, SCRATCH)
     assert predicted == layout_of([request("c", [5], start=3, pages=[6])], 1, 4)[0]
     assert predicted.page_ids == [[6, SCRATCH]]
-    assert next_verify_layout(layout, now, [-1, 0], 4, PS, SCRATCH) is None
-    assert next_verify_layout(layout, now, [4, 0], 4, PS, SCRATCH) is None
+    assert next_verify_layout(now, [-1, 0], 4, 4, 4, PS, SCRATCH) is None
+    assert next_verify_layout(now, [4, 0], 4, 4, 4, PS, SCRATCH) is None
 
 
 def test_a_verify_graphs_greedy_verdicts_equal_the_eager_verification():

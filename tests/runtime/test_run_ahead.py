@@ -7,6 +7,8 @@ used and when dropped. With a drafter, the same for the next greedy verify of fu
 verify graph (anchor and drafts fed on the device, used when scheduled as launched, else dropped). The real
 graphs, pinned read-back and stream order: tests/gpu."""
 
+import time
+
 import pytest
 import torch
 
@@ -263,30 +265,44 @@ class DraftingExecutor(RecordingExecutor):
     """Each sampled request commits its first draft and a target token (7s) and gets a full block of 8s; it records
     every batch with each request's output length when it was scheduled."""
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, timed: bool = False):
         super().__init__(num_pages)
-        self.engine = None
+        self.engine, self.timed = None, timed
         self.lengths: list[list[int]] = []
 
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
         self.batches.append(batch)
         self.lengths.append([len(self.engine.sequences[r.request_id].output_token_ids) for r in batch.requests])
+        if self.timed:  # a step costs 2 ms plus 0.5 ms a token fed (what the confidence scheduler then learns)
+            time.sleep((2.0 + 0.5 * sum(len(r.token_ids) for r in batch.requests)) / 1e3)
         k = batch.num_next_drafts
         return [RequestStepResult(r.request_id, [7] * (min(r.num_drafts, 1) + 1), min(r.num_drafts, 1), [8] * k,
-                                  next_draft_confidence=[0.9] * k) if r.sample
+                                  next_draft_confidence=[0.9, 0.1, 0.1, 0.1, 0.1][:k]) if r.sample
                 else RequestStepResult(r.request_id, [], 0, []) for r in batch.requests]
 
+    def describe(self) -> list[dict]:  # a graphed target with a confidence head (confidence scheduling's padded steps)
+        return [{"role": "target", "draft_confidence_head": True, "graph_q_lens": [1, 2, 3, 4, 5]}]
 
-def spark_engine(tmp_path, block: int = 4) -> tuple[Engine, DraftingExecutor]:
+
+def spark_engine(tmp_path, block: int = 4, confidence: bool = False) -> tuple[Engine, DraftingExecutor]:
+    """A DSpark engine over ``DraftingExecutor``; ``confidence``: confidence scheduling, a step costing 2 ms plus
+    0.5 ms a token fed (the executor sleeps as much): of drafts of confidence 0.9, 0.1, ... only the first pays."""
     from configs import DSparkDecodingConfig
+    from runtime.step_costs import StepCostTable
     from tests import builders
 
     target = builders.save_target(tmp_path / "target", "qwen3", seed=0)
     cfg = builders.drafter_config(target, block_size=block, markov_rank=16, head_type="vanilla", confidence=True)
     drafter = builders.save_drafter(tmp_path / "drafter", cfg, builders.drafter_tensors(cfg, seed=0))
-    config = LLMConfig(model=str(target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter)),
+    spec = {}
+    if confidence:
+        tokens = [1, 64, 512]
+        StepCostTable([1, 64], tokens, [[2.0 + 0.5 * t for t in tokens]] * 2).save(tmp_path / "costs.json")
+        spec = {"enable_confidence_scheduling": True, "confidence_cost_table_path": str(tmp_path / "costs.json")}
+    config = LLMConfig(model=str(target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter),
+                                                                                  **spec),
                        num_pages=256, page_size=16, max_num_seqs=8, device="cpu", dtype="float32")
-    executor = DraftingExecutor(config.num_pages)
+    executor = DraftingExecutor(config.num_pages, timed=confidence)
     eng = Engine(config, executor)
     executor.engine = eng
     return eng, executor
@@ -305,3 +321,26 @@ def test_steady_greedy_verify_steps_run_ahead_while_two_more_blocks_fit(tmp_path
         fits = all(n + 2 * (4 + 1) <= r.params.max_tokens for n, r in zip(lengths, b.requests))
         assert b.run_ahead == (fits and all(r.num_drafts == 4 for r in b.requests)), lengths
     assert not verify[-1][0].run_ahead
+    assert_launched_steps_come_as_said(ex.batches)
+
+
+def assert_launched_steps_come_as_said(batches: list[ScheduledBatch]) -> None:
+    """Whenever the engine said the next step runs ahead (``next_verify_len`` n), the next step is the same requests
+    each verifying n drafts (nothing here ends a request early)."""
+    said = [(b, nxt) for b, nxt in zip(batches, batches[1:]) if b.run_ahead]
+    assert said
+    for b, nxt in said:
+        assert [r.request_id for r in nxt.requests] == [r.request_id for r in b.requests]
+        assert all(r.num_drafts == b.next_verify_len for r in nxt.requests), b.next_verify_len
+
+
+def test_confidence_scheduled_verifies_run_ahead_with_the_cap_already_chosen(tmp_path):
+    """The padded layout's cap for the next step is chosen from this step's confidences: the step launched ahead
+    verifies that many drafts of each block (here fewer than the block)."""
+    eng, ex = spark_engine(tmp_path, confidence=True)
+    eng.add_request(list(range(10, 30)), greedy(40))
+    eng.add_request(list(range(40, 45)), greedy(40))
+    while eng.has_unfinished():
+        eng.step()
+    assert_launched_steps_come_as_said(ex.batches)
+    assert {b.next_verify_len for b in ex.batches if b.run_ahead} == {1}
