@@ -232,9 +232,9 @@ class Engine:
                 self._allot_verify_lengths(group)
             # a step the worker may have launched ahead is the running requests' decode: arrivals join the next
             scheduled = self.scheduler.schedule(group, admit=not self._ran_ahead)
-            next_verify_len = self._steady_verify(scheduled) if self._runs_ahead and self.has_drafter else 0
-            self._ran_ahead = next_verify_len > 0 if self.has_drafter else \
-                self._runs_ahead and self._steady_decode(scheduled)
+            next_verify_len = self._next_verify_len() if self.has_drafter and scheduled else 0
+            self._ran_ahead = self._runs_ahead and (self._steady_verify(scheduled, next_verify_len) if self.has_drafter
+                                                    else self._steady_decode(scheduled))
         released, scrub = self.scheduler.take_released()
         batch = ScheduledBatch(requests=scheduled, num_next_drafts=self.draft_len(),
                                maintain_draft_context=self.has_drafter and not self.gate.closed,
@@ -267,34 +267,38 @@ class Engine:
                 return False
         return True
 
-    def _steady_verify(self, scheduled: list[ScheduledRequest]) -> int:
-        """With a drafter: how many drafts each request verifies in the next step if that step is expected to be the
-        same requests each verifying the block drafted now (all of it, or under confidence scheduling's padded
-        layout the first ``cap`` drafts the scheduler already chose for it), else 0. Expected when: every one is a
-        greedy verify of this step's block length (no logprobs, penalties or sampling) and all running requests are
-        in the step, neither step can reach a request's token limit, nothing waits to be admitted, and no trimming
-        between steps is left to chance (pipelined drafting, ragged confidence scheduling). An end of sequence, a
+    def _next_verify_len(self) -> int:
+        """How many drafts a decoding request verifies next step: the block drafted now, or under confidence
+        scheduling's padded layout as many as the cap it already chose for that step (0: unknown, the ragged
+        layout). The worker plans that step's attention while the drafter drafts (``ScheduledBatch``)."""
+        k_next = self.draft_len()
+        if self.confidence is None:
+            return k_next
+        if self.confidence.layout != "padded":
+            return 0
+        return min(k_next, self.confidence.cap if self.confidence.cap is not None else k_next)
+
+    def _steady_verify(self, scheduled: list[ScheduledRequest], n: int) -> bool:
+        """With a drafter: whether the next step is expected to be the same requests each verifying ``n`` drafts of
+        the block drafted now (``_next_verify_len``): every one is a greedy verify of this step's block length (no
+        logprobs, penalties or sampling) and all running requests are in the step, neither step can reach a
+        request's token limit, nothing waits to be admitted, and drafting is not pipelined. An end of sequence, a
         stop string, a fault or a closing acceptance gate can still end it: the worker then drops the step."""
-        if not scheduled or self.scheduler.waiting or self.pipelined or self.gate.closed \
+        if not scheduled or n == 0 or self.scheduler.waiting or self.pipelined or self.gate.closed \
                 or len(scheduled) != len(self.scheduler.running):
-            return 0
-        k, k_next = scheduled[0].num_drafts, self.draft_len()
-        n = k_next
-        if self.confidence is not None:
-            if self.confidence.layout != "padded":
-                return 0
-            n = min(k_next, self.confidence.cap if self.confidence.cap is not None else k_next)
-        if k == 0 or n == 0 or len(scheduled) * (n + 1) > self.config.max_num_batched_tokens:
-            return 0
+            return False
+        k = scheduled[0].num_drafts
+        if k == 0 or len(scheduled) * (n + 1) > self.config.max_num_batched_tokens:
+            return False
         for entry in scheduled:
             if entry.num_drafts != k or len(entry.token_ids) != k + 1 or not entry.sample or not greedy_only(entry):
-                return 0
+                return False
             seq = self.sequences[entry.request_id]
             # this step commits up to k + 1 tokens, the next one verifies n drafts and commits up to n + 1 more
             if len(seq.output_token_ids) + (k + 1) + (n + 1) > seq.params.max_tokens \
                     or entry.end_position + (n + 1) + 1 >= self.max_model_len:
-                return 0
-        return n
+                return False
+        return True
 
     def _take_late_drafts(self) -> None:
         """Pipelined drafting: the blocks drafted this step for the group the previous step verified. A request

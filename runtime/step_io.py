@@ -48,6 +48,8 @@ class ScheduledBatch:
     # waiting, none at its token limit), or with a drafter each verifying ``next_verify_len`` drafts of the block
     # drafted now: the worker may launch it before this one is read back
     run_ahead: bool = False
+    # with a drafter: the drafts a decoding request verifies next step (the block drafted now, or confidence
+    # scheduling's cap for it; 0: unknown): the worker plans that step's attention while the drafter drafts
     next_verify_len: int = 0
 
 
