@@ -194,7 +194,8 @@ class _FakeVerifyGraph:
         self.fed.append(tuple(row[:self.rows].tolist() for row in self.forward.inputs))
 
 
-def _verify_forward(batch: int, q_len: int, page_size: int = 4):
+def _verify_forward(batch: int, q_len: int, page_size: int = 4, shorter: int | None = None):
+    """A forward with a fake verify graph of ``batch`` x ``q_len`` (and of ``batch`` x ``shorter``, if given)."""
     from runtime.graphs import GraphedTargetForward
 
     forward = object.__new__(GraphedTargetForward)  # the verify path's host state only: no CUDA graphs captured
@@ -205,11 +206,13 @@ def _verify_forward(batch: int, q_len: int, page_size: int = 4):
     forward._ahead = forward._ahead_verify = forward._last_run = None
     forward.steps_run_ahead = forward.steps_ahead_dropped = 0
     forward._plan = lambda layout, b, q: forward.planned.__setitem__((b, q), layout)
-    g = _FakeVerifyGraph(forward, batch, q_len)
-    out = torch.zeros(batch * q_len)
-    forward.graphs = {(batch, q_len): type("G", (), dict(graph=g, context=None, hidden=out, captured=None, logits=None,
-                                                        top=out, argmax=out, verdict=None, block_verdict=None))()}
-    return forward, g
+    forward.graphs = {}
+    for q in [q_len] + ([shorter] if shorter else []):
+        g = _FakeVerifyGraph(forward, batch, q)
+        out = torch.zeros(batch * q)
+        forward.graphs[(batch, q)] = type("G", (), dict(graph=g, context=None, hidden=out, captured=None, logits=None,
+                                                       top=out, argmax=out, verdict=None, block_verdict=None))()
+    return forward, forward.graphs[(batch, q_len)].graph
 
 
 def _verify(rid: str, tokens: list[int], start: int, pages: list[int]):
@@ -344,3 +347,19 @@ def test_confidence_scheduled_verifies_run_ahead_with_the_cap_already_chosen(tmp
         eng.step()
     assert_launched_steps_come_as_said(ex.batches)
     assert {b.next_verify_len for b in ex.batches if b.run_ahead} == {1}
+
+
+def test_a_verify_launched_ahead_at_a_confidence_cap_replays_the_shorter_graph():
+    """Under confidence scheduling the step launched ahead verifies the first ``cap`` drafts of each new block:
+    the graph of that length, fed the anchor and those drafts, used when the engine schedules them."""
+    forward, g = _verify_forward(batch=2, q_len=3, shorter=2)
+    short = forward.graphs[(2, 2)].graph
+    pages = {"a": [5, 6, 7], "b": [8, 9]}
+    forward.run([_verify("a", [10, 11, 12], 4, pages["a"]), _verify("b", [20, 21, 22], 1, pages["b"])], 3)
+    committed, accepted = torch.tensor([[11, 12, 40], [50, 0, 0]]), torch.tensor([2, 0])
+    assert forward.launch_verify_ahead([2, 0], committed, accepted, torch.tensor([[41, 42], [51, 52]])[:, :1],
+                                       append_context=False)
+    assert len(g.fed) == 1 and short.fed[0][0][:4] == [40, 41, 50, 51] and short.fed[0][1][:4] == [7, 8, 2, 3]
+    forward.set_ahead_tokens([(40, 41), (50, 51)])
+    forward.run([_verify("a", [40, 41], 7, pages["a"]), _verify("b", [50, 51], 2, pages["b"])], 2)
+    assert forward.steps_run_ahead == 1 and len(short.fed) == 1
