@@ -232,11 +232,15 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     sync(llm)
     before = sum(len(engine.sequences[i].output_token_ids) for i in ids)
     metrics_before = engine.metrics.as_dict()
+    graphs = getattr(local_worker(llm), "graphs", None)
+    ahead_before = graphs.steps_run_ahead if graphs is not None else 0
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync(llm)
     elapsed = time.perf_counter() - start
+    # the timed steps launched before the engine scheduled them (decode or verify run-ahead), of one process's graphs
+    ahead = {"steps_run_ahead_fraction": (graphs.steps_run_ahead - ahead_before) / steps} if graphs is not None else {}
     committed = sum(len(engine.sequences[i].output_token_ids) for i in ids) - before
     metrics = engine.metrics.as_dict()
     drafts = metrics["num_drafts"] - metrics_before["num_drafts"]
@@ -251,7 +255,7 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     return {"step_ms": 1e3 * elapsed / steps, "tokens_per_s": committed / elapsed, "ttft_ms": 1e3 * ttft,
             "tpot_ms": 1e3 * elapsed * batch / committed, "mean_acceptance_length": (1 + accepted / drafts)
             if drafts else None, "acceptance_per_position": per_pos if drafts else None, "context": context,
-            **device, **host, **routing}
+            **ahead, **device, **host, **routing}
 
 
 def end_to_end(llms: dict, prompts: list[list[int]], max_tokens: int) -> dict[str, dict]:
