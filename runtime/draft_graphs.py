@@ -17,7 +17,7 @@ import time
 import torch
 
 from runtime.draft_runner import DraftOutput, DraftRunner
-from runtime.graphs import batch_buckets
+from runtime.graph_layout import batch_buckets
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from configs import LLMConfig
 from configs.checkpoint import read_model_config
 from runtime.confidence_scheduler import ConfidenceScheduler, ConfidenceStats, read_calibration
 from runtime.executor import Executor, LocalExecutor
-from runtime.graphs import graphed_q_len
+from runtime.graph_layout import graphed_q_len
 from runtime.loader import load_hf_config
 from runtime.metrics import AcceptanceGate, SpecMetrics
 from runtime.outputs import RequestOutput
@@ -86,7 +86,7 @@ class Engine:
         self._decided: set[str] = set()  # requests whose verify length the scheduler chose this step
         self._other_fed = (0, 0)  # (requests, tokens) the last step fed besides the scheduler's verifies
         self._graph_q_lens: list[int] = []  # tokens per request of the target's graphs (none: eager steps)
-        self._graph_prefill = ([], 0)  # the prefill chunk graphs' lengths and token cap (graphs.graphed_q_len)
+        self._graph_prefill = ([], 0)  # the prefill chunk graphs' lengths and token cap (graph_layout.graphed_q_len)
         # when a list: every verify appends (the verified drafts' confidences, accepted count) (calibration)
         self.verification_log: list[tuple[list[float], int]] | None = None
         # pipelined drafting (a separate drafter, cluster.RayExecutor): steps alternate two request groups and each

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from runtime.graphs import batch_buckets
+from runtime.graph_layout import batch_buckets
 from runtime.metrics import AcceptanceGate, SpecMetrics
 from runtime.sampling_params import SamplingParams
 from runtime.step_costs import StepCostTable

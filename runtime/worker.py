@@ -21,7 +21,8 @@ from runtime.draft_channel import LocalDraftChannel, RemoteDraftChannel
 from runtime.draft_graphs import DraftGraphs
 from runtime.draft_runner import DraftRunner
 from runtime.draft_server import DraftServer
-from runtime.graphs import PREFILL_GRAPH_TOKENS, PREFILL_Q_LENS, GraphedTargetForward
+from runtime.graph_layout import PREFILL_GRAPH_TOKENS, PREFILL_Q_LENS
+from runtime.graphs import GraphedTargetForward
 from runtime.kernels import get_backend
 from runtime.kernels.moe import GRAPH_SAFE
 from runtime.kv_cache import allocate_caches, bytes_per_page

@@ -4,7 +4,8 @@ The graphs themselves need CUDA (``tests/gpu``); how their inputs are laid out i
 
 import torch
 
-from runtime.graphs import GraphedTargetForward, GraphOutputs, worth_padding
+from runtime.graph_layout import worth_padding
+from runtime.graphs import GraphedTargetForward, GraphOutputs
 from runtime.sampling_params import SamplingParams
 from runtime.step_io import ScheduledRequest
 
@@ -57,7 +58,7 @@ def test_the_vectorized_layout_equals_the_token_by_token_one():
     """Random steps (ragged or full blocks, owned pages or not, padding requests) laid out both ways."""
     import random
 
-    from runtime.graphs import graph_inputs
+    from runtime.graph_layout import graph_inputs
 
     rng = random.Random(0)
     for trial in range(300):
@@ -80,7 +81,7 @@ def test_the_next_decode_layout_is_the_one_the_next_step_lays_out():
     """Planning ahead: after a one-token step, the layout of the step where every request decodes one more token
     (the pages the scheduler allotted a token ahead) is what that step's own layout will be; a request whose pages
     do not cover its next key yet gives no prediction."""
-    from runtime.graphs import next_decode_layout
+    from runtime.graph_layout import next_decode_layout
 
     pages = {"a": [7, 8, 9], "b": [3]}
     now = [request("a", [10], start=7, pages=pages["a"]), request("b", [20], start=2, pages=pages["b"])]
@@ -97,7 +98,7 @@ def test_the_next_verify_layout_is_the_one_the_next_verify_step_lays_out():
     which each request verifies a block as long from its next position (pages allotted a block ahead) is what that
     step's own layout will be, padding requests and pages past a request's own (the scratch page) included; an
     invalid count (a faulted row) gives no prediction."""
-    from runtime.graphs import next_verify_layout
+    from runtime.graph_layout import next_verify_layout
 
     pages = {"a": [7, 8, 9, 10], "b": [3, 4, 5]}
     now = [request("a", [10, 11, 12, 13], start=5, pages=pages["a"], drafts=3),
@@ -188,7 +189,7 @@ def test_which_graph_a_step_replays_prefill_chunks_included():
     """A step replays the graph of the smallest captured length holding its longest request: a verify length (every
     bucket), else a prefill chunk length whose bucket x length is within the cap; never one padded past
     ``worth_padding``, nor a batch past the largest bucket."""
-    from runtime.graphs import PREFILL_Q_LENS, graphed_q_len
+    from runtime.graph_layout import PREFILL_Q_LENS, graphed_q_len
 
     verify, cap = [1, 8], 512
     assert graphed_q_len([1, 1], verify, 64) == 1 and graphed_q_len([8, 3], verify, 64) == 8
