@@ -70,7 +70,8 @@ class Engine:
             self.scheduler.lookahead = int(self.spec.max_draft_len or 0) + 1 if self.has_drafter else 1
         # the worker (this process's graphs) may launch the next step before this one is read back
         # (ScheduledBatch.run_ahead): a steady greedy decode step (GraphedTargetForward.decode_greedy), or with a
-        # drafter the next greedy verify of full blocks (GraphedTargetForward.launch_verify_ahead)
+        # drafter the next greedy verify of the blocks drafted now, whole or at confidence scheduling's cap
+        # (ScheduledBatch.next_verify_len; GraphedTargetForward.launch_verify_ahead)
         self._runs_ahead = getattr(self.executor, "runs_ahead", False)
         self._ran_ahead = False  # the step just scheduled may be launched ahead of its turn
         self.stops = StopCriteria(self._eos_token_ids(), self.tokenizer, self.max_model_len)
