@@ -121,18 +121,24 @@ def next_decode_layout(layout: HostLayout, page_ids: list[list[int]], page_size:
     return HostLayout(layout.qo_lens, kv + layout.kv_lens[real:], pages + layout.page_ids[real:])
 
 
+def next_anchor_position(r: ScheduledRequest, accepted: int) -> int:
+    """Where the token ``r``'s step commits last sits (the next step's anchor): after its ``accepted`` drafts, or
+    after its chunk for a prefill."""
+    return r.end_position - r.num_drafts + accepted
+
+
 def next_verify_layout(reqs: list[ScheduledRequest], accepted: list[int], q_len: int, next_q_len: int, batch: int,
                        page_size: int, scratch_page: int) -> HostLayout | None:
     """The attention layout ``graph_inputs`` will give the verify step after a ``q_len``-token step of ``reqs``
     (padded to ``batch`` requests) that accepted ``accepted`` drafts each, if every request then verifies a block
-    of ``next_q_len`` tokens from the position after its last committed token (``start + accepted + 1``), on the
+    of ``next_q_len`` tokens from the position of its last committed token (``next_anchor_position``), on the
     pages it holds now (the scheduler allots them a block ahead, ``Scheduler.lookahead``); None when a count is not
     a valid one (a faulted row)."""
     kv, pages = [], []
     for r, a in zip(reqs, accepted):
-        if not 0 <= a < q_len:
+        if not 0 <= a <= r.num_drafts or len(r.token_ids) > q_len:
             return None
-        k = r.start_position + a + 1 + next_q_len
+        k = next_anchor_position(r, a) + next_q_len
         need = -(-k // page_size)
         pages.append(r.page_ids[:need] + [scratch_page] * max(0, need - len(r.page_ids)))
         kv.append(k)

@@ -66,7 +66,7 @@ import numpy as np
 import torch
 
 from runtime.graph_layout import (LaunchedDecode, LaunchedVerify, batch_buckets, graph_inputs, graphed_q_len,
-                                  next_decode_layout, next_verify_layout)
+                                  next_anchor_position, next_decode_layout, next_verify_layout)
 from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta
 from runtime.kv_cache import KVCaches
 from runtime.models.target import TargetModel
@@ -261,8 +261,8 @@ class GraphedTargetForward:
         q_len = drafts.shape[1] + 1 if drafts.dim() == 2 else 0
         if drafts.shape[0] != num or len(accepted) != num or (batch, q_len) not in self.graphs:
             return False
-        upcoming = [ScheduledRequest(r.request_id, [0] * q_len, r.start_position + a + 1, r.page_ids, q_len - 1, True,
-                                     r.params, r.seed) for r, a in zip(reqs, accepted)]
+        upcoming = [ScheduledRequest(r.request_id, [0] * q_len, next_anchor_position(r, a), r.page_ids, q_len - 1,
+                                     True, r.params, r.seed) for r, a in zip(reqs, accepted)]
         if any(-(-r.end_position // ps) > len(r.page_ids) for r in upcoming):
             return False  # its pages do not cover the block yet
         g = self.graphs[(batch, q_len)]

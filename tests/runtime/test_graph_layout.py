@@ -117,6 +117,10 @@ def test_the_next_verify_layout_is_the_one_the_next_verify_step_lays_out():
     predicted = next_verify_layout(short, [2], 4, 4, 1, PS, SCRATCH)
     assert predicted == layout_of([request("c", [5], start=3, pages=[6])], 1, 4)[0]
     assert predicted.page_ids == [[6, SCRATCH]]
+    # after a prompt's last chunk (no drafts): the first verify starts at the token that chunk sampled
+    chunk = [request("d", [1, 2, 3, 4, 5], start=0, pages=[3, 4, 5])]
+    assert next_verify_layout(chunk, [0], 8, 4, 1, PS, SCRATCH) == \
+        layout_of([request("d", [6, 7, 8, 9], start=5, pages=[3, 4, 5], drafts=3)], 1, 4)[0]
     assert next_verify_layout(now, [-1, 0], 4, 4, 4, PS, SCRATCH) is None
     assert next_verify_layout(now, [4, 0], 4, 4, 4, PS, SCRATCH) is None
 
