@@ -294,6 +294,9 @@ class GraphedTargetForward:
         waiting for this one."""
         batch = next(b for b in self.buckets if b >= len(reqs))
         g = self.graphs[(batch, 1)]
+        if self._ahead_verify is not None:  # a verify launched ahead, then speculation stopped: not this step
+            self.steps_ahead_dropped += 1
+            self._ahead_verify = None
         ahead, self._ahead = self._ahead, None
         if ahead is not None and not ahead.matches(reqs):
             self.steps_ahead_dropped += 1

@@ -129,7 +129,7 @@ def _forward(batch: int, page_size: int = 4):
     forward.planned, forward.plans_skipped, forward.replays = {}, 0, 0
     forward._read_host = torch.zeros(2, batch, dtype=torch.int64)
     forward._read_done = [_Event(), _Event()]
-    forward._next_slot, forward._ahead = 0, None
+    forward._next_slot, forward._ahead, forward._ahead_verify = 0, None, None
     forward.steps_run_ahead = forward.steps_ahead_dropped = 0
     planned = []
     forward._plan = lambda layout, b, q: (planned.append(layout), forward.planned.__setitem__((b, q), layout))
