@@ -185,8 +185,7 @@ class LaunchedVerify:
     request_ids: tuple[str, ...]
     starts: tuple[int, ...]  # each request's first position in it (its anchor's)
     q_len: int
-    pages: tuple[list[int], ...]  # each request's pages under it
-    layout: HostLayout
+    layout: HostLayout  # its attention layout (each request's pages under it first)
     appended: bool  # the drafter's context graph was replayed after it
     tokens: tuple[tuple[int, ...] | None, ...] = ()  # what each request feeds (anchor, drafts), once read back
 
@@ -195,7 +194,8 @@ class LaunchedVerify:
         (its anchor and drafts) at the same positions on the same pages, and the same context append."""
         if not len(reqs) == len(self.request_ids) == len(self.tokens) or append_context != self.appended:
             return False
-        for r, rid, start, tokens, pages in zip(reqs, self.request_ids, self.starts, self.tokens, self.pages):
+        for r, rid, start, tokens, pages in zip(reqs, self.request_ids, self.starts, self.tokens,
+                                                self.layout.page_ids):
             if r.request_id != rid or r.start_position != start or tokens is None or tuple(r.token_ids) != tokens \
                     or r.num_drafts != self.q_len - 1 or r.page_ids[:len(pages)] != pages:
                 return False

@@ -72,6 +72,7 @@ from runtime.kv_cache import KVCaches
 from runtime.models.target import TargetModel
 from runtime.step_io import ScheduledRequest
 from runtime.step_tensors import StepTensors, padded_page_table
+from runtime.transfer import PinnedReadBack
 from runtime.verify import block_verdicts, greedy_verdicts
 
 log = logging.getLogger(__name__)
@@ -125,9 +126,9 @@ class GraphedTargetForward:
                  append_context: ContextAppend | None = None, plan_ahead: bool = False,
                  prefill_q_lens: list[int] | tuple = (), prefill_tokens: int = 0):
         self.target, self.caches, self.backend, self.geometry = target, caches, backend, geometry
-        # plan_ahead (autoregressive engines): after a one-token step is launched, FlashInfer is planned for the
-        # step that follows if every request decodes one token more (its pages are allotted a token ahead,
-        # Scheduler.lookahead); that step then skips its plan, which ran while the GPU was busy
+        # plan_ahead: after a one-token step is launched, FlashInfer is planned for the step that follows if every
+        # request decodes one token more, and while the drafter drafts for the next verify step (pages are
+        # allotted ahead, Scheduler.lookahead); that step then skips its plan, which ran while the GPU was busy
         self.plan_ahead = plan_ahead
         # launch steady greedy decode steps (decode_greedy) and full-block verify steps (launch_verify_ahead) ahead;
         # off: plan ahead only
@@ -153,8 +154,7 @@ class GraphedTargetForward:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         # run-ahead of plain greedy decode steps (decode_greedy): the pinned read-back rows (two: the step being
         # read and the one launched ahead), their events, the step launched ahead and how often it paid
-        self._read_host = torch.zeros(2, max_batch, dtype=torch.int64, pin_memory=True)
-        self._read_done = [torch.cuda.Event(), torch.cuda.Event()]
+        self._verdict_reads = [PinnedReadBack(max_batch), PinnedReadBack(max_batch)]
         self._next_slot = 0
         self._ahead: LaunchedDecode | None = None
         self.steps_run_ahead = 0  # steps whose graph had been launched before the engine scheduled them
@@ -162,8 +162,7 @@ class GraphedTargetForward:
         # planning the next verify step while the drafter drafts (read_accepted, plan_next_verify): the last
         # replay's requests and layout, and its accepted counts read back through pinned memory
         self._last_run: tuple[list[ScheduledRequest], HostLayout, int, int] | None = None
-        self._accepted_host = torch.zeros(max_batch, dtype=torch.int64, pin_memory=True)
-        self._accepted_read = torch.cuda.Event()
+        self._accepted_read = PinnedReadBack(max_batch)
         self._accepted_pending = 0
         self._ahead_verify: LaunchedVerify | None = None  # a verify step launched ahead (launch_verify_ahead)
         self.replays = 0  # steps served by a graph (padded ones included); the rest of the steps ran eagerly
@@ -215,10 +214,8 @@ class GraphedTargetForward:
         """Queue the copy of the last replay's verification, ``accepted`` [len(reqs)] drafts per request, into
         pinned memory, with an event: called right after the verification is queued and before the draft is
         launched, so that ``plan_next_verify`` can read it while the drafter runs."""
-        num = accepted.shape[0]
-        self._accepted_host[:num].copy_(accepted, non_blocking=True)
-        self._accepted_read.record()
-        self._accepted_pending = num
+        self._accepted_read.queue(accepted)
+        self._accepted_pending = accepted.shape[0]
 
     def plan_next_verify(self, next_q_len: int | None = None) -> list[int] | None:
         """While the drafter drafts: wait for the accepted counts ``read_accepted`` queued (the verification is
@@ -236,8 +233,7 @@ class GraphedTargetForward:
         next_q_len = next_q_len or q_len
         if (batch, next_q_len) not in self.graphs:
             return None
-        self._accepted_read.synchronize()
-        accepted = self._accepted_host[:num].tolist()
+        accepted = self._accepted_read.wait().tolist()
         upcoming = next_verify_layout(reqs, accepted, q_len, next_q_len, batch, self.page_size, self.scratch_page)
         if upcoming is None:
             return None
@@ -248,8 +244,8 @@ class GraphedTargetForward:
                             drafts: torch.Tensor, append_context: bool) -> bool:
         """Launch, right behind the draft, the verify step in which every request of the last replay verifies
         ``drafts`` [S, N] (device: the block just drafted, or its first N drafts) from its next position, its
-        anchor the token this step
-        committed last (``committed`` [S, K+1] at ``accepted_device`` [S], device; ``accepted`` the same counts
+        anchor the token this step committed last (``committed`` [S, K+1] at ``accepted_device`` [S], device;
+        ``accepted`` the same counts
         read back by ``plan_next_verify``, which planned it), if each request's pages cover it. The step's inputs
         are written on the device; its context append follows when ``append_context``. The caller has already
         queued the read-back of this step (the replay reuses its output buffers) and, once it has read back,
@@ -258,7 +254,7 @@ class GraphedTargetForward:
             return False
         reqs, _, batch, _ = self._last_run
         num, ps = len(reqs), self.page_size
-        q_len = drafts.shape[1] + 1 if drafts.dim() == 2 else 0
+        q_len = drafts.shape[1] + 1
         if drafts.shape[0] != num or len(accepted) != num or (batch, q_len) not in self.graphs:
             return False
         upcoming = [ScheduledRequest(r.request_id, [0] * q_len, next_anchor_position(r, a), r.page_ids, q_len - 1,
@@ -276,8 +272,7 @@ class GraphedTargetForward:
         if appended:
             g.context.replay()
         self._ahead_verify = LaunchedVerify(tuple(r.request_id for r in upcoming),
-                                          tuple(r.start_position for r in upcoming), q_len,
-                                          tuple(layout.page_ids[:num]), layout, appended)
+                                            tuple(r.start_position for r in upcoming), q_len, layout, appended)
         return True
 
     def set_ahead_tokens(self, tokens: list[tuple[int, ...] | None]) -> None:
@@ -315,8 +310,7 @@ class GraphedTargetForward:
             upcoming = next_decode_layout(layout, [r.page_ids for r in reqs], self.page_size)
             if upcoming is not None:
                 self._plan(upcoming, batch, 1)
-        self._read_done[slot].synchronize()  # this step's verdicts only: the one launched ahead still runs
-        verdicts = self._read_host[slot, :len(reqs)].tolist()
+        verdicts = self._verdict_reads[slot].wait().tolist()  # this step's only: the one launched ahead still runs
         if self._ahead is not None:
             self._ahead.tokens = tuple(verdicts)
         return verdicts
@@ -325,8 +319,7 @@ class GraphedTargetForward:
         """Queue the copy of a replay's first ``num`` verdicts into a pinned row (right behind the replay, before
         anything launched after it) and the event that marks it. -> the row."""
         slot, self._next_slot = self._next_slot, 1 - self._next_slot
-        self._read_host[slot, :num].copy_(g.verdict[:num], non_blocking=True)
-        self._read_done[slot].record()
+        self._verdict_reads[slot].queue(g.verdict[:num])
         return slot
 
     def _launch_ahead(self, reqs: list[ScheduledRequest], batch: int, g: _Graph, inputs: np.ndarray,
@@ -347,7 +340,7 @@ class GraphedTargetForward:
         torch.clamp(g.verdict[:num], min=0, out=self.inputs[0, :num])
         self._plan_and_replay(g, upcoming, batch, 1)
         self._ahead = LaunchedDecode(tuple(r.request_id for r in reqs), tuple(positions.tolist()), upcoming, nxt,
-                             self._read_back(g, num))
+                                     self._read_back(g, num))
 
     def _plan_and_replay(self, g: _Graph, layout: HostLayout, batch: int, q_len: int) -> None:
         """Plan the (batch, q_len) graph's wrapper for ``layout`` unless it already is (planned ahead), then replay

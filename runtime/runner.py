@@ -31,7 +31,7 @@ from runtime.profiling import region
 from runtime.sampler import RowParams, apply_penalties, filtered_probs, occurrence_counts
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.step_tensors import build_step_tensors, greedy_only, plain_greedy, sampled_entries, uses_rejection
-from runtime.transfer import to_device
+from runtime.transfer import PinnedReadBack, to_device
 from runtime.verify import accept_by_rejection, commit_by_match, gather_rows, greedy_verdicts, residual_distribution
 
 NON_FINITE_LOGITS = "the target produced non-finite logits (NaN/inf) for this request; it was stopped"
@@ -66,8 +66,7 @@ class ModelRunner:
         self.page_size, self.device, self.parallel = page_size, device, parallel
         self.channel = channel  # rank 0 only
         self.has_drafter = spec is not None
-        self._pinned_rows: torch.Tensor | None = None  # a step's read-back rows when the next step runs ahead
-        self._rows_read = None  # the event after their copy
+        self._rows_read = PinnedReadBack()  # a step's read-back rows when the next step runs ahead of it
         self.use_rejection = bool(spec and spec.use_rejection_sampling)
         self.draft_w2 = draft_w2  # Markov W2 [V, r], to rebuild draft logits (None: rank 0 head or no rejection)
         self.vocab_size = target.config.vocab_size
@@ -145,11 +144,11 @@ class ModelRunner:
         if accepted_host is not None and batch.run_ahead and self._verifies_blocks_ahead(verified, proposal, n):
             with region("dspark.run_ahead"):
                 # this step's rows read back through pinned memory first: the next replay reuses their buffers
-                rows = self._read_back(self._packed(verified, proposal)[0])
+                self._rows_read.queue(self._packed(verified, proposal)[0])
                 launched = self.graphs.launch_verify_ahead(accepted_host, verified.committed, verified.accepted,
                                                            proposal.tokens[:, :n], drafting)
             with region("dspark.results"):
-                results = self._results(reqs, entries, verified, proposal, host=rows())
+                results = self._results(reqs, entries, verified, proposal, host=self._rows_read.wait().tolist())
             if launched:  # what each request feeds next: its last committed token, then n drafts of the new block
                 k = proposal.tokens.shape[1]
                 self.graphs.set_ahead_tokens([
@@ -210,24 +209,6 @@ class ModelRunner:
         return n > 0 and verified.packed is not None and verified.source is None and proposal is not None \
             and proposal.tokens is not None and proposal.tokens.shape[1] >= n \
             and runner is not None and runner.confidence_threshold is None
-
-    def _read_back(self, packed: torch.Tensor):
-        """Queue the copy of ``packed`` [S, W] (int64, device) into pinned memory with an event -> a function that
-        waits for it alone and returns the rows as lists."""
-        n = packed.numel()
-        if self._pinned_rows is None or self._pinned_rows.numel() < n:
-            self._pinned_rows = torch.empty(max(n, 2 * (0 if self._pinned_rows is None else
-                                                        self._pinned_rows.numel())), dtype=torch.int64,
-                                            pin_memory=True)
-            self._rows_read = torch.cuda.Event()
-        host = self._pinned_rows[:n].view(packed.shape)
-        host.copy_(packed, non_blocking=True)
-        self._rows_read.record()
-
-        def rows() -> list[list[int]]:
-            self._rows_read.synchronize()
-            return host.tolist()
-        return rows
 
     @staticmethod
     def _packed(verified: Verified, proposal: Proposal | None) -> tuple[torch.Tensor, int, int]:

@@ -1,4 +1,5 @@
-"""Host lists to device tensors without waiting for the device (the step's one sync is its result transfer)."""
+"""Host lists to device tensors without waiting for the device (the step's one sync is its result transfer), and
+device results to the host without waiting for work launched after them (``PinnedReadBack``)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,32 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
     if device.type != "cuda":
         return host_tensor(values, dtype)
     return host_tensor(values, dtype).to(device, non_blocking=True)
+
+
+class PinnedReadBack:
+    """A device-to-host copy that the host waits for alone: ``queue`` copies a tensor into pinned memory (grown as
+    needed) and records an event right behind the copy; ``wait`` waits for that event only. Work launched after
+    ``queue`` (a step launched ahead) does not delay the wait, as it would a ``.tolist()`` queued behind it
+    (``benchmarks/graph_launch.py --readback``). Pinned memory and the event are made on first use (CUDA only)."""
+
+    def __init__(self, size: int = 0, dtype: torch.dtype = torch.int64):
+        self._host = torch.empty(size, dtype=dtype, pin_memory=True) if size else None
+        self._event = None
+        self._view: torch.Tensor | None = None
+
+    def queue(self, tensor: torch.Tensor) -> None:
+        """Queue the copy of ``tensor`` (on the device) and the event behind it."""
+        n = tensor.numel()
+        if self._host is None or self._host.numel() < n or self._host.dtype != tensor.dtype:
+            grown = 2 * self._host.numel() if self._host is not None and self._host.dtype == tensor.dtype else 0
+            self._host = torch.empty(max(n, grown), dtype=tensor.dtype, pin_memory=True)
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._view = self._host[:n].view(tensor.shape)
+        self._view.copy_(tensor, non_blocking=True)
+        self._event.record()
+
+    def wait(self) -> torch.Tensor:
+        """The last queued copy on the host, once it has landed (a view, valid until the next ``queue``)."""
+        self._event.synchronize()
+        return self._view

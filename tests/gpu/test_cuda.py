@@ -90,3 +90,17 @@ def test_tp2_cuda_graphs_equal_the_eager_replica(ray_gpus, wide_target, make_dra
                 assert all(i["graph_replays"] > 0 for i in llm.rank_info())
     assert runs[False][0] == runs[True][0]
     assert sum(a == b for a, b in zip(runs[False][1], runs[True][1])) >= 2  # bf16 near-ties may part a sample
+
+
+def test_a_pinned_read_back_waits_for_its_copy_alone():
+    """``runtime.transfer.PinnedReadBack``: the rows land on the host as they were when queued, though the tensor
+    is overwritten by work queued after (a step launched ahead); the buffer grows for a larger copy."""
+    from runtime.transfer import PinnedReadBack
+
+    read = PinnedReadBack(4)
+    rows = torch.arange(6, device="cuda").view(2, 3)
+    read.queue(rows)
+    rows.fill_(-1)  # queued after the copy, as the next replay is
+    assert read.wait().tolist() == [[0, 1, 2], [3, 4, 5]]
+    read.queue(torch.ones(3, 5, dtype=torch.int64, device="cuda"))
+    assert read.wait().tolist() == [[1] * 5] * 3

@@ -95,12 +95,15 @@ def test_sampled_requests_never_run_ahead(tmp_path, drafter):
 
 # ---- the worker's side, on the CPU: GraphedTargetForward.decode_greedy over a fake one-token graph ---------------
 
-class _Event:
-    def record(self) -> None:
-        pass
+class _Read:
+    """``runtime.transfer.PinnedReadBack`` on the CPU: the copy happens when queued (the CPU's order is the
+    stream's)."""
 
-    def synchronize(self) -> None:
-        pass
+    def queue(self, tensor: torch.Tensor) -> None:
+        self.value = tensor.clone()
+
+    def wait(self) -> torch.Tensor:
+        return self.value
 
 
 class _FakeGraph:
@@ -127,8 +130,7 @@ def _forward(batch: int, page_size: int = 4):
     forward.inputs = torch.zeros(3, batch, dtype=torch.int64)
     forward.plan_ahead = forward.run_ahead = True
     forward.planned, forward.plans_skipped, forward.replays = {}, 0, 0
-    forward._read_host = torch.zeros(2, batch, dtype=torch.int64)
-    forward._read_done = [_Event(), _Event()]
+    forward._verdict_reads = [_Read(), _Read()]
     forward._next_slot, forward._ahead, forward._ahead_verify = 0, None, None
     forward.steps_run_ahead = forward.steps_ahead_dropped = 0
     planned = []
