@@ -53,12 +53,17 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def test_steady_greedy_decoding_runs_ahead_until_a_request_reaches_its_limit(tmp_path):
-    eng, ex = engine(tmp_path)
-    eng.add_request(list(range(10, 30)), greedy(6))
-    eng.add_request(list(range(40, 45)), greedy(4))
+def serve(eng: Engine, *requests: tuple[list[int], SamplingParams]) -> None:
+    """Add ``requests`` (prompt, params) and step the engine until every one has finished."""
+    for prompt, params in requests:
+        eng.add_request(prompt, params)
     while eng.has_unfinished():
         eng.step()
+
+
+def test_steady_greedy_decoding_runs_ahead_until_a_request_reaches_its_limit(tmp_path):
+    eng, ex = engine(tmp_path)
+    serve(eng, (list(range(10, 30)), greedy(6)), (list(range(40, 45)), greedy(4)))
     hints = [(len(b.requests), [len(r.token_ids) for r in b.requests], b.run_ahead) for b in ex.batches]
     assert hints[0][2] is False  # the prefill step: the next one is the first decode, not "one token more"
     # decode steps (each request's tokens 2, 3, 4, then the first's 5 and 6 alone) run ahead while the next step is
@@ -87,9 +92,7 @@ def test_an_arrival_waits_one_step_when_the_step_was_launched_ahead(tmp_path, dr
 @pytest.mark.parametrize("drafter", [False, True])
 def test_sampled_requests_never_run_ahead(tmp_path, drafter):
     eng, ex = spark_engine(tmp_path) if drafter else engine(tmp_path)
-    eng.add_request(list(range(10, 30)), SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True))
-    while eng.has_unfinished():
-        eng.step()
+    serve(eng, (list(range(10, 30)), SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)))
     assert not any(b.run_ahead for b in ex.batches)
 
 
@@ -315,10 +318,7 @@ def spark_engine(tmp_path, block: int = 4, confidence: bool = False) -> tuple[En
 
 def test_steady_greedy_verify_steps_run_ahead_while_two_more_blocks_fit(tmp_path):
     eng, ex = spark_engine(tmp_path)
-    eng.add_request(list(range(10, 30)), greedy(30))
-    eng.add_request(list(range(40, 45)), greedy(24))
-    while eng.has_unfinished():
-        eng.step()
+    serve(eng, (list(range(10, 30)), greedy(30)), (list(range(40, 45)), greedy(24)))
     assert not ex.batches[0].run_ahead  # the prefill: no block to verify yet
     verify = [(b, lengths) for b, lengths in zip(ex.batches, ex.lengths) if b.requests[0].num_drafts]
     assert verify and verify[0][0].run_ahead
@@ -343,10 +343,7 @@ def test_confidence_scheduled_verifies_run_ahead_with_the_cap_already_chosen(tmp
     """The padded layout's cap for the next step is chosen from this step's confidences: the step launched ahead
     verifies that many drafts of each block (here fewer than the block)."""
     eng, ex = spark_engine(tmp_path, confidence=True)
-    eng.add_request(list(range(10, 30)), greedy(40))
-    eng.add_request(list(range(40, 45)), greedy(40))
-    while eng.has_unfinished():
-        eng.step()
+    serve(eng, (list(range(10, 30)), greedy(40)), (list(range(40, 45)), greedy(40)))
     assert_launched_steps_come_as_said(ex.batches)
     assert {b.next_verify_len for b in ex.batches if b.run_ahead} == {1}
 
