@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    target, drafter = write_shape(Path(tempfile.mkdtemp(prefix="plan-ahead-")), args.model_shape, 1, 8)
+    target, drafter = write_shape(Path(tempfile.mkdtemp(prefix="plan-ahead-")), args.model_shape, 1, 7)
     drafter = drafter if args.speculative else None
     llm = build(target, args, concurrency, drafter=drafter)
     engines = {"off": build(target, args, concurrency, pdl=False, drafter=drafter) if args.toggle == "pdl" else llm,
