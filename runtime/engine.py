@@ -88,6 +88,9 @@ class Engine:
         self._other_fed = (0, 0)  # (requests, tokens) the last step fed besides the scheduler's verifies
         self._graph_q_lens: list[int] = []  # tokens per request of the target's graphs (none: eager steps)
         self._graph_prefill = ([], 0)  # the prefill chunk graphs' lengths and token cap (graph_layout.graphed_q_len)
+        # profiling (runtime.step_profile): every decoding request verifies at most this many drafts, and the steps
+        # are planned and launched ahead at that length as a confidence-scheduled engine's are at its cap
+        self.forced_verify_len: int | None = None
         # when a list: every verify appends (the verified drafts' confidences, accepted count) (calibration)
         self.verification_log: list[tuple[list[float], int]] | None = None
         # pipelined drafting (a separate drafter, cluster.RayExecutor): steps alternate two request groups and each
@@ -229,7 +232,9 @@ class Engine:
             group, self._turn = self._turn, 1 - self._turn
         began = time.perf_counter()
         with region("dspark.schedule"):
-            if self.confidence is not None:
+            if self.forced_verify_len is not None:
+                self._force_verify_lengths()
+            elif self.confidence is not None:
                 self._allot_verify_lengths(group)
             # a step the worker may have launched ahead is the running requests' decode: arrivals join the next
             scheduled = self.scheduler.schedule(group, admit=not self._ran_ahead)
@@ -271,8 +276,11 @@ class Engine:
     def _next_verify_len(self) -> int:
         """How many drafts a decoding request verifies next step: the block drafted now, or under confidence
         scheduling's padded layout as many as the cap it already chose for that step (0: unknown, the ragged
-        layout). The worker plans that step's attention while the drafter drafts (``ScheduledBatch``)."""
+        layout), or while profiling the length forced on every step (``forced_verify_len``). The worker plans that
+        step's attention while the drafter drafts (``ScheduledBatch``)."""
         k_next = self.draft_len()
+        if self.forced_verify_len is not None:
+            return min(k_next, self.forced_verify_len)
         if self.confidence is None:
             return k_next
         if self.confidence.layout != "padded":
@@ -321,6 +329,15 @@ class Engine:
         for seq, length in zip(seqs, lengths):
             seq.draft_ids, seq.draft_confidence = seq.draft_ids[:length], seq.draft_confidence[:length]
         self.confidence_stats.record_decision(self.confidence.last, len(seqs))
+
+    def _force_verify_lengths(self) -> None:
+        """Profiling: trim every running request's proposed block to ``forced_verify_len`` drafts."""
+        n = self.forced_verify_len
+        for seq in self.scheduler.running:
+            if len(seq.draft_ids) > n:
+                seq.draft_ids = seq.draft_ids[:n]
+                if seq.draft_confidence is not None:
+                    seq.draft_confidence = seq.draft_confidence[:n]
 
     def _note_other_fed(self, scheduled: list[ScheduledRequest]) -> None:
         """What the step fed besides the verifies the scheduler chose (prefill chunks, draft-less decodes): the next

@@ -4,12 +4,17 @@ A grid of measured step times (``batch_sizes`` x ``token_counts``, milliseconds,
 predicts any (batch, tokens) by linear interpolation in tokens within the two nearest measured batch rows (then
 between them); outside the measured range it extrapolates the nearest row's last slope. A row is read as its
 least-squares non-decreasing fit (isotonic regression, pool adjacent violators): feeding more tokens never makes a
-step cheaper, so a dip is measurement noise (a host-bound step's timing jitter, a cell measured from few steps),
-and taken at face value it would tell the scheduler that verifying fewer drafts saves time where it costs none; a
-spike is noise as well, which a running maximum would carry to every longer length (a run-24 row of 3.2, 4.9, 4.0,
-4.2, 3.9 ms read as 4.9 from the second cell on), while the fit averages it with its neighbours. Every step the engine
-serves is an observation: the grid cell nearest to it moves toward the measured time (an exponential moving
-average), so the table follows the hardware and the load it actually sees, mixed prefill + decode steps included.
+step cheaper, so a dip is measurement noise (a host-bound step's timing jitter, a cell measured from few steps), and
+taken at face value it would tell the scheduler that verifying fewer drafts saves time where it costs none; a spike is
+noise as well, which a running maximum would carry to every longer length (a run-24 row of 3.2, 4.9, 4.0, 4.2, 3.9 ms
+read as 4.9 from the second cell on), while the fit averages it with its neighbours. Every step the engine serves is
+an observation: the grid cell nearest to it moves toward the measured time (an exponential moving average), so the
+table follows the hardware and the load it actually sees, mixed prefill + decode steps included; and since a step
+never costs less for feeding more, the learned cell bounds the rest of its row on the side its move may have put out
+of order (lowered: no cell of fewer tokens above it; raised: none of more tokens below it). A scheduler visits few
+cells (the lengths it chooses), and without the bound a cell it never visits keeps whatever the startup profile
+measured: run 37's profile timed the shorter verify lengths 1.5-3 ms too slow, serving corrected only the full-block
+cell, and read through the non-decreasing fit the row went on saying that trimming drafts saves nothing.
 JSON (``to_json`` / ``from_json``): ``{"batch_sizes": [...], "token_counts": [...], "step_ms": [[...], ...]}``,
 the format ``dspark bench --profile-steps`` writes and ``confidence_cost_table_path`` reads.
 """
@@ -85,8 +90,16 @@ class StepCostTable:
         self._fits.pop(i, None)
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
-        """A step the engine served: learn from it."""
+        """A step the engine served: learn from it (its cell, then the bound that cell puts on its row)."""
+        i, j = _nearest(self.batch_sizes, batch), _nearest(self.token_counts, tokens)
+        row, before = self.step_ms[i], self.step_ms[i, j]
         self.record(batch, tokens, 1e3 * seconds, OBSERVATION_WEIGHT)
+        learned = row[j]
+        # the side the move may have left out of order (NaN cells compare false: they stay unmeasured)
+        if learned < before:  # lowered: no cell of fewer tokens above it
+            row[:j] = np.where(row[:j] > learned, learned, row[:j])
+        elif learned > before:  # raised: no cell of more tokens below it
+            row[j + 1:] = np.where(row[j + 1:] < learned, learned, row[j + 1:])
         self.observations += 1
 
     def predict_ms(self, batch: int, tokens: int) -> float:

@@ -1,13 +1,15 @@
 """Profile an engine's own steps into a ``StepCostTable`` (confidence scheduling's cost model).
 
 For each batch bucket that fits the KV cache (1, 2, 4, ... up to ``max_num_seqs``), that many requests of random
-tokens decode together; once every one carries a proposed block, each verify length L = 0..K is forced on all of
-them for ``repeats`` steps and the median step time is the table's (batch, batch * (L + 1)) cell. K is the block
-the engine drafts at that batch size: ``max_draft_len``, or a ``draft_len_schedule``'s length there; a bucket the
-schedule drafts nothing for is left out (no step of that size has drafts to choose among). The steps run
-through the engine as served steps do (graphs, kernels, the executor's round trip). Afterwards nothing of the
-profile is left: its requests are aborted, the counters and the acceptance gate start fresh, the prefix cache
-forgets its pages.
+tokens decode together; once every one carries a proposed block, each verify length L = 0..K is forced on all of them
+for ``repeats`` steps (``Engine.forced_verify_len``: the engine plans and launches each next step ahead at L, as it
+does at a confidence-scheduled cap; run 37's profile trimmed the blocks behind its back, so every timed step of a
+shorter length dropped a verify launched ahead at the full block and ran it again, 1.5-3 ms too slow) and the median
+step time is the table's (batch, batch * (L + 1)) cell. K is the block the engine drafts at that batch size:
+``max_draft_len``, or a ``draft_len_schedule``'s length there; a bucket the schedule drafts nothing for is left out
+(no step of that size has drafts to choose among). The steps run through the engine as served steps do (graphs,
+kernels, the executor's round trip). Afterwards nothing of the profile is left: its requests are aborted, the counters
+and the acceptance gate start fresh, the prefix cache forgets its pages.
 """
 
 from __future__ import annotations
@@ -58,17 +60,18 @@ def profile_step_costs(engine, repeats: int = 3, max_batch: int | None = None) -
             engine.step()
         if not all(i in engine.sequences and engine.sequences[i].draft_ids for i in ids):
             raise RuntimeError(f"confidence scheduling: profiling {batch} requests never reached a drafted step")
-        for length in range(drafts + 1):
-            times = []
-            for repeat in range(steps_per_length):
-                for i in ids:
-                    seq = engine.sequences[i]
-                    seq.draft_ids = seq.draft_ids[:length]
-                began = time.perf_counter()
-                engine.step()
-                if repeat:
-                    times.append(time.perf_counter() - began)
-            table.record(batch, batch * (length + 1), 1e3 * statistics.median(times))
+        try:
+            for length in range(drafts + 1):
+                engine.forced_verify_len = length  # the steps planned (and launched) ahead at it, as served
+                times = []
+                for repeat in range(steps_per_length):
+                    began = time.perf_counter()
+                    engine.step()
+                    if repeat:
+                        times.append(time.perf_counter() - began)
+                table.record(batch, batch * (length + 1), 1e3 * statistics.median(times))
+        finally:
+            engine.forced_verify_len = None
         engine.abort_all()
     engine.metrics, engine.gate = SpecMetrics(), AcceptanceGate(engine.spec.acceptance_rate_window_size,
                                                                 engine.spec.acceptance_rate_threshold)

@@ -289,3 +289,26 @@ def test_the_table_learns_whole_steps_as_the_startup_profile_times_them(tmp_path
     stats = llm.get_metrics()["confidence_scheduling"]
     assert stats["mean_measured_step_ms"] >= 30.0
     assert eng.confidence.costs.observations > 0 and np.nanmax(eng.confidence.costs.step_ms) > 1.0 + 0.1 * 29.0
+
+
+def test_a_served_step_bounds_the_cells_of_its_row_it_moved_out_of_order():
+    """Feeding more tokens never makes a step cheaper, so a served step that lowers its cell lowers every cell of
+    fewer tokens above it, and one that raises it raises the cells of more tokens below it; the other side and the
+    other rows stay as measured. Run 37's startup profile timed the shorter verify lengths 1.5-3 ms too slow;
+    serving visited only the full-block cell, and the untouched cells kept the row saying trimming saves nothing."""
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    profiled = [4.97, 5.01, 4.66, 4.72, 4.63, 4.41, 3.22, 3.25]  # run 37's batch-1 row
+    table = StepCostTable([1, 4], tokens, [profiled, [2.0] * 8])
+    for _ in range(60):  # the served full-block steps take 1.78 ms
+        table.observe(1, 8, 0.00178)
+    assert table.step_ms[0].tolist() == pytest.approx([1.78] * 8, abs=0.01)
+    assert table.predict_ms_many(1, np.arange(1, 9)) == pytest.approx([1.78] * 8, abs=0.01)
+    assert table.step_ms[1].tolist() == [2.0] * 8  # another batch's row is its own
+    rising = StepCostTable([1], tokens, [[1.0 + 0.1 * t for t in tokens]])
+    rising.observe(1, 1, 0.005)  # raised to 1.49: the cells of 2..4 tokens below it follow, the rest stay
+    assert rising.step_ms[0].tolist() == pytest.approx([1.49, 1.49, 1.49, 1.49, 1.5, 1.6, 1.7, 1.8])
+    gaps = StepCostTable([1], [1, 2, 3], [[5.0, math.nan, 6.0]])
+    for _ in range(10):  # 6 -> 1 + 5 x 0.9^10 ms: the 1-token cell follows once it is above; the gap stays a gap
+        gaps.observe(1, 3, 0.001)
+    assert math.isnan(gaps.step_ms[0][1])
+    assert gaps.step_ms[0][0] == pytest.approx(1 + 5 * 0.9 ** 10) == gaps.step_ms[0][2]

@@ -362,3 +362,23 @@ def test_a_verify_launched_ahead_at_a_confidence_cap_replays_the_shorter_graph()
     forward.set_ahead_tokens([(40, 41), (50, 51)])
     forward.run([_verify("a", [40, 41], 7, pages["a"]), _verify("b", [50, 51], 2, pages["b"])], 2)
     assert forward.steps_run_ahead == 1 and len(short.fed) == 1
+
+
+def test_the_step_profile_plans_and_launches_each_verify_length_as_served(tmp_path):
+    """The confidence scheduler's startup profile forces each verify length through the engine
+    (``forced_verify_len``), so the engine plans and launches the next step ahead at that length, as it does at a
+    confidence-scheduled cap. Run 37's profile trimmed the blocks behind the engine's back: every step of a length
+    short of the block dropped a verify launched ahead at the full block and ran it again (1.5-3 ms a step too slow
+    on the GPU, and the scheduler never trimmed). Now only the first step of a new length (untimed) finds the step
+    before it launched at the old one."""
+    from runtime.step_profile import profile_step_costs
+
+    eng, ex = spark_engine(tmp_path)  # block 4
+    table = profile_step_costs(eng, repeats=3, max_batch=2)
+    assert eng.forced_verify_len is None and not eng.sequences
+    said = [(b, nxt) for b, nxt in zip(ex.batches, ex.batches[1:]) if b.run_ahead
+            and [r.request_id for r in nxt.requests] == [r.request_id for r in b.requests]]
+    wrong = [b for b, nxt in said if any(r.num_drafts != b.next_verify_len for r in nxt.requests)]
+    assert len(wrong) <= 2 * 3  # buckets 1 and 2, each changing length 1 -> 2 -> 3 -> 4 (0 does not run ahead)
+    assert {b.next_verify_len for b, _ in said} == {1, 2, 3, 4}  # every drafted length runs ahead
+    assert table.batch_sizes == [1, 2] and None not in table.to_json()["step_ms"][0][:5]  # 1 x (0..4 + 1) tokens
