@@ -194,52 +194,94 @@ def _attend_tile(q, k, v, key_ok, m_i, l_i, acc, scale):
 
 @triton.jit
 def _block_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, ctx_lens_ptr, xk_ptr, xv_ptr, out_ptr,
-                            scale, page_size, page_table_stride, num_q_heads, num_kv_heads, window,
+                            part_ptr, lse_ptr, scale, page_size, page_table_stride, num_q_heads, num_kv_heads, window,
                             BLOCK: tl.constexpr, GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
-                            BLOCK_N: tl.constexpr, X: tl.constexpr, PDL: tl.constexpr):
-    """One program per (request b, kv head h): the BLOCK x GROUP query rows of its draft block attend to the
-    request's first ctx_lens[b] cached keys (paged; only the last ``window`` of them when window > 0) and to the
-    block's own BLOCK keys (bidirectional), with an online softmax over key tiles of BLOCK_N. Row r is (block slot r // GROUP, q head h * GROUP + r % GROUP)."""
+                            BLOCK_N: tl.constexpr, X: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    """One program per (request b, kv head h, split): the BLOCK x GROUP query rows of its draft block attend to the
+    request's first ctx_lens[b] cached keys (paged; only the last ``window`` of them when window > 0), split s taking
+    the s-th of SPLITS equal runs of whole key tiles, and the last split also the block's own BLOCK keys
+    (bidirectional), with an online softmax over key tiles of BLOCK_N. Row r is (block slot r // GROUP, q head
+    h * GROUP + r % GROUP). One split writes the output; more write each split's normalized partial output and its
+    log-sum-exp (float32) for ``_merge_splits_kernel``."""
     wait_for_inputs(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     rows = tl.arange(0, M)
     dims = tl.arange(0, D)
     slot = rows // GROUP
     row_ok = rows < BLOCK * GROUP
     q_head = h * GROUP + rows % GROUP
-    q_off = ((b * BLOCK + slot) * num_q_heads + q_head)[:, None] * D + dims[None, :]
+    q_row = (b * BLOCK + slot) * num_q_heads + q_head  # [M] rows of q / out as [B*K*Hq, D]
+    q_off = q_row[:, None] * D + dims[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
     m_i = tl.full([M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([M, D], dtype=tl.float32)
     ctx_len = tl.load(ctx_lens_ptr + b)
     first = tl.where(window > 0, tl.maximum(ctx_len - window, 0), 0)  # window 0: the whole context
+    tiles = tl.cdiv(ctx_len - first, BLOCK_N)
+    per_split = tl.cdiv(tiles, SPLITS)
+    begin = first + split * per_split * BLOCK_N
+    end = tl.minimum(begin + per_split * BLOCK_N, ctx_len)
     cols = tl.arange(0, BLOCK_N)
-    for start in range(first, ctx_len, BLOCK_N):
+    for start in range(begin, end, BLOCK_N):
         pos = start + cols
-        key_ok = pos < ctx_len
+        key_ok = pos < end
         page = tl.load(page_table_ptr + b * page_table_stride + pos // page_size, mask=key_ok, other=0)
         kv_off = ((page * page_size + pos % page_size) * num_kv_heads + h)[:, None] * D + dims[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
         m_i, l_i, acc = _attend_tile(q, k, v, key_ok, m_i, l_i, acc, scale)
-    xcols = tl.arange(0, X)
-    x_ok = xcols < BLOCK
-    x_off = ((b * BLOCK + xcols) * num_kv_heads + h)[:, None] * D + dims[None, :]
-    k = tl.load(xk_ptr + x_off, mask=x_ok[:, None], other=0.0)
-    v = tl.load(xv_ptr + x_off, mask=x_ok[:, None], other=0.0)
-    m_i, l_i, acc = _attend_tile(q, k, v, x_ok, m_i, l_i, acc, scale)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if split == SPLITS - 1:
+        xcols = tl.arange(0, X)
+        x_ok = xcols < BLOCK
+        x_off = ((b * BLOCK + xcols) * num_kv_heads + h)[:, None] * D + dims[None, :]
+        k = tl.load(xk_ptr + x_off, mask=x_ok[:, None], other=0.0)
+        v = tl.load(xv_ptr + x_off, mask=x_ok[:, None], other=0.0)
+        m_i, l_i, acc = _attend_tile(q, k, v, x_ok, m_i, l_i, acc, scale)
+    if SPLITS == 1:
+        tl.store(out_ptr + q_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:  # a split without keys: output 0, log-sum-exp -inf (weight 0 in the merge)
+        seen = l_i > 0
+        part = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+        rows_total = tl.num_programs(0) * BLOCK * num_q_heads
+        tl.store(part_ptr + (split * rows_total + q_row)[:, None] * D + dims[None, :], part, mask=row_ok[:, None])
+        tl.store(lse_ptr + split * rows_total + q_row, tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)),
+                                                               float("-inf")), mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, rows_total, SPLITS: tl.constexpr, S: tl.constexpr,
+                         D: tl.constexpr, PDL: tl.constexpr):
+    """One program per output row: the SPLITS partial outputs [D] weighted by exp(their log-sum-exp - the
+    largest), in split order (the last split always saw keys: the block's own)."""
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
+    splits = tl.arange(0, S)
+    dims = tl.arange(0, D)
+    split_ok = splits < SPLITS
+    lse = tl.load(lse_ptr + splits * rows_total + row, mask=split_ok, other=float("-inf"))
+    weight = tl.exp(lse - tl.max(lse, axis=0))  # [S], 0 for empty splits and padding
+    part = tl.load(part_ptr + (splits * rows_total + row)[:, None] * D + dims[None, :], mask=split_ok[:, None],
+                   other=0.0)
+    out = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    tl.store(out_ptr + row * D + dims, out.to(out_ptr.dtype.element_ty))
+
+
+BLOCK_ATTENTION_KEYS = 128  # cached keys per tile of the block attention (BLOCK_N; benchmarks/block_attention.py)
+BLOCK_ATTENTION_SPLITS = 1  # context splits of the block attention (SPLITS)
 
 
 def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                     ctx_lens: torch.Tensor, extra_k: torch.Tensor, extra_v: torch.Tensor,
-                    scale: float, window: int | None = None) -> torch.Tensor:
+                    scale: float, window: int | None = None, block_n: int = BLOCK_ATTENTION_KEYS,
+                    splits: int = BLOCK_ATTENTION_SPLITS) -> torch.Tensor:
     """Draft-block attention: q [B*K, Hq, D] over each request's ctx_lens[b] cached keys (page_table [B, P]; the
     last ``window`` only, if given) plus the block's own keys extra_k/extra_v [B, K, Hkv, D]; every length is read
-    on the device (CUDA-graph safe)."""
+    on the device (CUDA-graph safe). ``block_n`` keys per tile; ``splits`` > 1 cuts each request's context into
+    that many runs of tiles, each its own program, merged by their log-sum-exp in a second kernel (a request's
+    result never depends on the batch: the split count is the caller's constant, not the batch's)."""
     batch, block, num_kv, dim = extra_k.shape
     num_q = q.shape[1]
     group = num_q // num_kv
@@ -249,11 +291,19 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    _block_attention_kernel[(batch, num_kv)](
-        q, k_cache, v_cache, page_table, ctx_lens, extra_k, extra_v, out, scale, k_cache.shape[1],
+    rows_total = batch * block * num_q
+    part = lse = out  # unused with one split
+    if splits > 1:
+        part = torch.empty(splits, rows_total, dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, rows_total, dtype=torch.float32, device=q.device)
+    _block_attention_kernel[(batch, num_kv, splits)](
+        q, k_cache, v_cache, page_table, ctx_lens, extra_k, extra_v, out, part, lse, scale, k_cache.shape[1],
         page_table.stride(0), num_q, num_kv, window or 0, BLOCK=block, GROUP=group,
-        M=max(16, triton.next_power_of_2(block * group)), D=dim, BLOCK_N=16,
-        X=max(16, triton.next_power_of_2(block)), **launch_options(q))
+        M=max(16, triton.next_power_of_2(block * group)), D=dim, BLOCK_N=block_n,
+        X=max(16, triton.next_power_of_2(block)), SPLITS=splits, **launch_options(q))
+    if splits > 1:
+        _merge_splits_kernel[(rows_total,)](part, lse, out, rows_total, SPLITS=splits,
+                                            S=max(2, triton.next_power_of_2(splits)), D=dim, **launch_options(q))
     return out
 
 
