@@ -10,7 +10,11 @@ hands each linear the winners (``GemmChoice``). A config replaces cuBLAS only wh
 faster. An MLP's down projection is also timed with its SiLU-and-mul fused into the skinny GEMM's operand loads
 (``skinny_matmul(..., swiglu=True)``, bit for bit the activation kernel's output) against the activation kernel
 followed by the GEMM just chosen; where the fused kernel wins by ``MARGIN``, the MLP hands it gate/up directly
-(``swiglu_linear``: one launch and no intermediate a layer fewer). The choice for M rows is the one measured at the smallest bucket >= M, for eager steps and graphs alike.
+(``swiglu_linear``: one launch and no intermediate a layer fewer). Likewise the fused q/k/v and gate/up projections
+(single-GPU linears) are timed with the residual add and RMSNorm before them fused into their operand loads
+(``skinny_norm_matmul``) against the norm kernel followed by the GEMM just chosen, and where that wins the decoder
+layer hands them the un-normed stream (``prenorm_linear``: two launches a layer fewer). The choice for M rows is the
+one measured at the smallest bucket >= M, for eager steps and graphs alike.
 Every Triton config is deterministic and computes each row independently of the others, but like cuBLAS's own
 heuristics the choice follows the row count: a graph padded past a bucket (3 requests of a K=4 verify: 15 rows
 eager, 20 in the graph of 4 requests) may run another kernel than the eager step of the same requests, and round
@@ -38,23 +42,30 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)  # rows measured; M rows use the choice of the sm
 MARGIN = 0.97  # a Triton config must take at most this share of cuBLAS's time to replace it
 MIN_WEIGHT_ELEMENTS = 1 << 22  # smaller weights are launch-bound: cuBLAS stays
 FLUSH_BYTES = 256 << 20  # written between timed replays so that no weight is still in L2 (50 MiB on an H200)
+PRENORM_LINEARS = ("qkv_proj", "gate_up_proj")  # the fused projections a decoder layer feeds a norm's output
 
 
 @dataclass
 class GemmChoice:
-    """For one weight shape, per ``ROW_BUCKETS`` entry the Triton config that beat cuBLAS (None: cuBLAS), and for an
+    """For one weight shape, per ``ROW_BUCKETS`` entry the Triton config that beat cuBLAS (None: cuBLAS), for an
     MLP's down projection the config whose fused SiLU-and-mul beat the activation kernel plus the chosen GEMM
-    (``swiglu_configs``; None: the two kernels)."""
+    (``swiglu_configs``; None: the two kernels), and for a projection that reads a norm's output (q/k/v, gate/up)
+    the config whose fused residual add and RMSNorm beat that kernel plus the chosen GEMM (``norm_configs``)."""
 
     configs: tuple  # [len(ROW_BUCKETS)] SkinnyConfig | None
     matmul: Callable | None = None  # runtime.kernels.skinny_gemm.skinny_matmul (None when nothing uses it)
     swiglu_configs: tuple = (None,) * len(ROW_BUCKETS)  # [len(ROW_BUCKETS)] SkinnyConfig | None
+    norm_configs: tuple = (None,) * len(ROW_BUCKETS)  # [len(ROW_BUCKETS)] SkinnyConfig | None
+    norm_matmul: Callable | None = None  # runtime.kernels.skinny_gemm.skinny_norm_matmul (where a norm config won)
 
     def for_rows(self, rows: int):
         return self._of(self.configs, rows)
 
     def swiglu_for_rows(self, rows: int):
         return self._of(self.swiglu_configs, rows)
+
+    def norm_for_rows(self, rows: int):
+        return self._of(self.norm_configs, rows) if self.norm_matmul is not None else None
 
     def _of(self, configs: tuple, rows: int):
         if rows < 1 or rows > ROW_BUCKETS[-1] or self.matmul is None:
@@ -83,6 +94,28 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             out = choice.matmul(gate_up.reshape(rows, gate_up.shape[-1]), weight, config, swiglu=True)
             return out.view(*gate_up.shape[:-1], weight.shape[0])
     return linear(silu_and_mul(gate_up), weight, bias, choice)
+
+
+def prenorm_linear(module: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                   eps: float, kernels) -> tuple[torch.Tensor, torch.Tensor]:
+    """``module(rms_norm(h + residual) * norm_weight)`` and the residual stream after the add (``residual`` None: no
+    add, and the stream is ``h``): in one fused skinny GEMM where ``module`` is a ``SmallBatchLinear`` whose shape
+    measured that faster for these rows, else ``kernels.add_rms_norm`` (or ``rms_norm``) and the linear, the same
+    values either way. h, residual [..., K]."""
+    choice = getattr(module, "choice", None) if isinstance(module, SmallBatchLinear) else None
+    if choice is not None and module.bias is None:
+        rows = h.numel() // h.shape[-1]
+        config = choice.norm_for_rows(rows)
+        if config is not None:
+            flat = h.reshape(rows, h.shape[-1])
+            out, summed = choice.norm_matmul(flat, residual.reshape(rows, h.shape[-1]) if residual is not None
+                                             else None, norm_weight, eps, module.weight, config)
+            return (out.view(*h.shape[:-1], module.out_features),
+                    summed.view(h.shape) if summed is not None else h)
+    if residual is None:
+        return module(kernels.rms_norm(h, norm_weight, eps)), h
+    x, summed = kernels.add_rms_norm(h, residual, norm_weight, eps)
+    return module(x), summed
 
 
 class SmallBatchLinear(nn.Linear):
@@ -114,7 +147,7 @@ class SmallGemmReport:
         return {"calibration_s": round(self.seconds, 2), "shapes": self.shapes}
 
 
-_MEASURED: dict[tuple, tuple[GemmChoice, dict]] = {}  # (device, dtype, N, K, swiglu) -> choice, report (per process)
+_MEASURED: dict[tuple, tuple[GemmChoice, dict]] = {}  # (device, dtype, N, K, swiglu, norm) -> choice, report
 
 
 def _targets(modules: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -142,15 +175,16 @@ def _targets(modules: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Module]]
     return found
 
 
-def _measure(weights: list[torch.Tensor], flush: torch.Tensor,
-             silu_and_mul: Callable | None = None) -> tuple[GemmChoice, dict]:
+def _measure(weights: list[torch.Tensor], flush: torch.Tensor, silu_and_mul: Callable | None = None,
+             add_rms_norm: Callable | None = None) -> tuple[GemmChoice, dict]:
     """The choice for one weight shape (``weights``: the model's weights of it), each row bucket timed as a graph
     over all of them. ``silu_and_mul`` (the shape is an MLP's down projection): also the fused SiLU-and-mul GEMM
-    against that kernel followed by the GEMM just chosen."""
-    from runtime.kernels.skinny_gemm import CANDIDATES, skinny_matmul
+    against that kernel followed by the GEMM just chosen; ``add_rms_norm`` (the shape reads a norm's output): also
+    the fused residual add and RMSNorm against that kernel followed by the GEMM just chosen."""
+    from runtime.kernels.skinny_gemm import CANDIDATES, skinny_matmul, skinny_norm_matmul
 
     n, k = weights[0].shape
-    configs, swiglu_configs, rows_report = [], [], {}
+    configs, swiglu_configs, norm_configs, rows_report = [], [], [], {}
     if not any(config.fits(n, k) for config in CANDIDATES):  # nothing measured: cuBLAS
         return GemmChoice((None,) * len(ROW_BUCKETS)), {str(rows): {"chosen": "cublas", "triton_config": None}
                                                         for rows in ROW_BUCKETS}
@@ -176,8 +210,24 @@ def _measure(weights: list[torch.Tensor], flush: torch.Tensor,
                 swiglu_separate_us=round(separate, 1), swiglu_fused_us=round(fused_us, 1),
                 swiglu_chosen=swiglu.label if swiglu is not None else "separate")
         swiglu_configs.append(swiglu)
+        normed = None
+        if add_rms_norm is not None:
+            h, residual = torch.randn_like(x), torch.randn_like(x)
+            norm_weight = torch.ones(k, dtype=x.dtype, device=x.device)
+            gemm = (lambda a, w: skinny_matmul(a, w, chosen)) if chosen is not None else F.linear
+            separate = graph_device_us(
+                lambda: [gemm(add_rms_norm(h, residual, norm_weight, 1e-6)[0], w) for w in weights], flush)
+            fused, fused_us = _fastest(n, k, lambda c: graph_device_us(
+                lambda: [skinny_norm_matmul(h, residual, norm_weight, 1e-6, w, c) for w in weights], flush))
+            normed = fused if fused is not None and fused_us <= MARGIN * separate else None
+            rows_report[str(rows)].update(
+                norm_separate_us=round(separate, 1), norm_fused_us=round(fused_us, 1),
+                norm_chosen=normed.label if normed is not None else "separate")
+        norm_configs.append(normed)
     uses_triton = any(c is not None for c in configs + swiglu_configs)
-    return GemmChoice(tuple(configs), skinny_matmul if uses_triton else None, tuple(swiglu_configs)), rows_report
+    uses_norm = any(c is not None for c in norm_configs)
+    return GemmChoice(tuple(configs), skinny_matmul if uses_triton or uses_norm else None, tuple(swiglu_configs),
+                      tuple(norm_configs), skinny_norm_matmul if uses_norm else None), rows_report
 
 
 def _fastest(n: int, k: int, device_us: Callable) -> tuple:
@@ -207,14 +257,17 @@ def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: t
         groups.setdefault(tuple(child.weight.shape), []).append((parent, name, child))
     flush = None
     for (n, k), members in groups.items():
-        # an MLP's down projection (its gate/up fused) may take the activation into its GEMM: measured too
+        # an MLP's down projection (its gate/up fused) may take the activation into its GEMM, and the fused q/k/v
+        # and gate/up projections (single-GPU linears) the norm before them: measured too
         act = next((parent.kernels.silu_and_mul for parent, name, _ in members if name == "down_proj"
                     and getattr(parent, "gate_up_proj", None) is not None), None)
-        key = (str(device), dtype, n, k, act is not None)
+        norm = next((parent.kernels.add_rms_norm for parent, name, child in members if name in PRENORM_LINEARS
+                     and type(child) is nn.Linear), None)
+        key = (str(device), dtype, n, k, act is not None, norm is not None)
         if key not in _MEASURED:
             if flush is None:
                 flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
-            _MEASURED[key] = _measure([child.weight for _, _, child in members], flush, act)
+            _MEASURED[key] = _measure([child.weight for _, _, child in members], flush, act, norm)
         choice, rows_report = _MEASURED[key]
         report.shapes[f"{n}x{k}"] = {"weights": len(members), "rows": rows_report}
         if choice.matmul is None:
@@ -226,6 +279,7 @@ def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: t
                 child.small_gemm = choice
     report.seconds = time.perf_counter() - start
     chosen = {shape: [r["chosen"] + (f"+{r['swiglu_chosen']}" if "swiglu_chosen" in r else "")
+                      + (f"+norm:{r['norm_chosen']}" if "norm_chosen" in r else "")
                       for r in entry["rows"].values()] for shape, entry in report.shapes.items()}
     log.info("dspark: small-batch GEMMs (rows %s) measured in %.1f s: %s", list(ROW_BUCKETS), report.seconds, chosen)
     return report

@@ -1,14 +1,17 @@
 """A Triton GEMM for few rows: ``y [M, N] = x [M, K] @ W [N, K]^T`` at M <= 16 (decode and verify).
 
 At one to sixteen rows a linear layer only streams its weight: every program reads a ``[BLOCK_N, K]`` strip of W
-(contiguous along K, so the reads coalesce) through a pipelined loop and multiplies it with all M rows of x
-(padded to 16 for the tensor-core ``dot``; more rows take a program per 16), accumulating in float32. ``split_k > 1`` cuts K in that many slices,
-each program writing a float32 partial, and one torch sum over the slices adds them in a fixed order: no
-atomics, so every config is deterministic, and a row's result never depends on the other rows (M may be padded
-freely). Which config, if any, beats cuBLAS for a weight shape and row count is measured on the device
-(``runtime.small_gemm``), not assumed. It launches with programmatic dependent launch on sm_90
-(``runtime.kernels.pdl``). Importing this module needs triton; the kernel needs CUDA tensors (or
-Triton's interpreter).
+(contiguous along K, so the reads coalesce) through a pipelined loop and multiplies it with all M rows of x (padded
+to 16 for the tensor-core ``dot``; more rows take a program per 16), accumulating in float32. ``split_k > 1`` cuts K
+in that many slices, each program writing a float32 partial, and one torch sum over the slices adds them in a fixed
+order: no atomics, so every config is deterministic, and a row's result never depends on the other rows (M may be
+padded freely). Two operand prologues save the kernel before it: the SiLU-and-mul of an MLP's down projection
+(``skinny_matmul(..., swiglu=True)``) and the residual add and RMSNorm before q/k/v or gate/up
+(``skinny_norm_matmul``: each program first reduces its rows whole for their statistics, then normalizes every
+slice it loads), both rounding as the separate kernels store. Which config, if any, beats cuBLAS (or the separate
+kernels) for a weight shape and row count is measured on the device (``runtime.small_gemm``), not assumed. It
+launches with programmatic dependent launch on sm_90 (``runtime.kernels.pdl``). Importing this module needs triton;
+the kernel needs CUDA tensors (or Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -56,26 +59,68 @@ CANDIDATES = (
 
 
 @triton.jit
+def _row_rstd(x_ptr, res_ptr, row0, M, K, stride_xm, stride_rm, eps, BLOCK_M: tl.constexpr, K_POW2: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, DTYPE: tl.constexpr):
+    """[BLOCK_M] float32: 1 / sqrt(mean(s^2) + eps) of rows row0.. of s = x (+ residual, the sum rounded to DTYPE),
+    each whole row reduced at once as ``triton_ops``' RMSNorm kernel reduces it (0 for rows past M)."""
+    local = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, K_POW2)
+    col_ok = cols < K
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for r in range(0, tl.minimum(BLOCK_M, M - row0)):
+        s = tl.load(x_ptr + (row0 + r) * stride_xm + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            s += tl.load(res_ptr + (row0 + r) * stride_rm + cols, mask=col_ok, other=0.0).to(tl.float32)
+            s = s.to(DTYPE).to(tl.float32)
+        rstd = tl.where(local == r, tl.rsqrt(tl.sum(s * s, axis=0) / K + eps), rstd)
+    return rstd
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, k_per_split, stride_xm, stride_wn, stride_om, stride_os, up_offset,
+                   res_ptr, sum_ptr, nw_ptr, stride_rm, eps, K,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
-                   PDL: tl.constexpr):
+                   NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr):
+    """Program (column block, K slice, row block): out[rows, cols] (or the slice's float32 partial) of
+    x @ W^T over the slice. SWIGLU: x = silu(gate) * up of a [M, 2K] x. NORM: x = rms_norm(x (+ residual)) * nw,
+    rounded as ``triton_ops``' RMSNorm kernel rounds it, the whole-row statistics first; with a residual, the
+    programs of the first column block also store the summed rows (the new residual stream) to sum_ptr."""
     wait_for_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = tl.program_id(2) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = pid_k * k_per_split + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K] (SWIGLU: the gate half's)
     w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
     row_ok = rows[:, None] < M
     col_ok = cols[:, None] < N
+    dtype = w_ptr.dtype.element_ty
+    if NORM:
+        rstd = _row_rstd(x_ptr, res_ptr, row0, M, K, stride_xm, stride_rm, eps, BLOCK_M, K_POW2, HAS_RESIDUAL, dtype)
+        r_ptrs = res_ptr + rows[:, None] * stride_rm + ks[None, :]
+        s_ptrs = sum_ptr + rows[:, None] * K + ks[None, :]
+        nw_ptrs = nw_ptr + ks
+        store_sum = rows[:, None] < tl.where(pid_n == 0, M, 0)  # the first column block's programs store the sum
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, k_per_split, BLOCK_K):
         if SWIGLU:  # x = silu(gate) * up, rounded as triton_ops.silu_and_mul rounds what it stores
             gate = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
             up = tl.load(x_ptrs + up_offset, mask=row_ok, other=0.0).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(w_ptr.dtype.element_ty).to(tl.float32)
-            x = (silu * up).to(w_ptr.dtype.element_ty)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            x = (silu * up).to(dtype)
+        elif NORM:  # x = (s * rstd) rounded, times the norm weight, rounded (triton_ops._rms_norm_kernel)
+            s = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                s = (s + tl.load(r_ptrs, mask=row_ok, other=0.0).to(tl.float32)).to(dtype)
+                tl.store(s_ptrs, s, mask=store_sum)
+                s = s.to(tl.float32)
+                r_ptrs += BLOCK_K
+                s_ptrs += BLOCK_K
+            normed = (s * rstd[:, None]).to(dtype).to(tl.float32)
+            x = (normed * tl.load(nw_ptrs).to(tl.float32)[None, :]).to(dtype)
+            nw_ptrs += BLOCK_K
         else:
             x = tl.load(x_ptrs, mask=row_ok, other=0.0)
         w = tl.load(w_ptrs, mask=col_ok, other=0.0)
@@ -84,6 +129,29 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, k_per_split, stride_xm, stride_w
         w_ptrs += BLOCK_K
     out = out_ptr + pid_k * stride_os + rows[:, None] * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok & (cols[None, :] < N))
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig, k: int, swiglu: bool = False,
+            norm: tuple | None = None) -> torch.Tensor:
+    """The kernel over x [M, K or 2K] -> [M, N] in x's dtype (split partials summed in a fixed order)."""
+    m, n = x.shape[0], weight.shape[0]
+    split = config.split_k
+    if split == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        stride_os = 0
+    else:
+        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        stride_os = out.stride(0)
+    residual, summed, norm_weight, eps = norm if norm is not None else (None, x, x, 0.0)
+    res = residual if residual is not None else x
+    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, BLOCK_M))
+    _skinny_kernel[grid](x, weight, out, m, n, k // split, x.stride(0), weight.stride(0), n, stride_os, k,
+                         res, summed, norm_weight, res.stride(0), eps, k,
+                         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
+                         NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+                         K_POW2=triton.next_power_of_2(k) if norm is not None else 1,
+                         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x))
+    return out if split == 1 else out.sum(dim=0).to(x.dtype)
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig, swiglu: bool = False) -> torch.Tensor:
@@ -101,15 +169,28 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig, s
         x = x.contiguous()
     if weight.stride(1) != 1:
         raise ValueError("skinny_matmul: the weight needs unit stride along K")
-    split = config.split_k
-    if split == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        stride_os = 0
-    else:
-        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        stride_os = out.stride(0)
-    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, BLOCK_M))
-    _skinny_kernel[grid](x, weight, out, m, n, k // split, x.stride(0), weight.stride(0), n, stride_os, k,
-                         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
-                         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x))
-    return out if split == 1 else out.sum(dim=0).to(x.dtype)
+    return _launch(x, weight, config, k, swiglu=swiglu)
+
+
+def skinny_norm_matmul(h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, config: SkinnyConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``rms_norm(h (+ residual)) * norm_weight @ weight^T`` and the summed residual stream (None without a
+    residual), the RMSNorm (and the add) computed as the operand is loaded, with the roundings of
+    ``triton_ops.rms_norm`` / ``add_rms_norm`` and each row's statistics reduced whole as they reduce them (bit for
+    bit under Triton's interpreter; tests/gpu checks the device), with no [M, K] intermediate and no launch of its
+    own. h, residual [M, K] (unit stride along K), norm_weight [K], weight [N, K]."""
+    m, k = h.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or norm_weight.shape != (k,) or not config.fits(n, k) \
+            or (residual is not None and residual.shape != h.shape):
+        raise ValueError(f"skinny_norm_matmul: h {tuple(h.shape)}, residual "
+                         f"{None if residual is None else tuple(residual.shape)}, norm weight "
+                         f"{tuple(norm_weight.shape)}, weight {tuple(weight.shape)} do not fit {config}")
+    h = h if h.stride(1) == 1 else h.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    if weight.stride(1) != 1 or not norm_weight.is_contiguous():
+        raise ValueError("skinny_norm_matmul: the weights need unit stride along K")
+    summed = torch.empty(m, k, dtype=h.dtype, device=h.device) if residual is not None else None
+    out = _launch(h, weight, config, k, norm=(residual, summed if summed is not None else h, norm_weight, eps))
+    return out, summed

@@ -15,6 +15,7 @@ from torch import nn
 
 from runtime.kernels import KernelBackend, PagedAttentionMeta, torch_ref
 from runtime.models.moe import SparseMoeBlock
+from runtime.small_gemm import prenorm_linear
 
 
 class RMSNorm(nn.Module):
@@ -85,12 +86,22 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
-            fused = getattr(self.down_proj, "swiglu_forward", None)  # a measured small-batch GEMM may fuse the act
-            if fused is not None:
-                return fused(gate_up, self.kernels.silu_and_mul)
-            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+            return self._down(self.gate_up_proj(x))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_prenorm(self, h: torch.Tensor, residual: torch.Tensor,
+                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(norm(h + residual))`` and the residual stream after the add (fused gate/up only): the add and
+        the norm inside the gate/up GEMM where measured faster (``small_gemm.prenorm_linear``)."""
+        gate_up, residual = prenorm_linear(self.gate_up_proj, h, residual, norm.weight, norm.eps, self.kernels)
+        return self._down(gate_up), residual
+
+    def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] -> down_proj(silu(gate) * up) [T, d]."""
+        fused = getattr(self.down_proj, "swiglu_forward", None)  # a measured small-batch GEMM may fuse the act
+        if fused is not None:
+            return fused(gate_up, self.kernels.silu_and_mul)
+        return self.down_proj(self.kernels.silu_and_mul(gate_up))
 
 
 def stack_linears(parts: list[nn.Module]) -> nn.Linear:
@@ -157,11 +168,16 @@ class Attention(nn.Module):
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, d] -> q [T, Hq, D], k, v [T, Hkv, D] as projected (views of one fused GEMM's output)."""
-        t, d = x.shape[0], self.head_dim
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return self._split(self.qkv_proj(x))
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection's output [T, q + 2 kv] -> q [T, Hq, D], k, v [T, Hkv, D] (views)."""
+        t, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -192,17 +208,30 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], inputs: AttentionInputs) -> torch.Tensor:
         # x: [T, d] -> [T, d]
+        return self.attend(*self._qkv(x), cache, inputs)
+
+    def forward_prenorm(self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                        cache: tuple[torch.Tensor, torch.Tensor],
+                        inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(norm(h + residual))`` and the residual stream after the add (fused q/k/v only): the add and
+        the norm inside the q/k/v GEMM where measured faster (``small_gemm.prenorm_linear``)."""
+        qkv, residual = prenorm_linear(self.qkv_proj, h, residual, norm.weight, norm.eps, self.kernels)
+        return self.attend(*self._split(qkv), cache, inputs), residual
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+               inputs: AttentionInputs) -> torch.Tensor:
+        """Projected q [T, Hq, D], k, v [T, Hkv, D] -> the attention block's output [T, d] (norms, RoPE, the
+        cache write, attention, o_proj)."""
         if inputs.block_size is None:  # k and v go to the cache in the same kernel that rotates them
-            q, k, v = self._qkv(x)
             q = self.kernels.rope_and_cache(q, k, v, *self._weights(), self.eps, inputs.cos, inputs.sin, cache[0],
                                             cache[1], inputs.slots)
             out = self.kernels.paged_attention(q, cache[0], cache[1], inputs.meta, self.scale)
         else:
-            q, k, v = self.project_qkv(x, inputs.cos, inputs.sin)
+            q, k = self.kernels.qk_norm_rope(q, k, *self._weights(), self.eps, inputs.cos, inputs.sin)
             shape = (-1, inputs.block_size, *k.shape[1:])  # [B, block, Hkv, D]
             out = self.kernels.paged_attention(q, cache[0], cache[1], inputs.meta, self.scale,
                                                k.view(shape), v.view(shape))
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return self.o_proj(out.reshape(q.shape[0], -1))
 
 
 class DecoderLayer(nn.Module):
@@ -211,7 +240,8 @@ class DecoderLayer(nn.Module):
     ``forward(h, residual)`` takes the previous block's output ``h`` and the stream before it (``residual`` None
     for the first block, where ``h`` is the embedding) and returns ``(mlp_out, residual)``; the block's output
     hidden state (HF ``hidden_states[l + 1]``) is ``residual + mlp_out``. Each residual add is fused with the norm
-    that follows it (``kernels.add_rms_norm``).
+    that follows it (``kernels.add_rms_norm``), and with fused projections both may run inside the GEMM that reads
+    the norm's output (``small_gemm.prenorm_linear``: where measured faster, the same values).
     """
 
     def __init__(self, config, kernels: KernelBackend, qk_norm: bool, sparse_moe_backend: str | None = None):
@@ -233,9 +263,15 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cache: tuple[torch.Tensor, torch.Tensor],
                 inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
         norm, post = self.input_layernorm, self.post_attention_layernorm
-        if residual is None:
-            x, residual = norm(h), h
+        if self.self_attn.qkv_proj is not None:  # fused: the norm may run inside the q/k/v GEMM
+            a, residual = self.self_attn.forward_prenorm(h, residual, norm, cache, inputs)
         else:
-            x, residual = self.kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
-        x, residual = self.kernels.add_rms_norm(self.self_attn(x, cache, inputs), residual, post.weight, post.eps)
+            if residual is None:
+                x, residual = norm(h), h
+            else:
+                x, residual = self.kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+            a = self.self_attn(x, cache, inputs)
+        if isinstance(self.mlp, MLP) and self.mlp.gate_up_proj is not None:  # and inside the gate/up GEMM
+            return self.mlp.forward_prenorm(a, residual, post)
+        x, residual = self.kernels.add_rms_norm(a, residual, post.weight, post.eps)
         return self.mlp(x), residual

@@ -55,6 +55,30 @@ def test_the_fused_activation_equals_the_activation_kernel_then_the_gemm(n, k):
                 assert torch.equal(fused, skinny_matmul(triton_ops.silu_and_mul(gate_up), w, config)), (config, m)
 
 
+@pytest.mark.parametrize("n,k", [(6144, 4096), (24576, 4096)])  # the Qwen3-8B shape's q/k/v and gate/up
+def test_the_fused_norm_equals_the_norm_kernel_then_the_gemm(n, k):
+    """The q/k/v and gate/up projections' fused residual add and RMSNorm round as the separate kernel stores them,
+    each row's statistics reduced whole as that kernel reduces them: the same summed stream and the same product
+    as the norm kernel followed by the same config (bit for bit: the interpreter's check, here on the device)."""
+    from runtime.kernels import triton_ops
+    from runtime.kernels.skinny_gemm import CANDIDATES, skinny_matmul, skinny_norm_matmul
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k, device=DEV, dtype=BF16) / k ** 0.5
+    norm_w = torch.rand(k, device=DEV, dtype=BF16) + 0.5
+    for m in (1, 3, 8, 16):
+        h, residual = (torch.randn(m, k, device=DEV, dtype=BF16) for _ in range(2))
+        normed, summed = triton_ops.add_rms_norm(h, residual, norm_w, 1e-6)
+        plain = triton_ops.rms_norm(h, norm_w, 1e-6)
+        for config in CANDIDATES:
+            if config.fits(n, k):
+                out, fused_sum = skinny_norm_matmul(h, residual, norm_w, 1e-6, w, config)
+                assert torch.equal(fused_sum, summed), (config, m)
+                assert torch.equal(out, skinny_matmul(normed, w, config)), (config, m)
+                out, _ = skinny_norm_matmul(h, None, norm_w, 1e-6, w, config)
+                assert torch.equal(out, skinny_matmul(plain, w, config)), (config, m)
+
+
 @pytest.fixture(scope="module")
 def mid_target(checkpoints):
     """Linears large enough for the dispatch (gate_up 8192 x 1024), head_dim 128, bf16."""
@@ -75,6 +99,7 @@ def test_the_measurement_is_reported_in_rank_info(mid_target):
     down = gemms["shapes"]["1024x4096"]["rows"]  # the MLP's down projection: the fused activation measured too
     assert all(r["swiglu_separate_us"] > 0 and r["swiglu_chosen"] for r in down.values())
     assert "swiglu_chosen" not in rows["1"]
+    assert all(r["norm_separate_us"] > 0 and r["norm_chosen"] for r in rows.values())  # gate/up reads a norm
 
 
 @pytest.fixture

@@ -73,20 +73,39 @@ def test_a_small_batch_linear_is_the_same_linear():
     torch.testing.assert_close(swapped(x), base(x))
 
 
-def fake_measure(picks, swiglu_picks=None, seen=None):
-    """A `_measure` that picks `picks` per bucket for every shape (no device timing), and `swiglu_picks` for the
-    shapes measured with an activation (``seen``: a list that gets each call's (shape, with activation))."""
+def fake_measure(picks, swiglu_picks=None, seen=None, norm_picks=None):
+    """A `_measure` that picks `picks` per bucket for every shape (no device timing), `swiglu_picks` for the
+    shapes measured with an activation and `norm_picks` for those measured with a norm (``seen``: a list that gets
+    each call's (shape, with activation) or, with a norm, (shape, with activation, "norm"))."""
 
-    def measure(weights, flush, silu_and_mul=None):
+    def measure(weights, flush, silu_and_mul=None, add_rms_norm=None):
         if seen is not None:
-            seen.append((tuple(weights[0].shape), silu_and_mul is not None))
-        fused = tuple(swiglu_picks) if swiglu_picks is not None and silu_and_mul is not None else \
-            (None,) * len(ROW_BUCKETS)
+            seen.append((tuple(weights[0].shape), silu_and_mul is not None)
+                        + (("norm",) if add_rms_norm is not None else ()))
+        none = (None,) * len(ROW_BUCKETS)
+        fused = tuple(swiglu_picks) if swiglu_picks is not None and silu_and_mul is not None else none
+        normed = tuple(norm_picks) if norm_picks is not None and add_rms_norm is not None else none
         report = {str(r): {"chosen": str(p)} for r, p in zip(ROW_BUCKETS, picks)}
-        used = any(p is not None for p in (*picks, *fused))
-        return GemmChoice(tuple(picks), Recorder() if used else None, fused), report
+        used = any(p is not None for p in (*picks, *fused, *normed))
+        norm_kernel = NormRecorder() if any(p is not None for p in normed) else None
+        return GemmChoice(tuple(picks), Recorder() if used else None, fused, normed, norm_kernel), report
 
     return measure
+
+
+class NormRecorder:
+    """A stand-in for the fused norm GEMM: records (rows, config, with residual) and computes the reference."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, h, residual, norm_weight, eps, weight, config):
+        self.calls.append((h.shape[0], config, residual is not None))
+        kernels = get_backend("torch")
+        if residual is None:
+            return F.linear(kernels.rms_norm(h, norm_weight, eps), weight), None
+        x, summed = kernels.add_rms_norm(h, residual, norm_weight, eps)
+        return F.linear(x, weight), summed
 
 
 def test_an_mlp_down_projection_fuses_the_activation_where_measured_faster(patched, qwen3_target):
@@ -100,7 +119,7 @@ def test_an_mlp_down_projection_fuses_the_activation_where_measured_faster(patch
     mlp = model.model.layers[0].mlp
     small_gemm.install_small_gemms([model], torch.device("cpu"), torch.float32)
     down_shape = tuple(mlp.down_proj.weight.shape)
-    assert (down_shape, True) in seen and all(not act for shape, act in seen if shape != down_shape)
+    assert (down_shape, True) in seen and all(not entry[1] for entry in seen if entry[0] != down_shape)
     assert isinstance(mlp.down_proj, SmallBatchLinear)
     activations = []
     real = mlp.kernels.silu_and_mul
@@ -199,6 +218,19 @@ for dtype in (torch.float32, torch.float16):
                 fused = skinny_matmul(gate_up, w, config, swiglu=True)
                 separate = skinny_matmul(triton_ops.silu_and_mul(gate_up), w, config)
                 assert torch.equal(fused, separate), (config, m, dtype)  # bit for bit: the same operand
+from runtime.kernels.skinny_gemm import SkinnyConfig, skinny_norm_matmul
+for dtype in (torch.float32, torch.float16):
+    n, k = 48, 512
+    w, norm_w = torch.randn(n, k, dtype=dtype), torch.rand(k, dtype=dtype) + 0.5
+    for m in (1, 5, 17):  # 17: two blocks of rows
+        h, residual = torch.randn(m, k, dtype=dtype), torch.randn(m, k, dtype=dtype)
+        for config in CANDIDATES[:2] + (SkinnyConfig(16, 128, 2, 4, 2),):
+            out, summed = skinny_norm_matmul(h, residual, norm_w, 1e-6, w, config)
+            normed, want_summed = triton_ops.add_rms_norm(h, residual, norm_w, 1e-6)
+            assert torch.equal(summed, want_summed), (config, m, dtype)
+            assert torch.equal(out, skinny_matmul(normed, w, config)), (config, m, dtype)
+            out, summed = skinny_norm_matmul(h, None, norm_w, 1e-6, w, config)
+            assert summed is None and torch.equal(out, skinny_matmul(triton_ops.rms_norm(h, norm_w, 1e-6), w, config))
 print("kernel ok")
 """
 
@@ -215,3 +247,41 @@ def test_kernels_launch_with_pdl_only_on_hopper_and_later():
 
     x = torch.zeros(2)
     assert not pdl.supported(x.device) and pdl.launch_options(x) == {"PDL": False}
+
+
+def test_the_projections_after_a_norm_take_it_into_their_gemm_where_measured_faster(patched, qwen3_target):
+    """The fused q/k/v and gate/up projections are measured with the residual add and RMSNorm before them fused in
+    (no other shape is); where that won (here 1-4 rows) the decoder layer hands them the un-normed stream and no
+    norm kernel runs for them, the first layer's plain norm included; a whole forward equals the unfused model's,
+    its captured hidden states too."""
+    from tests.runtime.test_target_parity import run_paged
+
+    seen = []
+    patched.setattr(small_gemm, "_measure", fake_measure([None] * len(ROW_BUCKETS), seen=seen,
+                                                         norm_picks=["n1", "n2", "n4", None, None]))
+    plain = load_target(str(qwen3_target), get_backend("torch"), torch.float32, torch.device("cpu"))
+    plain.fuse_projections()
+    plain.set_capture([-1, 0, 1])
+    fused = load_target(str(qwen3_target), get_backend("torch"), torch.float32, torch.device("cpu"))
+    fused.fuse_projections()
+    fused.set_capture([-1, 0, 1])
+    small_gemm.install_small_gemms([fused], torch.device("cpu"), torch.float32)
+    layer = fused.model.layers[0]
+    normed_shapes = {entry[0] for entry in seen if entry[-1] == "norm"}
+    assert normed_shapes == {tuple(layer.self_attn.qkv_proj.weight.shape), tuple(layer.mlp.gate_up_proj.weight.shape)}
+    qkv_calls = layer.self_attn.qkv_proj.choice.norm_matmul.calls
+    gate_up_calls = layer.mlp.gate_up_proj.choice.norm_matmul.calls
+    layers = len(fused.model.layers)
+    for prompts in ([[5, 17, 33]], [[5, 17, 33, 2, 90, 41, 7], [100, 3]]):  # 3 rows: fused; 9 rows: separate
+        qkv_calls.clear()
+        gate_up_calls.clear()
+        want, want_captured, _ = run_paged(plain, prompts)
+        got, got_captured, _ = run_paged(fused, prompts)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_captured, want_captured)
+        rows = sum(map(len, prompts))
+        if rows <= 4:  # the first layer's input norm has no residual to add
+            assert qkv_calls == [(rows, "n4", i > 0) for i in range(layers)]
+            assert gate_up_calls == [(rows, "n4", True)] * layers
+        else:
+            assert qkv_calls == gate_up_calls == []
