@@ -3,13 +3,14 @@
 # ~5 minutes, inside the 10-minute limit; the Qwen3-8B-shape bench is the next command, README "GPU machines"):
 #   bash benchmarks/gpu_validate.sh OUT
 # 1. tests/gpu (the graphed paths: in-graph verification, the packed read-back, prefill graphs, run-ahead of decode
-#    and of verify steps, PDL, the fused Markov step);
-# 2. DSpark's next verify launched while the drafter drafts against planning it ahead only, the same engine on the
-#    Qwen3-8B shape at 1 and 16 requests (benchmarks/plan_ahead.py --toggle run_ahead --speculative)
-#    -> OUT/run-ahead-dspark.json;
+#    and of verify steps, PDL, the fused Markov step, the fused norm GEMM, the block attention);
+# 2. the residual add and RMSNorm fused into the q/k/v and gate/up GEMMs (where the engine measured that faster)
+#    against the separate norm kernels, two Qwen3-8B-shape engines side by side at 1, 4 and 16 requests
+#    (benchmarks/plan_ahead.py --toggle prenorm) -> OUT/prenorm.json;
 # then the FlashInfer JIT cache packed into OUT (bring it back as .fi-cache/). A failing step is reported and the
-# next one still runs; the exit status is the first failure's. (Earlier experiments (the read-back, decode run-ahead,
-# split-KV attention, PDL chain and PDL engine runs) are in benchmarks/results with the commit they ran at.)
+# next one still runs; the exit status is the first failure's. (Earlier experiments (the read-back, decode and
+# DSpark run-ahead, split-KV attention, PDL chain and PDL engine runs, the block attention tiles) are in
+# benchmarks/results with the commit they ran at.)
 set -uo pipefail
 out=${1:?give an output folder}
 eval "$(bash benchmarks/gpu_host.sh install)"
@@ -21,7 +22,7 @@ step() {  # name, command...
   if ! "$@"; then echo "== $name FAILED" >&2; [ "$status" -eq 0 ] && status=1; fi
 }
 step tests-gpu python3 -m pytest -q tests/gpu -p no:cacheprovider
-step run-ahead-dspark python3 benchmarks/plan_ahead.py --toggle run_ahead --speculative --concurrency 1,16 \
-  --steps 30 --out "$out/run-ahead-dspark.json"
+step prenorm python3 benchmarks/plan_ahead.py --toggle prenorm --concurrency 1,4,16 --steps 30 \
+  --out "$out/prenorm.json"
 bash benchmarks/gpu_host.sh save-cache "$out" >/dev/null 2>&1 || true
 exit "$status"

@@ -9,11 +9,14 @@ greedy verify of full blocks ahead (``GraphedTargetForward.launch_verify_ahead``
 ``--toggle pdl``: two engines side by side (both planning and running ahead), the "off" one built with its
 Triton kernels launched plainly (``runtime.kernels.pdl.supported`` patched to False while its graphs are
 captured), the "on" one with programmatic dependent launch; only decode steps are timed, all of them replays.
+``--toggle prenorm``: likewise, the "off" engine built without the norm fused into the q/k/v and gate/up GEMMs
+(``runtime.small_gemm.PRENORM_LINEARS`` emptied while it measures its GEMMs), the "on" one where that measured
+faster; each engine's choice is in the record (``small_gemms``).
 
 ``--profile``: each mode's GPU idle time per step and its largest gaps (``runtime.profiling.gpu_gaps``).
 
 usage: python3 benchmarks/plan_ahead.py [--model-shape qwen3-8b] [--concurrency 1,16,64] [--steps 30]
-                                        [--rounds 3] [--toggle plan_ahead|run_ahead|pdl] [--speculative] [--profile] [--out FILE.json]
+                                        [--rounds 3] [--toggle plan_ahead|run_ahead|pdl|prenorm] [--speculative] [--profile] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -34,18 +37,23 @@ from runtime import LLM
 
 def set_mode(graphs, toggle: str, on: bool) -> None:
     """plan_ahead: planning (and so launching) ahead off or on; run_ahead: planning ahead, launching ahead off or on;
-    pdl: both ahead (the modes are two engines)."""
-    graphs.plan_ahead = on or toggle in ("run_ahead", "pdl")
-    graphs.run_ahead = on or toggle == "pdl"
+    pdl, prenorm: both ahead (the modes are two engines)."""
+    graphs.plan_ahead = on or toggle in ("run_ahead", "pdl", "prenorm")
+    graphs.run_ahead = on or toggle in ("pdl", "prenorm")
 
 
-def build(target: Path, args, concurrency: list[int], pdl: bool = True, drafter: Path | None = None) -> LLM:
-    """The engine under test; ``pdl=False``: its graphs captured with every Triton kernel launched plainly."""
+def build(target: Path, args, concurrency: list[int], pdl: bool = True, drafter: Path | None = None,
+          prenorm: bool = True) -> LLM:
+    """The engine under test; ``pdl=False``: its graphs captured with every Triton kernel launched plainly;
+    ``prenorm=False``: no projection measured (so none run) with the norm before it fused in."""
+    from runtime import small_gemm
     from runtime.kernels import pdl as pdl_module
 
-    supported = pdl_module.supported
+    supported, prenorm_linears = pdl_module.supported, small_gemm.PRENORM_LINEARS
     if not pdl:
         pdl_module.supported = lambda device: False
+    if not prenorm:
+        small_gemm.PRENORM_LINEARS = ()
     try:
         spec = {"speculative_model": str(drafter), "max_draft_len": 7, "load_format": "dummy"} if drafter else None
         return LLM(str(target), speculative_config=spec, dtype="bfloat16", device="cuda", kernel_backend="flashinfer",
@@ -54,7 +62,7 @@ def build(target: Path, args, concurrency: list[int], pdl: bool = True, drafter:
                    kv_cache_memory=int(args.kv_cache_gib * 2**30),
                    max_num_batched_tokens=max(2048, 2 * args.prompt_len))
     finally:
-        pdl_module.supported = supported
+        pdl_module.supported, small_gemm.PRENORM_LINEARS = supported, prenorm_linears
 
 
 def main() -> None:
@@ -68,9 +76,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also profile 5 steps of each mode (torch.profiler): the GPU's idle time per step and "
                              "its largest gaps, with the activities either side")
-    parser.add_argument("--toggle", choices=("plan_ahead", "run_ahead", "pdl"), default="plan_ahead",
-                        help="what the off and on modes differ in (run_ahead: both plan ahead; pdl: two engines, "
-                             "both running ahead)")
+    parser.add_argument("--toggle", choices=("plan_ahead", "run_ahead", "pdl", "prenorm"), default="plan_ahead",
+                        help="what the off and on modes differ in (run_ahead: both plan ahead; pdl, prenorm: two "
+                             "engines, both running ahead)")
     parser.add_argument("--speculative", action="store_true", help="DSpark engines (a 1-layer random drafter, K=7)")
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
@@ -78,8 +86,8 @@ def main() -> None:
     target, drafter = write_shape(Path(tempfile.mkdtemp(prefix="plan-ahead-")), args.model_shape, 1, 7)
     drafter = drafter if args.speculative else None
     llm = build(target, args, concurrency, drafter=drafter)
-    engines = {"off": build(target, args, concurrency, pdl=False, drafter=drafter) if args.toggle == "pdl" else llm,
-               "on": llm}
+    off = {"pdl": {"pdl": False}, "prenorm": {"prenorm": False}}.get(args.toggle)
+    engines = {"off": build(target, args, concurrency, drafter=drafter, **off) if off is not None else llm, "on": llm}
     for engine in engines.values():
         graphs = engine.engine.executor.worker.graphs
         if graphs is None or not graphs.plan_ahead:
@@ -119,7 +127,8 @@ def main() -> None:
     record = {"hardware": torch.cuda.get_device_name(), "date": str(date.today()), "torch": torch.__version__,
               "command": "python3 benchmarks/plan_ahead.py " + shlex.join(sys.argv[1:]), "model": args.model_shape,
               "toggle": args.toggle, "speculative": args.speculative,
-              "copy_bandwidth_gbs": copy_bandwidth(torch.device("cuda")) / 1e9, "runs": runs}
+              "copy_bandwidth_gbs": copy_bandwidth(torch.device("cuda")) / 1e9, "runs": runs,
+              "small_gemms": {mode: engine.rank_info()[0].get("small_gemms") for mode, engine in engines.items()}}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1))
 
