@@ -63,7 +63,7 @@ class BatchEncoder:
                          r.sample, (r.params, r.seed) if first else None, r.penalty_history))
             self.pages_sent[r.request_id] = len(r.page_ids)
         return (wire, batch.num_next_drafts, batch.maintain_draft_context, batch.released_request_ids,
-                batch.scrub_page_ids, reset)
+                batch.scrub_page_ids, reset, batch.run_ahead, batch.next_verify_len)
 
 
 class BatchDecoder:
@@ -74,7 +74,7 @@ class BatchDecoder:
         self.params: dict[str, tuple] = {}
 
     def decode(self, wire: bytes) -> ScheduledBatch:
-        requests, num_next_drafts, maintain, released, scrub, reset = pickle.loads(wire)
+        requests, num_next_drafts, maintain, released, scrub, reset, run_ahead, next_verify_len = pickle.loads(wire)
         if reset:
             self.pages.clear()
             self.params.clear()
@@ -95,7 +95,8 @@ class BatchDecoder:
             # the request's own list, not a copy (as the scheduler's entries): it only grows when a later step is
             # decoded, and a step's batch is read only while that step runs
             out.append(ScheduledRequest(request_id, tokens, start, pages, drafts, sample, params, seed, history))
-        return ScheduledBatch(out, num_next_drafts, maintain, released, scrub)
+        return ScheduledBatch(out, num_next_drafts, maintain, released, scrub, run_ahead=run_ahead,
+                              next_verify_len=next_verify_len)
 
 
 def encode_results(results: list[RequestStepResult]) -> bytes:

@@ -37,6 +37,26 @@ def test_batches_round_trip_through_deltas_across_steps_releases_and_readmission
     assert delta[0][0][3:5] == (2, [2]) and delta[0][0][7] is None  # only the new page; parameters sent already
 
 
+def test_the_run_ahead_mark_and_the_next_verify_length_reach_the_actors():
+    """A single-rank replica's worker plans the next verify while the drafter drafts and may launch it ahead: both
+    need what the engine said of the next step (before, the wire dropped it: the replica never planned ahead)."""
+    encoder, decoder = BatchEncoder(), BatchDecoder()
+    b = ScheduledBatch([request("a", [3])], 7, True, [], [], run_ahead=True, next_verify_len=5)
+    assert through(encoder, [decoder], b) == [b]
+    plain = batch(request("a", [3, 4]))
+    got, = through(encoder, [decoder], plain)
+    assert got == plain and not got.run_ahead and got.next_verify_len == 0
+
+
+def test_only_a_single_rank_replica_without_a_separate_drafter_runs_steps_ahead():
+    from cluster.executor import runs_ahead
+
+    assert runs_ahead(True, 1, ["target"])  # colocated drafter or none: one process, as in runtime.LLM
+    assert not runs_ahead(False, 1, ["target"])  # no graphs (CPU): nothing is launched ahead
+    assert not runs_ahead(True, 2, ["target", "target"])
+    assert not runs_ahead(True, 1, ["target", "drafter"])
+
+
 def test_a_failed_step_resets_both_ends_and_a_mismatch_is_loud():
     encoder, decoder = BatchEncoder(), BatchDecoder()
     through(encoder, [decoder], batch(request("a", [3])))
