@@ -1,8 +1,10 @@
 """The drafter's block attention (``triton_ops.block_attention``) on the Qwen3-8B shape (32 query heads, 8 key/value
 heads, head_dim 128, bf16, page size 16, a block of 7 draft slots): device time of one call per layer, 5 layers in
-one CUDA graph over their own caches, replayed with a cold L2, for tiles of 16..128 keys and 1..8 context splits.
-Each variant's output is checked against tiles of 16 in one split (the kernel as of run 34, where one call took
-62 us at one request over 548 keys: 8 programs, one per key/value head, walking 35 tiles each).
+one CUDA graph over their own caches, replayed with a cold L2. Variants (tile keys, tiles per context split, most
+splits): tiles of 16 in one program per kv head (the kernel as of run 34, where one call took 62 us at one
+request over 548 keys), tiles of 128 in one program (2026-12-01's first change), and tiles of 128 with a context
+split per 16, 8 or 4 tiles of each request's own context (at most 8; the default: 16). Each variant's output is
+checked against the first's.
 
 usage: python3 benchmarks/block_attention.py [--out FILE.json]   (one JSON line per point)
 """
@@ -23,7 +25,7 @@ from runtime.kernels import triton_ops  # noqa: E402
 from runtime.kernels.timing import graph_device_us  # noqa: E402
 
 LAYERS, HQ, HKV, D, PAGE, BLOCK = 5, 32, 8, 128, 16, 7
-VARIANTS = [(16, 1), (32, 1), (64, 1), (128, 1), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4)]
+VARIANTS = [(16, 1, 1), (128, 1, 1), (128, 16, 8), (128, 8, 8), (128, 4, 8)]  # (tile keys, tiles a split, most)
 
 
 def point(batch: int, context: int, flush: torch.Tensor) -> dict:
@@ -37,11 +39,12 @@ def point(batch: int, context: int, flush: torch.Tensor) -> dict:
     xk, xv = (torch.randn(batch, BLOCK, HKV, D, device=dev, dtype=dt) for _ in range(2))
     row = {"batch": batch, "context": context, "us_per_call": {}, "max_abs_diff": {}}
     reference = None
-    for block_n, splits in VARIANTS:
-        def run(block_n=block_n, splits=splits):
-            return [triton_ops.block_attention(q, k, v, table, ctx, xk, xv, D ** -0.5, None, block_n=block_n,
-                                               splits=splits) for k, v in caches]
-        name = f"n{block_n}s{splits}"
+    for block_n, tiles, most in VARIANTS:
+        def run(block_n=block_n, tiles=tiles, most=most):
+            return [triton_ops.block_attention(q, k, v, table, ctx, xk, xv, D ** -0.5, None, max_context=context,
+                                               block_n=block_n, split_tiles=tiles, max_splits=most)
+                    for k, v in caches]
+        name = f"n{block_n}t{tiles}m{most}"
         out = run()[0]
         reference = out if reference is None else reference
         row["max_abs_diff"][name] = float((out.float() - reference.float()).abs().max())
@@ -56,7 +59,7 @@ def main() -> None:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
     for batch in (1, 4, 16, 64):
-        for context in (548, 2048, 8192):
+        for context in (548, 2048, 8192) + ((16384,) if batch <= 4 else ()):
             rows.append(point(batch, context, flush))
             print(json.dumps(rows[-1]), flush=True)
     if args.out:

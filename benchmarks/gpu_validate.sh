@@ -7,6 +7,8 @@
 # 2. the residual add and RMSNorm fused into the q/k/v and gate/up GEMMs (where the engine measured that faster)
 #    against the separate norm kernels, two Qwen3-8B-shape engines side by side at 1, 4 and 16 requests
 #    (benchmarks/plan_ahead.py --toggle prenorm) -> OUT/prenorm.json;
+# 3. the drafter's block attention with its context split per 2048 keys of each request against one program per
+#    kv head, 548 to 16384 keys (benchmarks/block_attention.py) -> OUT/block-attention.json;
 # then the FlashInfer JIT cache packed into OUT (bring it back as .fi-cache/). A failing step is reported and the
 # next one still runs; the exit status is the first failure's. (Earlier experiments (the read-back, decode and
 # DSpark run-ahead, split-KV attention, PDL chain and PDL engine runs, the block attention tiles) are in
@@ -24,5 +26,6 @@ step() {  # name, command...
 step tests-gpu python3 -m pytest -q tests/gpu -p no:cacheprovider
 step prenorm python3 benchmarks/plan_ahead.py --toggle prenorm --concurrency 1,4,16 --steps 30 \
   --out "$out/prenorm.json"
+step block-attention python3 benchmarks/block_attention.py --out "$out/block-attention.json"
 bash benchmarks/gpu_host.sh save-cache "$out" >/dev/null 2>&1 || true
 exit "$status"

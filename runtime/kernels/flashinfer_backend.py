@@ -256,7 +256,7 @@ class FlashInferBackend:
         # q: [T, Hq, D] -> [T, Hq, D]
         if extra_k is not None:
             return self._ops.block_attention(q, k_cache, v_cache, meta.page_table, meta.seq_lens, extra_k, extra_v,
-                                             scale, meta.context_window)
+                                             scale, meta.context_window, max_context=meta.max_seq_len)
         meta.plan.ensure(AttentionGeometry(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, scale))
         return meta.plan.run(q, k_cache, v_cache)
 

@@ -193,20 +193,36 @@ def _attend_tile(q, k, v, key_ok, m_i, l_i, acc, scale):
 
 
 @triton.jit
+def _splits_of(ctx_len, window, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """(first visible key, key tiles, context splits, tiles per split) of one request: a split per SPLIT_TILES tiles
+    of its visible context, at least one, at most MAX_SPLITS (a request's own numbers: never its batch's)."""
+    first = tl.where(window > 0, tl.maximum(ctx_len - window, 0), 0)  # window 0: the whole context
+    tiles = tl.cdiv(ctx_len - first, BLOCK_N)
+    splits = tl.minimum(tl.maximum(tl.cdiv(tiles, SPLIT_TILES), 1), MAX_SPLITS)
+    return first, tiles, splits, tl.cdiv(tiles, splits)
+
+
+@triton.jit
 def _block_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, ctx_lens_ptr, xk_ptr, xv_ptr, out_ptr,
                             part_ptr, lse_ptr, scale, page_size, page_table_stride, num_q_heads, num_kv_heads, window,
                             BLOCK: tl.constexpr, GROUP: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
-                            BLOCK_N: tl.constexpr, X: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_N: tl.constexpr, X: tl.constexpr, SPLIT_TILES: tl.constexpr,
+                            MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
     """One program per (request b, kv head h, split): the BLOCK x GROUP query rows of its draft block attend to the
     request's first ctx_lens[b] cached keys (paged; only the last ``window`` of them when window > 0), split s taking
-    the s-th of SPLITS equal runs of whole key tiles, and the last split also the block's own BLOCK keys
-    (bidirectional), with an online softmax over key tiles of BLOCK_N. Row r is (block slot r // GROUP, q head
-    h * GROUP + r % GROUP). One split writes the output; more write each split's normalized partial output and its
-    log-sum-exp (float32) for ``_merge_splits_kernel``."""
+    the s-th of the request's equal runs of whole key tiles (``_splits_of``; programs past its count return at
+    once), and its last split also the block's own BLOCK keys (bidirectional), with an online softmax over key tiles
+    of BLOCK_N. Row r is (block slot r // GROUP, q head h * GROUP + r % GROUP). A request of one split writes its
+    output; one of more writes each split's normalized partial output and log-sum-exp (float32) for
+    ``_merge_splits_kernel``."""
     wait_for_inputs(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
+    ctx_len = tl.load(ctx_lens_ptr + b)
+    first, tiles, splits, per_split = _splits_of(ctx_len, window, BLOCK_N, SPLIT_TILES, MAX_SPLITS)
+    if split >= splits:
+        return
     rows = tl.arange(0, M)
     dims = tl.arange(0, D)
     slot = rows // GROUP
@@ -218,10 +234,6 @@ def _block_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, ctx
     m_i = tl.full([M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([M, D], dtype=tl.float32)
-    ctx_len = tl.load(ctx_lens_ptr + b)
-    first = tl.where(window > 0, tl.maximum(ctx_len - window, 0), 0)  # window 0: the whole context
-    tiles = tl.cdiv(ctx_len - first, BLOCK_N)
-    per_split = tl.cdiv(tiles, SPLITS)
     begin = first + split * per_split * BLOCK_N
     end = tl.minimum(begin + per_split * BLOCK_N, ctx_len)
     cols = tl.arange(0, BLOCK_N)
@@ -233,55 +245,66 @@ def _block_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, ctx
         k = tl.load(k_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
         m_i, l_i, acc = _attend_tile(q, k, v, key_ok, m_i, l_i, acc, scale)
-    if split == SPLITS - 1:
+    if split == splits - 1:
         xcols = tl.arange(0, X)
         x_ok = xcols < BLOCK
         x_off = ((b * BLOCK + xcols) * num_kv_heads + h)[:, None] * D + dims[None, :]
         k = tl.load(xk_ptr + x_off, mask=x_ok[:, None], other=0.0)
         v = tl.load(xv_ptr + x_off, mask=x_ok[:, None], other=0.0)
         m_i, l_i, acc = _attend_tile(q, k, v, x_ok, m_i, l_i, acc, scale)
-    if SPLITS == 1:
+    if splits == 1:
         tl.store(out_ptr + q_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:  # a split without keys: output 0, log-sum-exp -inf (weight 0 in the merge)
+    else:  # a split left without keys (capped counts can leave one): output 0, log-sum-exp -inf (weight 0)
         seen = l_i > 0
-        part = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+        safe = tl.where(seen, l_i, 1.0)
         rows_total = tl.num_programs(0) * BLOCK * num_q_heads
-        tl.store(part_ptr + (split * rows_total + q_row)[:, None] * D + dims[None, :], part, mask=row_ok[:, None])
-        tl.store(lse_ptr + split * rows_total + q_row, tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)),
-                                                               float("-inf")), mask=row_ok)
+        tl.store(part_ptr + (split * rows_total + q_row)[:, None] * D + dims[None, :],
+                 tl.where(seen[:, None], acc / safe[:, None], 0.0), mask=row_ok[:, None])
+        tl.store(lse_ptr + split * rows_total + q_row, tl.where(seen, m_i + tl.log(safe), float("-inf")),
+                 mask=row_ok)
 
 
 @triton.jit
-def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, rows_total, SPLITS: tl.constexpr, S: tl.constexpr,
-                         D: tl.constexpr, PDL: tl.constexpr):
-    """One program per output row: the SPLITS partial outputs [D] weighted by exp(their log-sum-exp - the
-    largest), in split order (the last split always saw keys: the block's own)."""
+def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, ctx_lens_ptr, rows_total, rows_per_request, window,
+                         BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                         S: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+    """One program per output row of a request of several splits (others return at once: the attention kernel
+    wrote them): its splits' partial outputs [D] weighted by exp(their log-sum-exp - the largest), in split order."""
     wait_for_inputs(PDL)
     row = tl.program_id(0)
-    splits = tl.arange(0, S)
+    _, _, splits, _ = _splits_of(tl.load(ctx_lens_ptr + row // rows_per_request), window, BLOCK_N, SPLIT_TILES,
+                                 MAX_SPLITS)
+    if splits == 1:
+        return
+    ids = tl.arange(0, S)
     dims = tl.arange(0, D)
-    split_ok = splits < SPLITS
-    lse = tl.load(lse_ptr + splits * rows_total + row, mask=split_ok, other=float("-inf"))
-    weight = tl.exp(lse - tl.max(lse, axis=0))  # [S], 0 for empty splits and padding
-    part = tl.load(part_ptr + (splits * rows_total + row)[:, None] * D + dims[None, :], mask=split_ok[:, None],
+    split_ok = ids < splits
+    lse = tl.load(lse_ptr + ids * rows_total + row, mask=split_ok, other=float("-inf"))
+    weight = tl.exp(lse - tl.max(lse, axis=0))  # [S], 0 past the request's splits
+    part = tl.load(part_ptr + (ids * rows_total + row)[:, None] * D + dims[None, :], mask=split_ok[:, None],
                    other=0.0)
     out = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
     tl.store(out_ptr + row * D + dims, out.to(out_ptr.dtype.element_ty))
 
 
 BLOCK_ATTENTION_KEYS = 128  # cached keys per tile of the block attention (BLOCK_N; benchmarks/block_attention.py)
-BLOCK_ATTENTION_SPLITS = 1  # context splits of the block attention (SPLITS)
+BLOCK_ATTENTION_SPLIT_TILES = 16  # a context split per this many tiles (2048 keys) of a request's visible context
+BLOCK_ATTENTION_MAX_SPLITS = 8  # at most this many splits a request
 
 
 def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                     ctx_lens: torch.Tensor, extra_k: torch.Tensor, extra_v: torch.Tensor,
-                    scale: float, window: int | None = None, block_n: int = BLOCK_ATTENTION_KEYS,
-                    splits: int = BLOCK_ATTENTION_SPLITS) -> torch.Tensor:
+                    scale: float, window: int | None = None, max_context: int | None = None,
+                    block_n: int = BLOCK_ATTENTION_KEYS, split_tiles: int = BLOCK_ATTENTION_SPLIT_TILES,
+                    max_splits: int = BLOCK_ATTENTION_MAX_SPLITS) -> torch.Tensor:
     """Draft-block attention: q [B*K, Hq, D] over each request's ctx_lens[b] cached keys (page_table [B, P]; the
     last ``window`` only, if given) plus the block's own keys extra_k/extra_v [B, K, Hkv, D]; every length is read
-    on the device (CUDA-graph safe). ``block_n`` keys per tile; ``splits`` > 1 cuts each request's context into
-    that many runs of tiles, each its own program, merged by their log-sum-exp in a second kernel (a request's
-    result never depends on the batch: the split count is the caller's constant, not the batch's)."""
+    on the device (CUDA-graph safe). Keys are read in tiles of ``block_n``; a request's visible context is cut into
+    a split per ``split_tiles`` tiles (at most ``max_splits``), each its own program, merged by their log-sum-exp
+    in a second kernel, so that a long context at few requests keeps many SMs reading (one request over 8192 keys:
+    8 programs walking 64 tiles each otherwise). The count is the request's own (its context length): its result
+    never depends on the batch. ``max_context`` (an upper bound of every context, e.g. the page table's capacity;
+    None: no bound) only sizes the launch: no more splits are launched than any request can use."""
     batch, block, num_kv, dim = extra_k.shape
     num_q = q.shape[1]
     group = num_q // num_kv
@@ -291,19 +314,25 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     if batch == 0:
         return out
+    visible = max_context if window is None or max_context is None else min(max_context, window)
+    if visible is not None:
+        max_splits = max(1, min(max_splits, triton.cdiv(triton.cdiv(visible, block_n), split_tiles)))
     rows_total = batch * block * num_q
     part = lse = out  # unused with one split
-    if splits > 1:
-        part = torch.empty(splits, rows_total, dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(splits, rows_total, dtype=torch.float32, device=q.device)
-    _block_attention_kernel[(batch, num_kv, splits)](
+    if max_splits > 1:
+        part = torch.empty(max_splits, rows_total, dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(max_splits, rows_total, dtype=torch.float32, device=q.device)
+    _block_attention_kernel[(batch, num_kv, max_splits)](
         q, k_cache, v_cache, page_table, ctx_lens, extra_k, extra_v, out, part, lse, scale, k_cache.shape[1],
         page_table.stride(0), num_q, num_kv, window or 0, BLOCK=block, GROUP=group,
         M=max(16, triton.next_power_of_2(block * group)), D=dim, BLOCK_N=block_n,
-        X=max(16, triton.next_power_of_2(block)), SPLITS=splits, **launch_options(q))
-    if splits > 1:
-        _merge_splits_kernel[(rows_total,)](part, lse, out, rows_total, SPLITS=splits,
-                                            S=max(2, triton.next_power_of_2(splits)), D=dim, **launch_options(q))
+        X=max(16, triton.next_power_of_2(block)), SPLIT_TILES=split_tiles, MAX_SPLITS=max_splits,
+        **launch_options(q))
+    if max_splits > 1:
+        _merge_splits_kernel[(rows_total,)](part, lse, out, ctx_lens, rows_total, block * num_q, window or 0,
+                                            BLOCK_N=block_n, SPLIT_TILES=split_tiles, MAX_SPLITS=max_splits,
+                                            S=max(2, triton.next_power_of_2(max_splits)), D=dim,
+                                            **launch_options(q))
     return out
 
 

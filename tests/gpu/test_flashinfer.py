@@ -192,6 +192,27 @@ def test_draft_block_attention_matches_the_reference(fi, head_dim, block, window
     close(got, want)
 
 
+def test_draft_block_attention_splits_long_contexts_per_request(fi):
+    """Contexts past 2048 keys are split (a program per 2048 keys, merged by log-sum-exp), each request by its own
+    length: the reference's values, and a request's rows the same alone as in its batch (bit for bit)."""
+    page, hq, hkv, d, block, pages = 16, 32, 8, 128, 7, 400
+    k_cache, v_cache = (torch.randn(pages * 3, page, hkv, d, device=DEV, dtype=BF16) for _ in range(2))
+    ctx = torch.tensor([5000, 100, 2049, 6400], device=DEV)
+    batch = ctx.numel()
+    table = torch.stack([torch.randperm(pages * 3, device=DEV)[:pages] for _ in range(batch)])
+    meta = PagedAttentionMeta(query_start_loc=torch.arange(batch + 1, device=DEV) * block, seq_lens=ctx,
+                              page_table=table, max_query_len=block, max_seq_len=pages * page, causal=False,
+                              num_tokens=batch * block, page_size=page, num_extra_keys=block)
+    q = torch.randn(batch * block, hq, d, device=DEV, dtype=BF16)
+    xk, xv = (torch.randn(batch, block, hkv, d, device=DEV, dtype=BF16) for _ in range(2))
+    got = fi.paged_attention(q, k_cache, v_cache, fi.plan_attention(meta), d ** -0.5, xk, xv)
+    close(got, torch_ref.paged_attention(q, k_cache, v_cache, torch_ref.plan_attention(meta), d ** -0.5, xk, xv))
+    alone = dataclasses.replace(meta, query_start_loc=meta.query_start_loc[:2], seq_lens=ctx[:1],
+                                page_table=table[:1], num_tokens=block)
+    first = fi.paged_attention(q[:block], k_cache, v_cache, fi.plan_attention(alone), d ** -0.5, xk[:1], xv[:1])
+    assert torch.equal(first, got[:block])
+
+
 @pytest.fixture(scope="module")
 def wide_target(checkpoints):
     """head_dim 128 (FlashInfer's kernels), 4 layers, in bf16."""
