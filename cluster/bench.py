@@ -1040,7 +1040,8 @@ def add_parser(commands) -> None:
     bench.add_argument("--projected-tau-source", default="", help="where --projected-tau was measured (recorded)")
     bench.add_argument("--tune-schedule", metavar="FILE", help="also time every shorter draft length and write the "
                        "draft_len_schedule with the most tokens/s at each concurrency to FILE (a config fragment for "
-                       "dspark serve --config; at the smallest concurrency max_draft_len, as the engine requires, "
+                       "dspark serve --config; a length other than max_draft_len only where it measured more than "
+                       "2%% faster; at the smallest concurrency max_draft_len, as the engine requires, "
                        "the record saying what that costs where a shorter length is faster); the sweep must "
                        "include concurrency 1")
     bench.add_argument("--acceptance-per-position", type=acceptance_list, help="a trained pair's acceptance per "
