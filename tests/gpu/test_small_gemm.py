@@ -104,14 +104,18 @@ def test_the_measurement_is_reported_in_rank_info(mid_target):
 
 @pytest.fixture
 def triton_everywhere(monkeypatch):
-    """Every linear of the model on one skinny GEMM config at every row count, whatever it measures: a row's result
-    is then the same at any M, so a padded graph, the eager step and a request alone all compute the same rows,
-    and token equality checks the graphs' plumbing with the Triton kernel inside."""
+    """Every linear of the model on one skinny GEMM config at every row count, whatever it measures (the q/k/v and
+    gate/up projections with the norm before them fused in): a row's result is then the same at any M, so a padded
+    graph, the eager step and a request alone all compute the same rows, and token equality checks the graphs'
+    plumbing with the Triton kernels inside."""
     from runtime.kernels import skinny_gemm
 
     monkeypatch.setattr(skinny_gemm, "CANDIDATES", (skinny_gemm.SkinnyConfig(16, 256, 1, 4, 4),))
     monkeypatch.setattr(small_gemm.GemmChoice, "for_rows",
                         lambda self, rows: self.configs[0] if self.matmul is not None and rows > 0 else None)
+    monkeypatch.setattr(small_gemm.GemmChoice, "norm_for_rows",  # and the q/k/v, gate/up norm fused at any M
+                        lambda self, rows: self.norm_configs[0] if self.norm_matmul is not None and rows > 0
+                        else None)
     monkeypatch.setattr(small_gemm, "MIN_WEIGHT_ELEMENTS", 0)
     monkeypatch.setattr(small_gemm, "MARGIN", 1e9)
     monkeypatch.setattr(small_gemm, "_MEASURED", {})
@@ -123,7 +127,8 @@ def test_graphed_steps_on_the_skinny_gemm_equal_eager_steps(triton_everywhere, m
     runs = {}
     for eager in (False, True):
         llm = LLM(str(mid_target), speculative_config=spec, **{**ENGINE, "enforce_eager": eager})
-        assert any(isinstance(m, small_gemm.SmallBatchLinear) for m in llm.engine.executor.worker.target.modules())
+        linears = [m for m in llm.engine.executor.worker.target.modules() if isinstance(m, small_gemm.SmallBatchLinear)]
+        assert linears and any(m.choice.norm_matmul is not None for m in linears)  # the fused norm is in the graphs
         runs[eager] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         if not eager:
             alone = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
