@@ -60,9 +60,9 @@ CANDIDATES = (
 
 @triton.jit
 def _row_rstd(x_ptr, res_ptr, row0, M, K, stride_xm, stride_rm, eps, BLOCK_M: tl.constexpr, K_POW2: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr, DTYPE: tl.constexpr):
-    """[BLOCK_M] float32: 1 / sqrt(mean(s^2) + eps) of rows row0.. of s = x (+ residual, the sum rounded to DTYPE),
-    each whole row reduced at once as ``triton_ops``' RMSNorm kernel reduces it (0 for rows past M)."""
+              HAS_RESIDUAL: tl.constexpr):
+    """[BLOCK_M] float32: 1 / sqrt(mean(s^2) + eps) of rows row0.. of s = x (+ residual, the sum rounded to x's
+    dtype), each whole row reduced at once as ``triton_ops``' RMSNorm kernel reduces it (0 for rows past M)."""
     local = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, K_POW2)
     col_ok = cols < K
@@ -71,7 +71,7 @@ def _row_rstd(x_ptr, res_ptr, row0, M, K, stride_xm, stride_rm, eps, BLOCK_M: tl
         s = tl.load(x_ptr + (row0 + r) * stride_xm + cols, mask=col_ok, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             s += tl.load(res_ptr + (row0 + r) * stride_rm + cols, mask=col_ok, other=0.0).to(tl.float32)
-            s = s.to(DTYPE).to(tl.float32)
+            s = s.to(x_ptr.dtype.element_ty).to(tl.float32)
         rstd = tl.where(local == r, tl.rsqrt(tl.sum(s * s, axis=0) / K + eps), rstd)
     return rstd
 
@@ -98,7 +98,7 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, k_per_split, stride_xm, stride_w
     col_ok = cols[:, None] < N
     dtype = w_ptr.dtype.element_ty
     if NORM:
-        rstd = _row_rstd(x_ptr, res_ptr, row0, M, K, stride_xm, stride_rm, eps, BLOCK_M, K_POW2, HAS_RESIDUAL, dtype)
+        rstd = _row_rstd(x_ptr, res_ptr, row0, M, K, stride_xm, stride_rm, eps, BLOCK_M, K_POW2, HAS_RESIDUAL)
         r_ptrs = res_ptr + rows[:, None] * stride_rm + ks[None, :]
         s_ptrs = sum_ptr + rows[:, None] * K + ks[None, :]
         nw_ptrs = nw_ptr + ks
@@ -113,13 +113,13 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, k_per_split, stride_xm, stride_w
         elif NORM:  # x = (s * rstd) rounded, times the norm weight, rounded (triton_ops._rms_norm_kernel)
             s = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
-                s = (s + tl.load(r_ptrs, mask=row_ok, other=0.0).to(tl.float32)).to(dtype)
+                s = (s + tl.load(r_ptrs, mask=row_ok, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
                 tl.store(s_ptrs, s, mask=store_sum)
                 s = s.to(tl.float32)
                 r_ptrs += BLOCK_K
                 s_ptrs += BLOCK_K
-            normed = (s * rstd[:, None]).to(dtype).to(tl.float32)
-            x = (normed * tl.load(nw_ptrs).to(tl.float32)[None, :]).to(dtype)
+            normed = (s * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (normed * tl.load(nw_ptrs).to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
             nw_ptrs += BLOCK_K
         else:
             x = tl.load(x_ptrs, mask=row_ok, other=0.0)
@@ -181,11 +181,12 @@ def skinny_norm_matmul(h: torch.Tensor, residual: torch.Tensor | None, norm_weig
     own. h, residual [M, K] (unit stride along K), norm_weight [K], weight [N, K]."""
     m, k = h.shape
     n = weight.shape[0]
-    if weight.shape[1] != k or norm_weight.shape != (k,) or not config.fits(n, k) \
-            or (residual is not None and residual.shape != h.shape):
+    if weight.shape[1] != k or norm_weight.shape != (k,) or not config.fits(n, k) or weight.dtype != h.dtype \
+            or (residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype)):
         raise ValueError(f"skinny_norm_matmul: h {tuple(h.shape)}, residual "
                          f"{None if residual is None else tuple(residual.shape)}, norm weight "
-                         f"{tuple(norm_weight.shape)}, weight {tuple(weight.shape)} do not fit {config}")
+                         f"{tuple(norm_weight.shape)}, weight {tuple(weight.shape)} {weight.dtype} (h {h.dtype}) "
+                         f"do not fit {config}")
     h = h if h.stride(1) == 1 else h.contiguous()
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
