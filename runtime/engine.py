@@ -327,17 +327,13 @@ class Engine:
         lengths = self.confidence.allot([s.draft_confidence for s in seqs], *self._other_fed)
         self._decided = {s.request_id for s in seqs}
         for seq, length in zip(seqs, lengths):
-            seq.draft_ids, seq.draft_confidence = seq.draft_ids[:length], seq.draft_confidence[:length]
+            seq.trim_drafts(length)
         self.confidence_stats.record_decision(self.confidence.last, len(seqs))
 
     def _force_verify_lengths(self) -> None:
         """Profiling: trim every running request's proposed block to ``forced_verify_len`` drafts."""
-        n = self.forced_verify_len
         for seq in self.scheduler.running:
-            if len(seq.draft_ids) > n:
-                seq.draft_ids = seq.draft_ids[:n]
-                if seq.draft_confidence is not None:
-                    seq.draft_confidence = seq.draft_confidence[:n]
+            seq.trim_drafts(self.forced_verify_len)
 
     def _note_other_fed(self, scheduled: list[ScheduledRequest]) -> None:
         """What the step fed besides the verifies the scheduler chose (prefill chunks, draft-less decodes): the next

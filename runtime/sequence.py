@@ -54,6 +54,13 @@ class Sequence:
     def is_decoding(self) -> bool:
         return self.num_computed == self.num_tokens - 1
 
+    def trim_drafts(self, n: int) -> None:
+        """Keep the first ``n`` proposed drafts (and their confidences)."""
+        if len(self.draft_ids) > n:
+            self.draft_ids = self.draft_ids[:n]
+            if self.draft_confidence is not None:
+                self.draft_confidence = self.draft_confidence[:n]
+
     def token_slice(self, start: int, end: int) -> list[int]:
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:

@@ -102,7 +102,7 @@ def prenorm_linear(module: nn.Module, h: torch.Tensor, residual: torch.Tensor | 
     add, and the stream is ``h``): in one fused skinny GEMM where ``module`` is a ``SmallBatchLinear`` whose shape
     measured that faster for these rows, else ``kernels.add_rms_norm`` (or ``rms_norm``) and the linear, the same
     values either way. h, residual [..., K]."""
-    choice = getattr(module, "choice", None) if isinstance(module, SmallBatchLinear) else None
+    choice = module.choice if isinstance(module, SmallBatchLinear) else None
     if choice is not None and module.bias is None:
         rows = h.numel() // h.shape[-1]
         config = choice.norm_for_rows(rows)
@@ -112,10 +112,17 @@ def prenorm_linear(module: nn.Module, h: torch.Tensor, residual: torch.Tensor | 
                                              else None, norm_weight, eps, module.weight, config)
             return (out.view(*h.shape[:-1], module.out_features),
                     summed.view(h.shape) if summed is not None else h)
+    x, residual = norm_stream(kernels, h, residual, norm_weight, eps)
+    return module(x), residual
+
+
+def norm_stream(kernels, h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h + residual) * norm_weight, the residual stream after the add): ``kernels.add_rms_norm``, or with
+    ``residual`` None (a first layer) ``kernels.rms_norm`` of h, the stream being h."""
     if residual is None:
-        return module(kernels.rms_norm(h, norm_weight, eps)), h
-    x, summed = kernels.add_rms_norm(h, residual, norm_weight, eps)
-    return module(x), summed
+        return kernels.rms_norm(h, norm_weight, eps), h
+    return kernels.add_rms_norm(h, residual, norm_weight, eps)
 
 
 class SmallBatchLinear(nn.Linear):
@@ -198,36 +205,40 @@ def _measure(weights: list[torch.Tensor], flush: torch.Tensor, silu_and_mul: Cal
         rows_report[str(rows)] = {"cublas_us": round(cublas, 1), "triton_us": round(best_us, 1),
                                   "triton_config": best.label if best is not None else None,
                                   "chosen": chosen.label if chosen is not None else "cublas"}
-        swiglu = None
+        gemm = (lambda a, w: skinny_matmul(a, w, chosen)) if chosen is not None else F.linear
+        swiglu = normed = None
         if silu_and_mul is not None:
             gate_up = torch.randn(rows, 2 * k, dtype=x.dtype, device=x.device)
-            gemm = (lambda a, w: skinny_matmul(a, w, chosen)) if chosen is not None else F.linear
-            separate = graph_device_us(lambda: [gemm(silu_and_mul(gate_up), w) for w in weights], flush)
-            fused, fused_us = _fastest(n, k, lambda c: graph_device_us(
-                lambda: [skinny_matmul(gate_up, w, c, swiglu=True) for w in weights], flush))
-            swiglu = fused if fused is not None and fused_us <= MARGIN * separate else None
-            rows_report[str(rows)].update(
-                swiglu_separate_us=round(separate, 1), swiglu_fused_us=round(fused_us, 1),
-                swiglu_chosen=swiglu.label if swiglu is not None else "separate")
+            swiglu = _fused_choice(
+                n, k, graph_device_us(lambda: [gemm(silu_and_mul(gate_up), w) for w in weights], flush),
+                lambda c: graph_device_us(lambda: [skinny_matmul(gate_up, w, c, swiglu=True) for w in weights],
+                                          flush), rows_report[str(rows)], "swiglu")
         swiglu_configs.append(swiglu)
-        normed = None
         if add_rms_norm is not None:
             h, residual = torch.randn_like(x), torch.randn_like(x)
             norm_weight = torch.ones(k, dtype=x.dtype, device=x.device)
-            gemm = (lambda a, w: skinny_matmul(a, w, chosen)) if chosen is not None else F.linear
-            separate = graph_device_us(
-                lambda: [gemm(add_rms_norm(h, residual, norm_weight, 1e-6)[0], w) for w in weights], flush)
-            fused, fused_us = _fastest(n, k, lambda c: graph_device_us(
-                lambda: [skinny_norm_matmul(h, residual, norm_weight, 1e-6, w, c) for w in weights], flush))
-            normed = fused if fused is not None and fused_us <= MARGIN * separate else None
-            rows_report[str(rows)].update(
-                norm_separate_us=round(separate, 1), norm_fused_us=round(fused_us, 1),
-                norm_chosen=normed.label if normed is not None else "separate")
+            normed = _fused_choice(
+                n, k, graph_device_us(
+                    lambda: [gemm(add_rms_norm(h, residual, norm_weight, 1e-6)[0], w) for w in weights], flush),
+                lambda c: graph_device_us(
+                    lambda: [skinny_norm_matmul(h, residual, norm_weight, 1e-6, w, c) for w in weights], flush),
+                rows_report[str(rows)], "norm")
         norm_configs.append(normed)
     uses_triton = any(c is not None for c in configs + swiglu_configs)
     uses_norm = any(c is not None for c in norm_configs)
     return GemmChoice(tuple(configs), skinny_matmul if uses_triton or uses_norm else None, tuple(swiglu_configs),
                       tuple(norm_configs), skinny_norm_matmul if uses_norm else None), rows_report
+
+
+def _fused_choice(n: int, k: int, separate_us: float, fused_us_of: Callable, report: dict, name: str):
+    """The fastest candidate of a fused variant (``fused_us_of(config)``: its device time) if it takes at most
+    ``MARGIN`` of ``separate_us`` (the kernels it fuses, run apart), else None; ``report`` gets ``{name}_separate_us``,
+    ``{name}_fused_us`` and ``{name}_chosen``."""
+    fused, fused_us = _fastest(n, k, fused_us_of)
+    chosen = fused if fused is not None and fused_us <= MARGIN * separate_us else None
+    report.update({f"{name}_separate_us": round(separate_us, 1), f"{name}_fused_us": round(fused_us, 1),
+                   f"{name}_chosen": chosen.label if chosen is not None else "separate"})
+    return chosen
 
 
 def _fastest(n: int, k: int, device_us: Callable) -> tuple:

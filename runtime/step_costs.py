@@ -79,8 +79,9 @@ class StepCostTable:
     def measured(self) -> bool:
         return bool((~np.isnan(self.step_ms)).any())
 
-    def record(self, batch: int, tokens: int, ms: float, weight: float = 1.0) -> None:
-        """Move the cell nearest to (batch, tokens) toward ``ms`` (weight 1: replace it; an empty cell takes it)."""
+    def record(self, batch: int, tokens: int, ms: float, weight: float = 1.0) -> tuple[int, int, float]:
+        """Move the cell nearest to (batch, tokens) toward ``ms`` (weight 1: replace it; an empty cell takes it);
+        -> (its row, its column, its value before)."""
         i = _nearest(self.batch_sizes, batch)
         j = _nearest(self.token_counts, tokens)
         old = self.step_ms[i, j]
@@ -88,12 +89,12 @@ class StepCostTable:
             self._rows = None  # a new measured cell: the rows' points change
         self.step_ms[i, j] = ms if math.isnan(old) else old + weight * (ms - old)
         self._fits.pop(i, None)
+        return i, j, old
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
         """A step the engine served: learn from it (its cell, then the bound that cell puts on its row)."""
-        i, j = _nearest(self.batch_sizes, batch), _nearest(self.token_counts, tokens)
-        row, before = self.step_ms[i], self.step_ms[i, j]
-        self.record(batch, tokens, 1e3 * seconds, OBSERVATION_WEIGHT)
+        i, j, before = self.record(batch, tokens, 1e3 * seconds, OBSERVATION_WEIGHT)
+        row = self.step_ms[i]
         learned = row[j]
         # the side the move may have left out of order (NaN cells compare false: they stay unmeasured)
         if learned < before:  # lowered: no cell of fewer tokens above it

@@ -142,8 +142,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig, k: int,
     else:
         out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
         stride_os = out.stride(0)
-    residual, summed, norm_weight, eps = norm if norm is not None else (None, x, x, 0.0)
-    res = residual if residual is not None else x
+    residual, summed, norm_weight, eps = norm if norm is not None else (None, None, x, 0.0)
+    res = residual if residual is not None else x  # pointers the kernel never reads without them
+    summed = summed if summed is not None else x
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, BLOCK_M))
     _skinny_kernel[grid](x, weight, out, m, n, k // split, x.stride(0), weight.stride(0), n, stride_os, k,
                          res, summed, norm_weight, res.stride(0), eps, k,
@@ -193,5 +194,5 @@ def skinny_norm_matmul(h: torch.Tensor, residual: torch.Tensor | None, norm_weig
     if weight.stride(1) != 1 or not norm_weight.is_contiguous():
         raise ValueError("skinny_norm_matmul: the weights need unit stride along K")
     summed = torch.empty(m, k, dtype=h.dtype, device=h.device) if residual is not None else None
-    out = _launch(h, weight, config, k, norm=(residual, summed if summed is not None else h, norm_weight, eps))
+    out = _launch(h, weight, config, k, norm=(residual, summed, norm_weight, eps))
     return out, summed

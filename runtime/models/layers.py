@@ -15,7 +15,7 @@ from torch import nn
 
 from runtime.kernels import KernelBackend, PagedAttentionMeta, torch_ref
 from runtime.models.moe import SparseMoeBlock
-from runtime.small_gemm import prenorm_linear
+from runtime.small_gemm import norm_stream, prenorm_linear
 
 
 class RMSNorm(nn.Module):
@@ -266,12 +266,9 @@ class DecoderLayer(nn.Module):
         if self.self_attn.qkv_proj is not None:  # fused: the norm may run inside the q/k/v GEMM
             a, residual = self.self_attn.forward_prenorm(h, residual, norm, cache, inputs)
         else:
-            if residual is None:
-                x, residual = norm(h), h
-            else:
-                x, residual = self.kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+            x, residual = norm_stream(self.kernels, h, residual, norm.weight, norm.eps)
             a = self.self_attn(x, cache, inputs)
         if isinstance(self.mlp, MLP) and self.mlp.gate_up_proj is not None:  # and inside the gate/up GEMM
             return self.mlp.forward_prenorm(a, residual, post)
-        x, residual = self.kernels.add_rms_norm(a, residual, post.weight, post.eps)
+        x, residual = norm_stream(self.kernels, a, residual, post.weight, post.eps)
         return self.mlp(x), residual
