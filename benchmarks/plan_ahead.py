@@ -14,9 +14,7 @@ captured), the "on" one with programmatic dependent launch; only decode steps ar
 faster; each engine's choice is in the record (``small_gemms``).
 ``--toggle prefetch``: likewise, the "off" engine choosing its skinny GEMMs among the candidates that do not warm L2
 with their weight's head before they wait for the kernel before them (``SkinnyConfig.prefetch_bytes``), the "on"
-one among the same launch shapes each prefetching ``--prefetch-bytes`` of every weight row (the calibration times a
-shape's GEMMs back to back, where the one before leaves HBM no idle time to fill; in a forward a norm or attention
-does, so "on" forces the prefetch wherever a skinny GEMM is chosen).
+one among all of them.
 
 ``--profile``: each mode's GPU idle time per step and its largest gaps (``runtime.profiling.gpu_gaps``).
 
@@ -28,7 +26,6 @@ usage: python3 benchmarks/plan_ahead.py [--model-shape qwen3-8b] [--concurrency 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import json
 import shlex
 import sys
@@ -53,10 +50,10 @@ def set_mode(graphs, toggle: str, on: bool) -> None:
 
 
 def build(target: Path, args, concurrency: list[int], pdl: bool = True, drafter: Path | None = None,
-          prenorm: bool = True, prefetch: int | None = None) -> LLM:
+          prenorm: bool = True, prefetch: bool = True) -> LLM:
     """The engine under test; ``pdl=False``: its graphs captured with every Triton kernel launched plainly;
-    ``prenorm=False``: no projection measured (so none run) with the norm before it fused in; ``prefetch``
-    (bytes): its skinny GEMMs chosen among the unprefetched candidates each prefetching that much (0: as they are)."""
+    ``prenorm=False``: no projection measured (so none run) with the norm before it fused in; ``prefetch=False``:
+    its skinny GEMMs chosen among the candidates that prefetch nothing."""
     from runtime import small_gemm
     from runtime.kernels import pdl as pdl_module
     from runtime.kernels import skinny_gemm
@@ -67,8 +64,8 @@ def build(target: Path, args, concurrency: list[int], pdl: bool = True, drafter:
         pdl_module.supported = lambda device: False
     if not prenorm:
         small_gemm.PRENORM_LINEARS = ()
-    if prefetch is not None:
-        skinny_gemm.CANDIDATES = tuple(replace(c, prefetch_bytes=prefetch) for c in candidates if not c.prefetch_bytes)
+    if not prefetch:
+        skinny_gemm.CANDIDATES = tuple(c for c in candidates if not c.prefetch_bytes)
     try:
         spec = {"speculative_model": str(drafter), "max_draft_len": 7, "load_format": "dummy"} if drafter else None
         return LLM(str(target), speculative_config=spec, dtype="bfloat16", device="cuda", kernel_backend="flashinfer",
@@ -96,16 +93,13 @@ def main() -> None:
                         help="what the off and on modes differ in (run_ahead: both plan ahead; pdl, prenorm, "
                              "prefetch: two engines, both running ahead)")
     parser.add_argument("--speculative", action="store_true", help="DSpark engines (a 1-layer random drafter, K=7)")
-    parser.add_argument("--prefetch-bytes", type=int, default=2048,
-                        help="--toggle prefetch: bytes of each weight row the on engine's skinny GEMMs prefetch")
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     target, drafter = write_shape(Path(tempfile.mkdtemp(prefix="plan-ahead-")), args.model_shape, 1, 7)
     drafter = drafter if args.speculative else None
-    llm = build(target, args, concurrency, drafter=drafter,
-                **({"prefetch": args.prefetch_bytes} if args.toggle == "prefetch" else {}))
-    off = {"pdl": {"pdl": False}, "prenorm": {"prenorm": False}, "prefetch": {"prefetch": 0}}.get(args.toggle)
+    llm = build(target, args, concurrency, drafter=drafter)
+    off = {"pdl": {"pdl": False}, "prenorm": {"prenorm": False}, "prefetch": {"prefetch": False}}.get(args.toggle)
     engines = {"off": build(target, args, concurrency, drafter=drafter, **off) if off is not None else llm, "on": llm}
     for engine in engines.values():
         graphs = engine.engine.executor.worker.graphs
