@@ -19,8 +19,7 @@ one among all of them.
 ``--profile``: each mode's GPU idle time per step and its largest gaps (``runtime.profiling.gpu_gaps``).
 
 usage: python3 benchmarks/plan_ahead.py [--model-shape qwen3-8b] [--concurrency 1,16,64] [--steps 30]
-                                        [--rounds 3] [--toggle plan_ahead|run_ahead|pdl|prenorm|prefetch]
-                                        [--speculative] [--profile] [--out FILE.json]
+                                        [--rounds 3] [--toggle plan_ahead|run_ahead|pdl|prenorm|prefetch] [--speculative] [--profile] [--out FILE.json]
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ Qwen3-8B shape's q/k/v and o projections at ~0.74 of the copy bandwidth, its MLP
 as a CUDA graph over all the model's weights of that shape replayed with a cold L2 (as a forward meets them), and
 hands each linear the winners (``GemmChoice``). A config replaces cuBLAS only where it is at least ``MARGIN``
 faster. Some candidates warm L2 with the head of their weight strip before they wait for the kernel before them
-(``prefetch_bytes``; values unchanged); the report keeps the best unprefetched time beside the best. An MLP's down
-projection is also timed with its SiLU-and-mul fused into the skinny GEMM's operand loads
+(``prefetch_bytes``; values unchanged); the report keeps the best unprefetched time beside the best. An MLP's down projection is also timed with its SiLU-and-mul fused into the skinny GEMM's operand loads
 (``skinny_matmul(..., swiglu=True)``, bit for bit the activation kernel's output) against the activation kernel
 followed by the GEMM just chosen; where the fused kernel wins by ``MARGIN``, the MLP hands it gate/up directly
 (``swiglu_linear``: one launch and no intermediate a layer fewer). Likewise the fused q/k/v and gate/up projections

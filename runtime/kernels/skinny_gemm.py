@@ -8,8 +8,7 @@ order: no atomics, so every config is deterministic, and a row's result never de
 padded freely). ``prefetch_bytes > 0`` (with programmatic dependent launch only): before a program waits for the
 kernel before it, it queues an L2 prefetch of the head of each W row of its slice (``cp.async.bulk.prefetch.L2``, a
 hint that changes no value), so the weight stream starts while the previous kernel (a norm, attention, the
-GEMM before) drains instead of after it: a single-wave GEMV pays its ramp once per launch otherwise. Two operand
-prologues save the kernel before it: the SiLU-and-mul of an MLP's down projection
+GEMM before) drains instead of after it: a single-wave GEMV pays its ramp once per launch otherwise. Two operand prologues save the kernel before it: the SiLU-and-mul of an MLP's down projection
 (``skinny_matmul(..., swiglu=True)``) and the residual add and RMSNorm before q/k/v or gate/up
 (``skinny_norm_matmul``: each program first reduces its rows whole for their statistics, then normalizes every
 slice it loads), both rounding as the separate kernels store. Which config, if any, beats cuBLAS (or the separate
