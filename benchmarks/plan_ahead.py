@@ -12,14 +12,11 @@ captured), the "on" one with programmatic dependent launch; only decode steps ar
 ``--toggle prenorm``: likewise, the "off" engine built without the norm fused into the q/k/v and gate/up GEMMs
 (``runtime.small_gemm.PRENORM_LINEARS`` emptied while it measures its GEMMs), the "on" one where that measured
 faster; each engine's choice is in the record (``small_gemms``).
-``--toggle prefetch``: likewise, the "off" engine choosing its skinny GEMMs among the candidates that do not warm L2
-with their weight's head before they wait for the kernel before them (``SkinnyConfig.prefetch_bytes``), the "on"
-one among all of them.
 
 ``--profile``: each mode's GPU idle time per step and its largest gaps (``runtime.profiling.gpu_gaps``).
 
 usage: python3 benchmarks/plan_ahead.py [--model-shape qwen3-8b] [--concurrency 1,16,64] [--steps 30]
-                                        [--rounds 3] [--toggle plan_ahead|run_ahead|pdl|prenorm|prefetch] [--speculative] [--profile] [--out FILE.json]
+                                        [--rounds 3] [--toggle plan_ahead|run_ahead|pdl|prenorm] [--speculative] [--profile] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -38,33 +35,25 @@ from cluster.bench import MODEL_SHAPES, copy_bandwidth, profile_step, time_steps
 from runtime import LLM
 
 
-TWO_ENGINES = ("pdl", "prenorm", "prefetch")  # toggles whose modes are engines built apart
-
-
 def set_mode(graphs, toggle: str, on: bool) -> None:
     """plan_ahead: planning (and so launching) ahead off or on; run_ahead: planning ahead, launching ahead off or on;
-    pdl, prenorm, prefetch: both ahead (the modes are two engines)."""
-    graphs.plan_ahead = on or toggle in ("run_ahead",) + TWO_ENGINES
-    graphs.run_ahead = on or toggle in TWO_ENGINES
+    pdl, prenorm: both ahead (the modes are two engines)."""
+    graphs.plan_ahead = on or toggle in ("run_ahead", "pdl", "prenorm")
+    graphs.run_ahead = on or toggle in ("pdl", "prenorm")
 
 
 def build(target: Path, args, concurrency: list[int], pdl: bool = True, drafter: Path | None = None,
-          prenorm: bool = True, prefetch: bool = True) -> LLM:
+          prenorm: bool = True) -> LLM:
     """The engine under test; ``pdl=False``: its graphs captured with every Triton kernel launched plainly;
-    ``prenorm=False``: no projection measured (so none run) with the norm before it fused in; ``prefetch=False``:
-    its skinny GEMMs chosen among the candidates that prefetch nothing."""
+    ``prenorm=False``: no projection measured (so none run) with the norm before it fused in."""
     from runtime import small_gemm
     from runtime.kernels import pdl as pdl_module
-    from runtime.kernels import skinny_gemm
 
     supported, prenorm_linears = pdl_module.supported, small_gemm.PRENORM_LINEARS
-    candidates = skinny_gemm.CANDIDATES
     if not pdl:
         pdl_module.supported = lambda device: False
     if not prenorm:
         small_gemm.PRENORM_LINEARS = ()
-    if not prefetch:
-        skinny_gemm.CANDIDATES = tuple(c for c in candidates if not c.prefetch_bytes)
     try:
         spec = {"speculative_model": str(drafter), "max_draft_len": 7, "load_format": "dummy"} if drafter else None
         return LLM(str(target), speculative_config=spec, dtype="bfloat16", device="cuda", kernel_backend="flashinfer",
@@ -74,7 +63,6 @@ def build(target: Path, args, concurrency: list[int], pdl: bool = True, drafter:
                    max_num_batched_tokens=max(2048, 2 * args.prompt_len))
     finally:
         pdl_module.supported, small_gemm.PRENORM_LINEARS = supported, prenorm_linears
-        skinny_gemm.CANDIDATES = candidates
 
 
 def main() -> None:
@@ -88,9 +76,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also profile 5 steps of each mode (torch.profiler): the GPU's idle time per step and "
                              "its largest gaps, with the activities either side")
-    parser.add_argument("--toggle", choices=("plan_ahead", "run_ahead") + TWO_ENGINES, default="plan_ahead",
-                        help="what the off and on modes differ in (run_ahead: both plan ahead; pdl, prenorm, "
-                             "prefetch: two engines, both running ahead)")
+    parser.add_argument("--toggle", choices=("plan_ahead", "run_ahead", "pdl", "prenorm"), default="plan_ahead",
+                        help="what the off and on modes differ in (run_ahead: both plan ahead; pdl, prenorm: two "
+                             "engines, both running ahead)")
     parser.add_argument("--speculative", action="store_true", help="DSpark engines (a 1-layer random drafter, K=7)")
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
@@ -98,7 +86,7 @@ def main() -> None:
     target, drafter = write_shape(Path(tempfile.mkdtemp(prefix="plan-ahead-")), args.model_shape, 1, 7)
     drafter = drafter if args.speculative else None
     llm = build(target, args, concurrency, drafter=drafter)
-    off = {"pdl": {"pdl": False}, "prenorm": {"prenorm": False}, "prefetch": {"prefetch": False}}.get(args.toggle)
+    off = {"pdl": {"pdl": False}, "prenorm": {"prenorm": False}}.get(args.toggle)
     engines = {"off": build(target, args, concurrency, drafter=drafter, **off) if off is not None else llm, "on": llm}
     for engine in engines.values():
         graphs = engine.engine.executor.worker.graphs

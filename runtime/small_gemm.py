@@ -7,8 +7,7 @@ Qwen3-8B shape's q/k/v and o projections at ~0.74 of the copy bandwidth, its MLP
 ``runtime.kernels.skinny_gemm.CANDIDATES`` config on the device for each weight shape at 1, 2, 4, 8 and 16 rows,
 as a CUDA graph over all the model's weights of that shape replayed with a cold L2 (as a forward meets them), and
 hands each linear the winners (``GemmChoice``). A config replaces cuBLAS only where it is at least ``MARGIN``
-faster. Some candidates warm L2 with the head of their weight strip before they wait for the kernel before them
-(``prefetch_bytes``; values unchanged); the report keeps the best unprefetched time beside the best. An MLP's down projection is also timed with its SiLU-and-mul fused into the skinny GEMM's operand loads
+faster. An MLP's down projection is also timed with its SiLU-and-mul fused into the skinny GEMM's operand loads
 (``skinny_matmul(..., swiglu=True)``, bit for bit the activation kernel's output) against the activation kernel
 followed by the GEMM just chosen; where the fused kernel wins by ``MARGIN``, the MLP hands it gate/up directly
 (``swiglu_linear``: one launch and no intermediate a layer fewer). Likewise the fused q/k/v and gate/up projections
@@ -155,7 +154,7 @@ class SmallGemmReport:
         return {"calibration_s": round(self.seconds, 2), "shapes": self.shapes}
 
 
-_MEASURED: dict[tuple, tuple[GemmChoice, dict]] = {}  # (device, dtype, N, K, swiglu, norm, candidates) -> choice, report
+_MEASURED: dict[tuple, tuple[GemmChoice, dict]] = {}  # (device, dtype, N, K, swiglu, norm) -> choice, report
 
 
 def _targets(modules: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -199,14 +198,11 @@ def _measure(weights: list[torch.Tensor], flush: torch.Tensor, silu_and_mul: Cal
     for rows in ROW_BUCKETS:
         x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
         cublas = graph_device_us(lambda: [F.linear(x, w) for w in weights], flush)
-        times = {}  # config -> us (the report's unprefetched best beside the best)
-        best, best_us = _fastest(n, k, lambda c: times.setdefault(
-            c, graph_device_us(lambda: [skinny_matmul(x, w, c) for w in weights], flush)))
+        best, best_us = _fastest(n, k, lambda c: graph_device_us(lambda: [skinny_matmul(x, w, c) for w in weights],
+                                                                  flush))
         chosen = best if best is not None and best_us <= MARGIN * cublas else None
         configs.append(chosen)
-        unprefetched = min((us for c, us in times.items() if not c.prefetch_bytes), default=float("inf"))
         rows_report[str(rows)] = {"cublas_us": round(cublas, 1), "triton_us": round(best_us, 1),
-                                  "triton_unprefetched_us": round(unprefetched, 1),
                                   "triton_config": best.label if best is not None else None,
                                   "chosen": chosen.label if chosen is not None else "cublas"}
         gemm = (lambda a, w: skinny_matmul(a, w, chosen)) if chosen is not None else F.linear
@@ -264,8 +260,6 @@ def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: t
     ``nn.Linear`` becomes a ``SmallBatchLinear``, a tensor-parallel linear gets its ``small_gemm``). Call after the
     weights are loaded and fused, before anything keeps a reference to a linear; needs a CUDA device, a half
     dtype and triton."""
-    from runtime.kernels import skinny_gemm  # its candidates key the measurements (a benchmark may narrow them)
-
     start = time.perf_counter()
     report = SmallGemmReport()
     targets = _targets(modules)
@@ -280,7 +274,7 @@ def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: t
                     and getattr(parent, "gate_up_proj", None) is not None), None)
         norm = next((parent.kernels.add_rms_norm for parent, name, child in members if name in PRENORM_LINEARS
                      and type(child) is nn.Linear), None)
-        key = (str(device), dtype, n, k, act is not None, norm is not None, skinny_gemm.CANDIDATES)
+        key = (str(device), dtype, n, k, act is not None, norm is not None)
         if key not in _MEASURED:
             if flush is None:
                 flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)

@@ -5,10 +5,7 @@ At one to sixteen rows a linear layer only streams its weight: every program rea
 to 16 for the tensor-core ``dot``; more rows take a program per 16), accumulating in float32. ``split_k > 1`` cuts K
 in that many slices, each program writing a float32 partial, and one torch sum over the slices adds them in a fixed
 order: no atomics, so every config is deterministic, and a row's result never depends on the other rows (M may be
-padded freely). ``prefetch_bytes > 0`` (with programmatic dependent launch only): before a program waits for the
-kernel before it, it queues an L2 prefetch of the head of each W row of its slice (``cp.async.bulk.prefetch.L2``, a
-hint that changes no value), so the weight stream starts while the previous kernel (a norm, attention, the
-GEMM before) drains instead of after it: a single-wave GEMV pays its ramp once per launch otherwise. Two operand prologues save the kernel before it: the SiLU-and-mul of an MLP's down projection
+padded freely). Two operand prologues save the kernel before it: the SiLU-and-mul of an MLP's down projection
 (``skinny_matmul(..., swiglu=True)``) and the residual add and RMSNorm before q/k/v or gate/up
 (``skinny_norm_matmul``: each program first reduces its rows whole for their statistics, then normalizes every
 slice it loads), both rounding as the separate kernels store. Which config, if any, beats cuBLAS (or the separate
@@ -39,19 +36,15 @@ class SkinnyConfig:
     split_k: int = 1  # K slices, each its own program (partials summed after)
     num_warps: int = 4
     num_stages: int = 4  # loads in flight per program (Triton's software pipelining)
-    prefetch_bytes: int = 0  # head of each W row (of the program's K slice) prefetched into L2 before the wait
 
     @property
     def label(self) -> str:
-        prefetch = f"f{self.prefetch_bytes}" if self.prefetch_bytes else ""
-        return f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}{prefetch}"
+        return f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
 
     def fits(self, n: int, k: int) -> bool:
         """Whether this config serves an ``[n, k]`` weight: K cut evenly into whole iterations; split partials
-        (float32 [split, M, N]) only for moderate N; a prefetched head within the slice (2-byte elements or
-        wider: bf16 / fp16 / fp32 weights)."""
-        return (k % (self.block_k * self.split_k) == 0 and (self.split_k == 1 or n <= 32768)
-                and self.prefetch_bytes <= 2 * (k // self.split_k))
+        (float32 [split, M, N]) only for moderate N."""
+        return k % (self.block_k * self.split_k) == 0 and (self.split_k == 1 or n <= 32768)
 
 
 # What the device chooses among (runtime.small_gemm measures each against cuBLAS per weight shape and row count).
@@ -62,12 +55,7 @@ CANDIDATES = (
     SkinnyConfig(64, 128, 1, 4, 4),
     SkinnyConfig(16, 256, 2, 4, 4),
     SkinnyConfig(32, 256, 4, 4, 4),
-    SkinnyConfig(16, 256, 1, 4, 4, prefetch_bytes=2048),
-    SkinnyConfig(32, 256, 1, 4, 4, prefetch_bytes=1024),
-    SkinnyConfig(32, 256, 1, 4, 4, prefetch_bytes=4096),
-    SkinnyConfig(64, 128, 1, 4, 4, prefetch_bytes=2048),
 )
-PREFETCH_ALIGN = 16  # bytes: a bulk prefetch's address and size
 
 
 @triton.jit
@@ -89,36 +77,20 @@ def _row_rstd(x_ptr, res_ptr, row0, M, K, stride_xm, stride_rm, eps, BLOCK_M: tl
 
 
 @triton.jit
-def _prefetch_weight_heads(w_ptr, cols, N, k0, stride_wn, PREFETCH_BYTES: tl.constexpr):
-    """Queue L2 prefetches of PREFETCH_BYTES from column k0 of the W rows ``cols`` (rows past N repeat row N - 1;
-    lanes holding the same row issue the same hint). Changes no value: it only warms L2."""
-    rows = tl.where(cols < N, cols, N - 1)
-    addr = w_ptr + rows.to(tl.int64) * stride_wn + k0
-    tl.inline_asm_elementwise(f"cp.async.bulk.prefetch.L2.global [$1], {PREFETCH_BYTES}; mov.u32 $0, 0;",
-                              "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, k_per_split, stride_xm, stride_wn, stride_om, stride_os, up_offset,
                    res_ptr, sum_ptr, nw_ptr, stride_rm, eps, K,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
-                   NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, K_POW2: tl.constexpr, PREFETCH_BYTES: tl.constexpr,
-                   PDL: tl.constexpr):
+                   NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr):
     """Program (column block, K slice, row block): out[rows, cols] (or the slice's float32 partial) of
     x @ W^T over the slice. SWIGLU: x = silu(gate) * up of a [M, 2K] x. NORM: x = rms_norm(x (+ residual)) * nw,
     rounded as ``triton_ops``' RMSNorm kernel rounds it, the whole-row statistics first; with a residual, the
-    programs of the first column block also store the summed rows (the new residual stream) to sum_ptr.
-    PREFETCH_BYTES (PDL only; the weights never depend on the kernel before): the first row block's programs
-    warm L2 with the head of their W strip before they wait for their inputs."""
+    programs of the first column block also store the summed rows (the new residual stream) to sum_ptr."""
+    wait_for_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PDL and PREFETCH_BYTES > 0:
-        if tl.program_id(2) == 0:
-            _prefetch_weight_heads(w_ptr, cols, N, pid_k * k_per_split, stride_wn, PREFETCH_BYTES)
-    wait_for_inputs(PDL)
     row0 = tl.program_id(2) * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = pid_k * k_per_split + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K] (SWIGLU: the gate half's)
     w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
@@ -174,16 +146,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig, k: int,
     res = residual if residual is not None else x  # pointers the kernel never reads without them
     summed = summed if summed is not None else x
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, BLOCK_M))
-    prefetch = config.prefetch_bytes
-    row_bytes = weight.stride(0) * weight.element_size()
-    if weight.data_ptr() % PREFETCH_ALIGN or row_bytes % PREFETCH_ALIGN \
-            or (k // split * weight.element_size()) % PREFETCH_ALIGN or prefetch % PREFETCH_ALIGN:
-        prefetch = 0  # a hint only: a weight a bulk prefetch cannot address streams without it (same values)
     _skinny_kernel[grid](x, weight, out, m, n, k // split, x.stride(0), weight.stride(0), n, stride_os, k,
                          res, summed, norm_weight, res.stride(0), eps, k,
                          BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
                          NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-                         K_POW2=triton.next_power_of_2(k) if norm is not None else 1, PREFETCH_BYTES=prefetch,
+                         K_POW2=triton.next_power_of_2(k) if norm is not None else 1,
                          num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x))
     return out if split == 1 else out.sum(dim=0).to(x.dtype)
 

@@ -38,37 +38,6 @@ def test_every_candidate_matches_cublas(n, k):
             assert torch.equal(skinny_matmul(x[:1].contiguous(), w, config)[0], got[0])  # rows independent
 
 
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
-def test_a_prefetching_config_computes_what_its_twin_computes(n, k):
-    """The L2 prefetch before a program waits (PDL) is a hint: each prefetching candidate gives bit for bit what
-    the same launch shape without it gives, on a weight a bulk prefetch can address and on one it cannot (a view
-    one element in: the launch drops the hint), plain, fused with SiLU-and-mul, and in a graph after a kernel."""
-    from dataclasses import replace
-
-    from runtime.kernels.skinny_gemm import CANDIDATES, skinny_matmul
-
-    torch.manual_seed(0)
-    base = torch.randn(n, k + 8, device=DEV, dtype=BF16) / k ** 0.5
-    prefetching = [c for c in CANDIDATES if c.prefetch_bytes and c.fits(n, k)]
-    assert prefetching
-    for w in (base[:, :k], base[:, 1:k + 1]):  # rows 16-byte aligned, then not
-        for m in (1, 8):
-            x = torch.randn(m, k, device=DEV, dtype=BF16)
-            gate_up = torch.randn(m, 2 * k, device=DEV, dtype=BF16)
-            for config in prefetching:
-                twin = replace(config, prefetch_bytes=0)
-                assert torch.equal(skinny_matmul(x, w, config), skinny_matmul(x, w, twin)), (config, m)
-                assert torch.equal(skinny_matmul(gate_up, w, config, swiglu=True),
-                                   skinny_matmul(gate_up, w, twin, swiglu=True)), (config, m)
-                graph = torch.cuda.CUDAGraph()
-                skinny_matmul(torch.relu(x), w, config)  # compiled outside the capture
-                with torch.cuda.graph(graph):
-                    out = skinny_matmul(torch.relu(x), w, config)  # waits on the relu (PDL edge or plain)
-                graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(out, skinny_matmul(torch.relu(x), w, twin)), (config, m)
-
-
 @pytest.mark.parametrize("n,k", [(4096, 12288), (1024, 4096)])
 def test_the_fused_activation_equals_the_activation_kernel_then_the_gemm(n, k):
     """The down projection's fused SiLU-and-mul reads gate/up and rounds the activation as the separate kernel
