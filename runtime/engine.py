@@ -84,7 +84,7 @@ class Engine:
         self._seeds = random.Random(config.seed)
         self.confidence: ConfidenceScheduler | None = None
         self.confidence_stats = ConfidenceStats()
-        self._decided: set[str] = set()  # requests whose verify length the scheduler chose this step
+        self._decided: list[str] = []  # requests whose verify length the scheduler chose this step (its order)
         self._other_fed = (0, 0)  # (requests, tokens) the last step fed besides the scheduler's verifies
         self._graph_q_lens: list[int] = []  # tokens per request of the target's graphs (none: eager steps)
         self._graph_prefill = ([], 0)  # the prefill chunk graphs' lengths and token cap (graph_layout.graphed_q_len)
@@ -325,7 +325,7 @@ class Engine:
         if not seqs:
             return
         lengths = self.confidence.allot([s.draft_confidence for s in seqs], *self._other_fed)
-        self._decided = {s.request_id for s in seqs}
+        self._decided = [s.request_id for s in seqs]
         for seq, length in zip(seqs, lengths):
             seq.trim_drafts(length)
         self.confidence_stats.record_decision(self.confidence.last, len(seqs))
@@ -338,7 +338,8 @@ class Engine:
     def _note_other_fed(self, scheduled: list[ScheduledRequest]) -> None:
         """What the step fed besides the verifies the scheduler chose (prefill chunks, draft-less decodes): the next
         decision prices its verifies beside as much."""
-        others = [len(e.token_ids) for e in scheduled if e.request_id not in self._decided]
+        decided = set(self._decided)
+        others = [len(e.token_ids) for e in scheduled if e.request_id not in decided]
         self._other_fed = (len(others), sum(others))
 
     def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
@@ -384,14 +385,27 @@ class Engine:
             if seq.finish_reason is not None:
                 del self.sequences[seq.request_id]
         self.gate.record(drafted, accepted)
-        if self.confidence is not None and self._decided:  # against the survivals' prediction: what they committed
-            self.confidence_stats.record_outcome(sum(len(r.token_ids) for e, r in zip(scheduled, results)
-                                                     if e.request_id in self._decided))
-            self._decided = set()
+        if self.confidence is not None and self._decided:
+            self._learn_acceptance(scheduled, results)
         if self.gate.closed:  # drafts already proposed are dropped too: from now on, plain decoding
             for seq in self.scheduler.running:
                 seq.draft_ids = []
         return outputs
+
+    def _learn_acceptance(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> None:
+        """Against the survivals' prediction, what the requests the scheduler chose for committed (metrics), and
+        how many drafts each verified and accepted (its online survival correction; -1 for one that left the step,
+        failed or did not sample)."""
+        decided = dict.fromkeys(self._decided, (-1, -1))  # request -> (drafts verified, accepted)
+        committed = 0
+        for entry, result in zip(scheduled, results):
+            if entry.request_id in decided:
+                committed += len(result.token_ids)
+                if result.error is None and entry.sample:
+                    decided[entry.request_id] = (entry.num_drafts, result.num_accepted)
+        self.confidence_stats.record_outcome(committed)
+        self.confidence.learn(*(list(column) for column in zip(*decided.values())))
+        self._decided = []
 
     def _commit(self, seq: Sequence, entry: ScheduledRequest, result: RequestStepResult) -> int:
         """Append committed tokens up to the first stop; returns how many were kept."""

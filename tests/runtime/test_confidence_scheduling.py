@@ -141,6 +141,54 @@ def test_min_gain_and_calibration(tmp_path):
         read_calibration(path, "confidence_calibration_path")
 
 
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_the_survivals_learn_what_the_target_accepts(layout):
+    """Confidences that under-predict the late drafts (as runs 37 and 42 measured on a trained pair): the raw
+    survivals trim to 3 of 4 drafts, where the target's true survivals pay for whole blocks. The online correction
+    learns each position's ratio from the steps committed, the periodic one-draft-more step shows it position 4,
+    and the scheduler settles on whole blocks, its expected tokens now what the target commits."""
+    table = StepCostTable([1, 64], [4, 8, 12, 16, 20], [[10.0, 11.0, 12.0, 13.0, 14.5]] * 2)
+    truth = np.array([0.95, 0.9, 0.8, 0.75])  # each draft's chance to be accepted, given its prefix was
+    confidence = [[0.9, 0.8, 0.6, 0.5]] * 4
+    rng = np.random.default_rng(0)
+    scheduler = ConfidenceScheduler(4, table, layout=layout)
+    verified, expected, committed = [], 0.0, 0
+    for step in range(300):
+        lengths = scheduler.allot(confidence)
+        accepted = []
+        for length in lengths:
+            n = 0
+            while n < length and rng.random() < truth[n]:
+                n += 1
+            accepted.append(n)
+        scheduler.learn(lengths, accepted)
+        verified.append(max(lengths))
+        if step >= 200:
+            expected, committed = expected + scheduler.last.expected_tokens, committed + len(lengths) + sum(accepted)
+    assert verified[:3] == [4, 3, 3]  # whole blocks first (no budget yet), then the raw survivals' trim
+    assert sum(v == 4 for v in verified[-50:]) >= 45 and scheduler.explored >= 1
+    want = np.cumprod(truth) / np.cumprod([0.9, 0.8, 0.6, 0.5])  # true over predicted survival, per position
+    assert scheduler.correction.ratio == pytest.approx(want, rel=0.1)
+    assert expected / committed == pytest.approx(1.0, abs=0.05)
+
+
+def test_the_correction_learns_only_what_was_verified_and_keeps_survivals_ordered():
+    scheduler = ConfidenceScheduler(3, flat_table(0.001))
+    assert scheduler.allot([[0.5, 0.5, 0.5]] * 3) == [3, 3, 3]
+    # the first request left the step; the second verified 2 of its 3 (a token limit), accepting both
+    scheduler.learn([-1, 2, 3], [-1, 2, 0])
+    correction = scheduler.correction
+    assert correction.verified.tolist() == pytest.approx([6.0, 6.0, 5.0])  # the prior's 4 plus what was verified
+    assert correction.survived.tolist() == pytest.approx([5.0, 5.0, 4.0])
+    assert correction.predicted.tolist() == pytest.approx([5.0, 4.5, 4.125])  # survivals 0.5 and 0.25 twice, 0.125
+    corrected = correction.apply(np.array([[0.9, 0.85, 0.8]]))
+    assert (np.diff(corrected) <= 0).all() and corrected.max() <= 1.0
+    scheduler.learn([1], [1])  # nothing pending: ignored
+    scheduler.allot([[0.5, 0.5, 0.5]] * 3)
+    with pytest.raises(ValueError, match="2 verified and 2 accepted counts for a step of 3 verifying requests"):
+        scheduler.learn([1, 1], [0, 0])
+
+
 # ---- the engine -------------------------------------------------------------------------------------------
 
 
@@ -169,6 +217,8 @@ def test_greedy_outputs_are_the_same_with_scheduling_on_and_off(near_bigram_targ
     assert 1.0 <= stats["mean_committed_tokens_per_request"] <= 5.0  # what the survivals' prediction is against
     assert 1.0 <= stats["mean_expected_tokens_per_request"] <= 5.0
     assert on.engine.confidence.costs.measured and "confidence_scheduling" not in off.get_metrics()
+    assert len(stats["survival_correction"]) == 4 and stats["survival_correction"] != [1.0] * 4  # it learned
+    assert stats["explored_decisions"] >= 0
     assert on.get_metrics()["prefix_cache_queries"] == off.get_metrics()["prefix_cache_queries"]  # no profile left
 
 
