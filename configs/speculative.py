@@ -134,7 +134,8 @@ class DSparkDecodingConfig(BaseModel):
         default=False, description="TensorRT-LLM 1.4's name. Each step verifies only what pays: every request's "
         "draft survival (cumulative product of its calibrated confidences) against the step-time table, the verify "
         "budget maximizing expected committed tokens per second (capacity from the previous step's confidences, "
-        "so it stays lossless). Needs a drafter with a confidence head.")
+        "so it stays lossless); the survivals are corrected online per draft position by what the engine's own "
+        "verifications accepted. Needs a drafter with a confidence head.")
     confidence_cost_table_path: str | None = Field(
         default=None, description="TensorRT-LLM 1.4's name. A step-time table (JSON: batch_sizes, token_counts, "
         "step_ms; written by dspark bench --profile-steps) to start from; None: the engine profiles its own steps "
