@@ -61,6 +61,12 @@ class EngineCollector:
                     ("confidence_mean_verify_budget_per_request", "Mean drafts verified per request and step.",
                      scheduling["mean_verify_budget_per_request"])):
                 yield GaugeMetricFamily(f"{PREFIX}:{name}", doc, value=value)
+            correction = GaugeMetricFamily(f"{PREFIX}:confidence_survival_correction", "Survived over predicted "
+                                           "survival of the drafts verified at each block position (the online "
+                                           "correction of the calibrated survivals).", labels=["position"])
+            for position, ratio in enumerate(scheduling["survival_correction"]):
+                correction.add_metric([str(position)], ratio)
+            yield correction
         info = InfoMetricFamily(f"{PREFIX}:moe_backend", "MoE backend resolved on each rank.", labels=["rank", "role"])
         for rank in self.rank_info:
             info.add_metric([str(rank["rank"]), rank["role"]], {"backend": str(rank.get("moe_backend")),

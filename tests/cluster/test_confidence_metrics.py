@@ -1,4 +1,5 @@
-"""/metrics exports what the confidence scheduler chose and how its step-time prediction held."""
+"""/metrics exports what the confidence scheduler chose, how its step-time prediction held and its survival
+correction per position."""
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -19,3 +20,7 @@ def test_the_scheduler_gauges_are_exported(near_bigram_target, make_drafter):
     last = llm.get_metrics()["confidence_scheduling"]["last"]
     assert f"dspark:confidence_verify_budget {float(last['verify_budget'])}" in text
     assert "dspark:confidence_predicted_step_seconds" in text and "dspark:confidence_measured_step_seconds" in text
+    ratios = llm.get_metrics()["confidence_scheduling"]["survival_correction"]
+    assert len(ratios) == 4
+    for position, ratio in enumerate(ratios):
+        assert f'dspark:confidence_survival_correction{{position="{position}"}} {float(ratio)}' in text
