@@ -97,16 +97,18 @@ class SurvivalCorrection:
         known = accepted >= 0
         if not known.any():
             return
-        position = np.arange(survival.shape[1])[None, :]
-        verified = (position < lengths[:, None]) & known[:, None]  # [S, K']
         k = survival.shape[1]
-        self.predicted[:k] += np.where(verified, survival, 0.0).sum(axis=0)
-        self.survived[:k] += (verified & (position < accepted[:, None])).sum(axis=0)
-        self.verified[:k] += verified.sum(axis=0)
-        scale = np.minimum(1.0, CORRECTION_WINDOW / self.verified)  # [K]: the oldest evidence fades past the window
-        self.predicted *= scale
-        self.survived *= scale
-        self.verified *= scale
+        lengths = np.where(known, np.minimum(lengths, k), 0)  # [S]: a request left out verified nothing
+        accepted = np.where(known, np.minimum(accepted, lengths), 0)
+        # at position j: the requests that verified (accepted) more than j drafts (counts, reverse-cumulated)
+        self.verified[:k] += np.bincount(lengths, minlength=k + 1)[::-1].cumsum()[::-1][1:]
+        self.survived[:k] += np.bincount(accepted, minlength=k + 1)[::-1].cumsum()[::-1][1:]
+        self.predicted[:k] += (survival * (np.arange(k)[None, :] < lengths[:, None])).sum(axis=0)
+        if self.verified.max() > CORRECTION_WINDOW:  # the oldest evidence fades past the window
+            scale = np.minimum(1.0, CORRECTION_WINDOW / self.verified)  # [K]
+            self.predicted *= scale
+            self.survived *= scale
+            self.verified *= scale
         self.ratio = self.survived / self.predicted  # the prior keeps it finite and, on little evidence, near 1
         self.learned = True
 
