@@ -8,7 +8,8 @@ order: no atomics, so every config is deterministic, and a row's result never de
 padded freely). Two operand prologues save the kernel before it: the SiLU-and-mul of an MLP's down projection
 (``skinny_matmul(..., swiglu=True)``) and the residual add and RMSNorm before q/k/v or gate/up
 (``skinny_norm_matmul``: each program first reduces its rows whole for their statistics, then normalizes every
-slice it loads), both rounding as the separate kernels store. Which config, if any, beats cuBLAS (or the separate
+slice it loads), both rounding as the separate kernels store, their operands loaded one iteration ahead (run 41
+measured both prologues 3-5x slower than the separate kernels with the loads in the iteration that used them). Which config, if any, beats cuBLAS (or the separate
 kernels) for a weight shape and row count is measured on the device (``runtime.small_gemm``), not assumed. It
 launches with programmatic dependent launch on sm_90 (``runtime.kernels.pdl``). Importing this module needs triton;
 the kernel needs CUDA tensors (or Triton's interpreter).
@@ -104,22 +105,41 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, k_per_split, stride_xm, stride_w
         nw_ptrs = nw_ptr + ks
         store_sum = rows[:, None] < tl.where(pid_n == 0, M, 0)  # the first column block's programs store the sum
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, k_per_split, BLOCK_K):
+    # a prologue's operands (gate/up; the stream, residual and norm weight) are loaded one iteration ahead: the
+    # compiler's pipelining covers only loads the dot reads directly, and a load used in its own iteration would
+    # stall every iteration for a memory latency
+    if SWIGLU:
+        gate_next = tl.load(x_ptrs, mask=row_ok, other=0.0)
+        up_next = tl.load(x_ptrs + up_offset, mask=row_ok, other=0.0)
+    if NORM:
+        s_next = tl.load(x_ptrs, mask=row_ok, other=0.0)
+        if HAS_RESIDUAL:
+            r_next = tl.load(r_ptrs, mask=row_ok, other=0.0)
+        nw_next = tl.load(nw_ptrs)
+    for start in range(0, k_per_split, BLOCK_K):
+        next_ks = ks + start + BLOCK_K < (pid_k + 1) * k_per_split  # [BLOCK_K]: the next iteration's, if any
+        ahead = row_ok & next_ks[None, :]  # [BLOCK_M, BLOCK_K]
         if SWIGLU:  # x = silu(gate) * up, rounded as triton_ops.silu_and_mul rounds what it stores
-            gate = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
-            up = tl.load(x_ptrs + up_offset, mask=row_ok, other=0.0).to(tl.float32)
+            gate = gate_next.to(tl.float32)
+            up = up_next.to(tl.float32)
+            gate_next = tl.load(x_ptrs + BLOCK_K, mask=ahead, other=0.0)
+            up_next = tl.load(x_ptrs + BLOCK_K + up_offset, mask=ahead, other=0.0)
             silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             x = (silu * up).to(dtype)
         elif NORM:  # x = (s * rstd) rounded, times the norm weight, rounded (triton_ops._rms_norm_kernel)
-            s = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
+            s = s_next.to(tl.float32)
+            s_next = tl.load(x_ptrs + BLOCK_K, mask=ahead, other=0.0)
             if HAS_RESIDUAL:
-                s = (s + tl.load(r_ptrs, mask=row_ok, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+                s = (s + r_next.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                r_next = tl.load(r_ptrs + BLOCK_K, mask=ahead, other=0.0)
                 tl.store(s_ptrs, s, mask=store_sum)
                 s = s.to(tl.float32)
                 r_ptrs += BLOCK_K
                 s_ptrs += BLOCK_K
+            nw = nw_next.to(tl.float32)
+            nw_next = tl.load(nw_ptrs + BLOCK_K, mask=next_ks, other=0.0)
             normed = (s * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (normed * tl.load(nw_ptrs).to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
+            x = (normed * nw[None, :]).to(x_ptr.dtype.element_ty)
             nw_ptrs += BLOCK_K
         else:
             x = tl.load(x_ptrs, mask=row_ok, other=0.0)
