@@ -9,10 +9,11 @@ padded freely). Two operand prologues save the kernel before it: the SiLU-and-mu
 (``skinny_matmul(..., swiglu=True)``) and the residual add and RMSNorm before q/k/v or gate/up
 (``skinny_norm_matmul``: each program first reduces its rows whole for their statistics, then normalizes every
 slice it loads), both rounding as the separate kernels store, their operands loaded one iteration ahead (run 41
-measured both prologues 3-5x slower than the separate kernels with the loads in the iteration that used them). Which config, if any, beats cuBLAS (or the separate
-kernels) for a weight shape and row count is measured on the device (``runtime.small_gemm``), not assumed. It
-launches with programmatic dependent launch on sm_90 (``runtime.kernels.pdl``). Importing this module needs triton;
-the kernel needs CUDA tensors (or Triton's interpreter).
+measured both prologues 3-5x slower than the separate kernels with the loads in the iteration that used them).
+Which config, if any, beats cuBLAS (or the separate kernels) for a weight shape and row count is measured on the
+device (``runtime.small_gemm``), not assumed. It launches with programmatic dependent launch on sm_90
+(``runtime.kernels.pdl``). Importing this module needs triton; the kernel needs CUDA tensors (or Triton's
+interpreter).
 """
 
 from __future__ import annotations
