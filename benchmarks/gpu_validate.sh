@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # One device command that checks what CPU-only sessions built for the GPU, on one H200 (carry .whl-fi and .fi-cache;
-# ~5 minutes, inside the 10-minute limit; the Qwen3-8B-shape bench is the next command, README "GPU machines"):
+# ~7 minutes, inside the 10-minute limit):
 #   bash benchmarks/gpu_validate.sh OUT
 # 1. tests/gpu (the graphed paths: in-graph verification, the packed read-back, prefill graphs, run-ahead of decode
-#    and of verify steps, PDL, the fused Markov step, the fused norm GEMM, the block attention);
+#    and of verify steps, PDL, the fused Markov step, the fused norm and SiLU-and-mul GEMMs, the block attention);
 # 2. the residual add and RMSNorm fused into the q/k/v and gate/up GEMMs (where the engine measured that faster)
 #    against the separate norm kernels, two Qwen3-8B-shape engines side by side at 1, 4 and 16 requests
-#    (benchmarks/plan_ahead.py --toggle prenorm) -> OUT/prenorm.json;
-# 3. the drafter's block attention with its context split per 2048 keys of each request against one program per
-#    kv head, 548 to 16384 keys (benchmarks/block_attention.py) -> OUT/block-attention.json;
+#    (benchmarks/plan_ahead.py --toggle prenorm) -> OUT/prenorm.json; each engine's GEMM calibration in the
+#    record says whether the fused prologues (norm, SiLU-and-mul) won anywhere (run 41: 3-5x slower, never);
+# 3. the Qwen3-8B-shape bench (AR roofline, DSpark / AR, transformers peers) -> OUT/bench-8b.json;
 # then the FlashInfer JIT cache packed into OUT (bring it back as .fi-cache/). A failing step is reported and the
 # next one still runs; the exit status is the first failure's. (Earlier experiments (the read-back, decode and
-# DSpark run-ahead, split-KV attention, PDL chain and PDL engine runs, the block attention tiles) are in
-# benchmarks/results with the commit they ran at.)
+# DSpark run-ahead, split-KV attention, PDL chain and PDL engine runs, the block attention tiles and splits, the L2
+# prefetch) are in benchmarks/results with the commit they ran at; `benchmarks/block_attention.py` alone re-runs
+# the block attention comparison.)
 set -uo pipefail
 out=${1:?give an output folder}
 eval "$(bash benchmarks/gpu_host.sh install)"
@@ -26,6 +27,7 @@ step() {  # name, command...
 step tests-gpu python3 -m pytest -q tests/gpu -p no:cacheprovider
 step prenorm python3 benchmarks/plan_ahead.py --toggle prenorm --concurrency 1,4,16 --steps 30 \
   --out "$out/prenorm.json"
-step block-attention python3 benchmarks/block_attention.py --out "$out/block-attention.json"
+step bench-8b python3 -m cluster.cli bench --model-shape qwen3-8b --concurrency 1,4,16,64 --steps 30 \
+  --kv-cache-gib 16 --hf-tokens 24 --out "$out/bench-8b.json"
 bash benchmarks/gpu_host.sh save-cache "$out" >/dev/null 2>&1 || true
 exit "$status"
