@@ -213,7 +213,7 @@ class ConfidenceScheduler:
         if len(verified) != raw.shape[0] or len(accepted) != raw.shape[0]:
             raise ValueError(f"confidence scheduling: {len(verified)} verified and {len(accepted)} accepted counts "
                              f"for a step of {raw.shape[0]} verifying requests")
-        lengths = np.minimum(np.asarray(allotted, dtype=np.int64), np.asarray(verified, dtype=np.int64))
+        lengths = np.minimum(allotted, np.asarray(verified, dtype=np.int64))  # allotted: [S] int64 already
         self.correction.learn(raw, lengths, np.asarray(accepted, dtype=np.int64))
 
     def _allot_padded(self, survival: np.ndarray, sizes: np.ndarray, other_requests: int,

@@ -404,7 +404,8 @@ class Engine:
                 if result.error is None and entry.sample:
                     decided[entry.request_id] = (entry.num_drafts, result.num_accepted)
         self.confidence_stats.record_outcome(committed)
-        self.confidence.learn(*(list(column) for column in zip(*decided.values())))
+        verified, accepted = zip(*decided.values())
+        self.confidence.learn(list(verified), list(accepted))
         self._decided = []
 
     def _commit(self, seq: Sequence, entry: ScheduledRequest, result: RequestStepResult) -> int:
