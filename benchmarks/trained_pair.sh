@@ -27,12 +27,17 @@
 #                                                    -> OUT/bench.json (written as each engine finishes, marked
 #                                                    partial until the end), OUT/tuned-schedule.json,
 #                                                    OUT/step-costs.json (dspark bench-plot draws bench.json)
-# The mixed workload arrives at 400 requests/s (512 of 128 tokens): faster than the engines finish them, so its
-# tokens/s is the engines' under mixed prefill + decode load (run 28's 100/s measured the arrival rate: every engine
-# kept up, 11.4-11.8K tokens/s, and the comparison said nothing but TPOT).
+#   bash benchmarks/trained_pair.sh check WORK OUT   the confidence scheduler's check in one command (~8 minutes):
+#                                                    a shorter training of the 2048-wide, 16-layer pair (target 60 s,
+#                                                    recipe 200 s: a weaker drafter than `train`'s defaults), then
+#                                                    the bench without the torch profiles
+# The mixed workload arrives at 400 requests/s (1536 of 128 tokens, ~4 s of arrivals): faster than the engines
+# finish them, so its tokens/s is the engines' under mixed prefill + decode load (run 28's 100/s measured the arrival
+# rate: every engine kept up, 11.4-11.8K tokens/s, and the comparison said nothing but TPOT; run 47's 512 requests,
+# ~1.3 s, spread its rounds by +-10%, too short to resolve the 1% the confidence scheduler is held to).
 # Both steps run from the checkout root with .whl-fi (and .fi-cache, if any) carried; see benchmarks/gpu_host.sh.
 set -euo pipefail
-step=${1:?give a step: train, profile, bench or all}; work=${2:?give a work folder}; out=${3:?give an output folder}
+step=${1:?give a step: train, profile, bench, check or all}; work=${2:?give a work folder}; out=${3:?give an output folder}
 eval "$(bash benchmarks/gpu_host.sh install)"
 export PYTHONUNBUFFERED=1
 train() {  # target seconds, the recipe's wall-time budget (the drafter trains for what is left), target width, layers
@@ -43,8 +48,8 @@ bench() {
     python3 -m cluster.cli bench --model "$work/target" --speculative-model "$work/dspark" \
       --prompts "$work/heldout-prompts.jsonl" --prompt-len 64 --concurrency 1,4,16,64,256 --steps 30 \
       --kv-cache-gib 16 --tune-schedule "$out/tuned-schedule.json" --e2e-prompts 64 --e2e-tokens 128 \
-      --confidence-scheduling --profile-steps "$out/step-costs.json" --mixed-rate 400 --mixed-requests 512 \
-      --profile --profile-batches 1,64 "$@" --out "$out/bench.json"
+      --confidence-scheduling --profile-steps "$out/step-costs.json" --mixed-rate 400 --mixed-requests 1536 \
+      "$@" --out "$out/bench.json"
 }
 profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpark, confidence-scheduled (cProfile)
   for batch in 1 4; do
@@ -54,9 +59,11 @@ profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpar
 }
 case "$step" in
   train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" ;;
-  bench) shift 3; bench "$@" ;;
+  bench) shift 3; bench --profile --profile-batches 1,64 "$@" ;;
+  check) train 60 200 2048 16; bench ;;
   profile) profile ;;
   all) train 100 300 "${4:-512}" "${5:-8}"
-       profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2; bench ;;
-  *) echo "usage: $0 train|bench|profile|all WORK OUT" >&2; exit 2 ;;
+       profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2
+       bench --profile --profile-batches 1,64 ;;
+  *) echo "usage: $0 train|bench|profile|check|all WORK OUT" >&2; exit 2 ;;
 esac

@@ -18,7 +18,9 @@ on the same target, eager and compiled (static cache).
 (``cluster.schedule_tuning``) and sweeps an engine with it (``tuned_*`` fields). ``--confidence-scheduling`` sweeps
 an engine whose verify lengths the confidence scheduler chooses (``confidence_*`` fields; ``--profile-steps FILE``
 saves its step-time table): within the tuned schedule when both are given (the schedule caps the block it
-drafts; ``confidence_vs_tuned`` compares the two engines measured in this run), else within ``max_draft_len``.
+drafts; ``confidence_vs_tuned`` compares the two engines measured in this run, the median rounds' tokens/s, and
+``confidence_vs_tuned_paired`` the median of the per-round ratios, each round's two figures taken back to back, so
+the host's drift between rounds cancels), else within ``max_draft_len``.
 ``--e2e-prompts N`` decodes N prompts one at a time through ``LLM.generate`` with both engines: the end-to-end
 speedup against what the step times allow at the measured tau, and the share of prompts whose greedy outputs
 are identical (bf16 verify batches reorder sums, so near-ties may part).
@@ -523,6 +525,16 @@ def median_round(rounds: list[dict]) -> dict:
     return sorted(rounds, key=lambda r: r["tokens_per_s"])[len(rounds) // 2]
 
 
+def paired_ratio(rounds: list[float], against: list[float]) -> float | None:
+    """The median of ``rounds[i] / against[i]`` (round i of two engines measured back to back, so the host's
+    drift between rounds cancels), or None where the rounds do not pair up."""
+    if not rounds or len(rounds) != len(against):
+        return None
+    ratios = sorted(a / b for a, b in zip(rounds, against))
+    middle = len(ratios) // 2
+    return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+
+
 def trace_path(args, kind: str, batch: int) -> str | None:
     return str(Path(args.profile_trace) / f"{kind}-batch{batch}.trace.json.gz") if args.profile_trace else None
 
@@ -804,6 +816,9 @@ def run(args) -> dict:
         # below saturation both keep up with the arrivals (tokens/s near equal): then the time per token differs
         record["mixed_confidence_vs_tuned_tpot"] = mixed_runs["confidence"]["mean_tpot_ms"] / mixed_runs["tuned"][
             "mean_tpot_ms"]
+        if alternate:
+            record["mixed_confidence_vs_tuned_paired"] = paired_ratio(
+                mixed_runs["confidence"]["tokens_per_s_rounds"], mixed_runs["tuned"]["tokens_per_s_rounds"])
     for row in rows.values():
         row["dspark_step_vs_ar"] = row["dspark_step_ms"] / row["ar_step_ms"]
         if "tuned_tokens_per_s" in row:
@@ -813,6 +828,9 @@ def run(args) -> dict:
             row["confidence_vs_dspark"] = row["confidence_tokens_per_s"] / row["dspark_tokens_per_s"]
             if "tuned_tokens_per_s" in row:  # both measured in this run, the scheduler inside the tuned schedule
                 row["confidence_vs_tuned"] = row["confidence_tokens_per_s"] / row["tuned_tokens_per_s"]
+                if alternate:
+                    row["confidence_vs_tuned_paired"] = paired_ratio(row.get("confidence_tokens_per_s_rounds", []),
+                                                                     row.get("tuned_tokens_per_s_rounds", []))
         row["speedup"] = row["dspark_tokens_per_s"] / row["ar_tokens_per_s"]
         if "colocated_tokens_per_s" in row:  # a separate drafter against the same replica with it colocated
             row["throughput_vs_colocated"] = row["dspark_tokens_per_s"] / row["colocated_tokens_per_s"]

@@ -31,10 +31,12 @@ tokens fed)``. The scheduler, in either of two step layouts:
    37 and 42 on an H200: the late drafts' survivals predicted 10-25% low, so it trimmed drafts that would have
    paid, 0.89-0.96 of the tuned schedule's throughput at 16-256 requests). The correction reads only steps already
    committed, so, like the lag of point 2, it never looks at the tokens being verified. A draft position is only
-   learned where it is verified, so every ``EXPLORE_EVERY``-th decision below whole blocks verifies one draft more
-   per request than it chose (at most ~3% of steps, one column more): a cap that under-predicted survivals put
-   below the drafts that pay would otherwise never see the evidence that lifts it (and the step counter, not the
-   tokens, decides when).
+   learned where it is verified, so every ``EXPLORE_EVERY``-th decision below whole blocks verifies whole blocks
+   (~3% of steps): a cap that under-predicted survivals put below the drafts that pay would otherwise never see
+   the evidence that lifts it. Whole blocks, not one draft more: where the cost curve has a step past the cap
+   (a GEMM tile, a graph bucket) one more column does not pay on its own while the whole block does, and run 47
+   (256 requests, one draft more) left the positions two past the cap at their under-predicted survivals, capped
+   at 3.7 of 7 drafts for 0.90 of the whole blocks' throughput. The step counter, not the tokens, decides when.
 
 The first step (no earlier confidences) verifies whole blocks. The host work is a few numpy operations over the
 batch's ``S x K`` confidences (numpy, not torch: a CPU torch op costs several microseconds of dispatch, and at
@@ -65,9 +67,9 @@ def confidence_from_ints(values: list[int]) -> list[float]:
     return [c / CONFIDENCE_SCALE for c in values]
 
 
-CORRECTION_PRIOR = 4.0  # pseudo-drafts per position at ratio 1 (predicted and survived alike): little evidence moves it
+CORRECTION_PRIOR = 32.0  # pseudo-drafts per position at ratio 1: a few steps of a small batch barely move it
 CORRECTION_WINDOW = 4096.0  # verified drafts per position the estimate weighs (older ones fade as it learns)
-EXPLORE_EVERY = 32  # every this many decisions below whole blocks, the next step verifies one draft more each
+EXPLORE_EVERY = 32  # every this many decisions below whole blocks, the next step verifies whole blocks
 
 
 class SurvivalCorrection:
@@ -75,12 +77,14 @@ class SurvivalCorrection:
     verified, the ratio of how many survived (the first k drafts all accepted) to the survival predicted for them.
     Corrected survivals are ``min(1, a_k * ratio_k)``, made non-increasing along the block again. A position is
     learned only where drafts reach it (a load whose budget never verifies position 6 keeps the ratio it learned
-    at another load, or the prior's 1); each position weighs its last ``CORRECTION_WINDOW`` verified drafts."""
+    at another load, or 1); each position weighs its last ``CORRECTION_WINDOW`` verified drafts, plus a prior of
+    ``CORRECTION_PRIOR`` drafts at ratio 1 and at that position's mean predicted survival (so the prior weighs as
+    many drafts whether a position's survivals are predicted at 0.9 or at 0.01)."""
 
     def __init__(self, max_draft_len: int):
-        self.predicted = np.full(max_draft_len, CORRECTION_PRIOR)  # [K] summed predicted survival of verified drafts
-        self.survived = np.full(max_draft_len, CORRECTION_PRIOR)  # [K] how many of them survived
-        self.verified = np.full(max_draft_len, CORRECTION_PRIOR)  # [K] how many were verified
+        self.predicted = np.zeros(max_draft_len)  # [K] summed predicted survival of the verified drafts
+        self.survived = np.zeros(max_draft_len)  # [K] how many of them survived
+        self.verified = np.zeros(max_draft_len)  # [K] how many were verified
         self.ratio = np.ones(max_draft_len)  # [K]
         self.learned = False  # nothing observed yet: survivals pass unchanged
 
@@ -105,11 +109,15 @@ class SurvivalCorrection:
         self.survived[:k] += np.bincount(accepted, minlength=k + 1)[::-1].cumsum()[::-1][1:]
         self.predicted[:k] += (survival * (np.arange(k)[None, :] < lengths[:, None])).sum(axis=0)
         if self.verified.max() > CORRECTION_WINDOW:  # the oldest evidence fades past the window
-            scale = np.minimum(1.0, CORRECTION_WINDOW / self.verified)  # [K]
+            scale = np.minimum(1.0, CORRECTION_WINDOW / np.maximum(self.verified, 1.0))  # [K]
             self.predicted *= scale
             self.survived *= scale
             self.verified *= scale
-        self.ratio = self.survived / self.predicted  # the prior keeps it finite and, on little evidence, near 1
+        # the prior: CORRECTION_PRIOR drafts at the position's mean prediction, all surviving as predicted
+        prior = CORRECTION_PRIOR * self.predicted / np.maximum(self.verified, 1e-12)  # [K]
+        positive = self.predicted + prior > 0  # a position never verified, or predicted 0 throughout: ratio 1
+        self.ratio = np.where(positive, (self.survived + prior) / np.where(positive, self.predicted + prior, 1.0),
+                              1.0)
         self.learned = True
 
 
@@ -146,7 +154,7 @@ class ConfidenceScheduler:
         self.last: Decision | None = None
         self.correction = SurvivalCorrection(max_draft_len)
         self.decisions = 0  # budgets (or caps) chosen
-        self.explored = 0  # of them, raised by one draft a request to gather evidence (EXPLORE_EVERY)
+        self.explored = 0  # of them, raised to whole blocks to gather evidence (EXPLORE_EVERY)
         self._pending: tuple[np.ndarray, np.ndarray] | None = None  # the last allot's (survival, lengths), to learn
 
     def survival(self, confidence: np.ndarray) -> np.ndarray:
@@ -197,7 +205,7 @@ class ConfidenceScheduler:
         predicted = self.costs.predict_ms_many(num + other_requests, other_tokens + num + np.arange(offered + 1))
         self.last = Decision(budget, offered, num + chosen, float(predicted[budget]))
         best = self.best_budget(survival, proposed, predicted)
-        self.budget_per_request = (best + num if self._explores(best < offered) else best) / num
+        self.budget_per_request = self.max_draft_len if self._explores(best < offered) else best / num
         self._pending = (raw, lengths)
         return lengths.tolist()
 
@@ -230,12 +238,12 @@ class ConfidenceScheduler:
         chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
         self.last = Decision(int(lengths.sum()), int(sizes.sum()), num + chosen, float(predicted[verified]))
         cap = self._best(num + columns, predicted)
-        self.cap = cap + 1 if self._explores(cap < k) else cap
+        self.cap = self.max_draft_len if self._explores(cap < k) else cap
         return lengths
 
     def _explores(self, below_whole_blocks: bool) -> bool:
-        """Count a decision; whether it verifies one draft a request more than chosen (every ``EXPLORE_EVERY``-th
-        decision that is below whole blocks), so that positions past the choice keep being learned."""
+        """Count a decision; whether it verifies whole blocks instead of the choice (every ``EXPLORE_EVERY``-th
+        decision that is below whole blocks), so that every position past the choice keeps being learned."""
         self.decisions += 1
         if below_whole_blocks and self.decisions % EXPLORE_EVERY == 0:
             self.explored += 1

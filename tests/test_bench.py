@@ -1,6 +1,6 @@
 """``dspark bench``'s model shapes load with random weights (load_format='dummy') and decode on the CPU."""
 
-from cluster.bench import MODEL_SHAPES, write_shape
+from cluster.bench import MODEL_SHAPES, paired_ratio, write_shape
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
 
@@ -203,12 +203,15 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     for row in record["runs"]:
         assert row["confidence_tokens_per_s"] > 0 and row["tuned_tokens_per_s"] > 0 and row["ar_moe_experts_woken"] > 0
         assert row["confidence_vs_tuned"] == row["confidence_tokens_per_s"] / row["tuned_tokens_per_s"]
+        ratios = sorted(c / t for c, t in zip(row["confidence_tokens_per_s_rounds"], row["tuned_tokens_per_s_rounds"]))
+        assert row["confidence_vs_tuned_paired"] == ratios[1]  # the median of the rounds taken back to back
         for kind in ("ar", "dspark", "tuned", "confidence"):  # alternating rounds, the median one recorded
             rounds = row[f"{kind}_tokens_per_s_rounds"]
             assert len(rounds) == 3 and row[f"{kind}_tokens_per_s"] == sorted(rounds)[1]
         assert "roofline_fraction" not in row and "ar_forward_ms" not in row
     assert len(record["mixed_workload"]["confidence"]["tokens_per_s_rounds"]) == 3
     assert record["mixed_confidence_vs_tuned"] > 0 and record["mixed_confidence_vs_tuned_tpot"] > 0
+    assert record["mixed_confidence_vs_tuned_paired"] > 0
     # every engine profiled, and only after the last figure was taken (the confidence engine's sweep is the last):
     # a process the profiler has run in launches CUDA graphs slower
     keys = list(record)
@@ -216,6 +219,12 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
         for batch in (1, 2):
             assert record[f"{kind}_profile_batch{batch}"]["host_ms_per_step"], (kind, batch)
             assert keys.index(f"{kind}_profile_batch{batch}") > keys.index("confidence_rank_info"), (kind, batch)
+
+
+def test_a_paired_ratio_is_the_median_of_the_rounds_ratios():
+    assert paired_ratio([2.0, 3.0, 9.0], [1.0, 3.0, 3.0]) == 2.0  # ratios 2, 1, 3
+    assert paired_ratio([1.0, 4.0], [1.0, 2.0]) == 1.5
+    assert paired_ratio([1.0], [1.0, 2.0]) is None and paired_ratio([], []) is None
 
 
 def test_gpu_gaps_sum_the_time_no_device_activity_covers():

@@ -172,15 +172,48 @@ def test_the_survivals_learn_what_the_target_accepts(layout):
     assert expected / committed == pytest.approx(1.0, abs=0.05)
 
 
+def simulate(scheduler: ConfidenceScheduler, confidence: list[list[float]], truth: np.ndarray, steps: int,
+             seed: int = 0) -> list[int]:
+    """Serve ``steps`` steps whose drafts survive with the conditional chances ``truth``; the longest verify of
+    each step."""
+    rng = np.random.default_rng(seed)
+    longest = []
+    for _ in range(steps):
+        lengths = scheduler.allot(confidence)
+        accepted = [int(np.argmin(np.append(rng.random(n) < truth[:n], False))) for n in lengths]
+        scheduler.learn(lengths, accepted)
+        longest.append(max(lengths))
+    return longest
+
+
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_exploration_learns_every_position_past_a_cost_step(layout):
+    """A cost curve with a step right past the cap (a GEMM tile, a graph bucket: 3 drafts cost as much as 6) and
+    confidences far too low from position 3 on: verifying one draft more never pays on its own, so only evidence
+    on every position lifts the cap. The exploring steps verify whole blocks, so the scheduler learns that the
+    whole block pays (true rate 5.4 / 14 against 2.8 / 10 at the cap of 2)."""
+    table = StepCostTable([1, 64], [4, 8, 12, 16, 28], [[10.0, 10.0, 10.0, 14.0, 14.0]] * 2)
+    truth = np.array([0.95, 0.9, 0.9, 0.9, 0.9, 0.9])
+    confidence = [[0.9, 0.8, 0.5, 0.3, 0.3, 0.3]] * 4
+    scheduler = ConfidenceScheduler(6, table, layout=layout)
+    longest = simulate(scheduler, confidence, truth, 200)
+    assert longest[1:3] == [2, 2]  # the raw survivals' choice
+    assert sum(v == 6 for v in longest[-50:]) == 50 and scheduler.explored >= 1
+    assert scheduler.correction.ratio[3:] == pytest.approx(
+        np.cumprod(truth)[3:] / np.cumprod([0.9, 0.8, 0.5, 0.3, 0.3, 0.3])[3:], rel=0.15)
+
+
 def test_the_correction_learns_only_what_was_verified_and_keeps_survivals_ordered():
     scheduler = ConfidenceScheduler(3, flat_table(0.001))
     assert scheduler.allot([[0.5, 0.5, 0.5]] * 3) == [3, 3, 3]
     # the first request left the step; the second verified 2 of its 3 (a token limit), accepting both
     scheduler.learn([-1, 2, 3], [-1, 2, 0])
     correction = scheduler.correction
-    assert correction.verified.tolist() == pytest.approx([6.0, 6.0, 5.0])  # the prior's 4 plus what was verified
-    assert correction.survived.tolist() == pytest.approx([5.0, 5.0, 4.0])
-    assert correction.predicted.tolist() == pytest.approx([5.0, 4.5, 4.125])  # survivals 0.5 and 0.25 twice, 0.125
+    assert correction.verified.tolist() == pytest.approx([2.0, 2.0, 1.0])
+    assert correction.survived.tolist() == pytest.approx([1.0, 1.0, 0.0])
+    assert correction.predicted.tolist() == pytest.approx([1.0, 0.5, 0.125])  # survivals 0.5 and 0.25 twice, 0.125
+    # the prior: 32 drafts at each position's mean prediction (0.5, 0.25, 0.125), surviving as predicted
+    assert correction.ratio.tolist() == pytest.approx([17.0 / 17.0, 9.0 / 8.5, 4.0 / 4.125])
     corrected = correction.apply(np.array([[0.9, 0.85, 0.8]]))
     assert (np.diff(corrected) <= 0).all() and corrected.max() <= 1.0
     scheduler.learn([1], [1])  # nothing pending: ignored
