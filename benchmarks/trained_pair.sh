@@ -27,10 +27,12 @@
 #                                                    -> OUT/bench.json (written as each engine finishes, marked
 #                                                    partial until the end), OUT/tuned-schedule.json,
 #                                                    OUT/step-costs.json (dspark bench-plot draws bench.json)
-#   bash benchmarks/trained_pair.sh check WORK OUT   the confidence scheduler's check in one command (~8 minutes):
-#                                                    a shorter training of the 2048-wide, 16-layer pair (target 50 s,
-#                                                    recipe 170 s: a weaker drafter than run 42's), then
-#                                                    the bench without the torch profiles
+#   bash benchmarks/trained_pair.sh check WORK OUT [BENCH FLAGS]
+#                                                    the confidence scheduler's check in one command (~7 minutes):
+#                                                    a shorter training of the 2048-wide, 16-layer pair (target 40 s,
+#                                                    recipe 140 s: a weaker drafter than run 42's), then the bench
+#                                                    without the torch profiles (later flags win: e.g.
+#                                                    --concurrency 1,4,64,256 --e2e-prompts 16 for ~1.5 minutes less)
 # The mixed workload arrives at 400 requests/s (1536 of 128 tokens, ~4 s of arrivals): faster than the engines
 # finish them, so its tokens/s is the engines' under mixed prefill + decode load (run 28's 100/s measured the arrival
 # rate: every engine kept up, 11.4-11.8K tokens/s, and the comparison said nothing but TPOT; run 47's 512 requests,
@@ -60,7 +62,7 @@ profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpar
 case "$step" in
   train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" ;;
   bench) shift 3; bench --profile --profile-batches 1,64 "$@" ;;
-  check) train 50 170 2048 16; bench ;;
+  check) shift 3; train 40 140 2048 16; bench "$@" ;;
   profile) profile ;;
   all) train 100 300 "${4:-512}" "${5:-8}"
        profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2
