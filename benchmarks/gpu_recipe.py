@@ -294,7 +294,9 @@ def main() -> None:
             reserve = PREPARE_SECONDS + (args.eval_seconds if "eval" in wanted else 0)
             seconds = min(seconds, args.run_seconds - (time.monotonic() - t0) - reserve)
         if seconds < 10:
-            print(f"no time left to train {', '.join(to_train)} in --run-seconds {args.run_seconds}", flush=True)
+            raise SystemExit(f"gpu_recipe: no time left to train {', '.join(to_train)} in --run-seconds "
+                             f"{args.run_seconds} ({time.monotonic() - t0:.0f} s spent before them): raise "
+                             "--run-seconds or lower --target-seconds")
         elif args.gpus > 1 and len(to_train) > 1:
             drafter_data(work, train_files)
             fan_out([(f"train-{name}", child_argv(sys.argv[1:], drop=("--run-seconds",), stages=name, gpus=1,

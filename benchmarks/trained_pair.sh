@@ -28,9 +28,10 @@
 #                                                    partial until the end), OUT/tuned-schedule.json,
 #                                                    OUT/step-costs.json (dspark bench-plot draws bench.json)
 #   bash benchmarks/trained_pair.sh check WORK OUT [BENCH FLAGS]
-#                                                    the confidence scheduler's check in one command (~7 minutes):
-#                                                    a shorter training of the 2048-wide, 16-layer pair (target 40 s,
-#                                                    recipe 140 s: a weaker drafter than run 42's), then the bench
+#                                                    the confidence scheduler's check in one command (~8 minutes):
+#                                                    a shorter training of the 2048-wide, 16-layer pair (target 60 s,
+#                                                    recipe 240 s: distillation takes ~60 s, the drafter ~100 s of
+#                                                    what is left, a weaker one than run 42's), then the bench
 #                                                    without the torch profiles (later flags win: e.g.
 #                                                    --concurrency 1,4,64,256 --e2e-prompts 16 for ~1.5 minutes less)
 # The mixed workload arrives at 400 requests/s (1536 of 128 tokens, ~4 s of arrivals): faster than the engines
@@ -62,7 +63,7 @@ profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpar
 case "$step" in
   train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" ;;
   bench) shift 3; bench --profile --profile-batches 1,64 "$@" ;;
-  check) shift 3; train 40 140 2048 16; bench "$@" ;;
+  check) shift 3; train 60 240 2048 16; bench "$@" ;;
   profile) profile ;;
   all) train 100 300 "${4:-512}" "${5:-8}"
        profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2
