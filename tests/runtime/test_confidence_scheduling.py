@@ -209,6 +209,8 @@ def test_the_correction_learns_only_what_was_verified_and_keeps_survivals_ordere
     # the first request left the step; the second verified 2 of its 3 (a token limit), accepting both
     scheduler.learn([-1, 2, 3], [-1, 2, 0])
     correction = scheduler.correction
+    assert not correction.learned  # gathered, folded in every FOLD_EVERY steps
+    correction.fold()
     assert correction.verified.tolist() == pytest.approx([2.0, 2.0, 1.0])
     assert correction.survived.tolist() == pytest.approx([1.0, 1.0, 0.0])
     assert correction.predicted.tolist() == pytest.approx([1.0, 0.5, 0.125])  # survivals 0.5 and 0.25 twice, 0.125
