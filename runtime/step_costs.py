@@ -15,6 +15,10 @@ of order (lowered: no cell of fewer tokens above it; raised: none of more tokens
 cells (the lengths it chooses), and without the bound a cell it never visits keeps whatever the startup profile
 measured: run 37's profile timed the shorter verify lengths 1.5-3 ms too slow, serving corrected only the full-block
 cell, and read through the non-decreasing fit the row went on saying that trimming drafts saves nothing.
+Served steps are gathered and learned ``OBSERVE_EVERY`` at a time (``flush``; ``to_json`` flushes first), and a
+prediction is cached until a cell changes: the scheduler asks for the same few vectors every step, and a table
+that moved every step would refit a row and interpolate again each time (~20 us of the host's step at one
+request); an average with weight 0.1 loses nothing by lagging a few steps.
 JSON (``to_json`` / ``from_json``): ``{"batch_sizes": [...], "token_counts": [...], "step_ms": [[...], ...]}``,
 the format ``dspark bench --profile-steps`` writes and ``confidence_cost_table_path`` reads.
 """
@@ -29,6 +33,8 @@ from pathlib import Path
 import numpy as np
 
 OBSERVATION_WEIGHT = 0.1  # how far one served step moves its cell toward the measured time
+OBSERVE_EVERY = 8  # served steps gathered before they move their cells (the predictions stay cached in between)
+PREDICTIONS_KEPT = 256  # cached prediction vectors, dropped all at once past this many
 
 
 class StepCostTable:
@@ -46,11 +52,14 @@ class StepCostTable:
         self._tokens = np.asarray(token_counts, dtype=np.float64)
         self._rows: list[tuple[int, np.ndarray, np.ndarray]] | None = None  # measured rows; rebuilt when one fills
         self._fits: dict[int, np.ndarray] = {}  # row -> its measured cells' non-decreasing fit; dropped on a change
-        self.observations = 0
+        self._predicted: dict[tuple[int, bytes], np.ndarray] = {}  # (batch, tokens) -> predict_ms_many, read-only
+        self._pending: list[tuple[int, int, float]] = []  # served steps not yet learned (batch, tokens, seconds)
+        self.observations = 0  # served steps observed (learned or pending)
 
     # ---- persistence --------------------------------------------------------------------------
 
     def to_json(self) -> dict:
+        self.flush()
         return {"batch_sizes": self.batch_sizes, "token_counts": self.token_counts,
                 "step_ms": [[None if math.isnan(v) else round(float(v), 4) for v in row] for row in self.step_ms]}
 
@@ -89,10 +98,24 @@ class StepCostTable:
             self._rows = None  # a new measured cell: the rows' points change
         self.step_ms[i, j] = ms if math.isnan(old) else old + weight * (ms - old)
         self._fits.pop(i, None)
+        self._predicted.clear()
         return i, j, old
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
-        """A step the engine served: learn from it (its cell, then the bound that cell puts on its row)."""
+        """A step the engine served: learned with the others gathered, once ``OBSERVE_EVERY`` have been."""
+        self._pending.append((batch, tokens, seconds))
+        self.observations += 1
+        if len(self._pending) >= OBSERVE_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        """Learn the gathered steps, in the order served."""
+        pending, self._pending = self._pending, []
+        for batch, tokens, seconds in pending:
+            self._learn(batch, tokens, seconds)
+
+    def _learn(self, batch: int, tokens: int, seconds: float) -> None:
+        """One served step: its cell, then the bound that cell puts on its row."""
         i, j, before = self.record(batch, tokens, 1e3 * seconds, OBSERVATION_WEIGHT)
         row = self.step_ms[i]
         learned = row[j]
@@ -101,7 +124,6 @@ class StepCostTable:
             row[:j] = np.where(row[:j] > learned, learned, row[:j])
         elif learned > before:  # raised: no cell of more tokens below it
             row[j + 1:] = np.where(row[j + 1:] < learned, learned, row[j + 1:])
-        self.observations += 1
 
     def predict_ms(self, batch: int, tokens: int) -> float:
         """Predicted milliseconds of a step of ``batch`` requests feeding ``tokens`` tokens in all."""
@@ -109,20 +131,31 @@ class StepCostTable:
 
     def predict_ms_many(self, batch: int, tokens) -> np.ndarray:
         """``predict_ms`` for every entry of ``tokens`` [N] (ints: array-like) at once -> [N] float64 (numpy, a
-        dozen vectorized operations: the scheduler calls this every step on the host)."""
+        dozen vectorized operations: the scheduler calls this every step on the host), read-only: cached until a
+        cell changes."""
+        x = np.asarray(tokens, dtype=np.float64)
+        key = (batch, x.tobytes())
+        cached = self._predicted.get(key)
+        if cached is not None:
+            return cached
         rows = self._measured_rows()
         if not rows:
             raise ValueError("step cost table: nothing measured yet")
         sizes = [self.batch_sizes[i] for i, _, _ in rows]
         k = bisect.bisect_left(sizes, batch)
-        x = np.asarray(tokens, dtype=np.float64)
         if k == 0 or k == len(rows) or sizes[k] == batch:
             i, xs, cells = rows[min(k, len(rows) - 1)]
-            return _along_tokens_many(xs, self._monotone(i, cells), x)
-        (i0, xs0, cells0), (i1, xs1, cells1) = rows[k - 1], rows[k]
-        f = (batch - sizes[k - 1]) / (sizes[k] - sizes[k - 1])
-        return (1 - f) * _along_tokens_many(xs0, self._monotone(i0, cells0), x) + \
-            f * _along_tokens_many(xs1, self._monotone(i1, cells1), x)
+            predicted = _along_tokens_many(xs, self._monotone(i, cells), x)
+        else:
+            (i0, xs0, cells0), (i1, xs1, cells1) = rows[k - 1], rows[k]
+            f = (batch - sizes[k - 1]) / (sizes[k] - sizes[k - 1])
+            predicted = (1 - f) * _along_tokens_many(xs0, self._monotone(i0, cells0), x) + \
+                f * _along_tokens_many(xs1, self._monotone(i1, cells1), x)
+        if len(self._predicted) >= PREDICTIONS_KEPT:
+            self._predicted.clear()
+        predicted.flags.writeable = False
+        self._predicted[key] = predicted
+        return predicted
 
     def _monotone(self, row: int, cells: np.ndarray) -> np.ndarray:
         """The row's measured cells as read: their least-squares non-decreasing fit (see the module doc), cached

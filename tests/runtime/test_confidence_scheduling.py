@@ -35,9 +35,13 @@ def test_the_table_interpolates_extrapolates_learns_and_round_trips(tmp_path):
     assert table.predict_ms(2, 16) == pytest.approx((2 / 3) * table.predict_ms(1, 16) + (1 / 3) * 7.0)
     many = table.predict_ms_many(2, torch.tensor([1, 8, 16]))
     assert many.tolist() == pytest.approx([table.predict_ms(2, t) for t in (1, 8, 16)])
+    assert table.predict_ms_many(2, [1, 8, 16]) is many and not many.flags.writeable  # cached, read-only
     table.observe(4, 15, 0.009)  # 9 ms, nearest cell (4, 16) moves a tenth of the way
+    assert table.step_ms[1][2] == 7.0 and table.observations == 1  # gathered, learned OBSERVE_EVERY at a time
+    table.flush()
     assert table.step_ms[1][2] == pytest.approx(7.2) and table.observations == 1
-    assert table.predict_ms(4, 16) == pytest.approx(7.2)  # learned values reach the (cached) rows at once
+    assert table.predict_ms(4, 16) == pytest.approx(7.2)  # learned values reach the (cached) predictions at once
+    assert table.predict_ms_many(2, [1, 8, 16]) is not many
     table.record(4, 8, 3.0)  # an empty cell filled: the row gains a point
     assert table.predict_ms(4, 8) == pytest.approx(3.0) and table.predict_ms(4, 12) == pytest.approx(5.1)
     path = tmp_path / "table.json"
@@ -347,7 +351,8 @@ def test_a_noisy_row_is_read_as_its_non_decreasing_fit():
     assert fit[0] == pytest.approx(3.20) and fit[1:] == pytest.approx([4.0757] * 7, abs=1e-3)
     rising = StepCostTable([1], tokens, [[1.0 + 0.1 * t for t in tokens]])
     assert rising.predict_ms_many(1, np.arange(1, 9)) == pytest.approx([1.0 + 0.1 * t for t in tokens])
-    spiky.observe(192, 2, 0.0030)  # a served step moves the spike down: the fit follows at once
+    spiky.observe(192, 2, 0.0030)  # a served step moves the spike down: the fit follows once it is learned
+    spiky.flush()
     assert spiky.predict_ms(192, 2) < fit[1]
 
 
@@ -373,6 +378,7 @@ def test_the_table_learns_whole_steps_as_the_startup_profile_times_them(tmp_path
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     stats = llm.get_metrics()["confidence_scheduling"]
     assert stats["mean_measured_step_ms"] >= 30.0
+    eng.confidence.costs.flush()  # the steps gathered since the last OBSERVE_EVERY
     assert eng.confidence.costs.observations > 0 and np.nanmax(eng.confidence.costs.step_ms) > 1.0 + 0.1 * 29.0
 
 
@@ -386,14 +392,17 @@ def test_a_served_step_bounds_the_cells_of_its_row_it_moved_out_of_order():
     table = StepCostTable([1, 4], tokens, [profiled, [2.0] * 8])
     for _ in range(60):  # the served full-block steps take 1.78 ms
         table.observe(1, 8, 0.00178)
+    table.flush()
     assert table.step_ms[0].tolist() == pytest.approx([1.78] * 8, abs=0.01)
     assert table.predict_ms_many(1, np.arange(1, 9)) == pytest.approx([1.78] * 8, abs=0.01)
     assert table.step_ms[1].tolist() == [2.0] * 8  # another batch's row is its own
     rising = StepCostTable([1], tokens, [[1.0 + 0.1 * t for t in tokens]])
     rising.observe(1, 1, 0.005)  # raised to 1.49: the cells of 2..4 tokens below it follow, the rest stay
+    rising.flush()
     assert rising.step_ms[0].tolist() == pytest.approx([1.49, 1.49, 1.49, 1.49, 1.5, 1.6, 1.7, 1.8])
     gaps = StepCostTable([1], [1, 2, 3], [[5.0, math.nan, 6.0]])
     for _ in range(10):  # 6 -> 1 + 5 x 0.9^10 ms: the 1-token cell follows once it is above; the gap stays a gap
         gaps.observe(1, 3, 0.001)
+    gaps.flush()
     assert math.isnan(gaps.step_ms[0][1])
     assert gaps.step_ms[0][0] == pytest.approx(1 + 5 * 0.9 ** 10) == gaps.step_ms[0][2]
