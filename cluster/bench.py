@@ -58,6 +58,7 @@ from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
 
+from cluster.arg_types import integer, number
 from cluster.bench_plot import plot, require_matplotlib
 
 MODEL_SHAPES = {
@@ -1020,11 +1021,11 @@ def add_parser(commands) -> None:
     bench.add_argument("--speculative-model", help="the trained drafter of --model")
     bench.add_argument("--concurrency", type=concurrency_list, default=[1, 4, 16, 64, 256],
                        help="comma-separated request counts, each >= 1 (default 1,4,16,64,256)")
-    bench.add_argument("--max-draft-len", type=int, default=7, help="K (default 7)")
-    bench.add_argument("--draft-layers", type=int, default=1, help="draft layers of a --model-shape drafter")
-    bench.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (default 512)")
-    bench.add_argument("--steps", type=int, default=30, help="timed steps per point (default 30)")
-    bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    bench.add_argument("--max-draft-len", type=integer(1), default=7, help="K (default 7)")
+    bench.add_argument("--draft-layers", type=integer(1), default=1, help="draft layers of a --model-shape drafter")
+    bench.add_argument("--prompt-len", type=integer(1), default=512, help="prompt tokens per request (default 512)")
+    bench.add_argument("--steps", type=integer(1), default=30, help="timed steps per point (default 30)")
+    bench.add_argument("--warmup", type=integer(0), default=5, help="untimed steps first (default 5)")
     bench.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "flashinfer"],
                        help="kernels of both engines (default auto: flashinfer on a GPU where it imports)")
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -1037,11 +1038,11 @@ def add_parser(commands) -> None:
                        "profiled step-time table to FILE (a confidence_cost_table_path)")
     bench.add_argument("--moe-backend", default="AUTO", choices=["AUTO", "VANILLA", "DENSEGEMM", "TRITON"],
                        help="expert kernels of an MoE target (default AUTO; recorded as moe_backend)")
-    bench.add_argument("--kv-cache-gib", type=float, default=40, help="KV cache per engine (default 40 GiB)")
+    bench.add_argument("--kv-cache-gib", type=number(0, above=True), default=40, help="KV cache per engine (default 40 GiB)")
     bench.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (default; the figures), or "
                        "cpu: float32 torch kernels, a run of the plumbing whose times mean nothing (no roofline, "
                        "peers or profiles)")
-    bench.add_argument("--tensor-parallel-size", type=int, help="run every engine as a Ray replica "
+    bench.add_argument("--tensor-parallel-size", type=integer(1), help="run every engine as a Ray replica "
                        "(cluster.LLM) of this many target shards, one GPU each; the record says tensor_parallel_size "
                        "and drafter (default: one process, runtime.LLM, with its CUDA graphs and host breakdowns)")
     bench.add_argument("--drafter", default="colocated", choices=["colocated", "separate"], help="where a "
@@ -1051,7 +1052,7 @@ def add_parser(commands) -> None:
     bench.add_argument("--pipeline-drafter", action="store_true", help="with --drafter separate: the separate "
                        "drafter drafts one request group while the target verifies the other (pipeline_drafter); "
                        "the run also measures the separate drafter without the pipeline (throughput_vs_serial)")
-    bench.add_argument("--hf-tokens", type=int, default=0, help="also time transformers generate for N tokens at "
+    bench.add_argument("--hf-tokens", type=integer(0), default=0, help="also time transformers generate for N tokens at "
                        "batch 1, eager and compiled with a static cache (peers)")
     bench.add_argument("--projected-tau", type=float, help="a trained pair's mean acceptance length: adds "
                        "projected_speedup = tau x AR step / DSpark step to every point (for --model-shape)")
@@ -1065,13 +1066,13 @@ def add_parser(commands) -> None:
     bench.add_argument("--acceptance-per-position", type=acceptance_list, help="a trained pair's acceptance per "
                        "draft position (comma-separated, max_draft_len values): --tune-schedule on a --model-shape "
                        "projects tau from it")
-    bench.add_argument("--e2e-prompts", type=int, default=0, help="also decode N prompts one at a time through "
+    bench.add_argument("--e2e-prompts", type=integer(0), default=0, help="also decode N prompts one at a time through "
                        "LLM.generate with each engine: end-to-end speedup and the share of identical greedy outputs")
-    bench.add_argument("--e2e-tokens", type=int, default=128, help="tokens per --e2e-prompts (and --mixed-rate) "
+    bench.add_argument("--e2e-tokens", type=integer(1), default=128, help="tokens per --e2e-prompts (and --mixed-rate) "
                        "request (default 128)")
-    bench.add_argument("--mixed-rate", type=float, help="also run a mixed workload with every engine: requests "
+    bench.add_argument("--mixed-rate", type=number(0, above=True), help="also run a mixed workload with every engine: requests "
                        "arriving at this Poisson rate per second while others decode (steps mix prefill and decode)")
-    bench.add_argument("--mixed-requests", type=int, default=256, help="requests of --mixed-rate (default 256)")
+    bench.add_argument("--mixed-requests", type=integer(1), default=256, help="requests of --mixed-rate (default 256)")
     bench.add_argument("--prompts", help="JSONL prompts (prompt, messages or prompt_ids rows) for the sweep (cut "
                        "to --prompt-len; a trained pair's acceptance needs its kind of text) and --e2e-prompts; "
                        "default: random token ids")
@@ -1081,7 +1082,7 @@ def add_parser(commands) -> None:
                        "instead of all of them alive together in alternating rounds (the default on one process: "
                        "the host's speed drifts between engines timed apart); for targets too large to hold two "
                        "engines at once. A replica's engines are always measured one after another")
-    bench.add_argument("--rounds", type=int, default=PAIRED_ROUNDS, help="alternating rounds per concurrency "
+    bench.add_argument("--rounds", type=integer(1), default=PAIRED_ROUNDS, help="alternating rounds per concurrency "
                        f"(and per tuning candidate) when engines are measured side by side; the median round is "
                        f"kept (default {PAIRED_ROUNDS}; odd)")
     bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 decode steps of "
@@ -1109,9 +1110,6 @@ def main(args) -> int:
     if args.projected_tau is not None and not 1.0 <= args.projected_tau <= args.max_draft_len + 1:
         print(f"dspark bench: --projected-tau must be in [1, max_draft_len + 1 = {args.max_draft_len + 1}], got "
               f"{args.projected_tau}", file=sys.stderr)
-        return 2
-    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
-        print(f"dspark bench: --tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}", file=sys.stderr)
         return 2
     if args.pipeline_drafter and args.drafter != "separate":
         print("dspark bench: --pipeline-drafter needs --drafter separate", file=sys.stderr)

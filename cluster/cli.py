@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster import bench, bench_plot
+from cluster.arg_types import integer, number
 from configs import ConfigError, LLMConfig, ParallelConfig, ReplicaConfig, ServeArgs, validate
 from configs.training import DrafterTrainConfig, TargetTrainConfig
 from configs.files import read_mapping
@@ -86,14 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 "/metrics.")
     add_model_flags(serve)
     serve.add_argument("--host", default="0.0.0.0", help="HTTP host (default 0.0.0.0)")
-    serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    serve.add_argument("--port", type=integer(1, 65535), default=8000, help="HTTP port (default 8000)")
     serve.add_argument("--served-model-name", help="model name clients send (default: the model directory's name)")
     keys = serve.add_mutually_exclusive_group()
     keys.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes (visible in ps: prefer "
                       "--api-key-file or the DSPARK_API_KEY environment variable)")
     keys.add_argument("--api-key-file", help="read the API key from this file (first line)")
     serve.add_argument("--num-replicas", type=int, help="Serve replicas, each a whole dspark replica (default 1)")
-    serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds Ctrl-C/SIGTERM lets requests in "
+    serve.add_argument("--drain-timeout", type=number(0), default=30.0, help="seconds Ctrl-C/SIGTERM lets requests in "
                        "flight finish before Serve stops (default 30; a second signal stops at once)")
     serve.add_argument("--replace", action="store_true", help="redeploy over a dspark app already running on the "
                        "Ray cluster joined (without it, that is refused: one Serve port per cluster)")
@@ -148,9 +149,9 @@ def add_training_commands(commands) -> None:
                        "turns are dropped)")
     regen.add_argument("--sources", help="without --prompts: folder of *.py files to cut code prompts from "
                        "(default: the standard library)")
-    regen.add_argument("--num-prompts", type=int, help="with --prompts: the first N rows (default all); code "
+    regen.add_argument("--num-prompts", type=integer(1), help="with --prompts: the first N rows (default all); code "
                        "prompts: how many (default 512)")
-    regen.add_argument("--prompt-tokens", type=int, help="code prompts' length in tokens (default 32)")
+    regen.add_argument("--prompt-tokens", type=integer(1), help="code prompts' length in tokens (default 32)")
     regen.add_argument("--max-tokens", type=int, default=128, help="answer length, default 128")
     regen.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     regen.add_argument("--seed", type=int, default=0, help="default 0")
@@ -230,18 +231,19 @@ def check_workers(num_workers: int) -> int:
 def run_regenerate(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    from runtime import SamplingParams
+    from runtime.loader import load_hf_config
     from runtime.training.distill import code_prompts, dataset_prompts, regenerate
     from runtime.training.target_trainer import source_files
 
     if args.prompts and (args.sources or args.prompt_tokens is not None):
         raise ValueError("--sources and --prompt-tokens cut code prompts; they do not go with --prompts")
-    for flag, value in (("--num-prompts", args.num_prompts), ("--prompt-tokens", args.prompt_tokens)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
+    SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)  # refused before loading
     settings = {"model": args.target, "dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
                 "kv_cache_memory": args.kv_cache_memory}
     engine = validate(LLMConfig, {k: v for k, v in settings.items() if v is not None}, "regenerate")
     parallel = validate(ParallelConfig, {"tensor_parallel_size": args.tensor_parallel_size}, "regenerate")
+    load_hf_config(engine.model, "--target")  # a missing or broken checkpoint, named
     tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer or engine.model)
     if args.prompts:
         prompts = dataset_prompts(args.prompts, tokenizer, args.num_prompts)
@@ -282,7 +284,9 @@ def demo_pair() -> tuple[str, str]:
 
 
 def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
-    """ServeArgs from --config and the flags (flags win); a bad value exits with the field named."""
+    """ServeArgs from --config and the flags (flags win); a bad value exits with the field named. Without a model,
+    every value is checked against stand-in demo paths before the demo pair is built (minutes on a CPU), so a bad
+    flag fails at once."""
     data: dict[str, Any] = read_mapping(args.config) if args.config else {}
     engine = dict(data.get("engine") or {})
     speculative = dict(engine.get("speculative_config") or {})
@@ -292,20 +296,16 @@ def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
         value = getattr(args, flag, None)
         if value is not None:
             sections[section][field] = value
-    if "model" not in engine:
-        engine["model"], demo_drafter = demo_pair()
-        if not speculative:
-            speculative["speculative_model"] = demo_drafter
-        data.setdefault("served_model_name", "dspark-demo")
-        engine.setdefault("device", "cpu")
-        engine.setdefault("dtype", "float32")
-    if speculative:
-        engine["speculative_config"] = speculative
     key = api_key_from(args)
     if key is not None:
         data["api_key"] = key
-    data.update(engine=engine, parallel=sections["parallel"], deployment=sections["deployment"])
-    parsed = validate(ServeArgs, data, args.config or "command line")
+    source = args.config or "command line"
+    if "model" not in engine:
+        validate(ServeArgs, with_demo(data, engine, speculative, sections, "demo-target", "demo-drafter"), source)
+        data = with_demo(data, engine, speculative, sections, *demo_pair())
+    else:
+        data = with_demo(data, engine, speculative, sections)
+    parsed = validate(ServeArgs, data, source)
     from runtime.hub import is_hub_id, resolve_hub_ids
 
     # Hub ids resolve once, here on the head node: the app and its actors receive local paths; clients keep
@@ -313,6 +313,26 @@ def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
     name = parsed.served_model_name or (parsed.engine.model if is_hub_id(parsed.engine.model) else None)
     flags = {"model": "--model", "tokenizer": "--tokenizer", "speculative_model": "--speculative-model"}
     return parsed.model_copy(update={"engine": resolve_hub_ids(parsed.engine, flags), "served_model_name": name})
+
+
+def with_demo(data: dict, engine: dict, speculative: dict, sections: dict, target: str | None = None,
+              drafter: str | None = None) -> dict:
+    """The ServeArgs mapping of ``data`` with its engine, speculative, parallel and deployment sections; with
+    ``target``, the demo pair in place of the missing model (its drafter unless a speculative section was given,
+    float32 on the CPU unless set, served as 'dspark-demo'). The inputs are left as they are."""
+    engine, speculative = dict(engine), dict(speculative)
+    data = dict(data)
+    if target is not None:
+        engine["model"] = target
+        if not speculative:
+            speculative["speculative_model"] = drafter
+        data.setdefault("served_model_name", "dspark-demo")
+        engine.setdefault("device", "cpu")
+        engine.setdefault("dtype", "float32")
+    if speculative:
+        engine["speculative_config"] = speculative
+    data.update(engine=engine, parallel=sections["parallel"], deployment=sections["deployment"])
+    return data
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:
@@ -423,10 +443,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from cluster.serve.text import TextStream
     from runtime import SamplingParams
 
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)  # first: a bad value fails before any model is built or loaded
     parsed = serve_args(args, MODEL_FLAGS)
     preflight(parsed)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed)
     with LLM.from_config(ReplicaConfig(engine=parsed.engine, parallel=parsed.parallel)) as llm:
         text = TextStream(llm.tokenizer, None)
         last = None

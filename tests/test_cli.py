@@ -73,14 +73,19 @@ def test_regenerate_answers_a_datasets_prompts_as_plain_greedy_decoding(qwen3_ta
     ({"prompt_ids": []}, [], "'prompt_ids' must be a non-empty list"),
     ({"messages": [{"role": "assistant", "content": "a"}]}, [], "no turn before the assistant's"),
     ({"prompt": "x"}, ["--prompt-tokens", "8"], "do not go with --prompts"),
-    ({"prompt": "x"}, ["--num-prompts", "0"], "--num-prompts must be at least 1"),
+    ({"prompt": "x"}, ["--num-prompts", "0"], "argument --num-prompts: wants an integer >= 1, got '0'"),
     ({"prompt": "x"}, ["--max-num-seqs", "0"], "max_num_seqs"),
+    ({"prompt": "x"}, ["--max-tokens", "0"], "SamplingParams.max_tokens"),
 ])
 def test_regenerate_refuses_bad_prompts_and_flags(qwen3_target, tmp_path, capsys, row, flags, message):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps(row) + "\n")
-    assert main(["regenerate", "--target", str(qwen3_target), "--out", str(tmp_path / "o.jsonl"), "--prompts",
-                 str(prompts), "--device", "cpu", *flags]) == 2
+    try:
+        code = main(["regenerate", "--target", str(qwen3_target), "--out", str(tmp_path / "o.jsonl"), "--prompts",
+                     str(prompts), "--device", "cpu", *flags])
+    except SystemExit as exc:  # argparse refuses a flag's value before any handler runs
+        code = exc.code
+    assert code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
 
@@ -190,8 +195,26 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
     (["train-target", "--out", "o", "--vocab-size", "10"], "vocab_size"),
     (["bench", "--model-shape", "tiny", "--concurrency", "1,0"], "--concurrency wants integers >= 1"),
     (["bench", "--model", "m"], "--model needs --speculative-model"),
+    (["bench", "--model-shape", "tiny", "--steps", "0"], "argument --steps: wants an integer >= 1, got '0'"),
+    (["bench", "--model-shape", "tiny", "--mixed-rate", "nan"], "argument --mixed-rate: wants a number > 0"),
+    (["bench", "--model-shape", "tiny", "--mixed-requests", "0"], "argument --mixed-requests: wants an integer >= 1"),
+    (["bench", "--model-shape", "tiny", "--kv-cache-gib", "0"], "argument --kv-cache-gib: wants a number > 0"),
+    (["bench", "--model-shape", "tiny", "--e2e-prompts", "-1"], "argument --e2e-prompts: wants an integer >= 0"),
+    (["serve", "--port", "70000"], "argument --port: wants an integer in [1, 65535], got '70000'"),
+    (["serve", "--drain-timeout", "-1"], "argument --drain-timeout: wants a number >= 0, got '-1'"),
+    # without --model the demo pair is built first (minutes): every other value is checked before that
+    (["serve", "--max-num-seqs", "0"], "engine.max_num_seqs"),
+    (["serve", "--num-replicas", "0"], "deployment.num_replicas"),
+    (["generate", "hi", "--max-tokens", "0"], "SamplingParams.max_tokens"),
+    (["generate", "hi", "--temperature", "-1"], "SamplingParams.temperature"),
+    (["regenerate", "--target", "/nonexistent", "--out", "o.jsonl"],
+     "--target: /nonexistent is not a Hugging Face checkpoint directory (no config.json)"),
 ])
-def test_bad_serve_and_generate_input(capsys, argv, needle):
+def test_bad_serve_and_generate_input(capsys, monkeypatch, argv, needle):
+    def no_demo():
+        raise AssertionError("a bad flag must fail before the demo pair is built")
+
+    monkeypatch.setattr("cluster.cli.demo_pair", no_demo)
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse refuses a flag's value before any handler runs
