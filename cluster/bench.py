@@ -1038,7 +1038,8 @@ def add_parser(commands) -> None:
                        "profiled step-time table to FILE (a confidence_cost_table_path)")
     bench.add_argument("--moe-backend", default="AUTO", choices=["AUTO", "VANILLA", "DENSEGEMM", "TRITON"],
                        help="expert kernels of an MoE target (default AUTO; recorded as moe_backend)")
-    bench.add_argument("--kv-cache-gib", type=number(0, above=True), default=40, help="KV cache per engine (default 40 GiB)")
+    bench.add_argument("--kv-cache-gib", type=number(0, above=True), default=40,
+                       help="KV cache per engine (default 40 GiB)")
     bench.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (default; the figures), or "
                        "cpu: float32 torch kernels, a run of the plumbing whose times mean nothing (no roofline, "
                        "peers or profiles)")
@@ -1052,8 +1053,8 @@ def add_parser(commands) -> None:
     bench.add_argument("--pipeline-drafter", action="store_true", help="with --drafter separate: the separate "
                        "drafter drafts one request group while the target verifies the other (pipeline_drafter); "
                        "the run also measures the separate drafter without the pipeline (throughput_vs_serial)")
-    bench.add_argument("--hf-tokens", type=integer(0), default=0, help="also time transformers generate for N tokens at "
-                       "batch 1, eager and compiled with a static cache (peers)")
+    bench.add_argument("--hf-tokens", type=integer(0), default=0, help="also time transformers generate for N "
+                       "tokens at batch 1, eager and compiled with a static cache (peers)")
     bench.add_argument("--projected-tau", type=float, help="a trained pair's mean acceptance length: adds "
                        "projected_speedup = tau x AR step / DSpark step to every point (for --model-shape)")
     bench.add_argument("--projected-tau-source", default="", help="where --projected-tau was measured (recorded)")
@@ -1070,8 +1071,9 @@ def add_parser(commands) -> None:
                        "LLM.generate with each engine: end-to-end speedup and the share of identical greedy outputs")
     bench.add_argument("--e2e-tokens", type=integer(1), default=128, help="tokens per --e2e-prompts (and --mixed-rate) "
                        "request (default 128)")
-    bench.add_argument("--mixed-rate", type=number(0, above=True), help="also run a mixed workload with every engine: requests "
-                       "arriving at this Poisson rate per second while others decode (steps mix prefill and decode)")
+    bench.add_argument("--mixed-rate", type=number(0, above=True), help="also run a mixed workload with every "
+                       "engine: requests arriving at this Poisson rate per second while others decode (steps mix "
+                       "prefill and decode)")
     bench.add_argument("--mixed-requests", type=integer(1), default=256, help="requests of --mixed-rate (default 256)")
     bench.add_argument("--prompts", help="JSONL prompts (prompt, messages or prompt_ids rows) for the sweep (cut "
                        "to --prompt-len; a trained pair's acceptance needs its kind of text) and --e2e-prompts; "

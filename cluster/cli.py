@@ -177,7 +177,7 @@ def add_trainer_command(commands, kind: str, model, help: str, description: str)
     parser = commands.add_parser(f"train-{kind}", help=help, description=description)
     for name, field in model.model_fields.items():
         add_field_flag(parser, name, field)
-    parser.add_argument("--num-workers", type=int, default=1,
+    parser.add_argument("--num-workers", type=integer(1), default=1,
                         help="data-parallel workers through Ray Train's TorchTrainer (needs ray[train]); default 1")
     parser.set_defaults(handler=run_training, trainer_kind=kind, trainer_config=model)
 
@@ -216,16 +216,10 @@ def run_training(args: argparse.Namespace) -> int:
     from cluster.training import train, train_on_ray
 
     config = validate(args.trainer_config, field_values(args, args.trainer_config), args.command)
-    workers = check_workers(args.num_workers)
+    workers = args.num_workers
     print(json.dumps(train_on_ray(args.trainer_kind, config, workers) if workers > 1
                      else train(args.trainer_kind, config)))
     return 0
-
-
-def check_workers(num_workers: int) -> int:
-    if num_workers < 1:
-        raise ValueError(f"--num-workers must be at least 1, got {num_workers}")
-    return num_workers
 
 
 def run_regenerate(args: argparse.Namespace) -> int:

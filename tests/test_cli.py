@@ -193,6 +193,7 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
     (["generate", "hi", "--model", "/nonexistent"], "--model: '/nonexistent' is neither a local directory"),
     (["train-drafter", "--target", "t", "--data", "d", "--out", "o", "--block-size", "0"], "block_size"),
     (["train-target", "--out", "o", "--vocab-size", "10"], "vocab_size"),
+    (["train-target", "--out", "o", "--num-workers", "0"], "argument --num-workers: wants an integer >= 1"),
     (["bench", "--model-shape", "tiny", "--concurrency", "1,0"], "--concurrency wants integers >= 1"),
     (["bench", "--model", "m"], "--model needs --speculative-model"),
     (["bench", "--model-shape", "tiny", "--steps", "0"], "argument --steps: wants an integer >= 1, got '0'"),
