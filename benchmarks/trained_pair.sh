@@ -28,12 +28,14 @@
 #                                                    partial until the end), OUT/tuned-schedule.json,
 #                                                    OUT/step-costs.json (dspark bench-plot draws bench.json)
 #   bash benchmarks/trained_pair.sh check WORK OUT [BENCH FLAGS]
-#                                                    the confidence scheduler's check in one command (~8 minutes):
-#                                                    a shorter training of the 2048-wide, 16-layer pair (target 60 s,
-#                                                    recipe 240 s: distillation takes ~60 s, the drafter ~100 s of
-#                                                    what is left, a weaker one than run 42's), then the bench
-#                                                    at the concurrencies issue 16 is judged at (1, 4, 64, 256), 32
-#                                                    end-to-end prompts, no torch profiles (later flags win)
+#                                                    the confidence scheduler's check (~5 minutes): the bench at the
+#                                                    concurrencies issue 16 is judged at (1, 4, 64, 256), 32
+#                                                    end-to-end prompts, no torch profiles (later flags win), on the
+#                                                    pair of a `train WORK OUT 60 470 2048 16` run just before it
+#                                                    (~8 minutes; the next command must follow within the machine's
+#                                                    keep-alive). Training and bench do not fit one 10-minute command:
+#                                                    run 48 tried (a 240 s recipe) and its drafter got 24 s, tau 1.9;
+#                                                    run 49's got 412 s, tau 6.8.
 # The mixed workload arrives at 400 requests/s (1536 of 128 tokens, ~4 s of arrivals): faster than the engines
 # finish them, so its tokens/s is the engines' under mixed prefill + decode load (run 28's 100/s measured the arrival
 # rate: every engine kept up, 11.4-11.8K tokens/s, and the comparison said nothing but TPOT; run 47's 512 requests,
@@ -63,7 +65,7 @@ profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpar
 case "$step" in
   train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" ;;
   bench) shift 3; bench --profile --profile-batches 1,64 "$@" ;;
-  check) shift 3; train 60 240 2048 16; bench --concurrency 1,4,64,256 --e2e-prompts 32 "$@" ;;
+  check) shift 3; bench --concurrency 1,4,64,256 --e2e-prompts 32 "$@" ;;
   profile) profile ;;
   all) train 100 300 "${4:-512}" "${5:-8}"
        profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2

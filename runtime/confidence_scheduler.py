@@ -24,7 +24,8 @@ tokens fed)``. The scheduler, in either of two step layouts:
    target whose verify costs the same at any length, the scheduler then verifies whole blocks, as the fixed
    schedule does; a ragged trim also pays host work for its gathered rows that the uniform-step profile does not
    price). The predicted step includes what else it feeds (prefill chunks of a mixed step, as the previous step
-   had), so verify tokens are priced at the step's real place on the cost curve.
+   had), so verify tokens are priced at the step's real place on the cost curve, and the context its requests
+   attend over (``StepCostTable``: cells learned at other contexts are read as if at this one).
 
 4. the survivals are corrected online, per draft position, by what the engine's own verifications accepted
    (``SurvivalCorrection``): a temperature fitted offline on other text leaves a bias the scheduler pays for (runs
@@ -186,12 +187,14 @@ class ConfidenceScheduler:
         calibrated = 1.0 / (1.0 + odds ** self.inverse_temperatures[:c.shape[1]])
         return np.cumprod(np.where(confidence > 0, calibrated, 0.0), axis=1)
 
-    def allot(self, confidences: list[list[float]], other_requests: int = 0, other_tokens: int = 0) -> list[int]:
+    def allot(self, confidences: list[list[float]], other_requests: int = 0, other_tokens: int = 0,
+              context: int = 0) -> list[int]:
         """Each request's proposed drafts' confidences (in block order) -> how many of them to verify.
 
         ``other_requests`` / ``other_tokens``: what else the step is expected to feed (prefill chunks, decodes
         without drafts; the engine passes the previous step's): the step's cost is predicted with them, so on a
-        mixed step a verify token is priced where the step really is on the cost curve."""
+        mixed step a verify token is priced where the step really is on the cost curve. ``context``: the KV tokens
+        the step's requests attend over before what they feed, summed (the cost grows with it)."""
         num = len(confidences)
         sizes = np.fromiter((len(c) for c in confidences), dtype=np.int64, count=num)
         offered = int(sizes.sum())
@@ -207,7 +210,7 @@ class ConfidenceScheduler:
         raw = self.survival(table)
         survival = self.correction.apply(raw)
         if self.layout == "padded":
-            lengths = self._allot_padded(survival, sizes, other_requests, other_tokens)
+            lengths = self._allot_padded(survival, sizes, other_requests, other_tokens, context)
             self._pending = (raw, lengths)
             return lengths.tolist()
         proposed = np.arange(k)[None, :] < sizes[:, None]
@@ -220,7 +223,8 @@ class ConfidenceScheduler:
         else:
             lengths = top_drafts(survival, proposed, budget)
             chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
-        predicted = self.costs.predict_ms_many(num + other_requests, other_tokens + num + np.arange(offered + 1))
+        predicted = self.costs.predict_ms_many(num + other_requests, other_tokens + num + np.arange(offered + 1),
+                                               context)
         self.last = Decision(budget, offered, num + chosen, float(predicted[budget]))
         best = self.best_budget(survival, proposed, predicted)
         self.budget_per_request = self.max_draft_len if self._explores(best < offered) else best / num
@@ -243,7 +247,7 @@ class ConfidenceScheduler:
         self.correction.learn(raw, lengths, np.asarray(accepted, dtype=np.int64))
 
     def _allot_padded(self, survival: np.ndarray, sizes: np.ndarray, other_requests: int,
-                      other_tokens: int) -> np.ndarray:
+                      other_tokens: int, context: int) -> np.ndarray:
         """The padded layout: every request verifies ``min(proposed, cap)`` (the lengths [S] returned), the cap
         chosen from the previous step; the next cap from this step's survivals [S, K] (0 where nothing was
         proposed)."""
@@ -251,7 +255,8 @@ class ConfidenceScheduler:
         lengths = sizes if self.cap is None else np.minimum(sizes, self.cap)
         columns = np.concatenate([[0.0], survival.sum(axis=0).cumsum()])  # [K+1] survivals under each cap
         # a step of cap Q feeds num x (Q + 1) tokens (Q: its longest verify)
-        predicted = self.costs.predict_ms_many(num + other_requests, other_tokens + num * (np.arange(k + 1) + 1))
+        predicted = self.costs.predict_ms_many(num + other_requests, other_tokens + num * (np.arange(k + 1) + 1),
+                                               context)
         verified = int(lengths.max())
         chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
         self.last = Decision(int(lengths.sum()), int(sizes.sum()), num + chosen, float(predicted[verified]))
@@ -364,4 +369,5 @@ class ConfidenceStats:
                 "next_cap": scheduler.cap,
                 "survival_correction": [round(float(r), 4) for r in scheduler.correction.ratio],
                 "explored_decisions": scheduler.explored,
-                "cost_table_observations": scheduler.costs.observations, "last": dict(self.last)}
+                "cost_table_observations": scheduler.costs.observations,
+                "cost_table_ms_per_context_token": scheduler.costs.ms_per_context_token, "last": dict(self.last)}

@@ -85,7 +85,7 @@ class Engine:
         self.confidence: ConfidenceScheduler | None = None
         self.confidence_stats = ConfidenceStats()
         self._decided: list[str] = []  # requests whose verify length the scheduler chose this step (its order)
-        self._other_fed = (0, 0)  # (requests, tokens) the last step fed besides the scheduler's verifies
+        self._other_fed = (0, 0, 0)  # (requests, tokens, context) of the last step besides the scheduler's verifies
         self._graph_q_lens: list[int] = []  # tokens per request of the target's graphs (none: eager steps)
         self._graph_prefill = ([], 0)  # the prefill chunk graphs' lengths and token cap (graph_layout.graphed_q_len)
         # profiling (runtime.step_profile): every decoding request verifies at most this many drafts, and the steps
@@ -324,7 +324,9 @@ class Engine:
                 and (group is None or s.group == group)]
         if not seqs:
             return
-        lengths = self.confidence.allot([s.draft_confidence for s in seqs], *self._other_fed)
+        others, other_tokens, other_context = self._other_fed
+        lengths = self.confidence.allot([s.draft_confidence for s in seqs], others, other_tokens,
+                                        other_context + sum(s.num_computed for s in seqs))
         self._decided = [s.request_id for s in seqs]
         for seq, length in zip(seqs, lengths):
             seq.trim_drafts(length)
@@ -339,8 +341,8 @@ class Engine:
         """What the step fed besides the verifies the scheduler chose (prefill chunks, draft-less decodes): the next
         decision prices its verifies beside as much."""
         decided = set(self._decided)
-        others = [len(e.token_ids) for e in scheduled if e.request_id not in decided]
-        self._other_fed = (len(others), sum(others))
+        others = [e for e in scheduled if e.request_id not in decided]
+        self._other_fed = (len(others), sum(len(e.token_ids) for e in others), sum(e.start_position for e in others))
 
     def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
         """The step's wall time, schedule to commit (what the startup profile times: ``runtime.step_profile``), into
@@ -348,13 +350,14 @@ class Engine:
         K+1 tokens per request under confidence scheduling), its batch x Q. The whole step, not the executor's part
         alone: the host's per-step work is paid at every verify length, and a table whose served cells lacked it
         while the profiled ones held it would make the lengths the scheduler chose look cheaper than the ones it
-        did not (run 31: trims to 4.6 of 7 drafts at 256 requests, predicted to pay, lost 14%)."""
+        did not (run 31: trims to 4.6 of 7 drafts at 256 requests, predicted to pay, lost 14%). With the context
+        the step's requests attended over (the KV tokens before what each fed), which its time grows with."""
         fed = [len(e.token_ids) for e in scheduled]
         tokens = sum(fed)
         if self.confidence.layout == "padded":
             q_len = graphed_q_len(fed, self._graph_q_lens, self.config.max_num_seqs, *self._graph_prefill)
             tokens = len(fed) * q_len if q_len is not None else tokens
-        self.confidence.costs.observe(len(scheduled), tokens, seconds)
+        self.confidence.costs.observe(len(scheduled), tokens, seconds, sum(e.start_position for e in scheduled))
         self.confidence_stats.record_step(1e3 * seconds)
 
     def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:

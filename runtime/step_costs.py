@@ -11,16 +11,31 @@ read as 4.9 from the second cell on), while the fit averages it with its neighbo
 an observation: the grid cell nearest to it moves toward the measured time (an exponential moving average), so the
 table follows the hardware and the load it actually sees, mixed prefill + decode steps included; and since a step
 never costs less for feeding more, the learned cell bounds the rest of its row on the side its move may have put out
-of order (lowered: no cell of fewer tokens above it; raised: none of more tokens below it). A scheduler visits few
-cells (the lengths it chooses), and without the bound a cell it never visits keeps whatever the startup profile
-measured: run 37's profile timed the shorter verify lengths 1.5-3 ms too slow, serving corrected only the full-block
-cell, and read through the non-decreasing fit the row went on saying that trimming drafts saves nothing.
+of order (lowered: no cell of fewer tokens above it; raised: none of more tokens below it; compared at one context).
+A scheduler visits few cells (the lengths it chooses), and without the bound a cell it never visits keeps whatever
+the startup profile measured: run 37's profile timed the shorter verify lengths 1.5-3 ms too slow, serving corrected
+only the full-block cell, and read through the non-decreasing fit the row went on saying that trimming drafts saves
+nothing.
 Served steps are gathered and learned ``OBSERVE_EVERY`` at a time (``flush``; ``to_json`` flushes first), and a
 prediction is cached until a cell changes: the scheduler asks for the same few vectors every step, and a table
 that moved every step would refit a row and interpolate again each time (~20 us of the host's step at one
 request); an average with weight 0.1 loses nothing by lagging a few steps.
-JSON (``to_json`` / ``from_json``): ``{"batch_sizes": [...], "token_counts": [...], "step_ms": [[...], ...]}``,
-the format ``dspark bench --profile-steps`` writes and ``confidence_cost_table_path`` reads.
+
+A step also reads every request's KV cache: its time grows with the **context** it attends over (the KV tokens before
+its fed tokens, summed over its requests), which a serving engine's steps do from one step to the next while a cell
+is keyed only by (batch, tokens). Each cell therefore remembers the mean context of its measurements, and the table
+learns one slope, milliseconds per context token (``ms_per_context_token``), from the served steps: the
+least-squares fit of how far a step's time sat from its cell's mean against how far its context did (pooled over
+cells, older steps fading, never below 0, 0 until ``SLOPE_MIN_STEPS`` steps moved their context). A prediction reads
+every cell as if measured at the asked context (``cell - slope x (cell context - context)``; the row's fit is taken
+over those). Without it, cells learned at different contexts were compared as if alike: run 49 (an H200, 256
+requests, contexts of 101 to 354 tokens per request over a sweep point) read 10.1 ms for 6 tokens a request and
+12.7 ms for 8, where the tuning measured 11.8 and 13.9, and the scheduler trimmed to 5.7 of 7 drafts for 0.97 of
+whole blocks' throughput.
+JSON (``to_json`` / ``from_json``): ``{"batch_sizes": [...], "token_counts": [...], "step_ms": [[...], ...],
+"context_tokens": [[...], ...], "context_slope": {...}}``, the format ``dspark bench --profile-steps`` writes and
+``confidence_cost_table_path`` reads (a table without ``context_tokens``, written before, reads as measured at no
+context).
 """
 
 from __future__ import annotations
@@ -35,6 +50,8 @@ import numpy as np
 OBSERVATION_WEIGHT = 0.1  # how far one served step moves its cell toward the measured time
 OBSERVE_EVERY = 8  # served steps gathered before they move their cells (the predictions stay cached in between)
 PREDICTIONS_KEPT = 256  # cached prediction vectors, dropped all at once past this many
+SLOPE_MIN_STEPS = 64  # served steps whose context moved from their cell's (decayed count) before the slope is used
+SLOPE_DECAY = 0.999  # per served step: the slope's sums weigh the last ~1000 steps
 
 
 class StepCostTable:
@@ -49,6 +66,11 @@ class StepCostTable:
             raise ValueError(f"step cost table: step_ms must be {shape[0]} rows of {shape[1]}")
         # [batch sizes, token counts] ms, NaN = not measured (numpy: the scheduler predicts from it every step)
         self.step_ms = np.array(step_ms, dtype=np.float64) if step_ms is not None else np.full(shape, np.nan)
+        # [batch sizes, token counts] mean context (KV tokens attended, summed over a step's requests) of each
+        # cell's measurements; 0 where not given (a table written before contexts were kept)
+        self.context = np.zeros(shape)
+        self._slope_sums = np.zeros(3)  # [sum dx*dy, sum dx*dx, steps]: context against step-time deviations
+        self.ms_per_context_token = 0.0  # the learned slope (see the module doc)
         self._tokens = np.asarray(token_counts, dtype=np.float64)
         self._rows: list[tuple[int, np.ndarray, np.ndarray]] | None = None  # measured rows; rebuilt when one fills
         self._fits: dict[int, np.ndarray] = {}  # row -> its measured cells' non-decreasing fit; dropped on a change
@@ -61,15 +83,33 @@ class StepCostTable:
     def to_json(self) -> dict:
         self.flush()
         return {"batch_sizes": self.batch_sizes, "token_counts": self.token_counts,
-                "step_ms": [[None if math.isnan(v) else round(float(v), 4) for v in row] for row in self.step_ms]}
+                "step_ms": [[None if math.isnan(v) else round(float(v), 4) for v in row] for row in self.step_ms],
+                "context_tokens": [[round(float(c), 1) for c in row] for row in self.context],
+                "context_slope": {"ms_per_context_token": self.ms_per_context_token,
+                                  "sums": [float(v) for v in self._slope_sums]}}
 
     @classmethod
     def from_json(cls, data: dict, where: str = "step cost table") -> StepCostTable:
         try:
             rows = [[math.nan if v is None else float(v) for v in row] for row in data["step_ms"]]
-            return cls([int(b) for b in data["batch_sizes"]], [int(t) for t in data["token_counts"]], rows)
+            table = cls([int(b) for b in data["batch_sizes"]], [int(t) for t in data["token_counts"]], rows)
+            if "context_tokens" in data:
+                context = np.array(data["context_tokens"], dtype=np.float64)
+                if context.shape != table.step_ms.shape or not np.isfinite(context).all() or (context < 0).any():
+                    raise ValueError(f"context_tokens must be {table.step_ms.shape[0]} rows of "
+                                     f"{table.step_ms.shape[1]} non-negative numbers")
+                table.context = context
+            slope = data.get("context_slope")
+            if slope is not None:
+                sums = np.array(slope["sums"], dtype=np.float64)
+                value = float(slope["ms_per_context_token"])
+                if sums.shape != (3,) or not np.isfinite(sums).all() or not value >= 0:
+                    raise ValueError("context_slope: {ms_per_context_token >= 0, sums: 3 numbers} expected")
+                table._slope_sums, table.ms_per_context_token = sums, value
+            return table
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: expected {{batch_sizes, token_counts, step_ms}}: {exc}") from None
+            raise ValueError(f"{where}: expected {{batch_sizes, token_counts, step_ms[, context_tokens, "
+                             f"context_slope]}}: {exc}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> StepCostTable:
@@ -88,22 +128,28 @@ class StepCostTable:
     def measured(self) -> bool:
         return bool((~np.isnan(self.step_ms)).any())
 
-    def record(self, batch: int, tokens: int, ms: float, weight: float = 1.0) -> tuple[int, int, float]:
-        """Move the cell nearest to (batch, tokens) toward ``ms`` (weight 1: replace it; an empty cell takes it);
-        -> (its row, its column, its value before)."""
+    def record(self, batch: int, tokens: int, ms: float, weight: float = 1.0,
+               context: float = 0.0) -> tuple[int, int, float]:
+        """Move the cell nearest to (batch, tokens), and the context it was measured at, toward ``ms`` measured at
+        ``context`` (weight 1: replace them; an empty cell takes them); -> (its row, its column, its value
+        before)."""
         i = _nearest(self.batch_sizes, batch)
         j = _nearest(self.token_counts, tokens)
         old = self.step_ms[i, j]
         if math.isnan(old):
             self._rows = None  # a new measured cell: the rows' points change
-        self.step_ms[i, j] = ms if math.isnan(old) else old + weight * (ms - old)
+            self.step_ms[i, j], self.context[i, j] = ms, context
+        else:
+            self.step_ms[i, j] = old + weight * (ms - old)
+            self.context[i, j] += weight * (context - self.context[i, j])
         self._fits.pop(i, None)
         self._predicted.clear()
         return i, j, old
 
-    def observe(self, batch: int, tokens: int, seconds: float) -> None:
-        """A step the engine served: learned with the others gathered, once ``OBSERVE_EVERY`` have been."""
-        self._pending.append((batch, tokens, seconds))
+    def observe(self, batch: int, tokens: int, seconds: float, context: int = 0) -> None:
+        """A step the engine served (``context``: the KV tokens its requests attended before the tokens it fed,
+        summed): learned with the others gathered, once ``OBSERVE_EVERY`` have been."""
+        self._pending.append((batch, tokens, seconds, context))
         self.observations += 1
         if len(self._pending) >= OBSERVE_EVERY:
             self.flush()
@@ -111,28 +157,58 @@ class StepCostTable:
     def flush(self) -> None:
         """Learn the gathered steps, in the order served."""
         pending, self._pending = self._pending, []
-        for batch, tokens, seconds in pending:
-            self._learn(batch, tokens, seconds)
+        for batch, tokens, seconds, context in pending:
+            self._learn(batch, tokens, seconds, context)
+        if pending:
+            self._fit_slope()
 
-    def _learn(self, batch: int, tokens: int, seconds: float) -> None:
-        """One served step: its cell, then the bound that cell puts on its row."""
-        i, j, before = self.record(batch, tokens, 1e3 * seconds, OBSERVATION_WEIGHT)
-        row = self.step_ms[i]
-        learned = row[j]
-        # the side the move may have left out of order (NaN cells compare false: they stay unmeasured)
+    def _learn(self, batch: int, tokens: int, seconds: float, context: int) -> None:
+        """One served step: the context slope's evidence, its cell, then the bound that cell puts on its row."""
+        i, j = _nearest(self.batch_sizes, batch), _nearest(self.token_counts, tokens)
+        if not math.isnan(self.step_ms[i, j]):  # how far this step sat from its cell, in time and in context
+            dx, dy = context - self.context[i, j], 1e3 * seconds - self.step_ms[i, j]
+            self._slope_sums *= SLOPE_DECAY
+            self._slope_sums += (dx * dy, dx * dx, float(dx != 0))
+        i, j, before = self.record(batch, tokens, 1e3 * seconds, OBSERVATION_WEIGHT, context)
+        row, learned = self.step_ms[i], self.step_ms[i, j]
+        # the cells compared at the learned cell's context: each cell's own value is its bound less the slope x
+        # how far its context sits below the learned cell's (NaN cells compare false: they stay unmeasured)
+        shift = self.ms_per_context_token * (self.context[i, j] - self.context[i])  # [T]
         if learned < before:  # lowered: no cell of fewer tokens above it
-            row[:j] = np.where(row[:j] > learned, learned, row[:j])
+            row[:j] = np.where(row[:j] + shift[:j] > learned, learned - shift[:j], row[:j])
         elif learned > before:  # raised: no cell of more tokens below it
-            row[j + 1:] = np.where(row[j + 1:] < learned, learned, row[j + 1:])
+            row[j + 1:] = np.where(row[j + 1:] + shift[j + 1:] < learned, learned - shift[j + 1:], row[j + 1:])
 
-    def predict_ms(self, batch: int, tokens: int) -> float:
-        """Predicted milliseconds of a step of ``batch`` requests feeding ``tokens`` tokens in all."""
-        return float(self.predict_ms_many(batch, np.asarray([tokens]))[0])
+    def _fit_slope(self) -> None:
+        """The context slope from its sums (0 until ``SLOPE_MIN_STEPS`` steps moved their context; never below 0:
+        a step never gets cheaper for attending over more; nor so steep that a measured cell's context alone
+        would cost more than the whole cell did); the rows' fits follow it."""
+        sxy, sxx, steps = self._slope_sums
+        slope = max(sxy / sxx, 0.0) if steps >= SLOPE_MIN_STEPS and sxx > 0 else 0.0
+        attended = (self.context > 0) & ~np.isnan(self.step_ms)
+        if slope and attended.any():
+            slope = min(slope, float((self.step_ms[attended] / self.context[attended]).min()))
+        if slope != self.ms_per_context_token:
+            self.ms_per_context_token = slope
+            self._fits.clear()
+            self._predicted.clear()
 
-    def predict_ms_many(self, batch: int, tokens) -> np.ndarray:
+    def predict_ms(self, batch: int, tokens: int, context: int = 0) -> float:
+        """Predicted milliseconds of a step of ``batch`` requests feeding ``tokens`` tokens in all, its requests
+        attending over ``context`` KV tokens in all before them."""
+        return float(self.predict_ms_many(batch, np.asarray([tokens]), context)[0])
+
+    def predict_ms_many(self, batch: int, tokens, context: int = 0) -> np.ndarray:
         """``predict_ms`` for every entry of ``tokens`` [N] (ints: array-like) at once -> [N] float64 (numpy, a
-        dozen vectorized operations: the scheduler calls this every step on the host), read-only: cached until a
-        cell changes."""
+        dozen vectorized operations: the scheduler calls this every step on the host), read-only. The prediction
+        at no context is cached until a cell (or the context slope) changes; a context adds ``slope x context``."""
+        base = self._predict_at_no_context(batch, tokens)
+        if context and self.ms_per_context_token:
+            base = base + self.ms_per_context_token * context
+            base.flags.writeable = False
+        return base
+
+    def _predict_at_no_context(self, batch: int, tokens) -> np.ndarray:
         x = np.asarray(tokens, dtype=np.float64)
         key = (batch, x.tobytes())
         cached = self._predicted.get(key)
@@ -158,11 +234,12 @@ class StepCostTable:
         return predicted
 
     def _monotone(self, row: int, cells: np.ndarray) -> np.ndarray:
-        """The row's measured cells as read: their least-squares non-decreasing fit (see the module doc), cached
-        until a cell of the row changes."""
+        """The row's measured cells as read at no context (each less the slope x its context): their least-squares
+        non-decreasing fit (see the module doc), cached until a cell of the row or the slope changes."""
         fit = self._fits.get(row)
         if fit is None:
-            fit = self._fits[row] = isotonic(self.step_ms[row, cells])
+            at_no_context = self.step_ms[row, cells] - self.ms_per_context_token * self.context[row, cells]
+            fit = self._fits[row] = isotonic(at_no_context)
         return fit
 
     def _measured_rows(self) -> list[tuple[int, np.ndarray, np.ndarray]]:

@@ -5,9 +5,10 @@ tokens decode together; once every one carries a proposed block, each verify len
 for ``repeats`` steps (``Engine.forced_verify_len``: the engine plans and launches each next step ahead at L, as it
 does at a confidence-scheduled cap; run 37's profile trimmed the blocks behind its back, so every timed step of a
 shorter length dropped a verify launched ahead at the full block and ran it again, 1.5-3 ms too slow) and the median
-step time is the table's (batch, batch * (L + 1)) cell. K is the block the engine drafts at that batch size:
-``max_draft_len``, or a ``draft_len_schedule``'s length there; a bucket the schedule drafts nothing for is left out
-(no step of that size has drafts to choose among). The steps run through the engine as served steps do (graphs,
+step time is the table's (batch, batch * (L + 1)) cell, measured at the mean context (KV tokens) its timed steps
+attended over. K is the block the engine drafts at that batch size: ``max_draft_len``, or a ``draft_len_schedule``'s
+length there; a bucket the schedule drafts nothing for is left out (no step of that size has drafts to choose
+among). The steps run through the engine as served steps do (graphs,
 kernels, the executor's round trip). Afterwards nothing of the profile is left: its requests are aborted, the counters
 and the acceptance gate start fresh, the prefix cache forgets its pages.
 """
@@ -63,13 +64,16 @@ def profile_step_costs(engine, repeats: int = 3, max_batch: int | None = None) -
         try:
             for length in range(drafts + 1):
                 engine.forced_verify_len = length  # the steps planned (and launched) ahead at it, as served
-                times = []
+                times, contexts = [], []
                 for repeat in range(steps_per_length):
+                    context = sum(engine.sequences[i].num_computed for i in ids)
                     began = time.perf_counter()
                     engine.step()
                     if repeat:
                         times.append(time.perf_counter() - began)
-                table.record(batch, batch * (length + 1), 1e3 * statistics.median(times))
+                        contexts.append(context)
+                table.record(batch, batch * (length + 1), 1e3 * statistics.median(times),
+                             context=statistics.mean(contexts))
         finally:
             engine.forced_verify_len = None
         engine.abort_all()

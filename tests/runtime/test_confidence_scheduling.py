@@ -288,6 +288,8 @@ def test_the_startup_profile_follows_a_schedule_that_drafts_less_or_nothing(near
                                                                                         costs.step_ms.tolist())}
     assert rows[1] == [1, 2, 3, 4, 5] and rows[2] == [2, 4, 6, 8]  # up to 4 and 3 drafts
     assert all(not measured for b, measured in rows.items() if b > 2)
+    measured = ~np.isnan(costs.step_ms)  # each profiled cell at the contexts of its timed steps (16-token prompts on)
+    assert (costs.context[measured] >= 16).all()
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == builders.hf_greedy(near_bigram_target, PROMPTS, 16)
 
@@ -380,6 +382,7 @@ def test_the_table_learns_whole_steps_as_the_startup_profile_times_them(tmp_path
     assert stats["mean_measured_step_ms"] >= 30.0
     eng.confidence.costs.flush()  # the steps gathered since the last OBSERVE_EVERY
     assert eng.confidence.costs.observations > 0 and np.nanmax(eng.confidence.costs.step_ms) > 1.0 + 0.1 * 29.0
+    assert eng.confidence.costs.context.max() > 0  # moving toward the contexts its request attended (7 tokens on)
 
 
 def test_a_served_step_bounds_the_cells_of_its_row_it_moved_out_of_order():
@@ -406,3 +409,97 @@ def test_a_served_step_bounds_the_cells_of_its_row_it_moved_out_of_order():
     gaps.flush()
     assert math.isnan(gaps.step_ms[0][1])
     assert gaps.step_ms[0][0] == pytest.approx(1 + 5 * 0.9 ** 10) == gaps.step_ms[0][2]
+
+
+def served(table: StepCostTable, batch: int, tokens: int, contexts, cost) -> None:
+    """Serve steps of ``batch`` requests feeding ``tokens`` at each context of ``contexts``, each taking
+    ``cost(tokens, context)`` ms, and learn them."""
+    for context in contexts:
+        table.observe(batch, tokens, 1e-3 * cost(tokens, context), int(context))
+    table.flush()
+
+
+def test_the_table_learns_what_a_context_token_costs_and_reads_every_cell_at_the_asked_context(tmp_path):
+    """A step's time grows with the KV tokens its requests attend over; a cell remembers the context it was measured
+    at, and the slope learned from the served steps reads every cell at the context asked. Run 49: cells learned
+    at contexts of 101 to 354 tokens a request, compared as if alike, put whole blocks 2.6 ms above 6 tokens a
+    request where the tuning measured 2.1."""
+    tokens = [4, 8, 12, 16, 20, 24, 28, 32]
+
+    def cost(t, context):  # ms: 10 + 0.5 per token fed + 0.01 per context token
+        return 10.0 + 0.5 * t + 0.01 * context
+
+    table = StepCostTable([4], tokens)
+    for t in tokens:  # the startup profile: short contexts
+        table.record(4, t, cost(t, 400), context=400)
+    assert table.ms_per_context_token == 0.0
+    served(table, 4, 32, range(400, 4400, 50), cost)  # 80 served steps of whole blocks as the contexts grow
+    assert table.ms_per_context_token == pytest.approx(0.01, rel=0.02)
+    assert table.context[0, -1] > 2500  # the served cell moved to the contexts it saw
+    # every cell read at one context, the profiled ones as well as the served one: the true costs
+    for context in (400, 3600):
+        assert table.predict_ms_many(4, tokens, context) == pytest.approx([cost(t, context) for t in tokens],
+                                                                         rel=0.01)
+    # without the contexts (a table written before they were kept) the served cell, measured late, reads ten
+    # times dearer than the profiled cell beside it
+    legacy = {k: v for k, v in table.to_json().items() if k in ("batch_sizes", "token_counts", "step_ms")}
+    alike = StepCostTable.from_json(legacy)
+    assert alike.context.tolist() == [[0.0] * len(tokens)] and alike.ms_per_context_token == 0.0
+    assert alike.predict_ms(4, 32, 3600) - alike.predict_ms(4, 28, 3600) > 10 * (cost(32, 0) - cost(28, 0))
+    path = tmp_path / "table.json"
+    table.save(path)
+    again = StepCostTable.load(path)
+    assert again.to_json() == table.to_json() and again.ms_per_context_token == table.ms_per_context_token
+    with pytest.raises(ValueError, match="context_tokens must be 1 rows of 8 non-negative numbers"):
+        StepCostTable.from_json({**legacy, "context_tokens": [[-1.0] * len(tokens)]})
+
+
+def test_the_slope_waits_for_evidence_never_goes_negative_and_bounds_cells_at_one_context():
+    tokens = [4, 8]
+    table = StepCostTable([4], tokens, [[10.0, 12.0]])
+    served(table, 4, 8, range(0, 40 * 100, 100), lambda t, c: 12.0 + 0.01 * c)  # 40 steps: too few to use
+    assert table.ms_per_context_token == 0.0
+    falling = StepCostTable([4], tokens, [[10.0, 12.0]])
+    served(falling, 4, 8, range(0, 8000, 100), lambda t, c: 92.0 - 0.01 * c)  # cheaper at longer contexts: noise
+    assert falling.ms_per_context_token == 0.0
+    served(table, 4, 8, range(4000, 8000, 100), lambda t, c: 12.0 + 0.01 * c)  # 80 steps in all: it is used
+    assert table.ms_per_context_token > 0.005
+    # a step never costs less for feeding more, compared at one context: a served cell at a long context raises
+    # the cell of fewer tokens only where it sits above it at that context
+    bounded = StepCostTable([4], tokens)
+    bounded.record(4, 4, 10.0, context=0)
+    bounded.record(4, 8, 12.0, context=2000)
+    bounded.ms_per_context_token = 0.005  # 10 ms at no context reads 20 ms at 2000: above the 12 ms cell
+    bounded.observe(4, 8, 0.011, 2000)  # lowered to 11.9 ms at 2000 -> the 4-token cell to 1.9 ms at no context
+    bounded.flush()
+    assert bounded.step_ms[0].tolist() == pytest.approx([11.9 - 0.005 * 2000, 11.9])
+
+
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_the_scheduler_compares_verify_lengths_at_the_steps_own_context(layout):
+    """The profile measured short verifies at short contexts, serving measured whole blocks at long ones: read
+    as alike, whole blocks look dear and the scheduler trims drafts that pay; read at one context, it verifies whole
+    blocks, as the true costs say."""
+    batch, k = 4, 7
+    tokens = [batch * (n + 1) for n in range(k + 1)]
+
+    def cost(t, context):  # ms: verify tokens are cheap, context dear
+        return 10.0 + 0.1 * t + 0.01 * context
+
+    def scheduler_over(table):
+        scheduler = ConfidenceScheduler(k, table, layout=layout)
+        confidences = [[0.95] * k] * batch
+        for _ in range(3):
+            lengths = scheduler.allot(confidences, context=4000)
+        return lengths
+
+    table = StepCostTable([batch], tokens)
+    for t in tokens[:-1]:
+        table.record(batch, t, cost(t, 200), context=200)
+    table.record(batch, tokens[-1], cost(tokens[-1], 200), context=200)
+    served(table, batch, tokens[-1], range(200, 4000, 50), cost)
+    assert table.ms_per_context_token == pytest.approx(0.01, rel=0.02)
+    assert scheduler_over(table) == [k] * batch
+    alike = StepCostTable.from_json({k_: v for k_, v in table.to_json().items()
+                                     if k_ in ("batch_sizes", "token_counts", "step_ms")})
+    assert scheduler_over(alike) != [k] * batch  # without the contexts it trims
