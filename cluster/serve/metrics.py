@@ -59,7 +59,10 @@ class EngineCollector:
                     ("confidence_measured_step_seconds", "The last scheduled step's measured time.",
                      last.get("measured_step_ms", 0.0) / 1e3),
                     ("confidence_mean_verify_budget_per_request", "Mean drafts verified per request and step.",
-                     scheduling["mean_verify_budget_per_request"])):
+                     scheduling["mean_verify_budget_per_request"]),
+                    ("confidence_step_seconds_per_context_token", "What one KV token of context adds to a step, "
+                     "as the step-time table learned it from the served steps (0 until learned).",
+                     scheduling["cost_table_ms_per_context_token"] / 1e3)):
                 yield GaugeMetricFamily(f"{PREFIX}:{name}", doc, value=value)
             correction = GaugeMetricFamily(f"{PREFIX}:confidence_survival_correction", "Survived over predicted "
                                            "survival of the drafts verified at each block position (the online "

@@ -1,5 +1,5 @@
-"""/metrics exports what the confidence scheduler chose, how its step-time prediction held and its survival
-correction per position."""
+"""/metrics exports what the confidence scheduler chose, how its step-time prediction held (and what a context
+token costs, as its table learned), and its survival correction per position."""
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -20,6 +20,8 @@ def test_the_scheduler_gauges_are_exported(near_bigram_target, make_drafter):
     last = llm.get_metrics()["confidence_scheduling"]["last"]
     assert f"dspark:confidence_verify_budget {float(last['verify_budget'])}" in text
     assert "dspark:confidence_predicted_step_seconds" in text and "dspark:confidence_measured_step_seconds" in text
+    slope = llm.get_metrics()["confidence_scheduling"]["cost_table_ms_per_context_token"]
+    assert f"dspark:confidence_step_seconds_per_context_token {slope / 1e3}" in text
     ratios = llm.get_metrics()["confidence_scheduling"]["survival_correction"]
     assert len(ratios) == 4
     for position, ratio in enumerate(ratios):
