@@ -102,3 +102,28 @@ def test_tp_scaling_ratios_pair_each_layout_with_its_reference_and_skip_what_the
     assert got == {"tp2_vs_tp1_ar_step": 0.6, "tp2_vs_tp1_dspark_step": round(4.4 / 6.6, 4),
                    "ray_tp1_vs_single_process_ar_step": 1.1, "ray_tp1_vs_single_process_dspark_step": 1.1,
                    "separate_step_vs_colocated": 1.02, "separate_throughput_vs_colocated": 0.98}
+
+
+def test_schedule_bounds_price_the_best_cap_and_the_oracle_from_the_table(tmp_path):
+    """benchmarks/schedule_bounds.py: on a table whose step costs 10 ms + 0.01 per token at 64 requests, with
+    acceptance falling along the block, the best single cap is below whole blocks and the oracle feeds tau tokens."""
+    spec = importlib.util.spec_from_file_location("schedule_bounds", ROOT / "benchmarks" / "schedule_bounds.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from runtime.step_costs import StepCostTable
+
+    tokens = [64 * (q + 1) for q in range(4)]
+    table = StepCostTable([64], tokens, [[10.0 + 0.01 * t for t in tokens]])
+    run = {"concurrency": 64, "acceptance_per_position": [0.9, 0.3, 0.05]}
+    row = module.bounds(run, table)
+    tau = 2.25
+    whole = tau / (10.0 + 0.01 * 256)
+    best = max((1 + sum([0.9, 0.3, 0.05][:q])) / (10.0 + 0.01 * 64 * (q + 1)) for q in range(4))
+    assert row["padded_best_cap"] == 2 and row["padded_best"] == pytest.approx(best / whole, abs=1e-3)
+    assert row["oracle_ragged"] == pytest.approx((10.0 + 2.56) / (10.0 + 0.01 * 144), abs=1e-3)
+    bench, costs = tmp_path / "bench.json", tmp_path / "costs.json"
+    bench.write_text(json.dumps({"runs": [run]}))
+    table.save(costs)
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "schedule_bounds.py"), str(bench), str(costs),
+                          "--concurrency", "64"], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [row]
