@@ -41,7 +41,13 @@ tokens fed)``. The scheduler, in either of two step layouts:
 
 The first step (no earlier confidences) verifies whole blocks. The host work is a few numpy operations over the
 batch's ``S x K`` confidences (numpy, not torch: a CPU torch op costs several microseconds of dispatch, and at
-batch 1 on a small target the scheduler's forty-odd ops cost a third of the step).
+batch 1 on a small target the scheduler's forty-odd ops cost a third of the step). A padded step of at most
+``SMALL_STEP`` proposed drafts is decided in plain Python instead (the same arithmetic in the same order): between
+two engine steps numpy's code is cold, and each distinct numpy call's first use after a step costs microseconds
+(a 2-core CPU host: a 7-element sum 23 us first, 1 us after), so at a few requests the calls, not the arithmetic,
+were the cost: the decision and its learning right after a step 269 / 261 / 319 / 313 us with numpy at 1 / 4 / 8 /
+16 requests, 73 / 97 / 121 / 205 us in Python (``benchmarks/scheduler_host.py``, ``2026-12-02-scheduler-host-cpu``;
+at 32 requests 337 against 360 us, hence 128 drafts). The online correction gathers its evidence as it comes and converts it when it folds.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ CORRECTION_PRIOR = 32.0  # pseudo-drafts per position at ratio 1: a few steps of
 CORRECTION_WINDOW = 4096.0  # verified drafts per position the estimate weighs (older ones fade as it learns)
 EXPLORE_EVERY = 32  # every this many decisions below whole blocks, the next step verifies whole blocks
 FOLD_EVERY = 8  # steps of evidence the correction gathers before it folds them in (its numpy work, once for all)
+SMALL_STEP = 128  # a padded step of at most this many drafts is decided in plain Python (module doc)
 
 
 class SurvivalCorrection:
@@ -90,8 +97,9 @@ class SurvivalCorrection:
         self.survived = np.zeros(max_draft_len)  # [K] how many of them survived
         self.verified = np.zeros(max_draft_len)  # [K] how many were verified
         self.ratio = np.ones(max_draft_len)  # [K]
+        self.ratio_list = self.ratio.tolist()  # the same, for the plain-Python path
         self.learned = False  # nothing observed yet: survivals pass unchanged
-        self._evidence: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # steps not yet folded in
+        self._evidence: list[tuple] = []  # steps not yet folded in: (survival, allotted, verified, accepted)
 
     def apply(self, survival: np.ndarray) -> np.ndarray:
         """survival [S, K'] (K' <= K) -> corrected [S, K'], in [0, 1] and non-increasing along each row."""
@@ -100,11 +108,22 @@ class SurvivalCorrection:
         corrected = np.minimum(survival * self.ratio[:survival.shape[1]], 1.0)
         return np.minimum.accumulate(corrected, axis=1)
 
-    def learn(self, survival: np.ndarray, lengths: np.ndarray, accepted: np.ndarray) -> None:
-        """One step's verified requests: ``survival`` [S, K'] as predicted before correction, ``lengths`` [S] the
-        drafts each verified, ``accepted`` [S] how many of them it accepted (-1: unknown, left out). Folded in
-        with the steps before it once ``FOLD_EVERY`` have gathered."""
-        self._evidence.append((survival, lengths, accepted))
+    def apply_row(self, survival: list[float]) -> list[float]:
+        """``apply`` to one request's survivals [K'] in plain Python (the same products and minima)."""
+        if not self.learned:
+            return survival
+        out, low = [], 1.0
+        for value, ratio in zip(survival, self.ratio_list):
+            low = min(low, min(value * ratio, 1.0))
+            out.append(low)
+        return out
+
+    def learn(self, survival, allotted, verified, accepted) -> None:
+        """One step's verified requests: ``survival`` [S, K'] as predicted before correction (an array or S
+        lists), ``allotted`` [S] the drafts each was allotted and ``verified`` [S] how many it verified (the
+        lesser counts), ``accepted`` [S] how many of them it accepted (-1: unknown, left out); sequences or
+        arrays, converted when folded in with the steps before it, once ``FOLD_EVERY`` have gathered."""
+        self._evidence.append((survival, allotted, verified, accepted))
         if len(self._evidence) >= FOLD_EVERY:
             self.fold()
 
@@ -112,11 +131,14 @@ class SurvivalCorrection:
         """Fold the gathered steps' evidence into the per-position sums and the ratios."""
         if not self._evidence:
             return
-        k = max(survival.shape[1] for survival, _, _ in self._evidence)
+        steps = [np.asarray(survival, dtype=np.float64).reshape(len(accepted), -1)
+                 for survival, _, _, accepted in self._evidence]  # each [S, K']
+        k = max(survival.shape[1] for survival in steps)
         survival = np.concatenate([np.pad(s, ((0, 0), (0, k - s.shape[1]))) if s.shape[1] < k else s
-                                   for s, _, _ in self._evidence])  # [sum S, K'] (0 past a step's blocks)
-        lengths = np.concatenate([n for _, n, _ in self._evidence])
-        accepted = np.concatenate([a for _, _, a in self._evidence])
+                                   for s in steps])  # [sum S, K'] (0 past a step's blocks)
+        lengths = np.minimum(np.concatenate([np.asarray(a, dtype=np.int64) for _, a, _, _ in self._evidence]),
+                             np.concatenate([np.asarray(v, dtype=np.int64) for _, _, v, _ in self._evidence]))
+        accepted = np.concatenate([np.asarray(a, dtype=np.int64) for _, _, _, a in self._evidence])
         self._evidence = []
         known = accepted >= 0
         if not known.any():
@@ -137,6 +159,7 @@ class SurvivalCorrection:
         positive = self.predicted + prior > 0  # a position never verified, or predicted 0 throughout: ratio 1
         self.ratio = np.where(positive, (self.survived + prior) / np.where(positive, self.predicted + prior, 1.0),
                               1.0)
+        self.ratio_list = self.ratio.tolist()
         self.learned = True
 
 
@@ -166,6 +189,7 @@ class ConfidenceScheduler:
         self.max_draft_len, self.costs, self.min_gain = max_draft_len, costs, min_gain
         self.temperatures = np.asarray(temps[:max_draft_len], dtype=np.float64)
         self.inverse_temperatures = 1.0 / self.temperatures
+        self._inverse_list = self.inverse_temperatures.tolist()
         self.uncalibrated = bool((self.temperatures == 1.0).all())
         self.layout = layout
         self.budget_per_request: float | None = None  # ragged: chosen from the previous step's confidences
@@ -174,7 +198,7 @@ class ConfidenceScheduler:
         self.correction = SurvivalCorrection(max_draft_len)
         self.decisions = 0  # budgets (or caps) chosen
         self.explored = 0  # of them, raised to whole blocks to gather evidence (EXPLORE_EVERY)
-        self._pending: tuple[np.ndarray, np.ndarray] | None = None  # the last allot's (survival, lengths), to learn
+        self._pending: tuple | None = None  # the last allot's (survival, lengths), to learn (arrays or lists)
 
     def survival(self, confidence: np.ndarray) -> np.ndarray:
         """confidence [S, K] (0 where nothing was proposed) -> calibrated survival [S, K], non-increasing in k
@@ -187,6 +211,19 @@ class ConfidenceScheduler:
         calibrated = 1.0 / (1.0 + odds ** self.inverse_temperatures[:c.shape[1]])
         return np.cumprod(np.where(confidence > 0, calibrated, 0.0), axis=1)
 
+    def survival_row(self, confidence: list[float], k: int) -> list[float]:
+        """``survival`` of one request's confidences [K'] in plain Python, padded with 0 to ``k``."""
+        out, alive = [0.0] * k, 1.0
+        for j, c in enumerate(confidence):
+            if not c > 0:  # nothing proposed here (or a confidence of 0): no draft from here on survives
+                break
+            if not self.uncalibrated:
+                c = min(max(c, 1e-9), 1 - 1e-9)
+                c = 1.0 / (1.0 + ((1.0 - c) / c) ** self._inverse_list[j])
+            alive *= c
+            out[j] = alive
+        return out
+
     def allot(self, confidences: list[list[float]], other_requests: int = 0, other_tokens: int = 0,
               context: int = 0) -> list[int]:
         """Each request's proposed drafts' confidences (in block order) -> how many of them to verify.
@@ -196,6 +233,8 @@ class ConfidenceScheduler:
         mixed step a verify token is priced where the step really is on the cost curve. ``context``: the KV tokens
         the step's requests attend over before what they feed, summed (the cost grows with it)."""
         num = len(confidences)
+        if self.layout == "padded" and num * self.max_draft_len <= SMALL_STEP:
+            return self._allot_padded_small(confidences, other_requests, other_tokens, context)
         sizes = np.fromiter((len(c) for c in confidences), dtype=np.int64, count=num)
         offered = int(sizes.sum())
         if num == 0 or offered == 0:
@@ -240,11 +279,35 @@ class ConfidenceScheduler:
             return
         raw, allotted = self._pending
         self._pending = None
-        if len(verified) != raw.shape[0] or len(accepted) != raw.shape[0]:
+        if len(verified) != len(raw) or len(accepted) != len(raw):
             raise ValueError(f"confidence scheduling: {len(verified)} verified and {len(accepted)} accepted counts "
-                             f"for a step of {raw.shape[0]} verifying requests")
-        lengths = np.minimum(allotted, np.asarray(verified, dtype=np.int64))  # allotted: [S] int64 already
-        self.correction.learn(raw, lengths, np.asarray(accepted, dtype=np.int64))
+                             f"for a step of {len(raw)} verifying requests")
+        self.correction.learn(raw, allotted, verified, accepted)
+
+    def _allot_padded_small(self, confidences: list[list[float]], other_requests: int, other_tokens: int,
+                            context: int) -> list[int]:
+        """``_allot_padded`` in plain Python for a small step (``SMALL_STEP``): the same decision."""
+        num = len(confidences)
+        sizes = [len(c) for c in confidences]
+        offered = sum(sizes)
+        if num == 0 or offered == 0:
+            return [0] * num
+        k = max(sizes)
+        raw = [self.survival_row(c, k) for c in confidences]  # [S][K]
+        survival = [self.correction.apply_row(row) for row in raw]
+        lengths = sizes if self.cap is None else [min(n, self.cap) for n in sizes]
+        expected, total = [float(num)], 0.0  # [K+1] committed tokens under each cap
+        for j in range(k):
+            total += sum(row[j] for row in survival)
+            expected.append(num + total)
+        predicted = self.costs.predict_ms_list(num + other_requests,
+                                               tuple(other_tokens + num * (q + 1) for q in range(k + 1)), context)
+        chosen = sum(sum(row[:n]) for row, n in zip(survival, lengths))
+        self.last = Decision(sum(lengths), offered, num + chosen, predicted[max(lengths)])
+        cap = self._best(expected, predicted)
+        self.cap = self.max_draft_len if self._explores(cap < k) else cap
+        self._pending = (raw, lengths)
+        return list(lengths)
 
     def _allot_padded(self, survival: np.ndarray, sizes: np.ndarray, other_requests: int,
                       other_tokens: int, context: int) -> np.ndarray:
@@ -276,8 +339,13 @@ class ConfidenceScheduler:
     def _best(self, expected: np.ndarray, predicted_ms: np.ndarray) -> int:
         """The index maximizing expected / predicted, or 0 or the last where the best beats them by less than
         ``min_gain`` (see the module doc)."""
-        rate = expected / predicted_ms
-        best, full = int(rate.argmax()), len(rate) - 1
+        if isinstance(expected, list):  # the plain-Python path (a small step)
+            rate = [e / p for e, p in zip(expected, predicted_ms)]
+            best = max(range(len(rate)), key=rate.__getitem__)  # the first maximum, as argmax
+        else:
+            rate = expected / predicted_ms
+            best = int(rate.argmax())
+        full = len(rate) - 1
         if rate[best] < (1 + self.min_gain) * rate[0]:
             return 0
         if rate[best] < (1 + self.min_gain) * rate[full]:

@@ -75,6 +75,7 @@ class StepCostTable:
         self._rows: list[tuple[int, np.ndarray, np.ndarray]] | None = None  # measured rows; rebuilt when one fills
         self._fits: dict[int, np.ndarray] = {}  # row -> its measured cells' non-decreasing fit; dropped on a change
         self._predicted: dict[tuple[int, bytes], np.ndarray] = {}  # (batch, tokens) -> predict_ms_many, read-only
+        self._listed: dict[tuple[int, tuple], list[float]] = {}  # (batch, tokens) -> predict_ms_list at no context
         self._pending: list[tuple[int, int, float]] = []  # served steps not yet learned (batch, tokens, seconds)
         self.observations = 0  # served steps observed (learned or pending)
 
@@ -143,7 +144,7 @@ class StepCostTable:
             self.step_ms[i, j] = old + weight * (ms - old)
             self.context[i, j] += weight * (context - self.context[i, j])
         self._fits.pop(i, None)
-        self._predicted.clear()
+        self._forget_predictions()
         return i, j, old
 
     def observe(self, batch: int, tokens: int, seconds: float, context: int = 0) -> None:
@@ -179,6 +180,11 @@ class StepCostTable:
         elif learned > before:  # raised: no cell of more tokens below it
             row[j + 1:] = np.where(row[j + 1:] + shift[j + 1:] < learned, learned - shift[j + 1:], row[j + 1:])
 
+    def _forget_predictions(self) -> None:
+        """A cell (or the context slope) changed: every cached prediction goes."""
+        self._predicted.clear()
+        self._listed.clear()
+
     def _fit_slope(self) -> None:
         """The context slope from its sums (0 until ``SLOPE_MIN_STEPS`` steps moved their context; never below 0:
         a step never gets cheaper for attending over more; nor so steep that a measured cell's context alone
@@ -191,7 +197,7 @@ class StepCostTable:
         if slope != self.ms_per_context_token:
             self.ms_per_context_token = slope
             self._fits.clear()
-            self._predicted.clear()
+            self._forget_predictions()
 
     def predict_ms(self, batch: int, tokens: int, context: int = 0) -> float:
         """Predicted milliseconds of a step of ``batch`` requests feeding ``tokens`` tokens in all, its requests
@@ -207,6 +213,20 @@ class StepCostTable:
             base = base + self.ms_per_context_token * context
             base.flags.writeable = False
         return base
+
+    def predict_ms_list(self, batch: int, tokens: tuple[int, ...], context: int = 0) -> list[float]:
+        """``predict_ms_many`` as a Python list, for the few lengths of a small step (``tokens`` a tuple: the cache
+        key): the scheduler's plain-Python path (``ConfidenceScheduler``: numpy's first calls after a step cost
+        it more than the arithmetic)."""
+        key = (batch, tokens)
+        base = self._listed.get(key)
+        if base is None:
+            base = self._listed[key] = self._predict_at_no_context(batch, tokens).tolist()
+            if len(self._listed) >= PREDICTIONS_KEPT:
+                self._listed.clear()
+                self._listed[key] = base
+        add = self.ms_per_context_token * context
+        return [b + add for b in base] if add else base
 
     def _predict_at_no_context(self, batch: int, tokens) -> np.ndarray:
         x = np.asarray(tokens, dtype=np.float64)

@@ -127,3 +127,13 @@ def test_schedule_bounds_price_the_best_cap_and_the_oracle_from_the_table(tmp_pa
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "schedule_bounds.py"), str(bench), str(costs),
                           "--concurrency", "64"], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == [row]
+
+
+def test_scheduler_host_benchmark_smoke(tmp_path):
+    out = tmp_path / "host.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scheduler_host.py"), "--batches", "1,32", "--steps", "3",
+                    "--out", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 32] and [r["chosen_by_default"] for r in rows] == ["python", "numpy"]
+    assert all(r[f"{path}_{kind}_us"] > 0 for r in rows for path in ("python", "numpy") for kind in ("after_step",
+                                                                                                     "in_loop"))

@@ -503,3 +503,52 @@ def test_the_scheduler_compares_verify_lengths_at_the_steps_own_context(layout):
     alike = StepCostTable.from_json({k_: v for k_, v in table.to_json().items()
                                      if k_ in ("batch_sizes", "token_counts", "step_ms")})
     assert scheduler_over(alike) != [k] * batch  # without the contexts it trims
+
+
+@pytest.mark.parametrize("calibrated", [True, False])
+def test_a_small_padded_step_decides_in_plain_python_exactly_as_numpy(monkeypatch, calibrated):
+    """A padded step of few drafts is decided in plain Python (numpy's first calls after an engine step cost more
+    than its arithmetic); over random steps (blocks cut short, confidences of 0, mixed-in prefill, a context, a
+    learned correction and context slope, exploration) it chooses the same lengths and caps, predicts the same
+    tokens and time, and learns the same correction as the numpy path."""
+    from runtime import confidence_scheduler
+
+    k = 5
+    rng = np.random.default_rng(0)
+    tokens = sorted({b * (n + 1) for b in (1, 2, 4, 8) for n in range(k + 1)} | {64, 128})
+    table = StepCostTable([1, 2, 4, 8], tokens, [[2.0 + 0.05 * b + 0.3 * t ** 0.7 + (0.4 if t > 20 else 0.0)
+                                                  for t in tokens] for b in (1, 2, 4, 8)])
+    for step in range(80):
+        table.observe(4, 4 * (step % 6 + 1), 1e-3 * (3.0 + 0.002 * step * 40), 40 * step)
+    table.flush()
+    temps = [0.7, 1.3, 2.0, 0.9, 1.1] if calibrated else None
+    python, vectorized = (ConfidenceScheduler(k, table, temps, min_gain=0.02, layout="padded") for _ in range(2))
+    caps = set()
+    for step in range(300):
+        num = int(rng.integers(1, 9))
+        confidences = []
+        for _ in range(num):
+            block = rng.uniform(0.05, 0.99, size=int(rng.integers(0, k + 1))).round(6).tolist()
+            if block and rng.random() < 0.1:
+                block[int(rng.integers(0, len(block)))] = 0.0
+            confidences.append(block)
+        others = (int(rng.integers(0, 3)), int(rng.integers(0, 40)), int(rng.integers(0, 4000)))
+        monkeypatch.setattr(confidence_scheduler, "SMALL_STEP", 64)
+        got = python.allot(confidences, *others)
+        monkeypatch.setattr(confidence_scheduler, "SMALL_STEP", 0)
+        want = vectorized.allot(confidences, *others)
+        assert got == want and python.cap == vectorized.cap
+        caps.add(python.cap)
+        if python.last is not None:
+            assert python.last.budget == vectorized.last.budget
+            assert python.last.expected_tokens == pytest.approx(vectorized.last.expected_tokens, rel=1e-12)
+            assert python.last.predicted_ms == pytest.approx(vectorized.last.predicted_ms, rel=1e-12)
+        if any(got):
+            verified = [min(n, int(rng.integers(0, k + 1))) for n in got]
+            accepted = [int(rng.integers(-1, n + 1)) for n in verified]
+            python.learn(verified, accepted)
+            vectorized.learn(verified, accepted)
+    python.correction.fold()
+    vectorized.correction.fold()
+    assert python.correction.learned and python.explored > 0 and len(caps) >= 3  # decisions that differ
+    assert python.correction.ratio.tolist() == pytest.approx(vectorized.correction.ratio.tolist(), rel=1e-12)
