@@ -69,7 +69,7 @@ class StepCostTable:
         # [batch sizes, token counts] mean context (KV tokens attended, summed over a step's requests) of each
         # cell's measurements; 0 where not given (a table written before contexts were kept)
         self.context = np.zeros(shape)
-        self._slope_sums = np.zeros(3)  # [sum dx*dy, sum dx*dx, steps]: context against step-time deviations
+        self._slope_sums = [0.0, 0.0, 0.0]  # sum dx*dy, sum dx*dx, steps: context against step-time deviations
         self.ms_per_context_token = 0.0  # the learned slope (see the module doc)
         self._tokens = np.asarray(token_counts, dtype=np.float64)
         self._rows: list[tuple[int, np.ndarray, np.ndarray]] | None = None  # measured rows; rebuilt when one fills
@@ -106,7 +106,7 @@ class StepCostTable:
                 value = float(slope["ms_per_context_token"])
                 if sums.shape != (3,) or not np.isfinite(sums).all() or not value >= 0:
                     raise ValueError("context_slope: {ms_per_context_token >= 0, sums: 3 numbers} expected")
-                table._slope_sums, table.ms_per_context_token = sums, value
+                table._slope_sums, table.ms_per_context_token = sums.tolist(), value
             return table
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: expected {{batch_sizes, token_counts, step_ms[, context_tokens, "
@@ -166,10 +166,12 @@ class StepCostTable:
     def _learn(self, batch: int, tokens: int, seconds: float, context: int) -> None:
         """One served step: the context slope's evidence, its cell, then the bound that cell puts on its row."""
         i, j = _nearest(self.batch_sizes, batch), _nearest(self.token_counts, tokens)
-        if not math.isnan(self.step_ms[i, j]):  # how far this step sat from its cell, in time and in context
-            dx, dy = context - self.context[i, j], 1e3 * seconds - self.step_ms[i, j]
-            self._slope_sums *= SLOPE_DECAY
-            self._slope_sums += (dx * dy, dx * dx, float(dx != 0))
+        cell = float(self.step_ms[i, j])
+        if not math.isnan(cell):  # how far this step sat from its cell, in time and in context (Python floats)
+            dx, dy = context - float(self.context[i, j]), 1e3 * seconds - cell
+            sxy, sxx, steps = self._slope_sums
+            self._slope_sums = [SLOPE_DECAY * sxy + dx * dy, SLOPE_DECAY * sxx + dx * dx,
+                                SLOPE_DECAY * steps + (dx != 0)]
         i, j, before = self.record(batch, tokens, 1e3 * seconds, OBSERVATION_WEIGHT, context)
         row, learned = self.step_ms[i], self.step_ms[i, j]
         # the cells compared at the learned cell's context: each cell's own value is its bound less the slope x
