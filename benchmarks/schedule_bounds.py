@@ -2,7 +2,8 @@
 
 Issue 16 asks the confidence scheduler for 1.10x the tuned schedule at 64 requests and above. This bounds what is
 there to gain, per concurrency of the record, from the measured acceptance per position (the fixed K engine's, which
-verifies whole blocks) and the learned step-time table (``--profile-steps``; read at the contexts it was learned at):
+verifies whole blocks) and a step-time table (``--profile-steps``: the startup profile; or a record's
+``confidence_cost_table_served`` saved as a file):
 
 - ``padded_best``: the best single cap Q for every request (what CUDA graphs padded to one length per step allow),
   expected tokens ``1 + sum(acceptance[:Q])`` per request over the table's step of ``batch x (Q + 1)`` tokens,

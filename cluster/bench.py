@@ -16,8 +16,9 @@ real shapes (``load_format="dummy"``): step times and roofline only, since rando
 on the same target, eager and compiled (static cache).
 ``--tune-schedule FILE`` times every shorter draft length too, writes the fastest ``draft_len_schedule``
 (``cluster.schedule_tuning``) and sweeps an engine with it (``tuned_*`` fields). ``--confidence-scheduling`` sweeps
-an engine whose verify lengths the confidence scheduler chooses (``confidence_*`` fields; ``--profile-steps FILE``
-saves its step-time table): within the tuned schedule when both are given (the schedule caps the block it
+an engine whose verify lengths the confidence scheduler chooses (``confidence_*`` fields; its startup profile is
+``confidence_cost_table``, ``--profile-steps FILE`` saves it, and ``confidence_cost_table_served`` is the table as
+the sweep and mixed workload left it): within the tuned schedule when both are given (the schedule caps the block it
 drafts; ``confidence_vs_tuned`` compares the two engines measured in this run, the median rounds' tokens/s, and
 ``confidence_vs_tuned_paired`` the median of the per-round ratios, each round's two figures taken back to back, so
 the host's drift between rounds cancels), else within ``max_draft_len``.
@@ -663,7 +664,8 @@ def run(args) -> dict:
                            confidence_predicted_step_ms=stats["mean_predicted_step_ms"],
                            confidence_measured_step_ms=stats["mean_measured_step_ms"],
                            confidence_expected_tokens_per_request=stats["mean_expected_tokens_per_request"],
-                           confidence_committed_tokens_per_request=stats["mean_committed_tokens_per_request"])
+                           confidence_committed_tokens_per_request=stats["mean_committed_tokens_per_request"],
+                           confidence_cost_ms_per_context_token=stats["cost_table_ms_per_context_token"])
         elif kind == "tuned":
             rows[c].update(tuned_mean_acceptance_length=timing["mean_acceptance_length"])
         elif kind == "dspark":
@@ -686,7 +688,10 @@ def run(args) -> dict:
                   file=sys.stderr, flush=True)
 
     def finish(kind: str, llm, with_mixed: bool = True, with_e2e: bool = True) -> None:
-        """The mixed workload and end to end where asked for, then the engine's memory freed."""
+        """The mixed workload and end to end where asked for, then the engine's memory freed (a confidence-
+        scheduled engine's step-time table, as serving left it, recorded first)."""
+        if kind == "confidence":  # the startup profile is confidence_cost_table; this one learned from the sweep
+            record["confidence_cost_table_served"] = llm.engine.confidence.costs.to_json()
         if args.mixed_rate and with_mixed:
             record.setdefault("mixed_workload", {})[kind] = mixed(llm)
             print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,

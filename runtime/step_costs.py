@@ -28,10 +28,11 @@ learns one slope, milliseconds per context token (``ms_per_context_token``), fro
 least-squares fit of how far a step's time sat from its cell's mean against how far its context did (pooled over
 cells, older steps fading, never below 0, 0 until ``SLOPE_MIN_STEPS`` steps moved their context). A prediction reads
 every cell as if measured at the asked context (``cell - slope x (cell context - context)``; the row's fit is taken
-over those). Without it, cells learned at different contexts were compared as if alike: run 49 (an H200, 256
-requests, contexts of 101 to 354 tokens per request over a sweep point) read 10.1 ms for 6 tokens a request and
-12.7 ms for 8, where the tuning measured 11.8 and 13.9, and the scheduler trimmed to 5.7 of 7 drafts for 0.97 of
-whole blocks' throughput.
+over those). Without it, cells measured at different contexts were compared as if alike: in run 49 (an H200, 256
+requests) the startup profile, its steps at under ~100 tokens of context a request, read 10.1 ms for 6 tokens a request
+and 12.7 ms for 8, where the tuning measured 11.8 and 13.9 at the sweep's 101-354; the cells the scheduler served
+moved to the serving contexts while the others kept the profile's, its predicted steps were 7% under the
+measured, and it capped at 5.7 of 7 drafts for 0.97 of whole blocks' throughput.
 JSON (``to_json`` / ``from_json``): ``{"batch_sizes": [...], "token_counts": [...], "step_ms": [[...], ...],
 "context_tokens": [[...], ...], "context_slope": {...}}``, the format ``dspark bench --profile-steps`` writes and
 ``confidence_cost_table_path`` reads (a table without ``context_tokens``, written before, reads as measured at no

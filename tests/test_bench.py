@@ -212,6 +212,10 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     assert len(record["mixed_workload"]["confidence"]["tokens_per_s_rounds"]) == 3
     assert record["mixed_confidence_vs_tuned"] > 0 and record["mixed_confidence_vs_tuned_tpot"] > 0
     assert record["mixed_confidence_vs_tuned_paired"] > 0
+    # the startup profile and the table as serving left it (its served cells at the contexts they were served at)
+    startup, served = record["confidence_cost_table"], record["confidence_cost_table_served"]
+    assert startup["token_counts"] == served["token_counts"] and served["context_tokens"] != startup["context_tokens"]
+    assert all(row["confidence_cost_ms_per_context_token"] >= 0 for row in record["runs"])
     # every engine profiled, and only after the last figure was taken (the confidence engine's sweep is the last):
     # a process the profiler has run in launches CUDA graphs slower
     keys = list(record)

@@ -421,9 +421,9 @@ def served(table: StepCostTable, batch: int, tokens: int, contexts, cost) -> Non
 
 def test_the_table_learns_what_a_context_token_costs_and_reads_every_cell_at_the_asked_context(tmp_path):
     """A step's time grows with the KV tokens its requests attend over; a cell remembers the context it was measured
-    at, and the slope learned from the served steps reads every cell at the context asked. Run 49: cells learned
-    at contexts of 101 to 354 tokens a request, compared as if alike, put whole blocks 2.6 ms above 6 tokens a
-    request where the tuning measured 2.1."""
+    at, and the slope learned from the served steps reads every cell at the context asked. Run 49: a startup
+    profile at under ~100 tokens of context a request beside cells served at 101-354, compared as if alike: predicted
+    steps 7% under the measured, 5.7 of 7 drafts verified for 0.97 of whole blocks' throughput."""
     tokens = [4, 8, 12, 16, 20, 24, 28, 32]
 
     def cost(t, context):  # ms: 10 + 0.5 per token fed + 0.01 per context token
