@@ -47,7 +47,8 @@ two engine steps numpy's code is cold, and each distinct numpy call's first use 
 (a 2-core CPU host: a 7-element sum 23 us first, 1 us after), so at a few requests the calls, not the arithmetic,
 were the cost: the decision and its learning right after a step 269 / 261 / 319 / 313 us with numpy at 1 / 4 / 8 /
 16 requests, 73 / 97 / 121 / 205 us in Python (``benchmarks/scheduler_host.py``, ``2026-12-02-scheduler-host-cpu``;
-at 32 requests 337 against 360 us, hence 128 drafts). The online correction gathers its evidence as it comes and converts it when it folds.
+at 32 requests 337 against 360 us, hence 128 drafts). The online correction gathers its evidence as it comes and
+converts it when it folds.
 """
 
 from __future__ import annotations
