@@ -1,7 +1,8 @@
 """The confidence scheduler's host work per step, where the engine pays it: right after an engine step.
 
-A padded decision (``ConfidenceScheduler`` with ``layout="padded"``, what a graphed engine runs) and its learning
-are timed two ways, each with the plain-Python path for small steps on and off (``SMALL_STEP``):
+A decision of each layout (``ConfidenceScheduler``: ``padded``, what a graphed engine runs; ``ragged``, an eager
+engine's) and its learning are timed two ways, each with the plain-Python path for small steps on and off
+(``SMALL_STEP``):
 
 - ``after_step_us``: the median over ``--steps`` engine steps of the time of one decision + learn made right after
   a step of a tiny engine on this host (numpy's code is cold then: the first use of each numpy call costs
@@ -65,18 +66,18 @@ def main() -> None:
     for _ in range(10):
         engine.step()
     block = list(engine.scheduler.running[0].draft_confidence or [0.5] * K)
-    scheduler = ConfidenceScheduler(K, engine.confidence.costs, [1.2] * K, layout="padded")
     default = confidence_scheduler.SMALL_STEP
     rows = []
     try:
-        for batch in (int(b) for b in args.batches.split(",")):
+        for layout, batch in ((layout, int(b)) for layout in ("padded", "ragged") for b in args.batches.split(",")):
             confidences = [block] * batch
+            scheduler = ConfidenceScheduler(K, engine.confidence.costs, [1.2] * K, layout=layout)
 
             def decide():
-                scheduler.allot(confidences, 0, 0, 100 * batch)
-                scheduler.learn([K] * batch, [3] * batch)
+                lengths = scheduler.allot(confidences, 0, 0, 100 * batch)
+                scheduler.learn(lengths, [min(3, n) for n in lengths])
 
-            row = {"batch": batch}
+            row = {"layout": layout, "batch": batch}
             for name, small in (("python", 1 << 30), ("numpy", 0)):
                 confidence_scheduler.SMALL_STEP = small
                 row[f"{name}_after_step_us"] = round(median_us(decide, args.steps, engine.step), 1)

@@ -41,14 +41,15 @@ tokens fed)``. The scheduler, in either of two step layouts:
 
 The first step (no earlier confidences) verifies whole blocks. The host work is a few numpy operations over the
 batch's ``S x K`` confidences (numpy, not torch: a CPU torch op costs several microseconds of dispatch, and at
-batch 1 on a small target the scheduler's forty-odd ops cost a third of the step). A padded step of at most
+batch 1 on a small target the scheduler's forty-odd ops cost a third of the step). A step of at most
 ``SMALL_STEP`` proposed drafts is decided in plain Python instead (the same arithmetic in the same order): between
 two engine steps numpy's code is cold, and each distinct numpy call's first use after a step costs microseconds
 (a 2-core CPU host: a 7-element sum 23 us first, 1 us after), so at a few requests the calls, not the arithmetic,
-were the cost: the decision and its learning right after a step 269 / 261 / 319 / 313 us with numpy at 1 / 4 / 8 /
-16 requests, 73 / 97 / 121 / 205 us in Python (``benchmarks/scheduler_host.py``, ``2026-12-02-scheduler-host-cpu``;
-at 32 requests 337 against 360 us, hence 128 drafts). The online correction gathers its evidence as it comes and
-converts it when it folds.
+were the cost: a padded decision and its learning right after a step 247 / 254 / 314 / 255 us with numpy at 1 / 4 /
+8 / 16 requests, 57 / 90 / 118 / 202 us in Python; a ragged one 313 / 330 / 368 / 336 against 75 / 123 / 188 / 288
+(``benchmarks/scheduler_host.py``, ``2026-12-02-scheduler-host-cpu``; at 32 requests numpy wins, 279 against 345
+and 331 against 515 us, hence 128 drafts). The online correction gathers its evidence as it comes and converts it
+when it folds.
 """
 
 from __future__ import annotations
@@ -234,8 +235,10 @@ class ConfidenceScheduler:
         mixed step a verify token is priced where the step really is on the cost curve. ``context``: the KV tokens
         the step's requests attend over before what they feed, summed (the cost grows with it)."""
         num = len(confidences)
-        if self.layout == "padded" and num * self.max_draft_len <= SMALL_STEP:
-            return self._allot_padded_small(confidences, other_requests, other_tokens, context)
+        if num * self.max_draft_len <= SMALL_STEP:
+            if self.layout == "padded":
+                return self._allot_padded_small(confidences, other_requests, other_tokens, context)
+            return self._allot_ragged_small(confidences, other_requests, other_tokens, context)
         sizes = np.fromiter((len(c) for c in confidences), dtype=np.int64, count=num)
         offered = int(sizes.sum())
         if num == 0 or offered == 0:
@@ -284,6 +287,40 @@ class ConfidenceScheduler:
             raise ValueError(f"confidence scheduling: {len(verified)} verified and {len(accepted)} accepted counts "
                              f"for a step of {len(raw)} verifying requests")
         self.correction.learn(raw, allotted, verified, accepted)
+
+    def _allot_ragged_small(self, confidences: list[list[float]], other_requests: int, other_tokens: int,
+                            context: int) -> list[int]:
+        """The ragged decision of ``allot`` in plain Python for a small step (``SMALL_STEP``): the same budget, the
+        same drafts (``top_drafts``'s ranking: survival, then the earlier position, then the earlier request)."""
+        num = len(confidences)
+        sizes = [len(c) for c in confidences]
+        offered = sum(sizes)
+        if num == 0 or offered == 0:
+            return [0] * num
+        k = max(sizes)
+        raw = [self.survival_row(c, k) for c in confidences]  # [S][K]
+        survival = [self.correction.apply_row(row) for row in raw]
+        drafts = [(survival[i][j], i) for j in range(k) for i in range(num) if j < sizes[i]]  # position-major
+        order = sorted(drafts, key=lambda draft: -draft[0])  # stable: ties keep the earlier position, request
+        budget = offered if self.budget_per_request is None else min(round(self.budget_per_request * num), offered)
+        if budget >= offered:  # everything proposed is verified: no ranking needed
+            lengths = sizes
+        else:
+            lengths = [0] * num
+            for _, i in order[:budget]:
+                lengths[i] += 1
+        expected, total = [float(num)], 0.0  # [offered + 1] committed tokens under each budget
+        for value, _ in order:
+            total += value
+            expected.append(num + total)
+        predicted = self.costs.predict_ms_list(num + other_requests,
+                                               tuple(other_tokens + num + b for b in range(offered + 1)), context)
+        chosen = sum(sum(row[:n]) for row, n in zip(survival, lengths))
+        self.last = Decision(budget, offered, num + chosen, predicted[budget])
+        best = self._best(expected, predicted)
+        self.budget_per_request = self.max_draft_len if self._explores(best < offered) else best / num
+        self._pending = (raw, lengths)
+        return list(lengths)
 
     def _allot_padded_small(self, confidences: list[list[float]], other_requests: int, other_tokens: int,
                             context: int) -> list[int]:

@@ -134,6 +134,7 @@ def test_scheduler_host_benchmark_smoke(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scheduler_host.py"), "--batches", "1,32", "--steps", "3",
                     "--out", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=300)
     rows = json.loads(out.read_text())["rows"]
-    assert [r["batch"] for r in rows] == [1, 32] and [r["chosen_by_default"] for r in rows] == ["python", "numpy"]
+    assert [(r["layout"], r["batch"]) for r in rows] == [("padded", 1), ("padded", 32), ("ragged", 1), ("ragged", 32)]
+    assert [r["chosen_by_default"] for r in rows] == ["python", "numpy"] * 2
     assert all(r[f"{path}_{kind}_us"] > 0 for r in rows for path in ("python", "numpy") for kind in ("after_step",
                                                                                                      "in_loop"))

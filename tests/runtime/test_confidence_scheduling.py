@@ -505,11 +505,12 @@ def test_the_scheduler_compares_verify_lengths_at_the_steps_own_context(layout):
     assert scheduler_over(alike) != [k] * batch  # without the contexts it trims
 
 
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
 @pytest.mark.parametrize("calibrated", [True, False])
-def test_a_small_padded_step_decides_in_plain_python_exactly_as_numpy(monkeypatch, calibrated):
-    """A padded step of few drafts is decided in plain Python (numpy's first calls after an engine step cost more
-    than its arithmetic); over random steps (blocks cut short, confidences of 0, mixed-in prefill, a context, a
-    learned correction and context slope, exploration) it chooses the same lengths and caps, predicts the same
+def test_a_small_step_decides_in_plain_python_exactly_as_numpy(monkeypatch, calibrated, layout):
+    """A step of few drafts is decided in plain Python (numpy's first calls after an engine step cost more than its
+    arithmetic); over random steps (blocks cut short, confidences of 0, mixed-in prefill, a context, a learned
+    correction and context slope, exploration) it chooses the same lengths and caps (or budgets), predicts the same
     tokens and time, and learns the same correction as the numpy path."""
     from runtime import confidence_scheduler
 
@@ -522,7 +523,7 @@ def test_a_small_padded_step_decides_in_plain_python_exactly_as_numpy(monkeypatc
         table.observe(4, 4 * (step % 6 + 1), 1e-3 * (3.0 + 0.002 * step * 40), 40 * step)
     table.flush()
     temps = [0.7, 1.3, 2.0, 0.9, 1.1] if calibrated else None
-    python, vectorized = (ConfidenceScheduler(k, table, temps, min_gain=0.02, layout="padded") for _ in range(2))
+    python, vectorized = (ConfidenceScheduler(k, table, temps, min_gain=0.02, layout=layout) for _ in range(2))
     caps = set()
     for step in range(300):
         num = int(rng.integers(1, 9))
@@ -538,7 +539,8 @@ def test_a_small_padded_step_decides_in_plain_python_exactly_as_numpy(monkeypatc
         monkeypatch.setattr(confidence_scheduler, "SMALL_STEP", 0)
         want = vectorized.allot(confidences, *others)
         assert got == want and python.cap == vectorized.cap
-        caps.add(python.cap)
+        assert python.budget_per_request == vectorized.budget_per_request
+        caps.add(python.cap if layout == "padded" else python.budget_per_request)
         if python.last is not None:
             assert python.last.budget == vectorized.last.budget
             assert python.last.expected_tokens == pytest.approx(vectorized.last.expected_tokens, rel=1e-12)
