@@ -288,18 +288,25 @@ class ConfidenceScheduler:
                              f"for a step of {len(raw)} verifying requests")
         self.correction.learn(raw, allotted, verified, accepted)
 
+    def _small_step(self, confidences: list[list[float]]) -> tuple | None:
+        """A small step in plain Python: (requests S, longest block K, sizes [S], drafts proposed, survivals before
+        and after the correction [S][K] lists, 0 past a block), or None when nothing was proposed."""
+        sizes = [len(c) for c in confidences]
+        offered = sum(sizes)
+        if offered == 0:
+            return None
+        k = max(sizes)
+        raw = [self.survival_row(c, k) for c in confidences]
+        return len(sizes), k, sizes, offered, raw, [self.correction.apply_row(row) for row in raw]
+
     def _allot_ragged_small(self, confidences: list[list[float]], other_requests: int, other_tokens: int,
                             context: int) -> list[int]:
         """The ragged decision of ``allot`` in plain Python for a small step (``SMALL_STEP``): the same budget, the
         same drafts (``top_drafts``'s ranking: survival, then the earlier position, then the earlier request)."""
-        num = len(confidences)
-        sizes = [len(c) for c in confidences]
-        offered = sum(sizes)
-        if num == 0 or offered == 0:
-            return [0] * num
-        k = max(sizes)
-        raw = [self.survival_row(c, k) for c in confidences]  # [S][K]
-        survival = [self.correction.apply_row(row) for row in raw]
+        step = self._small_step(confidences)
+        if step is None:
+            return [0] * len(confidences)
+        num, k, sizes, offered, raw, survival = step
         drafts = [(survival[i][j], i) for j in range(k) for i in range(num) if j < sizes[i]]  # position-major
         order = sorted(drafts, key=lambda draft: -draft[0])  # stable: ties keep the earlier position, request
         budget = offered if self.budget_per_request is None else min(round(self.budget_per_request * num), offered)
@@ -325,14 +332,10 @@ class ConfidenceScheduler:
     def _allot_padded_small(self, confidences: list[list[float]], other_requests: int, other_tokens: int,
                             context: int) -> list[int]:
         """``_allot_padded`` in plain Python for a small step (``SMALL_STEP``): the same decision."""
-        num = len(confidences)
-        sizes = [len(c) for c in confidences]
-        offered = sum(sizes)
-        if num == 0 or offered == 0:
-            return [0] * num
-        k = max(sizes)
-        raw = [self.survival_row(c, k) for c in confidences]  # [S][K]
-        survival = [self.correction.apply_row(row) for row in raw]
+        step = self._small_step(confidences)
+        if step is None:
+            return [0] * len(confidences)
+        num, k, sizes, offered, raw, survival = step
         lengths = sizes if self.cap is None else [min(n, self.cap) for n in sizes]
         expected, total = [float(num)], 0.0  # [K+1] committed tokens under each cap
         for j in range(k):
