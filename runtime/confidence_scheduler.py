@@ -80,7 +80,7 @@ CORRECTION_PRIOR = 32.0  # pseudo-drafts per position at ratio 1: a few steps of
 CORRECTION_WINDOW = 4096.0  # verified drafts per position the estimate weighs (older ones fade as it learns)
 EXPLORE_EVERY = 32  # every this many decisions below whole blocks, the next step verifies whole blocks
 FOLD_EVERY = 8  # steps of evidence the correction gathers before it folds them in (its numpy work, once for all)
-SMALL_STEP = 128  # a padded step of at most this many drafts is decided in plain Python (module doc)
+SMALL_STEP = 128  # a step of at most this many drafts (requests x max_draft_len) is decided in plain Python
 
 
 class SurvivalCorrection:

@@ -77,7 +77,7 @@ class StepCostTable:
         self._fits: dict[int, np.ndarray] = {}  # row -> its measured cells' non-decreasing fit; dropped on a change
         self._predicted: dict[tuple[int, bytes], np.ndarray] = {}  # (batch, tokens) -> predict_ms_many, read-only
         self._listed: dict[tuple[int, tuple], list[float]] = {}  # (batch, tokens) -> predict_ms_list at no context
-        self._pending: list[tuple[int, int, float]] = []  # served steps not yet learned (batch, tokens, seconds)
+        self._pending: list[tuple[int, int, float, int]] = []  # served steps not yet learned
         self.observations = 0  # served steps observed (learned or pending)
 
     # ---- persistence --------------------------------------------------------------------------
@@ -131,13 +131,13 @@ class StepCostTable:
         return bool((~np.isnan(self.step_ms)).any())
 
     def record(self, batch: int, tokens: int, ms: float, weight: float = 1.0,
-               context: float = 0.0) -> tuple[int, int, float]:
+               context: float = 0.0) -> tuple[int, int, float, float]:
         """Move the cell nearest to (batch, tokens), and the context it was measured at, toward ``ms`` measured at
-        ``context`` (weight 1: replace them; an empty cell takes them); -> (its row, its column, its value
-        before)."""
+        ``context`` (weight 1: replace them; an empty cell takes them); -> (its row, its column, its value and its
+        context before)."""
         i = _nearest(self.batch_sizes, batch)
         j = _nearest(self.token_counts, tokens)
-        old = self.step_ms[i, j]
+        old, old_context = float(self.step_ms[i, j]), float(self.context[i, j])
         if math.isnan(old):
             self._rows = None  # a new measured cell: the rows' points change
             self.step_ms[i, j], self.context[i, j] = ms, context
@@ -146,7 +146,7 @@ class StepCostTable:
             self.context[i, j] += weight * (context - self.context[i, j])
         self._fits.pop(i, None)
         self._forget_predictions()
-        return i, j, old
+        return i, j, old, old_context
 
     def observe(self, batch: int, tokens: int, seconds: float, context: int = 0) -> None:
         """A step the engine served (``context``: the KV tokens its requests attended before the tokens it fed,
@@ -165,15 +165,13 @@ class StepCostTable:
             self._fit_slope()
 
     def _learn(self, batch: int, tokens: int, seconds: float, context: int) -> None:
-        """One served step: the context slope's evidence, its cell, then the bound that cell puts on its row."""
-        i, j = _nearest(self.batch_sizes, batch), _nearest(self.token_counts, tokens)
-        cell = float(self.step_ms[i, j])
-        if not math.isnan(cell):  # how far this step sat from its cell, in time and in context (Python floats)
-            dx, dy = context - float(self.context[i, j]), 1e3 * seconds - cell
+        """One served step: its cell, the context slope's evidence, then the bound that cell puts on its row."""
+        i, j, before, before_context = self.record(batch, tokens, 1e3 * seconds, OBSERVATION_WEIGHT, context)
+        if not math.isnan(before):  # how far this step sat from its cell, in time and in context (Python floats)
+            dx, dy = context - before_context, 1e3 * seconds - before
             sxy, sxx, steps = self._slope_sums
             self._slope_sums = [SLOPE_DECAY * sxy + dx * dy, SLOPE_DECAY * sxx + dx * dx,
                                 SLOPE_DECAY * steps + (dx != 0)]
-        i, j, before = self.record(batch, tokens, 1e3 * seconds, OBSERVATION_WEIGHT, context)
         row, learned = self.step_ms[i], self.step_ms[i, j]
         # the cells compared at the learned cell's context: each cell's own value is its bound less the slope x
         # how far its context sits below the learned cell's (NaN cells compare false: they stay unmeasured)
