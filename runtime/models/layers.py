@@ -126,6 +126,10 @@ class AttentionInputs:
     slots: torch.Tensor | None = None  # [T] cache slots for this forward's K/V (target forwards)
     block_size: int | None = None  # draft blocks: T = B * block_size queries whose own K/V stay out of the
     # cache and are seen, bidirectionally, as extra keys by every query of the same block
+    # packed verification (runtime.packed_verify): the forward's T rows are a subset of a uniform layout of
+    # ``padded_rows`` rows (what ``meta`` is planned for); ``unpack`` [T] is each row's place in it
+    unpack: torch.Tensor | None = None
+    padded_rows: int = 0
 
 
 class Attention(nn.Module):
@@ -225,7 +229,12 @@ class Attention(nn.Module):
         if inputs.block_size is None:  # k and v go to the cache in the same kernel that rotates them
             q = self.kernels.rope_and_cache(q, k, v, *self._weights(), self.eps, inputs.cos, inputs.sin, cache[0],
                                             cache[1], inputs.slots)
-            out = self.kernels.paged_attention(q, cache[0], cache[1], inputs.meta, self.scale)
+            if inputs.unpack is not None:  # packed rows: attend in the uniform layout the plan is for, read back
+                full = q.new_zeros((inputs.padded_rows, *q.shape[1:]))  # rows not fed attend to nothing needed
+                full[inputs.unpack] = q
+                out = self.kernels.paged_attention(full, cache[0], cache[1], inputs.meta, self.scale)[inputs.unpack]
+            else:
+                out = self.kernels.paged_attention(q, cache[0], cache[1], inputs.meta, self.scale)
         else:
             q, k = self.kernels.qk_norm_rope(q, k, *self._weights(), self.eps, inputs.cos, inputs.sin)
             shape = (-1, inputs.block_size, *k.shape[1:])  # [B, block, Hkv, D]

@@ -84,11 +84,13 @@ class TargetModel(nn.Module):
         self.capture_layer_ids = tuple(layer_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: PagedAttentionMeta, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                meta: PagedAttentionMeta, slots: torch.Tensor, unpack: torch.Tensor | None = None,
+                padded_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         # input_ids, positions, slots: [T] -> hidden [T, d] (final-normed), captured [T, m*d] or None
+        # (``unpack`` [T]: packed rows of a uniform layout of ``padded_rows`` that ``meta`` is planned for)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
-        inputs = AttentionInputs(cos=cos, sin=sin, meta=meta, slots=slots)
+        inputs = AttentionInputs(cos=cos, sin=sin, meta=meta, slots=slots, unpack=unpack, padded_rows=padded_rows)
         captured = [h] if -1 in self.capture_layer_ids else []
         residual = None
         for i, layer in enumerate(self.model.layers):

@@ -1,0 +1,111 @@
+"""Packed verification (``runtime.packed_verify``): the device-side selection matches the host scheduler's, and a
+packed verify of full blocks equals verifying each request's chosen drafts alone (fp32, the torch kernels)."""
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+from runtime.confidence_scheduler import ConfidenceScheduler, top_drafts
+from runtime.packed_verify import pack_index, packed_verify, select_lengths, survivals, verify_positions
+from runtime.step_io import ScheduledRequest
+from runtime.step_tensors import build_step_tensors
+from runtime.verify import accept_by_match
+from tests.runtime.test_confidence_scheduling import flat_table
+
+
+def falling_rows(rng, batch: int, k: int) -> np.ndarray:
+    """[B, K] survivals, non-increasing along each row, with ties across rows and zeros (nothing proposed)."""
+    rows = np.minimum.accumulate(rng.choice([0.0, 0.2, 0.5, 0.5, 0.7, 0.9], size=(batch, k)), axis=1)
+    rows[rng.random(batch) < 0.2, -2:] = 0.0
+    return rows
+
+
+def test_the_selection_is_the_host_schedulers_global_top_drafts():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        batch, k = int(rng.integers(1, 9)), int(rng.integers(1, 8))
+        survival = falling_rows(rng, batch, k)
+        for budget in range(batch * k + 1):
+            lengths = select_lengths(torch.from_numpy(survival), budget)
+            assert lengths.tolist() == top_drafts(survival, np.ones_like(survival, dtype=bool), budget).tolist()
+            assert int(lengths.sum()) == budget
+
+
+def test_survivals_match_the_schedulers_calibrated_and_corrected_ones():
+    rng = np.random.default_rng(1)
+    temperatures = [0.6, 1.0, 1.7, 3.0, 0.9]
+    scheduler = ConfidenceScheduler(5, flat_table(0.001), temperatures)
+    scheduler.correction.ratio = np.array([1.0, 1.3, 0.8, 1.6, 1.1])
+    scheduler.correction.learned = True
+    confidence = rng.uniform(0.01, 0.99, size=(6, 5))
+    confidence[2, 3:] = 0.0  # a block cut short
+    want = scheduler.correction.apply(scheduler.survival(confidence))
+    got = survivals(torch.from_numpy(confidence), torch.tensor(1.0 / np.array(temperatures)),
+                    torch.from_numpy(scheduler.correction.ratio))
+    assert got.numpy() == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+def test_pack_index_and_verify_positions():
+    lengths = torch.tensor([2, 0, 3])
+    assert pack_index(lengths, 4, 8).tolist() == [0, 1, 2, 4, 8, 9, 10, 11]
+    positions = torch.tensor([10, 11, 12, 13, 5, 6, 7, 8, 20, 21, 22, 23])
+    assert verify_positions(positions, lengths, 4).tolist() == [10, 11, 12, 12, 5, 5, 5, 5, 20, 21, 22, 23]
+
+
+def test_a_packed_verify_equals_verifying_each_requests_share_alone(near_bigram_target):
+    """Three requests with contexts in the cache verify full blocks of K = 5 (greedy continuations, each broken at
+    a different draft) under a budget of 2 columns: the packed step feeds each request its anchor and the drafts of
+    highest survival, and its verdicts, hidden states and KV writes equal a ragged step fed exactly those."""
+    k, page_size = 5, 4
+    llm = LLM(str(near_bigram_target), dtype="float32", device="cpu", num_pages=64, page_size=page_size,
+              max_num_seqs=4)
+    runner = llm.engine.executor.worker.engine_part
+    target, caches, kernels = runner.target, runner.caches, runner.kernels
+    params = SamplingParams(max_tokens=k + 2, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 17, 33, 2, 90], [100, 3, 7, 7, 41, 9, 12, 60, 2], [20, 21, 22]]
+    greedy = [o.token_ids for o in llm.generate(prompts, params)]
+    pages = [list(range(1 + 8 * b, 9 + 8 * b)) for b in range(len(prompts))]
+    prefill = [ScheduledRequest(str(b), p, 0, pages[b], 0, True, params, b) for b, p in enumerate(prompts)]
+    t = build_step_tensors(prefill, page_size, torch.device("cpu"), kernels)
+    target(t.input_ids, t.positions, caches, t.meta, t.slots)
+    snapshot = [(kc.clone(), vc.clone()) for kc, vc in caches]
+    broken_at = [1, 4, 2]  # the draft each block gets wrong (0-based)
+    blocks = []
+    for b, out in enumerate(greedy):
+        drafts = list(out[1:k + 1])
+        drafts[broken_at[b]] = (drafts[broken_at[b]] + 1) % 128
+        blocks.append([out[0], *drafts])
+    survival = torch.tensor([[0.9, 0.8, 0.3, 0.2, 0.1], [0.95, 0.9, 0.85, 0.8, 0.1], [0.5, 0.4, 0.3, 0.1, 0.0]],
+                            dtype=torch.float64)
+    budget = 2 * len(prompts)
+    full = [ScheduledRequest(str(b), blocks[b], len(p), pages[b], k, True, params, b) for b, p in enumerate(prompts)]
+    u = build_step_tensors(full, page_size, torch.device("cpu"), kernels)
+    packed = packed_verify(target, caches, u.meta, u.input_ids, u.positions, u.slots, survival, budget,
+                           target.compute_top_argmax)
+    lengths = packed.lengths.tolist()
+    assert lengths == top_drafts(survival.numpy(), np.ones((3, k), dtype=bool), budget).tolist() == [2, 4, 0]
+    after_packed = [(kc.clone(), vc.clone()) for kc, vc in caches]
+    for (kc, vc), (ks, vs) in zip(caches, snapshot):
+        kc.copy_(ks)
+        vc.copy_(vs)
+    alone = [ScheduledRequest(str(b), blocks[b][:n + 1], len(p), pages[b], n, True, params, b)
+             for b, (p, n) in enumerate(zip(prompts, lengths))]
+    r = build_step_tensors(alone, page_size, torch.device("cpu"), kernels)
+    hidden, _ = target(r.input_ids, r.positions, caches, r.meta, r.slots)
+    top, argmax = target.compute_top_argmax(hidden)
+    assert torch.allclose(packed.hidden, hidden, atol=1e-5)
+    verdict = packed.block_verdict
+    start = 0
+    for b, n in enumerate(lengths):
+        rows = argmax[start:start + n + 1]
+        accepted = int(accept_by_match(torch.tensor([blocks[b][1:n + 1] + [0] * (k - n)]), torch.tensor([n]),
+                                       torch.cat([rows, rows.new_zeros(k - n)])[None])[0])
+        assert int(verdict[b, k + 1]) == accepted == min(n, broken_at[b])  # the accepted count
+        assert verdict[b, :accepted + 1].tolist() == rows[:accepted + 1].tolist()  # the committed tokens
+        assert int(verdict[b, k + 2]) == 0  # no fault
+        start += n + 1
+    slots = u.slots[packed.index]
+    for (kp, vp), (kc, vc) in zip(after_packed, caches):  # the same keys and values written at the fed slots
+        assert torch.allclose(kp.view(-1, *kp.shape[2:])[slots], kc.view(-1, *kc.shape[2:])[slots], atol=1e-5)
+        assert torch.allclose(vp.view(-1, *vp.shape[2:])[slots], vc.view(-1, *vc.shape[2:])[slots], atol=1e-5)
