@@ -175,7 +175,7 @@ class Decision:
     predicted_ms: float  # the step time the table predicts
 
 
-LAYOUTS = ("ragged", "padded")
+LAYOUTS = ("ragged", "padded", "packed")
 
 
 class ConfidenceScheduler:
@@ -196,6 +196,7 @@ class ConfidenceScheduler:
         self.layout = layout
         self.budget_per_request: float | None = None  # ragged: chosen from the previous step's confidences
         self.cap: int | None = None  # padded: likewise
+        self.columns: int | None = None  # packed: drafts per request of the next step's budget, likewise
         self.last: Decision | None = None
         self.correction = SurvivalCorrection(max_draft_len)
         self.decisions = 0  # budgets (or caps) chosen
@@ -367,6 +368,35 @@ class ConfidenceScheduler:
         cap = self._best(num + columns, predicted)
         self.cap = self.max_draft_len if self._explores(cap < k) else cap
         return lengths
+
+    def allot_packed(self, confidences: list[list[float]], other_requests: int = 0, other_tokens: int = 0,
+                     context: int = 0) -> int:
+        """The packed layout (``runtime.packed_verify``): each request's proposed drafts' confidences (in block
+        order) -> the drafts this step verifies over the batch, ``columns`` x requests (at most what was proposed),
+        with ``columns`` chosen from an earlier step; which drafts, the device picks from this block's confidences
+        (the top survivals over the step). The next ``columns`` from this step's survivals: the c maximizing
+        expected committed tokens (the requests, plus the top ``requests x c`` survivals) per predicted second of a
+        step feeding ``requests x (c + 1)`` tokens (what a packed graph of c columns feeds), with ``min_gain`` and
+        the exploration as for a cap."""
+        num = len(confidences)
+        sizes = [len(c) for c in confidences]
+        offered = sum(sizes)
+        if num == 0 or offered == 0:
+            return 0
+        k = max(sizes)
+        raw = np.asarray([self.survival_row(c, k) for c in confidences])  # [S, K]
+        survival = self.correction.apply(raw)
+        ranked = np.concatenate([[0.0], np.sort(survival.reshape(-1))[::-1].cumsum()])  # [S*K+1] top-b sums
+        shares = np.minimum(num * np.arange(k + 1), offered)  # [K+1] drafts verified under each c
+        expected = num + ranked[shares]
+        predicted = self.costs.predict_ms_many(num + other_requests, other_tokens + num * (np.arange(k + 1) + 1),
+                                               context)
+        columns = k if self.columns is None else min(self.columns, k)
+        self.last = Decision(int(shares[columns]), offered, float(expected[columns]), float(predicted[columns]))
+        best = self._best(expected, predicted)
+        self.columns = self.max_draft_len if self._explores(best < k) else best
+        self._pending = (raw, sizes)  # learn(): the verified counts the device reports bound what was allotted
+        return int(shares[columns])
 
     def _explores(self, below_whole_blocks: bool) -> bool:
         """Count a decision; whether it verifies whole blocks instead of the choice (every ``EXPLORE_EVERY``-th

@@ -109,3 +109,24 @@ def test_a_packed_verify_equals_verifying_each_requests_share_alone(near_bigram_
     for (kp, vp), (kc, vc) in zip(after_packed, caches):  # the same keys and values written at the fed slots
         assert torch.allclose(kp.view(-1, *kp.shape[2:])[slots], kc.view(-1, *kc.shape[2:])[slots], atol=1e-5)
         assert torch.allclose(vp.view(-1, *vp.shape[2:])[slots], vc.view(-1, *vc.shape[2:])[slots], atol=1e-5)
+
+
+def test_the_packed_budget_lags_a_step_and_prices_the_global_top_drafts():
+    """Packed steps verify ``columns`` x requests drafts, the columns chosen from the previous step; the expected
+    tokens of a budget are the requests plus the top survivals over the step (a ragged choice), priced as a step of
+    requests x (columns + 1) tokens. Dear tokens: few columns; cheap ones: whole blocks."""
+    confidences = [[0.99, 0.99, 0.99, 0.99], [0.3, 0.3, 0.3, 0.3], [0.9, 0.2, 0.2, 0.2]]
+    cheap = ConfidenceScheduler(4, flat_table(0.0001), layout="packed")
+    assert cheap.allot_packed(confidences) == 12 and cheap.columns == 4  # whole blocks first, and next
+    dear = ConfidenceScheduler(4, flat_table(2.0), layout="packed")
+    assert dear.allot_packed(confidences) == 12  # the first step: whole blocks (nothing earlier to go by)
+    ranked = sorted((s for row in dear.correction.apply(np.asarray([dear.survival_row(c, 4) for c in confidences]))
+                     for s in row), reverse=True)
+    rates = [(3 + sum(ranked[:3 * c])) / (10.0 + 2.0 * 3 * (c + 1)) for c in range(5)]
+    assert dear.columns == int(np.argmax(rates)) < 4
+    budget = dear.allot_packed(confidences)
+    assert budget == 3 * rates.index(max(rates))  # the lag: this step's budget is the last decision's
+    assert dear.last.expected_tokens == pytest.approx(3 + sum(ranked[:budget]))
+    dear.learn([min(4, budget)] * 3, [1, 0, 1])  # the device's verified counts, bounded by what was proposed
+    dear.correction.fold()
+    assert dear.correction.learned
