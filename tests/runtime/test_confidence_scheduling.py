@@ -114,7 +114,7 @@ def test_padded_steps_verify_every_request_under_one_cap_chosen_a_step_ahead():
     dear = ConfidenceScheduler(4, flat_table(50.0), layout="padded")
     dear.allot([[0.95, 0.9, 0.9, 0.9]] * 4)
     assert dear.cap == 0 and dear.allot([[0.95, 0.9, 0.9, 0.9]] * 4) == [0] * 4
-    with pytest.raises(ValueError, match=r"layout: one of \('ragged', 'padded'\), got 'tiled'"):
+    with pytest.raises(ValueError, match=r"layout: one of \('ragged', 'padded', 'packed'\), got 'tiled'"):
         ConfidenceScheduler(4, table, layout="tiled")
 
 
