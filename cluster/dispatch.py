@@ -63,7 +63,7 @@ class BatchEncoder:
                          r.sample, (r.params, r.seed) if first else None, r.penalty_history))
             self.pages_sent[r.request_id] = len(r.page_ids)
         return (wire, batch.num_next_drafts, batch.maintain_draft_context, batch.released_request_ids,
-                batch.scrub_page_ids, reset, batch.run_ahead, batch.next_verify_len)
+                batch.scrub_page_ids, reset, batch.run_ahead, batch.next_verify_len, batch.packed)
 
 
 class BatchDecoder:
@@ -74,7 +74,8 @@ class BatchDecoder:
         self.params: dict[str, tuple] = {}
 
     def decode(self, wire: bytes) -> ScheduledBatch:
-        requests, num_next_drafts, maintain, released, scrub, reset, run_ahead, next_verify_len = pickle.loads(wire)
+        requests, num_next_drafts, maintain, released, scrub, reset, run_ahead, next_verify_len, packed = \
+            pickle.loads(wire)
         if reset:
             self.pages.clear()
             self.params.clear()
@@ -96,17 +97,17 @@ class BatchDecoder:
             # decoded, and a step's batch is read only while that step runs
             out.append(ScheduledRequest(request_id, tokens, start, pages, drafts, sample, params, seed, history))
         return ScheduledBatch(out, num_next_drafts, maintain, released, scrub, run_ahead=run_ahead,
-                              next_verify_len=next_verify_len)
+                              next_verify_len=next_verify_len, packed=packed)
 
 
 def encode_results(results: list[RequestStepResult]) -> bytes:
     return pickle.dumps([(r.request_id, r.token_ids, r.num_accepted, r.next_draft_ids, r.error, r.logprobs,
-                          r.next_draft_confidence) for r in results], protocol=WIRE_PROTOCOL)
+                          r.next_draft_confidence, r.num_verified) for r in results], protocol=WIRE_PROTOCOL)
 
 
 def decode_results(wire: bytes) -> list[RequestStepResult]:
-    return [RequestStepResult(rid, tokens, accepted, drafts, error, logprobs, confidence)
-            for rid, tokens, accepted, drafts, error, logprobs, confidence in pickle.loads(wire)]
+    return [RequestStepResult(rid, tokens, accepted, drafts, error, logprobs, confidence, verified)
+            for rid, tokens, accepted, drafts, error, logprobs, confidence, verified in pickle.loads(wire)]
 
 
 def encode_any(value) -> bytes:

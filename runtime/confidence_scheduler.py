@@ -472,6 +472,7 @@ class ConfidenceStats:
     measured_ms: float = 0.0  # summed over every step timed
     steps: int = 0
     committed_tokens: int = 0  # tokens the verifying requests committed (accepted drafts + one each), summed
+    unpacked_steps: int = 0  # packed layout: decided steps that verified whole blocks instead (runtime.engine)
     last: dict = field(default_factory=dict)
 
     def record_decision(self, decision: Decision, requests: int) -> None:
@@ -507,6 +508,6 @@ class ConfidenceStats:
                 "layout": scheduler.layout, "next_budget_per_request": scheduler.budget_per_request,
                 "next_cap": scheduler.cap,
                 "survival_correction": [round(float(r), 4) for r in scheduler.correction.ratio],
-                "explored_decisions": scheduler.explored,
+                "explored_decisions": scheduler.explored, "unpacked_steps": self.unpacked_steps,
                 "cost_table_observations": scheduler.costs.observations,
                 "cost_table_ms_per_context_token": scheduler.costs.ms_per_context_token, "last": dict(self.last)}

@@ -32,7 +32,7 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerLimits
 from runtime.sequence import Sequence, Status
 from runtime.step_costs import StepCostTable
-from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
+from runtime.step_io import PackedPlan, RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.step_profile import profile_step_costs
 from runtime.step_tensors import greedy_only, plain_greedy
 from runtime.stops import StopCriteria
@@ -86,6 +86,8 @@ class Engine:
         self.confidence_stats = ConfidenceStats()
         self._decided: list[str] = []  # requests whose verify length the scheduler chose this step (its order)
         self._other_fed = (0, 0, 0)  # (requests, tokens, context) of the last step besides the scheduler's verifies
+        self._packed_budget = 0  # the packed layout: the drafts the decided requests verify this step
+        self._packed: PackedPlan | None = None  # this step's packed verify, if it is one
         self._graph_q_lens: list[int] = []  # tokens per request of the target's graphs (none: eager steps)
         self._graph_prefill = ([], 0)  # the prefill chunk graphs' lengths and token cap (graph_layout.graphed_q_len)
         # profiling (runtime.step_profile): every decoding request verifies at most this many drafts, and the steps
@@ -241,11 +243,12 @@ class Engine:
             next_verify_len = self._next_verify_len() if self.has_drafter and scheduled else 0
             self._ran_ahead = self._runs_ahead and (self._steady_verify(scheduled, next_verify_len) if self.has_drafter
                                                     else self._steady_decode(scheduled))
+            self._packed = self._packed_plan(scheduled)
         released, scrub = self.scheduler.take_released()
         batch = ScheduledBatch(requests=scheduled, num_next_drafts=self.draft_len(),
                                maintain_draft_context=self.has_drafter and not self.gate.closed,
                                released_request_ids=released, scrub_page_ids=scrub, run_ahead=self._ran_ahead,
-                               next_verify_len=next_verify_len)
+                               next_verify_len=next_verify_len, packed=self._packed)
         with region("dspark.execute"):
             results = self.executor.execute(batch)
         learn = self.confidence is not None and bool(scheduled)
@@ -325,12 +328,38 @@ class Engine:
         if not seqs:
             return
         others, other_tokens, other_context = self._other_fed
-        lengths = self.confidence.allot([s.draft_confidence for s in seqs], others, other_tokens,
-                                        other_context + sum(s.num_computed for s in seqs))
+        context = other_context + sum(s.num_computed for s in seqs)
         self._decided = [s.request_id for s in seqs]
-        for seq, length in zip(seqs, lengths):
-            seq.trim_drafts(length)
+        if self.confidence.layout == "packed":  # the blocks stay whole: the device picks which drafts
+            self._packed_budget = self.confidence.allot_packed([s.draft_confidence for s in seqs], others,
+                                                               other_tokens, context)
+        else:
+            lengths = self.confidence.allot([s.draft_confidence for s in seqs], others, other_tokens, context)
+            for seq, length in zip(seqs, lengths):
+                seq.trim_drafts(length)
         self.confidence_stats.record_decision(self.confidence.last, len(seqs))
+
+    def _packed_plan(self, scheduled: list[ScheduledRequest]) -> PackedPlan | None:
+        """The packed layout: this step's packed verify, when it is exactly the requests the scheduler decided for,
+        each verifying a full greedy block of one length; else None, and the step verifies whole blocks (a mixed
+        step, a sampled request, a block cut at a token limit: ``ConfidenceStats.unpacked_steps``)."""
+        if self.confidence is None or self.confidence.layout != "packed" or not self._decided:
+            return None
+        if len(scheduled) != len(self._decided) or {e.request_id for e in scheduled} != set(self._decided):
+            self.confidence_stats.unpacked_steps += 1
+            return None
+        k = scheduled[0].num_drafts
+        confidences = []
+        for entry in scheduled:
+            confidence = self.sequences[entry.request_id].draft_confidence
+            if entry.num_drafts != k or k == 0 or len(entry.token_ids) != k + 1 or not entry.sample \
+                    or not greedy_only(entry) or confidence is None or len(confidence) != k:
+                self.confidence_stats.unpacked_steps += 1
+                return None
+            confidences.append(list(confidence))
+        scheduler = self.confidence
+        return PackedPlan(min(self._packed_budget, k * len(scheduled)), confidences, scheduler._inverse_list[:k],
+                          scheduler.correction.ratio_list[:k])
 
     def _force_verify_lengths(self) -> None:
         """Profiling: trim every running request's proposed block to ``forced_verify_len`` drafts."""
@@ -353,7 +382,7 @@ class Engine:
         did not (run 31: trims to 4.6 of 7 drafts at 256 requests, predicted to pay, lost 14%). With the context
         the step's requests attended over (the KV tokens before what each fed), which its time grows with."""
         fed = [len(e.token_ids) for e in scheduled]
-        tokens = sum(fed)
+        tokens = sum(fed) if self._packed is None else len(scheduled) + self._packed.budget  # the rows it ran
         if self.confidence.layout == "padded":
             q_len = graphed_q_len(fed, self._graph_q_lens, self.config.max_num_seqs, *self._graph_prefill)
             tokens = len(fed) * q_len if q_len is not None else tokens
@@ -405,7 +434,8 @@ class Engine:
             if entry.request_id in decided:
                 committed += len(result.token_ids)
                 if result.error is None and entry.sample:
-                    decided[entry.request_id] = (entry.num_drafts, result.num_accepted)
+                    verified = entry.num_drafts if result.num_verified is None else result.num_verified
+                    decided[entry.request_id] = (verified, result.num_accepted)
         self.confidence_stats.record_outcome(committed)
         verified, accepted = zip(*decided.values())
         self.confidence.learn(list(verified), list(accepted))

@@ -26,6 +26,7 @@ from runtime.logprobs import LogprobSource
 from runtime.models.target import TargetModel
 from runtime.noise import Stream, exponentials, uniform
 from runtime.outputs import TokenLogprob
+from runtime.packed_verify import packed_verify, survivals
 from runtime.parallel import SINGLE, ParallelContext
 from runtime.profiling import region
 from runtime.sampler import RowParams, apply_penalties, filtered_probs, occurrence_counts
@@ -89,6 +90,8 @@ class ModelRunner:
         reqs = batch.requests
         if not reqs:
             return []
+        if batch.packed is not None:  # confidence scheduling's packed layout: the device picks the drafts verified
+            return self._execute_packed(batch)
         if self._decodes_greedy(batch):  # a graphed plain greedy decode step, read back through pinned memory
             with region("dspark.forward"):
                 verdicts = self.graphs.decode_greedy(reqs, batch.run_ahead)
@@ -160,6 +163,42 @@ class ModelRunner:
             # a faulted request's pages, and the graphs' scratch page its padding rows may have filled with NaN, are
             # zeroed on every rank before the next step: the engine names them in that step's scrub list
             return self._results(reqs, entries, verified, proposal, logprobs)
+
+    def _execute_packed(self, batch: ScheduledBatch) -> list[RequestStepResult]:
+        """A packed verify step (``runtime.packed_verify``; every request a full greedy block, ``batch.packed``):
+        the blocks are fed as a uniform step, the ``budget`` drafts of highest survival over the step verified, the
+        target run on those rows only; each result says how many of its drafts were verified."""
+        if self.parallel.is_parallel:
+            raise RuntimeError("a packed verify step runs on one rank (tensor parallelism verifies whole blocks)")
+        reqs, plan = batch.requests, batch.packed
+        drafting = self.has_drafter and batch.maintain_draft_context
+        if self.graphs is not None:
+            self.graphs.drop_ahead()
+        dev = self.device
+        with region("dspark.forward"):
+            t = build_step_tensors(reqs, self.page_size, dev, self.kernels, self.geometry)
+            survival = survivals(torch.tensor(plan.confidences, dtype=torch.float32, device=dev),
+                                 torch.tensor(plan.inverse_temperatures, dtype=torch.float32, device=dev),
+                                 torch.tensor(plan.ratio, dtype=torch.float32, device=dev))  # [S, K]
+            out = packed_verify(self.target, self.caches, t.meta, t.input_ids, t.positions, t.slots, survival,
+                                plan.budget, self.target.compute_top_argmax)
+        if drafting and self.is_leader:
+            with region("dspark.context"):
+                self.channel.send_context(out.captured, t)
+        q_len = survival.shape[1] + 1
+        rows = out.block_verdict  # [S, Q + 2]: committed candidates, accepted, fault flag
+        verified = Verified(rows[:, :q_len], rows[:, q_len], rows[:, q_len + 1], None, rows)
+        k_next = batch.num_next_drafts if drafting else 0
+        with region("dspark.draft"):
+            proposal = self._propose(reqs, verified.committed, verified.accepted, t.page_table, k_next) \
+                if k_next else None
+        if not self.is_leader:
+            return []
+        with region("dspark.results"):
+            results = self._results(reqs, reqs, verified, proposal)
+            for result, verified_drafts in zip(results, out.lengths.tolist()):
+                result.num_verified = verified_drafts
+        return results
 
     def _decodes_greedy(self, batch: ScheduledBatch) -> bool:
         """Whether ``batch`` is a plain greedy decode step a one-token graph serves on this single rank (no drafter

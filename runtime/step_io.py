@@ -38,6 +38,18 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class PackedPlan:
+    """A packed verify step (``runtime.packed_verify``, confidence scheduling's packed layout): how many drafts it
+    verifies over its requests, and what the device ranks them by. Every request of the step verifies a full
+    greedy block."""
+
+    budget: int  # drafts verified over the step (the scheduler's columns x requests)
+    confidences: list[list[float]]  # [S][K] each request's drafts' confidences, in batch order
+    inverse_temperatures: list[float]  # [K] 1 / the calibration temperature of each position
+    ratio: list[float]  # [K] the online survival correction
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduledBatch:
     requests: list[ScheduledRequest]
     num_next_drafts: int  # block length drafted after this step for every sampled request (0: none)
@@ -51,6 +63,7 @@ class ScheduledBatch:
     # with a drafter: the drafts a decoding request verifies next step (the block drafted now, or confidence
     # scheduling's cap for it; 0: unknown): the worker plans that step's attention while the drafter drafts
     next_verify_len: int = 0
+    packed: PackedPlan | None = None  # a packed verify step: each request verifies the drafts the device picks
 
 
 @dataclass(slots=True)  # not frozen: built per request every step, and a frozen __init__ costs 5x
@@ -62,3 +75,4 @@ class RequestStepResult:
     error: str | None = None  # a fault of this request alone (non-finite logits in its rows): it fails, others go on
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for them
     next_draft_confidence: list[float] | None = None  # the confidence head's c_k of each next_draft_ids entry
+    num_verified: int | None = None  # a packed verify step: the drafts the device chose to verify (else all fed)

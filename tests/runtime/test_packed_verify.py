@@ -1,6 +1,8 @@
 """Packed verification (``runtime.packed_verify``): the device-side selection matches the host scheduler's, and a
 packed verify of full blocks equals verifying each request's chosen drafts alone (fp32, the torch kernels)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -130,3 +132,45 @@ def test_the_packed_budget_lags_a_step_and_prices_the_global_top_drafts():
     dear.learn([min(4, budget)] * 3, [1, 0, 1])  # the device's verified counts, bounded by what was proposed
     dear.correction.fold()
     assert dear.correction.learned
+
+
+def test_the_packed_layout_keeps_greedy_outputs_and_learns_what_the_device_verified(tmp_path, near_bigram_target,
+                                                                                   make_drafter):
+    """The packed layout, forced on a CPU engine (its steps eager): the blocks stay whole, the budget decides how
+    many drafts the step verifies and the device which (here from confidences that differ by request), never the
+    tokens: greedy outputs are transformers'. The correction learns from the counts the device verified."""
+    from configs import DSparkDecodingConfig
+    from tests import builders
+    from tests.runtime.test_confidence_scheduling import ENGINE, PROMPTS
+
+    path = tmp_path / "table.json"
+    flat_table(0.6).save(path)  # dear enough that about two columns of four pay
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4, oracle=True)),
+                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
+    llm = LLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
+    llm.engine.confidence.layout = "packed"
+    plan_of = llm.engine._packed_plan
+
+    def spread(scheduled):  # the random drafter is as confident for every request: make odd requests doubt
+        plan = plan_of(scheduled)
+        return plan if plan is None else dataclasses.replace(plan, confidences=[
+            [c * (0.4 if i % 2 else 1.0) for c in row] for i, row in enumerate(plan.confidences)])
+
+    llm.engine._packed_plan = spread
+    verified = []
+    execute = llm.engine.executor.execute
+
+    def spy(batch):
+        results = execute(batch)
+        if batch.packed is not None:
+            verified.append((batch.packed.budget, [r.num_verified for r in results]))
+        return results
+
+    llm.engine.executor.execute = spy
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == builders.hf_greedy(near_bigram_target, PROMPTS, 24)
+    assert verified and all(sum(counts) == budget for budget, counts in verified)  # the device spent the budget
+    assert any(len(set(counts)) > 1 for _, counts in verified)  # ragged: requests verified different counts
+    stats = llm.get_metrics()["confidence_scheduling"]
+    assert stats["layout"] == "packed" and stats["mean_verify_budget_per_request"] < stats["mean_offered_per_request"]
+    assert stats["survival_correction"] != [1.0] * 4  # learned from the verified counts
