@@ -197,6 +197,7 @@ class ConfidenceScheduler:
         self.budget_per_request: float | None = None  # ragged: chosen from the previous step's confidences
         self.cap: int | None = None  # padded: likewise
         self.columns: int | None = None  # packed: drafts per request of the next step's budget, likewise
+        self.step_columns = 0  # packed: the columns of the budget the last allot_packed returned
         self.last: Decision | None = None
         self.correction = SurvivalCorrection(max_draft_len)
         self.decisions = 0  # budgets (or caps) chosen
@@ -392,6 +393,7 @@ class ConfidenceScheduler:
         predicted = self.costs.predict_ms_many(num + other_requests, other_tokens + num * (np.arange(k + 1) + 1),
                                                context)
         columns = k if self.columns is None else min(self.columns, k)
+        self.step_columns = columns
         self.last = Decision(int(shares[columns]), offered, float(expected[columns]), float(predicted[columns]))
         best = self._best(expected, predicted)
         self.columns = self.max_draft_len if self._explores(best < k) else best

@@ -358,8 +358,8 @@ class Engine:
                 return None
             confidences.append(list(confidence))
         scheduler = self.confidence
-        return PackedPlan(min(self._packed_budget, k * len(scheduled)), confidences, scheduler._inverse_list[:k],
-                          scheduler.correction.ratio_list[:k])
+        return PackedPlan(min(self._packed_budget, k * len(scheduled)), scheduler.step_columns, confidences,
+                          scheduler._inverse_list[:k], scheduler.correction.ratio_list[:k])
 
     def _force_verify_lengths(self) -> None:
         """Profiling: trim every running request's proposed block to ``forced_verify_len`` drafts."""

@@ -70,6 +70,7 @@ from runtime.graph_layout import (LaunchedDecode, LaunchedVerify, batch_buckets,
 from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta
 from runtime.kv_cache import KVCaches
 from runtime.models.target import TargetModel
+from runtime.packed_verify import packed_verify, survivals
 from runtime.step_io import ScheduledRequest
 from runtime.step_tensors import StepTensors, padded_page_table
 from runtime.transfer import PinnedReadBack
@@ -116,6 +117,32 @@ class _Graph:
     block_verdict: torch.Tensor | None  # [B, Q+2] Q > 1: each request's greedy verification (block_verdicts)
 
 
+@dataclass
+class _PackedGraph:
+    """A packed verify graph (``runtime.packed_verify``) of B requests x Q = K+1 tokens fed, ``columns`` x B drafts
+    verified: B x (columns + 1) rows through the target."""
+
+    graph: torch.cuda.CUDAGraph
+    wrapper: object  # the FlashInfer wrapper (planned for the uniform B x Q layout)
+    lengths: torch.Tensor  # [B] drafts each request verified
+    captured: torch.Tensor | None  # [B*Q, m*d] (0 on rows not fed)
+    block_verdict: torch.Tensor  # [B, Q+2]
+    context: torch.cuda.CUDAGraph | None
+
+
+@dataclass
+class PackedGraphOutputs:
+    """One packed replay's results for its S real requests (views of the graph's buffers)."""
+
+    lengths: torch.Tensor  # [S]
+    block_verdict: torch.Tensor  # [S, Q+2]
+    captured: torch.Tensor | None  # [S*Q, m*d]
+    context_appended: bool
+
+
+PACKED_MIN_BATCH = 16  # packed graphs from this batch bucket up (below, a step's cost hardly depends on its tokens)
+
+
 # A colocated drafter's context append: captured [N, m*d], positions [N], slots [N] -> writes its cache.
 ContextAppend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -124,7 +151,8 @@ class GraphedTargetForward:
     def __init__(self, target: TargetModel, caches: KVCaches, backend, geometry: AttentionGeometry, page_size: int,
                  scratch_page: int, max_batch: int, pages_per_seq: int, q_lens: list[int], device: torch.device,
                  append_context: ContextAppend | None = None, plan_ahead: bool = False,
-                 prefill_q_lens: list[int] | tuple = (), prefill_tokens: int = 0):
+                 prefill_q_lens: list[int] | tuple = (), prefill_tokens: int = 0,
+                 packed_columns: list[int] | tuple = ()):
         self.target, self.caches, self.backend, self.geometry = target, caches, backend, geometry
         # plan_ahead: after a one-token step is launched, FlashInfer is planned for the step that follows if every
         # request decodes one token more, and while the drafter drafts for the next verify step (pages are
@@ -169,6 +197,19 @@ class GraphedTargetForward:
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
         for batch, q_len in shapes:  # per length the largest batch first: smaller graphs reuse its pool memory
             self.graphs[(batch, q_len)] = self._capture(batch, q_len)
+        # packed verify graphs (confidence scheduling's packed layout): Q = K+1 at the buckets from PACKED_MIN_BATCH,
+        # for every number of columns below whole blocks; the block's confidences and the calibration they are
+        # ranked by live in persistent buffers the host fills before each replay
+        self.packed_columns = sorted(c for c in set(packed_columns) if 0 < c < self.q_lens[-1] - 1)
+        k = self.q_lens[-1] - 1
+        self.packed_confidence = torch.zeros(max_batch, max(k, 1), dtype=torch.float32, device=device)
+        self.packed_inverse_temperatures = torch.ones(max(k, 1), dtype=torch.float32, device=device)
+        self.packed_ratio = torch.ones(max(k, 1), dtype=torch.float32, device=device)
+        self.packed_graphs: dict[tuple[int, int], _PackedGraph] = {}
+        for batch in reversed(self.buckets):
+            if batch >= PACKED_MIN_BATCH:
+                for columns in self.packed_columns:
+                    self.packed_graphs[(batch, columns)] = self._capture_packed(batch, columns)
         used = free_before - torch.cuda.mem_get_info(device)[0]
         self.capture_seconds = time.perf_counter() - start
         log.info("dspark: captured %d CUDA graphs (batch %s x tokens %s; prefill chunks of %s up to %d tokens) in "
@@ -209,6 +250,45 @@ class GraphedTargetForward:
                             else None, g.logits[:rows] if g.logits is not None else None, g.top[:rows],
                             g.argmax[:rows], appended, q_len, g.verdict[:rows] if g.verdict is not None else None,
                             g.block_verdict[:len(reqs)] if g.block_verdict is not None else None)
+
+    def packs(self, num: int, columns: int) -> bool:
+        """Whether a packed graph serves a packed verify of ``num`` requests at ``columns``."""
+        batch = next((b for b in self.buckets if b >= num), None)
+        return batch is not None and (batch, columns) in self.packed_graphs
+
+    def run_packed(self, reqs: list[ScheduledRequest], confidences: list[list[float]],
+                   inverse_temperatures: list[float], ratio: list[float], columns: int,
+                   append_context: bool = False) -> PackedGraphOutputs:
+        """Replay the packed graph of ``len(reqs)`` requests (padded to a bucket) verifying ``columns`` x bucket
+        drafts of full blocks (``reqs`` each feed an anchor and K drafts), ranked by ``confidences`` [S][K] under the
+        calibration given; then, if asked and captured, the drafter's context append. No step runs ahead of it."""
+        self.drop_ahead()
+        batch = next(b for b in self.buckets if b >= len(reqs))
+        q_len = self.q_lens[-1]
+        g = self.packed_graphs[(batch, columns)]
+        layout = self._write_inputs(reqs, batch, q_len)
+        self.packed_confidence[:batch].zero_()  # padding requests propose nothing
+        self.packed_confidence[:len(reqs)].copy_(torch.tensor(confidences, dtype=torch.float32), non_blocking=True)
+        self.packed_inverse_temperatures.copy_(torch.tensor(inverse_temperatures, dtype=torch.float32),
+                                               non_blocking=True)
+        self.packed_ratio.copy_(torch.tensor(ratio, dtype=torch.float32), non_blocking=True)
+        key = ("packed", batch, columns)
+        if self.planned.get(key) == layout:
+            self.plans_skipped += 1
+        else:
+            self._plan_copied.synchronize()
+            self.backend.plan_attention(self._meta(layout, batch, q_len), g.wrapper)
+            self._plan_copied.record()
+            self.planned[key] = layout
+        g.graph.replay()
+        self.replays += 1
+        appended = append_context and g.context is not None
+        if appended:
+            g.context.replay()
+        self._last_run = None  # nothing is planned ahead from a packed step
+        num = len(reqs)
+        return PackedGraphOutputs(g.lengths[:num], g.block_verdict[:num],
+                                  g.captured[:num * q_len] if g.captured is not None else None, appended)
 
     def read_accepted(self, accepted: torch.Tensor) -> None:
         """Queue the copy of the last replay's verification, ``accepted`` [len(reqs)] drafts per request, into
@@ -396,6 +476,35 @@ class GraphedTargetForward:
             return None, top_argmax(hidden)
         logits = self.target.lm_head(hidden)
         return logits, logits.max(dim=-1)
+
+    def _capture_packed(self, batch: int, columns: int) -> _PackedGraph:
+        q_len = self.q_lens[-1]
+        wrapper = self.backend.graph_wrapper(self.device, batch, batch * self.pages_per_seq, q_len)
+        layout = self._write_inputs([], batch, q_len)
+        meta = self.backend.plan_attention(self._meta(layout, batch, q_len), wrapper)
+        ids, positions, slots = (t[:batch * q_len] for t in self.inputs)
+        confidence = self.packed_confidence[:batch]
+
+        def body():
+            survival = survivals(confidence, self.packed_inverse_temperatures, self.packed_ratio)
+            return packed_verify(self.target, self.caches, meta, ids, positions, slots, survival, batch * columns,
+                                 lambda hidden: self._head(hidden)[1])
+
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm up outside the graph (every slot a padding row's: the scratch page)
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = body()
+        context = None
+        if self.append_context is not None and out.captured is not None:
+            context = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(context, pool=self.pool):
+                self.append_context(out.captured, positions, slots)
+        return _PackedGraph(graph, wrapper, out.lengths, out.captured, out.block_verdict, context)
 
     def _capture(self, batch: int, q_len: int) -> _Graph:
         wrapper = self.backend.graph_wrapper(self.device, batch, batch * self.pages_per_seq, q_len)

@@ -31,7 +31,8 @@ from runtime.parallel import SINGLE, ParallelContext
 from runtime.profiling import region
 from runtime.sampler import RowParams, apply_penalties, filtered_probs, occurrence_counts
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
-from runtime.step_tensors import build_step_tensors, greedy_only, plain_greedy, sampled_entries, uses_rejection
+from runtime.step_tensors import (StepTensors, build_step_tensors, greedy_only, padded_page_table, plain_greedy,
+                                  sampled_entries, uses_rejection)
 from runtime.transfer import PinnedReadBack, to_device
 from runtime.verify import accept_by_rejection, commit_by_match, gather_rows, greedy_verdicts, residual_distribution
 
@@ -174,18 +175,27 @@ class ModelRunner:
         drafting = self.has_drafter and batch.maintain_draft_context
         if self.graphs is not None:
             self.graphs.drop_ahead()
-        dev = self.device
-        with region("dspark.forward"):
-            t = build_step_tensors(reqs, self.page_size, dev, self.kernels, self.geometry)
-            survival = survivals(torch.tensor(plan.confidences, dtype=torch.float32, device=dev),
-                                 torch.tensor(plan.inverse_temperatures, dtype=torch.float32, device=dev),
-                                 torch.tensor(plan.ratio, dtype=torch.float32, device=dev))  # [S, K]
-            out = packed_verify(self.target, self.caches, t.meta, t.input_ids, t.positions, t.slots, survival,
-                                plan.budget, self.target.compute_top_argmax)
-        if drafting and self.is_leader:
+        dev, num, q_len = self.device, len(reqs), reqs[0].num_drafts + 1
+        appended = False
+        if self.graphs is not None and self.graphs.packs(num, plan.columns):  # a packed graph of this bucket
+            with region("dspark.forward"):
+                out = self.graphs.run_packed(reqs, plan.confidences, plan.inverse_temperatures, plan.ratio,
+                                             plan.columns, append_context=drafting)
+            ids, positions, slots = (x[:num * q_len] for x in self.graphs.inputs)
+            t = StepTensors(ids, positions, slots, None, padded_page_table(reqs, dev) if drafting else None,
+                            [(b + 1) * q_len for b in range(num)])
+            appended = out.context_appended
+        else:
+            with region("dspark.forward"):
+                t = build_step_tensors(reqs, self.page_size, dev, self.kernels, self.geometry)
+                survival = survivals(torch.tensor(plan.confidences, dtype=torch.float32, device=dev),
+                                     torch.tensor(plan.inverse_temperatures, dtype=torch.float32, device=dev),
+                                     torch.tensor(plan.ratio, dtype=torch.float32, device=dev))  # [S, K]
+                out = packed_verify(self.target, self.caches, t.meta, t.input_ids, t.positions, t.slots, survival,
+                                    plan.budget, self.target.compute_top_argmax)
+        if drafting and self.is_leader and not appended:
             with region("dspark.context"):
                 self.channel.send_context(out.captured, t)
-        q_len = survival.shape[1] + 1
         rows = out.block_verdict  # [S, Q + 2]: committed candidates, accepted, fault flag
         verified = Verified(rows[:, :q_len], rows[:, q_len], rows[:, q_len + 1], None, rows)
         k_next = batch.num_next_drafts if drafting else 0

@@ -44,6 +44,7 @@ class PackedPlan:
     greedy block."""
 
     budget: int  # drafts verified over the step (the scheduler's columns x requests)
+    columns: int  # the scheduler's columns (a packed graph of them feeds its batch bucket x (columns + 1) rows)
     confidences: list[list[float]]  # [S][K] each request's drafts' confidences, in batch order
     inverse_temperatures: list[float]  # [K] 1 / the calibration temperature of each position
     ratio: list[float]  # [K] the online survival correction
