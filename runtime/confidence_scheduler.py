@@ -180,7 +180,7 @@ LAYOUTS = ("ragged", "padded", "packed")
 
 class ConfidenceScheduler:
     def __init__(self, max_draft_len: int, costs: StepCostTable, temperatures: list[float] | None = None,
-                 min_gain: float = 0.04, layout: str = "ragged"):
+                 min_gain: float = 0.04, layout: str = "ragged", packed_from: int = 1):
         if layout not in LAYOUTS:
             raise ValueError(f"confidence scheduling layout: one of {LAYOUTS}, got {layout!r}")
         temps = list(temperatures) if temperatures else [1.0] * max_draft_len
@@ -194,6 +194,9 @@ class ConfidenceScheduler:
         self._inverse_list = self.inverse_temperatures.tolist()
         self.uncalibrated = bool((self.temperatures == 1.0).all())
         self.layout = layout
+        # the packed layout: steps of at least this many requests are packed (allot_packed); smaller ones are
+        # padded, as a graphed engine's steps below its packed graphs' buckets are (allot)
+        self.packed_from = packed_from
         self.budget_per_request: float | None = None  # ragged: chosen from the previous step's confidences
         self.cap: int | None = None  # padded: likewise
         self.columns: int | None = None  # packed: drafts per request of the next step's budget, likewise
@@ -237,8 +240,9 @@ class ConfidenceScheduler:
         mixed step a verify token is priced where the step really is on the cost curve. ``context``: the KV tokens
         the step's requests attend over before what they feed, summed (the cost grows with it)."""
         num = len(confidences)
+        padded = self.layout != "ragged"  # the packed layout's steps below packed_from are padded
         if num * self.max_draft_len <= SMALL_STEP:
-            if self.layout == "padded":
+            if padded:
                 return self._allot_padded_small(confidences, other_requests, other_tokens, context)
             return self._allot_ragged_small(confidences, other_requests, other_tokens, context)
         sizes = np.fromiter((len(c) for c in confidences), dtype=np.int64, count=num)
@@ -254,7 +258,7 @@ class ConfidenceScheduler:
                 table[i, :len(c)] = c
         raw = self.survival(table)
         survival = self.correction.apply(raw)
-        if self.layout == "padded":
+        if padded:
             lengths = self._allot_padded(survival, sizes, other_requests, other_tokens, context)
             self._pending = (raw, lengths)
             return lengths.tolist()

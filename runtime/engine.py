@@ -145,11 +145,11 @@ class Engine:
         target = next((i for i in infos if i.get("role") == "target"), {})
         self._graph_q_lens = target.get("graph_q_lens") or []
         self._graph_prefill = (target.get("graph_prefill_q_lens") or [], target.get("graph_prefill_tokens") or 0)
-        layout = "padded" if self._graph_q_lens else "ragged"
+        layout = "packed" if target.get("graph_packed_columns") else "padded" if self._graph_q_lens else "ragged"
         log.info("dspark: confidence scheduling on (%s steps), step-time table %s, temperatures %s", layout,
                  spec.confidence_cost_table_path or "profiled at startup", temperatures or "1")
         return ConfidenceScheduler(int(spec.max_draft_len), costs, temperatures, spec.confidence_min_predicted_gain,
-                                   layout)
+                                   layout, packed_from=target.get("graph_packed_from") or 1)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -286,8 +286,9 @@ class Engine:
             return min(k_next, self.forced_verify_len)
         if self.confidence is None:
             return k_next
-        if self.confidence.layout != "padded":
-            return 0
+        if self.confidence.layout == "ragged" or (self.confidence.layout == "packed"
+                                                  and len(self.scheduler.running) >= self.confidence.packed_from):
+            return 0  # a packed step is planned when it comes (no plan or launch ahead of it yet)
         return min(k_next, self.confidence.cap if self.confidence.cap is not None else k_next)
 
     def _steady_verify(self, scheduled: list[ScheduledRequest], n: int) -> bool:
@@ -330,7 +331,8 @@ class Engine:
         others, other_tokens, other_context = self._other_fed
         context = other_context + sum(s.num_computed for s in seqs)
         self._decided = [s.request_id for s in seqs]
-        if self.confidence.layout == "packed":  # the blocks stay whole: the device picks which drafts
+        if self.confidence.layout == "packed" and len(seqs) >= self.confidence.packed_from:  # blocks stay whole:
+            # the device picks which drafts
             self._packed_budget = self.confidence.allot_packed([s.draft_confidence for s in seqs], others,
                                                                other_tokens, context)
         else:
@@ -343,7 +345,8 @@ class Engine:
         """The packed layout: this step's packed verify, when it is exactly the requests the scheduler decided for,
         each verifying a full greedy block of one length; else None, and the step verifies whole blocks (a mixed
         step, a sampled request, a block cut at a token limit: ``ConfidenceStats.unpacked_steps``)."""
-        if self.confidence is None or self.confidence.layout != "packed" or not self._decided:
+        if self.confidence is None or self.confidence.layout != "packed" or not self._decided \
+                or len(self._decided) < self.confidence.packed_from:
             return None
         if len(scheduled) != len(self._decided) or {e.request_id for e in scheduled} != set(self._decided):
             self.confidence_stats.unpacked_steps += 1
@@ -383,7 +386,7 @@ class Engine:
         the step's requests attended over (the KV tokens before what each fed), which its time grows with."""
         fed = [len(e.token_ids) for e in scheduled]
         tokens = sum(fed) if self._packed is None else len(scheduled) + self._packed.budget  # the rows it ran
-        if self.confidence.layout == "padded":
+        if self.confidence.layout != "ragged" and self._packed is None:  # a graph pads it
             q_len = graphed_q_len(fed, self._graph_q_lens, self.config.max_num_seqs, *self._graph_prefill)
             tokens = len(fed) * q_len if q_len is not None else tokens
         self.confidence.costs.observe(len(scheduled), tokens, seconds, sum(e.start_position for e in scheduled))

@@ -206,6 +206,10 @@ class GraphedTargetForward:
         self.packed_inverse_temperatures = torch.ones(max(k, 1), dtype=torch.float32, device=device)
         self.packed_ratio = torch.ones(max(k, 1), dtype=torch.float32, device=device)
         self.packed_graphs: dict[tuple[int, int], _PackedGraph] = {}
+        # the fewest requests whose bucket has packed graphs (0: none)
+        self.packed_from = next((1 + max([b for b in self.buckets if b < batch], default=0)
+                                 for batch in self.buckets if batch >= PACKED_MIN_BATCH), 0) \
+            if self.packed_columns else 0
         for batch in reversed(self.buckets):
             if batch >= PACKED_MIN_BATCH:
                 for columns in self.packed_columns:

@@ -171,7 +171,11 @@ class Worker:
                                                plan_ahead=True,
                                                prefill_q_lens=[q for q in PREFILL_Q_LENS
                                                                if q <= self.config.max_num_batched_tokens],
-                                               prefill_tokens=PREFILL_GRAPH_TOKENS)
+                                               prefill_tokens=PREFILL_GRAPH_TOKENS,
+                                               # confidence scheduling packs large steps (runtime.packed_verify)
+                                               packed_columns=range(1, int(self.spec.max_draft_len))
+                                               if self.spec is not None and self.spec.enable_confidence_scheduling
+                                               and not self.parallel.is_parallel else ())
         self.engine_part = ModelRunner(self.target, self.spec, self.kernels, caches, page_size, self.device,
                                        self.parallel, channel, w2, self.graphs, self.config.logprobs_mode)
 
@@ -237,6 +241,9 @@ class Worker:
                 # prefill chunks graphed too: these lengths, at the buckets whose batch x length is within the cap
                 "graph_prefill_q_lens": self.graphs.prefill_q_lens if self.graphs is not None else [],
                 "graph_prefill_tokens": self.graphs.prefill_tokens if self.graphs is not None else 0,
+                # packed verify graphs: their columns, and the fewest requests a step needs to be served by one
+                "graph_packed_columns": self.graphs.packed_columns if self.graphs is not None else [],
+                "graph_packed_from": self.graphs.packed_from if self.graphs is not None else 0,
                 # per graph, the attention kernel it bakes in and the timings that chose it
                 "plan_ahead": self.graphs is not None and self.graphs.plan_ahead,
                 "plans_made_ahead": self.graphs.plans_skipped if self.graphs is not None else 0,

@@ -174,3 +174,37 @@ def test_the_packed_layout_keeps_greedy_outputs_and_learns_what_the_device_verif
     stats = llm.get_metrics()["confidence_scheduling"]
     assert stats["layout"] == "packed" and stats["mean_verify_budget_per_request"] < stats["mean_offered_per_request"]
     assert stats["survival_correction"] != [1.0] * 4  # learned from the verified counts
+
+
+def test_small_steps_of_the_packed_layout_are_padded(tmp_path, near_bigram_target, make_drafter):
+    """A graphed engine packs only the steps its packed graphs' buckets serve (``packed_from`` requests on); the
+    smaller ones verify under the padded layout's cap. Both kinds in one run keep greedy outputs."""
+    from configs import DSparkDecodingConfig
+    from tests import builders
+    from tests.runtime.test_confidence_scheduling import ENGINE
+
+    path = tmp_path / "table.json"
+    flat_table(0.6).save(path)
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4, oracle=True)),
+                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
+    llm = LLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
+    llm.engine.confidence.layout, llm.engine.confidence.packed_from = "packed", 3
+    kinds = []
+    execute = llm.engine.executor.execute
+
+    def spy(batch):
+        if any(r.num_drafts for r in batch.requests):
+            kinds.append(("packed" if batch.packed is not None else "padded", len(batch.requests)))
+        return execute(batch)
+
+    llm.engine.executor.execute = spy
+    prompts = [[5, 17, 33], [100, 3], [7] * 5, [20, 21]]
+    lengths = [24, 24, 8, 8]  # two requests finish early: the last steps have two
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outputs = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs == [builders.hf_greedy(near_bigram_target, [p], n)[0] for p, n in zip(prompts, lengths)]
+    big = [kind for kind, num in kinds if num >= 3]
+    assert "packed" in big and {kind for kind, num in kinds if num < 3} == {"padded"}
+    # a big step that verified whole blocks was one the engine could not pack (a block cut at its token limit, a
+    # request joining), and says so
+    assert big.count("padded") == llm.get_metrics()["confidence_scheduling"]["unpacked_steps"]
