@@ -210,6 +210,9 @@ class GraphedTargetForward:
         self.packed_from = next((1 + max([b for b in self.buckets if b < batch], default=0)
                                  for batch in self.buckets if batch >= PACKED_MIN_BATCH), 0) \
             if self.packed_columns else 0
+        if not self.packed_from:  # no bucket large enough: nothing is packed
+            self.packed_columns = []
+        self.packed_replays = 0  # steps a packed graph served
         for batch in reversed(self.buckets):
             if batch >= PACKED_MIN_BATCH:
                 for columns in self.packed_columns:
@@ -286,6 +289,7 @@ class GraphedTargetForward:
             self.planned[key] = layout
         g.graph.replay()
         self.replays += 1
+        self.packed_replays += 1
         appended = append_context and g.context is not None
         if appended:
             g.context.replay()

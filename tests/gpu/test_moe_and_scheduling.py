@@ -133,3 +133,33 @@ def test_confidence_scheduling_keeps_greedy_outputs_on_the_graphed_path(wide_tar
             assert sorted({q for _, q in graphs.graphs if q not in graphs.prefill_q_lens}) == [1, 2, 3, 4, 5]
     assert runs["on"] == runs["off"] == runs["on-eager"]
     assert replays["on"] > 0 and replays["on-eager"] == 0
+
+
+def test_packed_verify_graphs_keep_greedy_outputs(wide_target, make_drafter):
+    """Confidence scheduling's packed layout on the graphed path (steps of 9 requests and more replay packed graphs,
+    smaller ones the padded graphs): the tokens equal scheduling off and the eager engine's packed steps, and the
+    packed graphs served steps whose requests verified different numbers of drafts."""
+    drafter = make_drafter(wide_target, 4, oracle=True)
+    prompts = [[3 + i, 17, 33 + i, 2] for i in range(20)]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for name, spec in (("off", {}), ("on", {"enable_confidence_scheduling": True})):
+        config = DSparkDecodingConfig(speculative_model=str(drafter), **spec)
+        llm = LLM(str(wide_target), speculative_config=config, **{**ENGINE, "max_num_seqs": 32})
+        if name == "on":
+            info = llm.rank_info()[0]
+            assert info["graph_packed_columns"] == [1, 2, 3] and info["graph_packed_from"] == 9
+            assert llm.engine.confidence.layout == "packed"
+            verified = []
+            execute = llm.engine.executor.execute
+
+            def spy(batch, execute=execute, verified=verified):
+                results = execute(batch)
+                if batch.packed is not None:
+                    verified.append([r.num_verified for r in results])
+                return results
+
+            llm.engine.executor.execute = spy
+        runs[name] = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert runs["on"] == runs["off"]
+    assert llm.rank_info()[0]["graph_packed_replays"] > 0 and verified
