@@ -250,3 +250,36 @@ def test_bench_profile_traces_one_step_on_every_rank(ray_cluster, near_bigram_ta
             f"dspark-batch1.rank{r}.trace.json.gz" for r in range(3)]
         assert [o.token_ids for o in llm.generate(PROMPTS[:1], PARAM_SETS["greedy"][:1])]  # serving goes on
     free_cpus_return()
+
+
+@pytest.mark.parametrize("mode", ["colocated", "separate"])
+def test_packed_verify_steps_cross_the_wire(ray_cluster, tmp_path, near_bigram_target, make_drafter, mode):
+    """Confidence scheduling's packed layout (forced: these actors have no graphs) through a replica: the packed
+    plan reaches the worker, the counts it verified come back, and the greedy outputs are the engine's without
+    scheduling."""
+    from tests.runtime.test_confidence_scheduling import flat_table
+
+    path = tmp_path / "table.json"
+    flat_table(0.6).save(path)
+    drafter = str(make_drafter(near_bigram_target, 4, oracle=True))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    local = LocalLLM(str(near_bigram_target), speculative_config=DSparkDecodingConfig(speculative_model=drafter),
+                     **ENGINE)
+    expected = [o.token_ids for o in local.generate(PROMPTS, params)]
+    spec = DSparkDecodingConfig(speculative_model=drafter, enable_confidence_scheduling=True,
+                                confidence_cost_table_path=str(path))
+    with LLM(str(near_bigram_target), speculative_config=spec, drafter=mode, **ENGINE) as llm:
+        llm.engine.confidence.layout = "packed"
+        counts = []
+        execute = llm.engine.executor.execute
+
+        def spy(batch):
+            results = execute(batch)
+            if batch.packed is not None:
+                counts.append((batch.packed.budget, [r.num_verified for r in results]))
+            return results
+
+        llm.engine.executor.execute = spy
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
+        assert counts and all(sum(verified) == budget for budget, verified in counts)
+    free_cpus_return()
