@@ -335,6 +335,9 @@ class Engine:
             # the device picks which drafts
             self._packed_budget = self.confidence.allot_packed([s.draft_confidence for s in seqs], others,
                                                                other_tokens, context)
+            if self.confidence.step_columns == 0:  # no draft pays: every request verifies none (its anchor only)
+                for seq in seqs:
+                    seq.trim_drafts(0)
         else:
             lengths = self.confidence.allot([s.draft_confidence for s in seqs], others, other_tokens, context)
             for seq, length in zip(seqs, lengths):
@@ -352,6 +355,8 @@ class Engine:
             self.confidence_stats.unpacked_steps += 1
             return None
         k = scheduled[0].num_drafts
+        if not 0 < self.confidence.step_columns < k:  # whole blocks (or none): a uniform step's graph serves it
+            return None
         confidences = []
         for entry in scheduled:
             confidence = self.sequences[entry.request_id].draft_confidence

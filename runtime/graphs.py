@@ -217,11 +217,12 @@ class GraphedTargetForward:
             if batch >= PACKED_MIN_BATCH:
                 for columns in self.packed_columns:
                     self.packed_graphs[(batch, columns)] = self._capture_packed(batch, columns)
-        used = free_before - torch.cuda.mem_get_info(device)[0]
+        self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]  # the device memory they took
         self.capture_seconds = time.perf_counter() - start
-        log.info("dspark: captured %d CUDA graphs (batch %s x tokens %s; prefill chunks of %s up to %d tokens) in "
-                 "%.1f s, %.0f MiB", len(self.graphs), self.buckets, self.q_lens, self.prefill_q_lens,
-                 prefill_tokens, self.capture_seconds, used / 2**20)
+        log.info("dspark: captured %d CUDA graphs (batch %s x tokens %s; prefill chunks of %s up to %d tokens; "
+                 "%d packed of columns %s) in %.1f s, %.0f MiB", len(self.graphs), self.buckets, self.q_lens,
+                 self.prefill_q_lens, prefill_tokens, len(self.packed_graphs), self.packed_columns,
+                 self.capture_seconds, self.capture_bytes / 2**20)
 
     def tokens_per_request(self, reqs: list[ScheduledRequest]) -> int | None:
         """Q if a graph serves this step (see ``graphed_q_len``), else None."""

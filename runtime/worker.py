@@ -236,6 +236,7 @@ class Worker:
                 "moe_backend": self.moe_backend, "draft_moe_backend": self.draft_moe_backend,
                 "kernel_backend": self.kernel_backend, "cuda_graphs": self.graphs is not None,
                 "graph_capture_s": round(self.graphs.capture_seconds, 2) if self.graphs is not None else None,
+                "graph_capture_mib": round(self.graphs.capture_bytes / 2**20, 1) if self.graphs is not None else None,
                 "graph_replays": self.graphs.replays if self.graphs is not None else 0,
                 "graph_q_lens": self.graphs.q_lens if self.graphs is not None else [],
                 # prefill chunks graphed too: these lengths, at the buckets whose batch x length is within the cap
