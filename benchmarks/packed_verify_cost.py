@@ -74,8 +74,8 @@ def main() -> int:
         placeholder = root / "placeholder-costs.json"
         top = max(batches)
         StepCostTable([1, top], [1, top * (K + 1)], [[1.0, 1.0], [1.0, 1.0]]).save(placeholder)
-        spec = DSparkDecodingConfig(speculative_model=str(drafter), enable_confidence_scheduling=True,
-                                    confidence_cost_table_path=str(placeholder))
+        spec = DSparkDecodingConfig(speculative_model=str(drafter), max_draft_len=K, enable_confidence_scheduling=True,
+                                    confidence_cost_table_path=str(placeholder), load_format="dummy")
         llm = LLM(str(target), speculative_config=spec, dtype="bfloat16", load_format="dummy",
                   kernel_backend="flashinfer", max_num_seqs=top, max_model_len=1024,
                   max_num_batched_tokens=max(2048, top * (K + 1)), kv_cache_memory=8 << 30)
@@ -99,7 +99,8 @@ def main() -> int:
               "hardware": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "command": " ".join(["python3", *sys.argv]),
               "shape": {"vocab": 4096, "hidden": args.hidden, "layers": args.layers, "head_dim": 64, "drafts": K},
-              "graph_packed_columns": info.get("graph_packed_columns"), "graph_packed_from": info.get("graph_packed_from"),
+              "graph_packed_columns": info.get("graph_packed_columns"),
+              "graph_packed_from": info.get("graph_packed_from"),
               "graphs": {k: v for k, v in info.items() if k.startswith("graph")}, "rows": rows}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0

@@ -63,7 +63,8 @@ class BatchEncoder:
                          r.sample, (r.params, r.seed) if first else None, r.penalty_history))
             self.pages_sent[r.request_id] = len(r.page_ids)
         return (wire, batch.num_next_drafts, batch.maintain_draft_context, batch.released_request_ids,
-                batch.scrub_page_ids, reset, batch.run_ahead, batch.next_verify_len, batch.packed)
+                batch.scrub_page_ids, reset, batch.run_ahead, batch.next_verify_len, batch.packed,
+                batch.next_packed)
 
 
 class BatchDecoder:
@@ -74,8 +75,8 @@ class BatchDecoder:
         self.params: dict[str, tuple] = {}
 
     def decode(self, wire: bytes) -> ScheduledBatch:
-        requests, num_next_drafts, maintain, released, scrub, reset, run_ahead, next_verify_len, packed = \
-            pickle.loads(wire)
+        requests, num_next_drafts, maintain, released, scrub, reset, run_ahead, next_verify_len, packed, \
+            next_packed = pickle.loads(wire)
         if reset:
             self.pages.clear()
             self.params.clear()
@@ -97,7 +98,7 @@ class BatchDecoder:
             # decoded, and a step's batch is read only while that step runs
             out.append(ScheduledRequest(request_id, tokens, start, pages, drafts, sample, params, seed, history))
         return ScheduledBatch(out, num_next_drafts, maintain, released, scrub, run_ahead=run_ahead,
-                              next_verify_len=next_verify_len, packed=packed)
+                              next_verify_len=next_verify_len, packed=packed, next_packed=next_packed)
 
 
 def encode_results(results: list[RequestStepResult]) -> bytes:

@@ -32,7 +32,7 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerLimits
 from runtime.sequence import Sequence, Status
 from runtime.step_costs import StepCostTable
-from runtime.step_io import PackedPlan, RequestStepResult, ScheduledBatch, ScheduledRequest
+from runtime.step_io import PackedAhead, PackedPlan, RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.step_profile import profile_step_costs
 from runtime.step_tensors import greedy_only, plain_greedy
 from runtime.stops import StopCriteria
@@ -86,8 +86,10 @@ class Engine:
         self.confidence_stats = ConfidenceStats()
         self._decided: list[str] = []  # requests whose verify length the scheduler chose this step (its order)
         self._other_fed = (0, 0, 0)  # (requests, tokens, context) of the last step besides the scheduler's verifies
-        self._packed_budget = 0  # the packed layout: the drafts the decided requests verify this step
+        # the packed layout (runtime.packed_verify): the columns this step's decided requests verify (0: not packed)
+        self._packed_columns = 0
         self._packed: PackedPlan | None = None  # this step's packed verify, if it is one
+        self._packed_from = 0  # the fewest requests the target's packed graphs serve (0: none captured)
         self._graph_q_lens: list[int] = []  # tokens per request of the target's graphs (none: eager steps)
         self._graph_prefill = ([], 0)  # the prefill chunk graphs' lengths and token cap (graph_layout.graphed_q_len)
         # profiling (runtime.step_profile): every decoding request verifies at most this many drafts, and the steps
@@ -137,19 +139,21 @@ class Engine:
             raw = read_model_config(str(spec.speculative_model)) or {}
             if raw.get("confidence_temperatures") is not None:
                 temperatures = read_calibration(raw, f"{spec.speculative_model}/config.json confidence_temperatures")
+        # the target's steps replayed as CUDA graphs pad each request to the step's longest verify (runtime.graphs);
+        # its packed graphs (if captured) serve the steps of packed_from requests on (the profile times those too)
+        target = next((i for i in infos if i.get("role") == "target"), {})
+        self._graph_q_lens = target.get("graph_q_lens") or []
+        self._graph_prefill = (target.get("graph_prefill_q_lens") or [], target.get("graph_prefill_tokens") or 0)
+        self._packed_from = (target.get("graph_packed_from") or 0) if target.get("graph_packed_columns") else 0
         if spec.confidence_cost_table_path is not None:
             costs = StepCostTable.load(spec.confidence_cost_table_path)
         else:
             costs = profile_step_costs(self)
-        # the target's steps replayed as CUDA graphs pad each request to the step's longest verify (runtime.graphs)
-        target = next((i for i in infos if i.get("role") == "target"), {})
-        self._graph_q_lens = target.get("graph_q_lens") or []
-        self._graph_prefill = (target.get("graph_prefill_q_lens") or [], target.get("graph_prefill_tokens") or 0)
-        layout = "packed" if target.get("graph_packed_columns") else "padded" if self._graph_q_lens else "ragged"
+        layout = "packed" if self._packed_from else "padded" if self._graph_q_lens else "ragged"
         log.info("dspark: confidence scheduling on (%s steps), step-time table %s, temperatures %s", layout,
                  spec.confidence_cost_table_path or "profiled at startup", temperatures or "1")
         return ConfidenceScheduler(int(spec.max_draft_len), costs, temperatures, spec.confidence_min_predicted_gain,
-                                   layout, packed_from=target.get("graph_packed_from") or 1)
+                                   layout, packed_from=self._packed_from or 1)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -233,6 +237,7 @@ class Engine:
         if self.pipelined:
             group, self._turn = self._turn, 1 - self._turn
         began = time.perf_counter()
+        self._decided, self._packed_columns = [], 0  # this step's choice, made now (if any)
         with region("dspark.schedule"):
             if self.forced_verify_len is not None:
                 self._force_verify_lengths()
@@ -240,7 +245,7 @@ class Engine:
                 self._allot_verify_lengths(group)
             # a step the worker may have launched ahead is the running requests' decode: arrivals join the next
             scheduled = self.scheduler.schedule(group, admit=not self._ran_ahead)
-            next_verify_len = self._next_verify_len() if self.has_drafter and scheduled else 0
+            next_verify_len, next_packed = self._next_verify() if self.has_drafter and scheduled else (0, None)
             self._ran_ahead = self._runs_ahead and (self._steady_verify(scheduled, next_verify_len) if self.has_drafter
                                                     else self._steady_decode(scheduled))
             self._packed = self._packed_plan(scheduled)
@@ -248,7 +253,7 @@ class Engine:
         batch = ScheduledBatch(requests=scheduled, num_next_drafts=self.draft_len(),
                                maintain_draft_context=self.has_drafter and not self.gate.closed,
                                released_request_ids=released, scrub_page_ids=scrub, run_ahead=self._ran_ahead,
-                               next_verify_len=next_verify_len, packed=self._packed)
+                               next_verify_len=next_verify_len, packed=self._packed, next_packed=next_packed)
         with region("dspark.execute"):
             results = self.executor.execute(batch)
         learn = self.confidence is not None and bool(scheduled)
@@ -276,24 +281,49 @@ class Engine:
                 return False
         return True
 
-    def _next_verify_len(self) -> int:
-        """How many drafts a decoding request verifies next step: the block drafted now, or under confidence
-        scheduling's padded layout as many as the cap it already chose for that step (0: unknown, the ragged
-        layout), or while profiling the length forced on every step (``forced_verify_len``). The worker plans that
-        step's attention while the drafter drafts (``ScheduledBatch``)."""
+    def _next_verify(self) -> tuple[int, PackedAhead | None]:
+        """How many drafts a decoding request feeds next step, and whether that step is a packed verify: the block
+        drafted now, or under confidence scheduling's padded layout as many as the cap it already chose for that
+        step (0: unknown, the ragged layout), or under the packed layout the whole block, packed at the columns it
+        already chose (whole blocks or none: a uniform step), or while profiling the length forced on every step
+        (``forced_verify_len``; packed where the packed graphs serve the step). The worker plans that step's
+        attention while the drafter drafts, and may launch it ahead (``ScheduledBatch``)."""
         k_next = self.draft_len()
         if self.forced_verify_len is not None:
-            return min(k_next, self.forced_verify_len)
+            wanted = self.forced_verify_len
+        elif self.confidence is None:
+            return k_next, None
+        elif self.confidence.layout == "ragged":
+            return 0, None
+        elif self.confidence.layout == "packed" and len(self.scheduler.running) >= self.confidence.packed_from:
+            wanted = self.confidence.columns if self.confidence.columns is not None else k_next
+        else:
+            return min(k_next, self.confidence.cap if self.confidence.cap is not None else k_next), None
+        if self._packs(len(self.scheduler.running), wanted, k_next):
+            inverse, ratio = self._packed_ranking(k_next)
+            return k_next, PackedAhead(wanted, inverse, ratio)
+        return min(k_next, wanted), None
+
+    def _packs(self, num: int, columns: int, k: int) -> bool:
+        """Whether a step of ``num`` requests verifying ``columns`` of their ``k`` drafts is a packed verify: the
+        target's packed graphs serve that many requests (the scheduler's packed layout says from how many; while
+        profiling, before it exists, the graphs do), and the columns are neither whole blocks nor none."""
+        if self.confidence is not None:
+            packed_from = self.confidence.packed_from if self.confidence.layout == "packed" else 0
+        else:
+            packed_from = self._packed_from
+        return bool(packed_from) and num >= packed_from and 0 < columns < k
+
+    def _packed_ranking(self, k: int) -> tuple[list[float], list[float]]:
+        """The calibration and correction a packed step ranks its first ``k`` drafts by (none while profiling: the
+        profile times the step, whichever drafts it picks)."""
         if self.confidence is None:
-            return k_next
-        if self.confidence.layout == "ragged" or (self.confidence.layout == "packed"
-                                                  and len(self.scheduler.running) >= self.confidence.packed_from):
-            return 0  # a packed step is planned when it comes (no plan or launch ahead of it yet)
-        return min(k_next, self.confidence.cap if self.confidence.cap is not None else k_next)
+            return [1.0] * k, [1.0] * k
+        return self.confidence._inverse_list[:k], self.confidence.correction.ratio_list[:k]
 
     def _steady_verify(self, scheduled: list[ScheduledRequest], n: int) -> bool:
         """With a drafter: whether the next step is expected to be the same requests each verifying ``n`` drafts of
-        the block drafted now (``_next_verify_len``): every one is a greedy verify of this step's block length (no
+        the block drafted now (``_next_verify``): every one is a greedy verify of this step's block length (no
         logprobs, penalties or sampling) and all running requests are in the step, neither step can reach a
         request's token limit, nothing waits to be admitted, and drafting is not pipelined. An end of sequence, a
         stop string, a fault or a closing acceptance gate can still end it: the worker then drops the step."""
@@ -333,9 +363,9 @@ class Engine:
         self._decided = [s.request_id for s in seqs]
         if self.confidence.layout == "packed" and len(seqs) >= self.confidence.packed_from:  # blocks stay whole:
             # the device picks which drafts
-            self._packed_budget = self.confidence.allot_packed([s.draft_confidence for s in seqs], others,
-                                                               other_tokens, context)
-            if self.confidence.step_columns == 0:  # no draft pays: every request verifies none (its anchor only)
+            self.confidence.allot_packed([s.draft_confidence for s in seqs], others, other_tokens, context)
+            self._packed_columns = self.confidence.step_columns
+            if self._packed_columns == 0:  # no draft pays: every request verifies none (its anchor only)
                 for seq in seqs:
                     seq.trim_drafts(0)
         else:
@@ -345,17 +375,18 @@ class Engine:
         self.confidence_stats.record_decision(self.confidence.last, len(seqs))
 
     def _packed_plan(self, scheduled: list[ScheduledRequest]) -> PackedPlan | None:
-        """The packed layout: this step's packed verify, when it is exactly the requests the scheduler decided for,
-        each verifying a full greedy block of one length; else None, and the step verifies whole blocks (a mixed
-        step, a sampled request, a block cut at a token limit: ``ConfidenceStats.unpacked_steps``)."""
-        if self.confidence is None or self.confidence.layout != "packed" or not self._decided \
-                or len(self._decided) < self.confidence.packed_from:
+        """The packed layout: this step's packed verify, when it is exactly the requests the scheduler decided for
+        (or the profile forced), each verifying a full greedy block of one length; else None, and the step verifies
+        whole blocks (a mixed step, a sampled request, a block cut at a token limit:
+        ``ConfidenceStats.unpacked_steps``). Columns of whole blocks (or none) are a uniform step's."""
+        columns = self._packed_columns
+        if not columns or not self._decided:
             return None
         if len(scheduled) != len(self._decided) or {e.request_id for e in scheduled} != set(self._decided):
             self.confidence_stats.unpacked_steps += 1
             return None
         k = scheduled[0].num_drafts
-        if not 0 < self.confidence.step_columns < k:  # whole blocks (or none): a uniform step's graph serves it
+        if columns >= k:  # whole blocks: a uniform step's graph serves it
             return None
         confidences = []
         for entry in scheduled:
@@ -365,14 +396,18 @@ class Engine:
                 self.confidence_stats.unpacked_steps += 1
                 return None
             confidences.append(list(confidence))
-        scheduler = self.confidence
-        return PackedPlan(min(self._packed_budget, k * len(scheduled)), scheduler.step_columns, confidences,
-                          scheduler._inverse_list[:k], scheduler.correction.ratio_list[:k])
+        return PackedPlan(columns * len(scheduled), columns, confidences, *self._packed_ranking(k))
 
     def _force_verify_lengths(self) -> None:
-        """Profiling: trim every running request's proposed block to ``forced_verify_len`` drafts."""
-        for seq in self.scheduler.running:
-            seq.trim_drafts(self.forced_verify_len)
+        """Profiling: trim every running request's proposed block to ``forced_verify_len`` drafts, or where the
+        target's packed graphs serve the step, verify that many columns of whole blocks packed (as served)."""
+        running, length = self.scheduler.running, self.forced_verify_len
+        k = max((len(s.draft_ids) for s in running), default=0)
+        if self._packs(len(running), length, k):
+            self._packed_columns, self._decided = length, [s.request_id for s in running]
+            return
+        for seq in running:
+            seq.trim_drafts(length)
 
     def _note_other_fed(self, scheduled: list[ScheduledRequest]) -> None:
         """What the step fed besides the verifies the scheduler chose (prefill chunks, draft-less decodes): the next

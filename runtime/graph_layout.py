@@ -188,6 +188,7 @@ class LaunchedVerify:
     layout: HostLayout  # its attention layout (each request's pages under it first)
     appended: bool  # the drafter's context graph was replayed after it
     tokens: tuple[tuple[int, ...] | None, ...] = ()  # what each request feeds (anchor, drafts), once read back
+    columns: int = 0  # a packed verify of these columns (runtime.packed_verify; 0: the uniform graph)
 
     def matches(self, reqs: list[ScheduledRequest], append_context: bool) -> bool:
         """Whether ``reqs`` is exactly this step: the same requests in order, each feeding the tokens it was fed

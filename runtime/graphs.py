@@ -71,7 +71,7 @@ from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta
 from runtime.kv_cache import KVCaches
 from runtime.models.target import TargetModel
 from runtime.packed_verify import packed_verify, survivals
-from runtime.step_io import ScheduledRequest
+from runtime.step_io import PackedAhead, ScheduledRequest
 from runtime.step_tensors import StepTensors, padded_page_table
 from runtime.transfer import PinnedReadBack
 from runtime.verify import block_verdicts, greedy_verdicts
@@ -212,7 +212,8 @@ class GraphedTargetForward:
             if self.packed_columns else 0
         if not self.packed_from:  # no bucket large enough: nothing is packed
             self.packed_columns = []
-        self.packed_replays = 0  # steps a packed graph served
+        self.packed_replays = 0  # packed graph replays (steps launched ahead and dropped included)
+        self.packed_run_ahead = 0  # packed steps taken from a launch ahead
         for batch in reversed(self.buckets):
             if batch >= PACKED_MIN_BATCH:
                 for columns in self.packed_columns:
@@ -237,7 +238,7 @@ class GraphedTargetForward:
         batch = next(b for b in self.buckets if b >= len(reqs))
         g = self.graphs[(batch, q_len)]
         appended = append_context and g.context is not None
-        if ahead is not None and ahead.q_len == q_len and ahead.matches(reqs, appended):
+        if ahead is not None and not ahead.columns and ahead.q_len == q_len and ahead.matches(reqs, appended):
             self.steps_run_ahead += 1  # launched (and its context appended) while the step before it drafted
             self._last_run = (reqs, ahead.layout, batch, q_len)
         else:
@@ -269,32 +270,28 @@ class GraphedTargetForward:
                    append_context: bool = False) -> PackedGraphOutputs:
         """Replay the packed graph of ``len(reqs)`` requests (padded to a bucket) verifying ``columns`` x bucket
         drafts of full blocks (``reqs`` each feed an anchor and K drafts), ranked by ``confidences`` [S][K] under the
-        calibration given; then, if asked and captured, the drafter's context append. No step runs ahead of it."""
+        calibration given; then, if asked and captured, the drafter's context append. Or taken from the packed step
+        launched ahead (``launch_verify_ahead``) when ``reqs`` is exactly that step: it ranked the block's
+        confidences as drafted on the device, under the calibration and correction of the step before."""
+        ahead, self._ahead_verify = self._ahead_verify, None
         self.drop_ahead()
         batch = next(b for b in self.buckets if b >= len(reqs))
         q_len = self.q_lens[-1]
         g = self.packed_graphs[(batch, columns)]
-        layout = self._write_inputs(reqs, batch, q_len)
-        self.packed_confidence[:batch].zero_()  # padding requests propose nothing
-        self.packed_confidence[:len(reqs)].copy_(torch.tensor(confidences, dtype=torch.float32), non_blocking=True)
-        self.packed_inverse_temperatures.copy_(torch.tensor(inverse_temperatures, dtype=torch.float32),
-                                               non_blocking=True)
-        self.packed_ratio.copy_(torch.tensor(ratio, dtype=torch.float32), non_blocking=True)
-        key = ("packed", batch, columns)
-        if self.planned.get(key) == layout:
-            self.plans_skipped += 1
-        else:
-            self._plan_copied.synchronize()
-            self.backend.plan_attention(self._meta(layout, batch, q_len), g.wrapper)
-            self._plan_copied.record()
-            self.planned[key] = layout
-        g.graph.replay()
-        self.replays += 1
-        self.packed_replays += 1
         appended = append_context and g.context is not None
-        if appended:
-            g.context.replay()
-        self._last_run = None  # nothing is planned ahead from a packed step
+        if ahead is not None and ahead.columns == columns and ahead.q_len == q_len and ahead.matches(reqs, appended):
+            self.steps_run_ahead += 1
+            self.packed_run_ahead += 1
+            self._last_run = (reqs, ahead.layout, batch, q_len)
+        else:
+            if ahead is not None:
+                self.steps_ahead_dropped += 1
+            layout = self._write_inputs(reqs, batch, q_len)
+            self._write_ranking(torch.tensor(confidences, dtype=torch.float32), inverse_temperatures, ratio, batch)
+            self._plan_and_replay(g, layout, batch, q_len, columns)
+            if appended:
+                g.context.replay()
+            self._last_run = (reqs, layout, batch, q_len)
         num = len(reqs)
         return PackedGraphOutputs(g.lengths[:num], g.block_verdict[:num],
                                   g.captured[:num * q_len] if g.captured is not None else None, appended)
@@ -306,11 +303,12 @@ class GraphedTargetForward:
         self._accepted_read.queue(accepted)
         self._accepted_pending = accepted.shape[0]
 
-    def plan_next_verify(self, next_q_len: int | None = None) -> list[int] | None:
+    def plan_next_verify(self, next_q_len: int | None = None, columns: int = 0) -> list[int] | None:
         """While the drafter drafts: wait for the accepted counts ``read_accepted`` queued (the verification is
         done, the draft still runs), then plan the verify step in which the last replay's requests each verify a
         block of ``next_q_len`` tokens (the engine's prediction; else as long as this one) from their next position
-        (``next_verify_layout``), if a graph of that length is captured. When the engine schedules
+        (``next_verify_layout``), if a graph of that length is captured (the packed graph of ``columns``, if given: a
+        packed verify of those blocks). When the engine schedules
         exactly that step, its plan (~0.2 ms of host time a step on the Qwen3-8B shape) was made while the GPU
         drafted; any other step plans as usual. -> the accepted counts when it planned, else None."""
         num, self._accepted_pending = self._accepted_pending, 0
@@ -320,17 +318,18 @@ class GraphedTargetForward:
         if num != len(reqs):
             return None
         next_q_len = next_q_len or q_len
-        if (batch, next_q_len) not in self.graphs:
+        if (batch, columns) not in self.packed_graphs if columns else (batch, next_q_len) not in self.graphs:
             return None
         accepted = self._accepted_read.wait().tolist()
         upcoming = next_verify_layout(reqs, accepted, q_len, next_q_len, batch, self.page_size, self.scratch_page)
         if upcoming is None:
             return None
-        self._plan(upcoming, batch, next_q_len)
+        self._plan(upcoming, batch, next_q_len, columns)
         return accepted
 
     def launch_verify_ahead(self, accepted: list[int], committed: torch.Tensor, accepted_device: torch.Tensor,
-                            drafts: torch.Tensor, append_context: bool) -> bool:
+                            drafts: torch.Tensor, append_context: bool, packed: PackedAhead | None = None,
+                            confidence: torch.Tensor | None = None) -> bool:
         """Launch, right behind the draft, the verify step in which every request of the last replay verifies
         ``drafts`` [S, N] (device: the block just drafted, or its first N drafts) from its next position, its
         anchor the token this step committed last (``committed`` [S, K+1] at ``accepted_device`` [S], device;
@@ -338,31 +337,50 @@ class GraphedTargetForward:
         read back by ``plan_next_verify``, which planned it), if each request's pages cover it. The step's inputs
         are written on the device; its context append follows when ``append_context``. The caller has already
         queued the read-back of this step (the replay reuses its output buffers) and, once it has read back,
-        says what each request feeds (``set_ahead_tokens``). -> whether it was launched."""
+        says what each request feeds (``set_ahead_tokens``). ``packed``: the step is a packed verify of those
+        columns (its packed graph), the block's ``confidence`` [S, K] (device, as the host reads them back) ranked
+        under the calibration and correction given. -> whether it was launched."""
         if not self.run_ahead or self._last_run is None:
             return False
         reqs, _, batch, _ = self._last_run
         num, ps = len(reqs), self.page_size
         q_len = drafts.shape[1] + 1
-        if drafts.shape[0] != num or len(accepted) != num or (batch, q_len) not in self.graphs:
+        columns = packed.columns if packed is not None else 0
+        if drafts.shape[0] != num or len(accepted) != num or (batch, q_len) not in self.graphs \
+                or (columns and ((batch, columns) not in self.packed_graphs or q_len != self.q_lens[-1]
+                                 or confidence is None)):
             return False
         upcoming = [ScheduledRequest(r.request_id, [0] * q_len, next_anchor_position(r, a), r.page_ids, q_len - 1,
                                      True, r.params, r.seed) for r, a in zip(reqs, accepted)]
         if any(-(-r.end_position // ps) > len(r.page_ids) for r in upcoming):
             return False  # its pages do not cover the block yet
-        g = self.graphs[(batch, q_len)]
+        g = self.packed_graphs[(batch, columns)] if columns else self.graphs[(batch, q_len)]
         inputs, layout = graph_inputs(upcoming, batch, q_len, ps, self.scratch_page)
         self.inputs[:, :batch * q_len].copy_(torch.from_numpy(inputs), non_blocking=True)
         ids = self.inputs[0, :num * q_len].view(num, q_len)  # [S, Q]: anchor, then the drafts
         ids[:, :1].copy_(committed.gather(1, accepted_device[:, None]))
         ids[:, 1:].copy_(drafts)
-        self._plan_and_replay(g, layout, batch, q_len)  # planned by plan_next_verify: the plan is skipped
+        if columns:
+            self._write_ranking(confidence, packed.inverse_temperatures, packed.ratio, batch)
+        self._plan_and_replay(g, layout, batch, q_len, columns)  # planned by plan_next_verify: the plan is skipped
         appended = append_context and g.context is not None
         if appended:
             g.context.replay()
         self._ahead_verify = LaunchedVerify(tuple(r.request_id for r in upcoming),
-                                            tuple(r.start_position for r in upcoming), q_len, layout, appended)
+                                            tuple(r.start_position for r in upcoming), q_len, layout, appended,
+                                            columns=columns)
         return True
+
+    def _write_ranking(self, confidence: torch.Tensor, inverse_temperatures: list[float], ratio: list[float],
+                       batch: int) -> None:
+        """A packed step's ranking into its graph's persistent buffers: ``confidence`` [S, K] (host or device),
+        padding requests up to ``batch`` proposing nothing (0), and the calibration and correction [K]."""
+        num, k = confidence.shape  # k < K where a draft_len_schedule drafts shorter blocks: the rest propose nothing
+        self.packed_confidence[:batch].zero_()
+        self.packed_confidence[:num, :k].copy_(confidence, non_blocking=True)
+        self.packed_inverse_temperatures[:k].copy_(torch.tensor(inverse_temperatures[:k], dtype=torch.float32),
+                                                   non_blocking=True)
+        self.packed_ratio[:k].copy_(torch.tensor(ratio[:k], dtype=torch.float32), non_blocking=True)
 
     def set_ahead_tokens(self, tokens: list[tuple[int, ...] | None]) -> None:
         """What each request of the verify step launched ahead feeds (its anchor, then its drafts), as this step
@@ -431,15 +449,18 @@ class GraphedTargetForward:
         self._ahead = LaunchedDecode(tuple(r.request_id for r in reqs), tuple(positions.tolist()), upcoming, nxt,
                                      self._read_back(g, num))
 
-    def _plan_and_replay(self, g: _Graph, layout: HostLayout, batch: int, q_len: int) -> None:
-        """Plan the (batch, q_len) graph's wrapper for ``layout`` unless it already is (planned ahead), then replay
-        the graph (its inputs already written)."""
-        if self.planned.get((batch, q_len)) == layout:
+    def _plan_and_replay(self, g: _Graph | _PackedGraph, layout: HostLayout, batch: int, q_len: int,
+                         columns: int = 0) -> None:
+        """Plan the (batch, q_len) graph's wrapper (the packed graph's of ``columns``, if given) for ``layout``
+        unless it already is (planned ahead), then replay the graph (its inputs already written)."""
+        if self.planned.get(self._key(batch, q_len, columns)) == layout:
             self.plans_skipped += 1
         else:
-            self._plan(layout, batch, q_len)
+            self._plan(layout, batch, q_len, columns)
         g.graph.replay()
         self.replays += 1
+        if columns:
+            self.packed_replays += 1
 
     def drop_ahead(self) -> None:
         """Any other step (graphed or eager): a step launched ahead is no longer the next one."""
@@ -458,16 +479,23 @@ class GraphedTargetForward:
         self.inputs[:, :batch * q_len].copy_(torch.from_numpy(inputs), non_blocking=True)
         return layout
 
-    def _plan(self, layout: HostLayout, batch: int, q_len: int) -> None:
-        """Plan the (batch, q_len) graph's wrapper for ``layout``. FlashInfer stages a plan in a pinned host buffer
+    @staticmethod
+    def _key(batch: int, q_len: int, columns: int = 0) -> tuple:
+        """The graph a plan is for: (batch, q_len), or a packed graph's ("packed", batch, columns)."""
+        return ("packed", batch, columns) if columns else (batch, q_len)
+
+    def _plan(self, layout: HostLayout, batch: int, q_len: int, columns: int = 0) -> None:
+        """Plan the (batch, q_len) graph's wrapper (the packed graph's of ``columns``, if given: its attention is in
+        the same uniform layout) for ``layout``. FlashInfer stages a plan in a pinned host buffer
         and copies it on the stream (and the graph wrapper stages its page table in pinned memory): the previous
         plan's copies must have run before those buffers are written again. They have, unless that plan was made
         ahead right after a launch: its copies queue behind that step's graph, and this waits for the graph, which
         the step's read-back waits for anyway."""
         self._plan_copied.synchronize()  # (returns at once before its first record)
-        self.backend.plan_attention(self._meta(layout, batch, q_len), self.graphs[(batch, q_len)].wrapper)
+        g = self.packed_graphs[(batch, columns)] if columns else self.graphs[(batch, q_len)]
+        self.backend.plan_attention(self._meta(layout, batch, q_len), g.wrapper)
         self._plan_copied.record()
-        self.planned[(batch, q_len)] = layout
+        self.planned[self._key(batch, q_len, columns)] = layout
 
     def _meta(self, layout: HostLayout, batch: int, q_len: int) -> PagedAttentionMeta:
         # Only the host layout and geometry matter to FlashInfer; the device fields are placeholders.

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from configs import DSparkDecodingConfig
-from runtime.confidence_scheduler import confidence_from_ints
+from runtime.confidence_scheduler import CONFIDENCE_SCALE, confidence_from_ints
 from runtime.draft_channel import DraftChannel, Proposal, receive_features, send_features
 from runtime.graphs import GraphedTargetForward, GraphOutputs
 from runtime.kernels import AttentionGeometry, KernelBackend
@@ -127,43 +127,10 @@ class ModelRunner:
                 return self._verdict_results(reqs, entries, verdicts.tolist())  # the step's one transfer
         with region("dspark.verify"):
             verified = self._verify(entries, hidden, t.row_ends, sampled, graphed)
-        # plan the next verify step's attention while the drafter drafts (a single rank's graphed decode step)
-        plan_next = graphed is not None and k_next and len(entries) == len(reqs) and not self.parallel.is_parallel
-        if plan_next:
-            self.graphs.read_accepted(verified.accepted)
-        with region("dspark.draft"):
-            # a list index would copy it to the device synchronously: decode steps sample every request anyway
-            table = t.page_table if len(sampled) == len(reqs) or not k_next else t.page_table[
-                to_device(sampled, self.device)]
-            proposal = self._propose(entries, verified.committed, verified.accepted, table, k_next) if k_next \
-                else None
-        accepted_host = None
-        if plan_next:
-            with region("dspark.plan_next"):
-                accepted_host = self.graphs.plan_next_verify(batch.next_verify_len + 1 if batch.next_verify_len
-                                                             else None)
-        if not self.is_leader:
-            return []
-        n = batch.next_verify_len
-        if accepted_host is not None and batch.run_ahead and self._verifies_blocks_ahead(verified, proposal, n):
-            with region("dspark.run_ahead"):
-                # this step's rows read back through pinned memory first: the next replay reuses their buffers
-                self._rows_read.queue(self._packed(verified, proposal)[0])
-                launched = self.graphs.launch_verify_ahead(accepted_host, verified.committed, verified.accepted,
-                                                           proposal.tokens[:, :n], drafting)
-            with region("dspark.results"):
-                results = self._results(reqs, entries, verified, proposal, host=self._rows_read.wait().tolist())
-            if launched:  # what each request feeds next: its last committed token, then n drafts of the new block
-                k = proposal.tokens.shape[1]
-                self.graphs.set_ahead_tokens([
-                    (r.token_ids[-1], *r.next_draft_ids[:n]) if r.error is None and len(r.next_draft_ids) == k
-                    else None for r in results])
-            return results
-        with region("dspark.results"):
-            logprobs = verified.source.top(verified.committed) if verified.source is not None else None
-            # a faulted request's pages, and the graphs' scratch page its padding rows may have filled with NaN, are
-            # zeroed on every rank before the next step: the engine names them in that step's scrub list
-            return self._results(reqs, entries, verified, proposal, logprobs)
+        # a list index would copy it to the device synchronously: decode steps sample every request anyway
+        table = t.page_table if len(sampled) == len(reqs) or not k_next else t.page_table[
+            to_device(sampled, self.device)]
+        return self._draft_and_finish(batch, reqs, entries, verified, table, graphed is not None)
 
     def _execute_packed(self, batch: ScheduledBatch) -> list[RequestStepResult]:
         """A packed verify step (``runtime.packed_verify``; every request a full greedy block, ``batch.packed``):
@@ -173,11 +140,11 @@ class ModelRunner:
             raise RuntimeError("a packed verify step runs on one rank (tensor parallelism verifies whole blocks)")
         reqs, plan = batch.requests, batch.packed
         drafting = self.has_drafter and batch.maintain_draft_context
-        if self.graphs is not None:
-            self.graphs.drop_ahead()
         dev, num, q_len = self.device, len(reqs), reqs[0].num_drafts + 1
+        graphed = self.graphs is not None and self.graphs.packs(num, plan.columns)  # a packed graph of this bucket
         appended = False
-        if self.graphs is not None and self.graphs.packs(num, plan.columns):  # a packed graph of this bucket
+        if graphed:  # (it takes the packed step launched ahead, if this is it)
+            q_len = self.graphs.q_lens[-1]  # its blocks: K + 1 rows a request (a shorter block's padded)
             with region("dspark.forward"):
                 out = self.graphs.run_packed(reqs, plan.confidences, plan.inverse_temperatures, plan.ratio,
                                              plan.columns, append_context=drafting)
@@ -186,6 +153,8 @@ class ModelRunner:
                             [(b + 1) * q_len for b in range(num)])
             appended = out.context_appended
         else:
+            if self.graphs is not None:
+                self.graphs.drop_ahead()
             with region("dspark.forward"):
                 t = build_step_tensors(reqs, self.page_size, dev, self.kernels, self.geometry)
                 survival = survivals(torch.tensor(plan.confidences, dtype=torch.float32, device=dev),
@@ -198,17 +167,79 @@ class ModelRunner:
                 self.channel.send_context(out.captured, t)
         rows = out.block_verdict  # [S, Q + 2]: committed candidates, accepted, fault flag
         verified = Verified(rows[:, :q_len], rows[:, q_len], rows[:, q_len + 1], None, rows)
+        return self._draft_and_finish(batch, reqs, reqs, verified, t.page_table, graphed, out.lengths)
+
+    def _draft_and_finish(self, batch: ScheduledBatch, reqs: list[ScheduledRequest], entries: list[ScheduledRequest],
+                          verified: Verified, table: torch.Tensor | None, graphed: bool,
+                          verified_counts: torch.Tensor | None = None) -> list[RequestStepResult]:
+        """After a verification (of ``entries``, the step's sampled requests): draft the next block; on a single
+        rank's graphed step, plan the next verify's attention while the drafter drafts and, when the engine expects
+        that step (``batch.run_ahead``), launch it before this one is read back (a packed verify's packed graph if
+        ``batch.next_packed``); then read the step back in one transfer. ``verified_counts`` [S] (a packed step):
+        the drafts each request verified, read back with the rest (``RequestStepResult.num_verified``)."""
+        drafting = self.has_drafter and batch.maintain_draft_context
         k_next = batch.num_next_drafts if drafting else 0
+        # plan the next verify step's attention while the drafter drafts (a single rank's graphed decode step)
+        plan_next = graphed and k_next and len(entries) == len(reqs) and not self.parallel.is_parallel
+        if plan_next:
+            self.graphs.read_accepted(verified.accepted)
         with region("dspark.draft"):
-            proposal = self._propose(reqs, verified.committed, verified.accepted, t.page_table, k_next) \
-                if k_next else None
+            proposal = self._propose(entries, verified.committed, verified.accepted, table, k_next) if k_next \
+                else None
+        ahead, n = batch.next_packed, batch.next_verify_len
+        accepted_host = None
+        if plan_next:
+            with region("dspark.plan_next"):
+                accepted_host = self.graphs.plan_next_verify(n + 1 if n else None, ahead.columns if ahead else 0)
         if not self.is_leader:
             return []
+        if accepted_host is not None and batch.run_ahead and self._verifies_blocks_ahead(verified, proposal, n):
+            with region("dspark.run_ahead"):
+                # this step's rows read back through pinned memory first: the next replay reuses their buffers
+                self._rows_read.queue(self._read_back_rows(verified, proposal, verified_counts))
+                launched = self.graphs.launch_verify_ahead(
+                    accepted_host, verified.committed, verified.accepted, proposal.tokens[:, :n], drafting, ahead,
+                    self._block_confidence(proposal) if ahead is not None else None)
+            with region("dspark.results"):
+                host = self._rows_read.wait().tolist()
+                results = self._results(reqs, entries, verified, proposal, host=host)
+                self._note_verified(results, host, verified_counts)
+            if launched:  # what each request feeds next: its last committed token, then n drafts of the new block
+                k = proposal.tokens.shape[1]
+                self.graphs.set_ahead_tokens([
+                    (r.token_ids[-1], *r.next_draft_ids[:n]) if r.error is None and len(r.next_draft_ids) == k
+                    else None for r in results])
+            return results
         with region("dspark.results"):
-            results = self._results(reqs, reqs, verified, proposal)
-            for result, verified_drafts in zip(results, out.lengths.tolist()):
-                result.num_verified = verified_drafts
-        return results
+            logprobs = verified.source.top(verified.committed) if verified.source is not None else None
+            host = self._read_back_rows(verified, proposal, verified_counts).tolist() \
+                if verified_counts is not None else None
+            # a faulted request's pages, and the graphs' scratch page its padding rows may have filled with NaN, are
+            # zeroed on every rank before the next step: the engine names them in that step's scrub list
+            results = self._results(reqs, entries, verified, proposal, logprobs, host=host)
+            self._note_verified(results, host, verified_counts)
+            return results
+
+    def _read_back_rows(self, verified: Verified, proposal: Proposal | None,
+                        verified_counts: torch.Tensor | None) -> torch.Tensor:
+        """``_packed``'s rows [S, W], then (a packed step) each request's verified drafts as a last column."""
+        rows = self._packed(verified, proposal)[0]
+        return rows if verified_counts is None else torch.cat([rows, verified_counts[:, None].to(rows.dtype)], dim=1)
+
+    @staticmethod
+    def _note_verified(results: list[RequestStepResult], host: list[list[int]] | None,
+                       verified_counts: torch.Tensor | None) -> None:
+        """A packed step: each result says how many of its drafts the device verified (the rows' last column)."""
+        if verified_counts is not None:
+            for result, row in zip(results, host):
+                result.num_verified = row[-1]
+
+    @staticmethod
+    def _block_confidence(proposal: Proposal) -> torch.Tensor:
+        """[S, K] float32 on the device: the block's confidences as the host reads them back (the drafter packs them
+        as integers, ``confidence_as_ints``), so a packed step launched ahead ranks what the host would."""
+        k = proposal.tokens.shape[1]
+        return proposal.block[:, k + 1:2 * k + 1].to(torch.float32) / CONFIDENCE_SCALE
 
     def _decodes_greedy(self, batch: ScheduledBatch) -> bool:
         """Whether ``batch`` is a plain greedy decode step a one-token graph serves on this single rank (no drafter

@@ -51,6 +51,17 @@ class PackedPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class PackedAhead:
+    """The next step is expected to be a packed verify (``PackedPlan``) of these columns, ranked under this
+    calibration and correction: the worker plans its attention while the drafter drafts, and may launch it ahead
+    with the confidences just drafted (on the device)."""
+
+    columns: int
+    inverse_temperatures: list[float]  # [K]
+    ratio: list[float]  # [K]
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduledBatch:
     requests: list[ScheduledRequest]
     num_next_drafts: int  # block length drafted after this step for every sampled request (0: none)
@@ -65,6 +76,8 @@ class ScheduledBatch:
     # scheduling's cap for it; 0: unknown): the worker plans that step's attention while the drafter drafts
     next_verify_len: int = 0
     packed: PackedPlan | None = None  # a packed verify step: each request verifies the drafts the device picks
+    # the next step is expected to be a packed verify of full blocks of next_verify_len drafts (its plan, its launch)
+    next_packed: PackedAhead | None = None
 
 
 @dataclass(slots=True)  # not frozen: built per request every step, and a frozen __init__ costs 5x

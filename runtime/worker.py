@@ -246,6 +246,7 @@ class Worker:
                 "graph_packed_columns": self.graphs.packed_columns if self.graphs is not None else [],
                 "graph_packed_from": self.graphs.packed_from if self.graphs is not None else 0,
                 "graph_packed_replays": self.graphs.packed_replays if self.graphs is not None else 0,
+                "graph_packed_run_ahead": self.graphs.packed_run_ahead if self.graphs is not None else 0,
                 # per graph, the attention kernel it bakes in and the timings that chose it
                 "plan_ahead": self.graphs is not None and self.graphs.plan_ahead,
                 "plans_made_ahead": self.graphs.plans_skipped if self.graphs is not None else 0,

@@ -6,7 +6,7 @@ import pytest
 
 from cluster.dispatch import BatchDecoder, BatchEncoder, decode_any, decode_results, encode_any, encode_results
 from runtime.sampling_params import SamplingParams
-from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
+from runtime.step_io import PackedAhead, RequestStepResult, ScheduledBatch, ScheduledRequest
 
 
 def request(rid, pages, tokens=(1, 2), start=4, seed=7, params=None):
@@ -43,6 +43,10 @@ def test_the_run_ahead_mark_and_the_next_verify_length_reach_the_actors():
     encoder, decoder = BatchEncoder(), BatchDecoder()
     b = ScheduledBatch([request("a", [3])], 7, True, [], [], run_ahead=True, next_verify_len=5)
     assert through(encoder, [decoder], b) == [b]
+    # a packed verify expected next (its columns and ranking: the worker plans it and may launch it ahead)
+    ahead = ScheduledBatch([request("a", [3])], 7, True, [], [], run_ahead=True, next_verify_len=7,
+                           next_packed=PackedAhead(3, [1.0] * 7, [0.9] * 7))
+    assert through(encoder, [decoder], ahead) == [ahead]
     plain = batch(request("a", [3, 4]))
     got, = through(encoder, [decoder], plain)
     assert got == plain and not got.run_ahead and got.next_verify_len == 0

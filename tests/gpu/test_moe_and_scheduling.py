@@ -135,21 +135,46 @@ def test_confidence_scheduling_keeps_greedy_outputs_on_the_graphed_path(wide_tar
     assert replays["on"] > 0 and replays["on-eager"] == 0
 
 
-def test_packed_verify_graphs_keep_greedy_outputs(wide_target, make_drafter):
+def test_packed_verify_graphs_keep_greedy_outputs(tmp_path, wide_target, make_drafter):
     """Confidence scheduling's packed layout on the graphed path (steps of 9 requests and more replay packed graphs,
-    smaller ones the padded graphs): the tokens equal scheduling off and the eager engine's packed steps, and the
-    packed graphs served steps whose requests verified different numbers of drafts."""
+    smaller ones the padded graphs): the tokens equal scheduling off, and the packed graphs served steps whose
+    requests verified different numbers of drafts (a cost table that makes verify tokens dear, and confidences
+    spread by request, as the CPU test of the packed layout does)."""
+    import dataclasses
+
+    from tests.runtime.test_confidence_scheduling import flat_table
+
     drafter = make_drafter(wide_target, 4, oracle=True)
+    table = tmp_path / "dear.json"
+    flat_table(0.6).save(table)
     prompts = [[3 + i, 17, 33 + i, 2] for i in range(20)]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     runs = {}
-    for name, spec in (("off", {}), ("on", {"enable_confidence_scheduling": True})):
+    for name, spec in (("off", {}), ("on", {"enable_confidence_scheduling": True,
+                                            "confidence_cost_table_path": str(table)})):
         config = DSparkDecodingConfig(speculative_model=str(drafter), **spec)
         llm = LLM(str(wide_target), speculative_config=config, **{**ENGINE, "max_num_seqs": 32})
         if name == "on":
             info = llm.rank_info()[0]
             assert info["graph_packed_columns"] == [1, 2, 3] and info["graph_packed_from"] == 9
             assert llm.engine.confidence.layout == "packed"
+            plan_of = llm.engine._packed_plan
+
+            def spread(scheduled, plan_of=plan_of):  # the oracle drafter is as confident for every request
+                plan = plan_of(scheduled)
+                return plan if plan is None else dataclasses.replace(plan, confidences=[
+                    [c * (0.4 if i % 2 else 1.0) for c in row] for i, row in enumerate(plan.confidences)])
+
+            llm.engine._packed_plan = spread
+            runner = llm.engine.executor.worker.engine_part
+            drafted = runner._block_confidence  # what a packed step launched ahead ranks: spread alike
+
+            def spread_ahead(proposal, drafted=drafted):
+                confidence = drafted(proposal)
+                return confidence * torch.tensor([1.0, 0.4], device=confidence.device).repeat(
+                    (confidence.shape[0] + 1) // 2)[:confidence.shape[0], None]
+
+            runner._block_confidence = spread_ahead
             verified = []
             execute = llm.engine.executor.execute
 
@@ -162,4 +187,6 @@ def test_packed_verify_graphs_keep_greedy_outputs(wide_target, make_drafter):
             llm.engine.executor.execute = spy
         runs[name] = [o.token_ids for o in llm.generate(prompts, greedy)]
     assert runs["on"] == runs["off"]
-    assert llm.rank_info()[0]["graph_packed_replays"] > 0 and verified
+    info = llm.rank_info()[0]
+    assert info["graph_packed_replays"] > 0 and info["graph_packed_run_ahead"] > 0 and verified
+    assert any(len(set(counts)) > 1 for counts in verified)  # ragged: requests verified different counts

@@ -137,7 +137,8 @@ def _forward(batch: int, page_size: int = 4):
     forward._next_slot, forward._ahead, forward._ahead_verify = 0, None, None
     forward.steps_run_ahead = forward.steps_ahead_dropped = 0
     planned = []
-    forward._plan = lambda layout, b, q: (planned.append(layout), forward.planned.__setitem__((b, q), layout))
+    forward._plan = lambda layout, b, q, columns=0: (planned.append(layout),
+                                                   forward.planned.__setitem__(forward._key(b, q, columns), layout))
     g = _FakeGraph(forward, batch)
     forward.graphs = {(batch, 1): type("G", (), {"graph": g, "verdict": g.verdict})()}
     return forward, g, planned
@@ -210,7 +211,7 @@ def _verify_forward(batch: int, q_len: int, page_size: int = 4, shorter: int | N
     forward.planned, forward.plans_skipped, forward.replays = {}, 0, 0
     forward._ahead = forward._ahead_verify = forward._last_run = None
     forward.steps_run_ahead = forward.steps_ahead_dropped = 0
-    forward._plan = lambda layout, b, q: forward.planned.__setitem__((b, q), layout)
+    forward._plan = lambda layout, b, q, columns=0: forward.planned.__setitem__(forward._key(b, q, columns), layout)
     forward.graphs = {}
     for q in [q_len] + ([shorter] if shorter else []):
         g = _FakeVerifyGraph(forward, batch, q)
@@ -266,6 +267,59 @@ def test_a_verify_is_not_launched_ahead_past_its_pages_nor_matched_without_its_t
     forward.run([_verify("a", [11, 41, 42], 2, [5, 6])], 3)
     assert forward.steps_run_ahead == 0 and forward.steps_ahead_dropped == 1 and len(g.fed) == 4
 
+
+
+def _with_packed_graph(forward, batch: int, q_len: int, columns: int):
+    """Give the fake verify forward a fake packed graph of ``columns`` (its ranking buffers too)."""
+    g = _FakeVerifyGraph(forward, batch, q_len)
+    forward.q_lens = [q_len]
+    forward.packed_graphs = {(batch, columns): type("P", (), dict(
+        graph=g, context=None, lengths=torch.full((batch,), columns), captured=None,
+        block_verdict=torch.zeros(batch, q_len + 2, dtype=torch.int64)))()}
+    forward.packed_confidence = torch.zeros(batch, q_len - 1)
+    forward.packed_inverse_temperatures, forward.packed_ratio = torch.ones(q_len - 1), torch.ones(q_len - 1)
+    forward.packed_replays = forward.packed_run_ahead = 0
+    return g
+
+
+def test_a_packed_verify_launched_ahead_ranks_the_block_drafted_and_is_used_only_at_its_columns():
+    """The next step, a packed verify (``PackedAhead``): launched behind the draft into the packed graph with the
+    block's confidences copied on the device and the ranking the engine sent; taken by ``run_packed`` when scheduled
+    as launched at the same columns, else dropped (and run from the host's confidences)."""
+    from runtime.step_io import PackedAhead
+
+    forward, uniform = _verify_forward(batch=2, q_len=3)
+    packed = _with_packed_graph(forward, batch=2, q_len=3, columns=1)
+    pages = {"a": [5, 6, 7], "b": [8, 9]}
+    forward.run([_verify("a", [10, 11, 12], 4, pages["a"]), _verify("b", [20, 21, 22], 1, pages["b"])], 3)
+    committed, accepted = torch.tensor([[11, 12, 40], [50, 0, 0]]), torch.tensor([2, 0])
+    drafts, confidence = torch.tensor([[41, 42], [51, 52]]), torch.tensor([[0.9, 0.5], [0.8, 0.2]])
+    ranking = PackedAhead(1, [1.0, 0.5], [0.9, 0.8])
+    assert forward.launch_verify_ahead([2, 0], committed, accepted, drafts, False, ranking, confidence)
+    assert len(uniform.fed) == 1 and len(packed.fed) == 1  # the packed graph ran it, fed as a uniform step
+    assert packed.fed[0][0] == [40, 41, 42, 50, 51, 52] and forward.packed_replays == 1
+    assert forward.packed_confidence.tolist() == confidence.tolist()
+    assert forward.packed_inverse_temperatures.tolist() == [1.0, 0.5] and forward.packed_ratio.tolist() == \
+        pytest.approx([0.9, 0.8])
+    forward.set_ahead_tokens([(40, 41, 42), (50, 51, 52)])
+    following = [_verify("a", [40, 41, 42], 7, pages["a"]), _verify("b", [50, 51, 52], 2, pages["b"])]
+    assert not forward.packs(2, 2) and forward.packs(2, 1)
+    out = forward.run_packed(following, [[0.9, 0.5], [0.8, 0.2]], [1.0, 0.5], [0.9, 0.8], 1)
+    assert len(packed.fed) == 1 and forward.steps_run_ahead == forward.packed_run_ahead == 1
+    assert out.lengths.tolist() == [1, 1]
+    # launched again (nothing accepted: a's pages hold the next block); the uniform step the engine schedules
+    # instead (whole blocks chosen after all) drops it
+    none = torch.tensor([0, 0])
+    assert forward.launch_verify_ahead([0, 0], committed, none, drafts, False, ranking, confidence)
+    forward.set_ahead_tokens([(11, 41, 42), (50, 51, 52)])
+    forward.run(following, 3)
+    assert forward.steps_ahead_dropped == 1 and len(uniform.fed) == 2 and len(packed.fed) == 2
+    # and a uniform step launched ahead is never taken by a packed one: it replays from the host's confidences
+    assert forward.launch_verify_ahead([0, 0], committed, none, drafts, False)
+    forward.set_ahead_tokens([(40, 41, 42), (50, 51, 52)])
+    forward.run_packed(following, [[0.3, 0.1], [0.7, 0.6]], [1.0, 1.0], [1.0, 1.0], 1)
+    assert forward.steps_ahead_dropped == 2 and len(packed.fed) == 3
+    assert torch.allclose(forward.packed_confidence, torch.tensor([[0.3, 0.1], [0.7, 0.6]]))
 
 # ---- the engine's side with a drafter: ScheduledBatch.run_ahead on steady greedy verify steps --------------------
 
@@ -348,6 +402,32 @@ def test_confidence_scheduled_verifies_run_ahead_with_the_cap_already_chosen(tmp
     assert {b.next_verify_len for b in ex.batches if b.run_ahead} == {1}
 
 
+
+class PackingExecutor(DraftingExecutor):
+    def describe(self) -> list[dict]:  # a graphed target whose packed graphs serve steps of 2 requests on
+        return [{**super().describe()[0], "graph_packed_columns": [1, 2, 3], "graph_packed_from": 2}]
+
+
+def test_packed_verifies_run_ahead_at_the_columns_already_chosen(tmp_path):
+    """The packed layout: the next step's columns are chosen from this step's confidences, so the step launched
+    ahead is a packed verify of the whole blocks drafted now (``next_verify_len`` the block, ``next_packed`` its
+    columns and ranking), and the next step is exactly that (the same requests, whole blocks, packed at those
+    columns)."""
+    eng, ex = spark_engine(tmp_path, confidence=True)
+    packing = PackingExecutor(ex.num_pages, timed=True)
+    packing.engine, eng.executor = eng, packing
+    eng.confidence = eng._confidence_scheduler()
+    assert eng.confidence.layout == "packed" and eng.confidence.packed_from == 2
+    serve(eng, (list(range(10, 30)), greedy(40)), (list(range(40, 45)), greedy(40)))
+    ahead = [(b, nxt) for b, nxt in zip(packing.batches, packing.batches[1:]) if b.run_ahead and b.next_packed]
+    assert ahead  # of drafts of confidence 0.9, 0.1, ..., one column pays
+    for b, nxt in ahead:
+        assert b.next_verify_len == 4 and b.next_packed.columns == 1
+        assert [r.request_id for r in nxt.requests] == [r.request_id for r in b.requests]
+        assert all(r.num_drafts == 4 for r in nxt.requests)  # whole blocks fed; the device picks what it verifies
+        assert nxt.packed is not None and nxt.packed.columns == 1 and nxt.packed.budget == len(nxt.requests)
+        assert len(b.next_packed.inverse_temperatures) == len(b.next_packed.ratio) == 4  # the block's ranking
+
 def test_a_verify_launched_ahead_at_a_confidence_cap_replays_the_shorter_graph():
     """Under confidence scheduling the step launched ahead verifies the first ``cap`` drafts of each new block:
     the graph of that length, fed the anchor and those drafts, used when the engine schedules them."""
@@ -382,3 +462,25 @@ def test_the_step_profile_plans_and_launches_each_verify_length_as_served(tmp_pa
     assert len(wrong) <= 2 * 3  # buckets 1 and 2, each changing length 1 -> 2 -> 3 -> 4 (0 does not run ahead)
     assert {b.next_verify_len for b, _ in said} == {1, 2, 3, 4}  # every drafted length runs ahead
     assert table.batch_sizes == [1, 2] and None not in table.to_json()["step_ms"][0][:5]  # 1 x (0..4 + 1) tokens
+
+
+def test_the_step_profile_times_packed_steps_where_packed_graphs_serve_them(tmp_path):
+    """With packed graphs (from 2 requests here), the profile's steps of that many requests verify columns 1..K-1
+    packed, as the packed layout serves them (whole blocks fed, the budget columns x requests), launched ahead like
+    any other length; one request's steps are trimmed (padded) as before, and 0 and K are uniform steps."""
+    from runtime.step_profile import profile_step_costs
+
+    eng, ex = spark_engine(tmp_path)  # block 4
+    packing = PackingExecutor(ex.num_pages)
+    packing.engine, eng.executor = eng, packing
+    eng._packed_from = 2  # what _confidence_scheduler reads from the graphs' rank info before it profiles
+    table = profile_step_costs(eng, repeats=3, max_batch=2)
+    drafted = [b for b in packing.batches if any(r.num_drafts for r in b.requests)]
+    pairs = [b for b in drafted if len(b.requests) == 2]
+    assert {b.packed.columns for b in pairs if b.packed} == {1, 2, 3}  # the lengths short of the block: packed
+    assert all(r.num_drafts == 4 for b in pairs if b.packed for r in b.requests)
+    assert all(b.packed is None for b in drafted if len(b.requests) == 1)
+    ahead = {b.next_packed.columns for b in pairs if b.run_ahead and b.next_packed}
+    assert ahead == {1, 2, 3}  # each packed length planned and launched ahead as served
+    row = dict(zip(table.token_counts, table.to_json()["step_ms"][1]))
+    assert table.batch_sizes == [1, 2] and all(row[2 * (length + 1)] is not None for length in range(5))
