@@ -18,7 +18,8 @@ on the same target, eager and compiled (static cache).
 (``cluster.schedule_tuning``) and sweeps an engine with it (``tuned_*`` fields). ``--confidence-scheduling`` sweeps
 an engine whose verify lengths the confidence scheduler chooses (``confidence_*`` fields; its startup profile is
 ``confidence_cost_table``, ``--profile-steps FILE`` saves it, and ``confidence_cost_table_served`` is the table as
-the sweep and mixed workload left it): within the tuned schedule when both are given (the schedule caps the block it
+the sweep left it, ``confidence_cost_table_mixed_served`` the mixed steps' own, from the sweep's ramps and the mixed
+workload): within the tuned schedule when both are given (the schedule caps the block it
 drafts; ``confidence_vs_tuned`` compares the two engines measured in this run, the median rounds' tokens/s, and
 ``confidence_vs_tuned_paired`` the median of the per-round ratios, each round's two figures taken back to back, so
 the host's drift between rounds cancels), else within ``max_draft_len``.
@@ -665,7 +666,14 @@ def run(args) -> dict:
                            confidence_measured_step_ms=stats["mean_measured_step_ms"],
                            confidence_expected_tokens_per_request=stats["mean_expected_tokens_per_request"],
                            confidence_committed_tokens_per_request=stats["mean_committed_tokens_per_request"],
-                           confidence_cost_ms_per_context_token=stats["cost_table_ms_per_context_token"])
+                           confidence_cost_ms_per_context_token=stats["cost_table_ms_per_context_token"],
+                           # what whole blocks were predicted at the same steps (the tuned engine measures them)
+                           confidence_whole_block_expected_tokens_per_request=stats[
+                               "mean_whole_block_expected_tokens_per_request"],
+                           confidence_whole_block_predicted_step_ms=stats["mean_whole_block_predicted_step_ms"],
+                           confidence_survival_correction=stats["survival_correction"],
+                           confidence_explored_decisions=stats["explored_decisions"],
+                           confidence_unpacked_steps=stats["unpacked_steps"], confidence_layout=stats["layout"])
         elif kind == "tuned":
             rows[c].update(tuned_mean_acceptance_length=timing["mean_acceptance_length"])
         elif kind == "dspark":
@@ -692,6 +700,8 @@ def run(args) -> dict:
         scheduled engine's step-time table, as serving left it, recorded first)."""
         if kind == "confidence":  # the startup profile is confidence_cost_table; this one learned from the sweep
             record["confidence_cost_table_served"] = llm.engine.confidence.costs.to_json()
+            # the mixed steps' table (prefill chunks beside the verifies), learned apart from the verify steps'
+            record["confidence_cost_table_mixed_served"] = llm.engine.confidence.mixed_costs.to_json()
         if args.mixed_rate and with_mixed:
             record.setdefault("mixed_workload", {})[kind] = mixed(llm)
             print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,

@@ -173,6 +173,8 @@ class Decision:
     offered: int  # drafts proposed over the batch
     expected_tokens: float  # committed tokens the survivals predict for the step
     predicted_ms: float  # the step time the table predicts
+    whole_expected_tokens: float  # the same two, had the step verified whole blocks (what the choice was against)
+    whole_predicted_ms: float
 
 
 LAYOUTS = ("ragged", "padded", "packed")
@@ -189,6 +191,11 @@ class ConfidenceScheduler:
         if len(temps) < max_draft_len or any(t <= 0 for t in temps):
             raise ValueError(f"confidence temperatures: {max_draft_len} positive values expected, got {temps}")
         self.max_draft_len, self.costs, self.min_gain = max_draft_len, costs, min_gain
+        # steps that feed something besides the verifies (prefill chunks, decodes without drafts) run eagerly or
+        # pad differently and cost more per token: they learn a table of their own, the verify steps' as its prior
+        # (one table for both let a ramp's mixed steps teach the whole-block cell at 256 requests 15 ms where a
+        # graphed whole-block step took 11.7: run 51 trimmed to 5.8 of 7 drafts and lost 14%)
+        self.mixed_costs = costs.copy()
         self.temperatures = np.asarray(temps[:max_draft_len], dtype=np.float64)
         self.inverse_temperatures = 1.0 / self.temperatures
         self._inverse_list = self.inverse_temperatures.tolist()
@@ -206,6 +213,10 @@ class ConfidenceScheduler:
         self.decisions = 0  # budgets (or caps) chosen
         self.explored = 0  # of them, raised to whole blocks to gather evidence (EXPLORE_EVERY)
         self._pending: tuple | None = None  # the last allot's (survival, lengths), to learn (arrays or lists)
+
+    def costs_for(self, other_tokens: int) -> StepCostTable:
+        """The table a step is priced (and learns) in: ``mixed_costs`` if it feeds tokens besides the verifies."""
+        return self.mixed_costs if other_tokens else self.costs
 
     def survival(self, confidence: np.ndarray) -> np.ndarray:
         """confidence [S, K] (0 where nothing was proposed) -> calibrated survival [S, K], non-increasing in k
@@ -272,9 +283,10 @@ class ConfidenceScheduler:
         else:
             lengths = top_drafts(survival, proposed, budget)
             chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
-        predicted = self.costs.predict_ms_many(num + other_requests, other_tokens + num + np.arange(offered + 1),
-                                               context)
-        self.last = Decision(budget, offered, num + chosen, float(predicted[budget]))
+        predicted = self.costs_for(other_tokens).predict_ms_many(num + other_requests,
+                                                                 other_tokens + num + np.arange(offered + 1), context)
+        self.last = Decision(budget, offered, num + chosen, float(predicted[budget]), num + float(survival.sum()),
+                             float(predicted[offered]))
         best = self.best_budget(survival, proposed, predicted)
         self.budget_per_request = self.max_draft_len if self._explores(best < offered) else best / num
         self._pending = (raw, lengths)
@@ -326,10 +338,10 @@ class ConfidenceScheduler:
         for value, _ in order:
             total += value
             expected.append(num + total)
-        predicted = self.costs.predict_ms_list(num + other_requests,
-                                               tuple(other_tokens + num + b for b in range(offered + 1)), context)
+        predicted = self.costs_for(other_tokens).predict_ms_list(
+            num + other_requests, tuple(other_tokens + num + b for b in range(offered + 1)), context)
         chosen = sum(sum(row[:n]) for row, n in zip(survival, lengths))
-        self.last = Decision(budget, offered, num + chosen, predicted[budget])
+        self.last = Decision(budget, offered, num + chosen, predicted[budget], expected[-1], predicted[-1])
         best = self._best(expected, predicted)
         self.budget_per_request = self.max_draft_len if self._explores(best < offered) else best / num
         self._pending = (raw, lengths)
@@ -347,10 +359,11 @@ class ConfidenceScheduler:
         for j in range(k):
             total += sum(row[j] for row in survival)
             expected.append(num + total)
-        predicted = self.costs.predict_ms_list(num + other_requests,
-                                               tuple(other_tokens + num * (q + 1) for q in range(k + 1)), context)
+        predicted = self.costs_for(other_tokens).predict_ms_list(
+            num + other_requests, tuple(other_tokens + num * (q + 1) for q in range(k + 1)), context)
         chosen = sum(sum(row[:n]) for row, n in zip(survival, lengths))
-        self.last = Decision(sum(lengths), offered, num + chosen, predicted[max(lengths)])
+        self.last = Decision(sum(lengths), offered, num + chosen, predicted[max(lengths)], expected[-1],
+                             predicted[-1])
         cap = self._best(expected, predicted)
         self.cap = self.max_draft_len if self._explores(cap < k) else cap
         self._pending = (raw, lengths)
@@ -365,11 +378,12 @@ class ConfidenceScheduler:
         lengths = sizes if self.cap is None else np.minimum(sizes, self.cap)
         columns = np.concatenate([[0.0], survival.sum(axis=0).cumsum()])  # [K+1] survivals under each cap
         # a step of cap Q feeds num x (Q + 1) tokens (Q: its longest verify)
-        predicted = self.costs.predict_ms_many(num + other_requests, other_tokens + num * (np.arange(k + 1) + 1),
-                                               context)
+        predicted = self.costs_for(other_tokens).predict_ms_many(
+            num + other_requests, other_tokens + num * (np.arange(k + 1) + 1), context)
         verified = int(lengths.max())
         chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
-        self.last = Decision(int(lengths.sum()), int(sizes.sum()), num + chosen, float(predicted[verified]))
+        self.last = Decision(int(lengths.sum()), int(sizes.sum()), num + chosen, float(predicted[verified]),
+                             num + float(columns[-1]), float(predicted[-1]))
         cap = self._best(num + columns, predicted)
         self.cap = self.max_draft_len if self._explores(cap < k) else cap
         return lengths
@@ -394,11 +408,12 @@ class ConfidenceScheduler:
         ranked = np.concatenate([[0.0], np.sort(survival.reshape(-1))[::-1].cumsum()])  # [S*K+1] top-b sums
         shares = np.minimum(num * np.arange(k + 1), offered)  # [K+1] drafts verified under each c
         expected = num + ranked[shares]
-        predicted = self.costs.predict_ms_many(num + other_requests, other_tokens + num * (np.arange(k + 1) + 1),
-                                               context)
+        predicted = self.costs_for(other_tokens).predict_ms_many(
+            num + other_requests, other_tokens + num * (np.arange(k + 1) + 1), context)
         columns = k if self.columns is None else min(self.columns, k)
         self.step_columns = columns
-        self.last = Decision(int(shares[columns]), offered, float(expected[columns]), float(predicted[columns]))
+        self.last = Decision(int(shares[columns]), offered, float(expected[columns]), float(predicted[columns]),
+                             float(expected[-1]), float(predicted[-1]))
         best = self._best(expected, predicted)
         self.columns = self.max_draft_len if self._explores(best < k) else best
         self._pending = (raw, sizes)  # learn(): the verified counts the device reports bound what was allotted
@@ -475,6 +490,8 @@ class ConfidenceStats:
     requests: int = 0  # requests with drafts, summed
     expected_tokens: float = 0.0
     predicted_ms: float = 0.0  # summed over decisions
+    whole_expected_tokens: float = 0.0  # the same two for whole blocks, summed over decisions
+    whole_predicted_ms: float = 0.0
     measured_ms: float = 0.0  # summed over every step timed
     steps: int = 0
     committed_tokens: int = 0  # tokens the verifying requests committed (accepted drafts + one each), summed
@@ -488,6 +505,8 @@ class ConfidenceStats:
         self.requests += requests
         self.expected_tokens += decision.expected_tokens
         self.predicted_ms += decision.predicted_ms
+        self.whole_expected_tokens += decision.whole_expected_tokens
+        self.whole_predicted_ms += decision.whole_predicted_ms
         self.last = {"verify_budget": decision.budget, "offered": decision.offered, "requests": requests,
                      "predicted_step_ms": decision.predicted_ms, "expected_tokens": decision.expected_tokens}
 
@@ -510,10 +529,14 @@ class ConfidenceStats:
                 "mean_expected_tokens_per_request": self.expected_tokens / per,
                 "mean_committed_tokens_per_request": self.committed_tokens / per,
                 "mean_predicted_step_ms": self.predicted_ms / max(self.decisions, 1),
+                # what whole blocks were predicted to give at the same steps (measured: the tuned engine's)
+                "mean_whole_block_expected_tokens_per_request": self.whole_expected_tokens / per,
+                "mean_whole_block_predicted_step_ms": self.whole_predicted_ms / max(self.decisions, 1),
                 "mean_measured_step_ms": self.measured_ms / max(self.steps, 1),
                 "layout": scheduler.layout, "next_budget_per_request": scheduler.budget_per_request,
                 "next_cap": scheduler.cap,
                 "survival_correction": [round(float(r), 4) for r in scheduler.correction.ratio],
                 "explored_decisions": scheduler.explored, "unpacked_steps": self.unpacked_steps,
                 "cost_table_observations": scheduler.costs.observations,
+                "mixed_cost_table_observations": scheduler.mixed_costs.observations,
                 "cost_table_ms_per_context_token": scheduler.costs.ms_per_context_token, "last": dict(self.last)}

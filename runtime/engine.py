@@ -429,7 +429,10 @@ class Engine:
         if self.confidence.layout != "ragged" and self._packed is None:  # a graph pads it
             q_len = graphed_q_len(fed, self._graph_q_lens, self.config.max_num_seqs, *self._graph_prefill)
             tokens = len(fed) * q_len if q_len is not None else tokens
-        self.confidence.costs.observe(len(scheduled), tokens, seconds, sum(e.start_position for e in scheduled))
+        # a step that fed anything besides the decided verifies (a prefill chunk, a decode without drafts, or no
+        # verify at all) into the mixed steps' table: what the scheduler prices such steps by
+        table = self.confidence.costs_for(self._other_fed[1])  # (_note_other_fed: this step's, before its commit)
+        table.observe(len(scheduled), tokens, seconds, sum(e.start_position for e in scheduled))
         self.confidence_stats.record_step(1e3 * seconds)
 
     def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:

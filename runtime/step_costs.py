@@ -121,6 +121,10 @@ class StepCostTable:
             raise ValueError(f"confidence_cost_table_path: cannot read {path}: {exc}") from None
         return cls.from_json(data, f"confidence_cost_table_path {path}")
 
+    def copy(self) -> StepCostTable:
+        """An independent table holding this one's cells, contexts and slope (none of its served steps pending)."""
+        return StepCostTable.from_json(self.to_json())
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 

@@ -216,6 +216,12 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     startup, served = record["confidence_cost_table"], record["confidence_cost_table_served"]
     assert startup["token_counts"] == served["token_counts"] and served["context_tokens"] != startup["context_tokens"]
     assert all(row["confidence_cost_ms_per_context_token"] >= 0 for row in record["runs"])
+    # the mixed steps' own table (the sweep's prefills, the mixed workload), and what whole blocks were predicted
+    assert record["confidence_cost_table_mixed_served"]["token_counts"] == startup["token_counts"]
+    for row in record["runs"]:
+        assert row["confidence_whole_block_predicted_step_ms"] > 0 and len(row["confidence_survival_correction"]) == 3
+        assert row["confidence_whole_block_expected_tokens_per_request"] >= row[
+            "confidence_expected_tokens_per_request"] - 1e-9
     # every engine profiled, and only after the last figure was taken (the confidence engine's sweep is the last):
     # a process the profiler has run in launches CUDA graphs slower
     keys = list(record)

@@ -385,6 +385,36 @@ def test_the_table_learns_whole_steps_as_the_startup_profile_times_them(tmp_path
     assert eng.confidence.costs.context.max() > 0  # moving toward the contexts its request attended (7 tokens on)
 
 
+def test_steps_that_feed_more_than_verifies_learn_the_mixed_table(tmp_path, near_bigram_target, confident_drafter):
+    """The prefill steps and the steps mixing a prefill chunk with verifies learn ``mixed_costs`` (the verify
+    steps' table its prior), the steps of verifies alone ``costs``: in run 51 one table let the ramp's mixed steps
+    (eager, dearer per token) teach the whole-block cell at 256 requests 15 ms where a graphed whole-block step
+    took 11.7, and the scheduler trimmed to 5.8 of 7 drafts for 0.86 of the tuned throughput. Each kind is priced
+    from its own table."""
+    path = tmp_path / "table.json"
+    flat_table(0.0, base=1.0).save(path)
+    llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
+                 confidence_cost_table_path=str(path))
+    scheduler = llm.engine.confidence
+    assert scheduler.mixed_costs is not scheduler.costs
+    assert np.array_equal(scheduler.mixed_costs.step_ms, scheduler.costs.step_ms)  # the prior
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm.engine.add_request(PROMPTS[0], params)
+    llm.engine.step()  # its prefill: nothing verified yet
+    assert (scheduler.mixed_costs.observations, scheduler.costs.observations) == (1, 0)
+    while not any(s.draft_ids for s in llm.engine.scheduler.running):
+        llm.engine.step()
+    llm.engine.add_request(PROMPTS[1], params)
+    mixed_before = scheduler.mixed_costs.observations
+    llm.engine.step()  # the first request verifies beside the second's prefill
+    assert scheduler.mixed_costs.observations == mixed_before + 1 and scheduler.costs.observations == 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert scheduler.costs.observations > 0  # the verify steps alone, once both decode
+    assert scheduler.costs_for(0) is scheduler.costs and scheduler.costs_for(5) is scheduler.mixed_costs
+    assert llm.get_metrics()["confidence_scheduling"]["mixed_cost_table_observations"] == \
+        scheduler.mixed_costs.observations
+
 def test_a_served_step_bounds_the_cells_of_its_row_it_moved_out_of_order():
     """Feeding more tokens never makes a step cheaper, so a served step that lowers its cell lowers every cell of
     fewer tokens above it, and one that raises it raises the cells of more tokens below it; the other side and the
