@@ -43,6 +43,15 @@ its context append follows. The host then reads this step back, commits and sche
 drafts it was fed, at the same positions on the same pages), else drops it (it wrote only cache slots past every
 request's committed tokens, in both caches, which later steps write again before any reads them).
 
+Confidence scheduling's packed layout (``runtime.packed_verify``; single rank) adds a packed graph per batch bucket
+from ``PACKED_MIN_BATCH`` and per number of columns c = 1..K-1 (``run_packed``): the step's full blocks are fed as a
+uniform K+1-token step, and the graph ranks the block's confidences (persistent buffers the host, or a launch ahead,
+fills), picks the B x c drafts of highest survival and runs the target's GEMMs on those rows only. Its attention is
+planned in the uniform layout under its own key, so a packed step is planned while the drafter drafts and launched
+ahead (``launch_verify_ahead`` with ``packed``: the confidences copied on the device from the block just drafted,
+as the host reads them back) like a uniform verify; ``run_packed`` takes it when the engine schedules exactly it at
+those columns, and a uniform step never takes a packed one (nor the reverse).
+
 Plain greedy decode steps go further (``decode_greedy``, when the engine says the next step is expected to be the
 same requests decoding one token more: ``ScheduledBatch.run_ahead``): right after this step's graph, its verdicts
 are copied into pinned host memory (an event marks them), copied on the device into the next step's input ids,
