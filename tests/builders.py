@@ -231,3 +231,19 @@ def save_embedded_target(path: Path, target_dir: Path, drafter_dir: Path, stage_
         config["dspark_window_size"] = window
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+def record_packed_steps(llm) -> list[tuple[int, list[int]]]:
+    """Wrap ``llm``'s executor so that every packed verify step it runs (``ScheduledBatch.packed``) appends
+    (its budget, each request's verified draft count) to the list returned."""
+    steps: list[tuple[int, list[int]]] = []
+    execute = llm.engine.executor.execute
+
+    def recorded(batch):
+        results = execute(batch)
+        if batch.packed is not None:
+            steps.append((batch.packed.budget, [r.num_verified for r in results]))
+        return results
+
+    llm.engine.executor.execute = recorded
+    return steps

@@ -257,6 +257,7 @@ def test_packed_verify_steps_cross_the_wire(ray_cluster, tmp_path, near_bigram_t
     """Confidence scheduling's packed layout (forced: these actors have no graphs) through a replica: the packed
     plan reaches the worker, the counts it verified come back, and the greedy outputs are the engine's without
     scheduling."""
+    from tests import builders
     from tests.runtime.test_confidence_scheduling import flat_table
 
     path = tmp_path / "table.json"
@@ -270,16 +271,7 @@ def test_packed_verify_steps_cross_the_wire(ray_cluster, tmp_path, near_bigram_t
                                 confidence_cost_table_path=str(path))
     with LLM(str(near_bigram_target), speculative_config=spec, drafter=mode, **ENGINE) as llm:
         llm.engine.confidence.layout = "packed"
-        counts = []
-        execute = llm.engine.executor.execute
-
-        def spy(batch):
-            results = execute(batch)
-            if batch.packed is not None:
-                counts.append((batch.packed.budget, [r.num_verified for r in results]))
-            return results
-
-        llm.engine.executor.execute = spy
+        counts = builders.record_packed_steps(llm)
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
         assert counts and all(sum(verified) == budget for budget, verified in counts)
     free_cpus_return()

@@ -175,18 +175,9 @@ def test_packed_verify_graphs_keep_greedy_outputs(tmp_path, wide_target, make_dr
                     (confidence.shape[0] + 1) // 2)[:confidence.shape[0], None]
 
             runner._block_confidence = spread_ahead
-            verified = []
-            execute = llm.engine.executor.execute
-
-            def spy(batch, execute=execute, verified=verified):
-                results = execute(batch)
-                if batch.packed is not None:
-                    verified.append([r.num_verified for r in results])
-                return results
-
-            llm.engine.executor.execute = spy
+            verified = builders.record_packed_steps(llm)
         runs[name] = [o.token_ids for o in llm.generate(prompts, greedy)]
     assert runs["on"] == runs["off"]
     info = llm.rank_info()[0]
     assert info["graph_packed_replays"] > 0 and info["graph_packed_run_ahead"] > 0 and verified
-    assert any(len(set(counts)) > 1 for counts in verified)  # ragged: requests verified different counts
+    assert any(len(set(counts)) > 1 for _, counts in verified)  # ragged: requests verified different counts

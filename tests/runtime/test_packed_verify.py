@@ -157,16 +157,7 @@ def test_the_packed_layout_keeps_greedy_outputs_and_learns_what_the_device_verif
             [c * (0.4 if i % 2 else 1.0) for c in row] for i, row in enumerate(plan.confidences)])
 
     llm.engine._packed_plan = spread
-    verified = []
-    execute = llm.engine.executor.execute
-
-    def spy(batch):
-        results = execute(batch)
-        if batch.packed is not None:
-            verified.append((batch.packed.budget, [r.num_verified for r in results]))
-        return results
-
-    llm.engine.executor.execute = spy
+    verified = builders.record_packed_steps(llm)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == builders.hf_greedy(near_bigram_target, PROMPTS, 24)
     assert verified and all(sum(counts) == budget for budget, counts in verified)  # the device spent the budget
