@@ -672,6 +672,8 @@ def run(args) -> dict:
                                "mean_whole_block_expected_tokens_per_request"],
                            confidence_whole_block_predicted_step_ms=stats["mean_whole_block_predicted_step_ms"],
                            confidence_survival_correction=stats["survival_correction"],
+                           # against the tuned engine's acceptance per position (whole blocks: the true survival)
+                           confidence_predicted_survival_per_position=stats["mean_predicted_survival_per_position"],
                            confidence_explored_decisions=stats["explored_decisions"],
                            confidence_unpacked_steps=stats["unpacked_steps"], confidence_layout=stats["layout"])
         elif kind == "tuned":

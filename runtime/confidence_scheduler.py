@@ -175,6 +175,10 @@ class Decision:
     predicted_ms: float  # the step time the table predicts
     whole_expected_tokens: float  # the same two, had the step verified whole blocks (what the choice was against)
     whole_predicted_ms: float
+    # [K'] each position's corrected survival summed over the step's requests (0 where nothing was proposed): what
+    # the scheduler believed of every draft, verified or not (a whole-block engine's acceptance per position is
+    # what it should be)
+    position_survival: list[float]
 
 
 LAYOUTS = ("ragged", "padded", "packed")
@@ -286,7 +290,7 @@ class ConfidenceScheduler:
         predicted = self.costs_for(other_tokens).predict_ms_many(num + other_requests,
                                                                  other_tokens + num + np.arange(offered + 1), context)
         self.last = Decision(budget, offered, num + chosen, float(predicted[budget]), num + float(survival.sum()),
-                             float(predicted[offered]))
+                             float(predicted[offered]), survival.sum(axis=0).tolist())
         best = self.best_budget(survival, proposed, predicted)
         self.budget_per_request = self.max_draft_len if self._explores(best < offered) else best / num
         self._pending = (raw, lengths)
@@ -341,7 +345,8 @@ class ConfidenceScheduler:
         predicted = self.costs_for(other_tokens).predict_ms_list(
             num + other_requests, tuple(other_tokens + num + b for b in range(offered + 1)), context)
         chosen = sum(sum(row[:n]) for row, n in zip(survival, lengths))
-        self.last = Decision(budget, offered, num + chosen, predicted[budget], expected[-1], predicted[-1])
+        self.last = Decision(budget, offered, num + chosen, predicted[budget], expected[-1], predicted[-1],
+                             [sum(column) for column in zip(*survival)])
         best = self._best(expected, predicted)
         self.budget_per_request = self.max_draft_len if self._explores(best < offered) else best / num
         self._pending = (raw, lengths)
@@ -363,7 +368,7 @@ class ConfidenceScheduler:
             num + other_requests, tuple(other_tokens + num * (q + 1) for q in range(k + 1)), context)
         chosen = sum(sum(row[:n]) for row, n in zip(survival, lengths))
         self.last = Decision(sum(lengths), offered, num + chosen, predicted[max(lengths)], expected[-1],
-                             predicted[-1])
+                             predicted[-1], [sum(column) for column in zip(*survival)])
         cap = self._best(expected, predicted)
         self.cap = self.max_draft_len if self._explores(cap < k) else cap
         self._pending = (raw, lengths)
@@ -383,7 +388,7 @@ class ConfidenceScheduler:
         verified = int(lengths.max())
         chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
         self.last = Decision(int(lengths.sum()), int(sizes.sum()), num + chosen, float(predicted[verified]),
-                             num + float(columns[-1]), float(predicted[-1]))
+                             num + float(columns[-1]), float(predicted[-1]), survival.sum(axis=0).tolist())
         cap = self._best(num + columns, predicted)
         self.cap = self.max_draft_len if self._explores(cap < k) else cap
         return lengths
@@ -413,7 +418,7 @@ class ConfidenceScheduler:
         columns = k if self.columns is None else min(self.columns, k)
         self.step_columns = columns
         self.last = Decision(int(shares[columns]), offered, float(expected[columns]), float(predicted[columns]),
-                             float(expected[-1]), float(predicted[-1]))
+                             float(expected[-1]), float(predicted[-1]), survival.sum(axis=0).tolist())
         best = self._best(expected, predicted)
         self.columns = self.max_draft_len if self._explores(best < k) else best
         self._pending = (raw, sizes)  # learn(): the verified counts the device reports bound what was allotted
@@ -492,6 +497,7 @@ class ConfidenceStats:
     predicted_ms: float = 0.0  # summed over decisions
     whole_expected_tokens: float = 0.0  # the same two for whole blocks, summed over decisions
     whole_predicted_ms: float = 0.0
+    position_survival: list[float] = field(default_factory=list)  # [K] summed over decisions' requests
     measured_ms: float = 0.0  # summed over every step timed
     steps: int = 0
     committed_tokens: int = 0  # tokens the verifying requests committed (accepted drafts + one each), summed
@@ -507,6 +513,11 @@ class ConfidenceStats:
         self.predicted_ms += decision.predicted_ms
         self.whole_expected_tokens += decision.whole_expected_tokens
         self.whole_predicted_ms += decision.whole_predicted_ms
+        grow = len(decision.position_survival) - len(self.position_survival)
+        if grow > 0:
+            self.position_survival.extend([0.0] * grow)
+        for j, value in enumerate(decision.position_survival):
+            self.position_survival[j] += value
         self.last = {"verify_budget": decision.budget, "offered": decision.offered, "requests": requests,
                      "predicted_step_ms": decision.predicted_ms, "expected_tokens": decision.expected_tokens}
 
@@ -532,6 +543,8 @@ class ConfidenceStats:
                 # what whole blocks were predicted to give at the same steps (measured: the tuned engine's)
                 "mean_whole_block_expected_tokens_per_request": self.whole_expected_tokens / per,
                 "mean_whole_block_predicted_step_ms": self.whole_predicted_ms / max(self.decisions, 1),
+                # the survival it believed at each position, over every request it decided for (verified or not)
+                "mean_predicted_survival_per_position": [round(v / per, 4) for v in self.position_survival],
                 "mean_measured_step_ms": self.measured_ms / max(self.steps, 1),
                 "layout": scheduler.layout, "next_budget_per_request": scheduler.budget_per_request,
                 "next_cap": scheduler.cap,

@@ -220,6 +220,7 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     assert record["confidence_cost_table_mixed_served"]["token_counts"] == startup["token_counts"]
     for row in record["runs"]:
         assert row["confidence_whole_block_predicted_step_ms"] > 0 and len(row["confidence_survival_correction"]) == 3
+        assert len(row["confidence_predicted_survival_per_position"]) == 3
         assert row["confidence_whole_block_expected_tokens_per_request"] >= row[
             "confidence_expected_tokens_per_request"] - 1e-9
     # every engine profiled, and only after the last figure was taken (the confidence engine's sweep is the last):

@@ -10,7 +10,7 @@ import torch
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.confidence_scheduler import ConfidenceScheduler, read_calibration, top_drafts
+from runtime.confidence_scheduler import ConfidenceScheduler, ConfidenceStats, read_calibration, top_drafts
 from runtime.step_costs import StepCostTable
 from tests import builders
 from tests.runtime.test_sampling_distribution import FILTERS, N, empirical_tv, exact_joint, tv_bound
@@ -584,3 +584,28 @@ def test_a_small_step_decides_in_plain_python_exactly_as_numpy(monkeypatch, cali
     vectorized.correction.fold()
     assert python.correction.learned and python.explored > 0 and len(caps) >= 3  # decisions that differ
     assert python.correction.ratio.tolist() == pytest.approx(vectorized.correction.ratio.tolist(), rel=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["ragged", "padded", "packed"])
+@pytest.mark.parametrize("requests", [3, 40])  # a small step (plain Python) and a large one (numpy)
+def test_every_decision_records_the_survival_it_believed_at_each_position(layout, requests):
+    """What the scheduler believed of every draft, verified or not (``Decision.position_survival``, averaged in
+    ``mean_predicted_survival_per_position``): the bench sets it beside a whole-block engine's acceptance per
+    position, which is what it should have been, so a trim made on survivals predicted too low shows as such."""
+    rng = np.random.default_rng(requests)
+    confidences = [list(rng.uniform(0.2, 0.99, size=4)) for _ in range(requests)]
+    confidences[0] = confidences[0][:2]  # a short block: 0 past it
+    scheduler = ConfidenceScheduler(4, flat_table(0.01), layout=layout)
+    if layout == "packed":
+        scheduler.allot_packed(confidences)
+    else:
+        scheduler.allot(confidences)
+    table = np.zeros((requests, 4))
+    for i, row in enumerate(confidences):
+        table[i, :len(row)] = row
+    assert scheduler.last.position_survival == pytest.approx(np.cumprod(table, axis=1).sum(axis=0).tolist())
+    stats = ConfidenceStats()
+    stats.record_decision(scheduler.last, requests)
+    stats.record_decision(scheduler.last, requests)
+    mean = stats.as_dict(scheduler)["mean_predicted_survival_per_position"]
+    assert mean == pytest.approx((np.cumprod(table, axis=1).mean(axis=0)).tolist(), abs=1e-4)
