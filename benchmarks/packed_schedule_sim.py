@@ -1,0 +1,112 @@
+"""What the confidence scheduler's packed layout can gain over the best fixed draft length, on synthetic drafts priced
+at a GPU run's measured step times: a CPU simulation of the scheduler's own code (``ConfidenceScheduler.allot_packed``
+and its online survival correction), for planning, not a measurement of the engine.
+
+Each step has ``--batch`` requests, each proposing K drafts. A request is "hard" with probability ``--hard-fraction``
+(its drafts accepted with a conditional probability drawn from U(0.2, 0.7)) or "easy" (U(0.85, 0.99)), each position
+jittered by N(0, 0.05); the confidence head reports sigmoid(logit(p) + N(0, ``--head-noise``)), calibrated by the
+temperatures given (a drafter's ``confidence_temperatures``; default 1). Outcomes are drawn from p.
+
+Engines, each over the same sequence of steps:
+- whole blocks, and every fixed cap 1..K (what a tuned ``draft_len_schedule`` picks among): the step feeds
+  batch x (cap + 1) tokens, priced by the table;
+- the packed scheduler: the columns chosen from the previous step, the device's selection (the top survivals over
+  the step, corrected) verified, the correction learning the verified and accepted counts, as the engine does;
+  a step of 0 < c < K columns costs the table's batch x (c + 1) cell plus ``--packed-overhead-ms`` (run 50: ~0.3 ms).
+Reports committed tokens per millisecond of each, and the packed scheduler against the best fixed cap.
+
+usage: python3 benchmarks/packed_schedule_sim.py --step-costs STEP_COSTS.json [--batch 256] [--hard-fractions
+       0.2,0.5,0.8] [--temperatures T1,...,TK] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+from runtime.confidence_scheduler import ConfidenceScheduler
+from runtime.step_costs import StepCostTable
+
+
+def synthetic_step(rng: np.random.Generator, batch: int, k: int, hard_fraction: float,
+                   head_noise: float) -> tuple[np.ndarray, np.ndarray]:
+    """-> (the head's confidences [B, K], whether each draft is accepted given its prefix [B, K])."""
+    hard = rng.random(batch) < hard_fraction
+    base = np.where(hard, rng.uniform(0.2, 0.7, batch), rng.uniform(0.85, 0.99, batch))
+    p = np.clip(base[:, None] + rng.normal(0.0, 0.05, (batch, k)), 0.01, 0.99)
+    logit = np.log(p / (1 - p)) + rng.normal(0.0, head_noise, (batch, k))
+    return 1.0 / (1.0 + np.exp(-logit)), rng.random((batch, k)) < p
+
+
+def simulate(table: StepCostTable, batch: int, k: int, hard_fraction: float, head_noise: float,
+             temperatures: list[float] | None, steps: int, overhead_ms: float, seed: int) -> dict:
+    step_ms = table.predict_ms_many(batch, batch * (np.arange(k + 1) + 1))  # [K+1] a uniform step of q drafts
+    rng = np.random.default_rng(seed)
+    draws = [synthetic_step(rng, batch, k, hard_fraction, head_noise) for _ in range(steps)]
+    fixed = {}
+    for cap in range(1, k + 1):
+        tokens = sum(batch + np.cumprod(accepted, axis=1)[:, :cap].sum() for _, accepted in draws)
+        fixed[cap] = float(tokens / (steps * step_ms[cap]))
+    scheduler = ConfidenceScheduler(k, table, temperatures, layout="packed")
+    tokens = ms = 0.0
+    columns_chosen = []
+    for confidence, accepted in draws:
+        budget = scheduler.allot_packed([list(row) for row in confidence])
+        columns = scheduler.step_columns
+        survival = scheduler.correction.apply(scheduler.survival(confidence))
+        chosen = np.argsort(-survival.T.reshape(-1), kind="stable")[:budget]  # the device's top survivals
+        lengths = np.bincount(chosen % batch, minlength=batch)
+        run = np.cumprod(accepted, axis=1)
+        committed = np.array([int(run[i, :lengths[i]].sum()) for i in range(batch)])
+        scheduler.learn(lengths.tolist(), committed.tolist())
+        tokens += batch + committed.sum()
+        ms += step_ms[columns] + (overhead_ms if 0 < columns < k else 0.0)
+        columns_chosen.append(columns)
+    best_cap = max(fixed, key=fixed.get)
+    packed = float(tokens / ms)
+    return {"hard_fraction": hard_fraction, "fixed_tokens_per_ms": fixed, "whole_blocks_tokens_per_ms": fixed[k],
+            "best_fixed_cap": best_cap, "packed_tokens_per_ms": packed,
+            "packed_vs_best_fixed": packed / fixed[best_cap], "packed_vs_whole_blocks": packed / fixed[k],
+            "mean_columns": float(np.mean(columns_chosen[steps // 4:])),
+            "survival_correction": [round(float(r), 4) for r in scheduler.correction.ratio]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--step-costs", required=True, help="a StepCostTable JSON (dspark bench --profile-steps)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--max-draft-len", type=int, default=7)
+    parser.add_argument("--hard-fractions", default="0.2,0.5,0.8")
+    parser.add_argument("--head-noise", type=float, default=0.7)
+    parser.add_argument("--temperatures", help="comma-separated, one per position (default: 1)")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--packed-overhead-ms", type=float, default=0.3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    table = StepCostTable.load(args.step_costs)
+    temperatures = [float(t) for t in args.temperatures.split(",")] if args.temperatures else None
+    rows = []
+    for fraction in (float(f) for f in args.hard_fractions.split(",")):
+        rows.append(simulate(table, args.batch, args.max_draft_len, fraction, args.head_noise, temperatures,
+                             args.steps, args.packed_overhead_ms, args.seed))
+        print(json.dumps({key: rows[-1][key] for key in ("hard_fraction", "best_fixed_cap", "packed_vs_best_fixed",
+                                                          "packed_vs_whole_blocks", "mean_columns")}), flush=True)
+    record = {"benchmark": "packed_schedule_sim", "kind": "CPU simulation (synthetic drafts, measured step costs)",
+              "date": date.today().isoformat(), "host": platform.node(), "command": " ".join(["python3", *sys.argv]),
+              "step_costs": args.step_costs, "batch": args.batch, "max_draft_len": args.max_draft_len,
+              "head_noise": args.head_noise, "temperatures": temperatures, "steps": args.steps,
+              "packed_overhead_ms": args.packed_overhead_ms, "seed": args.seed, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
