@@ -162,3 +162,22 @@ def test_fan_out_children_share_the_hosts_threads(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     recipe.fan_out([("a", []), ("b", []), ("c", [])], 2, tmp_path)
     assert [env["OMP_NUM_THREADS"] for env in started] == ["3"] * 3
+
+
+def test_packed_schedule_sim_stays_whole_where_everything_is_accepted_and_packs_where_it_pays(tmp_path):
+    """benchmarks/packed_schedule_sim.py over a table where a step costs 2 ms + 0.005 per token at 64 requests: with
+    every request easy, whole blocks are best and the scheduler keeps them (1.00x); with most hard, it packs fewer
+    columns and beats the best fixed cap."""
+    from runtime.step_costs import StepCostTable
+
+    tokens = [64 * (q + 1) for q in range(8)]
+    costs = tmp_path / "costs.json"
+    StepCostTable([64], tokens, [[2.0 + 0.005 * t for t in tokens]]).save(costs)
+    out = tmp_path / "sim.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "packed_schedule_sim.py"), "--step-costs", str(costs),
+                    "--batch", "64", "--hard-fractions", "0,0.9", "--steps", "60", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=300)
+    easy, hard = json.loads(out.read_text())["rows"]
+    assert easy["best_fixed_cap"] == 7 and easy["mean_columns"] == 7.0
+    assert easy["packed_vs_best_fixed"] == pytest.approx(1.0)
+    assert hard["mean_columns"] < 7 and hard["packed_vs_best_fixed"] > 1.0
