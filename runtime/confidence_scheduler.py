@@ -421,6 +421,9 @@ class ConfidenceScheduler:
                              float(expected[-1]), float(predicted[-1]), survival.sum(axis=0).tolist())
         best = self._best(expected, predicted)
         self.columns = self.max_draft_len if self._explores(best < k) else best
+        # a step that cannot be packed (a prefill chunk joins it) verifies under a cap: the padded layout's choice
+        # from these survivals, ready for it (a request verifies its first Q drafts, priced as Q columns are)
+        self.cap = self._best(num + np.concatenate([[0.0], survival.sum(axis=0).cumsum()]), predicted)
         self._pending = (raw, sizes)  # learn(): the verified counts the device reports bound what was allotted
         return int(shares[columns])
 

@@ -354,15 +354,18 @@ class Engine:
     def _allot_verify_lengths(self, group: int | None = None) -> None:
         """Confidence scheduling: trim each decoding request's proposed block to what this step verifies (of
         ``group``'s requests when drafting is pipelined)."""
-        seqs = [s for s in self.scheduler.running if s.draft_ids and s.draft_confidence is not None
-                and (group is None or s.group == group)]
+        members = [s for s in self.scheduler.running if group is None or s.group == group]
+        seqs = [s for s in members if s.draft_ids and s.draft_confidence is not None]
         if not seqs:
             return
         others, other_tokens, other_context = self._other_fed
         context = other_context + sum(s.num_computed for s in seqs)
         self._decided = [s.request_id for s in seqs]
-        if self.confidence.layout == "packed" and len(seqs) >= self.confidence.packed_from:  # blocks stay whole:
-            # the device picks which drafts
+        # a step that will feed more than these verifies (a request still prefilling, an arrival to admit) is mixed:
+        # it cannot be a packed step, so it verifies under the padded layout's cap (priced by the mixed steps' table)
+        mixed = len(seqs) < len(members) or (bool(self.scheduler.waiting) and not self._ran_ahead)
+        if self.confidence.layout == "packed" and len(seqs) >= self.confidence.packed_from and not mixed:
+            # blocks stay whole: the device picks which drafts
             self.confidence.allot_packed([s.draft_confidence for s in seqs], others, other_tokens, context)
             self._packed_columns = self.confidence.step_columns
             if self._packed_columns == 0:  # no draft pays: every request verifies none (its anchor only)

@@ -201,3 +201,46 @@ def test_small_steps_of_the_packed_layout_are_padded(tmp_path, near_bigram_targe
     # or one the engine could not pack (a block cut at its token limit, a request joining), and says so
     padded_by_choice = sum(1 for (kind, num), w in zip(kinds, whole) if num >= 3 and kind == "padded" and w)
     assert big.count("padded") - padded_by_choice == llm.get_metrics()["confidence_scheduling"]["unpacked_steps"]
+
+
+def test_a_step_an_arrival_joins_verifies_under_the_cap_and_is_not_packed(tmp_path, near_bigram_target, make_drafter):
+    """The packed layout decides a step that will feed a prefill chunk beside the verifies (an arrival, a request
+    still prefilling) under the padded layout's cap: such a step cannot be packed, and before it verified whole
+    blocks whatever the budget said (an unpacked step). Greedy outputs stay transformers'."""
+    from configs import DSparkDecodingConfig
+    from tests import builders
+    from tests.runtime.test_confidence_scheduling import ENGINE
+
+    path = tmp_path / "table.json"
+    flat_table(0.6).save(path)
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4, oracle=True)),
+                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
+    llm = LLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
+    eng = llm.engine
+    eng.confidence.layout, eng.confidence.packed_from = "packed", 2
+    steps = []
+    execute = eng.executor.execute
+
+    def spy(batch):
+        mixed = any(len(r.token_ids) != r.num_drafts + 1 for r in batch.requests)  # a prefill chunk in it
+        steps.append((batch.packed is not None, mixed, [r.num_drafts for r in batch.requests if r.num_drafts]))
+        return execute(batch)
+
+    eng.executor.execute = spy
+    prompts = [[5, 17, 33], [100, 3], [7] * 5, [20, 21, 22, 23]]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    ids = [eng.add_request(p, params) for p in prompts[:3]]
+    outputs = {}
+    for _ in range(6):
+        outputs.update({o.request_id: o for o in eng.step()})
+    ids.append(eng.add_request(prompts[3], params))
+    while eng.has_unfinished():
+        outputs.update({o.request_id: o for o in eng.step() if o.finished})
+    expected = [builders.hf_greedy(near_bigram_target, [p], 32)[0] for p in prompts]
+    assert [outputs[i].token_ids for i in ids] == expected
+    assert any(packed for packed, _, _ in steps)
+    joined = [drafts for packed, mixed, drafts in steps if mixed and drafts]
+    assert joined and not any(packed for packed, mixed, _ in steps if mixed)
+    # the cap chosen for mixed steps trims the blocks (dear tokens): not whole blocks, not unpacked
+    assert any(max(drafts) < 4 for drafts in joined)
+    assert llm.get_metrics()["confidence_scheduling"]["unpacked_steps"] == 0
