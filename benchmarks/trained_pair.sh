@@ -28,33 +28,47 @@
 #                                                    partial until the end), OUT/tuned-schedule.json,
 #                                                    OUT/step-costs.json (dspark bench-plot draws bench.json)
 #   bash benchmarks/trained_pair.sh check WORK OUT [BENCH FLAGS]
-#                                                    the confidence scheduler's check (~5 minutes): the bench at the
-#                                                    concurrencies issue 16 is judged at (1, 4, 64, 256), 32
+#                                                    the confidence scheduler's check (~4 minutes a pair): the bench
+#                                                    at the concurrencies issue 16 is judged at (1, 4, 64, 256), 32
 #                                                    end-to-end prompts, no torch profiles (later flags win), on the
-#                                                    pair of a `train WORK OUT 60 470 2048 16` run just before it
-#                                                    (~8 minutes; the next command must follow within the machine's
-#                                                    keep-alive). Training and bench do not fit one 10-minute command:
-#                                                    run 48 tried (a 240 s recipe) and its drafter got 24 s, tau 1.9;
-#                                                    run 49's got 412 s, tau 6.8.
+#                                                    pair of a `train WORK OUT 60 430 2048 16` run just before it
+#                                                    (~7 minutes; the next command must follow within the machine's
+#                                                    keep-alive) -> OUT/bench.json; and, if a `snapshot WORK early`
+#                                                    kept an earlier drafter, on that pair too -> OUT/early/bench.json.
+#                                                    Training and bench do not fit one 10-minute command: run 48 tried
+#                                                    (a 240 s recipe) and its drafter got 24 s, tau 1.9; run 49's got
+#                                                    412 s, tau 6.8; run 51's 229 s, tau 5.2.
+#   bash benchmarks/trained_pair.sh snapshot WORK NAME
+#                                                    keep the drafter as it stands as WORK/dspark-NAME (a later
+#                                                    `train` resumes WORK/dspark): a pair that accepts less, on which
+#                                                    verifying only what pays can gain (a pair accepting ~0.8+ at every
+#                                                    position leaves any schedule nothing: schedule_bounds.py). E.g.
+#                                                    `train WORK OUT 60 300 2048 16; snapshot WORK early` (~100 s of
+#                                                    drafter), then `train WORK OUT 60 260 2048 16` (resumes it for
+#                                                    ~180 s more), then `check WORK OUT`: three commands, each within
+#                                                    the keep-alive of the one before.
 # The mixed workload arrives at 400 requests/s (1536 of 128 tokens, ~4 s of arrivals): faster than the engines
 # finish them, so its tokens/s is the engines' under mixed prefill + decode load (run 28's 100/s measured the arrival
 # rate: every engine kept up, 11.4-11.8K tokens/s, and the comparison said nothing but TPOT; run 47's 512 requests,
 # ~1.3 s, spread its rounds by +-10%, too short to resolve the 1% the confidence scheduler is held to).
 # Both steps run from the checkout root with .whl-fi (and .fi-cache, if any) carried; see benchmarks/gpu_host.sh.
 set -euo pipefail
-step=${1:?give a step: train, profile, bench, check or all}; work=${2:?give a work folder}; out=${3:?give an output folder}
-eval "$(bash benchmarks/gpu_host.sh install)"
+step=${1:?give a step: train, profile, bench, check, snapshot or all}; work=${2:?give a work folder}
+out=${3:?give an output folder (snapshot: a name)}
+[ "$step" = snapshot ] || eval "$(bash benchmarks/gpu_host.sh install)"
 export PYTHONUNBUFFERED=1
 train() {  # target seconds, the recipe's wall-time budget (the drafter trains for what is left), target width, layers
   python3 benchmarks/gpu_recipe.py --work "$work" --out "$out/gpu-recipe.json" --stages target,distill,dspark \
     --target-seconds "$1" --drafter-seconds 100000 --run-seconds "$2" --target-hidden "$3" --target-layers "$4"
 }
-bench() {
-    python3 -m cluster.cli bench --model "$work/target" --speculative-model "$work/dspark" \
+bench() {  # [BENCH FLAGS]; the drafter and the output folder from $drafter and $dest (default: WORK/dspark, OUT)
+    local model=${drafter:-$work/dspark} to=${dest:-$out}
+    mkdir -p "$to"
+    python3 -m cluster.cli bench --model "$work/target" --speculative-model "$model" \
       --prompts "$work/heldout-prompts.jsonl" --prompt-len 64 --concurrency 1,4,16,64,256 --steps 30 \
-      --kv-cache-gib 16 --tune-schedule "$out/tuned-schedule.json" --e2e-prompts 64 --e2e-tokens 128 \
-      --confidence-scheduling --profile-steps "$out/step-costs.json" --mixed-rate 400 --mixed-requests 1536 \
-      "$@" --out "$out/bench.json"
+      --kv-cache-gib 16 --tune-schedule "$to/tuned-schedule.json" --e2e-prompts 64 --e2e-tokens 128 \
+      --confidence-scheduling --profile-steps "$to/step-costs.json" --mixed-rate 400 --mixed-requests 1536 \
+      "$@" --out "$to/bench.json"
 }
 profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpark, confidence-scheduled (cProfile)
   for batch in 1 4; do
@@ -65,10 +79,16 @@ profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpar
 case "$step" in
   train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" ;;
   bench) shift 3; bench --profile --profile-batches 1,64 "$@" ;;
-  check) shift 3; bench --concurrency 1,4,64,256 --e2e-prompts 32 "$@" ;;
+  check) shift 3; bench --concurrency 1,4,64,256 --e2e-prompts 32 "$@"
+         if [ -d "$work/dspark-early" ]; then
+           drafter="$work/dspark-early" dest="$out/early" bench --concurrency 1,4,64,256 --e2e-prompts 32 "$@"
+         fi ;;
+  snapshot) name=$out  # (the third argument is the snapshot's name here)
+            rm -rf "$work/dspark-$name" && cp -r "$work/dspark" "$work/dspark-$name"
+            echo "trained_pair.sh: $work/dspark-$name kept" >&2 ;;
   profile) profile ;;
   all) train 100 300 "${4:-512}" "${5:-8}"
        profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2
        bench --profile --profile-batches 1,64 ;;
-  *) echo "usage: $0 train|bench|profile|check|all WORK OUT" >&2; exit 2 ;;
+  *) echo "usage: $0 train|bench|profile|check|snapshot|all WORK OUT|NAME" >&2; exit 2 ;;
 esac
