@@ -34,7 +34,8 @@
 #                                                    pair of a `train WORK OUT 60 430 2048 16` run just before it
 #                                                    (~7 minutes; the next command must follow within the machine's
 #                                                    keep-alive) -> OUT/bench.json; and, if a `snapshot WORK early`
-#                                                    kept an earlier drafter, on that pair too -> OUT/early/bench.json.
+#                                                    kept an earlier drafter, on that pair too (without the end-to-end
+#                                                    prompts, ~3.5 minutes) -> OUT/early/bench.json.
 #                                                    Training and bench do not fit one 10-minute command: run 48 tried
 #                                                    (a 240 s recipe) and its drafter got 24 s, tau 1.9; run 49's got
 #                                                    412 s, tau 6.8; run 51's 229 s, tau 5.2.
@@ -81,7 +82,8 @@ case "$step" in
   bench) shift 3; bench --profile --profile-batches 1,64 "$@" ;;
   check) shift 3; bench --concurrency 1,4,64,256 --e2e-prompts 32 "$@"
          if [ -d "$work/dspark-early" ]; then
-           drafter="$work/dspark-early" dest="$out/early" bench --concurrency 1,4,64,256 --e2e-prompts 32 "$@"
+           # (no end-to-end prompts: the strong pair's say what they say of the engine; this pair is for the schedule)
+           drafter="$work/dspark-early" dest="$out/early" bench --concurrency 1,4,64,256 --e2e-prompts 0 "$@"
          fi ;;
   snapshot) name=$out  # (the third argument is the snapshot's name here)
             rm -rf "$work/dspark-$name" && cp -r "$work/dspark" "$work/dspark-$name"
