@@ -56,13 +56,15 @@ def best_samples(outputs: list[RequestOutput], params: SamplingParams) -> list[R
 
 def rank_info(engine: Engine) -> list[dict]:
     """One dict per process of the replica (``Worker.info``); with confidence scheduling, target rank 0's also has
-    the engine's step-time table as it stands (profiled or loaded, then learned from every step served)."""
+    the engine's step-time tables as they stand: the verify steps' (profiled or loaded, then learned from every such
+    step served) and the mixed steps' (from that start, learned from the steps that fed more than verifies)."""
     infos = engine.executor.describe()
     if engine.confidence is not None:
         leader = next((i for i in infos if i.get("role") == "target" and i.get("tp_rank") == 0), None)
         if leader is not None:
-            leader["confidence_cost_table"] = {**engine.confidence.costs.to_json(),
-                                               "observations": engine.confidence.costs.observations}
+            for key, table in (("confidence_cost_table", engine.confidence.costs),
+                               ("confidence_mixed_cost_table", engine.confidence.mixed_costs)):
+                leader[key] = {**table.to_json(), "observations": table.observations}
     return infos
 
 

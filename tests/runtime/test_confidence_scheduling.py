@@ -252,6 +252,8 @@ def test_greedy_outputs_are_the_same_with_scheduling_on_and_off(near_bigram_targ
     assert stats["decisions"] > 0 and stats["cost_table_observations"] > 0  # profiled at startup, then learning
     table = on.rank_info()[0]["confidence_cost_table"]  # the engine's state, as it stands
     assert table["observations"] == stats["cost_table_observations"] and table["step_ms"]
+    mixed = on.rank_info()[0]["confidence_mixed_cost_table"]  # the prefill steps learned apart
+    assert mixed["observations"] == stats["mixed_cost_table_observations"] > 0
     assert "confidence_cost_table" not in off.rank_info()[0]
     assert 1.0 <= stats["mean_committed_tokens_per_request"] <= 5.0  # what the survivals' prediction is against
     assert 1.0 <= stats["mean_expected_tokens_per_request"] <= 5.0
