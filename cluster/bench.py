@@ -995,6 +995,26 @@ def summary(record: dict) -> str:
     if e2e:
         lines.append(f"end to end, {e2e['prompts']} prompts x {e2e['max_tokens']} tokens at concurrency 1: speedup "
                      f"{e2e['speedup']:.2f}, identical greedy outputs {e2e['identical_fraction']:.2f}")
+    confident = [r for r in record["runs"] if "confidence_vs_tuned" in r]
+    if confident:  # the confidence scheduler against the tuned schedule, and what it chose from which predictions
+        lines.append(f"{'conc':>5} {'conf/tuned':>10} {'paired':>7} {'budget':>7} {'pred ms':>8} {'meas ms':>8} "
+                     f"{'whole pred':>10} {'tuned ms':>8} {'exp tok':>8} {'got tok':>8} {'whole exp':>9}")
+        def cell(value, width: int, digits: int = 2) -> str:  # a figure an older record lacks: "-"
+            return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+        for r in confident:
+            lines.append(" ".join([
+                f"{r['concurrency']:>5}", cell(r["confidence_vs_tuned"], 10, 3),
+                cell(r.get("confidence_vs_tuned_paired"), 7, 3), cell(r["confidence_verify_budget_per_request"], 7),
+                cell(r["confidence_predicted_step_ms"], 8), cell(r["confidence_measured_step_ms"], 8),
+                cell(r.get("confidence_whole_block_predicted_step_ms"), 10), cell(r["tuned_step_ms"], 8),
+                cell(r["confidence_expected_tokens_per_request"], 8),
+                cell(r["confidence_committed_tokens_per_request"], 8),
+                cell(r.get("confidence_whole_block_expected_tokens_per_request"), 9)]))
+    if "mixed_confidence_vs_tuned" in record:
+        paired = record.get("mixed_confidence_vs_tuned_paired")
+        lines.append(f"mixed workload: confidence / tuned {record['mixed_confidence_vs_tuned']:.3f}" +
+                     (f" (paired {paired:.3f})" if paired is not None else ""))
     return "\n".join(lines)
 
 

@@ -223,6 +223,9 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
         assert len(row["confidence_predicted_survival_per_position"]) == 3
         assert row["confidence_whole_block_expected_tokens_per_request"] >= row[
             "confidence_expected_tokens_per_request"] - 1e-9
+    # the printed summary sets the scheduler beside the tuned schedule, a line per concurrency, and the mixed workload
+    assert "conf/tuned" in proc.stderr and "whole pred" in proc.stderr and "mixed workload: confidence / tuned" in \
+        proc.stderr
     # every engine profiled, and only after the last figure was taken (the confidence engine's sweep is the last):
     # a process the profiler has run in launches CUDA graphs slower
     keys = list(record)
