@@ -137,6 +137,11 @@ class Worker:
     def allocate(self, num_pages: int) -> None:
         """Allocate ``num_pages`` KV pages and wire the step machinery for this role."""
         page_size = self.config.page_size
+        if self.device.type == "cuda":  # RoPE rows gathered from a table (RotaryEmbedding.cache): every position a
+            # request's page table can address
+            for model in (self.target, self.drafter):
+                if model is not None and getattr(model, "rotary", None) is not None:
+                    model.rotary.cache(self.pages_per_seq * page_size, self.device, self.dtype)
         draft_runner = None
         if self.drafter is not None:
             embed = self.vocab.embed_tokens if self.vocab is not None else self.target.model.embed_tokens

@@ -498,3 +498,17 @@ def test_verify_steps_run_ahead_and_decode_as_eager_steps(wide_target, make_draf
     assert [t for i, t in enumerate(tokens) if i != 2] == [t for i, t in enumerate(want) if i != 2]
     short, long = sorted((tokens[2], want[2]), key=len)  # aborted after as many steps: as many blocks accepted
     assert 0 < len(short) < lengths[2] and long[:len(short)] == short
+
+
+def test_the_workers_rope_tables_give_the_rows_a_forward_would_compute(wide_target, make_drafter):
+    """On a GPU the worker caches the target's and the colocated drafter's RoPE tables (``RotaryEmbedding.cache``,
+    every position a page table can address): each forward gathers its rows, bit for bit the computed ones."""
+    llm = LLM(str(wide_target), speculative_config=DSparkDecodingConfig(
+        speculative_model=str(make_drafter(wide_target, 4))), **ENGINE)
+    worker = llm.engine.executor.worker
+    positions = torch.tensor([0, 1, 15, 16, 1000, worker.pages_per_seq * 16 - 1], device=DEV)
+    for model in (worker.target, worker.drafter):
+        cos, sin = model.rotary._tables
+        assert cos.shape[0] == worker.pages_per_seq * 16 and cos.dtype == BF16
+        got, want = model.rotary(positions, BF16), model.rotary._compute(positions, BF16)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

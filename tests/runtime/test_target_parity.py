@@ -84,3 +84,25 @@ def test_unsupported_family_is_named(checkpoints):
     (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 8, "n_layer": 1, "n_head": 1}))
     with pytest.raises(CheckpointError, match="model_type 'gpt2' is not supported"):
         load_target(str(path), get_backend("torch"), torch.float32, torch.device("cpu"))
+
+
+def test_cached_rope_tables_give_the_computed_rows_and_the_same_logits(checkpoints):
+    """``RotaryEmbedding.cache`` (serving on a GPU: the worker gathers RoPE rows from tables instead of computing
+    them each forward): the rows are bit for bit the computed ones, for plain and scaled RoPE, and a forward with
+    them gives the same logits; a forward in another dtype than the tables' computes its rows as before."""
+    path = builders.save_target(checkpoints / "llama-rope-cached", "llama", seed=5, tokenizer=False, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32})
+    ours = load_target(str(path), get_backend("torch"), torch.float32, torch.device("cpu"))
+    prompt = list(range(3, 80))
+    computed, _, _ = run_paged(ours, [prompt])
+    positions = torch.tensor([0, 1, 79, 31, 32, 500])
+    want = ours.rotary(positions, torch.float32)
+    ours.rotary.cache(512, torch.device("cpu"), torch.float32)
+    got = ours.rotary(positions, torch.float32)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[0].is_contiguous() and got[1].is_contiguous()  # as the rope kernels read them
+    cached, _, _ = run_paged(ours, [prompt])
+    assert torch.equal(cached, computed)
+    other = ours.rotary(positions, torch.bfloat16)  # not the tables' dtype: computed
+    assert torch.equal(other[0], ours.rotary._compute(positions, torch.bfloat16)[0])
