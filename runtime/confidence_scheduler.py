@@ -218,6 +218,11 @@ class ConfidenceScheduler:
         self.explored = 0  # of them, raised to whole blocks to gather evidence (EXPLORE_EVERY)
         self._pending: tuple | None = None  # the last allot's (survival, lengths), to learn (arrays or lists)
 
+    def ranking(self, k: int) -> tuple[list[float], list[float]]:
+        """What a packed step ranks its first ``k`` drafts by: the calibration's inverse temperatures and the
+        online correction's ratios, per position."""
+        return self._inverse_list[:k], self.correction.ratio_list[:k]
+
     def costs_for(self, other_tokens: int) -> StepCostTable:
         """The table a step is priced (and learns) in: ``mixed_costs`` if it feeds tokens besides the verifies."""
         return self.mixed_costs if other_tokens else self.costs
@@ -289,8 +294,9 @@ class ConfidenceScheduler:
             chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
         predicted = self.costs_for(other_tokens).predict_ms_many(num + other_requests,
                                                                  other_tokens + num + np.arange(offered + 1), context)
-        self.last = Decision(budget, offered, num + chosen, float(predicted[budget]), num + float(survival.sum()),
-                             float(predicted[offered]), survival.sum(axis=0).tolist())
+        column_sums = survival.sum(axis=0)  # [K] each position's survivals, summed
+        self.last = Decision(budget, offered, num + chosen, float(predicted[budget]), num + float(column_sums.sum()),
+                             float(predicted[offered]), column_sums.tolist())
         best = self.best_budget(survival, proposed, predicted)
         self.budget_per_request = self.max_draft_len if self._explores(best < offered) else best / num
         self._pending = (raw, lengths)
@@ -360,15 +366,16 @@ class ConfidenceScheduler:
             return [0] * len(confidences)
         num, k, sizes, offered, raw, survival = step
         lengths = sizes if self.cap is None else [min(n, self.cap) for n in sizes]
+        column_sums = [sum(column) for column in zip(*survival)]  # [K] each position's survivals, summed
         expected, total = [float(num)], 0.0  # [K+1] committed tokens under each cap
-        for j in range(k):
-            total += sum(row[j] for row in survival)
+        for value in column_sums:
+            total += value
             expected.append(num + total)
         predicted = self.costs_for(other_tokens).predict_ms_list(
             num + other_requests, tuple(other_tokens + num * (q + 1) for q in range(k + 1)), context)
         chosen = sum(sum(row[:n]) for row, n in zip(survival, lengths))
         self.last = Decision(sum(lengths), offered, num + chosen, predicted[max(lengths)], expected[-1],
-                             predicted[-1], [sum(column) for column in zip(*survival)])
+                             predicted[-1], column_sums)
         cap = self._best(expected, predicted)
         self.cap = self.max_draft_len if self._explores(cap < k) else cap
         self._pending = (raw, lengths)
@@ -381,14 +388,15 @@ class ConfidenceScheduler:
         proposed)."""
         num, k = survival.shape
         lengths = sizes if self.cap is None else np.minimum(sizes, self.cap)
-        columns = np.concatenate([[0.0], survival.sum(axis=0).cumsum()])  # [K+1] survivals under each cap
+        column_sums = survival.sum(axis=0)  # [K] each position's survivals, summed
+        columns = np.concatenate([[0.0], column_sums.cumsum()])  # [K+1] survivals under each cap
         # a step of cap Q feeds num x (Q + 1) tokens (Q: its longest verify)
         predicted = self.costs_for(other_tokens).predict_ms_many(
             num + other_requests, other_tokens + num * (np.arange(k + 1) + 1), context)
         verified = int(lengths.max())
         chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
         self.last = Decision(int(lengths.sum()), int(sizes.sum()), num + chosen, float(predicted[verified]),
-                             num + float(columns[-1]), float(predicted[-1]), survival.sum(axis=0).tolist())
+                             num + float(columns[-1]), float(predicted[-1]), column_sums.tolist())
         cap = self._best(num + columns, predicted)
         self.cap = self.max_draft_len if self._explores(cap < k) else cap
         return lengths
@@ -410,6 +418,7 @@ class ConfidenceScheduler:
         k = max(sizes)
         raw = np.asarray([self.survival_row(c, k) for c in confidences])  # [S, K]
         survival = self.correction.apply(raw)
+        column_sums = survival.sum(axis=0)  # [K] each position's survivals, summed
         ranked = np.concatenate([[0.0], np.sort(survival.reshape(-1))[::-1].cumsum()])  # [S*K+1] top-b sums
         shares = np.minimum(num * np.arange(k + 1), offered)  # [K+1] drafts verified under each c
         expected = num + ranked[shares]
@@ -418,12 +427,12 @@ class ConfidenceScheduler:
         columns = k if self.columns is None else min(self.columns, k)
         self.step_columns = columns
         self.last = Decision(int(shares[columns]), offered, float(expected[columns]), float(predicted[columns]),
-                             float(expected[-1]), float(predicted[-1]), survival.sum(axis=0).tolist())
+                             float(expected[-1]), float(predicted[-1]), column_sums.tolist())
         best = self._best(expected, predicted)
         self.columns = self.max_draft_len if self._explores(best < k) else best
         # a step that cannot be packed (a prefill chunk joins it) verifies under a cap: the padded layout's choice
         # from these survivals, ready for it (a request verifies its first Q drafts, priced as Q columns are)
-        self.cap = self._best(num + np.concatenate([[0.0], survival.sum(axis=0).cumsum()]), predicted)
+        self.cap = self._best(num + np.concatenate([[0.0], column_sums.cumsum()]), predicted)
         self._pending = (raw, sizes)  # learn(): the verified counts the device reports bound what was allotted
         return int(shares[columns])
 

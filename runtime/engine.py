@@ -295,7 +295,7 @@ class Engine:
             return k_next, None
         elif self.confidence.layout == "ragged":
             return 0, None
-        elif self.confidence.layout == "packed" and len(self.scheduler.running) >= self.confidence.packed_from:
+        elif self._packs_steps_of(len(self.scheduler.running)):
             wanted = self.confidence.columns if self.confidence.columns is not None else k_next
         else:
             return min(k_next, self.confidence.cap if self.confidence.cap is not None else k_next), None
@@ -304,22 +304,24 @@ class Engine:
             return k_next, PackedAhead(wanted, inverse, ratio)
         return min(k_next, wanted), None
 
-    def _packs(self, num: int, columns: int, k: int) -> bool:
-        """Whether a step of ``num`` requests verifying ``columns`` of their ``k`` drafts is a packed verify: the
-        target's packed graphs serve that many requests (the scheduler's packed layout says from how many; while
-        profiling, before it exists, the graphs do), and the columns are neither whole blocks nor none."""
+    def _packs_steps_of(self, num: int) -> bool:
+        """Whether a step of ``num`` requests may be packed: the target's packed graphs serve that many (the
+        scheduler's packed layout says from how many; while profiling, before it exists, the graphs do)."""
         if self.confidence is not None:
             packed_from = self.confidence.packed_from if self.confidence.layout == "packed" else 0
         else:
             packed_from = self._packed_from
-        return bool(packed_from) and num >= packed_from and 0 < columns < k
+        return bool(packed_from) and num >= packed_from
+
+    def _packs(self, num: int, columns: int, k: int) -> bool:
+        """Whether a step of ``num`` requests verifying ``columns`` of their ``k`` drafts is a packed verify: it may
+        be packed, and the columns are neither whole blocks nor none."""
+        return self._packs_steps_of(num) and 0 < columns < k
 
     def _packed_ranking(self, k: int) -> tuple[list[float], list[float]]:
         """The calibration and correction a packed step ranks its first ``k`` drafts by (none while profiling: the
         profile times the step, whichever drafts it picks)."""
-        if self.confidence is None:
-            return [1.0] * k, [1.0] * k
-        return self.confidence._inverse_list[:k], self.confidence.correction.ratio_list[:k]
+        return self.confidence.ranking(k) if self.confidence is not None else ([1.0] * k, [1.0] * k)
 
     def _steady_verify(self, scheduled: list[ScheduledRequest], n: int) -> bool:
         """With a drafter: whether the next step is expected to be the same requests each verifying ``n`` drafts of
@@ -364,7 +366,7 @@ class Engine:
         # a step that will feed more than these verifies (a request still prefilling, an arrival to admit) is mixed:
         # it cannot be a packed step, so it verifies under the padded layout's cap (priced by the mixed steps' table)
         mixed = len(seqs) < len(members) or (bool(self.scheduler.waiting) and not self._ran_ahead)
-        if self.confidence.layout == "packed" and len(seqs) >= self.confidence.packed_from and not mixed:
+        if self._packs_steps_of(len(seqs)) and not mixed:
             # blocks stay whole: the device picks which drafts
             self.confidence.allot_packed([s.draft_confidence for s in seqs], others, other_tokens, context)
             self._packed_columns = self.confidence.step_columns
