@@ -3,16 +3,10 @@
 Issue 16 asks the confidence scheduler for 1.10x the tuned schedule at 64 requests and above. This bounds what is
 there to gain, per concurrency of the record, from the measured acceptance per position (the fixed K engine's, which
 verifies whole blocks) and a step-time table (``--profile-steps``: the startup profile; or a record's
-``confidence_cost_table_served`` saved as a file):
-
-- ``padded_best``: the best single cap Q for every request (what CUDA graphs padded to one length per step allow),
-  expected tokens ``1 + sum(acceptance[:Q])`` per request over the table's step of ``batch x (Q + 1)`` tokens,
-  against whole blocks. A scheduler that varies Q from step to step can beat it a little (steps differ), no more.
-- ``oracle_ragged``: a scheduler that knew which drafts each request will accept and fed exactly those (``tau``
-  tokens a request for ``tau`` committed): the table's step of ``batch x tau`` tokens against whole blocks. No
-  real scheduler reaches it; a per-request (ragged) choice from confidences recovers part of it.
-
-These are computed, not measured: the table's cells are noisy, so read them as bounds to a few percent.
+``confidence_cost_table_served`` saved as a file): ``padded_best`` (the best single cap) and ``oracle_ragged`` (a
+schedule that knew which drafts will be accepted), as ``runtime.schedule_bounds`` defines them. ``dspark bench``
+records the same bounds in each run (``confidence_oracle_bound``, ``confidence_padded_bound``); this prices an
+older record, or one against another table.
 
 usage: python3 benchmarks/schedule_bounds.py BENCH.json STEP_COSTS.json [--concurrency 64,256]
 """
@@ -26,23 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from runtime.schedule_bounds import schedule_bounds  # noqa: E402
 from runtime.step_costs import StepCostTable  # noqa: E402
 
 
 def bounds(run: dict, table: StepCostTable) -> dict:
-    """One concurrency's row of a bench record -> its bounds (see the module doc)."""
-    batch = int(run["concurrency"])
-    acceptance = list(run["acceptance_per_position"])
-    k = len(acceptance)
-    tau = 1.0 + sum(acceptance)
-    whole_ms = table.predict_ms(batch, batch * (k + 1))
-    whole = tau / whole_ms  # committed tokens per request per ms
-    caps = [(1.0 + sum(acceptance[:q])) / table.predict_ms(batch, batch * (q + 1)) for q in range(k + 1)]
-    best = max(range(k + 1), key=caps.__getitem__)
-    oracle_ms = table.predict_ms(batch, round(batch * tau))
-    return {"concurrency": batch, "tau": round(tau, 3), "whole_block_step_ms": round(whole_ms, 3),
-            "padded_best_cap": best, "padded_best": round(caps[best] / whole, 3),
-            "oracle_ragged_step_ms": round(oracle_ms, 3), "oracle_ragged": round(whole_ms / oracle_ms, 3)}
+    """One concurrency's row of a bench record -> its bounds (``runtime.schedule_bounds``)."""
+    return schedule_bounds(int(run["concurrency"]), list(run["acceptance_per_position"]), table)
 
 
 def main() -> None:

@@ -22,7 +22,11 @@ the sweep left it, ``confidence_cost_table_mixed_served`` the mixed steps' own, 
 workload): within the tuned schedule when both are given (the schedule caps the block it
 drafts; ``confidence_vs_tuned`` compares the two engines measured in this run, the median rounds' tokens/s, and
 ``confidence_vs_tuned_paired`` the median of the per-round ratios, each round's two figures taken back to back, so
-the host's drift between rounds cancels), else within ``max_draft_len``.
+the host's drift between rounds cancels), else within ``max_draft_len``. Beside them: what any schedule could gain
+there over whole blocks, priced on the startup table from the fixed engine's acceptance (``confidence_oracle_bound``,
+``confidence_padded_bound``: ``runtime.schedule_bounds``), and the tuned engine against the fixed one
+(``tuned_vs_dspark_paired``): where the two ran the same draft length (``tuned_same_as_fixed``) they are one
+configuration built twice, and that ratio is the run's noise floor.
 ``--e2e-prompts N`` decodes N prompts one at a time through ``LLM.generate`` with both engines: the end-to-end
 speedup against what the step times allow at the measured tau, and the share of prompts whose greedy outputs
 are identical (bf16 verify batches reorder sums, so near-ties may part).
@@ -538,6 +542,52 @@ def paired_ratio(rounds: list[float], against: list[float]) -> float | None:
     return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
 
 
+def schedule_cap(schedule: dict | None, batch: int, max_draft_len: int) -> int:
+    """The draft length a ``draft_len_schedule`` (JSON keys as strings or ints) gives ``batch`` requests, as
+    ``DSparkDecodingConfig.draft_len_for_batch_size`` reads it; ``max_draft_len`` without a schedule."""
+    if schedule is None:
+        return max_draft_len
+    for key in sorted(int(k) for k in schedule):
+        if key >= batch:
+            return int(schedule.get(key, schedule.get(str(key))))
+    return 0
+
+
+def confidence_bounds(row: dict, record: dict) -> dict:
+    """What any schedule could gain at this row's concurrency over whole blocks of the cap the confidence engine
+    drafts (the tuned schedule's, else max_draft_len), priced on its startup table from the fixed engine's
+    acceptance per position (``runtime.schedule_bounds``): ``confidence_oracle_bound`` (knowing which drafts will be
+    accepted) and ``confidence_padded_bound`` (the best single cap); {} without the figures."""
+    acceptance, table = row.get("acceptance_per_position"), record.get("confidence_cost_table")
+    if not acceptance or not table:
+        return {}
+    from runtime.schedule_bounds import schedule_bounds
+    from runtime.step_costs import StepCostTable
+
+    tuned = record.get("tuned_schedule")
+    cap = schedule_cap(tuned["schedule"] if tuned else None, int(row["concurrency"]), len(acceptance))
+    if cap < 1:
+        return {}
+    bounds = schedule_bounds(int(row["concurrency"]), list(acceptance[:cap]), StepCostTable.from_json(table))
+    return {"confidence_oracle_bound": bounds["oracle_ragged"], "confidence_padded_bound": bounds["padded_best"],
+            "confidence_padded_bound_cap": bounds["padded_best_cap"]}
+
+
+def fixed_schedules_spread(row: dict, record: dict, alternate: bool) -> dict:
+    """The tuned engine against the fixed one (``tuned_vs_dspark``, ``_paired`` in alternating rounds), and
+    whether the two ran the same draft length here (``tuned_same_as_fixed``): then they are one configuration
+    built twice, and their ratio is the run's noise floor, the size of a difference these rounds cannot resolve."""
+    spread = {"tuned_vs_dspark": row["tuned_tokens_per_s"] / row["dspark_tokens_per_s"]}
+    if alternate:
+        spread["tuned_vs_dspark_paired"] = paired_ratio(row.get("tuned_tokens_per_s_rounds", []),
+                                                        row.get("dspark_tokens_per_s_rounds", []))
+    acceptance, tuned = row.get("acceptance_per_position"), record.get("tuned_schedule")
+    if acceptance and tuned:
+        k = len(acceptance)
+        spread["tuned_same_as_fixed"] = schedule_cap(tuned["schedule"], int(row["concurrency"]), k) == k
+    return spread
+
+
 def trace_path(args, kind: str, batch: int) -> str | None:
     return str(Path(args.profile_trace) / f"{kind}-batch{batch}.trace.json.gz") if args.profile_trace else None
 
@@ -849,6 +899,9 @@ def run(args) -> dict:
                 if alternate:
                     row["confidence_vs_tuned_paired"] = paired_ratio(row.get("confidence_tokens_per_s_rounds", []),
                                                                      row.get("tuned_tokens_per_s_rounds", []))
+            row.update(confidence_bounds(row, record))
+        if "tuned_tokens_per_s" in row:
+            row.update(fixed_schedules_spread(row, record, alternate))
         row["speedup"] = row["dspark_tokens_per_s"] / row["ar_tokens_per_s"]
         if "colocated_tokens_per_s" in row:  # a separate drafter against the same replica with it colocated
             row["throughput_vs_colocated"] = row["dspark_tokens_per_s"] / row["colocated_tokens_per_s"]
@@ -998,7 +1051,8 @@ def summary(record: dict) -> str:
     confident = [r for r in record["runs"] if "confidence_vs_tuned" in r]
     if confident:  # the confidence scheduler against the tuned schedule, and what it chose from which predictions
         lines.append(f"{'conc':>5} {'conf/tuned':>10} {'paired':>7} {'budget':>7} {'pred ms':>8} {'meas ms':>8} "
-                     f"{'whole pred':>10} {'tuned ms':>8} {'exp tok':>8} {'got tok':>8} {'whole exp':>9}")
+                     f"{'whole pred':>10} {'tuned ms':>8} {'exp tok':>8} {'got tok':>8} {'whole exp':>9} "
+                     f"{'oracle':>6} {'noise':>6}")
         def cell(value, width: int, digits: int = 2) -> str:  # a figure an older record lacks: "-"
             return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
@@ -1010,7 +1064,10 @@ def summary(record: dict) -> str:
                 cell(r.get("confidence_whole_block_predicted_step_ms"), 10), cell(r["tuned_step_ms"], 8),
                 cell(r["confidence_expected_tokens_per_request"], 8),
                 cell(r["confidence_committed_tokens_per_request"], 8),
-                cell(r.get("confidence_whole_block_expected_tokens_per_request"), 9)]))
+                cell(r.get("confidence_whole_block_expected_tokens_per_request"), 9),
+                cell(r.get("confidence_oracle_bound"), 6, 3),
+                # the same configuration built twice (tuned = fixed here): what these rounds cannot resolve
+                cell(r.get("tuned_vs_dspark_paired") if r.get("tuned_same_as_fixed") else None, 6, 3)]))
     if "mixed_confidence_vs_tuned" in record:
         paired = record.get("mixed_confidence_vs_tuned_paired")
         lines.append(f"mixed workload: confidence / tuned {record['mixed_confidence_vs_tuned']:.3f}" +

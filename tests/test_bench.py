@@ -1,6 +1,6 @@
 """``dspark bench``'s model shapes load with random weights (load_format='dummy') and decode on the CPU."""
 
-from cluster.bench import MODEL_SHAPES, paired_ratio, write_shape
+from cluster.bench import MODEL_SHAPES, confidence_bounds, paired_ratio, schedule_cap, write_shape
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
 
@@ -224,8 +224,14 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
         assert 1 <= len(believed) <= 3 and all(1.0 >= a >= b >= 0.0 for a, b in zip(believed, believed[1:] + [0.0]))
         assert row["confidence_whole_block_expected_tokens_per_request"] >= row[
             "confidence_expected_tokens_per_request"] - 1e-9
+        # the noise floor: the tuned engine against the fixed one, the same configuration where the schedule says 3
+        cap = schedule_cap(record["tuned_schedule"]["schedule"], row["concurrency"], 3)
+        assert row["tuned_same_as_fixed"] == (cap == 3) and row["tuned_vs_dspark_paired"] > 0
+        if cap:  # what any schedule could gain here, priced on the startup table: the best cap is no worse than K
+            assert row["confidence_oracle_bound"] > 0 and row["confidence_padded_bound"] >= 1.0
+            assert 0 <= row["confidence_padded_bound_cap"] <= cap
     # the printed summary sets the scheduler beside the tuned schedule, a line per concurrency, and the mixed workload
-    assert "conf/tuned" in proc.stderr and "whole pred" in proc.stderr and "mixed workload: confidence / tuned" in \
+    assert "conf/tuned" in proc.stderr and "whole pred" in proc.stderr and "oracle" in proc.stderr and "mixed workload: confidence / tuned" in \
         proc.stderr
     # every engine profiled, and only after the last figure was taken (the confidence engine's sweep is the last):
     # a process the profiler has run in launches CUDA graphs slower
@@ -234,6 +240,36 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
         for batch in (1, 2):
             assert record[f"{kind}_profile_batch{batch}"]["host_ms_per_step"], (kind, batch)
             assert keys.index(f"{kind}_profile_batch{batch}") > keys.index("confidence_rank_info"), (kind, batch)
+
+
+def test_a_schedule_cap_reads_a_draft_len_schedule_as_the_engine_does():
+    """Keys are upper bounds (JSON's string keys too); above the largest, 0; no schedule: max_draft_len. The
+    engine's own reading (``DSparkDecodingConfig.draft_len_for_batch_size``) agrees on every batch size."""
+    from configs import DSparkDecodingConfig
+
+    schedule = {4: 7, 64: 5, 256: 3}
+    config = DSparkDecodingConfig(speculative_model="x", max_draft_len=7, draft_len_schedule=schedule)
+    for batch in (1, 4, 5, 64, 65, 256, 257):
+        assert schedule_cap(schedule, batch, 7) == config.draft_len_for_batch_size(batch)
+        assert schedule_cap({str(k): v for k, v in schedule.items()}, batch, 7) == config.draft_len_for_batch_size(batch)
+    assert schedule_cap(None, 300, 7) == 7
+
+
+def test_confidence_bounds_price_the_tuned_cap_on_the_startup_table():
+    """The bounds take the fixed engine's acceptance up to the tuned schedule's cap at that concurrency."""
+    from runtime.schedule_bounds import schedule_bounds
+    from runtime.step_costs import StepCostTable
+
+    tokens = [64 * (q + 1) for q in range(4)]
+    table = StepCostTable([64], tokens, [[10.0 + 0.01 * t for t in tokens]])
+    row = {"concurrency": 64, "acceptance_per_position": [0.9, 0.3, 0.05]}
+    record = {"confidence_cost_table": table.to_json(), "tuned_schedule": {"schedule": {"64": 2}}}
+    got = confidence_bounds(row, record)
+    want = schedule_bounds(64, [0.9, 0.3], table)
+    assert got == {"confidence_oracle_bound": want["oracle_ragged"], "confidence_padded_bound": want["padded_best"],
+                   "confidence_padded_bound_cap": want["padded_best_cap"]}
+    assert confidence_bounds(row, {**record, "tuned_schedule": {"schedule": {"32": 2}}}) == {}  # cap 0: none
+    assert confidence_bounds({"concurrency": 64}, record) == {}
 
 
 def test_a_paired_ratio_is_the_median_of_the_rounds_ratios():

@@ -506,9 +506,10 @@ def test_the_workers_rope_tables_give_the_rows_a_forward_would_compute(wide_targ
     llm = LLM(str(wide_target), speculative_config=DSparkDecodingConfig(
         speculative_model=str(make_drafter(wide_target, 4))), **ENGINE)
     worker = llm.engine.executor.worker
-    positions = torch.tensor([0, 1, 15, 16, 1000, worker.pages_per_seq * 16 - 1], device=DEV)
+    rows = worker.pages_per_seq * 16  # every position a page table can address (the last is the table's last row)
+    positions = torch.tensor([0, 1, 15, 16, rows // 2, rows - 1], device=DEV)
     for model in (worker.target, worker.drafter):
         cos, sin = model.rotary._tables
-        assert cos.shape[0] == worker.pages_per_seq * 16 and cos.dtype == BF16
+        assert cos.shape[0] == rows and cos.dtype == BF16
         got, want = model.rotary(positions, BF16), model.rotary._compute(positions, BF16)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
