@@ -24,7 +24,8 @@ drafts; ``confidence_vs_tuned`` compares the two engines measured in this run, t
 ``confidence_vs_tuned_paired`` the median of the per-round ratios, each round's two figures taken back to back, so
 the host's drift between rounds cancels), else within ``max_draft_len``. Beside them: what any schedule could gain
 there over whole blocks, priced on the startup table from the fixed engine's acceptance (``confidence_oracle_bound``,
-``confidence_padded_bound``: ``runtime.schedule_bounds``), and the tuned engine against the fixed one
+``confidence_padded_bound``: ``runtime.schedule_bounds``), what the scheduler's own model promised at the steps it
+decided (``confidence_predicted_gain``), and the tuned engine against the fixed one
 (``tuned_vs_dspark_paired``): where the two ran the same draft length (``tuned_same_as_fixed``) they are one
 configuration built twice, and that ratio is the run's noise floor.
 ``--e2e-prompts N`` decodes N prompts one at a time through ``LLM.generate`` with both engines: the end-to-end
@@ -573,6 +574,20 @@ def confidence_bounds(row: dict, record: dict) -> dict:
             "confidence_padded_bound_cap": bounds["padded_best_cap"]}
 
 
+def confidence_predicted_gain(row: dict) -> dict:
+    """What the scheduler's own model promised over whole blocks at the steps it decided: its expected tokens over its
+    predicted step time against the same for whole blocks (``confidence_predicted_gain``). Beside the oracle bound it
+    says how much of what was there its confidences could see (calibrated survivals that barely differ between
+    requests promise little, however much the oracle could gain); {} without the figures."""
+    names = ("confidence_expected_tokens_per_request", "confidence_predicted_step_ms",
+             "confidence_whole_block_expected_tokens_per_request", "confidence_whole_block_predicted_step_ms")
+    values = [row.get(name) for name in names]
+    if any(not value for value in values):
+        return {}
+    expected, predicted, whole_expected, whole_predicted = values
+    return {"confidence_predicted_gain": (expected / predicted) / (whole_expected / whole_predicted)}
+
+
 def fixed_schedules_spread(row: dict, record: dict, alternate: bool) -> dict:
     """The tuned engine against the fixed one (``tuned_vs_dspark``, ``_paired`` in alternating rounds), and
     whether the two ran the same draft length here (``tuned_same_as_fixed``): then they are one configuration
@@ -900,6 +915,7 @@ def run(args) -> dict:
                     row["confidence_vs_tuned_paired"] = paired_ratio(row.get("confidence_tokens_per_s_rounds", []),
                                                                      row.get("tuned_tokens_per_s_rounds", []))
             row.update(confidence_bounds(row, record))
+            row.update(confidence_predicted_gain(row))
         if "tuned_tokens_per_s" in row:
             row.update(fixed_schedules_spread(row, record, alternate))
         row["speedup"] = row["dspark_tokens_per_s"] / row["ar_tokens_per_s"]
@@ -1052,7 +1068,7 @@ def summary(record: dict) -> str:
     if confident:  # the confidence scheduler against the tuned schedule, and what it chose from which predictions
         lines.append(f"{'conc':>5} {'conf/tuned':>10} {'paired':>7} {'budget':>7} {'pred ms':>8} {'meas ms':>8} "
                      f"{'whole pred':>10} {'tuned ms':>8} {'exp tok':>8} {'got tok':>8} {'whole exp':>9} "
-                     f"{'oracle':>6} {'noise':>6}")
+                     f"{'model':>6} {'oracle':>6} {'noise':>6}")
         def cell(value, width: int, digits: int = 2) -> str:  # a figure an older record lacks: "-"
             return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
@@ -1065,7 +1081,7 @@ def summary(record: dict) -> str:
                 cell(r["confidence_expected_tokens_per_request"], 8),
                 cell(r["confidence_committed_tokens_per_request"], 8),
                 cell(r.get("confidence_whole_block_expected_tokens_per_request"), 9),
-                cell(r.get("confidence_oracle_bound"), 6, 3),
+                cell(r.get("confidence_predicted_gain"), 6, 3), cell(r.get("confidence_oracle_bound"), 6, 3),
                 # the same configuration built twice (tuned = fixed here): what these rounds cannot resolve
                 cell(r.get("tuned_vs_dspark_paired") if r.get("tuned_same_as_fixed") else None, 6, 3)]))
     if "mixed_confidence_vs_tuned" in record:

@@ -1,5 +1,7 @@
 """``dspark bench``'s model shapes load with random weights (load_format='dummy') and decode on the CPU."""
 
+import pytest
+
 from cluster.bench import MODEL_SHAPES, confidence_bounds, paired_ratio, schedule_cap, write_shape
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
@@ -230,6 +232,9 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
         if cap:  # what any schedule could gain here, priced on the startup table: the best cap is no worse than K
             assert row["confidence_oracle_bound"] > 0 and row["confidence_padded_bound"] >= 1.0
             assert 0 <= row["confidence_padded_bound_cap"] <= cap
+        assert row["confidence_predicted_gain"] == pytest.approx(
+            row["confidence_expected_tokens_per_request"] / row["confidence_predicted_step_ms"] /
+            (row["confidence_whole_block_expected_tokens_per_request"] / row["confidence_whole_block_predicted_step_ms"]))
     # the printed summary sets the scheduler beside the tuned schedule, a line per concurrency, and the mixed workload
     assert "conf/tuned" in proc.stderr and "whole pred" in proc.stderr and "oracle" in proc.stderr and "mixed workload: confidence / tuned" in \
         proc.stderr
