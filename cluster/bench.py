@@ -706,6 +706,7 @@ def run(args) -> dict:
             from runtime.confidence_scheduler import ConfidenceStats
 
             llm.engine.confidence_stats = ConfidenceStats()
+            llm.engine.confidence.correction.reset_skill()
 
     def measure(llm, c: int) -> dict:
         return time_steps(llm, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c, prompts=sweep_prompts)
@@ -737,6 +738,8 @@ def run(args) -> dict:
                                "mean_whole_block_expected_tokens_per_request"],
                            confidence_whole_block_predicted_step_ms=stats["mean_whole_block_predicted_step_ms"],
                            confidence_survival_correction=stats["survival_correction"],
+                           # how much its survivals told this concurrency's drafts apart (Brier skill, per position)
+                           confidence_survival_skill_per_position=stats["survival_skill_per_position"],
                            # against the tuned engine's acceptance per position (whole blocks: the true survival)
                            confidence_predicted_survival_per_position=stats["mean_predicted_survival_per_position"],
                            confidence_explored_decisions=stats["explored_decisions"],

@@ -83,6 +83,39 @@ FOLD_EVERY = 8  # steps of evidence the correction gathers before it folds them 
 SMALL_STEP = 128  # a step of at most this many drafts (requests x max_draft_len) is decided in plain Python
 
 
+class SurvivalSkill:
+    """How much the corrected survivals tell drafts apart, per position: of the drafts verified at position k, the
+    Brier score of the survival the scheduler believed (corrected as when the step was decided) against what
+    happened (the first k + 1 drafts all accepted), as a skill against always predicting the position's observed
+    rate: ``1 - brier / (rate * (1 - rate))``. Near 0: the survivals are the position's average for every request
+    (however well calibrated, a schedule can then only cap all requests alike); 1: they foretell each draft.
+    Negative: worse than the average (miscalibrated). Only verified drafts count, so a load whose budget trims
+    late positions scores them on what it still verified."""
+
+    def __init__(self, max_draft_len: int):
+        self.verified = np.zeros(max_draft_len)  # [K] drafts verified at each position
+        self.survived = np.zeros(max_draft_len)  # [K] of them, how many survived
+        self.squared_error = np.zeros(max_draft_len)  # [K] summed (survival - survived)^2
+
+    def add(self, survival: np.ndarray, lengths: np.ndarray, accepted: np.ndarray) -> None:
+        """survival [S, K'] as believed, lengths [S] drafts verified, accepted [S] of them accepted (<= lengths)."""
+        k = survival.shape[1]
+        verified = np.arange(k)[None, :] < lengths[:, None]  # [S, K']
+        survived = (np.arange(k)[None, :] < accepted[:, None]).astype(np.float64)  # [S, K']
+        self.verified[:k] += verified.sum(axis=0)
+        self.survived[:k] += (survived * verified).sum(axis=0)
+        self.squared_error[:k] += (((survival - survived) ** 2) * verified).sum(axis=0)
+
+    def per_position(self) -> list[float | None]:
+        """[K] the skill at each position (rounded), None where fewer than 2 drafts were verified or all alike."""
+        out = []
+        for n, hits, error in zip(self.verified, self.survived, self.squared_error):
+            rate = hits / n if n else 0.0
+            spread = rate * (1.0 - rate)
+            out.append(round(float(1.0 - error / n / spread), 4) if n >= 2 and spread > 0 else None)
+        return out
+
+
 class SurvivalCorrection:
     """An online, per-position correction of the calibrated survivals: of the drafts at position k the engine
     verified, the ratio of how many survived (the first k drafts all accepted) to the survival predicted for them.
@@ -102,6 +135,12 @@ class SurvivalCorrection:
         self.ratio_list = self.ratio.tolist()  # the same, for the plain-Python path
         self.learned = False  # nothing observed yet: survivals pass unchanged
         self._evidence: list[tuple] = []  # steps not yet folded in: (survival, allotted, verified, accepted)
+        self.skill = SurvivalSkill(max_draft_len)  # how sharp the corrected survivals were (metrics; reset_skill)
+
+    def reset_skill(self) -> None:
+        """Start the skill's sums afresh (a bench's next concurrency); the correction itself keeps its evidence."""
+        self.fold()
+        self.skill = SurvivalSkill(len(self.ratio))
 
     def apply(self, survival: np.ndarray) -> np.ndarray:
         """survival [S, K'] (K' <= K) -> corrected [S, K'], in [0, 1] and non-increasing along each row."""
@@ -147,6 +186,7 @@ class SurvivalCorrection:
             return
         lengths = np.where(known, np.minimum(lengths, k), 0)  # [S]: a request left out verified nothing
         accepted = np.where(known, np.minimum(accepted, lengths), 0)
+        self.skill.add(self.apply(survival), lengths, accepted)  # as believed: the ratios these steps were decided by
         # at position j: the requests that verified (accepted) more than j drafts (counts, reverse-cumulated)
         self.verified[:k] += np.bincount(lengths, minlength=k + 1)[::-1].cumsum()[::-1][1:]
         self.survived[:k] += np.bincount(accepted, minlength=k + 1)[::-1].cumsum()[::-1][1:]
@@ -561,6 +601,7 @@ class ConfidenceStats:
                 "layout": scheduler.layout, "next_budget_per_request": scheduler.budget_per_request,
                 "next_cap": scheduler.cap,
                 "survival_correction": [round(float(r), 4) for r in scheduler.correction.ratio],
+                "survival_skill_per_position": scheduler.correction.skill.per_position(),
                 "explored_decisions": scheduler.explored, "unpacked_steps": self.unpacked_steps,
                 "cost_table_observations": scheduler.costs.observations,
                 "mixed_cost_table_observations": scheduler.mixed_costs.observations,

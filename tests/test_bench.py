@@ -222,6 +222,7 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     assert record["confidence_cost_table_mixed_served"]["token_counts"] == startup["token_counts"]
     for row in record["runs"]:
         assert row["confidence_whole_block_predicted_step_ms"] > 0 and len(row["confidence_survival_correction"]) == 3
+        assert len(row["confidence_survival_skill_per_position"]) == 3  # this concurrency's (reset between them)
         believed = row["confidence_predicted_survival_per_position"]  # the blocks drafted (the tuned schedule's cap)
         assert 1 <= len(believed) <= 3 and all(1.0 >= a >= b >= 0.0 for a, b in zip(believed, believed[1:] + [0.0]))
         assert row["confidence_whole_block_expected_tokens_per_request"] >= row[

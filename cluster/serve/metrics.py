@@ -70,6 +70,14 @@ class EngineCollector:
             for position, ratio in enumerate(scheduling["survival_correction"]):
                 correction.add_metric([str(position)], ratio)
             yield correction
+            skill = GaugeMetricFamily(f"{PREFIX}:confidence_survival_skill", "Brier skill of the believed "
+                                      "survivals of the drafts verified at each block position against the "
+                                      "position's observed rate (0: no request told apart; 1: every draft "
+                                      "foretold); positions without evidence are left out.", labels=["position"])
+            for position, value in enumerate(scheduling["survival_skill_per_position"]):
+                if value is not None:
+                    skill.add_metric([str(position)], value)
+            yield skill
         info = InfoMetricFamily(f"{PREFIX}:moe_backend", "MoE backend resolved on each rank.", labels=["rank", "role"])
         for rank in self.rank_info:
             info.add_metric([str(rank["rank"]), rank["role"]], {"backend": str(rank.get("moe_backend")),

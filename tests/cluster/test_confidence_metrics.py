@@ -1,5 +1,5 @@
 """/metrics exports what the confidence scheduler chose, how its step-time prediction held (and what a context
-token costs, as its table learned), and its survival correction per position."""
+token costs, as its table learned), its survival correction per position and how sharp its survivals were."""
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -9,11 +9,13 @@ from runtime import LLM, SamplingParams
 
 
 def test_the_scheduler_gauges_are_exported(near_bigram_target, make_drafter):
-    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4)),
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4, oracle=True)),
                                 enable_confidence_scheduling=True)
     llm = LLM(str(near_bigram_target), speculative_config=spec, dtype="float32", device="cpu", num_pages=256,
               page_size=4, max_num_seqs=4)
     llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    # sampled: the oracle drafter's drafts then survive some of the time (greedy, all of them: no skill to score)
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=24, temperature=1.0, seed=0, ignore_eos=True))
     registry = CollectorRegistry()
     registry.register(EngineCollector(lambda: llm.engine, llm.rank_info()))
     text = generate_latest(registry).decode()
@@ -26,3 +28,8 @@ def test_the_scheduler_gauges_are_exported(near_bigram_target, make_drafter):
     assert len(ratios) == 4
     for position, ratio in enumerate(ratios):
         assert f'dspark:confidence_survival_correction{{position="{position}"}} {float(ratio)}' in text
+    skills = llm.get_metrics()["confidence_scheduling"]["survival_skill_per_position"]
+    assert len(skills) == 4 and skills[0] is not None  # the first position is verified at every step
+    for position, value in enumerate(skills):
+        assert (f'dspark:confidence_survival_skill{{position="{position}"}} {float(value)}' in text) == (
+            value is not None)

@@ -10,7 +10,8 @@ import torch
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.confidence_scheduler import ConfidenceScheduler, ConfidenceStats, read_calibration, top_drafts
+from runtime.confidence_scheduler import (ConfidenceScheduler, ConfidenceStats, SurvivalSkill, read_calibration,
+                                          top_drafts)
 from runtime.step_costs import StepCostTable
 from tests import builders
 from tests.runtime.test_sampling_distribution import FILTERS, N, empirical_tv, exact_joint, tv_bound
@@ -226,6 +227,29 @@ def test_the_correction_learns_only_what_was_verified_and_keeps_survivals_ordere
     scheduler.allot([[0.5, 0.5, 0.5]] * 3)
     with pytest.raises(ValueError, match="2 verified and 2 accepted counts for a step of 3 verifying requests"):
         scheduler.learn([1, 1], [0, 0])
+
+
+def test_the_skill_scores_the_believed_survivals_of_the_verified_drafts():
+    """Brier skill per position against the position's observed rate: the same step's evidence as above (survivals
+    0.5, 0.25, 0.125 believed; the second request verified 2 and accepted both, the third verified 3, accepted 0)."""
+    scheduler = ConfidenceScheduler(3, flat_table(0.001))
+    scheduler.allot([[0.5, 0.5, 0.5]] * 3)
+    scheduler.learn([-1, 2, 3], [-1, 2, 0])
+    scheduler.correction.fold()
+    skill = scheduler.correction.skill
+    assert skill.verified.tolist() == pytest.approx([2.0, 2.0, 1.0])
+    assert skill.survived.tolist() == pytest.approx([1.0, 1.0, 0.0])
+    # position 0: 0.5 believed, one survived and one not (rate 0.5): error 0.25 each, skill 1 - 0.25 / 0.25 = 0;
+    # position 1: 0.25 believed, error 0.5625 + 0.0625: skill 1 - 0.3125 / 0.25; position 2: one draft, None
+    assert skill.per_position() == [0.0, pytest.approx(1 - 0.3125 / 0.25), None]
+    # a head that foretells each draft scores 1; the stats report it, and a reset starts the sums afresh
+    sharp = SurvivalSkill(2)
+    sharp.add(np.array([[1.0, 1.0], [0.0, 0.0]]), np.array([2, 2]), np.array([2, 0]))
+    assert sharp.per_position() == [1.0, 1.0]
+    assert ConfidenceStats().as_dict(scheduler)["survival_skill_per_position"] == skill.per_position()
+    scheduler.correction.reset_skill()
+    assert scheduler.correction.skill.per_position() == [None, None, None]
+    assert scheduler.correction.verified.tolist() == pytest.approx([2.0, 2.0, 1.0])  # the correction kept its own
 
 
 # ---- the engine -------------------------------------------------------------------------------------------
