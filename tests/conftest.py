@@ -11,6 +11,12 @@ from tests import builders
 
 
 def pytest_collection_modifyitems(config, items):
+    # ./run-tests spreads the suite over worker processes (pytest-xdist, --dist loadgroup): every test that starts
+    # a Ray cluster (marked ``ray``, in its process or a child's) runs in one worker, one after another, so no two
+    # local clusters exist at once (a child's ``ray.init(address="auto")`` would join the other worker's)
+    for item in items:
+        if "ray" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("ray"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -108,6 +108,7 @@ def test_a_mixed_workload_submits_while_others_decode(tmp_path):
     assert 0 < result["mixed_step_share"] <= 1 and not llm.engine.has_unfinished()
 
 
+@pytest.mark.ray
 def test_the_sweep_runs_through_a_ray_replica_with_a_separate_drafter(tmp_path):
     """``dspark bench --tensor-parallel-size 1 --drafter separate --pipeline-drafter`` on the CPU (two CPUs, as on
     CI): every engine is a Ray replica, the colocated layout is measured in the same run, and the record says the
