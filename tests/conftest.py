@@ -15,7 +15,8 @@ from tests import builders
 # after another, so no two local clusters exist at once (a child's ``ray.init(address="auto")`` would join the
 # other worker's). Grouped here by path: xdist's own ``xdist_group`` marks do not reach pytest 9's node ids.
 RAY_FILES = ("tests/cluster/test_replica.py", "tests/cluster/test_serve.py", "tests/cluster/test_two_nodes.py",
-             "tests/runtime/test_training.py", "tests/test_bench.py", "tests/test_cli.py", "tests/gpu/test_cuda.py")
+             "tests/runtime/test_training_ray.py", "tests/test_bench_ray.py", "tests/test_cli_ray.py",
+             "tests/gpu/test_cuda.py")
 
 
 def pytest_xdist_make_scheduler(config, log):

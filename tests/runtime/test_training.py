@@ -9,10 +9,11 @@ from configs import DSparkDecodingConfig
 from configs.training import DrafterTrainConfig
 from runtime.llm import LLM
 from runtime.training.blocks import attention_mask, block_inputs, block_labels, sample_anchors
-from runtime.training.distill import evaluate, regenerate
+from runtime.training.distill import evaluate
 from runtime.training.drafter_trainer import default_layer_ids, train_drafter
+from tests.runtime.conftest import TRAINING_ENGINE
 
-ENGINE = dict(dtype="float32", device="cpu", num_pages=512, page_size=8)
+ENGINE = TRAINING_ENGINE
 
 
 def test_anchors_only_where_anchor_and_next_token_are_supervised():
@@ -84,18 +85,6 @@ def test_default_layer_ids_never_take_the_last_layer():
     assert default_layer_ids(2) == [0]
 
 
-@pytest.fixture(scope="module")
-def distilled(near_bigram_target, tmp_path_factory):
-    """The target's own greedy answers to random prompts (self-distillation)."""
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, 300, (96, 8), generator=g).tolist()
-    path = tmp_path_factory.mktemp("distill") / "rows.jsonl"
-    assert regenerate(LLM(str(near_bigram_target), **ENGINE), prompts, path, max_tokens=32) == 96
-    row = json.loads(path.read_text().splitlines()[0])
-    assert set(row) == {"prompt_ids", "response_ids", "finished"} and len(row["prompt_ids"]) == 8
-    return path
-
-
 def config(target, data, out, **kw):
     return DrafterTrainConfig(target=str(target), data=str(data), out=str(out), block_size=3, markov_rank=16,
                               batch_size=8, max_len=48, num_anchors=12, lr=3e-3, log_every=10, save_every=1000,
@@ -146,24 +135,6 @@ def test_resume_continues_from_the_saved_step(near_bigram_target, distilled, tmp
     with pytest.raises(ValueError, match="different"):
         train_drafter(config(near_bigram_target, distilled, out, steps=30).model_copy(update={"markov_rank": 8}),
                       progress=False)
-
-
-@pytest.mark.slow
-@pytest.mark.ray
-def test_two_ray_train_workers(near_bigram_target, distilled, tmp_path):
-    import ray
-
-    from cluster.training import train_on_ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        stats = train_on_ray("drafter", config(near_bigram_target, distilled, tmp_path / "ddp", steps=20,
-                                               device="cpu"), num_workers=2, use_gpu=False)
-    finally:
-        ray.shutdown()
-    assert stats["step"] == 20 and (tmp_path / "ddp" / "model.safetensors").is_file()
-    out = evaluate(str(near_bigram_target), str(tmp_path / "ddp"), [[5, 6, 7]], 3, 0.0, 8, check_parity=True, **ENGINE)
-    assert out["greedy_equals_plain"]
 
 
 @pytest.mark.parametrize("head_type,markov_rank", [("vanilla", 16), ("rnn", 16), ("vanilla", 0)])
@@ -226,31 +197,6 @@ def test_serving_drafter_proposes_the_training_forwards_block(qwen3_target, make
                 prev = z.argmax(dim=-1)
                 tokens.append(int(prev))
             assert tokens == engine_tokens, f"anchor {anchor_pos}"
-
-
-@pytest.mark.slow
-@pytest.mark.ray
-def test_target_trains_data_parallel_on_two_ray_train_workers(tmp_path):
-    import math
-
-    import ray
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from cluster.training import train_on_ray
-    from configs.training import TargetTrainConfig
-
-    cfg = TargetTrainConfig(out=str(tmp_path / "target"), vocab_size=300, hidden_size=32, num_layers=2, num_heads=2,
-                            num_kv_heads=1, max_len=32, max_corpus_bytes=200_000, batch_size=4, steps=40, lr=1e-2,
-                            max_seconds=600, device="cpu")  # max_seconds: the ranks agree on the clock every step
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        stats = train_on_ray("target", cfg, num_workers=2, use_gpu=False)
-    finally:
-        ray.shutdown()
-    assert stats["steps"] == 40 and stats["data_parallel_ranks"] == 2
-    assert stats["loss"] < math.log(300) - 1.0  # it learned something
-    model = AutoModelForCausalLM.from_pretrained(cfg.out)  # rank 0 wrote a loadable checkpoint and tokenizer
-    assert len(AutoTokenizer.from_pretrained(cfg.out)) == model.config.vocab_size
 
 
 def test_target_lr_warms_up_then_anneals_to_zero_by_its_steps_or_its_time_limit():
