@@ -25,8 +25,9 @@ from runtime.step_costs import StepCostTable  # noqa: E402
 
 
 def bounds(run: dict, table: StepCostTable) -> dict:
-    """One concurrency's row of a bench record -> its bounds (``runtime.schedule_bounds``)."""
-    return schedule_bounds(int(run["concurrency"]), list(run["acceptance_per_position"]), table)
+    """One concurrency's row of a bench record -> its bounds (``runtime.schedule_bounds``), rounded to 3 places."""
+    row = schedule_bounds(int(run["concurrency"]), list(run["acceptance_per_position"]), table)
+    return {key: round(value, 3) if isinstance(value, float) else value for key, value in row.items()}
 
 
 def main() -> None:

@@ -555,22 +555,32 @@ def schedule_cap(schedule: dict | None, batch: int, max_draft_len: int) -> int:
 
 
 def confidence_bounds(row: dict, record: dict) -> dict:
-    """What any schedule could gain at this row's concurrency over whole blocks of the cap the confidence engine
-    drafts (the tuned schedule's, else max_draft_len), priced on its startup table from the fixed engine's
-    acceptance per position (``runtime.schedule_bounds``): ``confidence_oracle_bound`` (knowing which drafts will be
-    accepted) and ``confidence_padded_bound`` (the best single cap); {} without the figures."""
+    """What any schedule could gain at this row's concurrency, priced on the confidence engine's startup table from
+    the fixed engine's acceptance per position (``runtime.schedule_bounds``), against whole blocks of the tuned
+    schedule's length there (max_draft_len without tuning): ``confidence_oracle_bound`` (verifying just the drafts
+    that will be accepted, of the block the confidence engine drafts: the tuned length, or max_draft_len under
+    ``--confidence-draft-len max``) and ``confidence_padded_bound`` (the best single cap, ``_cap``); {} without the
+    figures or where neither engine drafts."""
     acceptance, table = row.get("acceptance_per_position"), record.get("confidence_cost_table")
     if not acceptance or not table:
         return {}
     from runtime.schedule_bounds import schedule_bounds
     from runtime.step_costs import StepCostTable
 
+    batch, k = int(row["concurrency"]), len(acceptance)
     tuned = record.get("tuned_schedule")
-    cap = schedule_cap(tuned["schedule"] if tuned else None, int(row["concurrency"]), len(acceptance))
-    if cap < 1:
+    tuned_cap = schedule_cap(tuned["schedule"] if tuned else None, batch, k)
+    drafted = k if record.get("confidence_draft_len") == "max" else tuned_cap
+    if drafted < 1:
         return {}
-    bounds = schedule_bounds(int(row["concurrency"]), list(acceptance[:cap]), StepCostTable.from_json(table))
-    return {"confidence_oracle_bound": bounds["oracle_ragged"], "confidence_padded_bound": bounds["padded_best"],
+    costs = StepCostTable.from_json(table)
+    bounds = schedule_bounds(batch, list(acceptance[:drafted]), costs)
+    # committed tokens a request per ms: whole blocks of the tuned length (of one token where it drafts none)
+    baseline = (1.0 + sum(acceptance[:tuned_cap])) / costs.predict_ms(batch, batch * (tuned_cap + 1))
+    whole = bounds["tau"] / bounds["whole_block_step_ms"]  # of the drafted block
+    oracle = bounds["tau"] / bounds["oracle_ragged_step_ms"]
+    return {"confidence_oracle_bound": round(oracle / baseline, 3),
+            "confidence_padded_bound": round(bounds["padded_best"] * whole / baseline, 3),
             "confidence_padded_bound_cap": bounds["padded_best_cap"]}
 
 
@@ -882,9 +892,12 @@ def run(args) -> dict:
         capped = {"draft_len_schedule": tuned["schedule"]}
         after = [("tuned", {**spec, **capped}, {})]  # the tuned schedule as an engine
         record["schedules"]["tuned"] = "tuned"
-        if confidence_after_tuning:  # beside the scheduler within it
-            after.append(("confidence", {**spec, **capped, "enable_confidence_scheduling": True}, {}))
-            record["schedules"]["confidence"] = "confidence within the tuned schedule"
+        if confidence_after_tuning:  # beside the scheduler within it (or, asked, drafting max_draft_len)
+            within = capped if args.confidence_draft_len == "tuned" else {}
+            record["confidence_draft_len"] = args.confidence_draft_len
+            after.append(("confidence", {**spec, **within, "enable_confidence_scheduling": True}, {}))
+            record["schedules"]["confidence"] = ("confidence within the tuned schedule" if within else
+                                                 "confidence within max_draft_len, beside the tuned schedule")
         if alternate:  # in alternating rounds with the sweep's engines again: every schedule and the AR baseline
             # measured together (the sweep's figures, minutes earlier, are replaced; the host's speed drifts)
             paired([(kind, speculative, layout) for kind, speculative, layout in engines if kind in kept] + after,
@@ -1147,6 +1160,12 @@ def add_parser(commands) -> None:
                        "confidence_tokens_per_s beside the fixed schedule's dspark_tokens_per_s; with "
                        "--tune-schedule it runs within the tuned schedule, beside a sweep of that schedule alone "
                        "(confidence_vs_tuned)")
+    bench.add_argument("--confidence-draft-len", choices=("tuned", "max"), default="tuned",
+                       help="with --confidence-scheduling and --tune-schedule: the block the confidence-scheduled "
+                       "engine drafts: the tuned schedule's length at each concurrency (tuned, the default), or "
+                       "max_draft_len everywhere (max: where the tuned schedule drafts fewer, the scheduler may "
+                       "still verify a whole block for a request whose drafts it trusts); either way it is compared "
+                       "with the tuned schedule")
     bench.add_argument("--profile-steps", metavar="FILE", help="with --confidence-scheduling: also write the "
                        "profiled step-time table to FILE (a confidence_cost_table_path)")
     bench.add_argument("--moe-backend", default="AUTO", choices=["AUTO", "VANILLA", "DENSEGEMM", "TRITON"],
@@ -1221,6 +1240,10 @@ def main(args) -> int:
     if args.profile_steps and not args.confidence_scheduling:
         print("dspark bench: --profile-steps needs --confidence-scheduling (it writes that engine's table)",
               file=sys.stderr)
+        return 2
+    if args.confidence_draft_len != "tuned" and not (args.confidence_scheduling and args.tune_schedule):
+        print("dspark bench: --confidence-draft-len needs --confidence-scheduling and --tune-schedule (without a "
+              "tuned schedule the confidence engine drafts max_draft_len already)", file=sys.stderr)
         return 2
     if args.projected_tau is not None and not 1.0 <= args.projected_tau <= args.max_draft_len + 1:
         print(f"dspark bench: --projected-tau must be in [1, max_draft_len + 1 = {args.max_draft_len + 1}], got "

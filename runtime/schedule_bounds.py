@@ -22,8 +22,8 @@ from runtime.step_costs import StepCostTable
 
 
 def schedule_bounds(batch: int, acceptance: list[float], table: StepCostTable) -> dict:
-    """``batch`` requests drafting ``len(acceptance)`` tokens each -> the bounds above (rounded), with ``tau`` and
-    the table's whole-block and oracle step times."""
+    """``batch`` requests drafting ``len(acceptance)`` tokens each -> the bounds above, with ``tau`` and the table's
+    whole-block and oracle step times."""
     k = len(acceptance)
     if batch < 1 or k < 1:
         raise ValueError(f"schedule_bounds: a batch >= 1 and at least one position expected, got {batch}, {k}")
@@ -33,6 +33,5 @@ def schedule_bounds(batch: int, acceptance: list[float], table: StepCostTable) -
     caps = [(1.0 + sum(acceptance[:q])) / table.predict_ms(batch, batch * (q + 1)) for q in range(k + 1)]
     best = max(range(k + 1), key=caps.__getitem__)
     oracle_ms = table.predict_ms(batch, round(batch * tau))
-    return {"concurrency": batch, "tau": round(tau, 3), "whole_block_step_ms": round(whole_ms, 3),
-            "padded_best_cap": best, "padded_best": round(caps[best] / whole, 3),
-            "oracle_ragged_step_ms": round(oracle_ms, 3), "oracle_ragged": round(whole_ms / oracle_ms, 3)}
+    return {"concurrency": batch, "tau": tau, "whole_block_step_ms": whole_ms, "padded_best_cap": best,
+            "padded_best": caps[best] / whole, "oracle_ragged_step_ms": oracle_ms, "oracle_ragged": whole_ms / oracle_ms}

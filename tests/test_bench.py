@@ -1,5 +1,7 @@
 """``dspark bench``'s model shapes load with random weights (load_format='dummy') and decode on the CPU."""
 
+import json
+
 import pytest
 
 from cluster.bench import MODEL_SHAPES, confidence_bounds, paired_ratio, schedule_cap, write_shape
@@ -131,6 +133,15 @@ def test_bench_refuses_a_transformers_peer_on_a_replica(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--profile-batches", "0"], cwd=root,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--profile-batches wants integers >= 1" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
+                           "--confidence-scheduling", "--confidence-draft-len", "max"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--confidence-draft-len needs --confidence-scheduling and --tune-schedule" in \
+        proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--confidence-draft-len", "all"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--confidence-draft-len: invalid choice: 'all' (choose from 'tuned', 'max')" in \
+        proc.stderr
 
 
 def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
@@ -217,6 +228,29 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
             assert keys.index(f"{kind}_profile_batch{batch}") > keys.index("confidence_rank_info"), (kind, batch)
 
 
+def test_the_confidence_engine_can_draft_max_draft_len_beside_the_tuned_schedule(tmp_path):
+    """``--confidence-draft-len max``: the confidence-scheduled engine drafts max_draft_len at every concurrency (its
+    believed survivals cover 3 positions wherever the tuned schedule drafts fewer) and is still compared with the
+    tuned schedule; the record says which."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out, schedule = tmp_path / "bench.json", tmp_path / "schedule.json"
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
+                           "--concurrency", "1,2", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2",
+                           "--warmup", "1", "--rounds", "1", "--kv-cache-gib", "0.05", "--confidence-scheduling",
+                           "--tune-schedule", str(schedule), "--confidence-draft-len", "max",
+                           "--acceptance-per-position", "0.99,0.5,0.1", "--out", str(out)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["confidence_draft_len"] == "max"
+    assert record["schedules"]["confidence"] == "confidence within max_draft_len, beside the tuned schedule"
+    for row in record["runs"]:
+        assert len(row["confidence_predicted_survival_per_position"]) == 3 and row["confidence_vs_tuned"] > 0
+
+
 def test_a_schedule_cap_reads_a_draft_len_schedule_as_the_engine_does():
     """Keys are upper bounds (JSON's string keys too); above the largest, 0; no schedule: max_draft_len. The
     engine's own reading (``DSparkDecodingConfig.draft_len_for_batch_size``) agrees on every batch size."""
@@ -231,7 +265,8 @@ def test_a_schedule_cap_reads_a_draft_len_schedule_as_the_engine_does():
 
 
 def test_confidence_bounds_price_the_tuned_cap_on_the_startup_table():
-    """The bounds take the fixed engine's acceptance up to the tuned schedule's cap at that concurrency."""
+    """The bounds take the fixed engine's acceptance up to the block the confidence engine drafts (the tuned
+    schedule's length at that concurrency, or max_draft_len) and compare with the tuned length's whole blocks."""
     from runtime.schedule_bounds import schedule_bounds
     from runtime.step_costs import StepCostTable
 
@@ -241,8 +276,14 @@ def test_confidence_bounds_price_the_tuned_cap_on_the_startup_table():
     record = {"confidence_cost_table": table.to_json(), "tuned_schedule": {"schedule": {"64": 2}}}
     got = confidence_bounds(row, record)
     want = schedule_bounds(64, [0.9, 0.3], table)
-    assert got == {"confidence_oracle_bound": want["oracle_ragged"], "confidence_padded_bound": want["padded_best"],
+    assert got == {"confidence_oracle_bound": round(want["oracle_ragged"], 3),
+                   "confidence_padded_bound": round(want["padded_best"], 3),
                    "confidence_padded_bound_cap": want["padded_best_cap"]}
+    # --confidence-draft-len max: the oracle over the whole drafted block (3), against the tuned length's blocks (2)
+    drafting_all = {**record, "confidence_draft_len": "max"}
+    tuned_rate = (1 + 0.9 + 0.3) / (10.0 + 0.01 * 192)
+    oracle_rate = (1 + 0.9 + 0.3 + 0.05) / (10.0 + 0.01 * 144)
+    assert confidence_bounds(row, drafting_all)["confidence_oracle_bound"] == round(oracle_rate / tuned_rate, 3)
     assert confidence_bounds(row, {**record, "tuned_schedule": {"schedule": {"32": 2}}}) == {}  # cap 0: none
     assert confidence_bounds({"concurrency": 64}, record) == {}
 
