@@ -20,7 +20,7 @@ an engine whose verify lengths the confidence scheduler chooses (``confidence_*`
 ``confidence_cost_table``, ``--profile-steps FILE`` saves it, and ``confidence_cost_table_served`` is the table as
 the sweep left it, ``confidence_cost_table_mixed_served`` the mixed steps' own, from the sweep's ramps and the mixed
 workload): within the tuned schedule when both are given (the schedule caps the block it
-drafts; ``confidence_vs_tuned`` compares the two engines measured in this run, the median rounds' tokens/s, and
+drafts; ``--confidence-draft-len max``: it drafts max_draft_len beside the tuned schedule instead; ``confidence_vs_tuned`` compares the two engines measured in this run, the median rounds' tokens/s, and
 ``confidence_vs_tuned_paired`` the median of the per-round ratios, each round's two figures taken back to back, so
 the host's drift between rounds cancels), else within ``max_draft_len``. Beside them: what any schedule could gain
 there over whole blocks, priced on the startup table from the fixed engine's acceptance (``confidence_oracle_bound``,
