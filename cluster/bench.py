@@ -651,7 +651,8 @@ def run(args) -> dict:
                          **kwargs):
             place = drafter if speculative_config is not None else "colocated"  # AR: no drafter to place
             return ReplicaLLM(model, speculative_config, tensor_parallel_size=tp, drafter=place,
-                              pipeline_drafter=bool(pipeline) and place == "separate", **kwargs)
+                              pipeline_drafter=bool(pipeline) and place == "separate",
+                              ray_address=args.ray_address, **kwargs)
     else:
         engine_class = LLM
     spec = {"speculative_model": str(drafter), "max_draft_len": args.max_draft_len,
@@ -1178,6 +1179,8 @@ def add_parser(commands) -> None:
     bench.add_argument("--tensor-parallel-size", type=integer(1), help="run every engine as a Ray replica "
                        "(cluster.LLM) of this many target shards, one GPU each; the record says tensor_parallel_size "
                        "and drafter (default: one process, runtime.LLM, with its CUDA graphs and host breakdowns)")
+    bench.add_argument("--ray-address", help="with --tensor-parallel-size: the Ray cluster the replicas join "
+                       "(default: a running one, else a new local one; 'local' always starts a new one)")
     bench.add_argument("--drafter", default="colocated", choices=["colocated", "separate"], help="where a "
                        "replica's drafter runs: colocated (TP rank 0's process) or separate (its own actor and GPU, "
                        "implies a replica); separate also measures the colocated replica in the same run "
@@ -1239,6 +1242,10 @@ def main(args) -> int:
         return 2
     if args.profile_steps and not args.confidence_scheduling:
         print("dspark bench: --profile-steps needs --confidence-scheduling (it writes that engine's table)",
+              file=sys.stderr)
+        return 2
+    if args.ray_address is not None and args.tensor_parallel_size is None:
+        print("dspark bench: --ray-address needs --tensor-parallel-size (one process joins no Ray cluster)",
               file=sys.stderr)
         return 2
     if args.confidence_draft_len != "tuned" and not (args.confidence_scheduling and args.tune_schedule):

@@ -11,9 +11,11 @@ from tests import builders
 
 
 # ./run-tests spreads the suite over two worker processes (pytest-xdist). Every test that starts a Ray cluster (marked
-# ``ray``, in its own process or a child's) lives in one of these files, and the files run in one worker, one test
-# after another, so no two local clusters exist at once (a child's ``ray.init(address="auto")`` would join the
-# other worker's). Grouped here by path: xdist's own ``xdist_group`` marks do not reach pytest 9's node ids.
+# ``ray``, in its own process or a child's) starts one of its own (``address="local"``, or its address passed on:
+# a cluster already running on the machine is neither joined nor stopped) and lives in one of these files; the files
+# run in one worker, one test after another, so two clusters' actors never share the two cores (a TP=4 replica's
+# collectives slowed 10x beside other work). Grouped here by path: xdist's own ``xdist_group`` marks do not reach
+# pytest 9's node ids.
 RAY_FILES = ("tests/cluster/test_replica.py", "tests/cluster/test_serve.py", "tests/cluster/test_two_nodes.py",
              "tests/runtime/test_training_ray.py", "tests/test_bench_ray.py", "tests/test_cli_ray.py",
              "tests/gpu/test_cuda.py")

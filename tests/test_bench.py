@@ -134,6 +134,9 @@ def test_bench_refuses_a_transformers_peer_on_a_replica(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--profile-batches wants integers >= 1" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
+                           "--ray-address", "local"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--ray-address needs --tensor-parallel-size" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--confidence-scheduling", "--confidence-draft-len", "max"], cwd=root,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--confidence-draft-len needs --confidence-scheduling and --tune-schedule" in \

@@ -20,8 +20,8 @@ def test_the_sweep_runs_through_a_ray_replica_with_a_separate_drafter(tmp_path):
                            "--tensor-parallel-size", "1", "--drafter", "separate", "--pipeline-drafter",
                            "--concurrency", "1,2",
                            "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2", "--warmup", "1",
-                           "--kv-cache-gib", "0.05", "--out", str(out)], cwd=root, capture_output=True, text=True,
-                          timeout=600, env={**__import__("os").environ, "RAY_ADDRESS": ""})
+                           "--kv-cache-gib", "0.05", "--ray-address", "local", "--out", str(out)], cwd=root,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["replica"] == "ray" and record["tensor_parallel_size"] == 1 and record["drafter"] == "separate"

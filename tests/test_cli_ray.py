@@ -32,7 +32,7 @@ def test_generate_streams_the_greedy_completion(near_bigram_target, make_drafter
 
     drafter = make_drafter(near_bigram_target, 3, "vanilla", oracle=True)
     proc = dspark("generate", "def add(a, b):", "--model", str(near_bigram_target), "--speculative-model",
-                  str(drafter), "--max-tokens", "12", *MODEL_FLAGS)
+                  str(drafter), "--max-tokens", "12", *MODEL_FLAGS, "--ray-address", "local")
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     expected = LLM(str(near_bigram_target), speculative_config={"speculative_model": str(drafter)}, dtype="float32",
@@ -53,9 +53,15 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     drafter = make_drafter(near_bigram_target, 3, "vanilla", oracle=True)
+    # a cluster of this test's own, both servers told its address: a Ray cluster already running on the machine
+    # (a developer's) is neither joined nor stopped
+    import ray
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    address = ray.get_runtime_context().gcs_address
     proc = dspark("serve", "--model", str(near_bigram_target), "--speculative-model", str(drafter), "--host",
                   "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", *MODEL_FLAGS, "--max-model-len",
-                  "256", start_new_session=True)
+                  "256", "--ray-address", address, start_new_session=True)
     lines, ready = [], threading.Event()
 
     def drain():
@@ -72,7 +78,8 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         # a second server joining the same Ray cluster is refused, naming the app, its route and its port
-        second = dspark("serve", "--model", str(near_bigram_target), "--port", str(port + 1), *MODEL_FLAGS)
+        second = dspark("serve", "--model", str(near_bigram_target), "--port", str(port + 1), *MODEL_FLAGS,
+                        "--ray-address", address)
         _, err = second.communicate(timeout=120)
         assert second.returncode == 2, err
         assert f"already listens on port {port} for the dspark app 'dspark' at route '/'" in err
@@ -101,4 +108,4 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"], capture_output=True)
+        ray.shutdown()  # the cluster this test started, and only it

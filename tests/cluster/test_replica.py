@@ -23,7 +23,7 @@ PARAM_SETS = {
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -42,7 +42,7 @@ def server(near_bigram_target, make_drafter, tmp_path_factory):
     hub = tmp_path_factory.mktemp("hub")  # an offline Hugging Face cache the replicas' processes read
     saved = {k: os.environ.get(k) for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE")}
     os.environ.update(HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1")
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -14,7 +14,7 @@ def test_two_ray_train_workers(near_bigram_target, distilled, tmp_path):
 
     from cluster.training import train_on_ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         stats = train_on_ray("drafter", config(near_bigram_target, distilled, tmp_path / "ddp", steps=20,
                                                device="cpu"), num_workers=2, use_gpu=False)
@@ -39,7 +39,7 @@ def test_target_trains_data_parallel_on_two_ray_train_workers(tmp_path):
     cfg = TargetTrainConfig(out=str(tmp_path / "target"), vocab_size=300, hidden_size=32, num_layers=2, num_heads=2,
                             num_kv_heads=1, max_len=32, max_corpus_bytes=200_000, batch_size=4, steps=40, lr=1e-2,
                             max_seconds=600, device="cpu")  # max_seconds: the ranks agree on the clock every step
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         stats = train_on_ray("target", cfg, num_workers=2, use_gpu=False)
     finally:
