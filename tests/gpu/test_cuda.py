@@ -39,7 +39,7 @@ def ray_gpus():
     ray = pytest.importorskip("ray")
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
