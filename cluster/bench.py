@@ -544,14 +544,13 @@ def paired_ratio(rounds: list[float], against: list[float]) -> float | None:
 
 
 def schedule_cap(schedule: dict | None, batch: int, max_draft_len: int) -> int:
-    """The draft length a ``draft_len_schedule`` (JSON keys as strings or ints) gives ``batch`` requests, as
-    ``DSparkDecodingConfig.draft_len_for_batch_size`` reads it; ``max_draft_len`` without a schedule."""
+    """The draft length a ``draft_len_schedule`` (a record's JSON keys are strings) gives ``batch`` requests, as the
+    engine reads it (``configs.speculative.scheduled_draft_len``); ``max_draft_len`` without a schedule."""
     if schedule is None:
         return max_draft_len
-    for key in sorted(int(k) for k in schedule):
-        if key >= batch:
-            return int(schedule.get(key, schedule.get(str(key))))
-    return 0
+    from configs.speculative import scheduled_draft_len
+
+    return scheduled_draft_len({int(key): int(value) for key, value in schedule.items()}, batch)
 
 
 def confidence_bounds(row: dict, record: dict) -> dict:

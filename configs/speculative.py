@@ -64,6 +64,14 @@ class SpeculativeDecodingMode(str, enum.Enum):
         return False
 
 
+def scheduled_draft_len(schedule: dict[int, int], batch_size: int) -> int:
+    """The draft length a ``draft_len_schedule`` gives ``batch_size`` requests: the value of the first key >= the
+    batch size (keys are upper bounds), 0 above the largest. Keys in any order."""
+    keys = sorted(schedule)
+    i = bisect.bisect_left(keys, batch_size)
+    return schedule[keys[i]] if i < len(keys) else 0
+
+
 class DSparkDecodingConfig(BaseModel):
     """Configuration for DSpark speculative decoding (see ``shared/reference/DSparkDecodingConfig.txt``)."""
 
@@ -351,9 +359,7 @@ class DSparkDecodingConfig(BaseModel):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         k = self.max_draft_len or 0
         if self.draft_len_schedule is not None:
-            keys = list(self.draft_len_schedule)
-            i = bisect.bisect_left(keys, batch_size)
-            return self.draft_len_schedule[keys[i]] if i < len(keys) else 0
+            return scheduled_draft_len(self.draft_len_schedule, batch_size)
         if self.max_concurrency is not None and batch_size > self.max_concurrency:
             return 0
         return k
