@@ -63,7 +63,7 @@ def target_config(work: Path, args) -> TargetTrainConfig:
     cfg = TargetTrainConfig(out=str(work / "target"), data=args.corpus, vocab_size=4096,
                             hidden_size=args.target_hidden, num_layers=args.target_layers, num_heads=heads,
                             num_kv_heads=max(heads // 2, 1), intermediate_size=3 * args.target_hidden, max_len=512,
-                            max_corpus_bytes=int(args.corpus_mb * (1 << 20)), batch_size=48,
+                            max_corpus_bytes=int(args.corpus_mb * (1 << 20)), batch_size=args.target_batch,
                             steps=args.target_steps, max_seconds=args.target_seconds, lr=args.target_lr,
                             device=ENGINE["device"], autocast="bfloat16")
     if args.smoke:
@@ -208,6 +208,9 @@ def main() -> None:
                         "at 8 layers, ~88M at 768 and 12 layers)")
     parser.add_argument("--target-layers", type=int, default=8, help="the target's decoder layers")
     parser.add_argument("--target-lr", type=float, default=2e-3, help="the target's peak learning rate")
+    parser.add_argument("--target-batch", type=int, default=48, help="the target's sequences (of 512 tokens) per "
+                        "step; 48 fits an H200 up to 2048 wide and 16 layers (~0.8B); 3072 x 24 (~2.7B) ran out "
+                        "of its 140 GB at 48 (run 54): give it ~20")
     parser.add_argument("--drafter-seconds", type=float, default=75, help="training time per drafter per run")
     parser.add_argument("--drafter-steps", type=int, default=20000, help="total steps a drafter trains to")
     parser.add_argument("--drafter-batch", type=int, default=64, help="sequences per drafter step")
@@ -234,6 +237,8 @@ def main() -> None:
         raise SystemExit(f"--stages: choose from {','.join(STAGES)}")
     if args.target_hidden % 64 or args.target_hidden < 64:
         raise SystemExit(f"--target-hidden {args.target_hidden}: a positive multiple of 64")
+    if args.target_batch < 1:
+        raise SystemExit(f"--target-batch {args.target_batch}: a positive number of sequences")
     if args.gpus < 1 or (not args.smoke and args.gpus > torch.cuda.device_count()):
         raise SystemExit(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA GPUs")
     work, t0 = Path(args.work), time.monotonic()

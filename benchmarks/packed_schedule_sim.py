@@ -5,18 +5,23 @@ and its online survival correction), for planning, not a measurement of the engi
 Each step has ``--batch`` requests, each proposing K drafts. A request is "hard" with probability ``--hard-fraction``
 (its drafts accepted with a conditional probability drawn from U(0.2, 0.7)) or "easy" (U(0.85, 0.99)), each position
 jittered by N(0, 0.05); the confidence head reports sigmoid(logit(p) + N(0, ``--head-noise``)), calibrated by the
-temperatures given (a drafter's ``confidence_temperatures``; default 1). Outcomes are drawn from p.
+temperatures given (a drafter's ``confidence_temperatures``; default 1). Outcomes are drawn from p. A request keeps
+its kind (hard or easy) from one step to the next with probability ``--persistence`` (else it is drawn again): 0,
+every step independent; near 1, a request stays in a stretch its drafter predicts well or badly (run 54 on an H200:
+the requests that survived two drafts survived them all).
 
 Engines, each over the same sequence of steps:
 - whole blocks, and every fixed cap 1..K (what a tuned ``draft_len_schedule`` picks among): the step feeds
   batch x (cap + 1) tokens, priced by the table;
 - the packed scheduler: the columns chosen from the previous step, the device's selection (the top survivals over
-  the step, corrected) verified, the correction learning the verified and accepted counts, as the engine does;
-  a step of 0 < c < K columns costs the table's batch x (c + 1) cell plus ``--packed-overhead-ms`` (run 50: ~0.3 ms).
+  the step, corrected per verify-history class) verified, the correction learning the verified and accepted counts,
+  each request's class following ``next_history``, as the engine does; a step of 0 < c < K columns costs the
+  table's batch x (c + 1) cell plus ``--packed-overhead-ms`` (run 50: ~0.3 ms);
+- the same scheduler told no history (every request of class ``none``: the correction per position alone).
 Reports committed tokens per millisecond of each, and the packed scheduler against the best fixed cap.
 
 usage: python3 benchmarks/packed_schedule_sim.py --step-costs STEP_COSTS.json [--batch 256] [--hard-fractions
-       0.2,0.5,0.8] [--temperatures T1,...,TK] [--out FILE.json]
+       0.2,0.5,0.8] [--persistence 0.9] [--temperatures T1,...,TK] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -30,51 +35,78 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.confidence_scheduler import ConfidenceScheduler
+from runtime.confidence_scheduler import HISTORY_NONE, ConfidenceScheduler, next_history
 from runtime.step_costs import StepCostTable
 
 
-def synthetic_step(rng: np.random.Generator, batch: int, k: int, hard_fraction: float,
+def synthetic_step(rng: np.random.Generator, batch: int, k: int, hard: np.ndarray,
                    head_noise: float) -> tuple[np.ndarray, np.ndarray]:
-    """-> (the head's confidences [B, K], whether each draft is accepted given its prefix [B, K])."""
-    hard = rng.random(batch) < hard_fraction
+    """hard [B] each request's kind -> (the head's confidences [B, K], whether each draft is accepted given its
+    prefix [B, K])."""
     base = np.where(hard, rng.uniform(0.2, 0.7, batch), rng.uniform(0.85, 0.99, batch))
     p = np.clip(base[:, None] + rng.normal(0.0, 0.05, (batch, k)), 0.01, 0.99)
     logit = np.log(p / (1 - p)) + rng.normal(0.0, head_noise, (batch, k))
     return 1.0 / (1.0 + np.exp(-logit)), rng.random((batch, k)) < p
 
 
-def simulate(table: StepCostTable, batch: int, k: int, hard_fraction: float, head_noise: float,
-             temperatures: list[float] | None, steps: int, overhead_ms: float, seed: int) -> dict:
-    step_ms = table.predict_ms_many(batch, batch * (np.arange(k + 1) + 1))  # [K+1] a uniform step of q drafts
-    rng = np.random.default_rng(seed)
-    draws = [synthetic_step(rng, batch, k, hard_fraction, head_noise) for _ in range(steps)]
-    fixed = {}
-    for cap in range(1, k + 1):
-        tokens = sum(batch + np.cumprod(accepted, axis=1)[:, :cap].sum() for _, accepted in draws)
-        fixed[cap] = float(tokens / (steps * step_ms[cap]))
-    scheduler = ConfidenceScheduler(k, table, temperatures, layout="packed")
+def draw_steps(rng: np.random.Generator, batch: int, k: int, hard_fraction: float, persistence: float,
+               head_noise: float, steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``steps`` steps of one batch of requests, each keeping its kind with probability ``persistence``."""
+    hard, draws = rng.random(batch) < hard_fraction, []
+    for _ in range(steps):
+        draws.append(synthetic_step(rng, batch, k, hard, head_noise))
+        redraw = rng.random(batch) >= persistence
+        hard = np.where(redraw, rng.random(batch) < hard_fraction, hard)
+    return draws
+
+
+def run_packed(scheduler: ConfidenceScheduler, draws: list, step_ms: np.ndarray, overhead_ms: float,
+               use_history: bool) -> tuple[float, list[int]]:
+    """The packed scheduler over ``draws``: -> (committed tokens per ms, the columns of each step)."""
+    batch, k = draws[0][0].shape
+    history = [HISTORY_NONE] * batch
     tokens = ms = 0.0
     columns_chosen = []
     for confidence, accepted in draws:
-        budget = scheduler.allot_packed([list(row) for row in confidence])
+        classes = history if use_history else None
+        budget = scheduler.allot_packed([list(row) for row in confidence], history=classes)
         columns = scheduler.step_columns
-        survival = scheduler.correction.apply(scheduler.survival(confidence))
+        survival = scheduler.survival(confidence, classes)
         chosen = np.argsort(-survival.T.reshape(-1), kind="stable")[:budget]  # the device's top survivals
         lengths = np.bincount(chosen % batch, minlength=batch)
         run = np.cumprod(accepted, axis=1)
         committed = np.array([int(run[i, :lengths[i]].sum()) for i in range(batch)])
         scheduler.learn(lengths.tolist(), committed.tolist())
+        history = [next_history(h, int(n), int(a)) for h, n, a in zip(history, lengths, committed)]
         tokens += batch + committed.sum()
         ms += step_ms[columns] + (overhead_ms if 0 < columns < k else 0.0)
         columns_chosen.append(columns)
+    return float(tokens / ms), columns_chosen
+
+
+def simulate(table: StepCostTable, batch: int, k: int, hard_fraction: float, persistence: float, head_noise: float,
+             temperatures: list[float] | None, steps: int, overhead_ms: float, seed: int) -> dict:
+    step_ms = table.predict_ms_many(batch, batch * (np.arange(k + 1) + 1))  # [K+1] a uniform step of q drafts
+    draws = draw_steps(np.random.default_rng(seed), batch, k, hard_fraction, persistence, head_noise, steps)
+    fixed = {}
+    for cap in range(1, k + 1):
+        tokens = sum(batch + np.cumprod(accepted, axis=1)[:, :cap].sum() for _, accepted in draws)
+        fixed[cap] = float(tokens / (steps * step_ms[cap]))
+    scheduler = ConfidenceScheduler(k, table, temperatures, layout="packed")
+    packed, columns_chosen = run_packed(scheduler, draws, step_ms, overhead_ms, use_history=True)
+    alone = ConfidenceScheduler(k, table, temperatures, layout="packed")
+    packed_alone, columns_alone = run_packed(alone, draws, step_ms, overhead_ms, use_history=False)
     best_cap = max(fixed, key=fixed.get)
-    packed = float(tokens / ms)
-    return {"hard_fraction": hard_fraction, "fixed_tokens_per_ms": fixed, "whole_blocks_tokens_per_ms": fixed[k],
-            "best_fixed_cap": best_cap, "packed_tokens_per_ms": packed,
+    return {"hard_fraction": hard_fraction, "persistence": persistence, "fixed_tokens_per_ms": fixed,
+            "whole_blocks_tokens_per_ms": fixed[k], "best_fixed_cap": best_cap, "packed_tokens_per_ms": packed,
             "packed_vs_best_fixed": packed / fixed[best_cap], "packed_vs_whole_blocks": packed / fixed[k],
             "mean_columns": float(np.mean(columns_chosen[steps // 4:])),
-            "survival_correction": [round(float(r), 4) for r in scheduler.correction.ratio]}
+            "packed_without_history_vs_best_fixed": packed_alone / fixed[best_cap],
+            "mean_columns_without_history": float(np.mean(columns_alone[steps // 4:])),
+            "survival_correction": [round(float(r), 4) for r in scheduler.correction.ratio],
+            "survival_fit": scheduler.correction.fitted(),
+            "survival_skill_per_position": scheduler.correction.skill.per_position(),
+            "survival_skill_per_position_without_history": alone.correction.skill.per_position()}
 
 
 def main() -> int:
@@ -84,6 +116,8 @@ def main() -> int:
     parser.add_argument("--max-draft-len", type=int, default=7)
     parser.add_argument("--hard-fractions", default="0.2,0.5,0.8")
     parser.add_argument("--head-noise", type=float, default=0.7)
+    parser.add_argument("--persistence", type=float, default=0.0, help="the chance a request keeps its kind from one "
+                        "step to the next (default 0: every step independent)")
     parser.add_argument("--temperatures", help="comma-separated, one per position (default: 1)")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--packed-overhead-ms", type=float, default=0.3)
@@ -94,14 +128,15 @@ def main() -> int:
     temperatures = [float(t) for t in args.temperatures.split(",")] if args.temperatures else None
     rows = []
     for fraction in (float(f) for f in args.hard_fractions.split(",")):
-        rows.append(simulate(table, args.batch, args.max_draft_len, fraction, args.head_noise, temperatures,
-                             args.steps, args.packed_overhead_ms, args.seed))
+        rows.append(simulate(table, args.batch, args.max_draft_len, fraction, args.persistence, args.head_noise,
+                             temperatures, args.steps, args.packed_overhead_ms, args.seed))
         print(json.dumps({key: rows[-1][key] for key in ("hard_fraction", "best_fixed_cap", "packed_vs_best_fixed",
+                                                          "packed_without_history_vs_best_fixed",
                                                           "packed_vs_whole_blocks", "mean_columns")}), flush=True)
     record = {"benchmark": "packed_schedule_sim", "kind": "CPU simulation (synthetic drafts, measured step costs)",
               "date": date.today().isoformat(), "host": platform.node(), "command": " ".join(["python3", *sys.argv]),
               "step_costs": args.step_costs, "batch": args.batch, "max_draft_len": args.max_draft_len,
-              "head_noise": args.head_noise, "temperatures": temperatures, "steps": args.steps,
+              "head_noise": args.head_noise, "persistence": args.persistence, "temperatures": temperatures, "steps": args.steps,
               "packed_overhead_ms": args.packed_overhead_ms, "seed": args.seed, "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

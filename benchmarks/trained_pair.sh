@@ -14,7 +14,7 @@
 #   bash benchmarks/trained_pair.sh profile WORK OUT cProfile of AR, DSpark and confidence-scheduled steps at 1 and
 #                                                    4 requests on the pair -> OUT/host-profile-b{1,4}.json
 #                                                    (benchmarks/host_profile.py)
-#   bash benchmarks/trained_pair.sh train WORK OUT [TARGET_S RUN_S [HIDDEN LAYERS]]
+#   bash benchmarks/trained_pair.sh train WORK OUT [TARGET_S RUN_S [HIDDEN LAYERS [TARGET_BATCH]]]
 #                                                    prepare the host, then the GPU recipe's target (150 s),
 #                                                    self-distillation and DSpark drafter (the rest of ~9 minutes)
 #                                                    -> OUT/gpu-recipe.json, WORK/{target,dspark,heldout-prompts.jsonl}
@@ -58,9 +58,11 @@ step=${1:?give a step: train, profile, bench, check, snapshot or all}; work=${2:
 out=${3:?give an output folder (snapshot: a name)}
 [ "$step" = snapshot ] || eval "$(bash benchmarks/gpu_host.sh install)"
 export PYTHONUNBUFFERED=1
-train() {  # target seconds, the recipe's wall-time budget (the drafter trains for what is left), target width, layers
+train() {  # target seconds, the recipe's wall-time budget (the drafter trains for what is left), target width, layers,
+           # the target's sequences per step
   python3 benchmarks/gpu_recipe.py --work "$work" --out "$out/gpu-recipe.json" --stages target,distill,dspark \
-    --target-seconds "$1" --drafter-seconds 100000 --run-seconds "$2" --target-hidden "$3" --target-layers "$4"
+    --target-seconds "$1" --drafter-seconds 100000 --run-seconds "$2" --target-hidden "$3" --target-layers "$4" \
+    --target-batch "$5"
 }
 bench() {  # [BENCH FLAGS]; the drafter and the output folder from $drafter and $dest (default: WORK/dspark, OUT)
     local model=${drafter:-$work/dspark} to=${dest:-$out}
@@ -78,7 +80,7 @@ profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpar
   done
 }
 case "$step" in
-  train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" ;;
+  train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" "${8:-48}" ;;
   bench) shift 3; bench --profile --profile-batches 1,64 "$@" ;;
   check) shift 3; bench --concurrency 1,4,64,256 --e2e-prompts 32 "$@"
          if [ -d "$work/dspark-early" ]; then
@@ -89,7 +91,7 @@ case "$step" in
             rm -rf "$work/dspark-$name" && cp -r "$work/dspark" "$work/dspark-$name"
             echo "trained_pair.sh: $work/dspark-$name kept" >&2 ;;
   profile) profile ;;
-  all) train 100 300 "${4:-512}" "${5:-8}"
+  all) train 100 300 "${4:-512}" "${5:-8}" 48
        profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2
        bench --profile --profile-batches 1,64 ;;
   *) echo "usage: $0 train|bench|profile|check|snapshot|all WORK OUT|NAME" >&2; exit 2 ;;

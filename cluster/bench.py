@@ -748,6 +748,8 @@ def run(args) -> dict:
                                "mean_whole_block_expected_tokens_per_request"],
                            confidence_whole_block_predicted_step_ms=stats["mean_whole_block_predicted_step_ms"],
                            confidence_survival_correction=stats["survival_correction"],
+                           # the online fit the survivals were ranked by (slope per position, bias per history class)
+                           confidence_survival_fit=stats["survival_fit"],
                            # how much its survivals told this concurrency's drafts apart (Brier skill, per position)
                            confidence_survival_skill_per_position=stats["survival_skill_per_position"],
                            # against the tuned engine's acceptance per position (whole blocks: the true survival)

@@ -38,6 +38,17 @@ tokens fed)``. The scheduler, in either of two step layouts:
    (a GEMM tile, a graph bucket) one more column does not pay on its own while the whole block does, and run 47
    (256 requests, one draft more) left the positions two past the cap at their under-predicted survivals, capped
    at 3.7 of 7 drafts for 0.90 of the whole blocks' throughput. The step counter, not the tokens, decides when.
+5. the correction is learned per **verify history** as well: each request's class is what its last verify with
+   drafts did (``HISTORY_CLASSES``: none yet, accepted every draft it verified, rejected one), and each class has
+   its own ratio per position (``SurvivalCorrection``). Acceptance is
+   correlated from step to step within a request (a request in a stretch the drafter predicts well stays in it), and
+   a confidence head trained briefly does not see it: run 54 (a 2.7B target, its drafter trained 35 s) accepted
+   0.79 / 0.61 / 0.58 / 0.58 / ... at 64 requests (the requests that survive two drafts survive them all), where an
+   oracle verifying only the drafts that will be accepted gains 1.18x and the scheduler, its survivals the same for
+   every request (Brier skill -0.05 at position 0), verified whole blocks. The class is the previous step's outcome,
+   committed before this step's block is verified, so it keeps the selection lossless as the lag of point 2 does;
+   a packed step launched ahead computes it on the device from the step before's verdicts
+   (``GraphedTargetForward.launch_verify_ahead``), the same rule as the engine's ``next_history``.
 
 The first step (no earlier confidences) verifies whole blocks. The host work is a few numpy operations over the
 batch's ``S x K`` confidences (numpy, not torch: a CPU torch op costs several microseconds of dispatch, and at
@@ -76,11 +87,40 @@ def confidence_from_ints(values: list[int]) -> list[float]:
     return [c / CONFIDENCE_SCALE for c in values]
 
 
-CORRECTION_PRIOR = 32.0  # pseudo-drafts per position at ratio 1: a few steps of a small batch barely move it
-CORRECTION_WINDOW = 4096.0  # verified drafts per position the estimate weighs (older ones fade as it learns)
+CORRECTION_PRIOR = 32.0  # the diagnostic ratio's pseudo-drafts per position at ratio 1
+CORRECTION_WINDOW = 4096.0  # verified drafts per position the diagnostic ratio weighs (older ones fade)
+FIT_PRIOR = 4.0  # the fit's ridge precision around the calibration: the weight of a few drafts
+FIT_WINDOW = 2048  # reached drafts per position the fit weighs (the newest)
+FIT_EVERY = 2048  # reached drafts gathered before the fit is redone (checked when evidence is folded in)
+REFIT_FOLDS = 8  # or after this many folds (FOLD_EVERY steps each) with any new evidence: a small batch learns too
+FIT_LIMIT = 30.0  # the fit's parameters stay within +-this (the slope within [0, this])
+NEWTON_STEPS = 2  # per refit, from the parameters before (warm: the fit moves little between refits)
 EXPLORE_EVERY = 32  # every this many decisions below whole blocks, the next step verifies whole blocks
 FOLD_EVERY = 8  # steps of evidence the correction gathers before it folds them in (its numpy work, once for all)
 SMALL_STEP = 128  # a step of at most this many drafts (requests x max_draft_len) is decided in plain Python
+# a request's verify history (point 5 of the module doc): what its last verify with drafts did
+HISTORY_CLASSES = ("none", "accepted_all", "rejected")
+HISTORY_NONE, HISTORY_ACCEPTED_ALL, HISTORY_REJECTED = range(len(HISTORY_CLASSES))
+
+
+def next_history(history: int, verified: int, accepted: int) -> int:
+    """A request's class after a verify of ``verified`` drafts of which it accepted ``accepted`` (-1: unknown):
+    unchanged where it verified none (or the outcome is unknown), else whether it accepted them all. The device
+    applies the same rule to a packed step it launches ahead (``runtime.graphs``)."""
+    if verified <= 0 or accepted < 0:
+        return history
+    return HISTORY_ACCEPTED_ALL if accepted >= verified else HISTORY_REJECTED
+
+
+def history_rows(history, num: int) -> np.ndarray:
+    """[S] int64 classes (None: every request ``HISTORY_NONE``)."""
+    if history is None:
+        return np.zeros(num, dtype=np.int64)
+    rows = np.asarray(history, dtype=np.int64).reshape(-1)
+    if rows.shape[0] != num or (rows.size and (rows.min() < 0 or rows.max() >= len(HISTORY_CLASSES))):
+        raise ValueError(f"confidence scheduling: {num} verify-history classes in 0..{len(HISTORY_CLASSES) - 1} "
+                         f"expected, got {history!r}")
+    return rows
 
 
 class SurvivalSkill:
@@ -117,76 +157,139 @@ class SurvivalSkill:
 
 
 class SurvivalCorrection:
-    """An online, per-position correction of the calibrated survivals: of the drafts at position k the engine
-    verified, the ratio of how many survived (the first k drafts all accepted) to the survival predicted for them.
-    Corrected survivals are ``min(1, a_k * ratio_k)``, made non-increasing along the block again. A position is
-    learned only where drafts reach it (a load whose budget never verifies position 6 keeps the ratio it learned
-    at another load, or 1); each position weighs its last ``CORRECTION_WINDOW`` verified drafts, plus a prior of
-    ``CORRECTION_PRIOR`` drafts at ratio 1 and at that position's mean predicted survival (so the prior weighs as
-    many drafts whether a position's survivals are predicted at 0.9 or at 0.01). Evidence is folded in every
-    ``FOLD_EVERY`` steps (a step's fold costs ~20-40 us of numpy on the host whatever its batch, which at one
-    request sits in a ~1.5 ms step; an estimate over thousands of drafts loses nothing by lagging a few steps)."""
+    """The survivals the scheduler believes, corrected online by what the engine's own verifications accepted.
 
-    def __init__(self, max_draft_len: int):
-        self.predicted = np.zeros(max_draft_len)  # [K] summed predicted survival of the verified drafts
-        self.survived = np.zeros(max_draft_len)  # [K] how many of them survived
-        self.verified = np.zeros(max_draft_len)  # [K] how many were verified
-        self.ratio = np.ones(max_draft_len)  # [K]
-        self.ratio_list = self.ratio.tolist()  # the same, for the plain-Python path
-        self.learned = False  # nothing observed yet: survivals pass unchanged
-        self._evidence: list[tuple] = []  # steps not yet folded in: (survival, allotted, verified, accepted)
-        self.skill = SurvivalSkill(max_draft_len)  # how sharp the corrected survivals were (metrics; reset_skill)
+    **The fit** (what the scheduler ranks and prices by): each draft's conditional survival (its prefix survived)
+    is ``sigmoid(a_k logit(c_k) + b_k + d_{h,k})`` for a request of verify-history class h, its survival the
+    cumulative product along the block (so non-increasing). Per position, ``a_k`` (the slope), ``b_k`` and the class
+    offsets ``d_{h,k}`` are a logistic regression on the drafts of that position the engine reached (verified, its
+    prefix accepted) and whether each was accepted: the last ``FIT_WINDOW`` of them, a ridge prior of precision
+    ``FIT_PRIOR`` at the offline calibration (``a_k = 1 / T_k``, no bias: with no evidence the survivals are STS's),
+    redone by ``NEWTON_STEPS`` Newton steps once ``FIT_EVERY`` new drafts were reached. Where the head tells drafts apart the
+    slope keeps that; where it does not (a drafter trained briefly: run 54) the slope falls and each class's bias
+    carries what the requests' histories tell; a bias of the whole position is what the ratio correction of runs
+    37-53 learned (the offline temperature, fitted on other text, left the late drafts' survivals 10-25% low, and the
+    scheduler trimmed drafts that would have paid). A multiplicative ratio could not separate requests whose
+    survivals spread over orders of magnitude (a temperature of 0.1 pushes them to 0 or 1): a ratio of 3 on 1e-6 is
+    still nothing, where a fitted slope of 0.2 brings them to the class's rate.
+
+    **The diagnostic** ``ratio`` [K] (metrics only): of the drafts verified at position k, how many survived over the
+    survival the offline calibration predicted for them, with a prior of ``CORRECTION_PRIOR`` drafts at ratio 1 (at
+    the position's mean prediction) and a window of ``CORRECTION_WINDOW`` verified drafts.
+
+    A position is learned only where drafts reach it (see ``EXPLORE_EVERY``). Evidence is folded in every
+    ``FOLD_EVERY`` steps, the fit redone once ``FIT_EVERY`` new drafts were reached or ``REFIT_FOLDS`` folds went by
+    (a refit costs ~0.7 ms of numpy: at 64 requests once per ~8 steps, at a few once per 64)."""
+
+    def __init__(self, max_draft_len: int, inverse_temperatures: np.ndarray | None = None):
+        k, classes = max_draft_len, len(HISTORY_CLASSES)
+        inverse = np.ones(k) if inverse_temperatures is None else np.asarray(inverse_temperatures, dtype=np.float64)
+        self.inverse_temperatures = inverse[:k]
+        # the diagnostic ratio
+        self.predicted = np.zeros(k)  # [K] summed calibrated survival of the verified drafts
+        self.survived = np.zeros(k)  # [K] how many of them survived
+        self.verified = np.zeros(k)  # [K] how many were verified
+        self.ratio = np.ones(k)  # [K]
+        # the fit: per position (slope, intercept, one offset per class), at the calibration until evidence moves it
+        self.prior = np.zeros((k, 2 + classes))
+        self.prior[:, 0] = self.inverse_temperatures
+        self.theta = self.prior.copy()  # [K, 2 + H]
+        self._x = np.zeros((k, FIT_WINDOW))  # [K, W] logit(c) of the reached drafts (a ring per position)
+        self._h = np.zeros((k, FIT_WINDOW), dtype=np.int64)  # [K, W] their requests' classes
+        self._y = np.zeros((k, FIT_WINDOW))  # [K, W] 1 where accepted
+        self._filled = np.zeros(k, dtype=np.int64)  # [K] ring entries in use
+        self._next = np.zeros(k, dtype=np.int64)  # [K] where the next one goes
+        self._new = 0  # reached drafts since the last fit
+        self._folds = 0  # folds since the last fit
+        self._set_parameters()
+        self.learned = False  # no fit yet: the survivals are the calibration's
+        self._evidence: list[tuple] = []  # steps not yet folded in: (confidence, allotted, verified, accepted, history)
+        self.skill = SurvivalSkill(k)  # how sharp the believed survivals were (metrics; reset_skill)
+
+    def _set_parameters(self) -> None:
+        """The fit's parameters as the survivals read them: ``slope`` [K] and ``bias`` [H, K] (numpy and lists)."""
+        self.slope = self.theta[:, 0].copy()
+        self.bias = (self.theta[:, 1][:, None] + self.theta[:, 2:]).T.copy()  # [H, K]
+        self.bias_factor = np.exp(-self.bias)  # [H, K]: sigmoid(a x + b) = 1 / (1 + odds ** a * exp(-b))
+        self.slope_list, self.bias_list = self.slope.tolist(), self.bias.tolist()
+        self.bias_factor_list = self.bias_factor.tolist()
+        self.identity = bool((self.slope == 1.0).all() and (self.bias == 0.0).all())  # survival = cumprod(c)
 
     def reset_skill(self) -> None:
         """Start the skill's sums afresh (a bench's next concurrency); the correction itself keeps its evidence."""
         self.fold()
         self.skill = SurvivalSkill(len(self.ratio))
 
-    def apply(self, survival: np.ndarray) -> np.ndarray:
-        """survival [S, K'] (K' <= K) -> corrected [S, K'], in [0, 1] and non-increasing along each row."""
-        if not self.learned:
-            return survival
-        corrected = np.minimum(survival * self.ratio[:survival.shape[1]], 1.0)
-        return np.minimum.accumulate(corrected, axis=1)
+    def survival(self, confidence, history=None) -> np.ndarray:
+        """confidence [S, K'] (K' <= K; 0 where nothing was proposed), history [S] classes (None: all
+        ``HISTORY_NONE``) -> the believed survival [S, K'], in [0, 1] and non-increasing along each row."""
+        confidence = np.asarray(confidence, dtype=np.float64)
+        if self.identity:
+            return np.cumprod(np.maximum(confidence, 0.0), axis=1)
+        k = confidence.shape[1]
+        c = np.minimum(np.maximum(confidence, 1e-9), 1 - 1e-9)  # ufuncs: ndarray.clip costs ~5 us more per step
+        factor = ((1.0 - c) / c) ** self.slope[:k] * self.bias_factor[history_rows(history, c.shape[0]), :k]
+        return np.cumprod(np.where(confidence > 0, 1.0 / (1.0 + factor), 0.0), axis=1)
 
-    def apply_row(self, survival: list[float]) -> list[float]:
-        """``apply`` to one request's survivals [K'] in plain Python (the same products and minima)."""
-        if not self.learned:
-            return survival
-        out, low = [], 1.0
-        for value, ratio in zip(survival, self.ratio_list):
-            low = min(low, min(value * ratio, 1.0))
-            out.append(low)
+    def survival_row(self, confidence: list[float], k: int, history: int = HISTORY_NONE) -> list[float]:
+        """``survival`` of one request's confidences [K'] in plain Python, padded with 0 to ``k``."""
+        out, alive = [0.0] * k, 1.0
+        slope, factor = self.slope_list, self.bias_factor_list[history]
+        for j, c in enumerate(confidence):
+            if not c > 0:  # nothing proposed here (or a confidence of 0): no draft from here on survives
+                break
+            if not self.identity:
+                c = min(max(c, 1e-9), 1 - 1e-9)
+                c = 1.0 / (1.0 + ((1.0 - c) / c) ** slope[j] * factor[j])
+            alive *= c
+            out[j] = alive
         return out
 
-    def learn(self, survival, allotted, verified, accepted) -> None:
-        """One step's verified requests: ``survival`` [S, K'] as predicted before correction (an array or S
-        lists), ``allotted`` [S] the drafts each was allotted and ``verified`` [S] how many it verified (the
-        lesser counts), ``accepted`` [S] how many of them it accepted (-1: unknown, left out); sequences or
-        arrays, converted when folded in with the steps before it, once ``FOLD_EVERY`` have gathered."""
-        self._evidence.append((survival, allotted, verified, accepted))
+    def learn(self, confidence, allotted, verified, accepted, history=None) -> None:
+        """One step's verified requests: ``confidence`` [S, K'] the head's confidences (0 past a block; an array or
+        S lists of one length), ``allotted`` [S] the drafts each was allotted and ``verified`` [S] how many it
+        verified (the lesser counts), ``accepted`` [S] how many of them it accepted (-1: unknown, left out),
+        ``history`` [S] each one's class when the step was decided (None: all ``HISTORY_NONE``); converted when
+        folded in with the steps before it, once ``FOLD_EVERY`` have gathered."""
+        self._evidence.append((confidence, allotted, verified, accepted, history))
         if len(self._evidence) >= FOLD_EVERY:
             self.fold()
 
     def fold(self) -> None:
-        """Fold the gathered steps' evidence into the per-position sums and the ratios."""
+        """Fold the gathered steps' evidence into the diagnostic's sums and the fit's window; refit if due."""
         if not self._evidence:
             return
-        steps = [np.asarray(survival, dtype=np.float64).reshape(len(accepted), -1)
-                 for survival, _, _, accepted in self._evidence]  # each [S, K']
-        k = max(survival.shape[1] for survival in steps)
-        survival = np.concatenate([np.pad(s, ((0, 0), (0, k - s.shape[1]))) if s.shape[1] < k else s
-                                   for s in steps])  # [sum S, K'] (0 past a step's blocks)
-        lengths = np.minimum(np.concatenate([np.asarray(a, dtype=np.int64) for _, a, _, _ in self._evidence]),
-                             np.concatenate([np.asarray(v, dtype=np.int64) for _, _, v, _ in self._evidence]))
-        accepted = np.concatenate([np.asarray(a, dtype=np.int64) for _, _, _, a in self._evidence])
+        steps = [np.asarray(confidence, dtype=np.float64).reshape(len(accepted), -1)
+                 for confidence, _, _, accepted, _ in self._evidence]  # each [S, K']
+        k = max(step.shape[1] for step in steps)
+        confidence = np.concatenate([np.pad(c, ((0, 0), (0, k - c.shape[1]))) if c.shape[1] < k else c
+                                     for c in steps])  # [sum S, K'] (0 past a step's blocks)
+        lengths = np.minimum(np.concatenate([np.asarray(a, dtype=np.int64) for _, a, _, _, _ in self._evidence]),
+                             np.concatenate([np.asarray(v, dtype=np.int64) for _, _, v, _, _ in self._evidence]))
+        accepted = np.concatenate([np.asarray(a, dtype=np.int64) for _, _, _, a, _ in self._evidence])
+        history = np.concatenate([history_rows(h, len(a)) for _, _, _, a, h in self._evidence])  # [sum S]
         self._evidence = []
         known = accepted >= 0
         if not known.any():
             return
         lengths = np.where(known, np.minimum(lengths, k), 0)  # [S]: a request left out verified nothing
         accepted = np.where(known, np.minimum(accepted, lengths), 0)
-        self.skill.add(self.apply(survival), lengths, accepted)  # as believed: the ratios these steps were decided by
+        self.skill.add(self.survival(confidence, history), lengths, accepted)  # as believed when decided
+        self._add_diagnostic(calibrated_survival(confidence, self.inverse_temperatures[:k]), lengths, accepted)
+        logit = np.log(np.minimum(np.maximum(confidence, 1e-9), 1 - 1e-9)) \
+            - np.log1p(-np.minimum(np.maximum(confidence, 1e-9), 1 - 1e-9))  # [S, K']
+        for j in range(k):  # the drafts at position j the engine reached: verified, every draft before accepted
+            reached = (j < lengths) & (accepted >= j)
+            count = int(reached.sum())
+            if count:
+                self._append(j, logit[reached, j], history[reached], (accepted[reached] > j).astype(np.float64))
+                self._new += count
+        self._folds += 1
+        if self._new >= FIT_EVERY or (self._new and self._folds >= REFIT_FOLDS):
+            self.refit()
+
+    def _add_diagnostic(self, survival: np.ndarray, lengths: np.ndarray, accepted: np.ndarray) -> None:
+        k = survival.shape[1]
         # at position j: the requests that verified (accepted) more than j drafts (counts, reverse-cumulated)
         self.verified[:k] += np.bincount(lengths, minlength=k + 1)[::-1].cumsum()[::-1][1:]
         self.survived[:k] += np.bincount(accepted, minlength=k + 1)[::-1].cumsum()[::-1][1:]
@@ -201,8 +304,65 @@ class SurvivalCorrection:
         positive = self.predicted + prior > 0  # a position never verified, or predicted 0 throughout: ratio 1
         self.ratio = np.where(positive, (self.survived + prior) / np.where(positive, self.predicted + prior, 1.0),
                               1.0)
-        self.ratio_list = self.ratio.tolist()
+
+    def _append(self, j: int, x: np.ndarray, h: np.ndarray, y: np.ndarray) -> None:
+        """Position ``j``'s reached drafts into its ring (the newest ``FIT_WINDOW`` kept)."""
+        x, h, y = x[-FIT_WINDOW:], h[-FIT_WINDOW:], y[-FIT_WINDOW:]
+        slots = (self._next[j] + np.arange(len(x))) % FIT_WINDOW
+        self._x[j, slots], self._h[j, slots], self._y[j, slots] = x, h, y
+        self._next[j] = (self._next[j] + len(x)) % FIT_WINDOW
+        self._filled[j] = min(FIT_WINDOW, self._filled[j] + len(x))
+
+    def refit(self) -> None:
+        """``NEWTON_STEPS`` Newton steps of every position's ridge logistic regression, from the current parameters.
+        The features are logit(c), 1 and the class's one-hot, so the gradient and Hessian are sums per position and
+        class of a few weighted terms: one ``bincount`` each over the window (a refit of 7 x 2048 drafts ~0.7 ms on a
+        2-core CPU host, where dense [K, W, F] products of 7 x 4096 and four steps cost 5)."""
+        self._new = self._folds = 0
+        k, classes = self._x.shape[0], len(HISTORY_CLASSES)
+        used = (np.arange(FIT_WINDOW)[None, :] < self._filled[:, None]).astype(np.float64)  # [K, W]
+        index = (np.arange(k)[:, None] * classes + self._h).reshape(-1)  # [K*W] position-major (position, class)
+        x, y = self._x, self._y
+
+        def per_class(weights: np.ndarray) -> np.ndarray:  # [K, W] -> [K, H] summed per position and class
+            return np.bincount(index, weights=weights.reshape(-1), minlength=k * classes).reshape(k, classes)
+
+        theta = self.theta.copy()
+        ridge = FIT_PRIOR * np.eye(2 + classes)
+        for _ in range(NEWTON_STEPS):
+            eta = theta[:, :1] * x + theta[:, 1:2] + np.take_along_axis(theta[:, 2:], self._h, axis=1)  # [K, W]
+            p = 1.0 / (1.0 + np.exp(-eta))
+            residual, weight = (p - y) * used, p * (1.0 - p) * used
+            r, rx = per_class(residual), per_class(residual * x)  # [K, H]
+            w, wx, wxx = per_class(weight), per_class(weight * x), per_class(weight * x * x)
+            gradient = np.concatenate([rx.sum(1, keepdims=True), r.sum(1, keepdims=True), r], axis=1) \
+                + FIT_PRIOR * (theta - self.prior)  # [K, F]
+            hessian = np.zeros((k, 2 + classes, 2 + classes))
+            hessian[:, 0, 0], hessian[:, 0, 1], hessian[:, 1, 1] = wxx.sum(1), wx.sum(1), w.sum(1)
+            hessian[:, 1, 0] = hessian[:, 0, 1]
+            diagonal = np.arange(classes) + 2
+            hessian[:, 0, 2:] = hessian[:, 2:, 0] = wx
+            hessian[:, 1, 2:] = hessian[:, 2:, 1] = w
+            hessian[:, diagonal, diagonal] = w
+            theta = theta - np.linalg.solve(hessian + ridge, gradient[..., None])[..., 0]
+            theta[:, 0] = np.clip(theta[:, 0], 0.0, FIT_LIMIT)  # the head's order is kept (or ignored), never reversed
+            theta[:, 1:] = np.clip(theta[:, 1:], -FIT_LIMIT, FIT_LIMIT)
+        self.theta = theta
+        self._set_parameters()
         self.learned = True
+
+    def fitted(self) -> dict:
+        """The fit as it stands (metrics): ``slope`` [K] and ``bias`` per class [K], rounded."""
+        self.fold()
+        return {"slope": [round(float(a), 4) for a in self.slope],
+                "bias": {name: [round(float(b), 4) for b in row] for name, row in zip(HISTORY_CLASSES, self.bias)}}
+
+
+def calibrated_survival(confidence: np.ndarray, inverse_temperatures: np.ndarray) -> np.ndarray:
+    """confidence [S, K] -> the offline calibration's survival [S, K] (STS: cumprod of sigmoid(logit(c_k) / T_k))."""
+    c = np.minimum(np.maximum(confidence, 1e-9), 1 - 1e-9)
+    calibrated = 1.0 / (1.0 + ((1.0 - c) / c) ** inverse_temperatures[:c.shape[1]])
+    return np.cumprod(np.where(confidence > 0, calibrated, 0.0), axis=1)
 
 
 @dataclass
@@ -242,8 +402,6 @@ class ConfidenceScheduler:
         self.mixed_costs = costs.copy()
         self.temperatures = np.asarray(temps[:max_draft_len], dtype=np.float64)
         self.inverse_temperatures = 1.0 / self.temperatures
-        self._inverse_list = self.inverse_temperatures.tolist()
-        self.uncalibrated = bool((self.temperatures == 1.0).all())
         self.layout = layout
         # the packed layout: steps of at least this many requests are packed (allot_packed); smaller ones are
         # padded, as a graphed engine's steps below its packed graphs' buckets are (allot)
@@ -253,58 +411,45 @@ class ConfidenceScheduler:
         self.columns: int | None = None  # packed: drafts per request of the next step's budget, likewise
         self.step_columns = 0  # packed: the columns of the budget the last allot_packed returned
         self.last: Decision | None = None
-        self.correction = SurvivalCorrection(max_draft_len)
+        self.correction = SurvivalCorrection(max_draft_len, self.inverse_temperatures)
         self.decisions = 0  # budgets (or caps) chosen
         self.explored = 0  # of them, raised to whole blocks to gather evidence (EXPLORE_EVERY)
-        self._pending: tuple | None = None  # the last allot's (survival, lengths), to learn (arrays or lists)
+        # the last allot's (confidences [S, K] padded with 0, lengths, history), to learn (arrays or lists)
+        self._pending: tuple | None = None
 
-    def ranking(self, k: int) -> tuple[list[float], list[float]]:
-        """What a packed step ranks its first ``k`` drafts by: the calibration's inverse temperatures and the
-        online correction's ratios, per position."""
-        return self._inverse_list[:k], self.correction.ratio_list[:k]
+    def ranking(self, k: int) -> tuple[list[float], list[list[float]]]:
+        """What a packed step ranks its first ``k`` drafts by: the survival fit's slopes [k] and biases [H][k], per
+        verify-history class and position (``SurvivalCorrection``)."""
+        return self.correction.slope_list[:k], [row[:k] for row in self.correction.bias_list]
 
     def costs_for(self, other_tokens: int) -> StepCostTable:
         """The table a step is priced (and learns) in: ``mixed_costs`` if it feeds tokens besides the verifies."""
         return self.mixed_costs if other_tokens else self.costs
 
-    def survival(self, confidence: np.ndarray) -> np.ndarray:
-        """confidence [S, K] (0 where nothing was proposed) -> calibrated survival [S, K], non-increasing in k
-        (before the online correction: ``SurvivalCorrection.apply``)."""
-        confidence = np.asarray(confidence, dtype=np.float64)
-        if self.uncalibrated:  # temperature 1 everywhere: sigmoid(logit(c)) is c
-            return np.cumprod(np.maximum(confidence, 0.0), axis=1)
-        c = np.minimum(np.maximum(confidence, 1e-9), 1 - 1e-9)  # ufuncs: ndarray.clip costs ~5 us more per step
-        odds = (1.0 - c) / c  # sigmoid(logit(c) / T) = 1 / (1 + ((1 - c) / c) ** (1 / T))
-        calibrated = 1.0 / (1.0 + odds ** self.inverse_temperatures[:c.shape[1]])
-        return np.cumprod(np.where(confidence > 0, calibrated, 0.0), axis=1)
+    def survival(self, confidence: np.ndarray, history=None) -> np.ndarray:
+        """confidence [S, K] (0 where nothing was proposed), history [S] verify-history classes (None: all
+        ``HISTORY_NONE``) -> the believed survival [S, K], non-increasing in k (``SurvivalCorrection.survival``)."""
+        return self.correction.survival(confidence, history)
 
-    def survival_row(self, confidence: list[float], k: int) -> list[float]:
+    def survival_row(self, confidence: list[float], k: int, history: int = HISTORY_NONE) -> list[float]:
         """``survival`` of one request's confidences [K'] in plain Python, padded with 0 to ``k``."""
-        out, alive = [0.0] * k, 1.0
-        for j, c in enumerate(confidence):
-            if not c > 0:  # nothing proposed here (or a confidence of 0): no draft from here on survives
-                break
-            if not self.uncalibrated:
-                c = min(max(c, 1e-9), 1 - 1e-9)
-                c = 1.0 / (1.0 + ((1.0 - c) / c) ** self._inverse_list[j])
-            alive *= c
-            out[j] = alive
-        return out
+        return self.correction.survival_row(confidence, k, history)
 
     def allot(self, confidences: list[list[float]], other_requests: int = 0, other_tokens: int = 0,
-              context: int = 0) -> list[int]:
+              context: int = 0, history: list[int] | None = None) -> list[int]:
         """Each request's proposed drafts' confidences (in block order) -> how many of them to verify.
 
         ``other_requests`` / ``other_tokens``: what else the step is expected to feed (prefill chunks, decodes
         without drafts; the engine passes the previous step's): the step's cost is predicted with them, so on a
         mixed step a verify token is priced where the step really is on the cost curve. ``context``: the KV tokens
-        the step's requests attend over before what they feed, summed (the cost grows with it)."""
+        the step's requests attend over before what they feed, summed (the cost grows with it). ``history``: each
+        request's verify-history class (``next_history``; None: all ``HISTORY_NONE``)."""
         num = len(confidences)
         padded = self.layout != "ragged"  # the packed layout's steps below packed_from are padded
         if num * self.max_draft_len <= SMALL_STEP:
             if padded:
-                return self._allot_padded_small(confidences, other_requests, other_tokens, context)
-            return self._allot_ragged_small(confidences, other_requests, other_tokens, context)
+                return self._allot_padded_small(confidences, other_requests, other_tokens, context, history)
+            return self._allot_ragged_small(confidences, other_requests, other_tokens, context, history)
         sizes = np.fromiter((len(c) for c in confidences), dtype=np.int64, count=num)
         offered = int(sizes.sum())
         if num == 0 or offered == 0:
@@ -316,11 +461,11 @@ class ConfidenceScheduler:
             table = np.zeros((num, k))
             for i, c in enumerate(confidences):
                 table[i, :len(c)] = c
-        raw = self.survival(table)
-        survival = self.correction.apply(raw)
+        history = history_rows(history, num)
+        survival = self.survival(table, history)
         if padded:
             lengths = self._allot_padded(survival, sizes, other_requests, other_tokens, context)
-            self._pending = (raw, lengths)
+            self._pending = (table, lengths, history)
             return lengths.tolist()
         proposed = np.arange(k)[None, :] < sizes[:, None]
         if self.budget_per_request is None:  # nothing earlier to take the capacity from: whole blocks
@@ -339,7 +484,7 @@ class ConfidenceScheduler:
                              float(predicted[offered]), column_sums.tolist())
         best = self.best_budget(survival, proposed, predicted)
         self.budget_per_request = self.max_draft_len if self._explores(best < offered) else best / num
-        self._pending = (raw, lengths)
+        self._pending = (table, lengths, history)
         return lengths.tolist()
 
     def learn(self, verified: list[int], accepted: list[int]) -> None:
@@ -349,32 +494,34 @@ class ConfidenceScheduler:
         committed."""
         if self._pending is None:
             return
-        raw, allotted = self._pending
+        confidence, allotted, history = self._pending
         self._pending = None
-        if len(verified) != len(raw) or len(accepted) != len(raw):
+        if len(verified) != len(confidence) or len(accepted) != len(confidence):
             raise ValueError(f"confidence scheduling: {len(verified)} verified and {len(accepted)} accepted counts "
-                             f"for a step of {len(raw)} verifying requests")
-        self.correction.learn(raw, allotted, verified, accepted)
+                             f"for a step of {len(confidence)} verifying requests")
+        self.correction.learn(confidence, allotted, verified, accepted, history)
 
-    def _small_step(self, confidences: list[list[float]]) -> tuple | None:
-        """A small step in plain Python: (requests S, longest block K, sizes [S], drafts proposed, survivals before
-        and after the correction [S][K] lists, 0 past a block), or None when nothing was proposed."""
+    def _small_step(self, confidences: list[list[float]], history: list[int] | None) -> tuple | None:
+        """A small step in plain Python: (requests S, longest block K, sizes [S], drafts proposed, the confidences
+        and the believed survivals [S][K] lists, 0 past a block, classes [S]), or None when nothing was proposed."""
         sizes = [len(c) for c in confidences]
         offered = sum(sizes)
         if offered == 0:
             return None
         k = max(sizes)
-        raw = [self.survival_row(c, k) for c in confidences]
-        return len(sizes), k, sizes, offered, raw, [self.correction.apply_row(row) for row in raw]
+        history = history_rows(history, len(sizes)).tolist()
+        padded = [list(c) + [0.0] * (k - len(c)) for c in confidences]
+        return (len(sizes), k, sizes, offered, padded,
+                [self.survival_row(c, k, h) for c, h in zip(confidences, history)], history)
 
     def _allot_ragged_small(self, confidences: list[list[float]], other_requests: int, other_tokens: int,
-                            context: int) -> list[int]:
+                            context: int, history: list[int] | None) -> list[int]:
         """The ragged decision of ``allot`` in plain Python for a small step (``SMALL_STEP``): the same budget, the
         same drafts (``top_drafts``'s ranking: survival, then the earlier position, then the earlier request)."""
-        step = self._small_step(confidences)
+        step = self._small_step(confidences, history)
         if step is None:
             return [0] * len(confidences)
-        num, k, sizes, offered, raw, survival = step
+        num, k, sizes, offered, padded, survival, history = step
         drafts = [(survival[i][j], i) for j in range(k) for i in range(num) if j < sizes[i]]  # position-major
         order = sorted(drafts, key=lambda draft: -draft[0])  # stable: ties keep the earlier position, request
         budget = offered if self.budget_per_request is None else min(round(self.budget_per_request * num), offered)
@@ -395,16 +542,16 @@ class ConfidenceScheduler:
                              [sum(column) for column in zip(*survival)])
         best = self._best(expected, predicted)
         self.budget_per_request = self.max_draft_len if self._explores(best < offered) else best / num
-        self._pending = (raw, lengths)
+        self._pending = (padded, lengths, history)
         return list(lengths)
 
     def _allot_padded_small(self, confidences: list[list[float]], other_requests: int, other_tokens: int,
-                            context: int) -> list[int]:
+                            context: int, history: list[int] | None) -> list[int]:
         """``_allot_padded`` in plain Python for a small step (``SMALL_STEP``): the same decision."""
-        step = self._small_step(confidences)
+        step = self._small_step(confidences, history)
         if step is None:
             return [0] * len(confidences)
-        num, k, sizes, offered, raw, survival = step
+        num, k, sizes, offered, padded, survival, history = step
         lengths = sizes if self.cap is None else [min(n, self.cap) for n in sizes]
         column_sums = [sum(column) for column in zip(*survival)]  # [K] each position's survivals, summed
         expected, total = [float(num)], 0.0  # [K+1] committed tokens under each cap
@@ -418,7 +565,7 @@ class ConfidenceScheduler:
                              predicted[-1], column_sums)
         cap = self._best(expected, predicted)
         self.cap = self.max_draft_len if self._explores(cap < k) else cap
-        self._pending = (raw, lengths)
+        self._pending = (padded, lengths, history)
         return list(lengths)
 
     def _allot_padded(self, survival: np.ndarray, sizes: np.ndarray, other_requests: int,
@@ -442,22 +589,23 @@ class ConfidenceScheduler:
         return lengths
 
     def allot_packed(self, confidences: list[list[float]], other_requests: int = 0, other_tokens: int = 0,
-                     context: int = 0) -> int:
+                     context: int = 0, history: list[int] | None = None) -> int:
         """The packed layout (``runtime.packed_verify``): each request's proposed drafts' confidences (in block
         order) -> the drafts this step verifies over the batch, ``columns`` x requests (at most what was proposed),
         with ``columns`` chosen from an earlier step; which drafts, the device picks from this block's confidences
         (the top survivals over the step). The next ``columns`` from this step's survivals: the c maximizing
         expected committed tokens (the requests, plus the top ``requests x c`` survivals) per predicted second of a
         step feeding ``requests x (c + 1)`` tokens (what a packed graph of c columns feeds), with ``min_gain`` and
-        the exploration as for a cap."""
+        the exploration as for a cap. ``history``: as for ``allot`` (the device ranks under the same classes)."""
         num = len(confidences)
         sizes = [len(c) for c in confidences]
         offered = sum(sizes)
         if num == 0 or offered == 0:
             return 0
         k = max(sizes)
-        raw = np.asarray([self.survival_row(c, k) for c in confidences])  # [S, K]
-        survival = self.correction.apply(raw)
+        history = history_rows(history, num)
+        padded = [list(c) + [0.0] * (k - len(c)) for c in confidences]  # [S][K]
+        survival = np.asarray([self.survival_row(c, k, h) for c, h in zip(confidences, history.tolist())])
         column_sums = survival.sum(axis=0)  # [K] each position's survivals, summed
         ranked = np.concatenate([[0.0], np.sort(survival.reshape(-1))[::-1].cumsum()])  # [S*K+1] top-b sums
         shares = np.minimum(num * np.arange(k + 1), offered)  # [K+1] drafts verified under each c
@@ -473,7 +621,7 @@ class ConfidenceScheduler:
         # a step that cannot be packed (a prefill chunk joins it) verifies under a cap: the padded layout's choice
         # from these survivals, ready for it (a request verifies its first Q drafts, priced as Q columns are)
         self.cap = self._best(num + np.concatenate([[0.0], column_sums.cumsum()]), predicted)
-        self._pending = (raw, sizes)  # learn(): the verified counts the device reports bound what was allotted
+        self._pending = (padded, sizes, history)  # learn(): the verified counts the device reports bound the allotted
         return int(shares[columns])
 
     def _explores(self, below_whole_blocks: bool) -> bool:
@@ -601,6 +749,7 @@ class ConfidenceStats:
                 "layout": scheduler.layout, "next_budget_per_request": scheduler.budget_per_request,
                 "next_cap": scheduler.cap,
                 "survival_correction": [round(float(r), 4) for r in scheduler.correction.ratio],
+                "survival_fit": scheduler.correction.fitted(),
                 "survival_skill_per_position": scheduler.correction.skill.per_position(),
                 "explored_decisions": scheduler.explored, "unpacked_steps": self.unpacked_steps,
                 "cost_table_observations": scheduler.costs.observations,

@@ -20,7 +20,8 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from configs import LLMConfig
 from configs.checkpoint import read_model_config
-from runtime.confidence_scheduler import ConfidenceScheduler, ConfidenceStats, read_calibration
+from runtime.confidence_scheduler import (HISTORY_CLASSES, ConfidenceScheduler, ConfidenceStats, next_history,
+                                          read_calibration)
 from runtime.executor import Executor, LocalExecutor
 from runtime.graph_layout import graphed_q_len
 from runtime.loader import load_hf_config
@@ -245,7 +246,7 @@ class Engine:
                 self._allot_verify_lengths(group)
             # a step the worker may have launched ahead is the running requests' decode: arrivals join the next
             scheduled = self.scheduler.schedule(group, admit=not self._ran_ahead)
-            next_verify_len, next_packed = self._next_verify() if self.has_drafter and scheduled else (0, None)
+            next_verify_len, next_packed = self._next_verify(scheduled) if self.has_drafter and scheduled else (0, None)
             self._ran_ahead = self._runs_ahead and (self._steady_verify(scheduled, next_verify_len) if self.has_drafter
                                                     else self._steady_decode(scheduled))
             self._packed = self._packed_plan(scheduled)
@@ -281,13 +282,14 @@ class Engine:
                 return False
         return True
 
-    def _next_verify(self) -> tuple[int, PackedAhead | None]:
+    def _next_verify(self, scheduled: list[ScheduledRequest]) -> tuple[int, PackedAhead | None]:
         """How many drafts a decoding request feeds next step, and whether that step is a packed verify: the block
         drafted now, or under confidence scheduling's padded layout as many as the cap it already chose for that
         step (0: unknown, the ragged layout), or under the packed layout the whole block, packed at the columns it
         already chose (whole blocks or none: a uniform step), or while profiling the length forced on every step
         (``forced_verify_len``; packed where the packed graphs serve the step). The worker plans that step's
-        attention while the drafter drafts, and may launch it ahead (``ScheduledBatch``)."""
+        attention while the drafter drafts, and may launch it ahead (``ScheduledBatch``), with ``scheduled``'s verify
+        histories as they stand before this step (the device updates them from this step's verdicts)."""
         k_next = self.draft_len()
         if self.forced_verify_len is not None:
             wanted = self.forced_verify_len
@@ -300,8 +302,8 @@ class Engine:
         else:
             return min(k_next, self.confidence.cap if self.confidence.cap is not None else k_next), None
         if self._packs(len(self.scheduler.running), wanted, k_next):
-            inverse, ratio = self._packed_ranking(k_next)
-            return k_next, PackedAhead(wanted, inverse, ratio)
+            slope, bias = self._packed_ranking(k_next)
+            return k_next, PackedAhead(wanted, slope, bias, self._histories(scheduled))
         return min(k_next, wanted), None
 
     def _packs_steps_of(self, num: int) -> bool:
@@ -318,10 +320,16 @@ class Engine:
         be packed, and the columns are neither whole blocks nor none."""
         return self._packs_steps_of(num) and 0 < columns < k
 
-    def _packed_ranking(self, k: int) -> tuple[list[float], list[float]]:
-        """The calibration and correction a packed step ranks its first ``k`` drafts by (none while profiling: the
-        profile times the step, whichever drafts it picks)."""
-        return self.confidence.ranking(k) if self.confidence is not None else ([1.0] * k, [1.0] * k)
+    def _packed_ranking(self, k: int) -> tuple[list[float], list[list[float]]]:
+        """The survival fit (slopes [k], biases [H][k]) a packed step ranks its first ``k`` drafts by (none while
+        profiling: the profile times the step, whichever drafts it picks)."""
+        if self.confidence is not None:
+            return self.confidence.ranking(k)
+        return [1.0] * k, [[0.0] * k for _ in HISTORY_CLASSES]
+
+    def _histories(self, scheduled: list[ScheduledRequest]) -> list[int]:
+        """[S] each scheduled request's verify-history class, in step order."""
+        return [self.sequences[entry.request_id].verify_history for entry in scheduled]
 
     def _steady_verify(self, scheduled: list[ScheduledRequest], n: int) -> bool:
         """With a drafter: whether the next step is expected to be the same requests each verifying ``n`` drafts of
@@ -368,13 +376,15 @@ class Engine:
         mixed = len(seqs) < len(members) or (bool(self.scheduler.waiting) and not self._ran_ahead)
         if self._packs_steps_of(len(seqs)) and not mixed:
             # blocks stay whole: the device picks which drafts
-            self.confidence.allot_packed([s.draft_confidence for s in seqs], others, other_tokens, context)
+            self.confidence.allot_packed([s.draft_confidence for s in seqs], others, other_tokens, context,
+                                         [s.verify_history for s in seqs])
             self._packed_columns = self.confidence.step_columns
             if self._packed_columns == 0:  # no draft pays: every request verifies none (its anchor only)
                 for seq in seqs:
                     seq.trim_drafts(0)
         else:
-            lengths = self.confidence.allot([s.draft_confidence for s in seqs], others, other_tokens, context)
+            lengths = self.confidence.allot([s.draft_confidence for s in seqs], others, other_tokens, context,
+                                            [s.verify_history for s in seqs])
             for seq, length in zip(seqs, lengths):
                 seq.trim_drafts(length)
         self.confidence_stats.record_decision(self.confidence.last, len(seqs))
@@ -402,7 +412,8 @@ class Engine:
                 self.confidence_stats.unpacked_steps += 1
                 return None
             confidences.append(list(confidence))
-        return PackedPlan(columns * len(scheduled), columns, confidences, *self._packed_ranking(k))
+        return PackedPlan(columns * len(scheduled), columns, confidences, *self._packed_ranking(k),
+                          self._histories(scheduled))
 
     def _force_verify_lengths(self) -> None:
         """Profiling: trim every running request's proposed block to ``forced_verify_len`` drafts, or where the
@@ -452,6 +463,9 @@ class Engine:
                 if result.error is not None:
                     raise RequestFault(result.error)
                 kept = self._commit(seq, entry, result)
+                if entry.sample and entry.num_drafts:  # the rule the device applies to a packed step launched ahead
+                    verified = entry.num_drafts if result.num_verified is None else result.num_verified
+                    seq.verify_history = next_history(seq.verify_history, verified, result.num_accepted)
                 if seq.finish_reason is None:
                     self.scheduler.cache_computed(seq)
                 step_drafted, step_accepted = self._counted(entry, result, kept, seq.finish_reason is not None)

@@ -74,12 +74,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runtime.confidence_scheduler import HISTORY_CLASSES
 from runtime.graph_layout import (LaunchedDecode, LaunchedVerify, batch_buckets, graph_inputs, graphed_q_len,
                                   next_anchor_position, next_decode_layout, next_verify_layout)
 from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta
 from runtime.kv_cache import KVCaches
 from runtime.models.target import TargetModel
-from runtime.packed_verify import packed_verify, survivals
+from runtime.packed_verify import history_after, packed_verify, survivals
 from runtime.step_io import PackedAhead, ScheduledRequest
 from runtime.step_tensors import StepTensors, padded_page_table
 from runtime.transfer import PinnedReadBack
@@ -207,13 +208,14 @@ class GraphedTargetForward:
         for batch, q_len in shapes:  # per length the largest batch first: smaller graphs reuse its pool memory
             self.graphs[(batch, q_len)] = self._capture(batch, q_len)
         # packed verify graphs (confidence scheduling's packed layout): Q = K+1 at the buckets from PACKED_MIN_BATCH,
-        # for every number of columns below whole blocks; the block's confidences and the calibration they are
+        # for every number of columns below whole blocks; the block's confidences and the survival fit they are
         # ranked by live in persistent buffers the host fills before each replay
         self.packed_columns = sorted(c for c in set(packed_columns) if 0 < c < self.q_lens[-1] - 1)
         k = self.q_lens[-1] - 1
         self.packed_confidence = torch.zeros(max_batch, max(k, 1), dtype=torch.float32, device=device)
-        self.packed_inverse_temperatures = torch.ones(max(k, 1), dtype=torch.float32, device=device)
-        self.packed_ratio = torch.ones(max(k, 1), dtype=torch.float32, device=device)
+        self.packed_slope = torch.ones(max(k, 1), dtype=torch.float32, device=device)  # [K] the survival fit's
+        self.packed_bias = torch.zeros(len(HISTORY_CLASSES), max(k, 1), dtype=torch.float32, device=device)  # [H, K]
+        self.packed_history = torch.zeros(max_batch, dtype=torch.int64, device=device)  # [B] each request's class
         self.packed_graphs: dict[tuple[int, int], _PackedGraph] = {}
         # the fewest requests whose bucket has packed graphs (0: none)
         self.packed_from = next((1 + max([b for b in self.buckets if b < batch], default=0)
@@ -275,13 +277,13 @@ class GraphedTargetForward:
         return batch is not None and (batch, columns) in self.packed_graphs
 
     def run_packed(self, reqs: list[ScheduledRequest], confidences: list[list[float]],
-                   inverse_temperatures: list[float], ratio: list[float], columns: int,
+                   slope: list[float], bias: list[list[float]], history: list[int], columns: int,
                    append_context: bool = False) -> PackedGraphOutputs:
         """Replay the packed graph of ``len(reqs)`` requests (padded to a bucket) verifying ``columns`` x bucket
         drafts of full blocks (``reqs`` each feed an anchor and K drafts), ranked by ``confidences`` [S][K] under the
-        calibration given; then, if asked and captured, the drafter's context append. Or taken from the packed step
+        survival fit given; then, if asked and captured, the drafter's context append. Or taken from the packed step
         launched ahead (``launch_verify_ahead``) when ``reqs`` is exactly that step: it ranked the block's
-        confidences as drafted on the device, under the calibration and correction of the step before."""
+        confidences as drafted on the device, under the survival fit of the step before."""
         ahead, self._ahead_verify = self._ahead_verify, None
         self.drop_ahead()
         batch = next(b for b in self.buckets if b >= len(reqs))
@@ -296,7 +298,8 @@ class GraphedTargetForward:
             if ahead is not None:
                 self.steps_ahead_dropped += 1
             layout = self._write_inputs(reqs, batch, q_len)
-            self._write_ranking(torch.tensor(confidences, dtype=torch.float32), inverse_temperatures, ratio, batch)
+            self._write_ranking(torch.tensor(confidences, dtype=torch.float32), slope, bias,
+                                torch.tensor(history, dtype=torch.int64), batch)
             self._plan_and_replay(g, layout, batch, q_len, columns)
             if appended:
                 g.context.replay()
@@ -338,7 +341,8 @@ class GraphedTargetForward:
 
     def launch_verify_ahead(self, accepted: list[int], committed: torch.Tensor, accepted_device: torch.Tensor,
                             drafts: torch.Tensor, append_context: bool, packed: PackedAhead | None = None,
-                            confidence: torch.Tensor | None = None) -> bool:
+                            confidence: torch.Tensor | None = None,
+                            verified_counts: torch.Tensor | None = None) -> bool:
         """Launch, right behind the draft, the verify step in which every request of the last replay verifies
         ``drafts`` [S, N] (device: the block just drafted, or its first N drafts) from its next position, its
         anchor the token this step committed last (``committed`` [S, K+1] at ``accepted_device`` [S], device;
@@ -348,7 +352,9 @@ class GraphedTargetForward:
         queued the read-back of this step (the replay reuses its output buffers) and, once it has read back,
         says what each request feeds (``set_ahead_tokens``). ``packed``: the step is a packed verify of those
         columns (its packed graph), the block's ``confidence`` [S, K] (device, as the host reads them back) ranked
-        under the calibration and correction given. -> whether it was launched."""
+        under the survival fit given, each request's verify-history class ``packed.history`` updated
+        by this step's verdicts (``next_history``: the drafts it verified, ``verified_counts`` [S] on the device
+        for a packed step, else its block, and how many it accepted). -> whether it was launched."""
         if not self.run_ahead or self._last_run is None:
             return False
         reqs, _, batch, _ = self._last_run
@@ -370,7 +376,11 @@ class GraphedTargetForward:
         ids[:, :1].copy_(committed.gather(1, accepted_device[:, None]))
         ids[:, 1:].copy_(drafts)
         if columns:
-            self._write_ranking(confidence, packed.inverse_temperatures, packed.ratio, batch)
+            before = torch.tensor(packed.history, dtype=torch.int64).to(accepted_device.device, non_blocking=True)
+            verified = verified_counts if verified_counts is not None else torch.full_like(accepted_device,
+                                                                                          self._last_run[3] - 1)
+            self._write_ranking(confidence, packed.slope, packed.bias,
+                                history_after(before, verified, accepted_device), batch)
         self._plan_and_replay(g, layout, batch, q_len, columns)  # planned by plan_next_verify: the plan is skipped
         appended = append_context and g.context is not None
         if appended:
@@ -380,16 +390,18 @@ class GraphedTargetForward:
                                             columns=columns)
         return True
 
-    def _write_ranking(self, confidence: torch.Tensor, inverse_temperatures: list[float], ratio: list[float],
-                       batch: int) -> None:
+    def _write_ranking(self, confidence: torch.Tensor, slope: list[float], bias: list[list[float]],
+                       history: torch.Tensor, batch: int) -> None:
         """A packed step's ranking into its graph's persistent buffers: ``confidence`` [S, K] (host or device),
-        padding requests up to ``batch`` proposing nothing (0), and the calibration and correction [K]."""
+        padding requests up to ``batch`` proposing nothing (0), the survival fit (``slope`` [K], ``bias`` [H][K]) and
+        each request's verify-history class ``history`` [S] (host or device)."""
         num, k = confidence.shape  # k < K where a draft_len_schedule drafts shorter blocks: the rest propose nothing
         self.packed_confidence[:batch].zero_()
         self.packed_confidence[:num, :k].copy_(confidence, non_blocking=True)
-        self.packed_inverse_temperatures[:k].copy_(torch.tensor(inverse_temperatures[:k], dtype=torch.float32),
-                                                   non_blocking=True)
-        self.packed_ratio[:k].copy_(torch.tensor(ratio[:k], dtype=torch.float32), non_blocking=True)
+        self.packed_slope[:k].copy_(torch.tensor(slope[:k], dtype=torch.float32), non_blocking=True)
+        self.packed_bias[:, :k].copy_(torch.tensor([row[:k] for row in bias], dtype=torch.float32), non_blocking=True)
+        self.packed_history[:batch].zero_()
+        self.packed_history[:num].copy_(history, non_blocking=True)
 
     def set_ahead_tokens(self, tokens: list[tuple[int, ...] | None]) -> None:
         """What each request of the verify step launched ahead feeds (its anchor, then its drafts), as this step
@@ -532,7 +544,8 @@ class GraphedTargetForward:
         confidence = self.packed_confidence[:batch]
 
         def body():
-            survival = survivals(confidence, self.packed_inverse_temperatures, self.packed_ratio)
+            survival = survivals(confidence, self.packed_slope, self.packed_bias,
+                                 self.packed_history[:batch])
             return packed_verify(self.target, self.caches, meta, ids, positions, slots, survival, batch * columns,
                                  lambda hidden: self._head(hidden)[1])
 

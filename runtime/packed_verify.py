@@ -11,9 +11,9 @@ The layout (every shape static, so a graph can hold it): a step of B requests (a
 blocks as a uniform step does (``ids``, ``positions``, ``slots`` [B*Q], Q = K + 1: anchor then drafts), and the
 scheduler's budget is ``B x c`` drafts (c "columns", chosen from an earlier step's confidences). On the device:
 
-1. ``survivals``: each draft's calibrated survival (the cumulative product of its block's confidences, each through
-   its position's temperature), times the online correction's ratio, capped at 1 and non-increasing along a block:
-   what ``ConfidenceScheduler`` computes on the host;
+1. ``survivals``: each draft's believed survival (the cumulative product of its block's confidences, each through
+   the online survival fit of its position and its request's verify-history class, which starts at the offline
+   calibration), non-increasing along a block: what ``ConfidenceScheduler`` computes on the host;
 2. ``select_lengths``: the ``B x c`` drafts of highest survival over the whole step (ties: the earlier position,
    then the earlier request), so each request's share is a prefix of its block: its length L_b;
 3. ``pack_index``: the T = B + B x c rows fed (each request's anchor and its L_b drafts), as indices into the
@@ -25,8 +25,8 @@ scheduler's budget is ``B x c`` drafts (c "columns", chosen from an earlier step
    the accepted count never passes its verified drafts.
 
 Lossless as the production scheduler: the capacity (c) comes from an earlier step, the selection from this block's
-confidences, and a draft's confidence depends only on its prefix (``c_k = sigma(w [h_k; W1 x_{k-1}])``), never on
-the draft token being verified.
+confidences and each request's history (its verifications before this step), and a draft's confidence depends only
+on its prefix (``c_k = sigma(w [h_k; W1 x_{k-1}])``), never on the draft token being verified.
 """
 
 from __future__ import annotations
@@ -36,17 +36,26 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.confidence_scheduler import HISTORY_ACCEPTED_ALL, HISTORY_REJECTED
 from runtime.verify import block_verdicts
 
 
-def survivals(confidence: torch.Tensor, inverse_temperatures: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
-    """confidence [B, K] (0 where nothing was proposed), inverse_temperatures [K] (1 / T_k), ratio [K] (the online
-    correction) -> corrected survival [B, K] in [0, 1], non-increasing along each row (``ConfidenceScheduler.survival``
-    then ``SurvivalCorrection.apply``, on the device)."""
+def survivals(confidence: torch.Tensor, slope: torch.Tensor, bias: torch.Tensor,
+              history: torch.Tensor) -> torch.Tensor:
+    """confidence [B, K] (0 where nothing was proposed), slope [K] and bias [H, K] (the survival fit, per position
+    and verify-history class), history [B] int64 (each request's class) -> the believed survival [B, K]: the
+    cumulative product of ``sigmoid(slope_k logit(c_k) + bias_{h,k})``, in [0, 1] and non-increasing along each row
+    (``SurvivalCorrection.survival``, on the device)."""
     c = confidence.clamp(1e-9, 1 - 1e-9)
-    calibrated = torch.where(confidence > 0, 1.0 / (1.0 + ((1.0 - c) / c) ** inverse_temperatures), 0.0)
-    corrected = torch.clamp(torch.cumprod(calibrated, dim=1) * ratio, max=1.0)
-    return torch.cummin(corrected, dim=1).values
+    factor = ((1.0 - c) / c) ** slope * torch.exp(-bias.index_select(0, history))  # [B, K]
+    return torch.cumprod(torch.where(confidence > 0, 1.0 / (1.0 + factor), 0.0), dim=1)
+
+
+def history_after(before: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """Each request's verify-history class after a verification (``next_history`` on the device): before [S] int64,
+    verified [S] drafts it verified, accepted [S] of them accepted -> [S] int64, unchanged where it verified none."""
+    verdict = torch.where(accepted >= verified, HISTORY_ACCEPTED_ALL, HISTORY_REJECTED)
+    return torch.where(verified > 0, verdict, before)
 
 
 def select_lengths(survival: torch.Tensor, budget: int) -> torch.Tensor:

@@ -146,8 +146,8 @@ class ModelRunner:
         if graphed:  # (it takes the packed step launched ahead, if this is it)
             q_len = self.graphs.q_lens[-1]  # its blocks: K + 1 rows a request (a shorter block's padded)
             with region("dspark.forward"):
-                out = self.graphs.run_packed(reqs, plan.confidences, plan.inverse_temperatures, plan.ratio,
-                                             plan.columns, append_context=drafting)
+                out = self.graphs.run_packed(reqs, plan.confidences, plan.slope, plan.bias,
+                                             plan.history, plan.columns, append_context=drafting)
             ids, positions, slots = (x[:num * q_len] for x in self.graphs.inputs)
             t = StepTensors(ids, positions, slots, None, padded_page_table(reqs, dev) if drafting else None,
                             [(b + 1) * q_len for b in range(num)])
@@ -158,8 +158,9 @@ class ModelRunner:
             with region("dspark.forward"):
                 t = build_step_tensors(reqs, self.page_size, dev, self.kernels, self.geometry)
                 survival = survivals(torch.tensor(plan.confidences, dtype=torch.float32, device=dev),
-                                     torch.tensor(plan.inverse_temperatures, dtype=torch.float32, device=dev),
-                                     torch.tensor(plan.ratio, dtype=torch.float32, device=dev))  # [S, K]
+                                     torch.tensor(plan.slope, dtype=torch.float32, device=dev),
+                                     torch.tensor(plan.bias, dtype=torch.float32, device=dev),
+                                     torch.tensor(plan.history, dtype=torch.int64, device=dev))  # [S, K]
                 out = packed_verify(self.target, self.caches, t.meta, t.input_ids, t.positions, t.slots, survival,
                                     plan.budget, self.target.compute_top_argmax)
         if drafting and self.is_leader and not appended:
@@ -199,7 +200,7 @@ class ModelRunner:
                 self._rows_read.queue(self._read_back_rows(verified, proposal, verified_counts))
                 launched = self.graphs.launch_verify_ahead(
                     accepted_host, verified.committed, verified.accepted, proposal.tokens[:, :n], drafting, ahead,
-                    self._block_confidence(proposal) if ahead is not None else None)
+                    self._block_confidence(proposal) if ahead is not None else None, verified_counts)
             with region("dspark.results"):
                 host = self._rows_read.wait().tolist()
                 results = self._results(reqs, entries, verified, proposal, host=host)

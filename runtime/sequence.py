@@ -34,6 +34,9 @@ class Sequence:
     page_ids: list[int] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)
     draft_confidence: list[float] | None = None  # the confidence head's c_k of each draft_ids entry
+    # what its last verify with drafts did (runtime.confidence_scheduler.next_history): the confidence scheduler's
+    # survival correction is learned per class
+    verify_history: int = 0  # HISTORY_NONE
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # drafts verified for this request (as counted in the engine's metrics)

@@ -46,19 +46,22 @@ class PackedPlan:
     budget: int  # drafts verified over the step (the scheduler's columns x requests)
     columns: int  # the scheduler's columns (a packed graph of them feeds its batch bucket x (columns + 1) rows)
     confidences: list[list[float]]  # [S][K] each request's drafts' confidences, in batch order
-    inverse_temperatures: list[float]  # [K] 1 / the calibration temperature of each position
-    ratio: list[float]  # [K] the online survival correction
+    slope: list[float]  # [K] the survival fit's slope of each position (runtime.confidence_scheduler)
+    bias: list[list[float]]  # [H][K] and its bias, per verify-history class and position
+    history: list[int]  # [S] each request's verify-history class (runtime.confidence_scheduler.next_history)
 
 
 @dataclass(frozen=True, slots=True)
 class PackedAhead:
     """The next step is expected to be a packed verify (``PackedPlan``) of these columns, ranked under this
-    calibration and correction: the worker plans its attention while the drafter drafts, and may launch it ahead
-    with the confidences just drafted (on the device)."""
+    survival fit: the worker plans its attention while the drafter drafts, and may launch it ahead
+    with the confidences just drafted (on the device), each request's history class updated on the device from this
+    step's verification (``next_history``'s rule)."""
 
     columns: int
-    inverse_temperatures: list[float]  # [K]
-    ratio: list[float]  # [K]
+    slope: list[float]  # [K]
+    bias: list[list[float]]  # [H][K]
+    history: list[int]  # [S] each request's class before this step's verification, in this step's order
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,8 +65,9 @@ class EngineCollector:
                      scheduling["cost_table_ms_per_context_token"] / 1e3)):
                 yield GaugeMetricFamily(f"{PREFIX}:{name}", doc, value=value)
             correction = GaugeMetricFamily(f"{PREFIX}:confidence_survival_correction", "Survived over predicted "
-                                           "survival of the drafts verified at each block position (the online "
-                                           "correction of the calibrated survivals).", labels=["position"])
+                                           "survival of the drafts verified at each block position, predicted by "
+                                           "the offline calibration alone (how far off it is here).",
+                                           labels=["position"])
             for position, ratio in enumerate(scheduling["survival_correction"]):
                 correction.add_metric([str(position)], ratio)
             yield correction
@@ -78,6 +79,21 @@ class EngineCollector:
                 if value is not None:
                     skill.add_metric([str(position)], value)
             yield skill
+            fit = scheduling["survival_fit"]
+            slope = GaugeMetricFamily(f"{PREFIX}:confidence_survival_slope", "The online survival fit's slope on "
+                                      "the head's logit at each block position (1 / the calibration temperature "
+                                      "until evidence moves it; 0: the head tells nothing here).", labels=["position"])
+            for position, value in enumerate(fit["slope"]):
+                slope.add_metric([str(position)], value)
+            yield slope
+            bias = GaugeMetricFamily(f"{PREFIX}:confidence_survival_bias", "The online survival fit's bias at each "
+                                     "block position for requests of each verify history (what the request's last "
+                                     "verify with drafts did: none, accepted_all, rejected).",
+                                     labels=["position", "history"])
+            for history, values in fit["bias"].items():
+                for position, value in enumerate(values):
+                    bias.add_metric([str(position), history], value)
+            yield bias
         info = InfoMetricFamily(f"{PREFIX}:moe_backend", "MoE backend resolved on each rank.", labels=["rank", "role"])
         for rank in self.rank_info:
             info.add_metric([str(rank["rank"]), rank["role"]], {"backend": str(rank.get("moe_backend")),

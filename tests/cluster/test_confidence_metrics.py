@@ -1,5 +1,6 @@
 """/metrics exports what the confidence scheduler chose, how its step-time prediction held (and what a context
-token costs, as its table learned), its survival correction per position and how sharp its survivals were."""
+token costs, as its table learned), its survival correction per position, the survival fit (slope per position, bias
+per verify history) and how sharp its survivals were."""
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -28,6 +29,14 @@ def test_the_scheduler_gauges_are_exported(near_bigram_target, make_drafter):
     assert len(ratios) == 4
     for position, ratio in enumerate(ratios):
         assert f'dspark:confidence_survival_correction{{position="{position}"}} {float(ratio)}' in text
+    fit = llm.get_metrics()["confidence_scheduling"]["survival_fit"]
+    assert len(fit["slope"]) == 4 and set(fit["bias"]) == {"none", "accepted_all", "rejected"}
+    for position, value in enumerate(fit["slope"]):
+        assert f'dspark:confidence_survival_slope{{position="{position}"}} {float(value)}' in text
+    for history, values in fit["bias"].items():
+        for position, value in enumerate(values):
+            assert f'dspark:confidence_survival_bias{{history="{history}",position="{position}"}} {float(value)}' \
+                in text
     skills = llm.get_metrics()["confidence_scheduling"]["survival_skill_per_position"]
     assert len(skills) == 4 and skills[0] is not None  # the first position is verified at every step
     for position, value in enumerate(skills):  # a position without evidence (None) is left out

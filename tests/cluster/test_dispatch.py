@@ -45,7 +45,7 @@ def test_the_run_ahead_mark_and_the_next_verify_length_reach_the_actors():
     assert through(encoder, [decoder], b) == [b]
     # a packed verify expected next (its columns and ranking: the worker plans it and may launch it ahead)
     ahead = ScheduledBatch([request("a", [3])], 7, True, [], [], run_ahead=True, next_verify_len=7,
-                           next_packed=PackedAhead(3, [1.0] * 7, [0.9] * 7))
+                           next_packed=PackedAhead(3, [1.0] * 7, [[0.1] * 7, [1.2] * 7, [-0.5] * 7], [2]))
     assert through(encoder, [decoder], ahead) == [ahead]
     plain = batch(request("a", [3, 4]))
     got, = through(encoder, [decoder], plain)

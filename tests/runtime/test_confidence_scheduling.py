@@ -10,8 +10,8 @@ import torch
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.confidence_scheduler import (ConfidenceScheduler, ConfidenceStats, SurvivalSkill, read_calibration,
-                                          top_drafts)
+from runtime.confidence_scheduler import (HISTORY_ACCEPTED_ALL, HISTORY_NONE, HISTORY_REJECTED, ConfidenceScheduler,
+                                          ConfidenceStats, SurvivalSkill, next_history, read_calibration, top_drafts)
 from runtime.step_costs import StepCostTable
 from tests import builders
 from tests.runtime.test_sampling_distribution import FILTERS, N, empirical_tv, exact_joint, tv_bound
@@ -221,12 +221,60 @@ def test_the_correction_learns_only_what_was_verified_and_keeps_survivals_ordere
     assert correction.predicted.tolist() == pytest.approx([1.0, 0.5, 0.125])  # survivals 0.5 and 0.25 twice, 0.125
     # the prior: 32 drafts at each position's mean prediction (0.5, 0.25, 0.125), surviving as predicted
     assert correction.ratio.tolist() == pytest.approx([17.0 / 17.0, 9.0 / 8.5, 4.0 / 4.125])
-    corrected = correction.apply(np.array([[0.9, 0.85, 0.8]]))
-    assert (np.diff(corrected) <= 0).all() and corrected.max() <= 1.0
+    believed = correction.survival(np.array([[0.9, 0.85, 0.8], [0.3, 0.99, 0.99]]), [1, 2])
+    assert (np.diff(believed) <= 0).all() and believed.max() <= 1.0
     scheduler.learn([1], [1])  # nothing pending: ignored
     scheduler.allot([[0.5, 0.5, 0.5]] * 3)
     with pytest.raises(ValueError, match="2 verified and 2 accepted counts for a step of 3 verifying requests"):
         scheduler.learn([1, 1], [0, 0])
+
+
+def serve_packed(scheduler: ConfidenceScheduler, good: np.ndarray, steps: int, use_history: bool,
+                 seed: int = 0) -> tuple[float, list[int]]:
+    """Packed steps of ``len(good)`` requests whose head says the same of every draft (0.6): a good request accepts
+    each draft with chance 0.97 (a stretch its drafter predicts well), the others 0.15, for the whole run. The
+    device's selection (top survivals over the step) verified, the scheduler learning what was accepted and each
+    request's class following ``next_history``. -> (committed tokens per predicted ms after the first half, the
+    drafts each request verified at the last step)."""
+    rng = np.random.default_rng(seed)
+    num, k = len(good), scheduler.max_draft_len
+    history, tokens, ms, lengths = [HISTORY_NONE] * num, 0.0, 0.0, []
+    for step in range(steps):
+        classes = history if use_history else None
+        budget = scheduler.allot_packed([[0.6] * k] * num, history=classes)
+        survival = scheduler.survival(np.full((num, k), 0.6), classes)
+        lengths = top_drafts(survival, np.ones_like(survival, dtype=bool), budget)
+        chance = np.where(good, 0.97, 0.15)[:, None]
+        run = np.cumprod(rng.random((num, k)) < chance, axis=1)
+        accepted = [int(run[i, :lengths[i]].sum()) for i in range(num)]
+        scheduler.learn(lengths.tolist(), accepted)
+        history = [next_history(h, int(n), a) for h, n, a in zip(history, lengths, accepted)]
+        if step >= steps // 2:
+            tokens += num + sum(accepted)
+            ms += scheduler.last.predicted_ms
+    return tokens / ms, lengths.tolist()
+
+
+def test_the_fit_tells_requests_apart_by_their_verify_history():
+    """A head that says the same of every draft (a drafter trained briefly: run 54) cannot tell a request in a
+    stretch it predicts well from one it does not; the request's last verify can. Without it the scheduler can only
+    give every request the same share; with it, the fit learns each class's survival (the slope falls to what the
+    head tells: nothing) and the packed step gives whole blocks to the good requests and little to the others, for
+    more tokens per second at a dear per-token cost."""
+    good = np.arange(16) % 2 == 0
+    with_history = ConfidenceScheduler(6, flat_table(0.4), layout="packed")
+    rate, lengths = serve_packed(with_history, good, 400, use_history=True)
+    alone = ConfidenceScheduler(6, flat_table(0.4), layout="packed")
+    rate_alone, lengths_alone = serve_packed(alone, good, 400, use_history=False)
+    fit = with_history.correction
+    assert fit.learned and fit.bias[HISTORY_ACCEPTED_ALL, 0] > fit.bias[HISTORY_REJECTED, 0] + 2.0
+    survival = fit.survival(np.full((2, 6), 0.6), [HISTORY_ACCEPTED_ALL, HISTORY_REJECTED])
+    assert survival[0, 0] > 0.8 and survival[1, 0] < 0.4  # near 0.97 and 0.15 (the classes are nearly the kinds)
+    assert np.mean(np.asarray(lengths)[good]) > 3 * np.mean(np.asarray(lengths)[~good])  # (one may have rejected)
+    assert len(set(lengths_alone)) <= 2  # without the history: the same share for all (ties split by position)
+    assert rate > 1.15 * rate_alone
+    skill = fit.skill.per_position()[0]
+    assert skill is not None and skill > 0.2 > (alone.correction.skill.per_position()[0] or 0.0)
 
 
 def test_the_skill_scores_the_believed_survivals_of_the_verified_drafts():
@@ -566,8 +614,8 @@ def test_the_scheduler_compares_verify_lengths_at_the_steps_own_context(layout):
 def test_a_small_step_decides_in_plain_python_exactly_as_numpy(monkeypatch, calibrated, layout):
     """A step of few drafts is decided in plain Python (numpy's first calls after an engine step cost more than its
     arithmetic); over random steps (blocks cut short, confidences of 0, mixed-in prefill, a context, a learned
-    correction and context slope, exploration) it chooses the same lengths and caps (or budgets), predicts the same
-    tokens and time, and learns the same correction as the numpy path."""
+    survival fit and context slope, exploration, requests of every verify-history class) it chooses the same lengths
+    and caps (or budgets), predicts the same tokens and time, and learns the same fit as the numpy path."""
     from runtime import confidence_scheduler
 
     k = 5
@@ -590,10 +638,11 @@ def test_a_small_step_decides_in_plain_python_exactly_as_numpy(monkeypatch, cali
                 block[int(rng.integers(0, len(block)))] = 0.0
             confidences.append(block)
         others = (int(rng.integers(0, 3)), int(rng.integers(0, 40)), int(rng.integers(0, 4000)))
+        history = rng.integers(0, 3, size=num).tolist()
         monkeypatch.setattr(confidence_scheduler, "SMALL_STEP", 64)
-        got = python.allot(confidences, *others)
+        got = python.allot(confidences, *others, history)
         monkeypatch.setattr(confidence_scheduler, "SMALL_STEP", 0)
-        want = vectorized.allot(confidences, *others)
+        want = vectorized.allot(confidences, *others, history)
         assert got == want and python.cap == vectorized.cap
         assert python.budget_per_request == vectorized.budget_per_request
         caps.add(python.cap if layout == "padded" else python.budget_per_request)
@@ -610,6 +659,8 @@ def test_a_small_step_decides_in_plain_python_exactly_as_numpy(monkeypatch, cali
     vectorized.correction.fold()
     assert python.correction.learned and python.explored > 0 and len(caps) >= 3  # decisions that differ
     assert python.correction.ratio.tolist() == pytest.approx(vectorized.correction.ratio.tolist(), rel=1e-12)
+    assert python.correction.theta.tolist() == vectorized.correction.theta.tolist()
+    assert (python.correction.theta != python.correction.prior).any()  # the fit moved
 
 
 @pytest.mark.parametrize("layout", ["ragged", "padded", "packed"])

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.confidence_scheduler import ConfidenceScheduler, top_drafts
-from runtime.packed_verify import pack_index, packed_verify, select_lengths, survivals, verify_positions
+from runtime.confidence_scheduler import ConfidenceScheduler, next_history, top_drafts
+from runtime.packed_verify import (history_after, pack_index, packed_verify, select_lengths, survivals,
+                                   verify_positions)
 from runtime.step_io import ScheduledRequest
 from runtime.step_tensors import build_step_tensors
 from runtime.verify import accept_by_match
@@ -35,17 +36,39 @@ def test_the_selection_is_the_host_schedulers_global_top_drafts():
 
 
 def test_survivals_match_the_schedulers_calibrated_and_corrected_ones():
+    """The device's survivals are the host's: at the offline calibration (before any fit), and under a fit whose
+    slope and per-class biases differ by position and verify-history class."""
     rng = np.random.default_rng(1)
     temperatures = [0.6, 1.0, 1.7, 3.0, 0.9]
     scheduler = ConfidenceScheduler(5, flat_table(0.001), temperatures)
-    scheduler.correction.ratio = np.array([1.0, 1.3, 0.8, 1.6, 1.1])
-    scheduler.correction.learned = True
     confidence = rng.uniform(0.01, 0.99, size=(6, 5))
     confidence[2, 3:] = 0.0  # a block cut short
-    want = scheduler.correction.apply(scheduler.survival(confidence))
-    got = survivals(torch.from_numpy(confidence), torch.tensor(1.0 / np.array(temperatures)),
-                    torch.from_numpy(scheduler.correction.ratio))
-    assert got.numpy() == pytest.approx(want, rel=1e-12, abs=1e-15)
+    history = [0, 1, 2, 2, 1, 0]
+    correction = scheduler.correction
+
+    def on_device():
+        return survivals(torch.from_numpy(confidence), torch.from_numpy(correction.slope),
+                         torch.from_numpy(correction.bias), torch.tensor(history)).numpy()
+
+    calibrated = scheduler.survival(confidence, history)
+    assert on_device() == pytest.approx(calibrated, rel=1e-12, abs=1e-15)
+    assert correction.slope.tolist() == pytest.approx([1 / t for t in temperatures])  # STS until evidence moves it
+    correction.theta[:, 0] = [0.5, 1.2, 0.0, 2.0, 0.8]  # slopes
+    correction.theta[:, 1] = [0.1, -0.3, 0.4, 0.0, 1.0]  # intercepts
+    correction.theta[:, 2:] = rng.normal(0.0, 1.0, size=(5, 3))  # class offsets
+    correction._set_parameters()
+    fitted = scheduler.survival(confidence, history)
+    assert on_device() == pytest.approx(fitted, rel=1e-12, abs=1e-15)
+    assert (np.diff(fitted, axis=1) <= 0).all() and not np.allclose(fitted, scheduler.survival(confidence))
+
+
+def test_the_devices_history_rule_is_the_engines():
+    """``history_after`` (a packed step launched ahead) applies ``next_history`` to every request at once."""
+    before = [0, 1, 2, 0, 1, 2, 2]
+    verified = [3, 3, 3, 0, 0, 2, 5]
+    accepted = [3, 1, 0, 0, 0, 2, 4]
+    got = history_after(torch.tensor(before), torch.tensor(verified), torch.tensor(accepted))
+    assert got.tolist() == [next_history(*case) for case in zip(before, verified, accepted)] == [1, 2, 2, 0, 1, 1, 2]
 
 
 def test_pack_index_and_verify_positions():
@@ -122,8 +145,7 @@ def test_the_packed_budget_lags_a_step_and_prices_the_global_top_drafts():
     assert cheap.allot_packed(confidences) == 12 and cheap.columns == 4  # whole blocks first, and next
     dear = ConfidenceScheduler(4, flat_table(2.0), layout="packed")
     assert dear.allot_packed(confidences) == 12  # the first step: whole blocks (nothing earlier to go by)
-    ranked = sorted((s for row in dear.correction.apply(np.asarray([dear.survival_row(c, 4) for c in confidences]))
-                     for s in row), reverse=True)
+    ranked = sorted((s for row in [dear.survival_row(c, 4) for c in confidences] for s in row), reverse=True)
     rates = [(3 + sum(ranked[:3 * c])) / (10.0 + 2.0 * 3 * (c + 1)) for c in range(5)]
     assert dear.columns == int(np.argmax(rates)) < 4
     budget = dear.allot_packed(confidences)
@@ -131,7 +153,7 @@ def test_the_packed_budget_lags_a_step_and_prices_the_global_top_drafts():
     assert dear.last.expected_tokens == pytest.approx(3 + sum(ranked[:budget]))
     dear.learn([min(4, budget)] * 3, [1, 0, 1])  # the device's verified counts, bounded by what was proposed
     dear.correction.fold()
-    assert dear.correction.learned
+    assert dear.correction.verified[0] == 3 and dear.correction._filled.tolist() == [3, 2, 0, 0]  # reached drafts
 
 
 def test_the_packed_layout_keeps_greedy_outputs_and_learns_what_the_device_verified(tmp_path, near_bigram_target,
