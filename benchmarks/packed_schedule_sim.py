@@ -136,7 +136,8 @@ def main() -> int:
     record = {"benchmark": "packed_schedule_sim", "kind": "CPU simulation (synthetic drafts, measured step costs)",
               "date": date.today().isoformat(), "host": platform.node(), "command": " ".join(["python3", *sys.argv]),
               "step_costs": args.step_costs, "batch": args.batch, "max_draft_len": args.max_draft_len,
-              "head_noise": args.head_noise, "persistence": args.persistence, "temperatures": temperatures, "steps": args.steps,
+              "head_noise": args.head_noise, "persistence": args.persistence, "temperatures": temperatures,
+              "steps": args.steps,
               "packed_overhead_ms": args.packed_overhead_ms, "seed": args.seed, "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

@@ -165,12 +165,13 @@ class SurvivalCorrection:
     offsets ``d_{h,k}`` are a logistic regression on the drafts of that position the engine reached (verified, its
     prefix accepted) and whether each was accepted: the last ``FIT_WINDOW`` of them, a ridge prior of precision
     ``FIT_PRIOR`` at the offline calibration (``a_k = 1 / T_k``, no bias: with no evidence the survivals are STS's),
-    redone by ``NEWTON_STEPS`` Newton steps once ``FIT_EVERY`` new drafts were reached. Where the head tells drafts apart the
-    slope keeps that; where it does not (a drafter trained briefly: run 54) the slope falls and each class's bias
-    carries what the requests' histories tell; a bias of the whole position is what the ratio correction of runs
-    37-53 learned (the offline temperature, fitted on other text, left the late drafts' survivals 10-25% low, and the
-    scheduler trimmed drafts that would have paid). A multiplicative ratio could not separate requests whose
-    survivals spread over orders of magnitude (a temperature of 0.1 pushes them to 0 or 1): a ratio of 3 on 1e-6 is
+    redone by ``NEWTON_STEPS`` Newton steps once ``FIT_EVERY`` new drafts were reached. Where the head tells drafts
+    apart the slope keeps that; where it does not (a drafter trained briefly: run 54) the slope falls and each
+    class's bias carries what the requests' histories tell; a bias of the whole position is what the ratio
+    correction of runs 37-53 learned (the offline temperature, fitted on other text, left the late drafts' survivals
+    10-25% low, and the scheduler trimmed drafts that would have paid). A multiplicative ratio could not separate
+    requests whose survivals spread over orders of magnitude (a temperature of 0.1 pushes them to 0 or 1): a ratio
+    of 3 on 1e-6 is
     still nothing, where a fitted slope of 0.2 brings them to the class's rate.
 
     **The diagnostic** ``ratio`` [K] (metrics only): of the drafts verified at position k, how many survived over the
