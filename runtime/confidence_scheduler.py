@@ -27,28 +27,30 @@ tokens fed)``. The scheduler, in either of two step layouts:
    had), so verify tokens are priced at the step's real place on the cost curve, and the context its requests
    attend over (``StepCostTable``: cells learned at other contexts are read as if at this one).
 
-4. the survivals are corrected online, per draft position, by what the engine's own verifications accepted
-   (``SurvivalCorrection``): a temperature fitted offline on other text leaves a bias the scheduler pays for (runs
-   37 and 42 on an H200: the late drafts' survivals predicted 10-25% low, so it trimmed drafts that would have
-   paid, 0.89-0.96 of the tuned schedule's throughput at 16-256 requests). The correction reads only steps already
-   committed, so, like the lag of point 2, it never looks at the tokens being verified. A draft position is only
-   learned where it is verified, so every ``EXPLORE_EVERY``-th decision below whole blocks verifies whole blocks
-   (~3% of steps): a cap that under-predicted survivals put below the drafts that pay would otherwise never see
-   the evidence that lifts it. Whole blocks, not one draft more: where the cost curve has a step past the cap
-   (a GEMM tile, a graph bucket) one more column does not pay on its own while the whole block does, and run 47
-   (256 requests, one draft more) left the positions two past the cap at their under-predicted survivals, capped
-   at 3.7 of 7 drafts for 0.90 of the whole blocks' throughput. The step counter, not the tokens, decides when.
-5. the correction is learned per **verify history** as well: each request's class is what its last verify with
-   drafts did (``HISTORY_CLASSES``: none yet, accepted every draft it verified, rejected one), and each class has
-   its own ratio per position (``SurvivalCorrection``). Acceptance is
-   correlated from step to step within a request (a request in a stretch the drafter predicts well stays in it), and
-   a confidence head trained briefly does not see it: run 54 (a 2.7B target, its drafter trained 35 s) accepted
-   0.79 / 0.61 / 0.58 / 0.58 / ... at 64 requests (the requests that survive two drafts survive them all), where an
-   oracle verifying only the drafts that will be accepted gains 1.18x and the scheduler, its survivals the same for
-   every request (Brier skill -0.05 at position 0), verified whole blocks. The class is the previous step's outcome,
-   committed before this step's block is verified, so it keeps the selection lossless as the lag of point 2 does;
-   a packed step launched ahead computes it on the device from the step before's verdicts
-   (``GraphedTargetForward.launch_verify_ahead``), the same rule as the engine's ``next_history``.
+4. the survivals are fitted online to what the engine's own verifications accepted (``SurvivalCorrection``: per
+   position a logistic regression of each reached draft's acceptance on its confidence's logit and its request's
+   verify-history class, with the offline calibration as its prior): a temperature fitted offline on other text
+   leaves a bias the scheduler pays for (runs 37 and 42 on an H200: the late drafts' survivals predicted 10-25%
+   low, so it trimmed drafts that would have paid, 0.89-0.96 of the tuned schedule's throughput at 16-256
+   requests). The fit reads only steps already committed, so, like the lag of point 2, it never looks at the
+   tokens being verified. A draft position is only learned where it is reached, so every ``EXPLORE_EVERY``-th
+   decision below whole blocks verifies whole blocks (~3% of steps): a cap that under-predicted survivals put
+   below the drafts that pay would otherwise never see the evidence that lifts it. Whole blocks, not one draft
+   more: where the cost curve has a step past the cap (a GEMM tile, a graph bucket) one more column does not pay
+   on its own while the whole block does, and run 47 (256 requests, one draft more) left the positions two past
+   the cap at their under-predicted survivals, capped at 3.7 of 7 drafts for 0.90 of the whole blocks'
+   throughput. The step counter, not the tokens, decides when.
+5. a request's **verify history** is what its last verify with drafts did (``HISTORY_CLASSES``: none yet, accepted
+   every draft it verified, rejected one; ``next_history``), and the fit has a bias per class and position.
+   Acceptance is correlated from step to step within a request (a request in a stretch the drafter predicts well
+   stays in it), and a confidence head trained briefly does not see it: run 54 (a 2.7B target, its drafter trained
+   35 s) accepted 0.79 / 0.61 / 0.58 / 0.58 / ... at 64 requests (the requests that survive two drafts survive them
+   all), where an oracle verifying only the drafts that will be accepted gains 1.18x and the scheduler of the time
+   (a survived-over-predicted ratio per position), its survivals alike for every request (Brier skill -0.05 at
+   position 0), verified whole blocks; run 55 with the fit: skill 0.36-0.44 past position 0. The class is the
+   previous step's outcome, committed before this step's block is verified, so it keeps the selection lossless as
+   the lag of point 2 does; a packed step launched ahead computes it on the device from the step before's verdicts
+   (``GraphedTargetForward.launch_verify_ahead``, ``runtime.packed_verify.history_after``).
 
 The first step (no earlier confidences) verifies whole blocks. The host work is a few numpy operations over the
 batch's ``S x K`` confidences (numpy, not torch: a CPU torch op costs several microseconds of dispatch, and at
@@ -59,7 +61,7 @@ two engine steps numpy's code is cold, and each distinct numpy call's first use 
 were the cost: a padded decision and its learning right after a step 247 / 254 / 314 / 255 us with numpy at 1 / 4 /
 8 / 16 requests, 57 / 90 / 118 / 202 us in Python; a ragged one 313 / 330 / 368 / 336 against 75 / 123 / 188 / 288
 (``benchmarks/scheduler_host.py``, ``2026-12-02-scheduler-host-cpu``; at 32 requests numpy wins, 279 against 345
-and 331 against 515 us, hence 128 drafts). The online correction gathers its evidence as it comes and converts it
+and 331 against 515 us, hence 128 drafts). The online fit gathers its evidence as it comes and converts it
 when it folds.
 """
 
@@ -123,6 +125,17 @@ def history_rows(history, num: int) -> np.ndarray:
     return rows
 
 
+def history_list(history, num: int) -> list[int]:
+    """``history_rows`` in plain Python (a small step: no numpy calls, see the module doc)."""
+    if history is None:
+        return [HISTORY_NONE] * num
+    rows = list(history)
+    if len(rows) != num or any(not 0 <= h < len(HISTORY_CLASSES) for h in rows):
+        raise ValueError(f"confidence scheduling: {num} verify-history classes in 0..{len(HISTORY_CLASSES) - 1} "
+                         f"expected, got {history!r}")
+    return rows
+
+
 class SurvivalSkill:
     """How much the corrected survivals tell drafts apart, per position: of the drafts verified at position k, the
     Brier score of the survival the scheduler believed (corrected as when the step was decided) against what
@@ -171,8 +184,7 @@ class SurvivalCorrection:
     correction of runs 37-53 learned (the offline temperature, fitted on other text, left the late drafts' survivals
     10-25% low, and the scheduler trimmed drafts that would have paid). A multiplicative ratio could not separate
     requests whose survivals spread over orders of magnitude (a temperature of 0.1 pushes them to 0 or 1): a ratio
-    of 3 on 1e-6 is
-    still nothing, where a fitted slope of 0.2 brings them to the class's rate.
+    of 3 on 1e-6 is still nothing, where a fitted slope of 0.2 brings them to the class's rate.
 
     **The diagnostic** ``ratio`` [K] (metrics only): of the drafts verified at position k, how many survived over the
     survival the offline calibration predicted for them, with a prior of ``CORRECTION_PRIOR`` drafts at ratio 1 (at
@@ -491,7 +503,7 @@ class ConfidenceScheduler:
     def learn(self, verified: list[int], accepted: list[int]) -> None:
         """How many drafts each request of the last ``allot`` verified (at most what it was allotted: the step may
         have trimmed more, at a token limit) and accepted, in its order (-1: unknown, e.g. the request left the
-        step or failed): the online survival correction's evidence. Call once per allot, after the step
+        step or failed): the online survival fit's evidence. Call once per allot, after the step
         committed."""
         if self._pending is None:
             return
@@ -510,7 +522,7 @@ class ConfidenceScheduler:
         if offered == 0:
             return None
         k = max(sizes)
-        history = history_rows(history, len(sizes)).tolist()
+        history = history_list(history, len(sizes))
         padded = [list(c) + [0.0] * (k - len(c)) for c in confidences]
         return (len(sizes), k, sizes, offered, padded,
                 [self.survival_row(c, k, h) for c, h in zip(confidences, history)], history)
@@ -735,7 +747,7 @@ class ConfidenceStats:
 
     def as_dict(self, scheduler: ConfidenceScheduler) -> dict:
         per = max(self.requests, 1)
-        scheduler.correction.fold()  # the evidence gathered since the last fold, so the ratios shown are current
+        scheduler.correction.fold()  # the evidence gathered since the last fold, so the figures shown are current
         return {"decisions": self.decisions, "mean_verify_budget_per_request": self.budget / per,
                 "mean_offered_per_request": self.offered / per,
                 "mean_expected_tokens_per_request": self.expected_tokens / per,

@@ -686,3 +686,13 @@ def test_every_decision_records_the_survival_it_believed_at_each_position(layout
     stats.record_decision(scheduler.last, requests)
     mean = stats.as_dict(scheduler)["mean_predicted_survival_per_position"]
     assert mean == pytest.approx((np.cumprod(table, axis=1).mean(axis=0)).tolist(), abs=1e-4)
+
+
+def test_a_bad_verify_history_is_refused_naming_what_was_expected():
+    scheduler = ConfidenceScheduler(3, flat_table(0.001))
+    for small in (True, False):  # the plain-Python and the numpy paths
+        confidences = [[0.5, 0.5, 0.5]] * (2 if small else 60)
+        with pytest.raises(ValueError, match="verify-history classes in 0..2 expected"):
+            scheduler.allot(confidences, history=[0, 3] + [0] * (len(confidences) - 2))
+        with pytest.raises(ValueError, match=f"{len(confidences)} verify-history classes"):
+            scheduler.allot(confidences, history=[0])
