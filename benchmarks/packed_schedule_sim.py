@@ -77,7 +77,7 @@ def run_packed(scheduler: ConfidenceScheduler, draws: list, step_ms: np.ndarray,
         run = np.cumprod(accepted, axis=1)
         committed = np.array([int(run[i, :lengths[i]].sum()) for i in range(batch)])
         scheduler.learn(lengths.tolist(), committed.tolist())
-        history = [next_history(h, int(n), int(a)) for h, n, a in zip(history, lengths, committed)]
+        history = [next_history(h, int(n), int(a), k) for h, n, a in zip(history, lengths, committed)]
         tokens += batch + committed.sum()
         ms += step_ms[columns] + (overhead_ms if 0 < columns < k else 0.0)
         columns_chosen.append(columns)

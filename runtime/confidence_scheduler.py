@@ -40,8 +40,10 @@ tokens fed)``. The scheduler, in either of two step layouts:
    on its own while the whole block does, and run 47 (256 requests, one draft more) left the positions two past
    the cap at their under-predicted survivals, capped at 3.7 of 7 drafts for 0.90 of the whole blocks'
    throughput. The step counter, not the tokens, decides when.
-5. a request's **verify history** is what its last verify with drafts did (``HISTORY_CLASSES``: none yet, accepted
-   every draft it verified, rejected one; ``next_history``), and the fit has a bias per class and position.
+5. a request's **verify history** is what its last verify with drafts did (``history_classes``: none yet, rejected
+   the draft after j accepted ones, accepted all n it verified; ``next_history``), and the fit has a bias per class
+   and position (the class says where the request stopped, or how far it got: "accepted all" of a verify trimmed to
+   one draft says nothing of its second draft, and run 55's requests that rejected did so at the second).
    Acceptance is correlated from step to step within a request (a request in a stretch the drafter predicts well
    stays in it), and a confidence head trained briefly does not see it: run 54 (a 2.7B target, its drafter trained
    35 s) accepted 0.79 / 0.61 / 0.58 / 0.58 / ... at 64 requests (the requests that survive two drafts survive them
@@ -101,38 +103,48 @@ EXPLORE_EVERY = 32  # every this many decisions below whole blocks, the next ste
 FOLD_EVERY = 8  # steps of evidence the correction gathers before it folds them in (its numpy work, once for all)
 SMALL_STEP = 128  # a step of at most this many drafts (requests x max_draft_len) is decided in plain Python
 # a request's verify history (point 5 of the module doc): what its last verify with drafts did
-HISTORY_CLASSES = ("none", "accepted_all", "rejected")
-HISTORY_NONE, HISTORY_ACCEPTED_ALL, HISTORY_REJECTED = range(len(HISTORY_CLASSES))
+HISTORY_NONE = 0  # no verify with drafts yet
 
 
-def next_history(history: int, verified: int, accepted: int) -> int:
+def history_classes(max_draft_len: int) -> list[str]:
+    """The verify-history classes of an engine drafting up to K drafts, in index order (2K + 1): ``none``, then
+    ``rejected_at_j`` (its last verify accepted j drafts and rejected the next), then ``accepted_n`` (it accepted
+    all n drafts it verified: it survives at least n)."""
+    k = max_draft_len
+    return ["none"] + [f"rejected_at_{j}" for j in range(k)] + [f"accepted_{n}" for n in range(1, k + 1)]
+
+
+def next_history(history: int, verified: int, accepted: int, max_draft_len: int) -> int:
     """A request's class after a verify of ``verified`` drafts of which it accepted ``accepted`` (-1: unknown):
-    unchanged where it verified none (or the outcome is unknown), else whether it accepted them all. The device
-    applies the same rule to a packed step it launches ahead (``runtime.graphs``)."""
+    unchanged where it verified none (or the outcome is unknown); ``rejected_at_{accepted}`` where it rejected one,
+    else ``accepted_{verified}``. The device applies the same rule to a packed step it launches ahead
+    (``runtime.packed_verify.history_after``)."""
     if verified <= 0 or accepted < 0:
         return history
-    return HISTORY_ACCEPTED_ALL if accepted >= verified else HISTORY_REJECTED
+    if accepted < verified:
+        return 1 + min(accepted, max_draft_len - 1)
+    return max_draft_len + min(verified, max_draft_len)
 
 
-def history_rows(history, num: int) -> np.ndarray:
-    """[S] int64 classes (None: every request ``HISTORY_NONE``)."""
+def history_rows(history, num: int, classes: int) -> np.ndarray:
+    """[S] int64 classes, each below ``classes`` (None: every request ``HISTORY_NONE``)."""
     if history is None:
         return np.zeros(num, dtype=np.int64)
     rows = np.asarray(history, dtype=np.int64).reshape(-1)
-    if rows.shape[0] != num or (rows.size and (rows.min() < 0 or rows.max() >= len(HISTORY_CLASSES))):
-        raise ValueError(f"confidence scheduling: {num} verify-history classes in 0..{len(HISTORY_CLASSES) - 1} "
-                         f"expected, got {history!r}")
+    if rows.shape[0] != num or (rows.size and (rows.min() < 0 or rows.max() >= classes)):
+        raise ValueError(f"confidence scheduling: {num} verify-history classes in 0..{classes - 1} expected, got "
+                         f"{history!r}")
     return rows
 
 
-def history_list(history, num: int) -> list[int]:
+def history_list(history, num: int, classes: int) -> list[int]:
     """``history_rows`` in plain Python (a small step: no numpy calls, see the module doc)."""
     if history is None:
         return [HISTORY_NONE] * num
     rows = list(history)
-    if len(rows) != num or any(not 0 <= h < len(HISTORY_CLASSES) for h in rows):
-        raise ValueError(f"confidence scheduling: {num} verify-history classes in 0..{len(HISTORY_CLASSES) - 1} "
-                         f"expected, got {history!r}")
+    if len(rows) != num or any(not 0 <= h < classes for h in rows):
+        raise ValueError(f"confidence scheduling: {num} verify-history classes in 0..{classes - 1} expected, got "
+                         f"{history!r}")
     return rows
 
 
@@ -195,7 +207,9 @@ class SurvivalCorrection:
     (a refit costs ~0.7 ms of numpy: at 64 requests once per ~8 steps, at a few once per 64)."""
 
     def __init__(self, max_draft_len: int, inverse_temperatures: np.ndarray | None = None):
-        k, classes = max_draft_len, len(HISTORY_CLASSES)
+        k = max_draft_len
+        self.history_names = history_classes(k)
+        classes = len(self.history_names)
         inverse = np.ones(k) if inverse_temperatures is None else np.asarray(inverse_temperatures, dtype=np.float64)
         self.inverse_temperatures = inverse[:k]
         # the diagnostic ratio
@@ -235,13 +249,15 @@ class SurvivalCorrection:
 
     def survival(self, confidence, history=None) -> np.ndarray:
         """confidence [S, K'] (K' <= K; 0 where nothing was proposed), history [S] classes (None: all
-        ``HISTORY_NONE``) -> the believed survival [S, K'], in [0, 1] and non-increasing along each row."""
+        ``HISTORY_NONE``; classes of ``history_classes``) -> the believed survival [S, K'], in [0, 1] and
+        non-increasing along each row."""
         confidence = np.asarray(confidence, dtype=np.float64)
         if self.identity:
             return np.cumprod(np.maximum(confidence, 0.0), axis=1)
         k = confidence.shape[1]
         c = np.minimum(np.maximum(confidence, 1e-9), 1 - 1e-9)  # ufuncs: ndarray.clip costs ~5 us more per step
-        factor = ((1.0 - c) / c) ** self.slope[:k] * self.bias_factor[history_rows(history, c.shape[0]), :k]
+        rows = history_rows(history, c.shape[0], len(self.history_names))
+        factor = ((1.0 - c) / c) ** self.slope[:k] * self.bias_factor[rows, :k]
         return np.cumprod(np.where(confidence > 0, 1.0 / (1.0 + factor), 0.0), axis=1)
 
     def survival_row(self, confidence: list[float], k: int, history: int = HISTORY_NONE) -> list[float]:
@@ -280,7 +296,8 @@ class SurvivalCorrection:
         lengths = np.minimum(np.concatenate([np.asarray(a, dtype=np.int64) for _, a, _, _, _ in self._evidence]),
                              np.concatenate([np.asarray(v, dtype=np.int64) for _, _, v, _, _ in self._evidence]))
         accepted = np.concatenate([np.asarray(a, dtype=np.int64) for _, _, _, a, _ in self._evidence])
-        history = np.concatenate([history_rows(h, len(a)) for _, _, _, a, h in self._evidence])  # [sum S]
+        classes = len(self.history_names)
+        history = np.concatenate([history_rows(h, len(a), classes) for _, _, _, a, h in self._evidence])  # [sum S]
         self._evidence = []
         known = accepted >= 0
         if not known.any():
@@ -332,7 +349,7 @@ class SurvivalCorrection:
         class of a few weighted terms: one ``bincount`` each over the window (a refit of 7 x 2048 drafts ~0.7 ms on a
         2-core CPU host, where dense [K, W, F] products of 7 x 4096 and four steps cost 5)."""
         self._new = self._folds = 0
-        k, classes = self._x.shape[0], len(HISTORY_CLASSES)
+        k, classes = self._x.shape[0], len(self.history_names)
         used = (np.arange(FIT_WINDOW)[None, :] < self._filled[:, None]).astype(np.float64)  # [K, W]
         index = (np.arange(k)[:, None] * classes + self._h).reshape(-1)  # [K*W] position-major (position, class)
         x, y = self._x, self._y
@@ -368,7 +385,7 @@ class SurvivalCorrection:
         """The fit as it stands (metrics): ``slope`` [K] and ``bias`` per class [K], rounded."""
         self.fold()
         return {"slope": [round(float(a), 4) for a in self.slope],
-                "bias": {name: [round(float(b), 4) for b in row] for name, row in zip(HISTORY_CLASSES, self.bias)}}
+                "bias": {name: [round(float(b), 4) for b in row] for name, row in zip(self.history_names, self.bias)}}
 
 
 def calibrated_survival(confidence: np.ndarray, inverse_temperatures: np.ndarray) -> np.ndarray:
@@ -474,7 +491,7 @@ class ConfidenceScheduler:
             table = np.zeros((num, k))
             for i, c in enumerate(confidences):
                 table[i, :len(c)] = c
-        history = history_rows(history, num)
+        history = history_rows(history, num, len(self.correction.history_names))
         survival = self.survival(table, history)
         if padded:
             lengths = self._allot_padded(survival, sizes, other_requests, other_tokens, context)
@@ -522,7 +539,7 @@ class ConfidenceScheduler:
         if offered == 0:
             return None
         k = max(sizes)
-        history = history_list(history, len(sizes))
+        history = history_list(history, len(sizes), len(self.correction.history_names))
         padded = [list(c) + [0.0] * (k - len(c)) for c in confidences]
         return (len(sizes), k, sizes, offered, padded,
                 [self.survival_row(c, k, h) for c, h in zip(confidences, history)], history)
@@ -616,7 +633,7 @@ class ConfidenceScheduler:
         if num == 0 or offered == 0:
             return 0
         k = max(sizes)
-        history = history_rows(history, num)
+        history = history_rows(history, num, len(self.correction.history_names))
         padded = [list(c) + [0.0] * (k - len(c)) for c in confidences]  # [S][K]
         survival = np.asarray([self.survival_row(c, k, h) for c, h in zip(confidences, history.tolist())])
         column_sums = survival.sum(axis=0)  # [K] each position's survivals, summed

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from configs import LLMConfig
 from configs.checkpoint import read_model_config
-from runtime.confidence_scheduler import (HISTORY_CLASSES, ConfidenceScheduler, ConfidenceStats, next_history,
+from runtime.confidence_scheduler import (ConfidenceScheduler, ConfidenceStats, history_classes, next_history,
                                           read_calibration)
 from runtime.executor import Executor, LocalExecutor
 from runtime.graph_layout import graphed_q_len
@@ -325,7 +325,7 @@ class Engine:
         profiling: the profile times the step, whichever drafts it picks)."""
         if self.confidence is not None:
             return self.confidence.ranking(k)
-        return [1.0] * k, [[0.0] * k for _ in HISTORY_CLASSES]
+        return [1.0] * k, [[0.0] * k for _ in history_classes(int(self.spec.max_draft_len))]
 
     def _histories(self, scheduled: list[ScheduledRequest]) -> list[int]:
         """[S] each scheduled request's verify-history class, in step order."""
@@ -463,9 +463,10 @@ class Engine:
                 if result.error is not None:
                     raise RequestFault(result.error)
                 kept = self._commit(seq, entry, result)
-                if entry.sample and entry.num_drafts:  # the rule the device applies to a packed step launched ahead
+                if self.confidence is not None and entry.sample and entry.num_drafts:  # (the device's rule too)
                     verified = entry.num_drafts if result.num_verified is None else result.num_verified
-                    seq.verify_history = next_history(seq.verify_history, verified, result.num_accepted)
+                    seq.verify_history = next_history(seq.verify_history, verified, result.num_accepted,
+                                                      self.confidence.max_draft_len)
                 if seq.finish_reason is None:
                     self.scheduler.cache_computed(seq)
                 step_drafted, step_accepted = self._counted(entry, result, kept, seq.finish_reason is not None)

@@ -74,7 +74,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.confidence_scheduler import HISTORY_CLASSES
+from runtime.confidence_scheduler import history_classes
 from runtime.graph_layout import (LaunchedDecode, LaunchedVerify, batch_buckets, graph_inputs, graphed_q_len,
                                   next_anchor_position, next_decode_layout, next_verify_layout)
 from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta
@@ -214,7 +214,8 @@ class GraphedTargetForward:
         k = self.q_lens[-1] - 1
         self.packed_confidence = torch.zeros(max_batch, max(k, 1), dtype=torch.float32, device=device)
         self.packed_slope = torch.ones(max(k, 1), dtype=torch.float32, device=device)  # [K] the survival fit's
-        self.packed_bias = torch.zeros(len(HISTORY_CLASSES), max(k, 1), dtype=torch.float32, device=device)  # [H, K]
+        self.packed_bias = torch.zeros(len(history_classes(max(k, 1))), max(k, 1), dtype=torch.float32,
+                                       device=device)  # [H, K]
         self.packed_history = torch.zeros(max_batch, dtype=torch.int64, device=device)  # [B] each request's class
         self.packed_graphs: dict[tuple[int, int], _PackedGraph] = {}
         # the fewest requests whose bucket has packed graphs (0: none)
@@ -380,7 +381,7 @@ class GraphedTargetForward:
             verified = verified_counts if verified_counts is not None else torch.full_like(accepted_device,
                                                                                           self._last_run[3] - 1)
             self._write_ranking(confidence, packed.slope, packed.bias,
-                                history_after(before, verified, accepted_device), batch)
+                                history_after(before, verified, accepted_device, self.q_lens[-1] - 1), batch)
         self._plan_and_replay(g, layout, batch, q_len, columns)  # planned by plan_next_verify: the plan is skipped
         appended = append_context and g.context is not None
         if appended:

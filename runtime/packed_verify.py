@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.confidence_scheduler import HISTORY_ACCEPTED_ALL, HISTORY_REJECTED
 from runtime.verify import block_verdicts
 
 
@@ -51,10 +50,12 @@ def survivals(confidence: torch.Tensor, slope: torch.Tensor, bias: torch.Tensor,
     return torch.cumprod(torch.where(confidence > 0, 1.0 / (1.0 + factor), 0.0), dim=1)
 
 
-def history_after(before: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+def history_after(before: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor,
+                  max_draft_len: int) -> torch.Tensor:
     """Each request's verify-history class after a verification (``next_history`` on the device): before [S] int64,
     verified [S] drafts it verified, accepted [S] of them accepted -> [S] int64, unchanged where it verified none."""
-    verdict = torch.where(accepted >= verified, HISTORY_ACCEPTED_ALL, HISTORY_REJECTED)
+    k = max_draft_len
+    verdict = torch.where(accepted < verified, 1 + accepted.clamp(max=k - 1), k + verified.clamp(max=k))
     return torch.where(verified > 0, verdict, before)
 
 

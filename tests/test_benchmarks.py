@@ -38,14 +38,17 @@ def test_target_size_flags_shape_the_target_and_a_bad_width_is_named(tmp_path):
 
     recipe = load_recipe()
     args = argparse.Namespace(corpus=None, corpus_mb=64, target_steps=10, target_seconds=5.0, target_lr=1e-3,
-                              target_hidden=768, target_layers=12, smoke=False)
+                              target_hidden=768, target_layers=12, target_batch=20, smoke=False)
     cfg = recipe.target_config(tmp_path, args)
-    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.lr) == (
-        768, 12, 12, 6, 2304, 1e-3)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.lr,
+            cfg.batch_size) == (768, 12, 12, 6, 2304, 1e-3, 20)
     proc = subprocess.run([sys.executable, str(RECIPE), "--smoke", "--work", str(tmp_path / "w"), "--out",
                            str(tmp_path / "o.json"), "--target-hidden", "100"], cwd=ROOT, capture_output=True,
                           text=True)
     assert proc.returncode != 0 and "--target-hidden 100: a positive multiple of 64" in proc.stderr
+    proc = subprocess.run([sys.executable, str(RECIPE), "--smoke", "--work", str(tmp_path / "w"), "--out",
+                           str(tmp_path / "o.json"), "--target-batch", "0"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0 and "--target-batch 0: a positive number of sequences" in proc.stderr
 
 
 @pytest.mark.slow

@@ -88,7 +88,8 @@ class EngineCollector:
             yield slope
             bias = GaugeMetricFamily(f"{PREFIX}:confidence_survival_bias", "The online survival fit's bias at each "
                                      "block position for requests of each verify history (what the request's last "
-                                     "verify with drafts did: none, accepted_all, rejected).",
+                                     "verify with drafts did: none, rejected_at_j after j accepted drafts, "
+                                     "accepted_n of n).",
                                      labels=["position", "history"])
             for history, values in fit["bias"].items():
                 for position, value in enumerate(values):

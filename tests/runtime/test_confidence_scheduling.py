@@ -10,8 +10,8 @@ import torch
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.confidence_scheduler import (HISTORY_ACCEPTED_ALL, HISTORY_NONE, HISTORY_REJECTED, ConfidenceScheduler,
-                                          ConfidenceStats, SurvivalSkill, next_history, read_calibration, top_drafts)
+from runtime.confidence_scheduler import (HISTORY_NONE, ConfidenceScheduler, ConfidenceStats, SurvivalSkill,
+                                          history_classes, next_history, read_calibration, top_drafts)
 from runtime.step_costs import StepCostTable
 from tests import builders
 from tests.runtime.test_sampling_distribution import FILTERS, N, empirical_tv, exact_joint, tv_bound
@@ -248,7 +248,7 @@ def serve_packed(scheduler: ConfidenceScheduler, good: np.ndarray, steps: int, u
         run = np.cumprod(rng.random((num, k)) < chance, axis=1)
         accepted = [int(run[i, :lengths[i]].sum()) for i in range(num)]
         scheduler.learn(lengths.tolist(), accepted)
-        history = [next_history(h, int(n), a) for h, n, a in zip(history, lengths, accepted)]
+        history = [next_history(h, int(n), a, k) for h, n, a in zip(history, lengths, accepted)]
         if step >= steps // 2:
             tokens += num + sum(accepted)
             ms += scheduler.last.predicted_ms
@@ -267,8 +267,10 @@ def test_the_fit_tells_requests_apart_by_their_verify_history():
     alone = ConfidenceScheduler(6, flat_table(0.4), layout="packed")
     rate_alone, lengths_alone = serve_packed(alone, good, 400, use_history=False)
     fit = with_history.correction
-    assert fit.learned and fit.bias[HISTORY_ACCEPTED_ALL, 0] > fit.bias[HISTORY_REJECTED, 0] + 2.0
-    survival = fit.survival(np.full((2, 6), 0.6), [HISTORY_ACCEPTED_ALL, HISTORY_REJECTED])
+    names = history_classes(6)
+    accepted_all, rejected_first = names.index("accepted_6"), names.index("rejected_at_0")
+    assert fit.learned and fit.bias[accepted_all, 0] > fit.bias[rejected_first, 0] + 2.0
+    survival = fit.survival(np.full((2, 6), 0.6), [accepted_all, rejected_first])
     assert survival[0, 0] > 0.8 and survival[1, 0] < 0.4  # near 0.97 and 0.15 (the classes are nearly the kinds)
     assert np.mean(np.asarray(lengths)[good]) > 3 * np.mean(np.asarray(lengths)[~good])  # (one may have rejected)
     assert len(set(lengths_alone)) <= 2  # without the history: the same share for all (ties split by position)
@@ -638,7 +640,7 @@ def test_a_small_step_decides_in_plain_python_exactly_as_numpy(monkeypatch, cali
                 block[int(rng.integers(0, len(block)))] = 0.0
             confidences.append(block)
         others = (int(rng.integers(0, 3)), int(rng.integers(0, 40)), int(rng.integers(0, 4000)))
-        history = rng.integers(0, 3, size=num).tolist()
+        history = rng.integers(0, 2 * k + 1, size=num).tolist()
         monkeypatch.setattr(confidence_scheduler, "SMALL_STEP", 64)
         got = python.allot(confidences, *others, history)
         monkeypatch.setattr(confidence_scheduler, "SMALL_STEP", 0)
@@ -692,7 +694,7 @@ def test_a_bad_verify_history_is_refused_naming_what_was_expected():
     scheduler = ConfidenceScheduler(3, flat_table(0.001))
     for small in (True, False):  # the plain-Python and the numpy paths
         confidences = [[0.5, 0.5, 0.5]] * (2 if small else 60)
-        with pytest.raises(ValueError, match="verify-history classes in 0..2 expected"):
-            scheduler.allot(confidences, history=[0, 3] + [0] * (len(confidences) - 2))
+        with pytest.raises(ValueError, match="verify-history classes in 0..6 expected"):  # 2K + 1 of K = 3
+            scheduler.allot(confidences, history=[0, 7] + [0] * (len(confidences) - 2))
         with pytest.raises(ValueError, match=f"{len(confidences)} verify-history classes"):
             scheduler.allot(confidences, history=[0])

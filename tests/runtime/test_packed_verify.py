@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.confidence_scheduler import ConfidenceScheduler, next_history, top_drafts
+from runtime.confidence_scheduler import ConfidenceScheduler, history_classes, next_history, top_drafts
 from runtime.packed_verify import (history_after, pack_index, packed_verify, select_lengths, survivals,
                                    verify_positions)
 from runtime.step_io import ScheduledRequest
@@ -43,7 +43,7 @@ def test_survivals_match_the_schedulers_calibrated_and_corrected_ones():
     scheduler = ConfidenceScheduler(5, flat_table(0.001), temperatures)
     confidence = rng.uniform(0.01, 0.99, size=(6, 5))
     confidence[2, 3:] = 0.0  # a block cut short
-    history = [0, 1, 2, 2, 1, 0]
+    history = [0, 1, 7, 10, 6, 0]
     correction = scheduler.correction
 
     def on_device():
@@ -55,7 +55,7 @@ def test_survivals_match_the_schedulers_calibrated_and_corrected_ones():
     assert correction.slope.tolist() == pytest.approx([1 / t for t in temperatures])  # STS until evidence moves it
     correction.theta[:, 0] = [0.5, 1.2, 0.0, 2.0, 0.8]  # slopes
     correction.theta[:, 1] = [0.1, -0.3, 0.4, 0.0, 1.0]  # intercepts
-    correction.theta[:, 2:] = rng.normal(0.0, 1.0, size=(5, 3))  # class offsets
+    correction.theta[:, 2:] = rng.normal(0.0, 1.0, size=(5, 11))  # class offsets (2K + 1 classes)
     correction._set_parameters()
     fitted = scheduler.survival(confidence, history)
     assert on_device() == pytest.approx(fitted, rel=1e-12, abs=1e-15)
@@ -63,12 +63,15 @@ def test_survivals_match_the_schedulers_calibrated_and_corrected_ones():
 
 
 def test_the_devices_history_rule_is_the_engines():
-    """``history_after`` (a packed step launched ahead) applies ``next_history`` to every request at once."""
-    before = [0, 1, 2, 0, 1, 2, 2]
-    verified = [3, 3, 3, 0, 0, 2, 5]
-    accepted = [3, 1, 0, 0, 0, 2, 4]
-    got = history_after(torch.tensor(before), torch.tensor(verified), torch.tensor(accepted))
-    assert got.tolist() == [next_history(*case) for case in zip(before, verified, accepted)] == [1, 2, 2, 0, 1, 1, 2]
+    """``history_after`` (a packed step launched ahead) applies ``next_history`` to every request at once: K = 5,
+    classes none (0), rejected_at_0..4 (1-5), accepted_1..5 (6-10)."""
+    before = [0, 7, 2, 0, 9, 3, 3, 10]
+    verified = [3, 3, 3, 0, 0, 2, 5, 1]
+    accepted = [3, 1, 0, 0, 0, 2, 4, 0]
+    got = history_after(torch.tensor(before), torch.tensor(verified), torch.tensor(accepted), 5)
+    want = [next_history(*case, 5) for case in zip(before, verified, accepted)]
+    assert got.tolist() == want == [8, 2, 1, 0, 9, 7, 5, 1]
+    assert history_classes(5)[8] == "accepted_3" and history_classes(5)[2] == "rejected_at_1"
 
 
 def test_pack_index_and_verify_positions():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from configs import LLMConfig
-from runtime.confidence_scheduler import HISTORY_ACCEPTED_ALL, HISTORY_REJECTED, next_history
+from runtime.confidence_scheduler import next_history
 from runtime.engine import Engine
 from runtime.sampling_params import SamplingParams
 from runtime.step_io import RequestStepResult, ScheduledBatch
@@ -278,7 +278,7 @@ def _with_packed_graph(forward, batch: int, q_len: int, columns: int):
         graph=g, context=None, lengths=torch.full((batch,), columns), captured=None,
         block_verdict=torch.zeros(batch, q_len + 2, dtype=torch.int64)))()}
     forward.packed_confidence = torch.zeros(batch, q_len - 1)
-    forward.packed_slope, forward.packed_bias = torch.ones(q_len - 1), torch.zeros(3, q_len - 1)
+    forward.packed_slope, forward.packed_bias = torch.ones(q_len - 1), torch.zeros(2 * q_len - 1, q_len - 1)
     forward.packed_history = torch.zeros(batch, dtype=torch.int64)
     forward.packed_replays = forward.packed_run_ahead = 0
     return g
@@ -297,7 +297,8 @@ def test_a_packed_verify_launched_ahead_ranks_the_block_drafted_and_is_used_only
     forward.run([_verify("a", [10, 11, 12], 4, pages["a"]), _verify("b", [20, 21, 22], 1, pages["b"])], 3)
     committed, accepted = torch.tensor([[11, 12, 40], [50, 0, 0]]), torch.tensor([2, 0])
     drafts, confidence = torch.tensor([[41, 42], [51, 52]]), torch.tensor([[0.9, 0.5], [0.8, 0.2]])
-    bias = [[0.1, -0.2], [1.2, 1.1], [-0.5, -0.4]]
+    bias = [[0.1, -0.2], [1.2, 1.1], [-0.5, -0.4], [0.3, 0.2], [0.0, 0.5]]  # K = 2: classes none, rejected_at_0..1,
+    # accepted_1..2
     ranking = PackedAhead(1, [1.0, 0.5], bias, [0, 1])
     assert forward.launch_verify_ahead([2, 0], committed, accepted, drafts, False, ranking, confidence)
     assert len(uniform.fed) == 1 and len(packed.fed) == 1  # the packed graph ran it, fed as a uniform step
@@ -305,8 +306,8 @@ def test_a_packed_verify_launched_ahead_ranks_the_block_drafted_and_is_used_only
     assert forward.packed_confidence.tolist() == confidence.tolist()
     assert forward.packed_slope.tolist() == [1.0, 0.5]
     assert torch.allclose(forward.packed_bias, torch.tensor(bias))
-    # the uniform step before verified 2 drafts each: a accepted both, b none
-    assert forward.packed_history.tolist() == [HISTORY_ACCEPTED_ALL, HISTORY_REJECTED]
+    # the uniform step before verified 2 drafts each: a accepted both (accepted_2), b none (rejected_at_0)
+    assert forward.packed_history.tolist() == [4, 1] == [next_history(h, 2, a, 2) for h, a in [(0, 2), (1, 0)]]
     forward.set_ahead_tokens([(40, 41, 42), (50, 51, 52)])
     following = [_verify("a", [40, 41, 42], 7, pages["a"]), _verify("b", [50, 51, 52], 2, pages["b"])]
     assert not forward.packs(2, 2) and forward.packs(2, 1)
@@ -319,14 +320,14 @@ def test_a_packed_verify_launched_ahead_ranks_the_block_drafted_and_is_used_only
     # (after a packed step: each request's verified count is the device's; one verified none and keeps its class)
     assert forward.launch_verify_ahead([0, 0], committed, none, drafts, False, ranking, confidence,
                                        torch.tensor([1, 0]))
-    assert forward.packed_history.tolist() == [HISTORY_REJECTED, 1]
+    assert forward.packed_history.tolist() == [1, 1]  # a: rejected_at_0; b verified none: kept its class
     forward.set_ahead_tokens([(11, 41, 42), (50, 51, 52)])
     forward.run(following, 3)
     assert forward.steps_ahead_dropped == 1 and len(uniform.fed) == 2 and len(packed.fed) == 2
     # and a uniform step launched ahead is never taken by a packed one: it replays from the host's confidences
     assert forward.launch_verify_ahead([0, 0], committed, none, drafts, False)
     forward.set_ahead_tokens([(40, 41, 42), (50, 51, 52)])
-    forward.run_packed(following, [[0.3, 0.1], [0.7, 0.6]], [1.0, 1.0], [[0.0, 0.0]] * 3, [2, 0], 1)
+    forward.run_packed(following, [[0.3, 0.1], [0.7, 0.6]], [1.0, 1.0], [[0.0, 0.0]] * 5, [2, 0], 1)
     assert forward.steps_ahead_dropped == 2 and len(packed.fed) == 3
     assert torch.allclose(forward.packed_confidence, torch.tensor([[0.3, 0.1], [0.7, 0.6]]))
 
@@ -436,11 +437,11 @@ def test_packed_verifies_run_ahead_at_the_columns_already_chosen(tmp_path):
         assert all(r.num_drafts == 4 for r in nxt.requests)  # whole blocks fed; the device picks what it verifies
         assert nxt.packed is not None and nxt.packed.columns == 1 and nxt.packed.budget == len(nxt.requests)
         # the block's ranking: the survival fit's slope per position, its bias per history class and position
-        assert len(b.next_packed.slope) == 4 and [len(r) for r in b.next_packed.bias] == [4] * 3
+        assert len(b.next_packed.slope) == 4 and [len(r) for r in b.next_packed.bias] == [4] * 9  # 2K + 1 classes
         # the classes sent ahead are b's requests' before b; the device updates them from b's verdicts (each
         # request verifies its block of 4 and accepts 1 here) to what the engine then ranks nxt by
-        assert nxt.packed.history == [next_history(h, 4, 1) for h in b.next_packed.history]
-    assert {h for _, nxt in ahead for h in nxt.packed.history} == {HISTORY_REJECTED}
+        assert nxt.packed.history == [next_history(h, 4, 1, 4) for h in b.next_packed.history]
+    assert {h for _, nxt in ahead for h in nxt.packed.history} == {2}  # rejected_at_1
 
 def test_a_verify_launched_ahead_at_a_confidence_cap_replays_the_shorter_graph():
     """Under confidence scheduling the step launched ahead verifies the first ``cap`` drafts of each new block:
