@@ -1086,7 +1086,7 @@ def summary(record: dict) -> str:
     if confident:  # the confidence scheduler against the tuned schedule, and what it chose from which predictions
         lines.append(f"{'conc':>5} {'conf/tuned':>10} {'paired':>7} {'budget':>7} {'pred ms':>8} {'meas ms':>8} "
                      f"{'whole pred':>10} {'tuned ms':>8} {'exp tok':>8} {'got tok':>8} {'whole exp':>9} "
-                     f"{'model':>6} {'oracle':>6} {'noise':>6}")
+                     f"{'model':>6} {'oracle':>6} {'noise':>6} {'skill':>6}")
         def cell(value, width: int, digits: int = 2) -> str:  # a figure an older record lacks: "-"
             return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
@@ -1101,12 +1101,20 @@ def summary(record: dict) -> str:
                 cell(r.get("confidence_whole_block_expected_tokens_per_request"), 9),
                 cell(r.get("confidence_predicted_gain"), 6, 3), cell(r.get("confidence_oracle_bound"), 6, 3),
                 # the same configuration built twice (tuned = fixed here): what these rounds cannot resolve
-                cell(r.get("tuned_vs_dspark_paired") if r.get("tuned_same_as_fixed") else None, 6, 3)]))
+                cell(r.get("tuned_vs_dspark_paired") if r.get("tuned_same_as_fixed") else None, 6, 3),
+                # how much the believed survivals told this concurrency's verified drafts apart (mean over positions)
+                cell(mean_skill(r.get("confidence_survival_skill_per_position")), 6, 3)]))
     if "mixed_confidence_vs_tuned" in record:
         paired = record.get("mixed_confidence_vs_tuned_paired")
         lines.append(f"mixed workload: confidence / tuned {record['mixed_confidence_vs_tuned']:.3f}" +
                      (f" (paired {paired:.3f})" if paired is not None else ""))
     return "\n".join(lines)
+
+
+def mean_skill(per_position: list[float | None] | None) -> float | None:
+    """The mean of a row's Brier skill per position over the positions that have one (None: none has)."""
+    values = [v for v in per_position or [] if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def batch_list(flag: str):

@@ -70,6 +70,7 @@ when it folds.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -228,6 +229,7 @@ class SurvivalCorrection:
         self._next = np.zeros(k, dtype=np.int64)  # [K] where the next one goes
         self._new = 0  # reached drafts since the last fit
         self._folds = 0  # folds since the last fit
+        self._lock = threading.Lock()  # evidence and refits: the engine's thread and a metrics scrape's
         self._set_parameters()
         self.learned = False  # no fit yet: the survivals are the calibration's
         self._evidence: list[tuple] = []  # steps not yet folded in: (confidence, allotted, verified, accepted, history)
@@ -239,35 +241,39 @@ class SurvivalCorrection:
         self.bias = (self.theta[:, 1][:, None] + self.theta[:, 2:]).T.copy()  # [H, K]
         self.bias_factor = np.exp(-self.bias)  # [H, K]: sigmoid(a x + b) = 1 / (1 + odds ** a * exp(-b))
         self.slope_list, self.bias_list = self.slope.tolist(), self.bias.tolist()
-        self.bias_factor_list = self.bias_factor.tolist()
-        self.identity = bool((self.slope == 1.0).all() and (self.bias == 0.0).all())  # survival = cumprod(c)
+        identity = bool((self.slope == 1.0).all() and (self.bias == 0.0).all())  # survival = cumprod(c)
+        # what the survivals read, swapped in one assignment (a metrics scrape may refit while the engine decides)
+        self._params = (self.slope, self.bias_factor, self.slope_list, self.bias_factor.tolist(), identity)
 
     def reset_skill(self) -> None:
         """Start the skill's sums afresh (a bench's next concurrency); the correction itself keeps its evidence."""
-        self.fold()
-        self.skill = SurvivalSkill(len(self.ratio))
+        with self._lock:
+            self._fold()
+            self.skill = SurvivalSkill(len(self.ratio))
 
     def survival(self, confidence, history=None) -> np.ndarray:
         """confidence [S, K'] (K' <= K; 0 where nothing was proposed), history [S] classes (None: all
         ``HISTORY_NONE``; classes of ``history_classes``) -> the believed survival [S, K'], in [0, 1] and
         non-increasing along each row."""
         confidence = np.asarray(confidence, dtype=np.float64)
-        if self.identity:
+        slope, bias_factor, _, _, identity = self._params
+        if identity:
             return np.cumprod(np.maximum(confidence, 0.0), axis=1)
         k = confidence.shape[1]
         c = np.minimum(np.maximum(confidence, 1e-9), 1 - 1e-9)  # ufuncs: ndarray.clip costs ~5 us more per step
         rows = history_rows(history, c.shape[0], len(self.history_names))
-        factor = ((1.0 - c) / c) ** self.slope[:k] * self.bias_factor[rows, :k]
+        factor = ((1.0 - c) / c) ** slope[:k] * bias_factor[rows, :k]
         return np.cumprod(np.where(confidence > 0, 1.0 / (1.0 + factor), 0.0), axis=1)
 
     def survival_row(self, confidence: list[float], k: int, history: int = HISTORY_NONE) -> list[float]:
         """``survival`` of one request's confidences [K'] in plain Python, padded with 0 to ``k``."""
         out, alive = [0.0] * k, 1.0
-        slope, factor = self.slope_list, self.bias_factor_list[history]
+        _, _, slope, factors, identity = self._params
+        factor = factors[history]
         for j, c in enumerate(confidence):
             if not c > 0:  # nothing proposed here (or a confidence of 0): no draft from here on survives
                 break
-            if not self.identity:
+            if not identity:
                 c = min(max(c, 1e-9), 1 - 1e-9)
                 c = 1.0 / (1.0 + ((1.0 - c) / c) ** slope[j] * factor[j])
             alive *= c
@@ -280,12 +286,18 @@ class SurvivalCorrection:
         verified (the lesser counts), ``accepted`` [S] how many of them it accepted (-1: unknown, left out),
         ``history`` [S] each one's class when the step was decided (None: all ``HISTORY_NONE``); converted when
         folded in with the steps before it, once ``FOLD_EVERY`` have gathered."""
-        self._evidence.append((confidence, allotted, verified, accepted, history))
-        if len(self._evidence) >= FOLD_EVERY:
-            self.fold()
+        with self._lock:
+            self._evidence.append((confidence, allotted, verified, accepted, history))
+            if len(self._evidence) >= FOLD_EVERY:
+                self._fold()
 
     def fold(self) -> None:
-        """Fold the gathered steps' evidence into the diagnostic's sums and the fit's window; refit if due."""
+        """Fold the gathered steps' evidence into the diagnostic's sums and the fit's window; refit if due. Safe
+        beside the engine's own calls (a metrics scrape folds from another thread)."""
+        with self._lock:
+            self._fold()
+
+    def _fold(self) -> None:
         if not self._evidence:
             return
         steps = [np.asarray(confidence, dtype=np.float64).reshape(len(accepted), -1)
@@ -383,9 +395,11 @@ class SurvivalCorrection:
 
     def fitted(self) -> dict:
         """The fit as it stands (metrics): ``slope`` [K] and ``bias`` per class [K], rounded."""
-        self.fold()
-        return {"slope": [round(float(a), 4) for a in self.slope],
-                "bias": {name: [round(float(b), 4) for b in row] for name, row in zip(self.history_names, self.bias)}}
+        with self._lock:
+            self._fold()
+            return {"slope": [round(float(a), 4) for a in self.slope],
+                    "bias": {name: [round(float(b), 4) for b in row]
+                             for name, row in zip(self.history_names, self.bias)}}
 
 
 def calibrated_survival(confidence: np.ndarray, inverse_temperatures: np.ndarray) -> np.ndarray:

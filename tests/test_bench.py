@@ -220,8 +220,8 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
             row["confidence_expected_tokens_per_request"] / row["confidence_predicted_step_ms"] /
             (row["confidence_whole_block_expected_tokens_per_request"] / row["confidence_whole_block_predicted_step_ms"]))
     # the printed summary sets the scheduler beside the tuned schedule, a line per concurrency, and the mixed workload
-    assert "conf/tuned" in proc.stderr and "whole pred" in proc.stderr and "oracle" in proc.stderr and "mixed workload: confidence / tuned" in \
-        proc.stderr
+    assert "conf/tuned" in proc.stderr and "whole pred" in proc.stderr and "oracle" in proc.stderr
+    assert "skill" in proc.stderr and "mixed workload: confidence / tuned" in proc.stderr
     # every engine profiled, and only after the last figure was taken (the confidence engine's sweep is the last):
     # a process the profiler has run in launches CUDA graphs slower
     keys = list(record)

@@ -350,7 +350,8 @@ def test_the_padded_layout_keeps_greedy_outputs(tmp_path, near_bigram_target, co
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == builders.hf_greedy(near_bigram_target, PROMPTS, 24)
     stats = llm.get_metrics()["confidence_scheduling"]
     assert stats["layout"] == "padded" and stats["next_budget_per_request"] is None
-    assert 0 <= stats["next_cap"] < 4 and stats["mean_verify_budget_per_request"] < stats["mean_offered_per_request"]
+    # (the last decision may be one of the every-32nd that verify whole blocks to keep learning: any cap then)
+    assert 0 <= stats["next_cap"] <= 4 and stats["mean_verify_budget_per_request"] < stats["mean_offered_per_request"]
 
 
 def test_the_startup_profile_follows_a_schedule_that_drafts_less_or_nothing(near_bigram_target, confident_drafter):
