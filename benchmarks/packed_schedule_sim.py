@@ -1,6 +1,6 @@
 """What the confidence scheduler's packed layout can gain over the best fixed draft length, on synthetic drafts priced
 at a GPU run's measured step times: a CPU simulation of the scheduler's own code (``ConfidenceScheduler.allot_packed``
-and its online survival correction), for planning, not a measurement of the engine.
+and its online survival fit), for planning, not a measurement of the engine.
 
 Each step has ``--batch`` requests, each proposing K drafts. A request is "hard" with probability ``--hard-fraction``
 (its drafts accepted with a conditional probability drawn from U(0.2, 0.7)) or "easy" (U(0.85, 0.99)), each position

@@ -18,6 +18,9 @@
 #                                                    prepare the host, then the GPU recipe's target (150 s),
 #                                                    self-distillation and DSpark drafter (the rest of ~9 minutes)
 #                                                    -> OUT/gpu-recipe.json, WORK/{target,dspark,heldout-prompts.jsonl}
+#                                                    (TARGET_BATCH: sequences per target step, default 48; a 2.7B
+#                                                    target, `60 300 3072 24 20`, ~285 s: runs 54-55, whose 64 x 8
+#                                                    verify is compute-bound, so trimming can pay)
 #   bash benchmarks/trained_pair.sh bench WORK OUT [BENCH FLAGS]
 #                                                    dspark bench on that pair over the held-out prompts: the
 #                                                    concurrency sweep, the tuned draft_len_schedule, the end-to-end

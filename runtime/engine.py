@@ -493,7 +493,7 @@ class Engine:
 
     def _learn_acceptance(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> None:
         """Against the survivals' prediction, what the requests the scheduler chose for committed (metrics), and
-        how many drafts each verified and accepted (its online survival correction; -1 for one that left the step,
+        how many drafts each verified and accepted (its online survival fit; -1 for one that left the step,
         failed or did not sample)."""
         decided = dict.fromkeys(self._decided, (-1, -1))  # request -> (drafts verified, accepted)
         committed = 0

@@ -35,7 +35,7 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)
     draft_confidence: list[float] | None = None  # the confidence head's c_k of each draft_ids entry
     # what its last verify with drafts did (runtime.confidence_scheduler.next_history): the confidence scheduler's
-    # survival correction is learned per class
+    # survival fit has a bias per class
     verify_history: int = 0  # HISTORY_NONE
     finish_reason: str | None = None
     num_preemptions: int = 0
