@@ -198,6 +198,7 @@ def test_a_pipelined_separate_drafter_matches_the_single_process_engine(ray_clus
     free_cpus_return()
 
 
+@pytest.mark.last
 @pytest.mark.parametrize("target", ["near_bigram_target", "moe_target"])
 def test_tp4_with_replicated_kv_heads_matches_the_single_process_engine(ray_cluster, request, make_drafter, target):
     """Four shards of a target with 2 key/value heads (each replicated on the two ranks whose query heads read
