@@ -64,28 +64,17 @@ class EngineCollector:
                      "as the step-time table learned it from the served steps (0 until learned).",
                      scheduling["cost_table_ms_per_context_token"] / 1e3)):
                 yield GaugeMetricFamily(f"{PREFIX}:{name}", doc, value=value)
-            correction = GaugeMetricFamily(f"{PREFIX}:confidence_survival_correction", "Survived over predicted "
-                                           "survival of the drafts verified at each block position, predicted by "
-                                           "the offline calibration alone (how far off it is here).",
-                                           labels=["position"])
-            for position, ratio in enumerate(scheduling["survival_correction"]):
-                correction.add_metric([str(position)], ratio)
-            yield correction
-            skill = GaugeMetricFamily(f"{PREFIX}:confidence_survival_skill", "Brier skill of the believed "
-                                      "survivals of the drafts verified at each block position against the "
-                                      "position's observed rate (0: no request told apart; 1: every draft "
-                                      "foretold); positions without evidence are left out.", labels=["position"])
-            for position, value in enumerate(scheduling["survival_skill_per_position"]):
-                if value is not None:
-                    skill.add_metric([str(position)], value)
-            yield skill
+            yield per_position("confidence_survival_correction", "Survived over predicted survival of the drafts "
+                               "verified at each block position, predicted by the offline calibration alone (how "
+                               "far off it is here).", scheduling["survival_correction"])
+            yield per_position("confidence_survival_skill", "Brier skill of the believed survivals of the drafts "
+                               "verified at each block position against the position's observed rate (0: no request "
+                               "told apart; 1: every draft foretold); positions without evidence are left out.",
+                               scheduling["survival_skill_per_position"])
             fit = scheduling["survival_fit"]
-            slope = GaugeMetricFamily(f"{PREFIX}:confidence_survival_slope", "The online survival fit's slope on "
-                                      "the head's logit at each block position (1 / the calibration temperature "
-                                      "until evidence moves it; 0: the head tells nothing here).", labels=["position"])
-            for position, value in enumerate(fit["slope"]):
-                slope.add_metric([str(position)], value)
-            yield slope
+            yield per_position("confidence_survival_slope", "The online survival fit's slope on the head's logit at "
+                               "each block position (1 / the calibration temperature until evidence moves it; 0: the "
+                               "head tells nothing here).", fit["slope"])
             bias = GaugeMetricFamily(f"{PREFIX}:confidence_survival_bias", "The online survival fit's bias at each "
                                      "block position for requests of each verify history (what the request's last "
                                      "verify with drafts did: none, rejected_at_j after j accepted drafts, "
@@ -100,6 +89,15 @@ class EngineCollector:
             info.add_metric([str(rank["rank"]), rank["role"]], {"backend": str(rank.get("moe_backend")),
                                                                 "draft_backend": str(rank.get("draft_moe_backend"))})
         yield info
+
+
+def per_position(name: str, doc: str, values: list[float | None]) -> GaugeMetricFamily:
+    """A gauge family of one value per block position (a None left out)."""
+    family = GaugeMetricFamily(f"{PREFIX}:{name}", doc, labels=["position"])
+    for position, value in enumerate(values):
+        if value is not None:
+            family.add_metric([str(position)], value)
+    return family
 
 
 class ServerMetrics:
