@@ -133,8 +133,7 @@ def history_rows(history, num: int, classes: int) -> np.ndarray:
         return np.zeros(num, dtype=np.int64)
     rows = np.asarray(history, dtype=np.int64).reshape(-1)
     if rows.shape[0] != num or (rows.size and (rows.min() < 0 or rows.max() >= classes)):
-        raise ValueError(f"confidence scheduling: {num} verify-history classes in 0..{classes - 1} expected, got "
-                         f"{history!r}")
+        raise bad_history(history, num, classes)
     return rows
 
 
@@ -144,9 +143,13 @@ def history_list(history, num: int, classes: int) -> list[int]:
         return [HISTORY_NONE] * num
     rows = list(history)
     if len(rows) != num or any(not 0 <= h < classes for h in rows):
-        raise ValueError(f"confidence scheduling: {num} verify-history classes in 0..{classes - 1} expected, got "
-                         f"{history!r}")
+        raise bad_history(history, num, classes)
     return rows
+
+
+def bad_history(history, num: int, classes: int) -> ValueError:
+    return ValueError(f"confidence scheduling: {num} verify-history classes in 0..{classes - 1} expected, got "
+                      f"{history!r}")
 
 
 class SurvivalSkill:
@@ -259,11 +262,8 @@ class SurvivalCorrection:
         slope, bias_factor, _, _, identity = self._params
         if identity:
             return np.cumprod(np.maximum(confidence, 0.0), axis=1)
-        k = confidence.shape[1]
-        c = np.minimum(np.maximum(confidence, 1e-9), 1 - 1e-9)  # ufuncs: ndarray.clip costs ~5 us more per step
-        rows = history_rows(history, c.shape[0], len(self.history_names))
-        factor = ((1.0 - c) / c) ** slope[:k] * bias_factor[rows, :k]
-        return np.cumprod(np.where(confidence > 0, 1.0 / (1.0 + factor), 0.0), axis=1)
+        rows = history_rows(history, confidence.shape[0], len(self.history_names))
+        return fitted_survival(confidence, slope, bias_factor[rows, :confidence.shape[1]])
 
     def survival_row(self, confidence: list[float], k: int, history: int = HISTORY_NONE) -> list[float]:
         """``survival`` of one request's confidences [K'] in plain Python, padded with 0 to ``k``."""
@@ -317,9 +317,9 @@ class SurvivalCorrection:
         lengths = np.where(known, np.minimum(lengths, k), 0)  # [S]: a request left out verified nothing
         accepted = np.where(known, np.minimum(accepted, lengths), 0)
         self.skill.add(self.survival(confidence, history), lengths, accepted)  # as believed when decided
-        self._add_diagnostic(calibrated_survival(confidence, self.inverse_temperatures[:k]), lengths, accepted)
-        logit = np.log(np.minimum(np.maximum(confidence, 1e-9), 1 - 1e-9)) \
-            - np.log1p(-np.minimum(np.maximum(confidence, 1e-9), 1 - 1e-9))  # [S, K']
+        self._add_diagnostic(fitted_survival(confidence, self.inverse_temperatures), lengths, accepted)  # STS's
+        c = np.minimum(np.maximum(confidence, 1e-9), 1 - 1e-9)
+        logit = np.log(c) - np.log1p(-c)  # [S, K']
         for j in range(k):  # the drafts at position j the engine reached: verified, every draft before accepted
             reached = (j < lengths) & (accepted >= j)
             count = int(reached.sum())
@@ -402,11 +402,13 @@ class SurvivalCorrection:
                              for name, row in zip(self.history_names, self.bias)}}
 
 
-def calibrated_survival(confidence: np.ndarray, inverse_temperatures: np.ndarray) -> np.ndarray:
-    """confidence [S, K] -> the offline calibration's survival [S, K] (STS: cumprod of sigmoid(logit(c_k) / T_k))."""
-    c = np.minimum(np.maximum(confidence, 1e-9), 1 - 1e-9)
-    calibrated = 1.0 / (1.0 + ((1.0 - c) / c) ** inverse_temperatures[:c.shape[1]])
-    return np.cumprod(np.where(confidence > 0, calibrated, 0.0), axis=1)
+def fitted_survival(confidence: np.ndarray, slope: np.ndarray, bias_factor: np.ndarray | float = 1.0) -> np.ndarray:
+    """confidence [S, K] (0 where nothing was proposed), slope [>= K], bias_factor [S, K] (exp(-bias); 1: no bias)
+    -> the cumulative product of ``sigmoid(slope_k logit(c_k) + bias)`` [S, K]. At ``slope = 1 / T`` and no bias,
+    the offline calibration's survival (STS)."""
+    c = np.minimum(np.maximum(confidence, 1e-9), 1 - 1e-9)  # ufuncs: ndarray.clip costs ~5 us more per step
+    factor = ((1.0 - c) / c) ** slope[:c.shape[1]] * bias_factor
+    return np.cumprod(np.where(confidence > 0, 1.0 / (1.0 + factor), 0.0), axis=1)
 
 
 @dataclass
