@@ -432,7 +432,8 @@ LAYOUTS = ("ragged", "padded", "packed")
 
 class ConfidenceScheduler:
     def __init__(self, max_draft_len: int, costs: StepCostTable, temperatures: list[float] | None = None,
-                 min_gain: float = 0.04, layout: str = "ragged", packed_from: int = 1):
+                 min_gain: float = 0.04, layout: str = "ragged", packed_from: int = 1,
+                 graph_batches: list[int] | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"confidence scheduling layout: one of {LAYOUTS}, got {layout!r}")
         temps = list(temperatures) if temperatures else [1.0] * max_draft_len
@@ -452,6 +453,10 @@ class ConfidenceScheduler:
         # the packed layout: steps of at least this many requests are packed (allot_packed); smaller ones are
         # padded, as a graphed engine's steps below its packed graphs' buckets are (allot)
         self.packed_from = packed_from
+        # padded and packed steps run in CUDA graphs captured at these batch sizes: a step of n requests costs the
+        # smallest one holding them (its padding rows are computed too), and is priced (and learned) at that cell;
+        # none: a step costs its own batch
+        self.graph_batches = sorted(graph_batches) if graph_batches else []
         self.budget_per_request: float | None = None  # ragged: chosen from the previous step's confidences
         self.cap: int | None = None  # padded: likewise
         self.columns: int | None = None  # packed: drafts per request of the next step's budget, likewise
@@ -471,6 +476,24 @@ class ConfidenceScheduler:
     def costs_for(self, other_tokens: int) -> StepCostTable:
         """The table a step is priced (and learns) in: ``mixed_costs`` if it feeds tokens besides the verifies."""
         return self.mixed_costs if other_tokens else self.costs
+
+    def graph_rows(self, num: int) -> int:
+        """The requests a graphed step of ``num`` requests computes: its graph's batch (``num`` past the largest)."""
+        for batch in self.graph_batches:
+            if batch >= num:
+                return batch
+        return num
+
+    def _priced(self, num: int, other_requests: int, other_tokens: int, per_request: np.ndarray | tuple,
+                context: int) -> np.ndarray | list[float]:
+        """Predicted ms of a padded or packed step of ``num`` deciding requests feeding ``per_request`` tokens each
+        (one entry per choice), beside ``other_requests`` / ``other_tokens``: a pure verify step at its graph's
+        cell (``graph_rows``), a mixed one at its own sizes (its graph, if any, depends on the prefill chunk)."""
+        table = self.costs_for(other_tokens)
+        batch, verifying = (num + other_requests, num) if other_tokens else (self.graph_rows(num),) * 2
+        if isinstance(per_request, tuple):
+            return table.predict_ms_list(batch, tuple(other_tokens + verifying * q for q in per_request), context)
+        return table.predict_ms_many(batch, other_tokens + verifying * per_request, context)
 
     def survival(self, confidence: np.ndarray, history=None) -> np.ndarray:
         """confidence [S, K] (0 where nothing was proposed), history [S] verify-history classes (None: all
@@ -604,8 +627,7 @@ class ConfidenceScheduler:
         for value in column_sums:
             total += value
             expected.append(num + total)
-        predicted = self.costs_for(other_tokens).predict_ms_list(
-            num + other_requests, tuple(other_tokens + num * (q + 1) for q in range(k + 1)), context)
+        predicted = self._priced(num, other_requests, other_tokens, tuple(q + 1 for q in range(k + 1)), context)
         chosen = sum(sum(row[:n]) for row, n in zip(survival, lengths))
         self.last = Decision(sum(lengths), offered, num + chosen, predicted[max(lengths)], expected[-1],
                              predicted[-1], column_sums)
@@ -623,9 +645,8 @@ class ConfidenceScheduler:
         lengths = sizes if self.cap is None else np.minimum(sizes, self.cap)
         column_sums = survival.sum(axis=0)  # [K] each position's survivals, summed
         columns = np.concatenate([[0.0], column_sums.cumsum()])  # [K+1] survivals under each cap
-        # a step of cap Q feeds num x (Q + 1) tokens (Q: its longest verify)
-        predicted = self.costs_for(other_tokens).predict_ms_many(
-            num + other_requests, other_tokens + num * (np.arange(k + 1) + 1), context)
+        # a step of cap Q feeds num x (Q + 1) tokens (Q: its longest verify), its graph's rows x (Q + 1)
+        predicted = self._priced(num, other_requests, other_tokens, np.arange(k + 1) + 1, context)
         verified = int(lengths.max())
         chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
         self.last = Decision(int(lengths.sum()), int(sizes.sum()), num + chosen, float(predicted[verified]),
@@ -641,7 +662,8 @@ class ConfidenceScheduler:
         with ``columns`` chosen from an earlier step; which drafts, the device picks from this block's confidences
         (the top survivals over the step). The next ``columns`` from this step's survivals: the c maximizing
         expected committed tokens (the requests, plus the top ``requests x c`` survivals) per predicted second of a
-        step feeding ``requests x (c + 1)`` tokens (what a packed graph of c columns feeds), with ``min_gain`` and
+        step feeding ``rows x (c + 1)`` tokens (what a packed graph of c columns feeds: ``rows`` its batch bucket,
+        ``graph_rows``), with ``min_gain`` and
         the exploration as for a cap. ``history``: as for ``allot`` (the device ranks under the same classes)."""
         num = len(confidences)
         sizes = [len(c) for c in confidences]
@@ -656,8 +678,7 @@ class ConfidenceScheduler:
         ranked = np.concatenate([[0.0], np.sort(survival.reshape(-1))[::-1].cumsum()])  # [S*K+1] top-b sums
         shares = np.minimum(num * np.arange(k + 1), offered)  # [K+1] drafts verified under each c
         expected = num + ranked[shares]
-        predicted = self.costs_for(other_tokens).predict_ms_many(
-            num + other_requests, other_tokens + num * (np.arange(k + 1) + 1), context)
+        predicted = self._priced(num, other_requests, other_tokens, np.arange(k + 1) + 1, context)
         columns = k if self.columns is None else min(self.columns, k)
         self.step_columns = columns
         self.last = Decision(int(shares[columns]), offered, float(expected[columns]), float(predicted[columns]),

@@ -23,7 +23,7 @@ from configs.checkpoint import read_model_config
 from runtime.confidence_scheduler import (ConfidenceScheduler, ConfidenceStats, history_classes, next_history,
                                           read_calibration)
 from runtime.executor import Executor, LocalExecutor
-from runtime.graph_layout import graphed_q_len
+from runtime.graph_layout import batch_buckets, graphed_q_len
 from runtime.loader import load_hf_config
 from runtime.metrics import AcceptanceGate, SpecMetrics
 from runtime.outputs import RequestOutput
@@ -154,7 +154,8 @@ class Engine:
         log.info("dspark: confidence scheduling on (%s steps), step-time table %s, temperatures %s", layout,
                  spec.confidence_cost_table_path or "profiled at startup", temperatures or "1")
         return ConfidenceScheduler(int(spec.max_draft_len), costs, temperatures, spec.confidence_min_predicted_gain,
-                                   layout, packed_from=self._packed_from or 1)
+                                   layout, packed_from=self._packed_from or 1,
+                                   graph_batches=batch_buckets(self.config.max_num_seqs) if self._graph_q_lens else None)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -435,21 +436,30 @@ class Engine:
 
     def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
         """The step's wall time, schedule to commit (what the startup profile times: ``runtime.step_profile``), into
-        the cost table at the tokens the model was fed: padded into a graph (the worker's verify graphs hold 1 to
-        K+1 tokens per request under confidence scheduling), its batch x Q. The whole step, not the executor's part
+        the cost table at the rows the model computed: a graphed verify step at its graph's cell (the batch bucket
+        x Q, padding requests and tokens included: run 55's steps of 60 and 72 requests, timed as the 64 and 96
+        graphs they replayed, sat in the 64 row at 480 and 576 tokens, 11.6 and 15.7 ms, and through the row's
+        non-decreasing bound priced whole blocks at 64 requests at 9.9 ms where they took 8.8). The whole step, not the executor's part
         alone: the host's per-step work is paid at every verify length, and a table whose served cells lacked it
         while the profiled ones held it would make the lengths the scheduler chose look cheaper than the ones it
         did not (run 31: trims to 4.6 of 7 drafts at 256 requests, predicted to pay, lost 14%). With the context
         the step's requests attended over (the KV tokens before what each fed), which its time grows with."""
         fed = [len(e.token_ids) for e in scheduled]
-        tokens = sum(fed) if self._packed is None else len(scheduled) + self._packed.budget  # the rows it ran
-        if self.confidence.layout != "ragged" and self._packed is None:  # a graph pads it
+        requests, tokens, q_len = len(scheduled), sum(fed), None
+        if self._packed is not None:  # a packed graph: an anchor and `columns` drafts a request
+            q_len = self._packed.columns + 1
+        elif self.confidence.layout != "ragged":  # a graph pads it
             q_len = graphed_q_len(fed, self._graph_q_lens, self.config.max_num_seqs, *self._graph_prefill)
-            tokens = len(fed) * q_len if q_len is not None else tokens
+        other_tokens = self._other_fed[1]  # (_note_other_fed: this step's, before its commit)
+        if q_len is not None:
+            # a pure verify step at its graph's cell, the rows it computed (padding requests too), as the scheduler
+            # prices it (ConfidenceScheduler.graph_rows); a mixed one at its own requests
+            requests = requests if other_tokens else self.confidence.graph_rows(requests)
+            tokens = requests * q_len
         # a step that fed anything besides the decided verifies (a prefill chunk, a decode without drafts, or no
         # verify at all) into the mixed steps' table: what the scheduler prices such steps by
-        table = self.confidence.costs_for(self._other_fed[1])  # (_note_other_fed: this step's, before its commit)
-        table.observe(len(scheduled), tokens, seconds, sum(e.start_position for e in scheduled))
+        table = self.confidence.costs_for(other_tokens)
+        table.observe(requests, tokens, seconds, sum(e.start_position for e in scheduled))
         self.confidence_stats.record_step(1e3 * seconds)
 
     def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:

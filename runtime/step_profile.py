@@ -2,15 +2,15 @@
 
 For each batch bucket that fits the KV cache (1, 2, 4, ... up to ``max_num_seqs``), that many requests of random
 tokens decode together; once every one carries a proposed block, each verify length L = 0..K is forced on all of them
-for ``repeats`` steps (``Engine.forced_verify_len``: the engine plans and launches each next step ahead at L, as it
-does at a confidence-scheduled cap; run 37's profile trimmed the blocks behind its back, so every timed step of a
-shorter length dropped a verify launched ahead at the full block and ran it again, 1.5-3 ms too slow) and the median
-step time is the table's (batch, batch * (L + 1)) cell, measured at the mean context (KV tokens) its timed steps
-attended over. K is the block the engine drafts at that batch size: ``max_draft_len``, or a ``draft_len_schedule``'s
-length there; a bucket the schedule drafts nothing for is left out (no step of that size has drafts to choose
-among). The steps run through the engine as served steps do (graphs,
-kernels, the executor's round trip). Afterwards nothing of the profile is left: its requests are aborted, the counters
-and the acceptance gate start fresh, the prefix cache forgets its pages.
+for ``repeats`` steps in each of two passes over the lengths (``PASSES``; ``Engine.forced_verify_len``: the engine
+plans and launches each next step ahead at L, as it does at a confidence-scheduled cap; run 37's profile trimmed the
+blocks behind its back, so every timed step of a shorter length dropped a verify launched ahead at the full block and
+ran it again, 1.5-3 ms too slow) and the median step time of both passes is the table's (batch, batch * (L + 1))
+cell, measured at the mean context (KV tokens) its timed steps attended over. K is the block the engine drafts at
+that batch size: ``max_draft_len``, or a ``draft_len_schedule``'s length there; a bucket the schedule drafts nothing
+for is left out (no step of that size has drafts to choose among). The steps run through the engine as served steps
+do (graphs, kernels, the executor's round trip). Afterwards nothing of the profile is left: its requests are aborted,
+the counters and the acceptance gate start fresh, the prefix cache forgets its pages.
 """
 
 from __future__ import annotations
@@ -28,13 +28,20 @@ from runtime.step_costs import StepCostTable
 
 log = logging.getLogger(__name__)
 PROFILE_PROMPT_TOKENS = 16
+# every length is timed in two passes, shortest first then longest first, and read as the median of both: the
+# contexts grow through the profile, and whatever drifts with them (or with the clocks) falls alike on every length
+# instead of on the longest (runs 54 and 55 timed each length in one run of 3 steps, shortest first, and read
+# 7 of 8 tokens a request at 64 requests 1.2x and 1.2x dearer than the whole block timed after it)
+PASSES = 2
 
 
 def profile_step_costs(engine, repeats: int = 3, max_batch: int | None = None) -> StepCostTable:
     """-> the table of ``engine``'s step times (see the module docstring); ``engine`` is idle before and after."""
     k = int(engine.spec.max_draft_len)
     steps_per_length = repeats + 1  # one untimed step after each change of length
-    max_tokens = (k + 1) * (steps_per_length * (k + 1) + 4)
+    # the most a request commits: each step of length L commits at most L + 1 tokens, plus the steps to its first
+    # block
+    max_tokens = PASSES * steps_per_length * (k + 1) * (k + 2) // 2 + 4 * (k + 1)
     pages_per_request = -(-(PROFILE_PROMPT_TOKENS + max_tokens + k + 1) // engine.config.page_size)
     fits = engine.pages.num_pages // pages_per_request
     buckets = [b for b in batch_buckets(min(max_batch or engine.config.max_num_seqs, engine.config.max_num_seqs))
@@ -61,22 +68,25 @@ def profile_step_costs(engine, repeats: int = 3, max_batch: int | None = None) -
             engine.step()
         if not all(i in engine.sequences and engine.sequences[i].draft_ids for i in ids):
             raise RuntimeError(f"confidence scheduling: profiling {batch} requests never reached a drafted step")
+        times = {length: [] for length in range(drafts + 1)}
+        contexts = {length: [] for length in range(drafts + 1)}
         try:
-            for length in range(drafts + 1):
-                engine.forced_verify_len = length  # the steps planned (and launched) ahead at it, as served
-                times, contexts = [], []
-                for repeat in range(steps_per_length):
-                    context = sum(engine.sequences[i].num_computed for i in ids)
-                    began = time.perf_counter()
-                    engine.step()
-                    if repeat:
-                        times.append(time.perf_counter() - began)
-                        contexts.append(context)
-                table.record(batch, batch * (length + 1), 1e3 * statistics.median(times),
-                             context=statistics.mean(contexts))
+            for lengths in [range(drafts + 1), range(drafts, -1, -1)][:PASSES]:
+                for length in lengths:
+                    engine.forced_verify_len = length  # the steps planned (and launched) ahead at it, as served
+                    for repeat in range(steps_per_length):
+                        context = sum(engine.sequences[i].num_computed for i in ids)
+                        began = time.perf_counter()
+                        engine.step()
+                        if repeat:
+                            times[length].append(time.perf_counter() - began)
+                            contexts[length].append(context)
         finally:
             engine.forced_verify_len = None
         engine.abort_all()
+        for length in range(drafts + 1):
+            table.record(batch, batch * (length + 1), 1e3 * statistics.median(times[length]),
+                         context=statistics.mean(contexts[length]))
     engine.metrics, engine.gate = SpecMetrics(), AcceptanceGate(engine.spec.acceptance_rate_window_size,
                                                                 engine.spec.acceptance_rate_threshold)
     engine.pages.forget_cached()

@@ -435,6 +435,37 @@ def test_a_noisy_row_is_read_as_its_non_decreasing_fit():
     assert spiky.predict_ms(192, 2) < fit[1]
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("requests", [3, 40])  # the plain-Python path and numpy's
+def test_graphed_steps_are_priced_at_the_graph_they_replay(layout, requests):
+    """A graphed step of n requests replays the graph of the smallest batch bucket holding them, its padding rows
+    computed too: it is priced at that bucket's row and rows x (Q + 1) tokens (the cells the engine learns it in),
+    never at n's nearest row. Run 55's steps of 60 and 72 requests sat in the 64 row and priced its whole blocks
+    ~13% too dear. A mixed step (a prefill chunk beside) stays at its own sizes."""
+    k, bucket = 4, 4 if requests == 3 else 64
+    batches = [1, 2, 4, 8, 16, 32, 64]
+    tokens = [b * q for b in batches for q in range(1, k + 2)]
+    # every row: 1 ms per token fed (so the row says which batch a step was read at: 10x less from 32 requests)
+    table = StepCostTable(batches, sorted(set(tokens)), [[float(t) if b in (bucket, 32) else math.nan
+                                                         for t in sorted(set(tokens))] for b in batches])
+    scheduler = ConfidenceScheduler(k, table, layout=layout, graph_batches=batches)
+    confidences = [[0.9, 0.8, 0.7, 0.6]] * requests
+    if layout == "packed":
+        scheduler.allot_packed(confidences)
+    else:
+        scheduler.allot(confidences)
+    assert scheduler.graph_rows(requests) == bucket and scheduler.graph_rows(100) == 100
+    assert scheduler.last.whole_predicted_ms == pytest.approx(table.predict_ms(bucket, bucket * (k + 1)))
+    assert scheduler.last.whole_predicted_ms == pytest.approx(bucket * (k + 1))
+    plain = ConfidenceScheduler(k, table, layout=layout)  # no graphs: the step's own batch
+    plain.allot_packed(confidences) if layout == "packed" else plain.allot(confidences)
+    assert plain.last.whole_predicted_ms == pytest.approx(table.predict_ms(requests, requests * (k + 1)))
+    if layout == "padded":
+        scheduler.allot(confidences, other_requests=1, other_tokens=16)
+        assert scheduler.last.whole_predicted_ms == pytest.approx(
+            scheduler.mixed_costs.predict_ms(requests + 1, 16 + requests * (k + 1)))
+
+
 def test_the_table_learns_whole_steps_as_the_startup_profile_times_them(tmp_path, near_bigram_target,
                                                                          confident_drafter, monkeypatch):
     """A served step is observed schedule to commit, as ``runtime.step_profile`` times a step: host work outside the
