@@ -35,17 +35,20 @@ PROFILE_PROMPT_TOKENS = 16
 PASSES = 2
 
 
-def profile_step_costs(engine, repeats: int = 3, max_batch: int | None = None) -> StepCostTable:
-    """-> the table of ``engine``'s step times (see the module docstring); ``engine`` is idle before and after."""
+def profile_step_costs(engine, repeats: int = 2, max_batch: int | None = None) -> StepCostTable:
+    """-> the table of ``engine``'s step times (see the module docstring; ``repeats``: timed steps per length and
+    pass); ``engine`` is idle before and after."""
     k = int(engine.spec.max_draft_len)
     steps_per_length = repeats + 1  # one untimed step after each change of length
-    # the most a request commits: each step of length L commits at most L + 1 tokens, plus the steps to its first
-    # block
-    max_tokens = PASSES * steps_per_length * (k + 1) * (k + 2) // 2 + 4 * (k + 1)
+    largest = min(max_batch or engine.config.max_num_seqs, engine.config.max_num_seqs)
+    # the most a request commits, so that none finishes while profiled: up to K + 1 tokens a step while the batch
+    # prefills (chunked at the token budget) until every request drafted; then each step forced at length L up to
+    # L + 1, and the first step after a change of length (launched ahead at the previous one) one more
+    to_first_block = -(-largest * PROFILE_PROMPT_TOKENS // engine.config.max_num_batched_tokens) + 2
+    max_tokens = (k + 1) * to_first_block + PASSES * (steps_per_length * (k + 1) * (k + 2) // 2 + k + 1)
     pages_per_request = -(-(PROFILE_PROMPT_TOKENS + max_tokens + k + 1) // engine.config.page_size)
     fits = engine.pages.num_pages // pages_per_request
-    buckets = [b for b in batch_buckets(min(max_batch or engine.config.max_num_seqs, engine.config.max_num_seqs))
-               if b <= fits]
+    buckets = [b for b in batch_buckets(largest) if b <= fits]
     if not buckets:
         raise ValueError("confidence scheduling: the KV cache cannot hold one profiling request "
                          f"({pages_per_request} pages); give the engine more pages or a confidence_cost_table_path")
