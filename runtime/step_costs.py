@@ -3,19 +3,20 @@
 A grid of measured step times (``batch_sizes`` x ``token_counts``, milliseconds, NaN where nothing was measured)
 predicts any (batch, tokens) by linear interpolation in tokens within the two nearest measured batch rows (then
 between them); outside the measured range it extrapolates the nearest row's last slope. A row is read as its
-least-squares non-decreasing fit (isotonic regression, pool adjacent violators): feeding more tokens never makes a
-step cheaper, so a dip is measurement noise (a host-bound step's timing jitter, a cell measured from few steps), and
-taken at face value it would tell the scheduler that verifying fewer drafts saves time where it costs none; a spike is
-noise as well, which a running maximum would carry to every longer length (a run-24 row of 3.2, 4.9, 4.0, 4.2, 3.9 ms
-read as 4.9 from the second cell on), while the fit averages it with its neighbours. Every step the engine serves is
-an observation: the grid cell nearest to it moves toward the measured time (an exponential moving average), so the
-table follows the hardware and the load it actually sees, mixed prefill + decode steps included; and since a step
-never costs less for feeding more, the learned cell bounds the rest of its row on the side its move may have put out
-of order (lowered: no cell of fewer tokens above it; raised: none of more tokens below it; compared at one context).
-A scheduler visits few cells (the lengths it chooses), and without the bound a cell it never visits keeps whatever
-the startup profile measured: run 37's profile timed the shorter verify lengths 1.5-3 ms too slow, serving corrected
-only the full-block cell, and read through the non-decreasing fit the row went on saying that trimming drafts saves
-nothing.
+**lower envelope** in tokens: each cell as the cheapest of itself and every cell of more tokens (a step can always
+feed more: a verify of fewer drafts never needs to cost more than the cheapest longer one). GPU step times are not
+monotone in the tokens fed: on the H200, a 2.7B target at 64 requests verified 7 tokens a request in 9.3-10.4 ms and 8
+in 8.1-8.6 ms, 5 tokens slower than 6 likewise (runs 54-56: the startup profiles and the fixed-K tuning alike; a
+kernel's tiling), and the least-squares non-decreasing fit read before (runs 24-55) pooled such a cell with the whole
+block, pricing whole blocks 11% too dear (run 55: 9.47 ms against 8.77 measured, so trims that did not pay looked as
+if they did). Under the envelope a dearer cell of fewer tokens is never chosen (it gives fewer tokens for no less
+time); a cell measured too dear by noise is read at its longer neighbour, and one measured too cheap is a trim the
+scheduler makes, serves, and so learns at its real cost. Every step the engine serves is an observation: the grid
+cell nearest to it moves toward the measured time (an exponential moving average), so the table follows the
+hardware and the load it actually sees, mixed prefill + decode steps included; a cell the scheduler never visits
+keeps what the startup profile measured, and where serving lowered a longer cell the envelope reads it no dearer
+(run 37's profile timed the shorter verify lengths 1.5-3 ms too slow, and serving corrected only the full-block
+cell).
 Served steps are gathered and learned ``OBSERVE_EVERY`` at a time (``flush``; ``to_json`` flushes first), and a
 prediction is cached until a cell changes: the scheduler asks for the same few vectors every step, and a table
 that moved every step would refit a row and interpolate again each time (~20 us of the host's step at one
@@ -27,8 +28,8 @@ is keyed only by (batch, tokens). Each cell therefore remembers the mean context
 learns one slope, milliseconds per context token (``ms_per_context_token``), from the served steps: the
 least-squares fit of how far a step's time sat from its cell's mean against how far its context did (pooled over
 cells, older steps fading, never below 0, 0 until ``SLOPE_MIN_STEPS`` steps moved their context). A prediction reads
-every cell as if measured at the asked context (``cell - slope x (cell context - context)``; the row's fit is taken
-over those). Without it, cells measured at different contexts were compared as if alike: in run 49 (an H200, 256
+every cell as if measured at the asked context (``cell - slope x (cell context - context)``; the row's envelope is
+taken over those). Without it, cells measured at different contexts were compared as if alike: in run 49 (an H200, 256
 requests) the startup profile, its steps at under ~100 tokens of context a request, read 10.1 ms for 6 tokens a request
 and 12.7 ms for 8, where the tuning measured 11.8 and 13.9 at the sweep's 101-354; the cells the scheduler served
 moved to the serving contexts while the others kept the profile's, its predicted steps were 7% under the
@@ -74,7 +75,7 @@ class StepCostTable:
         self.ms_per_context_token = 0.0  # the learned slope (see the module doc)
         self._tokens = np.asarray(token_counts, dtype=np.float64)
         self._rows: list[tuple[int, np.ndarray, np.ndarray]] | None = None  # measured rows; rebuilt when one fills
-        self._fits: dict[int, np.ndarray] = {}  # row -> its measured cells' non-decreasing fit; dropped on a change
+        self._fits: dict[int, np.ndarray] = {}  # row -> its measured cells' lower envelope; dropped on a change
         self._predicted: dict[tuple[int, bytes], np.ndarray] = {}  # (batch, tokens) -> predict_ms_many, read-only
         self._listed: dict[tuple[int, tuple], list[float]] = {}  # (batch, tokens) -> predict_ms_list at no context
         self._pending: list[tuple[int, int, float, int]] = []  # served steps not yet learned
@@ -169,21 +170,13 @@ class StepCostTable:
             self._fit_slope()
 
     def _learn(self, batch: int, tokens: int, seconds: float, context: int) -> None:
-        """One served step: its cell, the context slope's evidence, then the bound that cell puts on its row."""
-        i, j, before, before_context = self.record(batch, tokens, 1e3 * seconds, OBSERVATION_WEIGHT, context)
+        """One served step: its cell, and the context slope's evidence."""
+        _, _, before, before_context = self.record(batch, tokens, 1e3 * seconds, OBSERVATION_WEIGHT, context)
         if not math.isnan(before):  # how far this step sat from its cell, in time and in context (Python floats)
             dx, dy = context - before_context, 1e3 * seconds - before
             sxy, sxx, steps = self._slope_sums
             self._slope_sums = [SLOPE_DECAY * sxy + dx * dy, SLOPE_DECAY * sxx + dx * dx,
                                 SLOPE_DECAY * steps + (dx != 0)]
-        row, learned = self.step_ms[i], self.step_ms[i, j]
-        # the cells compared at the learned cell's context: each cell's own value is its bound less the slope x
-        # how far its context sits below the learned cell's (NaN cells compare false: they stay unmeasured)
-        shift = self.ms_per_context_token * (self.context[i, j] - self.context[i])  # [T]
-        if learned < before:  # lowered: no cell of fewer tokens above it
-            row[:j] = np.where(row[:j] + shift[:j] > learned, learned - shift[:j], row[:j])
-        elif learned > before:  # raised: no cell of more tokens below it
-            row[j + 1:] = np.where(row[j + 1:] + shift[j + 1:] < learned, learned - shift[j + 1:], row[j + 1:])
 
     def _forget_predictions(self) -> None:
         """A cell (or the context slope) changed: every cached prediction goes."""
@@ -193,7 +186,7 @@ class StepCostTable:
     def _fit_slope(self) -> None:
         """The context slope from its sums (0 until ``SLOPE_MIN_STEPS`` steps moved their context; never below 0:
         a step never gets cheaper for attending over more; nor so steep that a measured cell's context alone
-        would cost more than the whole cell did); the rows' fits follow it."""
+        would cost more than the whole cell did); the rows' envelopes follow it."""
         sxy, sxx, steps = self._slope_sums
         slope = max(sxy / sxx, 0.0) if steps >= SLOPE_MIN_STEPS and sxx > 0 else 0.0
         attended = (self.context > 0) & ~np.isnan(self.step_ms)
@@ -246,25 +239,25 @@ class StepCostTable:
         k = bisect.bisect_left(sizes, batch)
         if k == 0 or k == len(rows) or sizes[k] == batch:
             i, xs, cells = rows[min(k, len(rows) - 1)]
-            predicted = _along_tokens_many(xs, self._monotone(i, cells), x)
+            predicted = _along_tokens_many(xs, self._envelope(i, cells), x)
         else:
             (i0, xs0, cells0), (i1, xs1, cells1) = rows[k - 1], rows[k]
             f = (batch - sizes[k - 1]) / (sizes[k] - sizes[k - 1])
-            predicted = (1 - f) * _along_tokens_many(xs0, self._monotone(i0, cells0), x) + \
-                f * _along_tokens_many(xs1, self._monotone(i1, cells1), x)
+            predicted = (1 - f) * _along_tokens_many(xs0, self._envelope(i0, cells0), x) + \
+                f * _along_tokens_many(xs1, self._envelope(i1, cells1), x)
         if len(self._predicted) >= PREDICTIONS_KEPT:
             self._predicted.clear()
         predicted.flags.writeable = False
         self._predicted[key] = predicted
         return predicted
 
-    def _monotone(self, row: int, cells: np.ndarray) -> np.ndarray:
-        """The row's measured cells as read at no context (each less the slope x its context): their least-squares
-        non-decreasing fit (see the module doc), cached until a cell of the row or the slope changes."""
+    def _envelope(self, row: int, cells: np.ndarray) -> np.ndarray:
+        """The row's measured cells as read at no context (each less the slope x its context): their lower
+        envelope (see the module doc), cached until a cell of the row or the slope changes."""
         fit = self._fits.get(row)
         if fit is None:
             at_no_context = self.step_ms[row, cells] - self.ms_per_context_token * self.context[row, cells]
-            fit = self._fits[row] = isotonic(at_no_context)
+            fit = self._fits[row] = lower_envelope(at_no_context)
         return fit
 
     def _measured_rows(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
@@ -277,18 +270,9 @@ class StepCostTable:
         return self._rows
 
 
-def isotonic(values: np.ndarray) -> np.ndarray:
-    """The least-squares non-decreasing fit of ``values`` [N] (pool adjacent violators: a value below the mean of
-    the block before it merges into that block, the merged block taking the mean)."""
-    sums: list[float] = []
-    counts: list[int] = []
-    for v in values.tolist():
-        total, count = v, 1
-        while sums and sums[-1] * count > total * counts[-1]:  # the previous block's mean above this one's
-            total, count = total + sums.pop(), count + counts.pop()
-        sums.append(total)
-        counts.append(count)
-    return np.repeat(np.asarray(sums) / np.asarray(counts), counts)
+def lower_envelope(values: np.ndarray) -> np.ndarray:
+    """Each of ``values`` [N] as the least of itself and every later value (a suffix minimum): non-decreasing."""
+    return np.minimum.accumulate(values[::-1])[::-1]
 
 
 def _along_tokens_many(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
