@@ -322,11 +322,14 @@ class Engine:
         return self._packs_steps_of(num) and 0 < columns < k
 
     def _packed_ranking(self, k: int) -> tuple[list[float], list[list[float]]]:
-        """The survival fit (slopes [k], biases [H][k]) a packed step ranks its first ``k`` drafts by (none while
-        profiling: the profile times the step, whichever drafts it picks)."""
+        """The survival fit (slopes [k], biases [H][k]) a packed step ranks its first ``k`` drafts by. While
+        profiling, before the scheduler exists, slope 0: every draft at position j survives 0.5^(j+1), so a budget
+        of c columns is c drafts of every request (the step's shape is what the profile times, and a request then
+        commits at most c + 1 tokens a step: ranked by confidence, a request the drafter is sure of took every
+        draft of its block, committed past the profile's token bound and finished mid-profile, runs 56-57)."""
         if self.confidence is not None:
             return self.confidence.ranking(k)
-        return [1.0] * k, [[0.0] * k for _ in history_classes(int(self.spec.max_draft_len))]
+        return [0.0] * k, [[0.0] * k for _ in history_classes(int(self.spec.max_draft_len))]
 
     def _histories(self, scheduled: list[ScheduledRequest]) -> list[int]:
         """[S] each scheduled request's verify-history class, in step order."""

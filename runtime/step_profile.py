@@ -41,11 +41,12 @@ def profile_step_costs(engine, repeats: int = 2, max_batch: int | None = None) -
     k = int(engine.spec.max_draft_len)
     steps_per_length = repeats + 1  # one untimed step after each change of length
     largest = min(max_batch or engine.config.max_num_seqs, engine.config.max_num_seqs)
-    # the most a request commits, so that none finishes while profiled: up to K + 1 tokens a step while the batch
-    # prefills (chunked at the token budget) until every request drafted; then each step forced at length L up to
-    # L + 1, and the first step after a change of length (launched ahead at the previous one) one more
-    to_first_block = -(-largest * PROFILE_PROMPT_TOKENS // engine.config.max_num_batched_tokens) + 2
-    max_tokens = (k + 1) * to_first_block + PASSES * (steps_per_length * (k + 1) * (k + 2) // 2 + k + 1)
+    # the most a request commits, so that none finishes while profiled: a token a step while the batch prefills
+    # (chunked at the token budget; verifying nothing) until every request drafted; then each step forced at length
+    # L up to L + 1 (a packed step too: ``Engine._packed_ranking``), and the first step after a change of length
+    # (launched ahead at the previous one) one more
+    to_first_block = -(-largest * PROFILE_PROMPT_TOKENS // engine.config.max_num_batched_tokens) + 4
+    max_tokens = to_first_block + PASSES * (steps_per_length * (k + 1) * (k + 2) // 2 + k + 1)
     pages_per_request = -(-(PROFILE_PROMPT_TOKENS + max_tokens + k + 1) // engine.config.page_size)
     fits = engine.pages.num_pages // pages_per_request
     buckets = [b for b in batch_buckets(largest) if b <= fits]
@@ -65,12 +66,17 @@ def profile_step_costs(engine, repeats: int = 2, max_batch: int | None = None) -
         profiled.append(batch)
         ids = [engine.add_request(torch.randint(3, engine.vocab_size, (PROFILE_PROMPT_TOKENS,),
                                                 generator=generator).tolist(), params) for _ in range(batch)]
-        for _ in range(max_tokens):  # prefill (chunked when the budget is small) until every request drafted
-            if all(i in engine.sequences and engine.sequences[i].draft_ids for i in ids):
-                break
-            engine.step()
+        engine.forced_verify_len = 0  # the requests drafted first commit a token a step while the rest prefill
+        try:
+            for _ in range(to_first_block):  # prefill (chunked when the budget is small) until every one drafted
+                if all(i in engine.sequences and engine.sequences[i].draft_ids for i in ids):
+                    break
+                engine.step()
+        finally:
+            engine.forced_verify_len = None
         if not all(i in engine.sequences and engine.sequences[i].draft_ids for i in ids):
-            raise RuntimeError(f"confidence scheduling: profiling {batch} requests never reached a drafted step")
+            raise RuntimeError(f"confidence scheduling: profiling {batch} requests never reached a drafted step in "
+                               f"{to_first_block} steps")
         times = {length: [] for length in range(drafts + 1)}
         contexts = {length: [] for length in range(drafts + 1)}
         try:
@@ -78,7 +84,11 @@ def profile_step_costs(engine, repeats: int = 2, max_batch: int | None = None) -
                 for length in lengths:
                     engine.forced_verify_len = length  # the steps planned (and launched) ahead at it, as served
                     for repeat in range(steps_per_length):
-                        context = sum(engine.sequences[i].num_computed for i in ids)
+                        live = [engine.sequences.get(i) for i in ids]
+                        if None in live:  # the token bound above is wrong: say so, not a KeyError
+                            raise RuntimeError(f"confidence scheduling: a profiling request of {batch} finished "
+                                               f"before its {max_tokens} tokens' bound; profiling at length {length}")
+                        context = sum(seq.num_computed for seq in live)
                         began = time.perf_counter()
                         engine.step()
                         if repeat:

@@ -418,6 +418,53 @@ class PackingExecutor(DraftingExecutor):
         return [{**super().describe()[0], "graph_packed_columns": [1, 2, 3], "graph_packed_from": 2}]
 
 
+class AcceptingExecutor(PackingExecutor):
+    """A drafter the target always agrees with: every verified draft is accepted; a packed step verifies what the
+    device would choose (``runtime.packed_verify``) from the ranking it was given. Confidences vary by request, so a
+    ranking by them would give the surest request more than its share."""
+
+    def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
+        from runtime.packed_verify import select_lengths, survivals
+
+        self.batches.append(batch)
+        k, verified = batch.num_next_drafts, [r.num_drafts for r in batch.requests]
+        if batch.packed is not None:
+            plan = batch.packed
+            survival = survivals(torch.tensor(plan.confidences), torch.tensor(plan.slope), torch.tensor(plan.bias),
+                                 torch.tensor(plan.history))
+            verified = select_lengths(survival, plan.budget).tolist()
+        out = []
+        for i, (r, n) in enumerate(zip(batch.requests, verified)):
+            if not r.sample:
+                out.append(RequestStepResult(r.request_id, [], 0, []))
+                continue
+            confidence = [0.99 - 0.1 * i] * k  # the first request the surest
+            out.append(RequestStepResult(r.request_id, [7] * (n + 1), n, [8] * k, next_draft_confidence=confidence,
+                                         num_verified=n if batch.packed is not None else None))
+        return out
+
+
+def test_the_step_profile_never_lets_a_request_finish_even_when_every_draft_is_accepted(tmp_path):
+    """The profile's requests are sized to what its steps can commit (``runtime.step_profile``); a request that
+    finished mid-profile was a KeyError at startup (runs 56-57: packed steps ranked by confidence gave the surest
+    request every draft of its block at any budget). While profiling, a packed step of c columns verifies c drafts
+    of every request, and the requests drafted first verify none while the rest prefill."""
+    from runtime.step_profile import profile_step_costs
+
+    eng, ex = spark_engine(tmp_path)  # block 4
+    accepting = AcceptingExecutor(ex.num_pages)
+    accepting.engine, eng.executor = eng, accepting
+    eng._packed_from = 2
+    table = profile_step_costs(eng, repeats=2, max_batch=8)
+    assert table.batch_sizes == [1, 2, 4, 8] and not eng.sequences
+    rows = table.to_json()["step_ms"]
+    assert all(rows[i][table.token_counts.index(b * (q + 1))] is not None
+               for i, b in enumerate(table.batch_sizes) for q in range(5))  # every length of every bucket timed
+    packed = [b for b in accepting.batches if b.packed is not None]
+    assert {b.packed.columns for b in packed} == {1, 2, 3}
+    assert all(b.packed.slope == [0.0] * 4 for b in packed)  # every request verifies `columns` drafts
+
+
 def test_packed_verifies_run_ahead_at_the_columns_already_chosen(tmp_path):
     """The packed layout: the next step's columns are chosen from this step's confidences, so the step launched
     ahead is a packed verify of the whole blocks drafted now (``next_verify_len`` the block, ``next_packed`` its
