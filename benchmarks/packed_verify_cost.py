@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-K = 7  # drafts a block (the trained pair's block_size 8)
+K = 7  # drafts a block (the trained pair's: its drafter's block_size, slot j proposing draft j + 1)
 
 
 def write_pair(root: Path, hidden: int, layers: int) -> tuple[Path, Path]:
@@ -44,7 +44,7 @@ def write_pair(root: Path, hidden: int, layers: int) -> tuple[Path, Path]:
     drafter.mkdir()
     config = json.loads((target / "config.json").read_text())
     config.update(architectures=["Qwen3DSparkModel"], num_target_layers=layers, num_hidden_layers=2,
-                  block_size=K + 1, mask_token_id=4095, target_layer_ids=[1, layers // 2, layers - 2],
+                  block_size=K, mask_token_id=4095, target_layer_ids=[1, layers // 2, layers - 2],
                   markov_rank=256, markov_head_type="vanilla", enable_confidence_head=True,
                   confidence_head_with_markov=True, layer_types=["full_attention"] * 2)
     (drafter / "config.json").write_text(json.dumps(config))
