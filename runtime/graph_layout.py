@@ -189,6 +189,11 @@ class LaunchedVerify:
     appended: bool  # the drafter's context graph was replayed after it
     tokens: tuple[tuple[int, ...] | None, ...] = ()  # what each request feeds (anchor, drafts), once read back
     columns: int = 0  # a packed verify of these columns (runtime.packed_verify; 0: the uniform graph)
+    fed: int = 0  # the tokens each request feeds (anchor and drafts), padded to q_len where a longer graph serves
+    # them (GraphedTargetForward.served_by); 0: q_len
+
+    def __post_init__(self):
+        self.fed = self.fed or self.q_len
 
     def matches(self, reqs: list[ScheduledRequest], append_context: bool) -> bool:
         """Whether ``reqs`` is exactly this step: the same requests in order, each feeding the tokens it was fed
@@ -198,6 +203,6 @@ class LaunchedVerify:
         for r, rid, start, tokens, pages in zip(reqs, self.request_ids, self.starts, self.tokens,
                                                 self.layout.page_ids):
             if r.request_id != rid or r.start_position != start or tokens is None or tuple(r.token_ids) != tokens \
-                    or r.num_drafts != self.q_len - 1 or r.page_ids[:len(pages)] != pages:
+                    or r.num_drafts != self.fed - 1 or r.page_ids[:len(pages)] != pages:
                 return False
         return True

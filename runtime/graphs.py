@@ -151,6 +151,22 @@ class PackedGraphOutputs:
 
 
 PACKED_MIN_BATCH = 16  # packed graphs from this batch bucket up (below, a step's cost hardly depends on its tokens)
+FASTER_BY = 0.03  # a longer verify graph serves a step where it replays at least this much faster (timing noise)
+TIMED_REPLAYS = 5  # replays timed per verify graph at capture (the median), after one untimed
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    """The median device time of ``TIMED_REPLAYS`` replays of ``graph`` (after one to warm it), milliseconds."""
+    graph.replay()
+    times = []
+    for _ in range(TIMED_REPLAYS):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 # A colocated drafter's context append: captured [N, m*d], positions [N], slots [N] -> writes its cache.
@@ -162,7 +178,7 @@ class GraphedTargetForward:
                  scratch_page: int, max_batch: int, pages_per_seq: int, q_lens: list[int], device: torch.device,
                  append_context: ContextAppend | None = None, plan_ahead: bool = False,
                  prefill_q_lens: list[int] | tuple = (), prefill_tokens: int = 0,
-                 packed_columns: list[int] | tuple = ()):
+                 packed_columns: list[int] | tuple = (), time_lengths: bool = False):
         self.target, self.caches, self.backend, self.geometry = target, caches, backend, geometry
         # plan_ahead: after a one-token step is launched, FlashInfer is planned for the step that follows if every
         # request decodes one token more, and while the drafter drafts for the next verify step (pages are
@@ -231,6 +247,10 @@ class GraphedTargetForward:
                 for columns in self.packed_columns:
                     self.packed_graphs[(batch, columns)] = self._capture_packed(batch, columns)
         self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]  # the device memory they took
+        # (batch, Q) -> the longer verify graph that serves steps of Q tokens a request at that bucket, where it
+        # replays faster (time_lengths: a single rank; under tensor parallelism every rank must replay the same
+        # graph, and each would time its own)
+        self.served_by: dict[tuple[int, int], int] = self._faster_lengths() if time_lengths else {}
         self.capture_seconds = time.perf_counter() - start
         log.info("dspark: captured %d CUDA graphs (batch %s x tokens %s; prefill chunks of %s up to %d tokens; "
                  "%d packed of columns %s) in %.1f s, %.0f MiB", len(self.graphs), self.buckets, self.q_lens,
@@ -238,9 +258,42 @@ class GraphedTargetForward:
                  self.capture_seconds, self.capture_bytes / 2**20)
 
     def tokens_per_request(self, reqs: list[ScheduledRequest]) -> int | None:
-        """Q if a graph serves this step (see ``graphed_q_len``), else None."""
-        return graphed_q_len([len(r.token_ids) for r in reqs], self.q_lens, self.buckets[-1], self.prefill_q_lens,
-                             self.prefill_tokens)
+        """Q if a graph serves this step (see ``graphed_q_len``; a longer verify graph where it replays faster,
+        ``served_length``), else None."""
+        q_len = graphed_q_len([len(r.token_ids) for r in reqs], self.q_lens, self.buckets[-1], self.prefill_q_lens,
+                              self.prefill_tokens)
+        return self.served_length(len(reqs), q_len) if q_len is not None and self.served_by else q_len
+
+    def served_length(self, num: int, q_len: int) -> int:
+        """The tokens a request of the graph serving a step of ``num`` requests feeding up to ``q_len`` tokens each:
+        ``q_len``, or a longer verify length whose graph replays faster at that bucket (``_faster_lengths``)."""
+        batch = next((b for b in self.buckets if b >= num), None)
+        return self.served_by.get((batch, q_len), q_len)
+
+    def _faster_lengths(self) -> dict[tuple[int, int], int]:
+        """Time each verify graph (2 to K + 1 tokens a request) at the buckets from ``PACKED_MIN_BATCH`` and map a
+        length to a longer one whose graph replays at least ``FASTER_BY`` faster. A verify step's time is not
+        monotone in its tokens: the GEMMs' tiling makes some row counts dearer than larger ones (run 58, an H200, a
+        2.7B target at 64 requests: 7 tokens a request 7.95 ms, 8 tokens 6.63; 5 tokens 6.10, 6 tokens 5.56); a
+        step of 7 then feeds its blocks padded to 8 (``graph_inputs``: padding rows are dropped), for its results
+        unchanged. Each graph replays its capture-time inputs (padding rows on the scratch page: the GEMM-bound
+        floor, where the tiling shows; attention over a served step's context adds alike to both)."""
+        times: dict[tuple[int, int], float] = {}
+        verify = [q for q in self.q_lens if q > 1]
+        for batch in self.buckets:
+            if batch >= PACKED_MIN_BATCH and len(verify) > 1:
+                for q_len in verify:
+                    self._write_inputs([], batch, q_len)  # its capture-time inputs: padding rows on the scratch page
+                    times[(batch, q_len)] = _replay_ms(self.graphs[(batch, q_len)].graph)
+        faster = {}
+        for (batch, q_len), ms in times.items():
+            longer = [(times[(batch, q)], q) for q in verify if q > q_len]
+            if longer and min(longer)[0] < (1 - FASTER_BY) * ms:
+                faster[(batch, q_len)] = min(longer)[1]
+        if faster:
+            log.info("dspark: verify steps served by a longer graph that replays faster (batch, tokens -> tokens): %s",
+                     ", ".join(f"{b} x {q} -> {to}" for (b, q), to in sorted(faster.items())))
+        return faster
 
     def run(self, reqs: list[ScheduledRequest], q_len: int, append_context: bool = False) -> GraphOutputs:
         """Replay the graph of ``len(reqs)`` requests (padded to a bucket) x ``q_len`` tokens, then, if asked and
@@ -330,7 +383,7 @@ class GraphedTargetForward:
         reqs, _, batch, q_len = self._last_run
         if num != len(reqs):
             return None
-        next_q_len = next_q_len or q_len
+        next_q_len = self.served_by.get((batch, next_q_len), next_q_len) if next_q_len else q_len
         if (batch, columns) not in self.packed_graphs if columns else (batch, next_q_len) not in self.graphs:
             return None
         accepted = self._accepted_read.wait().tolist()
@@ -360,26 +413,27 @@ class GraphedTargetForward:
             return False
         reqs, _, batch, _ = self._last_run
         num, ps = len(reqs), self.page_size
-        q_len = drafts.shape[1] + 1
+        fed = drafts.shape[1] + 1  # anchor and drafts; the graph's length may be longer (served_by: padded)
         columns = packed.columns if packed is not None else 0
+        q_len = fed if columns else self.served_by.get((batch, fed), fed)
         if drafts.shape[0] != num or len(accepted) != num or (batch, q_len) not in self.graphs \
                 or (columns and ((batch, columns) not in self.packed_graphs or q_len != self.q_lens[-1]
                                  or confidence is None)):
             return False
-        upcoming = [ScheduledRequest(r.request_id, [0] * q_len, next_anchor_position(r, a), r.page_ids, q_len - 1,
+        upcoming = [ScheduledRequest(r.request_id, [0] * fed, next_anchor_position(r, a), r.page_ids, fed - 1,
                                      True, r.params, r.seed) for r, a in zip(reqs, accepted)]
-        if any(-(-r.end_position // ps) > len(r.page_ids) for r in upcoming):
-            return False  # its pages do not cover the block yet
+        if any(-(-(r.start_position + q_len) // ps) > len(r.page_ids) for r in upcoming):
+            return False  # its pages do not cover the block (and its padding) yet
         g = self.packed_graphs[(batch, columns)] if columns else self.graphs[(batch, q_len)]
         inputs, layout = graph_inputs(upcoming, batch, q_len, ps, self.scratch_page)
         self.inputs[:, :batch * q_len].copy_(torch.from_numpy(inputs), non_blocking=True)
-        ids = self.inputs[0, :num * q_len].view(num, q_len)  # [S, Q]: anchor, then the drafts
+        ids = self.inputs[0, :num * q_len].view(num, q_len)  # [S, Q]: anchor, then the drafts (then padding)
         ids[:, :1].copy_(committed.gather(1, accepted_device[:, None]))
-        ids[:, 1:].copy_(drafts)
+        ids[:, 1:fed].copy_(drafts)
         if columns:
             before = torch.tensor(packed.history, dtype=torch.int64).to(accepted_device.device, non_blocking=True)
-            verified = verified_counts if verified_counts is not None else torch.full_like(accepted_device,
-                                                                                          self._last_run[3] - 1)
+            verified = verified_counts if verified_counts is not None else torch.tensor(
+                [r.num_drafts for r in reqs], dtype=torch.int64).to(accepted_device.device, non_blocking=True)
             self._write_ranking(confidence, packed.slope, packed.bias,
                                 history_after(before, verified, accepted_device, self.q_lens[-1] - 1), batch)
         self._plan_and_replay(g, layout, batch, q_len, columns)  # planned by plan_next_verify: the plan is skipped
@@ -388,7 +442,7 @@ class GraphedTargetForward:
             g.context.replay()
         self._ahead_verify = LaunchedVerify(tuple(r.request_id for r in upcoming),
                                             tuple(r.start_position for r in upcoming), q_len, layout, appended,
-                                            columns=columns)
+                                            columns=columns, fed=fed)
         return True
 
     def _write_ranking(self, confidence: torch.Tensor, slope: list[float], bias: list[list[float]],

@@ -180,7 +180,9 @@ class Worker:
                                                # confidence scheduling packs large steps (runtime.packed_verify)
                                                packed_columns=range(1, int(self.spec.max_draft_len))
                                                if self.spec is not None and self.spec.enable_confidence_scheduling
-                                               and not self.parallel.is_parallel else ())
+                                               and not self.parallel.is_parallel else (),
+                                               # a step of Q tokens served by a longer graph that replays faster
+                                               time_lengths=not self.parallel.is_parallel)
         self.engine_part = ModelRunner(self.target, self.spec, self.kernels, caches, page_size, self.device,
                                        self.parallel, channel, w2, self.graphs, self.config.logprobs_mode)
 
@@ -250,6 +252,9 @@ class Worker:
                 # packed verify graphs: their columns, and the fewest requests a step needs to be served by one
                 "graph_packed_columns": self.graphs.packed_columns if self.graphs is not None else [],
                 "graph_packed_from": self.graphs.packed_from if self.graphs is not None else 0,
+                # verify lengths a longer graph serves where it replays faster: "batch x Q" -> its Q
+                "graph_served_by": {f"{b} x {q}": to for (b, q), to in sorted(self.graphs.served_by.items())}
+                if self.graphs is not None else {},
                 "graph_packed_replays": self.graphs.packed_replays if self.graphs is not None else 0,
                 "graph_packed_run_ahead": self.graphs.packed_run_ahead if self.graphs is not None else 0,
                 # per graph, the attention kernel it bakes in and the timings that chose it

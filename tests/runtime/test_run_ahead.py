@@ -212,6 +212,7 @@ def _verify_forward(batch: int, q_len: int, page_size: int = 4, shorter: int | N
     forward.planned, forward.plans_skipped, forward.replays = {}, 0, 0
     forward._ahead = forward._ahead_verify = forward._last_run = None
     forward.steps_run_ahead = forward.steps_ahead_dropped = 0
+    forward.served_by = {}  # no longer graph replays faster
     forward._plan = lambda layout, b, q, columns=0: forward.planned.__setitem__(forward._key(b, q, columns), layout)
     forward.graphs = {}
     for q in [q_len] + ([shorter] if shorter else []):
@@ -489,6 +490,27 @@ def test_packed_verifies_run_ahead_at_the_columns_already_chosen(tmp_path):
         # request verifies its block of 4 and accepts 1 here) to what the engine then ranks nxt by
         assert nxt.packed.history == [next_history(h, 4, 1, 4) for h in b.next_packed.history]
     assert {h for _, nxt in ahead for h in nxt.packed.history} == {2}  # rejected_at_1
+
+def test_a_verify_served_by_a_faster_longer_graph_is_launched_ahead_padded_and_taken():
+    """Where the graph of a longer verify replays faster (run 58: 7 tokens a request at 64 requests 7.95 ms, 8
+    tokens 6.63), a step of the shorter blocks feeds them padded to it (``served_by``): launched ahead into that
+    graph, each request's anchor and drafts followed by a padding row at its last position, and taken when the
+    engine schedules the blocks as launched."""
+    forward, g = _verify_forward(batch=2, q_len=3, shorter=2)
+    forward.served_by = {(2, 2): 3}
+    assert forward.served_length(2, 2) == 3 and forward.served_length(1, 2) == 3 and forward.served_length(2, 3) == 3
+    pages = {"a": [5, 6, 7], "b": [8, 9]}
+    forward.run([_verify("a", [10, 11, 12], 4, pages["a"]), _verify("b", [20, 21, 22], 1, pages["b"])], 3)
+    committed, accepted = torch.tensor([[11, 12, 40], [50, 0, 0]]), torch.tensor([2, 0])
+    assert forward.launch_verify_ahead([2, 0], committed, accepted, torch.tensor([[41, 42], [51, 52]])[:, :1],
+                                       append_context=False)
+    short = forward.graphs[(2, 2)].graph
+    assert len(short.fed) == 0 and len(g.fed) == 2  # the 3-token graph ran it
+    assert g.fed[1][0][:6] == [40, 41, 0, 50, 51, 0] and g.fed[1][1][:6] == [7, 8, 8, 2, 3, 3]
+    forward.set_ahead_tokens([(40, 41), (50, 51)])
+    forward.run([_verify("a", [40, 41], 7, pages["a"]), _verify("b", [50, 51], 2, pages["b"])], 3)
+    assert forward.steps_run_ahead == 1 and len(g.fed) == 2  # taken, not replayed again
+
 
 def test_a_verify_launched_ahead_at_a_confidence_cap_replays_the_shorter_graph():
     """Under confidence scheduling the step launched ahead verifies the first ``cap`` drafts of each new block:
