@@ -765,8 +765,10 @@ class ConfidenceStats:
     whole_expected_tokens: float = 0.0  # the same two for whole blocks, summed over decisions
     whole_predicted_ms: float = 0.0
     position_survival: list[float] = field(default_factory=list)  # [K] summed over decisions' requests
-    measured_ms: float = 0.0  # summed over every step timed
+    measured_ms: float = 0.0  # summed over every step timed (ramps, prefill-only steps included)
     steps: int = 0
+    decided_ms: float = 0.0  # summed over the steps a decision was made for: what predicted_ms predicted
+    decided_steps: int = 0
     committed_tokens: int = 0  # tokens the verifying requests committed (accepted drafts + one each), summed
     unpacked_steps: int = 0  # packed layout: decided steps that verified whole blocks instead (runtime.engine)
     last: dict = field(default_factory=dict)
@@ -793,11 +795,15 @@ class ConfidenceStats:
         if self.last:
             self.last["committed_tokens"] = committed
 
-    def record_step(self, ms: float) -> None:
+    def record_step(self, ms: float, decided: bool = True) -> None:
+        """A timed step; ``decided``: the scheduler chose its verify budget (its prediction is comparable)."""
         self.steps += 1
         self.measured_ms += ms
-        if self.last:
-            self.last["measured_step_ms"] = ms
+        if decided:
+            self.decided_steps += 1
+            self.decided_ms += ms
+            if self.last:
+                self.last["measured_step_ms"] = ms
 
     def as_dict(self, scheduler: ConfidenceScheduler) -> dict:
         per = max(self.requests, 1)
@@ -813,6 +819,8 @@ class ConfidenceStats:
                 # the survival it believed at each position, over every request it decided for (verified or not)
                 "mean_predicted_survival_per_position": [round(v / per, 4) for v in self.position_survival],
                 "mean_measured_step_ms": self.measured_ms / max(self.steps, 1),
+                # the steps mean_predicted_step_ms predicted, measured (the mean above has the ramps' steps too)
+                "mean_measured_decided_step_ms": self.decided_ms / max(self.decided_steps, 1),
                 "layout": scheduler.layout, "next_budget_per_request": scheduler.budget_per_request,
                 "next_cap": scheduler.cap,
                 "survival_correction": [round(float(r), 4) for r in scheduler.correction.ratio],

@@ -259,6 +259,7 @@ class Engine:
         with region("dspark.execute"):
             results = self.executor.execute(batch)
         learn = self.confidence is not None and bool(scheduled)
+        decided = bool(self._decided)  # (the commit clears it)
         if learn:
             self._note_other_fed(scheduled)
         with region("dspark.commit"):
@@ -266,7 +267,7 @@ class Engine:
             if self.pipelined:
                 self._take_late_drafts()
         if learn:
-            self._learn_step_time(scheduled, time.perf_counter() - began)
+            self._learn_step_time(scheduled, time.perf_counter() - began, decided)
         return outputs
 
     def _steady_decode(self, scheduled: list[ScheduledRequest]) -> bool:
@@ -437,16 +438,17 @@ class Engine:
         others = [e for e in scheduled if e.request_id not in decided]
         self._other_fed = (len(others), sum(len(e.token_ids) for e in others), sum(e.start_position for e in others))
 
-    def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
+    def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float, decided: bool) -> None:
         """The step's wall time, schedule to commit (what the startup profile times: ``runtime.step_profile``), into
         the cost table at the rows the model computed: a graphed verify step at its graph's cell (the batch bucket
-        x Q, padding requests and tokens included: run 55's steps of 60 and 72 requests, timed as the 64 and 96
-        graphs they replayed, sat in the 64 row at 480 and 576 tokens, 11.6 and 15.7 ms, and through the row's
-        non-decreasing bound priced whole blocks at 64 requests at 9.9 ms where they took 8.8). The whole step, not the executor's part
-        alone: the host's per-step work is paid at every verify length, and a table whose served cells lacked it
-        while the profiled ones held it would make the lengths the scheduler chose look cheaper than the ones it
-        did not (run 31: trims to 4.6 of 7 drafts at 256 requests, predicted to pay, lost 14%). With the context
-        the step's requests attended over (the KV tokens before what each fed), which its time grows with."""
+        x Q, padding requests included: run 55's steps of 60 and 72 requests, timed as the 64 and 96 graphs they
+        replayed, sat in the 64 row at 480 and 576 tokens, 11.6 and 15.7 ms, and through the row's non-decreasing
+        bound of the time priced whole blocks at 64 requests at 9.9 ms where they took 8.8). The whole step, not
+        the executor's part alone: the host's per-step work is paid at every verify length, and a table whose served
+        cells lacked it while the profiled ones held it would make the lengths the scheduler chose look cheaper than
+        the ones it did not (run 31: trims to 4.6 of 7 drafts at 256 requests, predicted to pay, lost 14%). With the
+        context the step's requests attended over (the KV tokens before what each fed), which its time grows with.
+        ``decided``: the scheduler chose this step's verifies (its metrics set the time beside the prediction)."""
         fed = [len(e.token_ids) for e in scheduled]
         requests, tokens, q_len = len(scheduled), sum(fed), None
         if self._packed is not None:  # a packed graph: an anchor and `columns` drafts a request
@@ -463,7 +465,7 @@ class Engine:
         # verify at all) into the mixed steps' table: what the scheduler prices such steps by
         table = self.confidence.costs_for(other_tokens)
         table.observe(requests, tokens, seconds, sum(e.start_position for e in scheduled))
-        self.confidence_stats.record_step(1e3 * seconds)
+        self.confidence_stats.record_step(1e3 * seconds, decided)
 
     def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:
         outputs, drafted, accepted = [], 0, 0

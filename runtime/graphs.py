@@ -155,11 +155,10 @@ FASTER_BY = 0.03  # a longer verify graph serves a step where it replays at leas
 TIMED_REPLAYS = 5  # replays timed per verify graph at capture (the median), after one untimed
 
 
-def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
-    """The median device time of ``TIMED_REPLAYS`` replays of ``graph`` (after one to warm it), milliseconds."""
-    graph.replay()
+def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> float:
+    """Device time of one replay of ``graph``, the median of ``repeats``, milliseconds."""
     times = []
-    for _ in range(TIMED_REPLAYS):
+    for _ in range(repeats):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         graph.replay()
@@ -284,7 +283,9 @@ class GraphedTargetForward:
             if batch >= PACKED_MIN_BATCH and len(verify) > 1:
                 for q_len in verify:
                     self._write_inputs([], batch, q_len)  # its capture-time inputs: padding rows on the scratch page
-                    times[(batch, q_len)] = _replay_ms(self.graphs[(batch, q_len)].graph)
+                    graph = self.graphs[(batch, q_len)].graph
+                    graph.replay()  # one untimed
+                    times[(batch, q_len)] = replay_ms(graph, TIMED_REPLAYS)
         faster = {}
         for (batch, q_len), ms in times.items():
             longer = [(times[(batch, q)], q) for q in verify if q > q_len]

@@ -494,7 +494,7 @@ def test_the_table_learns_whole_steps_as_the_startup_profile_times_them(tmp_path
     monkeypatch.setattr(eng, "_commit_step", commit)
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     stats = llm.get_metrics()["confidence_scheduling"]
-    assert stats["mean_measured_step_ms"] >= 30.0
+    assert stats["mean_measured_step_ms"] >= 30.0 and stats["mean_measured_decided_step_ms"] >= 30.0
     eng.confidence.costs.flush()  # the steps gathered since the last OBSERVE_EVERY
     assert eng.confidence.costs.observations > 0 and np.nanmax(eng.confidence.costs.step_ms) > 1.0 + 0.1 * 29.0
     assert eng.confidence.costs.context.max() > 0  # moving toward the contexts its request attended (7 tokens on)
@@ -733,6 +733,21 @@ def test_every_decision_records_the_survival_it_believed_at_each_position(layout
     stats.record_decision(scheduler.last, requests)
     mean = stats.as_dict(scheduler)["mean_predicted_survival_per_position"]
     assert mean == pytest.approx((np.cumprod(table, axis=1).mean(axis=0)).tolist(), abs=1e-4)
+
+
+def test_the_measured_step_time_beside_the_prediction_is_the_decided_steps_alone():
+    """``mean_predicted_step_ms`` is the mean over the steps the scheduler decided; its measured counterpart is
+    over the same steps (``mean_measured_decided_step_ms``), not over every timed step: run 55's ramps made the
+    all-steps mean 9.04 ms against 7.83 for the steady steps it predicted 7.94 for."""
+    scheduler = ConfidenceScheduler(4, flat_table(0.01), layout="packed")
+    stats = ConfidenceStats()
+    scheduler.allot_packed([[0.9, 0.8, 0.7, 0.6]] * 4)
+    stats.record_decision(scheduler.last, 4)
+    stats.record_step(8.0)
+    stats.record_step(20.0, decided=False)  # a prefill step of the ramp: no decision
+    metrics = stats.as_dict(scheduler)
+    assert metrics["mean_measured_decided_step_ms"] == 8.0 and metrics["mean_measured_step_ms"] == 14.0
+    assert metrics["last"]["measured_step_ms"] == 8.0
 
 
 def test_a_bad_verify_history_is_refused_naming_what_was_expected():
