@@ -181,3 +181,24 @@ def test_packed_verify_graphs_keep_greedy_outputs(tmp_path, wide_target, make_dr
     info = llm.rank_info()[0]
     assert info["graph_packed_replays"] > 0 and info["graph_packed_run_ahead"] > 0 and verified
     assert any(len(set(counts)) > 1 for _, counts in verified)  # ragged: requests verified different counts
+
+
+def test_verify_steps_served_by_a_longer_graph_keep_greedy_outputs(wide_target, make_drafter):
+    """A step of Q tokens a request replayed on a longer verify graph (``GraphedTargetForward.served_by``, chosen at
+    capture where the longer graph replays faster; forced here): its blocks are padded, launched ahead padded, and
+    the tokens equal those of each length on its own graph."""
+    drafter = make_drafter(wide_target, 4, oracle=True)
+    prompts = [[3 + i, 17, 33 + i, 2] for i in range(20)]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for name in ("own", "longer"):
+        # 20 requests draft 2 (Q = 3), served by the 5-token graph where forced
+        config = DSparkDecodingConfig(speculative_model=str(drafter), draft_len_schedule={4: 4, 32: 2})
+        llm = LLM(str(wide_target), speculative_config=config, **{**ENGINE, "max_num_seqs": 32})
+        graphs = llm.engine.executor.worker.graphs
+        assert isinstance(llm.rank_info()[0]["graph_served_by"], dict)  # what the capture-time timing chose
+        graphs.served_by = {(b, 3): 5 for b in graphs.buckets if b >= 16} if name == "longer" else {}
+        runs[name] = [o.token_ids for o in llm.generate(prompts, greedy)]
+        if name == "longer":
+            assert graphs.served_length(20, 3) == 5 and graphs.steps_run_ahead > 0
+    assert runs["longer"] == runs["own"]
