@@ -52,6 +52,11 @@ ahead (``launch_verify_ahead`` with ``packed``: the confidences copied on the de
 as the host reads them back) like a uniform verify; ``run_packed`` takes it when the engine schedules exactly it at
 those columns, and a uniform step never takes a packed one (nor the reverse).
 
+A verify step's device time is not monotone in its tokens (the GEMMs' tiling: run 58, a 2.7B target at 64 requests,
+7 tokens a request 7.95 ms against 6.63 for 8), so on a single rank the verify graphs are timed once captured, and
+a step of Q tokens a request replays a longer graph where that one is faster (``served_by``, ``served_length``;
+padded as any shorter request is, launched and planned ahead at that length).
+
 Plain greedy decode steps go further (``decode_greedy``, when the engine says the next step is expected to be the
 same requests decoding one token more: ``ScheduledBatch.run_ahead``): right after this step's graph, its verdicts
 are copied into pinned host memory (an event marks them), copied on the device into the next step's input ids,
