@@ -44,21 +44,30 @@ def server(near_bigram_target, make_drafter, tmp_path_factory):
     os.environ.update(HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1")
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"engine": engine_args(near_bigram_target, drafter), "served_model_name": "tiny"}),
-              name="main", route_prefix="/")
-    serve.run(build_app({"engine": engine_args(near_bigram_target, drafter, max_num_seqs=1),
-                         "served_model_name": "tiny", "api_key": "sesame",
-                         "deployment": {"max_waiting_requests": 1}}), name="small", route_prefix="/small")
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"engine": engine_args(near_bigram_target, drafter), "served_model_name": "tiny"}),
+                  name="main", route_prefix="/")
+        serve.run(build_app({"engine": engine_args(near_bigram_target, drafter, max_num_seqs=1),
+                             "served_model_name": "tiny", "api_key": "sesame",
+                             "deployment": {"max_waiting_requests": 1}}), name="small", route_prefix="/small")
+    except BaseException:  # a failed start must not leave its cluster to every later test's ray.init
+        stop_cluster(saved)
+        raise
     base = f"http://127.0.0.1:{port}"
     local = LocalLLM(str(near_bigram_target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter)),
                      dtype="float32", device="cpu", num_pages=512, page_size=4, max_model_len=256)
     yield {"base": base, "client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0),
            "local": local, "hub": hub}
+    stop_cluster(saved)
+
+
+def stop_cluster(saved_env: dict) -> None:
+    """Serve and Ray down, and the environment variables the fixture set back as they were."""
     serve.shutdown()
     ray.shutdown()
-    for key, value in saved.items():
+    for key, value in saved_env.items():
         if value is None:
             os.environ.pop(key, None)
         else:
