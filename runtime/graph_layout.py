@@ -147,6 +147,17 @@ def next_verify_layout(reqs: list[ScheduledRequest], accepted: list[int], q_len:
                       pages + [[scratch_page] * -(-next_q_len // page_size)] * pad)
 
 
+def faster_lengths(times: dict[tuple[int, int], float], by: float) -> dict[tuple[int, int], int]:
+    """{(batch, Q): a graph's replay ms} -> {(batch, Q): the longer Q' at that batch whose graph replays fastest},
+    where that one is more than ``by`` (a fraction) faster than Q's own; lengths no longer graph beats are left out."""
+    faster = {}
+    for (batch, q_len), ms in times.items():
+        longer = [(other_ms, q) for (b, q), other_ms in times.items() if b == batch and q > q_len]
+        if longer and min(longer)[0] < (1 - by) * ms:
+            faster[(batch, q_len)] = min(longer)[1]
+    return faster
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """The batch sizes graphs are captured for: the defaults below ``max_batch``, then ``max_batch``."""
     return [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]

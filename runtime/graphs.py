@@ -80,7 +80,8 @@ import numpy as np
 import torch
 
 from runtime.confidence_scheduler import history_classes
-from runtime.graph_layout import (LaunchedDecode, LaunchedVerify, batch_buckets, graph_inputs, graphed_q_len,
+from runtime.graph_layout import (LaunchedDecode, LaunchedVerify, batch_buckets, faster_lengths, graph_inputs,
+                                  graphed_q_len,
                                   next_anchor_position, next_decode_layout, next_verify_layout)
 from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta
 from runtime.kv_cache import KVCaches
@@ -291,11 +292,7 @@ class GraphedTargetForward:
                     graph = self.graphs[(batch, q_len)].graph
                     graph.replay()  # one untimed
                     times[(batch, q_len)] = replay_ms(graph, TIMED_REPLAYS)
-        faster = {}
-        for (batch, q_len), ms in times.items():
-            longer = [(times[(batch, q)], q) for q in verify if q > q_len]
-            if longer and min(longer)[0] < (1 - FASTER_BY) * ms:
-                faster[(batch, q_len)] = min(longer)[1]
+        faster = faster_lengths(times, FASTER_BY)
         if faster:
             log.info("dspark: verify steps served by a longer graph that replays faster (batch, tokens -> tokens): %s",
                      ", ".join(f"{b} x {q} -> {to}" for (b, q), to in sorted(faster.items())))
