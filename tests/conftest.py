@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
 
 from tests import builders
 
+# Ray Serve kills an HTTP proxy not ready within 5 s; on the suite's two busy cores (the demo build's two threads
+# beside a Ray test) one was killed before it ran and serve.start failed. The clusters the tests start, and the
+# `dspark serve` processes they spawn, inherit this environment.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
 # ./run-tests spreads the suite over two worker processes (pytest-xdist). Every test that starts a Ray cluster (marked
 # ``ray``, in its own process or a child's) starts one of its own (``address="local"``, or its address passed on:
