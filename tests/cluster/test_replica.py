@@ -232,7 +232,6 @@ def test_a_pipelined_drafter_under_preemption_keeps_every_output(ray_cluster, ne
     free_cpus_return()
 
 
-@pytest.mark.last  # three ranks' profiled steps: 126 s beside the other worker's tests, 15 s alone
 def test_bench_profile_traces_one_step_on_every_rank(ray_cluster, near_bigram_target, drafter, tmp_path):
     """``dspark bench --profile`` on a replica: each rank profiles the same batch-1 steps in its own process and
     returns its summary (the driver only dispatches), and leaves its timeline where asked, named by rank."""
@@ -254,7 +253,6 @@ def test_bench_profile_traces_one_step_on_every_rank(ray_cluster, near_bigram_ta
     free_cpus_return()
 
 
-@pytest.mark.last  # 117 s beside the other worker's tests (the demo build's two threads), 5 s alone
 @pytest.mark.parametrize("mode", ["colocated", "separate"])
 def test_packed_verify_steps_cross_the_wire(ray_cluster, tmp_path, near_bigram_target, make_drafter, mode):
     """Confidence scheduling's packed layout (forced: these actors have no graphs) through a replica: the packed
