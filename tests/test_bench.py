@@ -204,18 +204,23 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     # the mixed steps' own table (the sweep's prefills, the mixed workload), and what whole blocks were predicted
     assert record["confidence_cost_table_mixed_served"]["token_counts"] == startup["token_counts"]
     for row in record["runs"]:
+        # the tuned schedule's length here: its tuning is timed on this CPU, loaded by the other worker's tests, and
+        # may find decoding without drafts fastest at 2 requests; the confidence engine then decides nothing there
+        cap = schedule_cap(record["tuned_schedule"]["schedule"], row["concurrency"], 3)
+        assert row["tuned_same_as_fixed"] == (cap == 3) and row["tuned_vs_dspark_paired"] > 0
+        if cap == 0:
+            assert row["confidence_whole_block_predicted_step_ms"] == 0
+            continue
         assert row["confidence_whole_block_predicted_step_ms"] > 0 and len(row["confidence_survival_correction"]) == 3
         assert len(row["confidence_survival_skill_per_position"]) == 3  # this concurrency's (reset between them)
         believed = row["confidence_predicted_survival_per_position"]  # the blocks drafted (the tuned schedule's cap)
         assert 1 <= len(believed) <= 3 and all(1.0 >= a >= b >= 0.0 for a, b in zip(believed, believed[1:] + [0.0]))
         assert row["confidence_whole_block_expected_tokens_per_request"] >= row[
             "confidence_expected_tokens_per_request"] - 1e-9
-        # the noise floor: the tuned engine against the fixed one, the same configuration where the schedule says 3
-        cap = schedule_cap(record["tuned_schedule"]["schedule"], row["concurrency"], 3)
-        assert row["tuned_same_as_fixed"] == (cap == 3) and row["tuned_vs_dspark_paired"] > 0
-        if cap:  # what any schedule could gain here, priced on the startup table: the best cap is no worse than K
-            assert row["confidence_oracle_bound"] > 0 and row["confidence_padded_bound"] >= 1.0
-            assert 0 <= row["confidence_padded_bound_cap"] <= cap
+        # the noise floor (above): the tuned engine against the fixed one, the same configuration where the schedule
+        # says 3; what any schedule could gain here, priced on the startup table: the best cap is no worse than K
+        assert row["confidence_oracle_bound"] > 0 and row["confidence_padded_bound"] >= 1.0
+        assert 0 <= row["confidence_padded_bound_cap"] <= cap
         assert row["confidence_predicted_gain"] == pytest.approx(
             row["confidence_expected_tokens_per_request"] / row["confidence_predicted_step_ms"] /
             (row["confidence_whole_block_expected_tokens_per_request"] / row["confidence_whole_block_predicted_step_ms"]))
