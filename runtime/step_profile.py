@@ -45,7 +45,8 @@ def profile_step_costs(engine, repeats: int = 2, max_batch: int | None = None) -
     # (chunked at the token budget; verifying nothing) until every request drafted; then each step forced at length
     # L up to L + 1 (a packed step too: ``Engine._packed_ranking``), and the first step after a change of length
     # (launched ahead at the previous one) one more
-    to_first_block = -(-largest * PROFILE_PROMPT_TOKENS // engine.config.max_num_batched_tokens) + 4
+    # (the steps its chunks need, and a margin: a step too few fails the engine's start; one more costs a token)
+    to_first_block = -(-largest * PROFILE_PROMPT_TOKENS // engine.config.max_num_batched_tokens) + 16
     max_tokens = to_first_block + PASSES * (steps_per_length * (k + 1) * (k + 2) // 2 + k + 1)
     pages_per_request = -(-(PROFILE_PROMPT_TOKENS + max_tokens + k + 1) // engine.config.page_size)
     fits = engine.pages.num_pages // pages_per_request
