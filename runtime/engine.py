@@ -23,7 +23,7 @@ from configs.checkpoint import read_model_config
 from runtime.confidence_scheduler import (ConfidenceScheduler, ConfidenceStats, history_classes, next_history,
                                           read_calibration)
 from runtime.executor import Executor, LocalExecutor
-from runtime.graph_layout import batch_buckets, graphed_q_len
+from runtime.graph_layout import graphed_q_len
 from runtime.loader import load_hf_config
 from runtime.metrics import AcceptanceGate, SpecMetrics
 from runtime.outputs import RequestOutput
@@ -146,6 +146,7 @@ class Engine:
         self._graph_q_lens = target.get("graph_q_lens") or []
         self._graph_prefill = (target.get("graph_prefill_q_lens") or [], target.get("graph_prefill_tokens") or 0)
         self._packed_from = (target.get("graph_packed_from") or 0) if target.get("graph_packed_columns") else 0
+        graph_batches = target.get("graph_batch_buckets") or None  # the batch sizes the graphs were captured at
         if spec.confidence_cost_table_path is not None:
             costs = StepCostTable.load(spec.confidence_cost_table_path)
         else:
@@ -154,8 +155,7 @@ class Engine:
         log.info("dspark: confidence scheduling on (%s steps), step-time table %s, temperatures %s", layout,
                  spec.confidence_cost_table_path or "profiled at startup", temperatures or "1")
         return ConfidenceScheduler(int(spec.max_draft_len), costs, temperatures, spec.confidence_min_predicted_gain,
-                                   layout, packed_from=self._packed_from or 1,
-                                   graph_batches=batch_buckets(self.config.max_num_seqs) if self._graph_q_lens else None)
+                                   layout, packed_from=self._packed_from or 1, graph_batches=graph_batches)
 
     # ---- requests -----------------------------------------------------------------------------
 

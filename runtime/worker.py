@@ -246,6 +246,7 @@ class Worker:
                 "graph_capture_mib": round(self.graphs.capture_bytes / 2**20, 1) if self.graphs is not None else None,
                 "graph_replays": self.graphs.replays if self.graphs is not None else 0,
                 "graph_q_lens": self.graphs.q_lens if self.graphs is not None else [],
+                "graph_batch_buckets": self.graphs.buckets if self.graphs is not None else [],
                 # prefill chunks graphed too: these lengths, at the buckets whose batch x length is within the cap
                 "graph_prefill_q_lens": self.graphs.prefill_q_lens if self.graphs is not None else [],
                 "graph_prefill_tokens": self.graphs.prefill_tokens if self.graphs is not None else 0,
