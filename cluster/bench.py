@@ -412,8 +412,10 @@ def device_times(llm, batch: int, tokens_per_request: int) -> dict:
     worker = local_worker(llm)
     if worker is None or worker.graphs is None:
         return {}
+    from runtime.graph_layout import bucket_of
+
     graphs = worker.graphs
-    bucket = next(b for b in graphs.buckets if b >= batch)
+    bucket = bucket_of(graphs.buckets, batch)
     forward = graphs.graphs.get((bucket, tokens_per_request))
     if forward is None:
         return {}

@@ -17,7 +17,7 @@ import time
 import torch
 
 from runtime.draft_runner import DraftOutput, DraftRunner
-from runtime.graph_layout import batch_buckets
+from runtime.graph_layout import batch_buckets, bucket_of
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class DraftGraphs:
         """anchors, anchor_pos [S], page_table [S, P] (device) -> the S real rows of the replayed graph's output
         (a block of ``k_next`` drafts)."""
         num, width = page_table.shape
-        batch = next(b for b in self.buckets if b >= num)
+        batch = bucket_of(self.buckets, num)
         self.anchors[:num].copy_(anchors)
         self.anchor_pos[:num].copy_(anchor_pos)
         self.page_table[:num, :width].copy_(page_table)

@@ -248,7 +248,8 @@ class Engine:
             # a step the worker may have launched ahead is the running requests' decode: arrivals join the next
             scheduled = self.scheduler.schedule(group, admit=not self._ran_ahead)
             next_verify_len, next_packed = self._next_verify(scheduled) if self.has_drafter and scheduled else (0, None)
-            self._ran_ahead = self._runs_ahead and (self._steady_verify(scheduled, next_verify_len) if self.has_drafter
+            self._ran_ahead = self._runs_ahead and (self._steady_verify(scheduled, next_verify_len)
+                                                    if self.has_drafter and next_verify_len
                                                     else self._steady_decode(scheduled))
             self._packed = self._packed_plan(scheduled)
         released, scrub = self.scheduler.take_released()
@@ -272,9 +273,13 @@ class Engine:
 
     def _steady_decode(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether the step after ``scheduled`` is expected to be the same requests decoding one token more: every
-        one a plain greedy decode of one token, none at its token limit after it, nothing waiting to be admitted (an
-        end of sequence or a stop string can still end one: the worker then drops the step it launched)."""
-        if not scheduled or self.scheduler.waiting:
+        one a plain greedy decode of one token, all running requests in the step, none at its token limit after it,
+        nothing waiting to be admitted (an end of sequence or a stop string can still end one: the worker then drops
+        the step it launched). With a drafter, also while it drafts nothing (a ``draft_len_schedule`` stops
+        speculation at this concurrency; the drafter's context still follows, appended by the same step) unless
+        drafting is pipelined (the next step is the other group's)."""
+        if not scheduled or self.scheduler.waiting or len(scheduled) != len(self.scheduler.running) \
+                or (self.has_drafter and (self.pipelined or self.draft_len())):
             return False
         for entry in scheduled:
             if len(entry.token_ids) != 1 or not entry.sample or not plain_greedy(entry):

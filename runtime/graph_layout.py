@@ -99,7 +99,7 @@ def graphed_q_len(fed: list[int], q_lens: list[int], max_batch: int, prefill_q_l
     longest = max(fed)
     q_len = next((q for q in sorted(q_lens) if q >= longest), None)
     if q_len is None and prefill_q_lens:
-        bucket = next(b for b in batch_buckets(max_batch) if b >= len(fed))
+        bucket = bucket_of(batch_buckets(max_batch), len(fed))
         q_len = next((q for q in sorted(prefill_q_lens) if q >= longest and bucket * q <= prefill_tokens), None)
     if q_len is None or not worth_padding(sum(fed), q_len * len(fed)):
         return None
@@ -163,6 +163,12 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
 
 
+def bucket_of(buckets: list[int], num: int) -> int | None:
+    """The bucket (ascending ``buckets``) whose graphs serve a step of ``num`` requests: the smallest holding them;
+    None when none does."""
+    return next((b for b in buckets if b >= num), None)
+
+
 
 @dataclass
 class LaunchedDecode:
@@ -173,13 +179,14 @@ class LaunchedDecode:
     layout: HostLayout  # its attention layout (pages as the scheduler allotted them a token ahead)
     inputs: np.ndarray  # [3, batch] its host inputs (the ids row is stale: the ids were copied on the device)
     slot: int  # its read-back row in the pinned buffer
+    appended: bool = False  # the drafter's context append followed it
     tokens: tuple[int, ...] = ()  # the tokens it feeds: the verdicts of the step before it, once read back
 
-    def matches(self, reqs: list[ScheduledRequest]) -> bool:
+    def matches(self, reqs: list[ScheduledRequest], appended: bool = False) -> bool:
         """Whether ``reqs`` is exactly this step: the same requests in order, each feeding its token at its
-        position on the same pages."""
-        if not len(reqs) == len(self.request_ids) == len(self.tokens):  # tokens: set once the step before is read
-            return False
+        position on the same pages, its drafter context appended as ``appended`` says."""
+        if not len(reqs) == len(self.request_ids) == len(self.tokens) or appended != self.appended:
+            return False  # (tokens: set once the step before is read)
         for r, rid, pos, token, pages in zip(reqs, self.request_ids, self.positions, self.tokens,
                                              self.layout.page_ids):
             if r.request_id != rid or r.start_position != pos or r.token_ids != [token] \

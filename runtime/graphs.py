@@ -80,9 +80,9 @@ import numpy as np
 import torch
 
 from runtime.confidence_scheduler import history_classes
-from runtime.graph_layout import (LaunchedDecode, LaunchedVerify, batch_buckets, faster_lengths, graph_inputs,
-                                  graphed_q_len,
-                                  next_anchor_position, next_decode_layout, next_verify_layout)
+from runtime.graph_layout import (LaunchedDecode, LaunchedVerify, batch_buckets, bucket_of, faster_lengths,
+                                  graph_inputs, graphed_q_len, next_anchor_position, next_decode_layout,
+                                  next_verify_layout)
 from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta
 from runtime.kv_cache import KVCaches
 from runtime.models.target import TargetModel
@@ -272,7 +272,7 @@ class GraphedTargetForward:
     def served_length(self, num: int, q_len: int) -> int:
         """The tokens a request of the graph serving a step of ``num`` requests feeding up to ``q_len`` tokens each:
         ``q_len``, or a longer verify length whose graph replays faster at that bucket (``_faster_lengths``)."""
-        batch = next((b for b in self.buckets if b >= num), None)
+        batch = bucket_of(self.buckets, num)
         return self.served_by.get((batch, q_len), q_len)
 
     def _faster_lengths(self) -> dict[tuple[int, int], int]:
@@ -303,7 +303,7 @@ class GraphedTargetForward:
         captured, the drafter's context graph (padding rows write the scratch page of its cache too)."""
         ahead, self._ahead_verify = self._ahead_verify, None
         self.drop_ahead()
-        batch = next(b for b in self.buckets if b >= len(reqs))
+        batch = bucket_of(self.buckets, len(reqs))
         g = self.graphs[(batch, q_len)]
         appended = append_context and g.context is not None
         if ahead is not None and not ahead.columns and ahead.q_len == q_len and ahead.matches(reqs, appended):
@@ -330,7 +330,7 @@ class GraphedTargetForward:
 
     def packs(self, num: int, columns: int) -> bool:
         """Whether a packed graph serves a packed verify of ``num`` requests at ``columns``."""
-        batch = next((b for b in self.buckets if b >= num), None)
+        batch = bucket_of(self.buckets, num)
         return batch is not None and (batch, columns) in self.packed_graphs
 
     def run_packed(self, reqs: list[ScheduledRequest], confidences: list[list[float]],
@@ -343,7 +343,7 @@ class GraphedTargetForward:
         confidences as drafted on the device, under the survival fit of the step before."""
         ahead, self._ahead_verify = self._ahead_verify, None
         self.drop_ahead()
-        batch = next(b for b in self.buckets if b >= len(reqs))
+        batch = bucket_of(self.buckets, len(reqs))
         q_len = self.q_lens[-1]
         g = self.packed_graphs[(batch, columns)]
         appended = append_context and g.context is not None
@@ -467,19 +467,29 @@ class GraphedTargetForward:
         if self._ahead_verify is not None:
             self._ahead_verify.tokens = tuple(tokens)
 
-    def decode_greedy(self, reqs: list[ScheduledRequest], run_ahead: bool) -> list[int]:
+    def appends_context(self, num: int) -> bool:
+        """Whether a one-token step of ``num`` requests can append the drafter's context in its graph (a colocated
+        drafter's context graph was captured at its bucket): ``decode_greedy(append_context=True)``."""
+        batch = bucket_of(self.buckets, num)
+        return batch is not None and (batch, 1) in self.graphs and self.graphs[(batch, 1)].context is not None
+
+    def decode_greedy(self, reqs: list[ScheduledRequest], run_ahead: bool, append_context: bool = False) -> list[int]:
         """A plain greedy decode step (one token per request): its verdicts [len(reqs)] (each request's greedy token,
         -1 where its row broke), read back through pinned memory; replayed now, or taken from the step launched
         ahead when ``reqs`` is exactly that step. ``run_ahead`` (the engine expects the next step to be these
         requests decoding one token more; the scheduler allots pages a token ahead): launch that step before
-        waiting for this one."""
-        batch = next(b for b in self.buckets if b >= len(reqs))
+        waiting for this one. ``append_context`` (a drafter whose schedule drafts nothing at this concurrency, its
+        context kept for when it drafts again; ``appends_context``): the drafter's context graph follows each
+        replay, the one launched ahead too."""
+        batch = bucket_of(self.buckets, len(reqs))
         g = self.graphs[(batch, 1)]
+        if append_context and g.context is None:
+            raise RuntimeError(f"no drafter context graph was captured for {batch} requests x 1 token")
         if self._ahead_verify is not None:  # a verify launched ahead, then speculation stopped: not this step
             self.steps_ahead_dropped += 1
             self._ahead_verify = None
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and not ahead.matches(reqs):
+        if ahead is not None and not ahead.matches(reqs, append_context):
             self.steps_ahead_dropped += 1
             ahead = None
         if ahead is None:
@@ -487,11 +497,13 @@ class GraphedTargetForward:
             self.inputs[:, :batch].copy_(torch.from_numpy(inputs), non_blocking=True)
             self._plan_and_replay(g, layout, batch, 1)
             slot = self._read_back(g, len(reqs))
+            if append_context:  # (behind the read-back's copy: the host need not wait for it)
+                g.context.replay()
         else:
             self.steps_run_ahead += 1
             inputs, layout, slot = ahead.inputs, ahead.layout, ahead.slot
         if run_ahead and self.run_ahead and self.plan_ahead:
-            self._launch_ahead(reqs, batch, g, inputs, layout)
+            self._launch_ahead(reqs, batch, g, inputs, layout, append_context)
         elif self.plan_ahead:  # plan the step after, in case it is these requests one token on
             upcoming = next_decode_layout(layout, [r.page_ids for r in reqs], self.page_size)
             if upcoming is not None:
@@ -509,10 +521,10 @@ class GraphedTargetForward:
         return slot
 
     def _launch_ahead(self, reqs: list[ScheduledRequest], batch: int, g: _Graph, inputs: np.ndarray,
-                      layout: HostLayout) -> None:
+                      layout: HostLayout, append_context: bool = False) -> None:
         """Launch the step in which every request of ``reqs`` decodes the token the step just launched decides
         (read on the device; a broken row's -1 becomes token 0, and that request fails, so the step is dropped),
-        if the scheduler's pages already cover it."""
+        and its drafter context append if ``append_context``, if the scheduler's pages already cover it."""
         num, ps = len(reqs), self.page_size
         upcoming = next_decode_layout(layout, [r.page_ids for r in reqs], ps)
         if upcoming is None:
@@ -525,8 +537,11 @@ class GraphedTargetForward:
         self.inputs[1:, :batch].copy_(torch.from_numpy(nxt[1:]), non_blocking=True)
         torch.clamp(g.verdict[:num], min=0, out=self.inputs[0, :num])
         self._plan_and_replay(g, upcoming, batch, 1)
+        slot = self._read_back(g, num)
+        if append_context:
+            g.context.replay()
         self._ahead = LaunchedDecode(tuple(r.request_id for r in reqs), tuple(positions.tolist()), upcoming, nxt,
-                                     self._read_back(g, num))
+                                     slot, append_context)
 
     def _plan_and_replay(self, g: _Graph | _PackedGraph, layout: HostLayout, batch: int, q_len: int,
                          columns: int = 0) -> None:

@@ -95,7 +95,8 @@ class ModelRunner:
             return self._execute_packed(batch)
         if self._decodes_greedy(batch):  # a graphed plain greedy decode step, read back through pinned memory
             with region("dspark.forward"):
-                verdicts = self.graphs.decode_greedy(reqs, batch.run_ahead)
+                verdicts = self.graphs.decode_greedy(reqs, batch.run_ahead,
+                                                     append_context=self.has_drafter and batch.maintain_draft_context)
             return self._verdict_results(reqs, reqs, verdicts)
         q_len = self.graphs.tokens_per_request(reqs) if self.graphs is not None else None
         if self.graphs is not None and (q_len is None or batch.scrub_page_ids):
@@ -243,14 +244,14 @@ class ModelRunner:
         return proposal.block[:, k + 1:2 * k + 1].to(torch.float32) / CONFIDENCE_SCALE
 
     def _decodes_greedy(self, batch: ScheduledBatch) -> bool:
-        """Whether ``batch`` is a plain greedy decode step a one-token graph serves on this single rank (no drafter
-        to feed, no faulted pages to scrub first): ``GraphedTargetForward.decode_greedy`` runs it (and may launch
-        the next one ahead)."""
+        """Whether ``batch`` is a plain greedy decode step a one-token graph serves on this single rank (no drafts
+        to make, no faulted pages to scrub first; a drafter's context, if kept, appended by a captured context
+        graph): ``GraphedTargetForward.decode_greedy`` runs it (and may launch the next one ahead)."""
         reqs = batch.requests
         return self.graphs is not None and not self.parallel.is_parallel and not batch.scrub_page_ids \
-            and not (self.has_drafter and batch.maintain_draft_context) and not batch.num_next_drafts \
-            and len(reqs) <= self.graphs.buckets[-1] \
-            and all(len(r.token_ids) == 1 and r.sample and plain_greedy(r) for r in reqs)
+            and not batch.num_next_drafts and len(reqs) <= self.graphs.buckets[-1] \
+            and all(len(r.token_ids) == 1 and r.sample and plain_greedy(r) for r in reqs) \
+            and not (self.has_drafter and batch.maintain_draft_context and not self.graphs.appends_context(len(reqs)))
 
     def _greedy_verdicts(self, entries: list[ScheduledRequest], hidden: torch.Tensor, row_ends: list[int],
                          batch_index: list[int], graphed: GraphOutputs | None) -> torch.Tensor:

@@ -202,3 +202,36 @@ def test_verify_steps_served_by_a_longer_graph_keep_greedy_outputs(wide_target, 
         if name == "longer":
             assert graphs.served_length(20, 3) == 5 and graphs.steps_run_ahead > 0
     assert runs["longer"] == runs["own"]
+
+
+def test_decode_steps_that_draft_nothing_keep_the_drafters_context_in_their_graph(wide_target, make_drafter):
+    """A ``draft_len_schedule`` that drafts nothing at 8 requests: the graphed plain decode steps append the
+    drafter's context in the same graphed step, launched ahead like plain decoding; once 6 requests finish and the
+    schedule drafts again, the 2 left draft what the eager engine drafts (its context appended eagerly). The outputs
+    equal the eager engine's, and those decoded without drafts equal decoding without a drafter."""
+    drafter = make_drafter(wide_target, 4)  # random: its drafts depend on the context the decode steps kept
+    prompts = [[3 + i, 17, 33 + i, 2] for i in range(8)]
+    params = [SamplingParams(max_tokens=20 if i < 6 else 60, temperature=0.0, ignore_eos=True) for i in range(8)]
+    runs, drafts = {}, {}
+    for name, eager in (("graphed", False), ("eager", True)):
+        config = DSparkDecodingConfig(speculative_model=str(drafter), draft_len_schedule={2: 4})
+        llm = LLM(str(wide_target), speculative_config=config, **{**ENGINE, "enforce_eager": eager})
+        executor, proposed = llm.engine.executor, []
+
+        def execute(batch, run=executor.execute, proposed=proposed):
+            results = run(batch)
+            proposed.extend((r.request_id, tuple(r.next_draft_ids)) for r in results if r.next_draft_ids)
+            return results
+
+        executor.execute = execute
+        runs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+        drafts[name] = proposed
+        if not eager:
+            graphs = llm.engine.executor.worker.graphs
+            assert graphs.steps_run_ahead >= 10 and graphs.appends_context(8)
+    plain = LLM(str(wide_target), **ENGINE)
+    assert runs["graphed"] == runs["eager"]
+    assert runs["graphed"][:6] == [o.token_ids for o in plain.generate(prompts, params)][:6]
+    assert len(drafts["graphed"]) == len(drafts["eager"]) >= 10
+    same = sum(a == b for a, b in zip(drafts["graphed"], drafts["eager"]))
+    assert same >= 0.9 * len(drafts["eager"]), (same, len(drafts["eager"]))  # bf16 near-ties may part a few

@@ -141,7 +141,7 @@ def _forward(batch: int, page_size: int = 4):
     forward._plan = lambda layout, b, q, columns=0: (planned.append(layout),
                                                    forward.planned.__setitem__(forward._key(b, q, columns), layout))
     g = _FakeGraph(forward, batch)
-    forward.graphs = {(batch, 1): type("G", (), {"graph": g, "verdict": g.verdict})()}
+    forward.graphs = {(batch, 1): type("G", (), {"graph": g, "verdict": g.verdict, "context": None})()}
     return forward, g, planned
 
 
@@ -180,6 +180,34 @@ def test_a_step_launched_ahead_is_not_used_for_other_tokens_or_pages_and_a_broke
     forward.decode_greedy([_decode("a", 7, 5, [1, 2])], run_ahead=True)
     moved = forward.decode_greedy([_decode("a", (7 * 3 + 5) % 97, 6, [3, 2])], run_ahead=False)  # other pages
     assert forward.steps_ahead_dropped == 2 and forward.steps_run_ahead == 0 and len(moved) == 1
+
+
+class _FakeContextGraph:
+    """The drafter's context append of a one-token graph: records the positions it appended at when replayed."""
+
+    def __init__(self, forward, batch: int):
+        self.forward, self.batch = forward, batch
+        self.appended: list[list[int]] = []
+
+    def replay(self) -> None:
+        self.appended.append(self.forward.inputs[1, :self.batch].tolist())
+
+
+def test_a_decode_step_keeping_the_drafters_context_appends_it_and_so_does_the_step_launched_ahead():
+    forward, g, _ = _forward(batch=1)
+    graph = forward.graphs[(1, 1)]
+    assert not forward.appends_context(1)
+    with pytest.raises(RuntimeError, match="no drafter context graph"):
+        forward.decode_greedy([_decode("a", 7, 3, [1, 2])], run_ahead=False, append_context=True)
+    graph.context = context = _FakeContextGraph(forward, 1)
+    assert forward.appends_context(1) and not forward.appends_context(2)
+    first = forward.decode_greedy([_decode("a", 7, 3, [1, 2])], run_ahead=True, append_context=True)
+    assert context.appended == [[3], [4]]  # this step's, then the one launched ahead's (each behind its replay)
+    second = forward.decode_greedy([_decode("a", first[0], 4, [1, 2])], run_ahead=True, append_context=True)
+    assert forward.steps_run_ahead == 1 and context.appended == [[3], [4], [5]]
+    # the step launched ahead appended the context: a step that must not append it is not that step
+    forward.decode_greedy([_decode("a", second[0], 5, [1, 2])], run_ahead=False)
+    assert forward.steps_ahead_dropped == 1 and context.appended == [[3], [4], [5]] and g.fed[-1][1] == [5]
 
 
 def test_no_step_is_launched_ahead_before_the_scheduler_allots_its_page():
@@ -357,9 +385,11 @@ class DraftingExecutor(RecordingExecutor):
         return [{"role": "target", "draft_confidence_head": True, "graph_q_lens": [1, 2, 3, 4, 5]}]
 
 
-def spark_engine(tmp_path, block: int = 4, confidence: bool = False) -> tuple[Engine, DraftingExecutor]:
+def spark_engine(tmp_path, block: int = 4, confidence: bool = False,
+                 schedule: dict[int, int] | None = None) -> tuple[Engine, DraftingExecutor]:
     """A DSpark engine over ``DraftingExecutor``; ``confidence``: confidence scheduling, a step costing 2 ms plus
-    0.5 ms a token fed (the executor sleeps as much): of drafts of confidence 0.9, 0.1, ... only the first pays."""
+    0.5 ms a token fed (the executor sleeps as much): of drafts of confidence 0.9, 0.1, ... only the first pays;
+    ``schedule``: its ``draft_len_schedule``."""
     from configs import DSparkDecodingConfig
     from runtime.step_costs import StepCostTable
     from tests import builders
@@ -367,7 +397,7 @@ def spark_engine(tmp_path, block: int = 4, confidence: bool = False) -> tuple[En
     target = builders.save_target(tmp_path / "target", "qwen3", seed=0)
     cfg = builders.drafter_config(target, block_size=block, markov_rank=16, head_type="vanilla", confidence=True)
     drafter = builders.save_drafter(tmp_path / "drafter", cfg, builders.drafter_tensors(cfg, seed=0))
-    spec = {}
+    spec = {"draft_len_schedule": schedule} if schedule else {}
     if confidence:
         tokens = [1, 64, 512]
         StepCostTable([1, 64], tokens, [[2.0 + 0.5 * t for t in tokens]] * 2).save(tmp_path / "costs.json")
@@ -392,6 +422,30 @@ def test_steady_greedy_verify_steps_run_ahead_while_two_more_blocks_fit(tmp_path
         assert b.run_ahead == (fits and all(r.num_drafts == 4 for r in b.requests)), lengths
     assert not verify[-1][0].run_ahead
     assert_launched_steps_come_as_said(ex.batches)
+
+
+def test_decode_steps_run_ahead_while_a_schedule_drafts_nothing_and_stop_when_it_drafts_again(tmp_path):
+    """A ``draft_len_schedule`` that drafts nothing at this concurrency: the steps are plain greedy decodes that keep
+    the drafter's context (the worker appends it in the same graphed step), launched ahead as without a drafter;
+    once one request finishes, one request drafts again, and the step before that is not said to run ahead."""
+    eng, ex = spark_engine(tmp_path, schedule={1: 4})  # 2 requests: speculation off; 1 request: blocks of 4
+    serve(eng, (list(range(10, 30)), greedy(12)), (list(range(40, 45)), greedy(6)))
+    decode = [b for b in ex.batches if len(b.requests) == 2 and all(len(r.token_ids) == 1 for r in b.requests)]
+    assert len(decode) >= 4 and all(b.maintain_draft_context and not b.num_next_drafts for b in decode)
+    ahead = [b.run_ahead for b in decode]
+    assert ahead[:-1] == [True] * (len(ahead) - 1) and not ahead[-1]  # not into the step where the second ends
+    for b, nxt in zip(ex.batches, ex.batches[1:]):
+        if b.run_ahead:  # said: the same requests, one token each, nothing drafted
+            assert [r.request_id for r in nxt.requests] == [r.request_id for r in b.requests]
+            assert all(len(r.token_ids) == 1 and not r.num_drafts for r in nxt.requests)
+    assert any(b.num_next_drafts == 4 for b in ex.batches[ex.batches.index(decode[-1]) + 1:])
+
+
+def test_decode_steps_do_not_run_ahead_while_the_drafter_drafts(tmp_path):
+    eng, ex = spark_engine(tmp_path, schedule={2: 4})
+    serve(eng, (list(range(10, 30)), greedy(12)), (list(range(40, 45)), greedy(6)))
+    assert all(b.num_next_drafts == 4 for b in ex.batches)
+    assert not any(b.run_ahead and not b.next_verify_len for b in ex.batches)
 
 
 def assert_launched_steps_come_as_said(batches: list[ScheduledBatch]) -> None:
