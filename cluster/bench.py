@@ -315,6 +315,7 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
         clock += rng.expovariate(rate)
         arrivals.append(clock)
     engine = llm.engine
+    held_before = engine.confidence_stats.drafting_off_steps  # confidence scheduling's drafting holds
     start = time.perf_counter()
     submitted, first_token, finished, steps, mixed, pending = {}, {}, {}, 0, 0, 0
     while len(finished) < len(prompts):
@@ -341,7 +342,9 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     tpot = [(end - first_token[r]) / (n - 1) for r, (end, n) in finished.items() if n > 1]
     return {"requests": len(prompts), "rate_per_s": rate, "max_tokens": max_tokens, "seconds": seconds,
             "tokens_per_s": tokens / seconds, "mean_ttft_ms": 1e3 * sum(ttft) / len(ttft),
-            "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1), "steps": steps, "mixed_step_share": mixed / steps}
+            "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1), "steps": steps, "mixed_step_share": mixed / steps,
+            # the steps a confidence-scheduled engine drafted nothing on since drafting did not pay (0: others)
+            "drafting_off_step_share": (engine.confidence_stats.drafting_off_steps - held_before) / steps}
 
 
 def agreement(first: list[list[int]], second: list[list[int]]) -> dict:
@@ -752,7 +755,10 @@ def run(args) -> dict:
                            # against the tuned engine's acceptance per position (whole blocks: the true survival)
                            confidence_predicted_survival_per_position=stats["mean_predicted_survival_per_position"],
                            confidence_explored_decisions=stats["explored_decisions"],
-                           confidence_unpacked_steps=stats["unpacked_steps"], confidence_layout=stats["layout"])
+                           confidence_unpacked_steps=stats["unpacked_steps"], confidence_layout=stats["layout"],
+                           # steps that drafted nothing since drafting did not pay (point 6), holds since startup
+                           confidence_drafting_off_steps=stats["drafting_off_steps"],
+                           confidence_drafting_holds=stats["drafting_holds"])
         elif kind == "tuned":
             rows[c].update(tuned_mean_acceptance_length=timing["mean_acceptance_length"])
         elif kind == "dspark":

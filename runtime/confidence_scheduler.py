@@ -54,6 +54,16 @@ tokens fed)``. The scheduler, in either of two step layouts:
    the lag of point 2 does; a packed step launched ahead computes it on the device from the step before's verdicts
    (``GraphedTargetForward.launch_verify_ahead``, ``runtime.packed_verify.history_after``).
 
+6. **drafting at all**: a step that verifies nothing still drafts the next block (the drafter's forward, at 256
+   requests on a 2.7B target ~35% of a plain decode step), so verifying nothing is no match for plain decoding, and
+   where no verify pays the step it costs, the scheduler says so (``drafting_pays``: the best choice's expected
+   tokens per predicted ms against plain decoding's, a token a request per ``StepCostTable.plain``'s step, the
+   drafter's cost taken off at the step's place on the curve), and the engine drafts nothing at that batch size
+   for a while (``DraftingHold``: 16 steps, doubling up to 512 while it keeps not paying), then drafts one block to
+   look again. Run 59 (an H200, a 2.7B pair): at 256 requests the tuned schedule drafts nothing, and under mixed
+   prefill + decode load the confidence-scheduled engine, drafting every step, served 0.70 of its tokens/s. The
+   choice reads confidences of drafts already proposed and the step count, never the tokens being verified.
+
 The first step (no earlier confidences) verifies whole blocks. The host work is a few numpy operations over the
 batch's ``S x K`` confidences (numpy, not torch: a CPU torch op costs several microseconds of dispatch, and at
 batch 1 on a small target the scheduler's forty-odd ops cost a third of the step). A step of at most
@@ -103,6 +113,8 @@ NEWTON_STEPS = 2  # per refit, from the parameters before (warm: the fit moves l
 EXPLORE_EVERY = 32  # every this many decisions below whole blocks, the next step verifies whole blocks
 FOLD_EVERY = 8  # steps of evidence the correction gathers before it folds them in (its numpy work, once for all)
 SMALL_STEP = 128  # a step of at most this many drafts (requests x max_draft_len) is decided in plain Python
+HOLD_FIRST = 16  # steps the engine drafts nothing at a batch size after drafting did not pay there (DraftingHold)
+HOLD_MOST = 512  # the hold doubles each time it did not pay again, up to this: one look costs a block's drafting
 # a request's verify history (point 5 of the module doc): what its last verify with drafts did
 HISTORY_NONE = 0  # no verify with drafts yet
 
@@ -463,6 +475,9 @@ class ConfidenceScheduler:
         self.step_columns = 0  # packed: the columns of the budget the last allot_packed returned
         self.last: Decision | None = None
         self.correction = SurvivalCorrection(max_draft_len, self.inverse_temperatures)
+        # point 6: whether the last decision's best choice beat plain decoding (None: no plain steps profiled)
+        self.drafting_pays: bool | None = None
+        self.hold = DraftingHold()  # where the engine drafts nothing, and until when (its steps)
         self.decisions = 0  # budgets (or caps) chosen
         self.explored = 0  # of them, raised to whole blocks to gather evidence (EXPLORE_EVERY)
         # the last allot's (confidences [S, K] padded with 0, lengths, history), to learn (arrays or lists)
@@ -494,6 +509,26 @@ class ConfidenceScheduler:
         if isinstance(per_request, tuple):
             return table.predict_ms_list(batch, tuple(other_tokens + verifying * q for q in per_request), context)
         return table.predict_ms_many(batch, other_tokens + verifying * per_request, context)
+
+    def bucket(self, num: int) -> int:
+        """The batch size a ``DraftingHold`` keys ``num`` requests by: the graph holding them, else the power of
+        two at or above ``num`` (a step of any size in it judged alike)."""
+        return self.graph_rows(num) if self.graph_batches else 1 << max(num - 1, 0).bit_length()
+
+    def _judge_drafting(self, num: int, other_tokens: int, expected: float, predicted_ms: float,
+                        none_ms: float) -> None:
+        """Point 6 of the module doc: ``drafting_pays`` from the best choice's ``expected`` committed tokens in
+        ``predicted_ms`` against plain decoding: ``num`` tokens in the step that verifies nothing (``none_ms``) less
+        the drafter's cost at this batch (the verify-nothing step against the plain step of ``StepCostTable.plain``
+        at its graph's rows); by ``min_gain``, as a trim must beat whole blocks."""
+        plain = self.costs.plain
+        if plain is None or not plain.measured:
+            self.drafting_pays = None
+            return
+        rows = self.graph_rows(num)
+        drafting_ms = max(self.costs.predict_ms(rows, rows) - plain.predict_ms(rows, rows), 0.0)
+        plain_ms = max(none_ms - drafting_ms, 1e-6)
+        self.drafting_pays = expected * plain_ms >= (1 + self.min_gain) * num * predicted_ms
 
     def survival(self, confidence: np.ndarray, history=None) -> np.ndarray:
         """confidence [S, K] (0 where nothing was proposed), history [S] verify-history classes (None: all
@@ -551,8 +586,11 @@ class ConfidenceScheduler:
         column_sums = survival.sum(axis=0)  # [K] each position's survivals, summed
         self.last = Decision(budget, offered, num + chosen, float(predicted[budget]), num + float(column_sums.sum()),
                              float(predicted[offered]), column_sums.tolist())
-        best = self.best_budget(survival, proposed, predicted)
-        self.budget_per_request = self.max_draft_len if self._explores(best < offered) else best / num
+        ranked = -np.sort(-survival[proposed])
+        expected = num + np.concatenate([[0.0], ranked.cumsum()])  # [B+1] committed tokens under each budget
+        best = self._best(expected, predicted)
+        self._judge_drafting(num, other_tokens, float(expected[best]), float(predicted[best]), float(predicted[0]))
+        self.budget_per_request = self.max_draft_len if self._explores(best < offered, best) else best / num
         self._pending = (table, lengths, history)
         return lengths.tolist()
 
@@ -610,7 +648,8 @@ class ConfidenceScheduler:
         self.last = Decision(budget, offered, num + chosen, predicted[budget], expected[-1], predicted[-1],
                              [sum(column) for column in zip(*survival)])
         best = self._best(expected, predicted)
-        self.budget_per_request = self.max_draft_len if self._explores(best < offered) else best / num
+        self._judge_drafting(num, other_tokens, expected[best], predicted[best], predicted[0])
+        self.budget_per_request = self.max_draft_len if self._explores(best < offered, best) else best / num
         self._pending = (padded, lengths, history)
         return list(lengths)
 
@@ -632,7 +671,8 @@ class ConfidenceScheduler:
         self.last = Decision(sum(lengths), offered, num + chosen, predicted[max(lengths)], expected[-1],
                              predicted[-1], column_sums)
         cap = self._best(expected, predicted)
-        self.cap = self.max_draft_len if self._explores(cap < k) else cap
+        self._judge_drafting(num, other_tokens, expected[cap], predicted[cap], predicted[0])
+        self.cap = self.max_draft_len if self._explores(cap < k, cap) else cap
         self._pending = (padded, lengths, history)
         return list(lengths)
 
@@ -652,7 +692,8 @@ class ConfidenceScheduler:
         self.last = Decision(int(lengths.sum()), int(sizes.sum()), num + chosen, float(predicted[verified]),
                              num + float(columns[-1]), float(predicted[-1]), column_sums.tolist())
         cap = self._best(num + columns, predicted)
-        self.cap = self.max_draft_len if self._explores(cap < k) else cap
+        self._judge_drafting(num, other_tokens, num + float(columns[cap]), float(predicted[cap]), float(predicted[0]))
+        self.cap = self.max_draft_len if self._explores(cap < k, cap) else cap
         return lengths
 
     def allot_packed(self, confidences: list[list[float]], other_requests: int = 0, other_tokens: int = 0,
@@ -684,18 +725,22 @@ class ConfidenceScheduler:
         self.last = Decision(int(shares[columns]), offered, float(expected[columns]), float(predicted[columns]),
                              float(expected[-1]), float(predicted[-1]), column_sums.tolist())
         best = self._best(expected, predicted)
-        self.columns = self.max_draft_len if self._explores(best < k) else best
+        self._judge_drafting(num, other_tokens, float(expected[best]), float(predicted[best]), float(predicted[0]))
+        self.columns = self.max_draft_len if self._explores(best < k, best) else best
         # a step that cannot be packed (a prefill chunk joins it) verifies under a cap: the padded layout's choice
         # from these survivals, ready for it (a request verifies its first Q drafts, priced as Q columns are)
         self.cap = self._best(num + np.concatenate([[0.0], column_sums.cumsum()]), predicted)
         self._pending = (padded, sizes, history)  # learn(): the verified counts the device reports bound the allotted
         return int(shares[columns])
 
-    def _explores(self, below_whole_blocks: bool) -> bool:
-        """Count a decision; whether it verifies whole blocks instead of the choice (every ``EXPLORE_EVERY``-th
-        decision that is below whole blocks), so that every position past the choice keeps being learned."""
+    def _explores(self, below_whole_blocks: bool, best: int = -1) -> bool:
+        """Count a decision; whether it verifies whole blocks instead of the choice ``best``, so that every position
+        past the choice keeps being learned: every ``EXPLORE_EVERY``-th decision that is below whole blocks, and one
+        that verifies nothing where drafting did not pay (``drafting_pays`` False: the next verify is the look after
+        a drafting hold, and verifying nothing there would teach the fit nothing, so a belief that nothing pays
+        could never be proved wrong)."""
         self.decisions += 1
-        if below_whole_blocks and self.decisions % EXPLORE_EVERY == 0:
+        if below_whole_blocks and (self.decisions % EXPLORE_EVERY == 0 or (best == 0 and self.drafting_pays is False)):
             self.explored += 1
             return True
         return False
@@ -716,15 +761,32 @@ class ConfidenceScheduler:
             return full
         return best
 
-    def best_budget(self, survival: np.ndarray, proposed: np.ndarray, predicted_ms: np.ndarray | None = None) -> int:
-        """The budget B maximizing (S + the top-B survivals) / predicted ms of a step feeding S + B tokens
-        (``predicted_ms`` [B+1]: those predictions, if the caller has them)."""
-        num = survival.shape[0]
-        ranked = -np.sort(-survival[proposed])
-        expected = num + np.concatenate([[0.0], ranked.cumsum()])  # [B+1]
-        if predicted_ms is None:
-            predicted_ms = self.costs.predict_ms_many(num, num + np.arange(len(expected)))
-        return self._best(expected, predicted_ms)
+
+class DraftingHold:
+    """Point 6 of the module doc, the engine's side: per batch size (``ConfidenceScheduler.bucket``), the steps on
+    which it drafts nothing after drafting did not pay there. ``record`` each judgement at the step it was made:
+    one that did not pay stops the drafting from that step for the hold (``HOLD_FIRST`` steps, doubling each time
+    it did not pay again, up to ``HOLD_MOST``); one that paid resets it."""
+
+    def __init__(self, first: int = HOLD_FIRST, most: int = HOLD_MOST):
+        self.first, self.most = first, most
+        self.until: dict[int, int] = {}  # bucket -> the first step it drafts again
+        self.hold: dict[int, int] = {}  # bucket -> the next hold's length
+        self.holds = 0  # holds begun
+
+    def off(self, bucket: int, step: int) -> bool:
+        """Whether the engine drafts nothing at ``step`` for a batch in ``bucket``."""
+        return step < self.until.get(bucket, -1)
+
+    def record(self, bucket: int, step: int, pays: bool) -> None:
+        if pays:
+            self.until.pop(bucket, None)
+            self.hold.pop(bucket, None)
+            return
+        hold = self.hold.get(bucket, self.first)
+        self.until[bucket] = step + hold
+        self.hold[bucket] = min(2 * hold, self.most)
+        self.holds += 1
 
 
 def top_drafts(survival: np.ndarray, proposed: np.ndarray, budget: int) -> np.ndarray:
@@ -771,6 +833,7 @@ class ConfidenceStats:
     decided_steps: int = 0
     committed_tokens: int = 0  # tokens the verifying requests committed (accepted drafts + one each), summed
     unpacked_steps: int = 0  # packed layout: decided steps that verified whole blocks instead (runtime.engine)
+    drafting_off_steps: int = 0  # steps that drafted nothing because drafting did not pay (DraftingHold)
     last: dict = field(default_factory=dict)
 
     def record_decision(self, decision: Decision, requests: int) -> None:
@@ -827,6 +890,11 @@ class ConfidenceStats:
                 "survival_fit": scheduler.correction.fitted(),
                 "survival_skill_per_position": scheduler.correction.skill.per_position(),
                 "explored_decisions": scheduler.explored, "unpacked_steps": self.unpacked_steps,
+                # point 6: steps that drafted nothing since drafting did not pay, and the holds that began
+                "drafting_off_steps": self.drafting_off_steps, "drafting_holds": scheduler.hold.holds,
+                # (None: no plain steps profiled, the drafting never stops)
+                "plain_cost_table_observations": scheduler.costs.plain.observations
+                if scheduler.costs.plain is not None else None,
                 "cost_table_observations": scheduler.costs.observations,
                 "mixed_cost_table_observations": scheduler.mixed_costs.observations,
                 "cost_table_ms_per_context_token": scheduler.costs.ms_per_context_token, "last": dict(self.last)}

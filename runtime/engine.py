@@ -87,6 +87,7 @@ class Engine:
         self.confidence_stats = ConfidenceStats()
         self._decided: list[str] = []  # requests whose verify length the scheduler chose this step (its order)
         self._other_fed = (0, 0, 0)  # (requests, tokens, context) of the last step besides the scheduler's verifies
+        self._beside_next = (0, 0, 0)  # of them, those the next step is expected to feed beside its verifies
         # the packed layout (runtime.packed_verify): the columns this step's decided requests verify (0: not packed)
         self._packed_columns = 0
         self._packed: PackedPlan | None = None  # this step's packed verify, if it is one
@@ -96,6 +97,9 @@ class Engine:
         # profiling (runtime.step_profile): every decoding request verifies at most this many drafts, and the steps
         # are planned and launched ahead at that length as a confidence-scheduled engine's are at its cap
         self.forced_verify_len: int | None = None
+        # profiling: the block every step drafts, whatever the schedule (0: plain decoding, the drafter idle)
+        self.forced_draft_len: int | None = None
+        self._step_index = 0  # the step being scheduled (confidence scheduling's drafting holds count in steps)
         # when a list: every verify appends (the verified drafts' confidences, accepted count) (calibration)
         self.verification_log: list[tuple[list[float], int]] | None = None
         # pipelined drafting (a separate drafter, cluster.RayExecutor): steps alternate two request groups and each
@@ -229,10 +233,28 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------------
 
     def draft_len(self) -> int:
-        """Block length to draft this step: the schedule at the current batch size, 0 once the gate closed."""
+        """Block length to draft this step: the schedule at the current batch size, 0 once the gate closed or
+        while confidence scheduling holds the drafting off at this batch size (drafting did not pay there)."""
+        return self._draft_len_at(self._step_index)
+
+    def _drafting_held(self) -> bool:
+        """Whether a drafting hold (``ConfidenceScheduler.hold``) is what keeps this step from drafting."""
+        running = len(self.scheduler.running)
+        return self.confidence is not None and running > 0 and self.forced_draft_len is None \
+            and not self.gate.closed and self.spec.draft_len_for_batch_size(running) > 0 \
+            and self.confidence.hold.off(self.confidence.bucket(running), self._step_index)
+
+    def _draft_len_at(self, step: int) -> int:
+        """``draft_len`` at ``step`` (this one or the next) with the running requests as they are."""
         if not self.has_drafter or self.gate.closed or not self.scheduler.running:
             return 0
-        return self.spec.draft_len_for_batch_size(len(self.scheduler.running))
+        if self.forced_draft_len is not None:
+            return self.forced_draft_len
+        running = len(self.scheduler.running)
+        k = self.spec.draft_len_for_batch_size(running)
+        if k and self.confidence is not None and self.confidence.hold.off(self.confidence.bucket(running), step):
+            return 0
+        return k
 
     def step(self) -> list[RequestOutput]:
         group = None
@@ -261,14 +283,18 @@ class Engine:
             results = self.executor.execute(batch)
         learn = self.confidence is not None and bool(scheduled)
         decided = bool(self._decided)  # (the commit clears it)
+        drafted = batch.num_next_drafts > 0
+        if not drafted and self._drafting_held():
+            self.confidence_stats.drafting_off_steps += 1
         if learn:
-            self._note_other_fed(scheduled)
+            self._note_other_fed(scheduled, drafted)
         with region("dspark.commit"):
             outputs = self._commit_step(scheduled, results)
             if self.pipelined:
                 self._take_late_drafts()
         if learn:
-            self._learn_step_time(scheduled, time.perf_counter() - began, decided)
+            self._learn_step_time(scheduled, time.perf_counter() - began, decided, drafted)
+        self._step_index += 1
         return outputs
 
     def _steady_decode(self, scheduled: list[ScheduledRequest]) -> bool:
@@ -279,8 +305,9 @@ class Engine:
         speculation at this concurrency; the drafter's context still follows, appended by the same step) unless
         drafting is pipelined (the next step is the other group's)."""
         if not scheduled or self.scheduler.waiting or len(scheduled) != len(self.scheduler.running) \
-                or (self.has_drafter and (self.pipelined or self.draft_len())):
-            return False
+                or (self.has_drafter and (self.pipelined or self.draft_len()
+                                          or self._draft_len_at(self._step_index + 1))):
+            return False  # (a drafting hold that ends next step: that step drafts)
         for entry in scheduled:
             if len(entry.token_ids) != 1 or not entry.sample or not plain_greedy(entry):
                 return False
@@ -378,7 +405,7 @@ class Engine:
         seqs = [s for s in members if s.draft_ids and s.draft_confidence is not None]
         if not seqs:
             return
-        others, other_tokens, other_context = self._other_fed
+        others, other_tokens, other_context = self._beside_next
         context = other_context + sum(s.num_computed for s in seqs)
         self._decided = [s.request_id for s in seqs]
         # a step that will feed more than these verifies (a request still prefilling, an arrival to admit) is mixed:
@@ -398,6 +425,9 @@ class Engine:
             for seq, length in zip(seqs, lengths):
                 seq.trim_drafts(length)
         self.confidence_stats.record_decision(self.confidence.last, len(seqs))
+        if self.confidence.drafting_pays is not None:  # (this step drafts nothing if it did not pay: draft_len)
+            self.confidence.hold.record(self.confidence.bucket(len(self.scheduler.running)), self._step_index,
+                                        self.confidence.drafting_pays)
 
     def _packed_plan(self, scheduled: list[ScheduledRequest]) -> PackedPlan | None:
         """The packed layout: this step's packed verify, when it is exactly the requests the scheduler decided for
@@ -436,14 +466,22 @@ class Engine:
         for seq in running:
             seq.trim_drafts(length)
 
-    def _note_other_fed(self, scheduled: list[ScheduledRequest]) -> None:
-        """What the step fed besides the verifies the scheduler chose (prefill chunks, draft-less decodes): the next
-        decision prices its verifies beside as much."""
+    def _note_other_fed(self, scheduled: list[ScheduledRequest], drafted: bool) -> None:
+        """What the step fed besides the verifies the scheduler chose (prefill chunks, draft-less decodes:
+        ``_other_fed``, the table this step is learned in), and of it what the next step is expected to feed beside
+        its verifies (``_beside_next``: the next decision prices its verifies beside as much). A request that
+        drafted this step (``drafted``: the step drafted blocks, and it sampled a token) verifies next step: it is
+        not beside the verifies (the first decision after a drafting hold would otherwise price every verify
+        twice)."""
         decided = set(self._decided)
         others = [e for e in scheduled if e.request_id not in decided]
         self._other_fed = (len(others), sum(len(e.token_ids) for e in others), sum(e.start_position for e in others))
+        beside = [e for e in others if not (drafted and e.sample)]
+        self._beside_next = (len(beside), sum(len(e.token_ids) for e in beside),
+                             sum(e.start_position for e in beside))
 
-    def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float, decided: bool) -> None:
+    def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float, decided: bool,
+                         drafted: bool = True) -> None:
         """The step's wall time, schedule to commit (what the startup profile times: ``runtime.step_profile``), into
         the cost table at the rows the model computed: a graphed verify step at its graph's cell (the batch bucket
         x Q, padding requests included: run 55's steps of 60 and 72 requests, timed as the 64 and 96 graphs they
@@ -453,8 +491,20 @@ class Engine:
         cells lacked it while the profiled ones held it would make the lengths the scheduler chose look cheaper than
         the ones it did not (run 31: trims to 4.6 of 7 drafts at 256 requests, predicted to pay, lost 14%). With the
         context the step's requests attended over (the KV tokens before what each fed), which its time grows with.
-        ``decided``: the scheduler chose this step's verifies (its metrics set the time beside the prediction)."""
+        ``decided``: the scheduler chose this step's verifies (its metrics set the time beside the prediction).
+        A step that drafted nothing (``drafted`` False) is no cell of these tables (they price drafting steps): a
+        plain decode step (a token a request, each sampled) teaches the plain steps' table (``StepCostTable.plain``,
+        at its graph's rows), others nothing."""
         fed = [len(e.token_ids) for e in scheduled]
+        if not drafted:
+            if not decided and all(f == 1 for f in fed) and all(e.sample for e in scheduled):
+                plain = self.confidence.costs.plain
+                if plain is not None:
+                    rows = len(scheduled) if self.confidence.layout == "ragged" else \
+                        self.confidence.graph_rows(len(scheduled))
+                    plain.observe(rows, rows, seconds, sum(e.start_position for e in scheduled))
+            self.confidence_stats.record_step(1e3 * seconds, decided)
+            return
         requests, tokens, q_len = len(scheduled), sum(fed), None
         if self._packed is not None:  # a packed graph: an anchor and `columns` drafts a request
             q_len = self._packed.columns + 1

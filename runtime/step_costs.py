@@ -34,10 +34,14 @@ requests) the startup profile, its steps at under ~100 tokens of context a reque
 and 12.7 ms for 8, where the tuning measured 11.8 and 13.9 at the sweep's 101-354; the cells the scheduler served
 moved to the serving contexts while the others kept the profile's, its predicted steps were 7% under the
 measured, and it capped at 5.7 of 7 drafts for 0.97 of whole blocks' throughput.
+A table may carry a second one, ``plain``: the steps of plain decoding (a token a request, nothing drafted, the
+drafter's context kept), at each profiled batch size (batch, batch tokens): what a step costs with the drafter idle,
+against which the scheduler judges whether drafting pays at all (``ConfidenceScheduler.drafting_pays``).
+
 JSON (``to_json`` / ``from_json``): ``{"batch_sizes": [...], "token_counts": [...], "step_ms": [[...], ...],
-"context_tokens": [[...], ...], "context_slope": {...}}``, the format ``dspark bench --profile-steps`` writes and
-``confidence_cost_table_path`` reads (a table without ``context_tokens``, written before, reads as measured at no
-context).
+"context_tokens": [[...], ...], "context_slope": {...}, "plain_steps": {a table}}``, the format ``dspark bench
+--profile-steps`` writes and ``confidence_cost_table_path`` reads (a table without ``context_tokens``, written
+before, reads as measured at no context; one without ``plain_steps`` never stops the drafting).
 """
 
 from __future__ import annotations
@@ -80,16 +84,20 @@ class StepCostTable:
         self._listed: dict[tuple[int, tuple], list[float]] = {}  # (batch, tokens) -> predict_ms_list at no context
         self._pending: list[tuple[int, int, float, int]] = []  # served steps not yet learned
         self.observations = 0  # served steps observed (learned or pending)
+        self.plain: StepCostTable | None = None  # plain decoding's steps (see the module doc), if profiled
 
     # ---- persistence --------------------------------------------------------------------------
 
     def to_json(self) -> dict:
         self.flush()
-        return {"batch_sizes": self.batch_sizes, "token_counts": self.token_counts,
+        data = {"batch_sizes": self.batch_sizes, "token_counts": self.token_counts,
                 "step_ms": [[None if math.isnan(v) else round(float(v), 4) for v in row] for row in self.step_ms],
                 "context_tokens": [[round(float(c), 1) for c in row] for row in self.context],
                 "context_slope": {"ms_per_context_token": self.ms_per_context_token,
                                   "sums": [float(v) for v in self._slope_sums]}}
+        if self.plain is not None:
+            data["plain_steps"] = self.plain.to_json()
+        return data
 
     @classmethod
     def from_json(cls, data: dict, where: str = "step cost table") -> StepCostTable:
@@ -109,10 +117,12 @@ class StepCostTable:
                 if sums.shape != (3,) or not np.isfinite(sums).all() or not value >= 0:
                     raise ValueError("context_slope: {ms_per_context_token >= 0, sums: 3 numbers} expected")
                 table._slope_sums, table.ms_per_context_token = sums.tolist(), value
+            if data.get("plain_steps") is not None:
+                table.plain = cls.from_json(data["plain_steps"], f"{where}: plain_steps")
             return table
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{where}: expected {{batch_sizes, token_counts, step_ms[, context_tokens, "
-                             f"context_slope]}}: {exc}") from None
+                             f"context_slope, plain_steps]}}: {exc}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> StepCostTable:

@@ -6,7 +6,10 @@ for ``repeats`` steps in each of two passes over the lengths (``PASSES``; ``Engi
 plans and launches each next step ahead at L, as it does at a confidence-scheduled cap; run 37's profile trimmed the
 blocks behind its back, so every timed step of a shorter length dropped a verify launched ahead at the full block and
 ran it again, 1.5-3 ms too slow) and the median step time of both passes is the table's (batch, batch * (L + 1))
-cell, measured at the mean context (KV tokens) its timed steps attended over. K is the block the engine drafts at
+cell, measured at the mean context (KV tokens) its timed steps attended over. Then the same requests decode
+plainly (``Engine.forced_draft_len`` 0: nothing drafted, the drafter's context kept, launched ahead as served) for
+``PLAIN_UNTIMED`` + ``PASSES`` x ``repeats`` steps, the median of the timed ones the plain steps' (batch, batch)
+cell (``StepCostTable.plain``: what the scheduler judges drafting against). K is the block the engine drafts at
 that batch size: ``max_draft_len``, or a ``draft_len_schedule``'s length there; a bucket the schedule drafts nothing
 for is left out (no step of that size has drafts to choose among). The steps run through the engine as served steps
 do (graphs, kernels, the executor's round trip). Afterwards nothing of the profile is left: its requests are aborted,
@@ -33,6 +36,7 @@ PROFILE_PROMPT_TOKENS = 16
 # instead of on the longest (runs 54 and 55 timed each length in one run of 3 steps, shortest first, and read
 # 7 of 8 tokens a request at 64 requests 1.2x and 1.2x dearer than the whole block timed after it)
 PASSES = 2
+PLAIN_UNTIMED = 2  # plain steps untimed after the verifies: the last verify, and the first step launched ahead
 
 
 def profile_step_costs(engine, repeats: int = 2, max_batch: int | None = None) -> StepCostTable:
@@ -47,7 +51,8 @@ def profile_step_costs(engine, repeats: int = 2, max_batch: int | None = None) -
     # (launched ahead at the previous one) one more
     # (the steps its chunks need, and a margin: a step too few fails the engine's start; one more costs a token)
     to_first_block = -(-largest * PROFILE_PROMPT_TOKENS // engine.config.max_num_batched_tokens) + 16
-    max_tokens = to_first_block + PASSES * (steps_per_length * (k + 1) * (k + 2) // 2 + k + 1)
+    plain_steps = PLAIN_UNTIMED + PASSES * repeats  # then plain decoding: a token a step
+    max_tokens = to_first_block + PASSES * (steps_per_length * (k + 1) * (k + 2) // 2 + k + 1) + plain_steps
     pages_per_request = -(-(PROFILE_PROMPT_TOKENS + max_tokens + k + 1) // engine.config.page_size)
     fits = engine.pages.num_pages // pages_per_request
     buckets = [b for b in batch_buckets(largest) if b <= fits]
@@ -55,6 +60,7 @@ def profile_step_costs(engine, repeats: int = 2, max_batch: int | None = None) -
         raise ValueError("confidence scheduling: the KV cache cannot hold one profiling request "
                          f"({pages_per_request} pages); give the engine more pages or a confidence_cost_table_path")
     table = StepCostTable(buckets, sorted({b * (length + 1) for b in buckets for length in range(k + 1)}))
+    table.plain = StepCostTable(buckets, buckets)
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -95,15 +101,29 @@ def profile_step_costs(engine, repeats: int = 2, max_batch: int | None = None) -
                         if repeat:
                             times[length].append(time.perf_counter() - began)
                             contexts[length].append(context)
+            plain, plain_contexts = [], []
+            engine.forced_verify_len, engine.forced_draft_len = 0, 0  # the last block verifies none, then plain
+            for repeat in range(plain_steps):
+                live = [engine.sequences.get(i) for i in ids]
+                if None in live:
+                    raise RuntimeError(f"confidence scheduling: a profiling request of {batch} finished before its "
+                                       f"{max_tokens} tokens' bound; profiling plain decoding")
+                context = sum(seq.num_computed for seq in live)
+                began = time.perf_counter()
+                engine.step()
+                if repeat >= PLAIN_UNTIMED:
+                    plain.append(time.perf_counter() - began)
+                    plain_contexts.append(context)
         finally:
-            engine.forced_verify_len = None
+            engine.forced_verify_len = engine.forced_draft_len = None
         engine.abort_all()
         for length in range(drafts + 1):
             table.record(batch, batch * (length + 1), 1e3 * statistics.median(times[length]),
                          context=statistics.mean(contexts[length]))
+        table.plain.record(batch, batch, 1e3 * statistics.median(plain), context=statistics.mean(plain_contexts))
     engine.metrics, engine.gate = SpecMetrics(), AcceptanceGate(engine.spec.acceptance_rate_window_size,
                                                                 engine.spec.acceptance_rate_threshold)
     engine.pages.forget_cached()
-    log.info("dspark: profiled step times for batches %s x verify lengths 0..%d in %.1f s", profiled, k,
-             time.perf_counter() - start)
+    log.info("dspark: profiled step times for batches %s x verify lengths 0..%d, and plain decoding, in %.1f s",
+             profiled, k, time.perf_counter() - start)
     return table

@@ -199,7 +199,11 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     assert record["mixed_confidence_vs_tuned_paired"] > 0
     # the startup profile and the table as serving left it (its served cells at the contexts they were served at)
     startup, served = record["confidence_cost_table"], record["confidence_cost_table_served"]
-    assert startup["token_counts"] == served["token_counts"] and served["context_tokens"] != startup["context_tokens"]
+    assert startup["token_counts"] == served["token_counts"]
+    # (drafting on the CPU costs about what the tiny target does: it may not pay, and then the steps served are
+    # plain decodes, learned in the plain steps' table)
+    assert served["context_tokens"] != startup["context_tokens"] or \
+        served["plain_steps"]["context_tokens"] != startup["plain_steps"]["context_tokens"]
     assert all(row["confidence_cost_ms_per_context_token"] >= 0 for row in record["runs"])
     # the mixed steps' own table (the sweep's prefills, the mixed workload), and what whole blocks were predicted
     assert record["confidence_cost_table_mixed_served"]["token_counts"] == startup["token_counts"]
@@ -256,7 +260,11 @@ def test_the_confidence_engine_can_draft_max_draft_len_beside_the_tuned_schedule
     assert record["confidence_draft_len"] == "max"
     assert record["schedules"]["confidence"] == "confidence within max_draft_len, beside the tuned schedule"
     for row in record["runs"]:
-        assert len(row["confidence_predicted_survival_per_position"]) == 3 and row["confidence_vs_tuned"] > 0
+        assert row["confidence_vs_tuned"] > 0
+        # decided steps believe 3 positions; where drafting did not pay (a CPU drafter costs about what the tiny
+        # target does) the engine may hold the drafting off for the whole timing, and decide nothing there
+        positions = row["confidence_predicted_survival_per_position"]
+        assert len(positions) == 3 or (not positions and row["confidence_drafting_off_steps"] > 0), row
 
 
 def test_a_schedule_cap_reads_a_draft_len_schedule_as_the_engine_does():

@@ -62,7 +62,13 @@ class EngineCollector:
                      scheduling["mean_verify_budget_per_request"]),
                     ("confidence_step_seconds_per_context_token", "What one KV token of context adds to a step, "
                      "as the step-time table learned it from the served steps (0 until learned).",
-                     scheduling["cost_table_ms_per_context_token"] / 1e3)):
+                     scheduling["cost_table_ms_per_context_token"] / 1e3),
+                    ("confidence_drafting_off_steps", "Steps that drafted nothing because no verify paid its "
+                     "step against plain decoding (drafting holds; since startup or the last metrics reset).",
+                     scheduling["drafting_off_steps"]),
+                    ("confidence_drafting_holds", "Drafting holds begun since startup (each a stretch of plain "
+                     "decoding at one batch size, then one block drafted to look again).",
+                     scheduling["drafting_holds"])):
                 yield GaugeMetricFamily(f"{PREFIX}:{name}", doc, value=value)
             yield per_position("confidence_survival_correction", "Survived over predicted survival of the drafts "
                                "verified at each block position, predicted by the offline calibration alone (how "

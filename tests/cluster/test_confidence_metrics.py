@@ -26,6 +26,9 @@ def test_the_scheduler_gauges_are_exported(near_bigram_target, make_drafter):
     assert "dspark:confidence_predicted_step_seconds" in text and "dspark:confidence_measured_step_seconds" in text
     slope = llm.get_metrics()["confidence_scheduling"]["cost_table_ms_per_context_token"]
     assert f"dspark:confidence_step_seconds_per_context_token {slope / 1e3}" in text
+    stats = llm.get_metrics()["confidence_scheduling"]
+    assert f"dspark:confidence_drafting_off_steps {float(stats['drafting_off_steps'])}" in text
+    assert f"dspark:confidence_drafting_holds {float(stats['drafting_holds'])}" in text
     ratios = llm.get_metrics()["confidence_scheduling"]["survival_correction"]
     assert len(ratios) == 4
     for position, ratio in enumerate(ratios):

@@ -235,3 +235,25 @@ def test_decode_steps_that_draft_nothing_keep_the_drafters_context_in_their_grap
     assert len(drafts["graphed"]) == len(drafts["eager"]) >= 10
     same = sum(a == b for a, b in zip(drafts["graphed"], drafts["eager"]))
     assert same >= 0.9 * len(drafts["eager"]), (same, len(drafts["eager"]))  # bf16 near-ties may part a few
+
+
+def test_drafting_holds_decode_plainly_on_the_graphed_path(tmp_path, wide_target, make_drafter):
+    """A cost table whose plain steps are far cheaper than any drafting step: the confidence-scheduled engine holds
+    the drafting off (plain decode steps replayed with the drafter's context graph, launched ahead), looks again
+    after each hold, and its tokens equal scheduling off."""
+    from tests.runtime.test_confidence_scheduling import flat_table, with_plain
+
+    drafter = make_drafter(wide_target, 4)
+    table = tmp_path / "plain-cheap.json"
+    with_plain(flat_table(1.0, base=50.0), 1.0).save(table)
+    runs = {}
+    for name, spec in (("off", {}), ("on", {"enable_confidence_scheduling": True,
+                                            "confidence_cost_table_path": str(table)})):
+        llm = LLM(str(wide_target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter), **spec),
+                  **ENGINE)
+        runs[name] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        if name == "on":
+            stats = llm.get_metrics()["confidence_scheduling"]
+            assert stats["drafting_holds"] >= 1 and stats["drafting_off_steps"] >= 16
+            assert llm.engine.executor.worker.graphs.steps_run_ahead >= 10
+    assert runs["on"] == runs["off"]

@@ -10,8 +10,9 @@ import torch
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.confidence_scheduler import (HISTORY_NONE, ConfidenceScheduler, ConfidenceStats, SurvivalSkill,
-                                          history_classes, next_history, read_calibration, top_drafts)
+from runtime.confidence_scheduler import (HISTORY_NONE, HOLD_FIRST, ConfidenceScheduler, ConfidenceStats,
+                                          DraftingHold, SurvivalSkill, history_classes, next_history,
+                                          read_calibration, top_drafts)
 from runtime.step_costs import StepCostTable
 from tests import builders
 from tests.runtime.test_sampling_distribution import FILTERS, N, empirical_tv, exact_joint, tv_bound
@@ -323,7 +324,8 @@ def test_greedy_outputs_are_the_same_with_scheduling_on_and_off(near_bigram_targ
     assert [o.token_ids for o in on.generate(PROMPTS, greedy)] == want == builders.hf_greedy(
         near_bigram_target, PROMPTS, 24)
     stats = on.get_metrics()["confidence_scheduling"]
-    assert stats["decisions"] > 0 and stats["cost_table_observations"] > 0  # profiled at startup, then learning
+    # profiled at startup, then learning (the verify steps', or where drafting did not pay, the plain steps')
+    assert stats["decisions"] > 0 and stats["cost_table_observations"] + stats["plain_cost_table_observations"] > 0
     table = on.rank_info()[0]["confidence_cost_table"]  # the engine's state, as it stands
     assert table["observations"] == stats["cost_table_observations"] and table["step_ms"]
     mixed = on.rank_info()[0]["confidence_mixed_cost_table"]  # the prefill steps learned apart
@@ -758,3 +760,89 @@ def test_a_bad_verify_history_is_refused_naming_what_was_expected():
             scheduler.allot(confidences, history=[0, 7] + [0] * (len(confidences) - 2))
         with pytest.raises(ValueError, match=f"{len(confidences)} verify-history classes"):
             scheduler.allot(confidences, history=[0])
+
+
+# ---- drafting at all (point 6): plain decoding's steps, the drafting hold ----------------------------------
+
+
+def with_plain(table: StepCostTable, plain_ms: float) -> StepCostTable:
+    """``table`` with plain decoding's steps costing ``plain_ms`` at batch 1 and 64."""
+    table.plain = StepCostTable([1, 64], [1, 64], [[plain_ms, math.nan], [math.nan, plain_ms]])
+    return table
+
+
+def test_the_plain_steps_round_trip_with_the_table_and_a_bad_one_is_named(tmp_path):
+    table = with_plain(flat_table(1.0), 3.0)
+    table.save(tmp_path / "t.json")
+    back = StepCostTable.load(tmp_path / "t.json")
+    assert back.plain.predict_ms(64, 64) == 3.0 and back.copy().plain.predict_ms(1, 1) == 3.0
+    assert StepCostTable.from_json(flat_table(1.0).to_json()).plain is None  # a table written before: none
+    data = table.to_json()
+    data["plain_steps"]["step_ms"] = [[1.0]]
+    with pytest.raises(ValueError, match="plain_steps"):
+        StepCostTable.from_json(data)
+
+
+def test_drafting_pays_only_where_the_best_verify_beats_plain_decoding():
+    """A verify-nothing step of 10 ms + 1 ms a token drafts too: against plain steps of 4 ms (the drafting costs
+    ~7 ms at one request) a block of survivals 0.5, 0.25 ... (1.94 tokens a step at best, 12-15 ms) does not pay;
+    against plain steps of 10.5 ms it does; with no plain steps the scheduler cannot tell (None)."""
+    weak = [[0.5] * 4]
+    cheap = ConfidenceScheduler(4, with_plain(flat_table(1.0), 4.0))
+    cheap.allot(weak)
+    assert cheap.drafting_pays is False
+    dear = ConfidenceScheduler(4, with_plain(flat_table(1.0), 10.5))
+    dear.allot(weak)
+    assert dear.drafting_pays is True
+    unknown = ConfidenceScheduler(4, flat_table(1.0))
+    unknown.allot(weak)
+    assert unknown.drafting_pays is None
+    for layout in ("padded", "packed"):  # every layout judges alike
+        scheduler = ConfidenceScheduler(4, with_plain(flat_table(1.0), 4.0), layout=layout, graph_batches=[1, 64])
+        if layout == "packed":
+            scheduler.allot_packed(weak * 64)
+        else:
+            scheduler.allot(weak * 40)  # 160 drafts: the numpy path
+        assert scheduler.drafting_pays is False, layout
+
+
+def test_a_drafting_hold_doubles_while_drafting_does_not_pay_and_ends_when_it_does():
+    hold = DraftingHold(first=4, most=16)
+    assert not hold.off(64, 0)
+    hold.record(64, 10, pays=False)
+    assert [hold.off(64, s) for s in (10, 13, 14)] == [True, True, False] and not hold.off(128, 10)
+    hold.record(64, 14, pays=False)  # the look after the hold: still no
+    assert hold.off(64, 21) and not hold.off(64, 22)
+    hold.record(64, 22, pays=False)
+    hold.record(64, 40, pays=False)
+    assert hold.until[64] == 56 and hold.holds == 4  # 4, 8, 16, then no longer than 16
+    hold.record(64, 56, pays=True)
+    assert not hold.off(64, 56) and hold.hold == {}
+
+
+def test_where_drafting_does_not_pay_the_engine_decodes_plainly_for_a_hold_then_looks_again(
+        tmp_path, near_bigram_target, confident_drafter):
+    """Plain steps far cheaper than any drafting step: after the first decision the engine drafts nothing for
+    ``HOLD_FIRST`` steps (plain decode steps, learned into the plain table), drafts one block to look again, holds
+    twice as long, and so on; the outputs are the target's greedy tokens all along."""
+    path = tmp_path / "table.json"
+    with_plain(flat_table(1.0, base=50.0), 1.0).save(path)
+    llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
+                 confidence_cost_table_path=str(path))
+    greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    batches = []
+    executor = llm.engine.executor
+    run = executor.execute
+    executor.execute = lambda batch: (batches.append(batch), run(batch))[1]
+    assert [o.token_ids for o in llm.generate(PROMPTS[:1], greedy)] == builders.hf_greedy(
+        near_bigram_target, PROMPTS[:1], 60)
+    drafting = [b.num_next_drafts > 0 for b in batches]
+    first_off = drafting.index(False)
+    assert drafting[first_off:first_off + HOLD_FIRST] == [False] * HOLD_FIRST
+    look = first_off + HOLD_FIRST
+    assert drafting[look]  # a look: one block drafted; the next step verifies it, decides, and holds twice as long
+    assert drafting[look + 1:look + 1 + 2 * HOLD_FIRST] == [False] * (2 * HOLD_FIRST)
+    assert drafting[look + 1 + 2 * HOLD_FIRST]
+    stats = llm.get_metrics()["confidence_scheduling"]
+    assert stats["drafting_holds"] >= 2 and stats["drafting_off_steps"] >= 3 * HOLD_FIRST - 2
+    assert stats["plain_cost_table_observations"] >= 3 * HOLD_FIRST - 4

@@ -600,8 +600,12 @@ def test_the_step_profile_plans_and_launches_each_verify_length_as_served(tmp_pa
     # buckets 1 and 2, each changing length 1 -> 2 -> 3 -> 4 in the first pass (0 does not run ahead), then
     # 4 -> 3 -> 2 -> 1 -> 0 in the second (the last step at 1 launched the next at 1)
     assert len(wrong) <= 2 * (3 + 4)
-    assert {b.next_verify_len for b, _ in said} == {1, 2, 3, 4}  # every drafted length runs ahead
+    # every drafted length runs ahead, and so do the plain decode steps after them (0: nothing drafted)
+    assert {b.next_verify_len for b, _ in said} == {0, 1, 2, 3, 4}
+    assert all(not b.num_next_drafts and all(len(r.token_ids) == 1 for r in nxt.requests)
+               for b, nxt in said if not b.next_verify_len)
     assert table.batch_sizes == [1, 2] and None not in table.to_json()["step_ms"][0][:5]  # 1 x (0..4 + 1) tokens
+    assert table.plain.batch_sizes == [1, 2] and table.plain.predict_ms(2, 2) > 0  # plain decoding, 1 and 2
 
 
 def test_the_step_profile_times_packed_steps_where_packed_graphs_serve_them(tmp_path):
