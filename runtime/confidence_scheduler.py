@@ -110,6 +110,9 @@ FIT_EVERY = 2048  # reached drafts gathered before the fit is redone (checked wh
 REFIT_FOLDS = 8  # or after this many folds (FOLD_EVERY steps each) with any new evidence: a small batch learns too
 FIT_LIMIT = 30.0  # the fit's parameters stay within +-this (the slope within [0, this])
 NEWTON_STEPS = 2  # per refit, from the parameters before (warm: the fit moves little between refits)
+HALVINGS = 12  # a Newton step that does not lower a position's penalized loss is halved up to this many times
+DAMPED_STEPS = 8  # while a step had to be halved (far from the optimum), up to this many steps a refit
+TRUSTED_STEP = 0.5  # a Newton step moving no parameter by more than this is taken without checking the loss
 EXPLORE_EVERY = 32  # every this many decisions below whole blocks, the next step verifies whole blocks
 FOLD_EVERY = 8  # steps of evidence the correction gathers before it folds them in (its numpy work, once for all)
 SMALL_STEP = 128  # a step of at most this many drafts (requests x max_draft_len) is decided in plain Python
@@ -371,7 +374,14 @@ class SurvivalCorrection:
         """``NEWTON_STEPS`` Newton steps of every position's ridge logistic regression, from the current parameters.
         The features are logit(c), 1 and the class's one-hot, so the gradient and Hessian are sums per position and
         class of a few weighted terms: one ``bincount`` each over the window (a refit of 7 x 2048 drafts ~0.7 ms on a
-        2-core CPU host, where dense [K, W, F] products of 7 x 4096 and four steps cost 5)."""
+        2-core CPU host, where dense [K, W, F] products of 7 x 4096 and four steps cost 5). A step that moves a
+        parameter by more than ``TRUSTED_STEP`` is damped: a position whose penalized loss it does not lower takes
+        half of it, and so on (``HALVINGS``), else none of it; while steps are being halved (the fit far from its
+        optimum), up to ``DAMPED_STEPS`` steps a refit.
+        A full Newton step from saturated probabilities (a head whose logits spread over tens, read at a slope of 10:
+        a calibration temperature of 0.1) has a Hessian near the ridge alone and jumps to the parameters' limits:
+        run 59 at 256 requests fitted position 0 at slope 30 and bias 30 (``FIT_LIMIT``), believed a survival of 0.85
+        where 0.57 survived (Brier skill -0.34) and verified drafts that did not pay."""
         self._new = self._folds = 0
         k, classes = self._x.shape[0], len(self.history_names)
         used = (np.arange(FIT_WINDOW)[None, :] < self._filled[:, None]).astype(np.float64)  # [K, W]
@@ -381,11 +391,28 @@ class SurvivalCorrection:
         def per_class(weights: np.ndarray) -> np.ndarray:  # [K, W] -> [K, H] summed per position and class
             return np.bincount(index, weights=weights.reshape(-1), minlength=k * classes).reshape(k, classes)
 
+        def linear(theta: np.ndarray) -> np.ndarray:  # [K, F] -> eta [K, W]
+            return theta[:, :1] * x + theta[:, 1:2] + np.take_along_axis(theta[:, 2:], self._h, axis=1)
+
+        def loss(theta: np.ndarray) -> np.ndarray:  # [K, F] -> [K] each position's penalized negative log-likelihood
+            eta = linear(theta)
+            return (used * (np.logaddexp(0.0, eta) - y * eta)).sum(1) \
+                + 0.5 * FIT_PRIOR * ((theta - self.prior) ** 2).sum(1)
+
+        def bounded(theta: np.ndarray) -> np.ndarray:
+            theta = theta.copy()
+            theta[:, 0] = np.clip(theta[:, 0], 0.0, FIT_LIMIT)  # the head's order is kept (or ignored), never reversed
+            theta[:, 1:] = np.clip(theta[:, 1:], -FIT_LIMIT, FIT_LIMIT)
+            return theta
+
         theta = self.theta.copy()
         ridge = FIT_PRIOR * np.eye(2 + classes)
-        for _ in range(NEWTON_STEPS):
-            eta = theta[:, :1] * x + theta[:, 1:2] + np.take_along_axis(theta[:, 2:], self._h, axis=1)  # [K, W]
-            p = 1.0 / (1.0 + np.exp(-eta))
+        damped = False
+        for step_index in range(DAMPED_STEPS):
+            if step_index >= NEWTON_STEPS and not damped:
+                break
+            eta = linear(theta)  # [K, W]
+            p = 0.5 * (1.0 + np.tanh(0.5 * eta))  # sigmoid, without exp's overflow
             residual, weight = (p - y) * used, p * (1.0 - p) * used
             r, rx = per_class(residual), per_class(residual * x)  # [K, H]
             w, wx, wxx = per_class(weight), per_class(weight * x), per_class(weight * x * x)
@@ -398,9 +425,21 @@ class SurvivalCorrection:
             hessian[:, 0, 2:] = hessian[:, 2:, 0] = wx
             hessian[:, 1, 2:] = hessian[:, 2:, 1] = w
             hessian[:, diagonal, diagonal] = w
-            theta = theta - np.linalg.solve(hessian + ridge, gradient[..., None])[..., 0]
-            theta[:, 0] = np.clip(theta[:, 0], 0.0, FIT_LIMIT)  # the head's order is kept (or ignored), never reversed
-            theta[:, 1:] = np.clip(theta[:, 1:], -FIT_LIMIT, FIT_LIMIT)
+            step = np.linalg.solve(hessian + ridge, gradient[..., None])[..., 0]  # [K, F]
+            scale, worse = np.ones(k), np.zeros(k, dtype=bool)
+            candidate = bounded(theta - step)
+            searched = np.abs(step).max(axis=1) > TRUSTED_STEP  # near the optimum a Newton step is taken as is
+            if searched.any():
+                before = loss(theta)
+                slack = 1e-9 * (1.0 + np.abs(before))  # rounding: at the optimum a step changes nothing
+                for _ in range(HALVINGS + 1):
+                    worse = searched & (loss(candidate) > before + slack)
+                    if not worse.any():
+                        break
+                    scale = np.where(worse, 0.5 * scale, scale)
+                    candidate = bounded(theta - scale[:, None] * step)
+            theta = np.where(worse[:, None], theta, candidate)  # a position no step lowered keeps its parameters
+            damped = bool((scale < 1.0).any())
         self.theta = theta
         self._set_parameters()
         self.learned = True

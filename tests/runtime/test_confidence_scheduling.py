@@ -10,9 +10,9 @@ import torch
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.confidence_scheduler import (HISTORY_NONE, HOLD_FIRST, ConfidenceScheduler, ConfidenceStats,
-                                          DraftingHold, SurvivalSkill, history_classes, next_history,
-                                          read_calibration, top_drafts)
+from runtime.confidence_scheduler import (FIT_WINDOW, HISTORY_NONE, HOLD_FIRST, ConfidenceScheduler,
+                                          ConfidenceStats, DraftingHold, SurvivalCorrection, SurvivalSkill,
+                                          history_classes, next_history, read_calibration, top_drafts)
 from runtime.step_costs import StepCostTable
 from tests import builders
 from tests.runtime.test_sampling_distribution import FILTERS, N, empirical_tv, exact_joint, tv_bound
@@ -846,3 +846,21 @@ def test_where_drafting_does_not_pay_the_engine_decodes_plainly_for_a_hold_then_
     stats = llm.get_metrics()["confidence_scheduling"]
     assert stats["drafting_holds"] >= 2 and stats["drafting_off_steps"] >= 3 * HOLD_FIRST - 2
     assert stats["plain_cost_table_observations"] >= 3 * HOLD_FIRST - 4
+
+
+def test_the_survival_fit_does_not_diverge_from_saturated_probabilities():
+    """A calibration temperature of 0.1 (slope 10) on a head whose logits spread over tens: at the prior every
+    probability is 0 or 1, and a full Newton step (its Hessian near the ridge alone) jumped to the parameters'
+    limits (run 59 at 256 requests: position 0 at slope 30, bias 30; survivals believed 0.85 where 0.57 survived).
+    The damped steps lower the loss: drafts accepted at 30% whatever their confidence fit a slope near 0 and
+    their rate."""
+    rng = np.random.default_rng(0)
+    correction = SurvivalCorrection(2, np.array([1.0, 10.0]))
+    for j in range(2):
+        x = rng.normal(0.0, 15.0, FIT_WINDOW)
+        correction._append(j, x, np.zeros(FIT_WINDOW, dtype=np.int64), (rng.random(FIT_WINDOW) < 0.3) * 1.0)
+    for _ in range(3):
+        correction.refit()
+    slope, intercept = correction.theta[1, 0], correction.theta[1, 1] + correction.theta[1, 2]
+    assert slope < 0.05 and abs(intercept - math.log(0.3 / 0.7)) < 0.15, correction.theta[1]
+    assert np.abs(correction.theta).max() < 5
