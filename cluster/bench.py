@@ -27,7 +27,9 @@ there over whole blocks, priced on the startup table from the fixed engine's acc
 ``confidence_padded_bound``: ``runtime.schedule_bounds``), what the scheduler's own model promised at the steps it
 decided (``confidence_predicted_gain``), and the tuned engine against the fixed one
 (``tuned_vs_dspark_paired``): where the two ran the same draft length (``tuned_same_as_fixed``) they are one
-configuration built twice, and that ratio is the run's noise floor.
+configuration built twice, and that ratio is the run's noise floor. ``confidence_drafting_off_steps``: the timed steps
+on which the confidence-scheduled engine drafted nothing because no verify beat plain decoding (its drafting holds;
+the mixed workload's ``drafting_off_step_share``).
 ``--e2e-prompts N`` decodes N prompts one at a time through ``LLM.generate`` with both engines: the end-to-end
 speedup against what the step times allow at the measured tau, and the share of prompts whose greedy outputs
 are identical (bf16 verify batches reorder sums, so near-ties may part).
