@@ -864,3 +864,18 @@ def test_the_survival_fit_does_not_diverge_from_saturated_probabilities():
     slope, intercept = correction.theta[1, 0], correction.theta[1, 1] + correction.theta[1, 2]
     assert slope < 0.05 and abs(intercept - math.log(0.3 / 0.7)) < 0.15, correction.theta[1]
     assert np.abs(correction.theta).max() < 5
+
+
+def test_a_request_that_drafted_is_not_priced_beside_the_verifies_of_the_next_step(
+        tmp_path, near_bigram_target, confident_drafter):
+    """What a step fed besides its verifies is the next decision's guess at what the next step feeds beside them;
+    a request that drafted this step verifies in the next one: the step it finished its prefill in (or the look
+    after a drafting hold) is learned as a mixed step, but its tokens are not priced twice."""
+    path = tmp_path / "table.json"
+    flat_table(0.0, base=1.0).save(path)
+    llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
+                 confidence_cost_table_path=str(path))
+    eng = llm.engine
+    eng.add_request(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    eng.step()  # its whole prompt (31 tokens), then its first block drafted
+    assert eng._other_fed[:2] == (1, len(PROMPTS[2])) and eng._beside_next == (0, 0, 0)
