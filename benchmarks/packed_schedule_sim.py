@@ -17,11 +17,17 @@ Engines, each over the same sequence of steps:
   the step, corrected per verify-history class) verified, the correction learning the verified and accepted counts,
   each request's class following ``next_history``, as the engine does; a step of 0 < c < K columns costs the
   table's batch x (c + 1) cell plus ``--packed-overhead-ms`` (run 50: ~0.3 ms);
-- the same scheduler told no history (every request of class ``none``: the correction per position alone).
-Reports committed tokens per millisecond of each, and the packed scheduler against the best fixed cap.
+- the same scheduler told no history (every request of class ``none``: the correction per position alone);
+- with ``--plain-ms`` (a plain decode step at this batch, e.g. the AR engine's measured step): plain decoding (what a
+  tuned schedule that drafts nothing there serves), and the packed scheduler judging its best choice against it
+  (``drafting_pays``) with the engine's drafting holds (``DraftingHold``): a held step costs ``--plain-ms`` and
+  commits a token a request (its draw skipped), the last one before a look also drafts (the verify-nothing cell
+  less the plain step).
+Reports committed tokens per millisecond of each, and the packed scheduler against the best fixed cap (and with
+``--plain-ms``, ``packed_with_holds_vs_best``: against the best of plain decoding and every fixed cap).
 
 usage: python3 benchmarks/packed_schedule_sim.py --step-costs STEP_COSTS.json [--batch 256] [--hard-fractions
-       0.2,0.5,0.8] [--persistence 0.9] [--temperatures T1,...,TK] [--out FILE.json]
+       0.2,0.5,0.8] [--persistence 0.9] [--temperatures T1,...,TK] [--plain-ms MS] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -61,13 +67,21 @@ def draw_steps(rng: np.random.Generator, batch: int, k: int, hard_fraction: floa
 
 
 def run_packed(scheduler: ConfidenceScheduler, draws: list, step_ms: np.ndarray, overhead_ms: float,
-               use_history: bool) -> tuple[float, list[int]]:
-    """The packed scheduler over ``draws``: -> (committed tokens per ms, the columns of each step)."""
+               use_history: bool, plain_ms: float | None = None) -> tuple[float, list[int], int]:
+    """The packed scheduler over ``draws``: -> (committed tokens per ms, the columns of each step, the steps held
+    off). ``plain_ms``: with drafting holds, a held step's cost (the scheduler's table has plain steps)."""
     batch, k = draws[0][0].shape
     history = [HISTORY_NONE] * batch
     tokens = ms = 0.0
-    columns_chosen = []
+    columns_chosen, held, step = [], 0, 0
+    bucket = scheduler.bucket(batch)
     for confidence, accepted in draws:
+        if plain_ms is not None and scheduler.hold.off(bucket, step):
+            tokens += batch
+            # the held step before a look drafts its block: the verify-nothing step less the plain one
+            ms += plain_ms if scheduler.hold.off(bucket, step + 1) else step_ms[0]
+            held, step = held + 1, step + 1
+            continue
         classes = history if use_history else None
         budget = scheduler.allot_packed([list(row) for row in confidence], history=classes)
         columns = scheduler.step_columns
@@ -81,11 +95,17 @@ def run_packed(scheduler: ConfidenceScheduler, draws: list, step_ms: np.ndarray,
         tokens += batch + committed.sum()
         ms += step_ms[columns] + (overhead_ms if 0 < columns < k else 0.0)
         columns_chosen.append(columns)
-    return float(tokens / ms), columns_chosen
+        if plain_ms is not None and scheduler.drafting_pays is not None:
+            scheduler.hold.record(bucket, step, scheduler.drafting_pays)
+            if scheduler.drafting_pays is False:  # this step drafts nothing: it costs the plain step, not a draft
+                ms -= step_ms[0] - plain_ms
+        step += 1
+    return float(tokens / ms), columns_chosen, held
 
 
 def simulate(table: StepCostTable, batch: int, k: int, hard_fraction: float, persistence: float, head_noise: float,
-             temperatures: list[float] | None, steps: int, overhead_ms: float, seed: int) -> dict:
+             temperatures: list[float] | None, steps: int, overhead_ms: float, seed: int,
+             plain_ms: float | None = None) -> dict:
     step_ms = table.predict_ms_many(batch, batch * (np.arange(k + 1) + 1))  # [K+1] a uniform step of q drafts
     draws = draw_steps(np.random.default_rng(seed), batch, k, hard_fraction, persistence, head_noise, steps)
     fixed = {}
@@ -93,11 +113,22 @@ def simulate(table: StepCostTable, batch: int, k: int, hard_fraction: float, per
         tokens = sum(batch + np.cumprod(accepted, axis=1)[:, :cap].sum() for _, accepted in draws)
         fixed[cap] = float(tokens / (steps * step_ms[cap]))
     scheduler = ConfidenceScheduler(k, table, temperatures, layout="packed")
-    packed, columns_chosen = run_packed(scheduler, draws, step_ms, overhead_ms, use_history=True)
+    packed, columns_chosen, _ = run_packed(scheduler, draws, step_ms, overhead_ms, use_history=True)
     alone = ConfidenceScheduler(k, table, temperatures, layout="packed")
-    packed_alone, columns_alone = run_packed(alone, draws, step_ms, overhead_ms, use_history=False)
+    packed_alone, columns_alone, _ = run_packed(alone, draws, step_ms, overhead_ms, use_history=False)
     best_cap = max(fixed, key=fixed.get)
-    return {"hard_fraction": hard_fraction, "persistence": persistence, "fixed_tokens_per_ms": fixed,
+    holds = {}
+    if plain_ms is not None:
+        with_plain = table.copy()
+        with_plain.plain = StepCostTable([batch], [batch], [[plain_ms]])
+        holding = ConfidenceScheduler(k, with_plain, temperatures, layout="packed")
+        held_rate, _, held = run_packed(holding, draws, step_ms, overhead_ms, use_history=True, plain_ms=plain_ms)
+        plain_rate = batch / plain_ms
+        best = max(plain_rate, fixed[best_cap])
+        holds = {"plain_tokens_per_ms": plain_rate, "packed_with_holds_tokens_per_ms": held_rate,
+                 "packed_with_holds_vs_best": held_rate / best, "packed_vs_best": packed / best,
+                 "held_step_share": held / steps, "drafting_holds": holding.hold.holds}
+    return {**holds, "hard_fraction": hard_fraction, "persistence": persistence, "fixed_tokens_per_ms": fixed,
             "whole_blocks_tokens_per_ms": fixed[k], "best_fixed_cap": best_cap, "packed_tokens_per_ms": packed,
             "packed_vs_best_fixed": packed / fixed[best_cap], "packed_vs_whole_blocks": packed / fixed[k],
             "mean_columns": float(np.mean(columns_chosen[steps // 4:])),
@@ -122,6 +153,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--packed-overhead-ms", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plain-ms", type=float, help="a plain decode step at this batch (ms): simulate plain "
+                        "decoding and the drafting holds too")
     parser.add_argument("--out")
     args = parser.parse_args()
     table = StepCostTable.load(args.step_costs)
@@ -129,16 +162,19 @@ def main() -> int:
     rows = []
     for fraction in (float(f) for f in args.hard_fractions.split(",")):
         rows.append(simulate(table, args.batch, args.max_draft_len, fraction, args.persistence, args.head_noise,
-                             temperatures, args.steps, args.packed_overhead_ms, args.seed))
+                             temperatures, args.steps, args.packed_overhead_ms, args.seed, args.plain_ms))
         print(json.dumps({key: rows[-1][key] for key in ("hard_fraction", "best_fixed_cap", "packed_vs_best_fixed",
                                                           "packed_without_history_vs_best_fixed",
-                                                          "packed_vs_whole_blocks", "mean_columns")}), flush=True)
+                                                          "packed_vs_whole_blocks", "mean_columns", "packed_vs_best",
+                                                          "packed_with_holds_vs_best", "held_step_share")
+                          if key in rows[-1]}), flush=True)
     record = {"benchmark": "packed_schedule_sim", "kind": "CPU simulation (synthetic drafts, measured step costs)",
               "date": date.today().isoformat(), "host": platform.node(), "command": " ".join(["python3", *sys.argv]),
               "step_costs": args.step_costs, "batch": args.batch, "max_draft_len": args.max_draft_len,
               "head_noise": args.head_noise, "persistence": args.persistence, "temperatures": temperatures,
               "steps": args.steps,
-              "packed_overhead_ms": args.packed_overhead_ms, "seed": args.seed, "rows": rows}
+              "packed_overhead_ms": args.packed_overhead_ms, "seed": args.seed, "plain_ms": args.plain_ms,
+              "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0

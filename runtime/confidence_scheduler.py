@@ -59,8 +59,8 @@ tokens fed)``. The scheduler, in either of two step layouts:
    where no verify pays the step it costs, the scheduler says so (``drafting_pays``: the best choice's expected
    tokens per predicted ms against plain decoding's, a token a request per ``StepCostTable.plain``'s step, the
    drafter's cost taken off at the step's place on the curve), and the engine drafts nothing at that batch size
-   for a while (``DraftingHold``: 16 steps, doubling up to 512 while it keeps not paying), then drafts one block to
-   look again. Run 59 (an H200, a 2.7B pair): at 256 requests the tuned schedule drafts nothing, and under mixed
+   for a while (``DraftingHold``: 16 steps, doubling up to 512 while it keeps not paying), then drafts again to
+   look (its blocks verified whole; the hold's next judgement waits for the look's outcome, refitted at once). Run 59 (an H200, a 2.7B pair): at 256 requests the tuned schedule drafts nothing, and under mixed
    prefill + decode load the confidence-scheduled engine, drafting every step, served 0.70 of its tokens/s. The
    choice reads confidences of drafts already proposed and the step count, never the tokens being verified.
 
@@ -311,6 +311,12 @@ class SurvivalCorrection:
         beside the engine's own calls (a metrics scrape folds from another thread)."""
         with self._lock:
             self._fold()
+
+    def refit_now(self) -> None:
+        """Fold the gathered evidence in and refit, whatever is due (a judgement that depends on the newest step)."""
+        with self._lock:
+            self._fold()
+            self.refit()
 
     def _fold(self) -> None:
         if not self._evidence:
@@ -646,6 +652,8 @@ class ConfidenceScheduler:
             raise ValueError(f"confidence scheduling: {len(verified)} verified and {len(accepted)} accepted counts "
                              f"for a step of {len(confidence)} verifying requests")
         self.correction.learn(confidence, allotted, verified, accepted, history)
+        if self.drafting_pays is False:  # (point 6) the next judgement of drafting at all reads this step's outcome
+            self.correction.refit_now()
 
     def _small_step(self, confidences: list[list[float]], history: list[int] | None) -> tuple | None:
         """A small step in plain Python: (requests S, longest block K, sizes [S], drafts proposed, the confidences
@@ -805,12 +813,17 @@ class DraftingHold:
     """Point 6 of the module doc, the engine's side: per batch size (``ConfidenceScheduler.bucket``), the steps on
     which it drafts nothing after drafting did not pay there. ``record`` each judgement at the step it was made:
     one that did not pay stops the drafting from that step for the hold (``HOLD_FIRST`` steps, doubling each time
-    it did not pay again, up to ``HOLD_MOST``); one that paid resets it."""
+    it did not pay again, up to ``HOLD_MOST``); one that paid resets it. After a hold the engine drafts a block (the
+    look); the judgement at the step that verifies it was made before its outcome was known (the choice is taken from
+    the drafts' confidences, not their verdicts), so it cannot start a hold: the drafting goes on one step more, and
+    the next judgement, made once the look's outcome is learned (``ConfidenceScheduler.learn`` refits after a step
+    judged not to pay), decides."""
 
     def __init__(self, first: int = HOLD_FIRST, most: int = HOLD_MOST):
         self.first, self.most = first, most
         self.until: dict[int, int] = {}  # bucket -> the first step it drafts again
         self.hold: dict[int, int] = {}  # bucket -> the next hold's length
+        self.looked: dict[int, bool] = {}  # bucket -> the look after its last hold was judged already
         self.holds = 0  # holds begun
 
     def off(self, bucket: int, step: int) -> bool:
@@ -819,12 +832,16 @@ class DraftingHold:
 
     def record(self, bucket: int, step: int, pays: bool) -> None:
         if pays:
-            self.until.pop(bucket, None)
-            self.hold.pop(bucket, None)
+            for state in (self.until, self.hold, self.looked):
+                state.pop(bucket, None)
+            return
+        if bucket in self.until and step >= self.until[bucket] and not self.looked.get(bucket, False):
+            self.looked[bucket] = True  # the look's own judgement: its outcome is not learned yet
             return
         hold = self.hold.get(bucket, self.first)
         self.until[bucket] = step + hold
         self.hold[bucket] = min(2 * hold, self.most)
+        self.looked[bucket] = False
         self.holds += 1
 
 

@@ -807,42 +807,48 @@ def test_drafting_pays_only_where_the_best_verify_beats_plain_decoding():
 
 
 def test_a_drafting_hold_doubles_while_drafting_does_not_pay_and_ends_when_it_does():
+    """Each hold ends in a look: the judgement at the step verifying the look's block (made before its outcome)
+    starts no hold; the next one, made knowing it, may."""
     hold = DraftingHold(first=4, most=16)
     assert not hold.off(64, 0)
     hold.record(64, 10, pays=False)
     assert [hold.off(64, s) for s in (10, 13, 14)] == [True, True, False] and not hold.off(128, 10)
-    hold.record(64, 14, pays=False)  # the look after the hold: still no
-    assert hold.off(64, 21) and not hold.off(64, 22)
-    hold.record(64, 22, pays=False)
-    hold.record(64, 40, pays=False)
-    assert hold.until[64] == 56 and hold.holds == 4  # 4, 8, 16, then no longer than 16
-    hold.record(64, 56, pays=True)
-    assert not hold.off(64, 56) and hold.hold == {}
+    hold.record(64, 15, pays=False)  # verifying the look's block (drafted at 14): drafting goes on
+    assert not hold.off(64, 16) and hold.holds == 1
+    hold.record(64, 16, pays=False)  # with the look's outcome learned: still no
+    assert hold.off(64, 23) and not hold.off(64, 24)
+    for step in (25, 26, 45, 46):
+        hold.record(64, step, pays=False)
+    assert hold.until[64] == 46 + 16 and hold.holds == 4  # 4, 8, 16, then no longer than 16
+    hold.record(64, 63, pays=True)
+    assert not hold.off(64, 63) and hold.hold == {} and hold.looked == {}
 
 
 def test_where_drafting_does_not_pay_the_engine_decodes_plainly_for_a_hold_then_looks_again(
         tmp_path, near_bigram_target, confident_drafter):
     """Plain steps far cheaper than any drafting step: after the first decision the engine drafts nothing for
-    ``HOLD_FIRST`` steps (plain decode steps, learned into the plain table), drafts one block to look again, holds
-    twice as long, and so on; the outputs are the target's greedy tokens all along."""
+    ``HOLD_FIRST`` steps (plain decode steps, learned into the plain table), drafts to look again, holds twice as
+    long, and so on; the outputs are the target's greedy tokens all along."""
     path = tmp_path / "table.json"
     with_plain(flat_table(1.0, base=50.0), 1.0).save(path)
     llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
                  confidence_cost_table_path=str(path))
-    greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)
     batches = []
     executor = llm.engine.executor
     run = executor.execute
     executor.execute = lambda batch: (batches.append(batch), run(batch))[1]
     assert [o.token_ids for o in llm.generate(PROMPTS[:1], greedy)] == builders.hf_greedy(
-        near_bigram_target, PROMPTS[:1], 60)
+        near_bigram_target, PROMPTS[:1], 90)
     drafting = [b.num_next_drafts > 0 for b in batches]
     first_off = drafting.index(False)
     assert drafting[first_off:first_off + HOLD_FIRST] == [False] * HOLD_FIRST
     look = first_off + HOLD_FIRST
-    assert drafting[look]  # a look: one block drafted; the next step verifies it, decides, and holds twice as long
-    assert drafting[look + 1:look + 1 + 2 * HOLD_FIRST] == [False] * (2 * HOLD_FIRST)
-    assert drafting[look + 1 + 2 * HOLD_FIRST]
+    # a look: a block drafted; the step verifying it drafts on (its judgement was made before its outcome), and the
+    # next one, judging with the look learned, holds twice as long
+    assert drafting[look] and drafting[look + 1]
+    assert drafting[look + 2:look + 2 + 2 * HOLD_FIRST] == [False] * (2 * HOLD_FIRST)
+    assert drafting[look + 2 + 2 * HOLD_FIRST]
     stats = llm.get_metrics()["confidence_scheduling"]
     assert stats["drafting_holds"] >= 2 and stats["drafting_off_steps"] >= 3 * HOLD_FIRST - 2
     assert stats["plain_cost_table_observations"] >= 3 * HOLD_FIRST - 4
