@@ -184,3 +184,21 @@ def test_packed_schedule_sim_stays_whole_where_everything_is_accepted_and_packs_
     assert easy["best_fixed_cap"] == 7 and easy["mean_columns"] == 7.0
     assert easy["packed_vs_best_fixed"] == pytest.approx(1.0)
     assert hard["mean_columns"] < 7 and hard["packed_vs_best_fixed"] > 1.0
+
+
+def test_packed_schedule_sim_holds_the_drafting_off_only_where_plain_decoding_beats_it(tmp_path):
+    """``--plain-ms``: against plain steps of 1.5 ms (a step of verifies costs 2.3 ms or more) the drafting pays when
+    every request is easy (85 tokens a ms against 43: nothing held) and not when all are hard (the best fixed cap 36
+    a ms: held, and as fast as plain decoding within a few percent)."""
+    from runtime.step_costs import StepCostTable
+
+    tokens = [64 * (q + 1) for q in range(8)]
+    costs = tmp_path / "costs.json"
+    StepCostTable([64], tokens, [[2.0 + 0.005 * t for t in tokens]]).save(costs)
+    out = tmp_path / "sim.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "packed_schedule_sim.py"), "--step-costs", str(costs),
+                    "--batch", "64", "--hard-fractions", "0,1", "--steps", "120", "--plain-ms", "1.5",
+                    "--out", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=300)
+    easy, hard = json.loads(out.read_text())["rows"]
+    assert easy["held_step_share"] == 0 and easy["packed_with_holds_vs_best"] > 0.97
+    assert hard["held_step_share"] > 0.7 and hard["packed_with_holds_vs_best"] > 0.95
