@@ -1091,7 +1091,7 @@ def summary(record: dict) -> str:
     if confident:  # the confidence scheduler against the tuned schedule, and what it chose from which predictions
         lines.append(f"{'conc':>5} {'conf/tuned':>10} {'paired':>7} {'budget':>7} {'pred ms':>8} {'meas ms':>8} "
                      f"{'whole pred':>10} {'tuned ms':>8} {'exp tok':>8} {'got tok':>8} {'whole exp':>9} "
-                     f"{'model':>6} {'oracle':>6} {'noise':>6} {'skill':>6}")
+                     f"{'model':>6} {'oracle':>6} {'noise':>6} {'skill':>6} {'held':>5}")
         def cell(value, width: int, digits: int = 2) -> str:  # a figure an older record lacks: "-"
             return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
@@ -1109,11 +1109,15 @@ def summary(record: dict) -> str:
                 # the same configuration built twice (tuned = fixed here): what these rounds cannot resolve
                 cell(r.get("tuned_vs_dspark_paired") if r.get("tuned_same_as_fixed") else None, 6, 3),
                 # how much the believed survivals told this concurrency's verified drafts apart (mean over positions)
-                cell(mean_skill(r.get("confidence_survival_skill_per_position")), 6, 3)]))
+                cell(mean_skill(r.get("confidence_survival_skill_per_position")), 6, 3),
+                # steps that drafted nothing since drafting did not pay (drafting holds)
+                cell(r.get("confidence_drafting_off_steps"), 5, 0)]))
     if "mixed_confidence_vs_tuned" in record:
         paired = record.get("mixed_confidence_vs_tuned_paired")
+        held = record.get("mixed_workload", {}).get("confidence", {}).get("drafting_off_step_share")
         lines.append(f"mixed workload: confidence / tuned {record['mixed_confidence_vs_tuned']:.3f}" +
-                     (f" (paired {paired:.3f})" if paired is not None else ""))
+                     (f" (paired {paired:.3f})" if paired is not None else "") +
+                     (f", confidence drafting held off {held:.0%} of its steps" if held is not None else ""))
     return "\n".join(lines)
 
 
