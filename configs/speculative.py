@@ -154,9 +154,9 @@ class DSparkDecodingConfig(BaseModel):
     confidence_min_predicted_gain: Annotated[float, Field(ge=0.0)] = Field(
         default=0.04, description="TensorRT-LLM 1.4's name. Verify drafts only when the predicted tokens per "
         "second beat verifying none by at least this fraction; trim a step's verifies below whole blocks only "
-        "when that beats verifying every draft by at least this fraction; draft at all only when the best "
-        "verify beats plain decoding (the profile's plain steps) by at least this fraction, else hold the "
-        "drafting off at that batch size for a while (16 steps, doubling up to 512 while it keeps not paying).")
+        "when that beats verifying every draft by at least this fraction. (Whether to draft at all takes no "
+        "margin: drafting is held off at a batch size only where the best verify is believed slower than plain "
+        "decoding.)")
 
     _draft_is_embedded: bool = PrivateAttr(default=False)
     _probed: bool = PrivateAttr(default=False)
