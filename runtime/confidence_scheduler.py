@@ -561,8 +561,7 @@ class ConfidenceScheduler:
         two at or above ``num`` (a step of any size in it judged alike)."""
         return self.graph_rows(num) if self.graph_batches else 1 << max(num - 1, 0).bit_length()
 
-    def _judge_drafting(self, num: int, other_tokens: int, expected: float, predicted_ms: float,
-                        none_ms: float) -> None:
+    def _judge_drafting(self, num: int, expected: float, predicted_ms: float, none_ms: float) -> None:
         """Point 6 of the module doc: ``drafting_pays`` from the best choice's ``expected`` committed tokens in
         ``predicted_ms`` against plain decoding: ``num`` tokens in the step that verifies nothing (``none_ms``) less
         the drafter's cost at this batch (the verify-nothing step against the plain step of ``StepCostTable.plain``
@@ -638,7 +637,7 @@ class ConfidenceScheduler:
         ranked = -np.sort(-survival[proposed])
         expected = num + np.concatenate([[0.0], ranked.cumsum()])  # [B+1] committed tokens under each budget
         best = self._best(expected, predicted)
-        self._judge_drafting(num, other_tokens, float(expected[best]), float(predicted[best]), float(predicted[0]))
+        self._judge_drafting(num, float(expected[best]), float(predicted[best]), float(predicted[0]))
         self.budget_per_request = self.max_draft_len if self._explores(best < offered, best) else best / num
         self._pending = (table, lengths, history)
         return lengths.tolist()
@@ -699,7 +698,7 @@ class ConfidenceScheduler:
         self.last = Decision(budget, offered, num + chosen, predicted[budget], expected[-1], predicted[-1],
                              [sum(column) for column in zip(*survival)])
         best = self._best(expected, predicted)
-        self._judge_drafting(num, other_tokens, expected[best], predicted[best], predicted[0])
+        self._judge_drafting(num, expected[best], predicted[best], predicted[0])
         self.budget_per_request = self.max_draft_len if self._explores(best < offered, best) else best / num
         self._pending = (padded, lengths, history)
         return list(lengths)
@@ -722,7 +721,7 @@ class ConfidenceScheduler:
         self.last = Decision(sum(lengths), offered, num + chosen, predicted[max(lengths)], expected[-1],
                              predicted[-1], column_sums)
         cap = self._best(expected, predicted)
-        self._judge_drafting(num, other_tokens, expected[cap], predicted[cap], predicted[0])
+        self._judge_drafting(num, expected[cap], predicted[cap], predicted[0])
         self.cap = self.max_draft_len if self._explores(cap < k, cap) else cap
         self._pending = (padded, lengths, history)
         return list(lengths)
@@ -743,7 +742,7 @@ class ConfidenceScheduler:
         self.last = Decision(int(lengths.sum()), int(sizes.sum()), num + chosen, float(predicted[verified]),
                              num + float(columns[-1]), float(predicted[-1]), column_sums.tolist())
         cap = self._best(num + columns, predicted)
-        self._judge_drafting(num, other_tokens, num + float(columns[cap]), float(predicted[cap]), float(predicted[0]))
+        self._judge_drafting(num, num + float(columns[cap]), float(predicted[cap]), float(predicted[0]))
         self.cap = self.max_draft_len if self._explores(cap < k, cap) else cap
         return lengths
 
@@ -776,7 +775,7 @@ class ConfidenceScheduler:
         self.last = Decision(int(shares[columns]), offered, float(expected[columns]), float(predicted[columns]),
                              float(expected[-1]), float(predicted[-1]), column_sums.tolist())
         best = self._best(expected, predicted)
-        self._judge_drafting(num, other_tokens, float(expected[best]), float(predicted[best]), float(predicted[0]))
+        self._judge_drafting(num, float(expected[best]), float(predicted[best]), float(predicted[0]))
         self.columns = self.max_draft_len if self._explores(best < k, best) else best
         # a step that cannot be packed (a prefill chunk joins it) verifies under a cap: the padded layout's choice
         # from these survivals, ready for it (a request verifies its first Q drafts, priced as Q columns are)
