@@ -20,7 +20,9 @@
 #                                                    -> OUT/gpu-recipe.json, WORK/{target,dspark,heldout-prompts.jsonl}
 #                                                    (TARGET_BATCH: sequences per target step, default 48; a 2.7B
 #                                                    target, `60 300 3072 24 20`, ~285 s: runs 54-55, whose 64 x 8
-#                                                    verify is compute-bound, so trimming can pay)
+#                                                    verify is compute-bound, so trimming can pay; run 59's drafter
+#                                                    got only 46 s of those 300 (distillation took 86): `60 480 3072
+#                                                    24 20` gives it ~220 s in ~440 s, alone in its command)
 #   bash benchmarks/trained_pair.sh bench WORK OUT [BENCH FLAGS]
 #                                                    dspark bench on that pair over the held-out prompts: the
 #                                                    concurrency sweep, the tuned draft_len_schedule, the end-to-end
