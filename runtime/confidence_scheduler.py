@@ -88,6 +88,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runtime.graph_layout import bucket_of
 from runtime.step_costs import StepCostTable
 
 CONFIDENCE_SCALE = 1 << 24  # confidences cross the step's one int64 device-to-host transfer as c * 2^24
@@ -540,10 +541,7 @@ class ConfidenceScheduler:
 
     def graph_rows(self, num: int) -> int:
         """The requests a graphed step of ``num`` requests computes: its graph's batch (``num`` past the largest)."""
-        for batch in self.graph_batches:
-            if batch >= num:
-                return batch
-        return num
+        return bucket_of(self.graph_batches, num) or num
 
     def _priced(self, num: int, other_requests: int, other_tokens: int, per_request: np.ndarray | tuple,
                 context: int) -> np.ndarray | list[float]:

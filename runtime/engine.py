@@ -238,21 +238,21 @@ class Engine:
         return self._draft_len_at(self._step_index)
 
     def _drafting_held(self) -> bool:
-        """Whether a drafting hold (``ConfidenceScheduler.hold``) is what keeps this step from drafting."""
-        running = len(self.scheduler.running)
-        return self.confidence is not None and running > 0 and self.forced_draft_len is None \
-            and not self.gate.closed and self.spec.draft_len_for_batch_size(running) > 0 \
-            and self.confidence.hold.off(self.confidence.bucket(running), self._step_index)
+        """Whether a drafting hold (``ConfidenceScheduler.hold``) is what keeps this step from drafting: the
+        schedule would draft, ``draft_len`` says none."""
+        return self._draft_len_at(self._step_index, held=False) > 0 and self.draft_len() == 0
 
-    def _draft_len_at(self, step: int) -> int:
-        """``draft_len`` at ``step`` (this one or the next) with the running requests as they are."""
+    def _draft_len_at(self, step: int, held: bool = True) -> int:
+        """``draft_len`` at ``step`` (this one or the next) with the running requests as they are (``held``
+        False: as if no drafting hold were on)."""
         if not self.has_drafter or self.gate.closed or not self.scheduler.running:
             return 0
         if self.forced_draft_len is not None:
             return self.forced_draft_len
         running = len(self.scheduler.running)
         k = self.spec.draft_len_for_batch_size(running)
-        if k and self.confidence is not None and self.confidence.hold.off(self.confidence.bucket(running), step):
+        if k and held and self.confidence is not None \
+                and self.confidence.hold.off(self.confidence.bucket(running), step):
             return 0
         return k
 

@@ -39,6 +39,23 @@ PASSES = 2
 PLAIN_UNTIMED = 2  # plain steps untimed after the verifies: the last verify, and the first step launched ahead
 
 
+def timed_steps(engine, ids: list[str], steps: int, untimed: int, times: list[float], contexts: list[int],
+                finished: str) -> None:
+    """Step ``engine`` ``steps`` times; the seconds of each after the first ``untimed`` onto ``times``, and the
+    context its requests ``ids`` attended over before it onto ``contexts``. A request of ``ids`` gone (the token
+    bound is wrong) is a RuntimeError saying ``finished``, not a KeyError."""
+    for repeat in range(steps):
+        live = [engine.sequences.get(i) for i in ids]
+        if None in live:
+            raise RuntimeError(f"confidence scheduling: {finished}")
+        context = sum(seq.num_computed for seq in live)
+        began = time.perf_counter()
+        engine.step()
+        if repeat >= untimed:
+            times.append(time.perf_counter() - began)
+            contexts.append(context)
+
+
 def profile_step_costs(engine, repeats: int = 2, max_batch: int | None = None) -> StepCostTable:
     """-> the table of ``engine``'s step times (see the module docstring; ``repeats``: timed steps per length and
     pass); ``engine`` is idle before and after."""
@@ -90,30 +107,14 @@ def profile_step_costs(engine, repeats: int = 2, max_batch: int | None = None) -
             for lengths in [range(drafts + 1), range(drafts, -1, -1)][:PASSES]:
                 for length in lengths:
                     engine.forced_verify_len = length  # the steps planned (and launched) ahead at it, as served
-                    for repeat in range(steps_per_length):
-                        live = [engine.sequences.get(i) for i in ids]
-                        if None in live:  # the token bound above is wrong: say so, not a KeyError
-                            raise RuntimeError(f"confidence scheduling: a profiling request of {batch} finished "
-                                               f"before its {max_tokens} tokens' bound; profiling at length {length}")
-                        context = sum(seq.num_computed for seq in live)
-                        began = time.perf_counter()
-                        engine.step()
-                        if repeat:
-                            times[length].append(time.perf_counter() - began)
-                            contexts[length].append(context)
+                    timed_steps(engine, ids, steps_per_length, 1, times[length], contexts[length],
+                                f"a profiling request of {batch} finished before its {max_tokens} tokens' bound; "
+                                f"profiling at length {length}")
             plain, plain_contexts = [], []
             engine.forced_verify_len, engine.forced_draft_len = 0, 0  # the last block verifies none, then plain
-            for repeat in range(plain_steps):
-                live = [engine.sequences.get(i) for i in ids]
-                if None in live:
-                    raise RuntimeError(f"confidence scheduling: a profiling request of {batch} finished before its "
-                                       f"{max_tokens} tokens' bound; profiling plain decoding")
-                context = sum(seq.num_computed for seq in live)
-                began = time.perf_counter()
-                engine.step()
-                if repeat >= PLAIN_UNTIMED:
-                    plain.append(time.perf_counter() - began)
-                    plain_contexts.append(context)
+            timed_steps(engine, ids, plain_steps, PLAIN_UNTIMED, plain, plain_contexts,
+                        f"a profiling request of {batch} finished before its {max_tokens} tokens' bound; profiling "
+                        "plain decoding")
         finally:
             engine.forced_verify_len = engine.forced_draft_len = None
         engine.abort_all()
