@@ -55,6 +55,7 @@ figures timed minutes apart do not compare.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import platform
@@ -305,7 +306,8 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     """Requests arriving while others decode (so steps mix prefill and decode): ``prompts`` submitted one by
     one at Poisson arrival times of ``rate`` per second (seeded), greedy, ``max_tokens`` each; the engine steps
     whenever it has work. -> output tokens/s over the whole run, mean TTFT and TPOT, steps, and the share of
-    steps taken while some requests decoded and others waited or prefilled."""
+    steps taken while some requests decoded and others waited or prefilled; a confidence-scheduled engine's
+    choices over the run besides (``scheduled``: ``scheduled_since``)."""
     import random
 
     from runtime import SamplingParams
@@ -318,6 +320,7 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
         arrivals.append(clock)
     engine = llm.engine
     held_before = engine.confidence_stats.drafting_off_steps  # confidence scheduling's drafting holds
+    stats_before = dataclasses.replace(engine.confidence_stats)
     start = time.perf_counter()
     submitted, first_token, finished, steps, mixed, pending = {}, {}, {}, 0, 0, 0
     while len(finished) < len(prompts):
@@ -346,7 +349,22 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
             "tokens_per_s": tokens / seconds, "mean_ttft_ms": 1e3 * sum(ttft) / len(ttft),
             "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1), "steps": steps, "mixed_step_share": mixed / steps,
             # the steps a confidence-scheduled engine drafted nothing on since drafting did not pay (0: others)
-            "drafting_off_step_share": (engine.confidence_stats.drafting_off_steps - held_before) / steps}
+            "drafting_off_step_share": (engine.confidence_stats.drafting_off_steps - held_before) / steps,
+            **({"scheduled": scheduled_since(stats_before, engine.confidence_stats)}
+               if engine.confidence is not None else {})}
+
+
+def scheduled_since(before, after) -> dict:
+    """What a confidence-scheduled engine chose between two snapshots of its ``ConfidenceStats``: the decisions, the
+    drafts verified and proposed per deciding request, the committed tokens per deciding request, and the decided
+    steps' predicted and measured ms (their means)."""
+    decisions, requests = after.decisions - before.decisions, max(after.requests - before.requests, 1)
+    decided = max(after.decided_steps - before.decided_steps, 1)
+    return {"decisions": decisions, "verify_budget_per_request": (after.budget - before.budget) / requests,
+            "offered_per_request": (after.offered - before.offered) / requests,
+            "committed_tokens_per_request": (after.committed_tokens - before.committed_tokens) / requests,
+            "predicted_step_ms": (after.predicted_ms - before.predicted_ms) / max(decisions, 1),
+            "measured_decided_step_ms": (after.decided_ms - before.decided_ms) / decided}
 
 
 def agreement(first: list[list[int]], second: list[list[int]]) -> dict:
@@ -1118,6 +1136,12 @@ def summary(record: dict) -> str:
         lines.append(f"mixed workload: confidence / tuned {record['mixed_confidence_vs_tuned']:.3f}" +
                      (f" (paired {paired:.3f})" if paired is not None else "") +
                      (f", confidence drafting held off {held:.0%} of its steps" if held is not None else ""))
+        chose = record.get("mixed_workload", {}).get("confidence", {}).get("scheduled")
+        if chose:
+            lines.append(f"  it verified {chose['verify_budget_per_request']:.2f} of {chose['offered_per_request']:.2f} "
+                         f"drafts a deciding request, committed {chose['committed_tokens_per_request']:.2f}; decided "
+                         f"steps predicted {chose['predicted_step_ms']:.2f} ms, measured "
+                         f"{chose['measured_decided_step_ms']:.2f}")
     return "\n".join(lines)
 
 

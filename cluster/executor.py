@@ -30,6 +30,7 @@ from cluster.placement.plan import plan_placement
 from configs import ReplicaConfig
 from runtime.executor import plans_ahead, replica_pages
 from runtime.step_io import RequestStepResult, ScheduledBatch
+from runtime.transfer import HostWork
 from runtime.worker import WorkerPlan
 
 
@@ -73,6 +74,7 @@ class RayExecutor:
         self.actors = []
         self.step_graph = None
         self.encoder = BatchEncoder()
+        self.host_work = HostWork()  # the engine's deferred host work: run while the actors compute a step
         try:
             self._start_actors(speculative)
             self.num_pages = replica_pages(engine, self._call_all("load"))
@@ -150,7 +152,9 @@ class RayExecutor:
 
     def _run_step(self, wire) -> list:
         try:
-            return ray.get(self.step_graph.execute(wire), timeout=self.config.parallel.step_timeout_s)
+            ref = self.step_graph.execute(wire)
+            self.host_work.run()  # the engine's deferred host work, while the actors compute the step
+            return ray.get(ref, timeout=self.config.parallel.step_timeout_s)
         except Exception as exc:  # noqa: BLE001 - translated (or re-raised) by _raise_from
             _raise_from(exc, "a replica actor", "execute")
 

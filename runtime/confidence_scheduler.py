@@ -117,6 +117,7 @@ DAMPED_STEPS = 8  # while a step had to be halved (far from the optimum), up to 
 TRUSTED_STEP = 0.5  # a Newton step moving no parameter by more than this is taken without checking the loss
 EXPLORE_EVERY = 32  # every this many decisions below whole blocks, the next step verifies whole blocks
 FOLD_EVERY = 8  # steps of evidence the correction gathers before it folds them in (its numpy work, once for all)
+FOLD_DEFERRED_MOST = 32  # a fold deferred to the device's wait (SurvivalCorrection.defer_to) runs at once past this
 SMALL_STEP = 128  # a step of at most this many drafts (requests x max_draft_len) is decided in plain Python
 HOLD_FIRST = 16  # steps the engine drafts nothing at a batch size after drafting did not pay there (DraftingHold)
 HOLD_MOST = 512  # the hold doubles each time it did not pay again, up to this: one look costs a block's drafting
@@ -225,7 +226,8 @@ class SurvivalCorrection:
 
     A position is learned only where drafts reach it (see ``EXPLORE_EVERY``). Evidence is folded in every
     ``FOLD_EVERY`` steps, the fit redone once ``FIT_EVERY`` new drafts were reached or ``REFIT_FOLDS`` folds went by
-    (a refit costs ~0.7 ms of numpy: at 64 requests once per ~8 steps, at a few once per 64)."""
+    (a refit costs ~0.7 ms of numpy: at 64 requests once per ~8 steps, at a few once per 64); an engine whose
+    executor runs host work while the device computes (``defer_to``) folds there, off the step's path."""
 
     def __init__(self, max_draft_len: int, inverse_temperatures: np.ndarray | None = None):
         k = max_draft_len
@@ -253,6 +255,10 @@ class SurvivalCorrection:
         self._set_parameters()
         self.learned = False  # no fit yet: the survivals are the calibration's
         self._evidence: list[tuple] = []  # steps not yet folded in: (confidence, allotted, verified, accepted, history)
+        # where a due fold waits to run while the device computes the next step (the engine's executor's host work,
+        # ``runtime.transfer.HostWork``); None: at once, in ``learn``
+        self.defer_to = None
+        self._fold_queued = False
         self.skill = SurvivalSkill(k)  # how sharp the believed survivals were (metrics; reset_skill)
 
     def _set_parameters(self) -> None:
@@ -302,11 +308,28 @@ class SurvivalCorrection:
         S lists of one length), ``allotted`` [S] the drafts each was allotted and ``verified`` [S] how many it
         verified (the lesser counts), ``accepted`` [S] how many of them it accepted (-1: unknown, left out),
         ``history`` [S] each one's class when the step was decided (None: all ``HISTORY_NONE``); converted when
-        folded in with the steps before it, once ``FOLD_EVERY`` have gathered."""
+        folded in with the steps before it, once ``FOLD_EVERY`` have gathered: at once, or with ``defer_to`` set, by a
+        task queued there (the fold and the refit it may bring, ~3 ms of numpy per 8 steps at 256 requests on a
+        2-core host, then run while the device computes the next step instead of between steps; the decisions it
+        would have moved read it a step later: the fit lags ``FOLD_EVERY`` steps anyway). Deferred folds that do
+        not get to run (no step waits on the device) run here once ``FOLD_DEFERRED_MOST`` steps gathered."""
         with self._lock:
             self._evidence.append((confidence, allotted, verified, accepted, history))
-            if len(self._evidence) >= FOLD_EVERY:
+            gathered = len(self._evidence)
+            if gathered < FOLD_EVERY:
+                return
+            if self.defer_to is None or gathered >= FOLD_DEFERRED_MOST:
                 self._fold()
+                return
+            if self._fold_queued:
+                return
+            self._fold_queued = True
+        self.defer_to.add(self._deferred_fold)
+
+    def _deferred_fold(self) -> None:
+        with self._lock:
+            self._fold_queued = False
+            self._fold()
 
     def fold(self) -> None:
         """Fold the gathered steps' evidence into the diagnostic's sums and the fit's window; refit if due. Safe
@@ -529,6 +552,11 @@ class ConfidenceScheduler:
         self.explored = 0  # of them, raised to whole blocks to gather evidence (EXPLORE_EVERY)
         # the last allot's (confidences [S, K] padded with 0, lengths, history), to learn (arrays or lists)
         self._pending: tuple | None = None
+
+    def defer_learning(self, host_work) -> None:
+        """Fold the survival fit's evidence (and refit) in tasks queued on ``host_work`` (``runtime.transfer.HostWork``:
+        run while the device computes a step) instead of in ``learn``, which the engine calls between steps."""
+        self.correction.defer_to = host_work
 
     def ranking(self, k: int) -> tuple[list[float], list[list[float]]]:
         """What a packed step ranks its first ``k`` drafts by: the survival fit's slopes [k] and biases [H][k], per

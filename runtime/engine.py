@@ -108,6 +108,9 @@ class Engine:
         self._turn = 0  # the group the next step serves
         if self.spec is not None and self.spec.enable_confidence_scheduling:
             self.confidence = self._confidence_scheduler()
+            host_work = getattr(self.executor, "host_work", None)  # (Executor: optional)
+            if host_work is not None:  # the survival fit learns while the device computes the next step
+                self.confidence.defer_learning(host_work)
 
     # ---- setup --------------------------------------------------------------------------------
 

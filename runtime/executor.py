@@ -14,6 +14,11 @@ from runtime.worker import Worker, WorkerPlan
 
 
 class Executor(Protocol):
+    """What runs the engine's steps. An executor may also offer ``host_work`` (``runtime.transfer.HostWork``): host
+    tasks the engine queues between steps, run while the next step's device work is in flight (the local executor:
+    where its runner waits for the step's read-back; the cluster's: between dispatching a step and collecting it).
+    One without it leaves the engine's deferrable work where it arises."""
+
     num_pages: int
 
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]: ...
@@ -54,6 +59,7 @@ class LocalExecutor:
         # steady greedy decode step ahead of its turn when the engine says so (ScheduledBatch.run_ahead)
         self.plans_ahead = plans_ahead([self.worker.info()])
         self.runs_ahead = self.plans_ahead
+        self.host_work = self.worker.engine_part.host_work  # run where the runner waits for a step's read-back
 
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
         return self.worker.execute(batch)

@@ -89,7 +89,7 @@ from runtime.models.target import TargetModel
 from runtime.packed_verify import history_after, packed_verify, survivals
 from runtime.step_io import PackedAhead, ScheduledRequest
 from runtime.step_tensors import StepTensors, padded_page_table
-from runtime.transfer import PinnedReadBack
+from runtime.transfer import HostWork, PinnedReadBack
 from runtime.verify import block_verdicts, greedy_verdicts
 
 log = logging.getLogger(__name__)
@@ -185,6 +185,7 @@ class GraphedTargetForward:
                  prefill_q_lens: list[int] | tuple = (), prefill_tokens: int = 0,
                  packed_columns: list[int] | tuple = (), time_lengths: bool = False):
         self.target, self.caches, self.backend, self.geometry = target, caches, backend, geometry
+        self.host_work = HostWork()  # the engine's deferred host work, run where a step waits for its read-back
         # plan_ahead: after a one-token step is launched, FlashInfer is planned for the step that follows if every
         # request decodes one token more, and while the drafter drafts for the next verify step (pages are
         # allotted ahead, Scheduler.lookahead); that step then skips its plan, which ran while the GPU was busy
@@ -389,6 +390,7 @@ class GraphedTargetForward:
         next_q_len = self.served_by.get((batch, next_q_len), next_q_len) if next_q_len else q_len
         if (batch, columns) not in self.packed_graphs if columns else (batch, next_q_len) not in self.graphs:
             return None
+        self.host_work.run()  # (the drafter drafts meanwhile)
         accepted = self._accepted_read.wait().tolist()
         upcoming = next_verify_layout(reqs, accepted, q_len, next_q_len, batch, self.page_size, self.scratch_page)
         if upcoming is None:
@@ -508,6 +510,7 @@ class GraphedTargetForward:
             upcoming = next_decode_layout(layout, [r.page_ids for r in reqs], self.page_size)
             if upcoming is not None:
                 self._plan(upcoming, batch, 1)
+        self.host_work.run()
         verdicts = self._verdict_reads[slot].wait().tolist()  # this step's only: the one launched ahead still runs
         if self._ahead is not None:
             self._ahead.tokens = tuple(verdicts)

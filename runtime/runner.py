@@ -33,7 +33,7 @@ from runtime.sampler import RowParams, apply_penalties, filtered_probs, occurren
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.step_tensors import (StepTensors, build_step_tensors, greedy_only, padded_page_table, plain_greedy,
                                   sampled_entries, uses_rejection)
-from runtime.transfer import PinnedReadBack, to_device
+from runtime.transfer import HostWork, PinnedReadBack, to_device
 from runtime.verify import accept_by_rejection, commit_by_match, gather_rows, greedy_verdicts, residual_distribution
 
 NON_FINITE_LOGITS = "the target produced non-finite logits (NaN/inf) for this request; it was stopped"
@@ -69,6 +69,8 @@ class ModelRunner:
         self.channel = channel  # rank 0 only
         self.has_drafter = spec is not None
         self._rows_read = PinnedReadBack()  # a step's read-back rows when the next step runs ahead of it
+        # host work the engine defers to where a step waits for the device (shared with the graphs' waits)
+        self.host_work = graphs.host_work if graphs is not None else HostWork()
         self.use_rejection = bool(spec and spec.use_rejection_sampling)
         self.draft_w2 = draft_w2  # Markov W2 [V, r], to rebuild draft logits (None: rank 0 head or no rejection)
         self.vocab_size = target.config.vocab_size
@@ -125,6 +127,7 @@ class ModelRunner:
             if not self.is_leader:
                 return []
             with region("dspark.results"):
+                self.host_work.run()
                 return self._verdict_results(reqs, entries, verdicts.tolist())  # the step's one transfer
         with region("dspark.verify"):
             verified = self._verify(entries, hidden, t.row_ends, sampled, graphed)
@@ -203,6 +206,7 @@ class ModelRunner:
                     accepted_host, verified.committed, verified.accepted, proposal.tokens[:, :n], drafting, ahead,
                     self._block_confidence(proposal) if ahead is not None else None, verified_counts)
             with region("dspark.results"):
+                self.host_work.run()
                 host = self._rows_read.wait().tolist()
                 results = self._results(reqs, entries, verified, proposal, host=host)
                 self._note_verified(results, host, verified_counts)
@@ -213,6 +217,7 @@ class ModelRunner:
                     else None for r in results])
             return results
         with region("dspark.results"):
+            self.host_work.run()
             logprobs = verified.source.top(verified.committed) if verified.source is not None else None
             host = self._read_back_rows(verified, proposal, verified_counts).tolist() \
                 if verified_counts is not None else None

@@ -58,3 +58,30 @@ class PinnedReadBack:
         """The last queued copy on the host, once it has landed (a view, valid until the next ``queue``)."""
         self._event.synchronize()
         return self._view
+
+
+class HostWork:
+    """Host work that can wait for the device: tasks queued between steps (``add``) run in order, once, at the next
+    point where the host would block on the device anyway (``run``, called by the runner and the graphs right
+    before a step's read-back), so while the device still computes they cost no step time. Same thread as the
+    engine, so a task sees and leaves the engine's state exactly as if it had run at ``add`` (the engine only adds
+    work whose result no decision before that point needs). On a CPU device the forward has already run by then:
+    the tasks still leave the scheduling path, but nothing overlaps them. A task that raises fails the step that ran
+    it (a bug, never swallowed)."""
+
+    def __init__(self):
+        self._tasks: list = []
+
+    def add(self, task) -> None:
+        """Queue ``task`` (a callable of no arguments)."""
+        self._tasks.append(task)
+
+    def run(self) -> None:
+        """Run every queued task, oldest first (tasks a task adds run too)."""
+        while self._tasks:
+            tasks, self._tasks = self._tasks, []
+            for task in tasks:
+                task()
+
+    def __len__(self) -> int:
+        return len(self._tasks)

@@ -10,10 +10,12 @@ import torch
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.confidence_scheduler import (FIT_WINDOW, HISTORY_NONE, HOLD_FIRST, ConfidenceScheduler,
-                                          ConfidenceStats, DraftingHold, SurvivalCorrection, SurvivalSkill,
-                                          history_classes, next_history, read_calibration, top_drafts)
+from runtime.confidence_scheduler import (FIT_WINDOW, FOLD_DEFERRED_MOST, FOLD_EVERY, HISTORY_NONE, HOLD_FIRST,
+                                          ConfidenceScheduler, ConfidenceStats, DraftingHold, SurvivalCorrection,
+                                          SurvivalSkill, history_classes, next_history, read_calibration,
+                                          top_drafts)
 from runtime.step_costs import StepCostTable
+from runtime.transfer import HostWork
 from tests import builders
 from tests.runtime.test_sampling_distribution import FILTERS, N, empirical_tv, exact_joint, tv_bound
 
@@ -209,6 +211,35 @@ def test_exploration_learns_every_position_past_a_cost_step(layout):
         np.cumprod(truth)[3:] / np.cumprod([0.9, 0.8, 0.5, 0.3, 0.3, 0.3])[3:], rel=0.15)
 
 
+def test_a_deferred_fold_waits_for_the_host_work_and_runs_once():
+    """With ``defer_learning`` (the engine, where its executor offers host work) a due fold is one task queued on
+    the host work (run while the device computes the next step), not done in ``learn``; the same evidence gives
+    the same fit. Past ``FOLD_DEFERRED_MOST`` gathered steps (no step waited on the device) ``learn`` folds itself;
+    ``refit_now`` folds whatever is gathered at once."""
+    work = HostWork()
+    deferred, direct = ConfidenceScheduler(3, flat_table(0.001)), ConfidenceScheduler(3, flat_table(0.001))
+    deferred.defer_learning(work)
+    for step in range(FOLD_EVERY):
+        for scheduler in (deferred, direct):
+            scheduler.allot([[0.9, 0.6, 0.3]] * 4)
+            scheduler.learn([3, 3, 3, 3], [step % 4, 3, 1, 0])
+    assert direct.correction.verified.sum() > 0 and deferred.correction.verified.sum() == 0 and len(work) == 1
+    work.run()
+    assert len(work) == 0 and deferred.correction.verified.tolist() == direct.correction.verified.tolist()
+    assert deferred.correction.ratio.tolist() == direct.correction.ratio.tolist()
+    for step in range(FOLD_DEFERRED_MOST):  # nothing runs the host work: learn folds once it gathered that many
+        deferred.allot([[0.9, 0.6, 0.3]] * 4)
+        deferred.learn([3, 3, 3, 3], [0, 0, 0, 0])
+        assert len(deferred.correction._evidence) < FOLD_DEFERRED_MOST
+    assert len(work) == 1  # (one fold queued, whatever came due after it)
+    deferred.allot([[0.9, 0.6, 0.3]] * 4)
+    deferred.learn([3, 3, 3, 3], [0, 0, 0, 0])
+    deferred.correction.refit_now()
+    assert not deferred.correction._evidence
+    work.run()  # the queued fold finds nothing left: harmless
+    assert not deferred.correction._evidence and len(work) == 0
+
+
 def test_the_correction_learns_only_what_was_verified_and_keeps_survivals_ordered():
     scheduler = ConfidenceScheduler(3, flat_table(0.001))
     assert scheduler.allot([[0.5, 0.5, 0.5]] * 3) == [3, 3, 3]
@@ -384,6 +415,21 @@ def test_a_cost_table_file_is_used_instead_of_profiling(tmp_path, near_bigram_ta
     stats = llm.get_metrics()["confidence_scheduling"]
     assert stats["next_budget_per_request"] == 0.0 and stats["last"]["verify_budget"] == 0
     assert stats["mean_verify_budget_per_request"] <= 1.0  # whole blocks of 4 at most twice in 8 decisions
+
+
+def test_an_engine_whose_executor_offers_host_work_folds_there(tmp_path, near_bigram_target, confident_drafter):
+    """The local executor's runner runs the engine's deferred folds where a step waits for its read-back."""
+    path = tmp_path / "table.json"
+    flat_table(0.001).save(path)  # no plain steps in it: drafting is never held, every step decides and learns
+    llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
+                 confidence_cost_table_path=str(path))
+    engine_, ran = llm.engine, []
+    correction = engine_.confidence.correction
+    assert correction.defer_to is engine_.executor.host_work
+    fold = correction._deferred_fold
+    correction._deferred_fold = lambda: (ran.append(len(engine_.executor.host_work)), fold())
+    llm.generate(PROMPTS, SamplingParams(max_tokens=6 * FOLD_EVERY, temperature=0.0, ignore_eos=True))
+    assert ran and correction.verified.sum() > 0  # folded by a task the runner ran at a read-back
 
 
 def test_scheduling_needs_a_confidence_head(near_bigram_target, make_drafter):

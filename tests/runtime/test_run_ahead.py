@@ -17,6 +17,7 @@ from runtime.confidence_scheduler import next_history
 from runtime.engine import Engine
 from runtime.sampling_params import SamplingParams
 from runtime.step_io import RequestStepResult, ScheduledBatch
+from runtime.transfer import HostWork
 
 
 class RecordingExecutor:
@@ -131,6 +132,7 @@ def _forward(batch: int, page_size: int = 4):
 
     forward = object.__new__(GraphedTargetForward)  # the decode path's state only: no CUDA graphs captured
     forward.buckets, forward.page_size, forward.scratch_page = [batch], page_size, 99
+    forward.host_work = HostWork()
     forward.inputs = torch.zeros(3, batch, dtype=torch.int64)
     forward.plan_ahead = forward.run_ahead = True
     forward.planned, forward.plans_skipped, forward.replays = {}, 0, 0
@@ -168,6 +170,21 @@ def test_a_step_launched_ahead_feeds_the_tokens_decided_before_it_and_is_used_wh
     third = forward.decode_greedy([_decode("a", second[0], 9, pages["a"])], run_ahead=False)
     assert forward.steps_ahead_dropped == 1 and third == [(second[0] * 3 + 9) % 97]
     assert g.fed[-1][0][:1] == [second[0]] and forward._ahead is None  # run_ahead False: nothing launched
+
+
+def test_host_work_queued_between_steps_runs_once_after_the_steps_launches_before_its_read_back():
+    """The engine's deferred work (``HostWork``: the survival fit's folds) runs while the device computes: after
+    this step and the one launched ahead of it were replayed, before the host waits for this step's verdicts."""
+    forward, g, _ = _forward(batch=1)
+    reads = forward._verdict_reads
+    seen = []
+    forward.host_work.add(lambda: seen.append((forward.replays, [r.value is not None for r in reads])))
+    for r in reads:
+        r.value = None
+    first = forward.decode_greedy([_decode("a", 7, 3, [1, 2])], run_ahead=True)
+    assert seen == [(2, [True, True])] and len(forward.host_work) == 0  # both launched and queued, not yet read
+    forward.decode_greedy([_decode("a", first[0], 4, [1, 2])], run_ahead=False)
+    assert len(seen) == 1  # once
 
 
 def test_a_step_launched_ahead_is_not_used_for_other_tokens_or_pages_and_a_broken_row_feeds_token_0():
@@ -235,6 +252,7 @@ def _verify_forward(batch: int, q_len: int, page_size: int = 4, shorter: int | N
 
     forward = object.__new__(GraphedTargetForward)  # the verify path's host state only: no CUDA graphs captured
     forward.buckets, forward.page_size, forward.scratch_page = [batch], page_size, 99
+    forward.host_work = HostWork()
     forward.inputs = torch.zeros(3, batch * q_len, dtype=torch.int64)
     forward.plan_ahead = forward.run_ahead = True
     forward.planned, forward.plans_skipped, forward.replays = {}, 0, 0
