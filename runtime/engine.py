@@ -568,17 +568,18 @@ class Engine:
         """Against the survivals' prediction, what the requests the scheduler chose for committed (metrics), and
         how many drafts each verified and accepted (its online survival fit; -1 for one that left the step,
         failed or did not sample)."""
-        decided = dict.fromkeys(self._decided, (-1, -1))  # request -> (drafts verified, accepted)
+        order = {request_id: i for i, request_id in enumerate(self._decided)}
+        verified, accepted = [-1] * len(order), [-1] * len(order)  # in decision order
         committed = 0
         for entry, result in zip(scheduled, results):
-            if entry.request_id in decided:
+            i = order.get(entry.request_id)
+            if i is not None:
                 committed += len(result.token_ids)
                 if result.error is None and entry.sample:
-                    verified = entry.num_drafts if result.num_verified is None else result.num_verified
-                    decided[entry.request_id] = (verified, result.num_accepted)
+                    verified[i] = entry.num_drafts if result.num_verified is None else result.num_verified
+                    accepted[i] = result.num_accepted
         self.confidence_stats.record_outcome(committed)
-        verified, accepted = zip(*decided.values())
-        self.confidence.learn(list(verified), list(accepted))
+        self.confidence.learn(verified, accepted)
         self._decided = []
 
     def _commit(self, seq: Sequence, entry: ScheduledRequest, result: RequestStepResult) -> int:

@@ -1,5 +1,6 @@
-"""Host lists to device tensors without waiting for the device (the step's one sync is its result transfer), and
-device results to the host without waiting for work launched after them (``PinnedReadBack``)."""
+"""Host lists to device tensors without waiting for the device (the step's one sync is its result transfer),
+device results to the host without waiting for work launched after them (``PinnedReadBack``), and host work that
+waits for the host's next wait on the device (``HostWork``)."""
 
 from __future__ import annotations
 
