@@ -599,8 +599,8 @@ class ConfidenceScheduler:
         if plain is None or not plain.measured:
             self.drafting_pays = None
             return
-        rows = self.graph_rows(num)
-        drafting_ms = max(self.costs.predict_ms(rows, rows) - plain.predict_ms(rows, rows), 0.0)
+        rows = self.graph_rows(num)  # (cached Python lists: no numpy call on a small step's path)
+        drafting_ms = max(self.costs.predict_ms_list(rows, (rows,))[0] - plain.predict_ms_list(rows, (rows,))[0], 0.0)
         plain_ms = max(none_ms - drafting_ms, 1e-6)
         self.drafting_pays = expected * plain_ms >= num * predicted_ms
 

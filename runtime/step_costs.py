@@ -143,7 +143,8 @@ class StepCostTable:
 
     @property
     def measured(self) -> bool:
-        return bool((~np.isnan(self.step_ms)).any())
+        """Whether any cell is measured (from the cached measured rows: the scheduler asks every step)."""
+        return bool(self._measured_rows())
 
     def record(self, batch: int, tokens: int, ms: float, weight: float = 1.0,
                context: float = 0.0) -> tuple[int, int, float, float]:
