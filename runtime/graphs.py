@@ -390,7 +390,6 @@ class GraphedTargetForward:
         next_q_len = self.served_by.get((batch, next_q_len), next_q_len) if next_q_len else q_len
         if (batch, columns) not in self.packed_graphs if columns else (batch, next_q_len) not in self.graphs:
             return None
-        self.host_work.run()  # (the drafter drafts meanwhile)
         accepted = self._accepted_read.wait().tolist()
         upcoming = next_verify_layout(reqs, accepted, q_len, next_q_len, batch, self.page_size, self.scratch_page)
         if upcoming is None:

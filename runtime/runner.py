@@ -195,6 +195,10 @@ class ModelRunner:
         accepted_host = None
         if plan_next:
             with region("dspark.plan_next"):
+                # the engine's deferred host work: here while the device still verifies and drafts, unless the next
+                # step is to be launched ahead (then after that launch: nothing delays it)
+                if not batch.run_ahead:
+                    self.host_work.run()
                 accepted_host = self.graphs.plan_next_verify(n + 1 if n else None, ahead.columns if ahead else 0)
         if not self.is_leader:
             return []
