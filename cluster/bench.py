@@ -1138,8 +1138,9 @@ def summary(record: dict) -> str:
                      (f", confidence drafting held off {held:.0%} of its steps" if held is not None else ""))
         chose = record.get("mixed_workload", {}).get("confidence", {}).get("scheduled")
         if chose:
-            lines.append(f"  it verified {chose['verify_budget_per_request']:.2f} of {chose['offered_per_request']:.2f} "
-                         f"drafts a deciding request, committed {chose['committed_tokens_per_request']:.2f}; decided "
+            lines.append(f"  it verified {chose['verify_budget_per_request']:.2f} of "
+                         f"{chose['offered_per_request']:.2f} drafts a deciding request, committed "
+                         f"{chose['committed_tokens_per_request']:.2f}; decided "
                          f"steps predicted {chose['predicted_step_ms']:.2f} ms, measured "
                          f"{chose['measured_decided_step_ms']:.2f}")
     return "\n".join(lines)

@@ -65,11 +65,11 @@ class HostWork:
     """Host work that can wait for the device: tasks queued between steps (``add``) run in order, once, at the next
     point where the host would block on the device anyway (``run``, called by the runner and the graphs right
     before a step's read-back, or before planning the next verify while the drafter drafts; never between reading
-    the verdicts and launching a step ahead), so while the device still computes they cost no step time. Same thread as the
-    engine, so a task sees and leaves the engine's state exactly as if it had run at ``add`` (the engine only adds
-    work whose result no decision before that point needs). On a CPU device the forward has already run by then:
-    the tasks still leave the scheduling path, but nothing overlaps them. A task that raises fails the step that ran
-    it (a bug, never swallowed)."""
+    the verdicts and launching a step ahead), so while the device still computes they cost no step time. They run
+    in the engine's thread, between its own steps' work; the engine queues only work no decision needs before it
+    runs (the survival fit's folds: the fit lags a few steps anyway). On a CPU device the forward has
+    already run by then: the tasks still leave the scheduling path, but nothing overlaps them. A task that raises
+    fails the step that ran it (a bug, never swallowed)."""
 
     def __init__(self):
         self._tasks: list = []
