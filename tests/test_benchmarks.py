@@ -143,6 +143,16 @@ def test_scheduler_host_benchmark_smoke(tmp_path):
                                                                                                      "in_loop"))
 
 
+def test_confidence_host_path_benchmark_smoke(tmp_path):
+    """The scheduler's work on a step's path is timed, and its folds run off the path (the executor's host work)."""
+    out = tmp_path / "path.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "confidence_host_path.py"), "--batches", "4",
+                    "--steps", "12", "--out", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=300)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["batch"] == 4 and row["on_path_ms"] > 0 and row["confidence"]["_allot_verify_lengths"] > 0
+    assert row["off_path_ms"] > 0 and "fold_in_commit" not in row["confidence"]  # 12 steps: a fold came due
+
+
 def test_fan_out_children_share_the_hosts_threads(tmp_path, monkeypatch):
     """Each child of a fan-out gets its share of the host's cores as ``OMP_NUM_THREADS`` (two children each with a
     thread per core took 58 s for an evaluation that took 6 s so, on 2 cores); a value the caller set stands."""
