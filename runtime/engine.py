@@ -425,8 +425,9 @@ class Engine:
         else:
             lengths = self.confidence.allot([s.draft_confidence for s in seqs], others, other_tokens, context,
                                             [s.verify_history for s in seqs])
-            for seq, length in zip(seqs, lengths):
-                seq.trim_drafts(length)
+            if self.confidence.last.budget < self.confidence.last.offered:  # (else every block stays whole)
+                for seq, length in zip(seqs, lengths):
+                    seq.trim_drafts(length)
         self.confidence_stats.record_decision(self.confidence.last, len(seqs))
         if self.confidence.drafting_pays is not None:  # (this step drafts nothing if it did not pay: draft_len)
             self.confidence.hold.record(self.confidence.bucket(len(self.scheduler.running)), self._step_index,
