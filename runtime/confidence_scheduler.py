@@ -225,7 +225,8 @@ class SurvivalCorrection:
     the position's mean prediction) and a window of ``CORRECTION_WINDOW`` verified drafts.
 
     A position is learned only where drafts reach it (see ``EXPLORE_EVERY``). Evidence is folded in every
-    ``FOLD_EVERY`` steps, the fit redone once ``FIT_EVERY`` new drafts were reached or ``REFIT_FOLDS`` folds went by
+    ``FOLD_EVERY`` steps, the fit made at the first fold with evidence, then redone once ``FIT_EVERY`` new drafts were
+    reached or ``REFIT_FOLDS`` folds went by
     (a refit costs ~0.7 ms of numpy: at 64 requests once per ~8 steps, at a few once per 64); an engine whose
     executor runs host work while the device computes (``defer_to``) folds there, off the step's path."""
 
@@ -373,7 +374,9 @@ class SurvivalCorrection:
                 self._append(j, logit[reached, j], history[reached], (accepted[reached] > j).astype(np.float64))
                 self._new += count
         self._folds += 1
-        if self._new >= FIT_EVERY or (self._new and self._folds >= REFIT_FOLDS):
+        # the first fit at the first fold with evidence: a small batch would otherwise believe the calibration for
+        # REFIT_FOLDS x FOLD_EVERY steps (64 at one request; run 62's drafter accepted nothing there)
+        if self._new >= FIT_EVERY or (self._new and (self._folds >= REFIT_FOLDS or not self.learned)):
             self.refit()
 
     def _add_diagnostic(self, survival: np.ndarray, lengths: np.ndarray, accepted: np.ndarray) -> None:
