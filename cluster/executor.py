@@ -153,10 +153,22 @@ class RayExecutor:
     def _run_step(self, wire) -> list:
         try:
             ref = self.step_graph.execute(wire)
-            self.host_work.run()  # the engine's deferred host work, while the actors compute the step
-            return ray.get(ref, timeout=self.config.parallel.step_timeout_s)
         except Exception as exc:  # noqa: BLE001 - translated (or re-raised) by _raise_from
             _raise_from(exc, "a replica actor", "execute")
+        # the engine's deferred host work while the actors compute the step: its error is the engine's own, not an
+        # actor's, and raised once the step's results are collected (a compiled graph's result is always read)
+        try:
+            self.host_work.run()
+            failed = None
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            failed = exc
+        try:
+            results = ray.get(ref, timeout=self.config.parallel.step_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - translated (or re-raised) by _raise_from
+            _raise_from(exc, "a replica actor", "execute")
+        if failed is not None:
+            raise failed
+        return results
 
     def describe(self) -> list[dict]:
         return self._call_all("info")

@@ -226,9 +226,9 @@ class SurvivalCorrection:
 
     A position is learned only where drafts reach it (see ``EXPLORE_EVERY``). Evidence is folded in every
     ``FOLD_EVERY`` steps, the fit made at the first fold with evidence, then redone once ``FIT_EVERY`` new drafts were
-    reached or ``REFIT_FOLDS`` folds went by
-    (a refit costs ~0.7 ms of numpy: at 64 requests once per ~8 steps, at a few once per 64); an engine whose
-    executor runs host work while the device computes (``defer_to``) folds there, off the step's path."""
+    reached or ``REFIT_FOLDS`` folds went by (a refit costs ~0.7 ms of numpy: at 64 requests once per ~8 steps, at a
+    few once per 64); an engine whose executor runs host work while the device computes (``defer_to``) folds there,
+    off the step's path."""
 
     def __init__(self, max_draft_len: int, inverse_temperatures: np.ndarray | None = None):
         k = max_draft_len

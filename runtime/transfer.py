@@ -4,6 +4,8 @@ waits for the host's next wait on the device (``HostWork``)."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import torch
 
@@ -72,18 +74,17 @@ class HostWork:
     fails the step that ran it (a bug, never swallowed)."""
 
     def __init__(self):
-        self._tasks: list = []
+        self._tasks: deque = deque()
 
     def add(self, task) -> None:
         """Queue ``task`` (a callable of no arguments)."""
         self._tasks.append(task)
 
     def run(self) -> None:
-        """Run every queued task, oldest first (tasks a task adds run too)."""
+        """Run every queued task, oldest first (tasks a task adds run too; after one that raised, the rest stay
+        queued)."""
         while self._tasks:
-            tasks, self._tasks = self._tasks, []
-            for task in tasks:
-                task()
+            self._tasks.popleft()()
 
     def __len__(self) -> int:
         return len(self._tasks)

@@ -78,3 +78,34 @@ def test_results_round_trip():
     wire = encode_results(results)
     assert isinstance(wire, bytes) and decode_results(wire) == results
     assert decode_any(encode_any({"a": ([1, 2], [0.5, 0.25])})) == {"a": ([1, 2], [0.5, 0.25])}
+
+
+def test_the_engines_host_work_runs_while_the_actors_compute_and_its_error_stays_its_own(monkeypatch):
+    """``RayExecutor._run_step``: the deferred host work runs between dispatching a step and collecting it; a task
+    that raises is the engine's error (not a replica actor's), raised once the step's result is read (a compiled
+    graph's result must be), and the tasks after it stay queued."""
+    import types
+
+    import cluster.executor as executor_module
+    from runtime.transfer import HostWork
+
+    order = []
+    executor = object.__new__(executor_module.RayExecutor)
+    executor.config = types.SimpleNamespace(parallel=types.SimpleNamespace(step_timeout_s=5.0))
+    executor.step_graph = types.SimpleNamespace(execute=lambda wire: (order.append("dispatched"), "ref")[1])
+    executor.host_work = HostWork()
+    monkeypatch.setattr(executor_module.ray, "get", lambda ref, timeout: (order.append("collected"), [ref])[1])
+    executor.host_work.add(lambda: order.append("task"))
+    assert executor._run_step("wire") == ["ref"] and order == ["dispatched", "task", "collected"]
+
+    def broken():
+        raise ZeroDivisionError("a fold's bug")
+
+    executor.host_work.add(broken)
+    executor.host_work.add(lambda: order.append("later"))
+    order.clear()
+    with pytest.raises(ZeroDivisionError, match="a fold's bug"):
+        executor._run_step("wire")
+    assert order == ["dispatched", "collected"] and len(executor.host_work) == 1  # "later" still queued
+    executor.host_work.run()
+    assert order[-1] == "later"
