@@ -18,8 +18,8 @@ on the same target, eager and compiled (static cache).
 (``cluster.schedule_tuning``) and sweeps an engine with it (``tuned_*`` fields). ``--confidence-scheduling`` sweeps
 an engine whose verify lengths the confidence scheduler chooses (``confidence_*`` fields; its startup profile is
 ``confidence_cost_table``, ``--profile-steps FILE`` saves it, and ``confidence_cost_table_served`` is the table as
-the sweep left it, ``confidence_cost_table_mixed_served`` the mixed steps' own, from the sweep's ramps and the mixed
-workload): within the tuned schedule when both are given (the schedule caps the block it
+the sweep left it, ``confidence_mixed_step_costs_served`` the mixed steps' excess over it (``runtime.mixed_step_costs``),
+from the sweep's ramps and prefills): within the tuned schedule when both are given (the schedule caps the block it
 drafts; ``--confidence-draft-len max``: it drafts max_draft_len beside the tuned schedule instead; ``confidence_vs_tuned`` compares the two engines measured in this run, the median rounds' tokens/s, and
 ``confidence_vs_tuned_paired`` the median of the per-round ratios, each round's two figures taken back to back, so
 the host's drift between rounds cancels), else within ``max_draft_len``. Beside them: what any schedule could gain
@@ -55,6 +55,7 @@ figures timed minutes apart do not compare.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -306,8 +307,11 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     """Requests arriving while others decode (so steps mix prefill and decode): ``prompts`` submitted one by
     one at Poisson arrival times of ``rate`` per second (seeded), greedy, ``max_tokens`` each; the engine steps
     whenever it has work. -> output tokens/s over the whole run, mean TTFT and TPOT, steps, and the share of
-    steps taken while some requests decoded and others waited or prefilled; a confidence-scheduled engine's
-    choices over the run besides (``scheduled``: ``scheduled_since``)."""
+    steps taken while some requests decoded and others waited or prefilled; where a step's time went
+    (``step_ms``: ``engine.step``'s mean; ``host_ms``: of it, per step, scheduling, the executor's step (the device's
+    work and its wait), committing, and a confidence-scheduled engine's decision; ``mean_batch`` /
+    ``mean_tokens_fed``: what a step fed); a confidence-scheduled engine's choices over the run besides
+    (``scheduled``: ``scheduled_since``)."""
     import random
 
     from runtime import SamplingParams
@@ -321,6 +325,37 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     engine = llm.engine
     held_before = engine.confidence_stats.drafting_off_steps  # confidence scheduling's drafting holds
     stats_before = dataclasses.replace(engine.confidence_stats)
+    totals: dict[str, float] = {}
+    fed = [0, 0]  # requests and tokens scheduled, over the run
+    schedule = engine.scheduler.schedule
+
+    def counted_schedule(*args, **kwargs):
+        scheduled = schedule(*args, **kwargs)
+        fed[0] += len(scheduled)
+        fed[1] += sum(len(e.token_ids) for e in scheduled)
+        return scheduled
+
+    with contextlib.ExitStack() as timers:
+        engine.scheduler.schedule = counted_schedule
+        timers.callback(delattr, engine.scheduler, "schedule")
+        for owner, name, key in ((engine, "step", "step"), (engine.scheduler, "schedule", "schedule"),
+                                 (engine.executor, "execute", "execute"), (engine, "_commit_step", "commit"),
+                                 (engine, "_allot_verify_lengths", "decision")):
+            timers.enter_context(timed(owner, name, totals, key))
+        record = {"requests": len(prompts), "rate_per_s": rate, "max_tokens": max_tokens,
+                  **_mixed_run(engine, prompts, arrivals, params)}
+    steps = record["steps"]
+    record["step_ms"] = 1e3 * totals.pop("step", 0.0) / steps
+    record["host_ms"] = {key: 1e3 * value / steps for key, value in totals.items()}
+    record["mean_batch"], record["mean_tokens_fed"] = fed[0] / steps, fed[1] / steps
+    record["drafting_off_step_share"] = (engine.confidence_stats.drafting_off_steps - held_before) / steps
+    if engine.confidence is not None:
+        record["scheduled"] = scheduled_since(stats_before, engine.confidence_stats)
+    return record
+
+
+def _mixed_run(engine, prompts: list[list[int]], arrivals: list[float], params) -> dict:
+    """``mixed_workload``'s loop: submit each prompt at its arrival time, step while there is work."""
     start = time.perf_counter()
     submitted, first_token, finished, steps, mixed, pending = {}, {}, {}, 0, 0, 0
     while len(finished) < len(prompts):
@@ -345,13 +380,8 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     tokens = sum(n for _, n in finished.values())
     ttft = [first_token[r] - submitted[r] for r in finished]
     tpot = [(end - first_token[r]) / (n - 1) for r, (end, n) in finished.items() if n > 1]
-    return {"requests": len(prompts), "rate_per_s": rate, "max_tokens": max_tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "mean_ttft_ms": 1e3 * sum(ttft) / len(ttft),
-            "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1), "steps": steps, "mixed_step_share": mixed / steps,
-            # the steps a confidence-scheduled engine drafted nothing on since drafting did not pay (0: others)
-            "drafting_off_step_share": (engine.confidence_stats.drafting_off_steps - held_before) / steps,
-            **({"scheduled": scheduled_since(stats_before, engine.confidence_stats)}
-               if engine.confidence is not None else {})}
+    return {"seconds": seconds, "tokens_per_s": tokens / seconds, "mean_ttft_ms": 1e3 * sum(ttft) / len(ttft),
+            "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1), "steps": steps, "mixed_step_share": mixed / steps}
 
 
 def scheduled_since(before, after) -> dict:
@@ -805,8 +835,8 @@ def run(args) -> dict:
         scheduled engine's step-time table, as serving left it, recorded first)."""
         if kind == "confidence":  # the startup profile is confidence_cost_table; this one learned from the sweep
             record["confidence_cost_table_served"] = llm.engine.confidence.costs.to_json()
-            # the mixed steps' table (prefill chunks beside the verifies), learned apart from the verify steps'
-            record["confidence_cost_table_mixed_served"] = llm.engine.confidence.mixed_costs.to_json()
+            # the mixed steps' excess over that table (prefill chunks beside the verifies), learned from them
+            record["confidence_mixed_step_costs_served"] = llm.engine.confidence.mixed_costs.to_json()
         if args.mixed_rate and with_mixed:
             record.setdefault("mixed_workload", {})[kind] = mixed(llm)
             print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,
@@ -1143,6 +1173,12 @@ def summary(record: dict) -> str:
                          f"{chose['committed_tokens_per_request']:.2f}; decided "
                          f"steps predicted {chose['predicted_step_ms']:.2f} ms, measured "
                          f"{chose['measured_decided_step_ms']:.2f}")
+        for kind in ("tuned", "confidence"):  # where a step's time went, each engine
+            run = record.get("mixed_workload", {}).get(kind, {})
+            if "step_ms" in run:
+                host = ", ".join(f"{key} {value:.2f}" for key, value in run["host_ms"].items())
+                lines.append(f"  {kind}: {run['steps']} steps of {run['step_ms']:.2f} ms ({host}), "
+                             f"{run['mean_batch']:.1f} requests and {run['mean_tokens_fed']:.0f} tokens a step")
     return "\n".join(lines)
 
 

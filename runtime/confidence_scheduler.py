@@ -25,7 +25,10 @@ tokens fed)``. The scheduler, in either of two step layouts:
    schedule does; a ragged trim also pays host work for its gathered rows that the uniform-step profile does not
    price). The predicted step includes what else it feeds (prefill chunks of a mixed step, as the previous step
    had), so verify tokens are priced at the step's real place on the cost curve, and the context its requests
-   attend over (``StepCostTable``: cells learned at other contexts are read as if at this one).
+   attend over (``StepCostTable``: cells learned at other contexts are read as if at this one). A mixed step (it
+   feeds more than verifies) runs eagerly and costs more than the table's cell of its sizes by an amount the
+   verify lengths hardly move: it is priced as that cell plus the excess learned from the mixed steps served
+   (``runtime.mixed_step_costs``), so a trim's saving is weighed against the whole step it is part of.
 
 4. the survivals are fitted online to what the engine's own verifications accepted (``SurvivalCorrection``: per
    position a logistic regression of each reached draft's acceptance on its confidence's logit and its request's
@@ -89,6 +92,7 @@ import numpy as np
 import torch
 
 from runtime.graph_layout import bucket_of
+from runtime.mixed_step_costs import MixedStepCosts
 from runtime.step_costs import StepCostTable
 
 CONFIDENCE_SCALE = 1 << 24  # confidences cross the step's one int64 device-to-host transfer as c * 2^24
@@ -528,10 +532,11 @@ class ConfidenceScheduler:
             raise ValueError(f"confidence temperatures: {max_draft_len} positive values expected, got {temps}")
         self.max_draft_len, self.costs, self.min_gain = max_draft_len, costs, min_gain
         # steps that feed something besides the verifies (prefill chunks, decodes without drafts) run eagerly or
-        # pad differently and cost more per token: they learn a table of their own, the verify steps' as its prior
-        # (one table for both let a ramp's mixed steps teach the whole-block cell at 256 requests 15 ms where a
-        # graphed whole-block step took 11.7: run 51 trimmed to 5.8 of 7 drafts and lost 14%)
-        self.mixed_costs = costs.copy()
+        # pad differently and cost more: they are priced as the verify steps' table plus a learned excess
+        # (``MixedStepCosts``) and teach only that excess (one table for both let a ramp's mixed steps teach the
+        # whole-block cell at 256 requests 15 ms where a graphed whole-block step took 11.7: run 51 trimmed to 5.8
+        # of 7 drafts and lost 14%; a table of their own priced run 63's mixed steps 35% low)
+        self.mixed_costs = MixedStepCosts(costs)
         self.temperatures = np.asarray(temps[:max_draft_len], dtype=np.float64)
         self.inverse_temperatures = 1.0 / self.temperatures
         self.layout = layout
@@ -566,9 +571,26 @@ class ConfidenceScheduler:
         verify-history class and position (``SurvivalCorrection``)."""
         return self.correction.slope_list[:k], [row[:k] for row in self.correction.bias_list]
 
-    def costs_for(self, other_tokens: int) -> StepCostTable:
-        """The table a step is priced (and learns) in: ``mixed_costs`` if it feeds tokens besides the verifies."""
-        return self.mixed_costs if other_tokens else self.costs
+    def predict_ms_many(self, batch: int, tokens, context: int, other_tokens: int) -> np.ndarray:
+        """[N] predicted ms of a step of ``batch`` requests feeding each of ``tokens`` [N], ``other_tokens`` of them
+        besides the verifies: the verify steps' table, or where it feeds more (a mixed step) ``mixed_costs``."""
+        if other_tokens:
+            return self.mixed_costs.predict_ms_many(batch, tokens, context, other_tokens)
+        return self.costs.predict_ms_many(batch, tokens, context)
+
+    def predict_ms_list(self, batch: int, tokens: tuple[int, ...], context: int, other_tokens: int) -> list[float]:
+        """``predict_ms_many`` as a list (a small step's plain-Python path)."""
+        if other_tokens:
+            return self.mixed_costs.predict_ms_list(batch, tokens, context, other_tokens)
+        return self.costs.predict_ms_list(batch, tokens, context)
+
+    def observe_step(self, batch: int, tokens: int, seconds: float, context: int, other_tokens: int) -> None:
+        """A served drafting step into what prices its kind: the verify steps' table, or (``other_tokens``: it fed
+        more than verifies) the mixed steps' excess."""
+        if other_tokens:
+            self.mixed_costs.observe(batch, tokens, seconds, context, other_tokens)
+        else:
+            self.costs.observe(batch, tokens, seconds, context)
 
     def graph_rows(self, num: int) -> int:
         """The requests a graphed step of ``num`` requests computes: its graph's batch (``num`` past the largest)."""
@@ -579,11 +601,11 @@ class ConfidenceScheduler:
         """Predicted ms of a padded or packed step of ``num`` deciding requests feeding ``per_request`` tokens each
         (one entry per choice), beside ``other_requests`` / ``other_tokens``: a pure verify step at its graph's
         cell (``graph_rows``), a mixed one at its own sizes (its graph, if any, depends on the prefill chunk)."""
-        table = self.costs_for(other_tokens)
         batch, verifying = (num + other_requests, num) if other_tokens else (self.graph_rows(num),) * 2
         if isinstance(per_request, tuple):
-            return table.predict_ms_list(batch, tuple(other_tokens + verifying * q for q in per_request), context)
-        return table.predict_ms_many(batch, other_tokens + verifying * per_request, context)
+            return self.predict_ms_list(batch, tuple(other_tokens + verifying * q for q in per_request), context,
+                                        other_tokens)
+        return self.predict_ms_many(batch, other_tokens + verifying * per_request, context, other_tokens)
 
     def bucket(self, num: int) -> int:
         """The batch size a ``DraftingHold`` keys ``num`` requests by: the graph holding them, else the power of
@@ -658,8 +680,8 @@ class ConfidenceScheduler:
         else:
             lengths = top_drafts(survival, proposed, budget)
             chosen = float(survival[np.arange(k)[None, :] < lengths[:, None]].sum())
-        predicted = self.costs_for(other_tokens).predict_ms_many(num + other_requests,
-                                                                 other_tokens + num + np.arange(offered + 1), context)
+        predicted = self.predict_ms_many(num + other_requests, other_tokens + num + np.arange(offered + 1), context,
+                                         other_tokens)
         column_sums = survival.sum(axis=0)  # [K] each position's survivals, summed
         self.last = Decision(budget, offered, num + chosen, float(predicted[budget]), num + float(column_sums.sum()),
                              float(predicted[offered]), column_sums.tolist())
@@ -721,8 +743,8 @@ class ConfidenceScheduler:
         for value, _ in order:
             total += value
             expected.append(num + total)
-        predicted = self.costs_for(other_tokens).predict_ms_list(
-            num + other_requests, tuple(other_tokens + num + b for b in range(offered + 1)), context)
+        predicted = self.predict_ms_list(num + other_requests, tuple(other_tokens + num + b for b in range(offered + 1)),
+                                         context, other_tokens)
         chosen = sum(sum(row[:n]) for row, n in zip(survival, lengths))
         self.last = Decision(budget, offered, num + chosen, predicted[budget], expected[-1], predicted[-1],
                              [sum(column) for column in zip(*survival)])
@@ -984,5 +1006,7 @@ class ConfidenceStats:
                 "plain_cost_table_observations": scheduler.costs.plain.observations
                 if scheduler.costs.plain is not None else None,
                 "cost_table_observations": scheduler.costs.observations,
-                "mixed_cost_table_observations": scheduler.mixed_costs.observations,
+                # the mixed steps' excess over the verify steps' table (MixedStepCosts)
+                "mixed_step_observations": scheduler.mixed_costs.observations,
+                "mixed_step_excess": scheduler.mixed_costs.to_json()["excess"],
                 "cost_table_ms_per_context_token": scheduler.costs.ms_per_context_token, "last": dict(self.last)}

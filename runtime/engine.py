@@ -412,7 +412,7 @@ class Engine:
         context = other_context + sum(s.num_computed for s in seqs)
         self._decided = [s.request_id for s in seqs]
         # a step that will feed more than these verifies (a request still prefilling, an arrival to admit) is mixed:
-        # it cannot be a packed step, so it verifies under the padded layout's cap (priced by the mixed steps' table)
+        # it cannot be a packed step, so it verifies under the padded layout's cap (priced as a mixed step)
         mixed = len(seqs) < len(members) or (bool(self.scheduler.waiting) and not self._ran_ahead)
         if self._packs_steps_of(len(seqs)) and not mixed:
             # blocks stay whole: the device picks which drafts
@@ -521,9 +521,8 @@ class Engine:
             requests = requests if other_tokens else self.confidence.graph_rows(requests)
             tokens = requests * q_len
         # a step that fed anything besides the decided verifies (a prefill chunk, a decode without drafts, or no
-        # verify at all) into the mixed steps' table: what the scheduler prices such steps by
-        table = self.confidence.costs_for(other_tokens)
-        table.observe(requests, tokens, seconds, sum(e.start_position for e in scheduled))
+        # verify at all) teaches the mixed steps' excess: what the scheduler prices such steps by
+        self.confidence.observe_step(requests, tokens, seconds, sum(e.start_position for e in scheduled), other_tokens)
         self.confidence_stats.record_step(1e3 * seconds, decided)
 
     def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:

@@ -56,15 +56,15 @@ def best_samples(outputs: list[RequestOutput], params: SamplingParams) -> list[R
 
 def rank_info(engine: Engine) -> list[dict]:
     """One dict per process of the replica (``Worker.info``); with confidence scheduling, target rank 0's also has
-    the engine's step-time tables as they stand: the verify steps' (profiled or loaded, then learned from every such
-    step served) and the mixed steps' (from that start, learned from the steps that fed more than verifies)."""
+    the engine's step-time model as it stands: the verify steps' table (profiled or loaded, then learned from every
+    such step served) and the mixed steps' excess over it (learned from the steps that fed more than verifies)."""
     infos = engine.executor.describe()
     if engine.confidence is not None:
         leader = next((i for i in infos if i.get("role") == "target" and i.get("tp_rank") == 0), None)
         if leader is not None:
-            for key, table in (("confidence_cost_table", engine.confidence.costs),
-                               ("confidence_mixed_cost_table", engine.confidence.mixed_costs)):
-                leader[key] = {**table.to_json(), "observations": table.observations}
+            costs = engine.confidence.costs
+            leader["confidence_cost_table"] = {**costs.to_json(), "observations": costs.observations}
+            leader["confidence_mixed_step_costs"] = engine.confidence.mixed_costs.to_json()
     return infos
 
 

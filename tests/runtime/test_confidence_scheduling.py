@@ -14,6 +14,7 @@ from runtime.confidence_scheduler import (FIT_WINDOW, FOLD_DEFERRED_MOST, FOLD_E
                                           REFIT_FOLDS, ConfidenceScheduler, ConfidenceStats, DraftingHold,
                                           SurvivalCorrection, SurvivalSkill, history_classes, next_history,
                                           read_calibration, top_drafts)
+from runtime.mixed_step_costs import MixedStepCosts
 from runtime.step_costs import StepCostTable
 from runtime.transfer import HostWork
 from tests import builders
@@ -385,8 +386,9 @@ def test_greedy_outputs_are_the_same_with_scheduling_on_and_off(near_bigram_targ
     assert stats["decisions"] > 0 and stats["cost_table_observations"] + stats["plain_cost_table_observations"] > 0
     table = on.rank_info()[0]["confidence_cost_table"]  # the engine's state, as it stands
     assert table["observations"] == stats["cost_table_observations"] and table["step_ms"]
-    mixed = on.rank_info()[0]["confidence_mixed_cost_table"]  # the prefill steps learned apart
-    assert mixed["observations"] == stats["mixed_cost_table_observations"] > 0
+    mixed = on.rank_info()[0]["confidence_mixed_step_costs"]  # the prefill steps learned apart
+    assert mixed["observations"] == stats["mixed_step_observations"] > 0
+    assert mixed["excess"] == stats["mixed_step_excess"]
     assert "confidence_cost_table" not in off.rank_info()[0]
     assert 1.0 <= stats["mean_committed_tokens_per_request"] <= 5.0  # what the survivals' prediction is against
     assert 1.0 <= stats["mean_expected_tokens_per_request"] <= 5.0
@@ -546,7 +548,8 @@ def test_graphed_steps_are_priced_at_the_graph_they_replay(layout, requests):
     if layout == "padded":
         scheduler.allot(confidences, other_requests=1, other_tokens=16)
         assert scheduler.last.whole_predicted_ms == pytest.approx(
-            scheduler.mixed_costs.predict_ms(requests + 1, 16 + requests * (k + 1)))
+            scheduler.mixed_costs.predict_ms(requests + 1, 16 + requests * (k + 1), 0, 16))
+        assert scheduler.last.whole_predicted_ms == pytest.approx(table.predict_ms(requests + 1, 16 + requests * (k + 1)))
 
 
 def test_the_table_learns_whole_steps_as_the_startup_profile_times_them(tmp_path, near_bigram_target,
@@ -576,19 +579,18 @@ def test_the_table_learns_whole_steps_as_the_startup_profile_times_them(tmp_path
     assert eng.confidence.costs.context.max() > 0  # moving toward the contexts its request attended (7 tokens on)
 
 
-def test_steps_that_feed_more_than_verifies_learn_the_mixed_table(tmp_path, near_bigram_target, confident_drafter):
-    """The prefill steps and the steps mixing a prefill chunk with verifies learn ``mixed_costs`` (the verify
-    steps' table its prior), the steps of verifies alone ``costs``: in run 51 one table let the ramp's mixed steps
-    (eager, dearer per token) teach the whole-block cell at 256 requests 15 ms where a graphed whole-block step
-    took 11.7, and the scheduler trimmed to 5.8 of 7 drafts for 0.86 of the tuned throughput. Each kind is priced
-    from its own table."""
+def test_steps_that_feed_more_than_verifies_learn_the_mixed_excess(tmp_path, near_bigram_target, confident_drafter):
+    """The prefill steps and the steps mixing a prefill chunk with verifies teach the mixed steps' excess
+    (``MixedStepCosts``), never the verify steps' table, which only the steps of verifies alone teach: in run 51 one
+    table let the ramp's mixed steps (eager, dearer) teach the whole-block cell at 256 requests 15 ms where a graphed
+    whole-block step took 11.7, and the scheduler trimmed to 5.8 of 7 drafts for 0.86 of the tuned throughput. A
+    mixed step is priced as the verify table's cell of its sizes plus that excess."""
     path = tmp_path / "table.json"
     flat_table(0.0, base=1.0).save(path)
     llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
                  confidence_cost_table_path=str(path))
     scheduler = llm.engine.confidence
-    assert scheduler.mixed_costs is not scheduler.costs
-    assert np.array_equal(scheduler.mixed_costs.step_ms, scheduler.costs.step_ms)  # the prior
+    assert scheduler.mixed_costs.verify is scheduler.costs and scheduler.mixed_costs.excess_ms(4, 16) == 0.0
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     llm.engine.add_request(PROMPTS[0], params)
     llm.engine.step()  # its prefill: nothing verified yet
@@ -602,9 +604,62 @@ def test_steps_that_feed_more_than_verifies_learn_the_mixed_table(tmp_path, near
     while llm.engine.has_unfinished():
         llm.engine.step()
     assert scheduler.costs.observations > 0  # the verify steps alone, once both decode
-    assert scheduler.costs_for(0) is scheduler.costs and scheduler.costs_for(5) is scheduler.mixed_costs
-    assert llm.get_metrics()["confidence_scheduling"]["mixed_cost_table_observations"] == \
+    # the CPU's steps cost far more than the table's 1 ms: the excess learned it, and a mixed step is priced with it
+    scheduler.mixed_costs.flush()
+    excess = scheduler.mixed_costs.excess_ms(2, 8)
+    assert excess > 0 and scheduler.predict_ms_list(2, (12,), 0, 8)[0] == pytest.approx(
+        scheduler.costs.predict_ms(2, 12) + excess)
+    assert scheduler.predict_ms_list(2, (12,), 0, 0)[0] == pytest.approx(scheduler.costs.predict_ms(2, 12))
+    assert llm.get_metrics()["confidence_scheduling"]["mixed_step_observations"] == \
         scheduler.mixed_costs.observations
+
+
+def test_the_mixed_excess_fits_what_mixed_steps_cost_beyond_the_verify_table():
+    """Served mixed steps costing the verify table's cell + 6 ms + 4 ms per 256 tokens fed besides the verifies:
+    the excess learns that (prior: none), the verify table is untouched, and the prediction is the sum."""
+    table = StepCostTable([1, 64], [64, 512], [[2.0, 3.0], [5.0, 8.0]])
+    mixed = MixedStepCosts(table)
+    assert mixed.predict_ms(64, 512, 0, 100) == pytest.approx(8.0)  # nothing served: a verify step's price
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        other = int(rng.integers(16, 512))
+        batch = int(rng.integers(8, 65))
+        tokens = other + batch * 8
+        ms = table.predict_ms(batch, tokens) + 6.0 + 4.0 * other / 256
+        mixed.observe(batch, tokens, ms / 1e3, 0, other)
+    mixed.flush()
+    assert mixed.observations == 400 and table.observations == 0
+    for batch, other in ((64, 256), (16, 64), (40, 500)):
+        assert mixed.excess_ms(batch, other) == pytest.approx(6.0 + 4.0 * other / 256, rel=0.03)
+    assert mixed.predict_ms(64, 640, 0, 128) == pytest.approx(table.predict_ms(64, 640) + mixed.excess_ms(64, 128))
+    fit = mixed.to_json()
+    assert fit["observations"] == 400 and fit["excess"]["ms_per_other_token"] == pytest.approx(4.0 / 256, rel=0.05)
+    # a fit below the verify table is read as no excess (a mixed step is not cheaper than a graphed verify step)
+    cheap = MixedStepCosts(table)
+    for _ in range(64):
+        cheap.observe(64, 600, 1e-3, 0, 88)
+    assert cheap.excess_ms(64, 88) == 0.0
+
+
+def test_a_mixed_step_dominated_by_its_prefill_keeps_whole_blocks():
+    """Run 63 (an H200, 64 requests under mixed load): verify steps cost 5-8 ms, mixed ones 12-13. Priced as verify
+    steps, trimming two drafts saves ~20% of the step and pays; priced with the excess the mixed steps showed, it
+    saves ~10% of a dear step for ~20% of the tokens, and the scheduler keeps whole blocks."""
+    k, num, other = 7, 64, 96
+    tokens = [num * q for q in range(1, k + 2)] + [other + num * q for q in range(1, k + 2)]
+    tokens = sorted(set(tokens))
+    table = StepCostTable([num, num + 1], tokens, [[3.0 + t / 128 for t in tokens]] * 2)  # 1 ms per 128 tokens
+    confidences = [[0.97, 0.95, 0.95, 0.92, 0.9, 0.4, 0.3]] * num  # the last two drafts survive ~0.29 / ~0.09
+    cheap = ConfidenceScheduler(k, table, layout="padded", graph_batches=[num])
+    cheap.allot(confidences, other_requests=1, other_tokens=other)
+    assert cheap.cap < k  # a verify step's price: the trim pays
+    dear = ConfidenceScheduler(k, table, layout="padded", graph_batches=[num])
+    for _ in range(64):  # the mixed steps served cost the table's cell + 6 ms
+        t = other + num * (k + 1)
+        dear.mixed_costs.observe(num + 1, t, (table.predict_ms(num + 1, t) + 6.0) / 1e3, 0, other)
+    dear.allot(confidences, other_requests=1, other_tokens=other)
+    assert dear.cap == k and dear.last.whole_predicted_ms > table.predict_ms(num + 1, other + num * (k + 1)) + 5.0
+
 
 def test_a_served_step_moves_its_own_cell_and_the_envelope_reads_the_rest():
     """A served step moves only its own cell; the row's lower envelope then prices every shorter cell no dearer
