@@ -412,8 +412,10 @@ class Engine:
         context = other_context + sum(s.num_computed for s in seqs)
         self._decided = [s.request_id for s in seqs]
         # a step that will feed more than these verifies (a request still prefilling, an arrival to admit) is mixed:
-        # it cannot be a packed step, so it verifies under the padded layout's cap (priced as a mixed step)
-        mixed = len(seqs) < len(members) or (bool(self.scheduler.waiting) and not self._ran_ahead)
+        # it cannot be a packed step, so it verifies under the padded layout's cap (priced as a mixed step). A queue
+        # the full batch leaves no room for does not make it mixed: under a steady load, where requests always wait,
+        # most steps admit nobody, and they are packed
+        mixed = len(seqs) < len(members) or (self.scheduler.may_admit() and not self._ran_ahead)
         if self._packs_steps_of(len(seqs)) and not mixed:
             # blocks stay whole: the device picks which drafts
             self.confidence.allot_packed([s.draft_confidence for s in seqs], others, other_tokens, context,

@@ -49,6 +49,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def may_admit(self) -> bool:
+        """Whether the next ``schedule`` may admit a waiting request: one waits and the running ones leave room
+        (``max_num_seqs``; the token budget and free pages may still keep it out)."""
+        return bool(self.waiting) and len(self.running) < self.limits.max_num_seqs
+
     def finish(self, seq: Sequence, reason: str, scrub: bool = False) -> None:
         """Mark finished, free its pages; the runner is told to drop its state next step. ``scrub``: the pages
         may hold NaN/inf (a faulted request); the runner zeroes them before anyone reuses them, because attention

@@ -485,6 +485,30 @@ def test_an_engine_whose_executor_offers_host_work_folds_there(tmp_path, near_bi
     assert ran and correction.verified.sum() > 0  # folded by a task the runner ran at a read-back
 
 
+def test_a_full_batch_with_a_queue_is_decided_as_a_packed_step(tmp_path, near_bigram_target, confident_drafter):
+    """Under a steady load requests always wait; a step whose batch is full admits none of them, so it feeds only
+    its verifies and is decided as a packed step where packed graphs serve it (here: the engine told its steps may
+    be packed, the choice spied on). A step with room for a waiting request is mixed: a padded cap. Greedy outputs
+    stay the target's."""
+    path = tmp_path / "table.json"
+    flat_table(0.001).save(path)
+    llm = LLM(str(near_bigram_target), speculative_config=DSparkDecodingConfig(
+        speculative_model=str(confident_drafter), enable_confidence_scheduling=True,
+        confidence_cost_table_path=str(path)), **{**ENGINE, "max_num_seqs": 2})
+    eng, chosen = llm.engine, []
+    eng._packs_steps_of = lambda num: True
+    scheduler = eng.confidence
+    for name in ("allot", "allot_packed"):
+        method = getattr(scheduler, name)
+        setattr(scheduler, name, lambda *a, _m=method, _n=name, **k: (
+            chosen.append((_n, len(eng.scheduler.running), eng.scheduler.may_admit())), _m(*a, **k))[1])
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(PROMPTS[:3], greedy)
+    assert [o.token_ids for o in outputs] == builders.hf_greedy(near_bigram_target, PROMPTS[:3], 10)
+    assert ("allot_packed", 2, False) in chosen  # two running, the third waiting: no room, packed
+    assert all(name == "allot" for name, _, room in chosen if room)  # room for an arrival: mixed
+
+
 def test_scheduling_needs_a_confidence_head(near_bigram_target, make_drafter):
     bare = make_drafter(near_bigram_target, 4, confidence=False)
     with pytest.raises(ValueError, match="enable_confidence_scheduling needs a drafter with a confidence head"):
