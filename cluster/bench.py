@@ -1288,7 +1288,7 @@ def add_parser(commands) -> None:
                        "request (default 128)")
     bench.add_argument("--mixed-rate", type=number(0, above=True), help="also run a mixed workload with every "
                        "engine: requests arriving at this Poisson rate per second while others decode (steps mix "
-                       "prefill and decode)")
+                       "prefill and decode); each engine's record says where its steps' time went")
     bench.add_argument("--mixed-requests", type=integer(1), default=256, help="requests of --mixed-rate (default 256)")
     bench.add_argument("--prompts", help="JSONL prompts (prompt, messages or prompt_ids rows) for the sweep (cut "
                        "to --prompt-len; a trained pair's acceptance needs its kind of text) and --e2e-prompts; "
