@@ -253,6 +253,7 @@ def test_bench_profile_traces_one_step_on_every_rank(ray_cluster, near_bigram_ta
     free_cpus_return()
 
 
+@pytest.mark.last  # 5 s alone, 100-124 s each beside the other worker's tests: its actors' startup (a 2-core host)
 @pytest.mark.parametrize("mode", ["colocated", "separate"])
 def test_packed_verify_steps_cross_the_wire(ray_cluster, tmp_path, near_bigram_target, make_drafter, mode):
     """Confidence scheduling's packed layout (forced: these actors have no graphs) through a replica: the packed
