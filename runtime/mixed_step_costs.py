@@ -36,7 +36,7 @@ DECAY = 0.99  # per mixed step served: the fit weighs the last ~100
 # the ridge toward no excess, in (scaled) steps of evidence: light on the level (one step's residual says it), more
 # on the slopes (which need steps of different sizes to tell apart)
 PRIOR_STEPS = np.array([0.05, 1.0, 1.0])
-TOKEN_SCALE = 256.0  # the features' scales (other tokens, requests), so that one ridge suits every coefficient
+TOKEN_SCALE = 256.0  # the features' scales (other tokens, requests): the ridge weighs their coefficients alike
 BATCH_SCALE = 64.0
 FEATURES = ("ms", "ms_per_other_token", "ms_per_request")
 
