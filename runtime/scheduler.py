@@ -54,6 +54,23 @@ class Scheduler:
         (``max_num_seqs``; the token budget and free pages may still keep it out)."""
         return bool(self.waiting) and len(self.running) < self.limits.max_num_seqs
 
+    def expected_admissions(self, budget: int) -> tuple[int, int]:
+        """(requests, tokens): what the next ``schedule`` is expected to admit from the queue with ``budget`` tokens
+        left beside the running requests' (arrival order, up to ``max_num_seqs``, each its prompt's uncomputed rest
+        cut at the budget, a sample waiting for its prompt's first passed over, as ``schedule`` does). An estimate
+        that prices a step before it is scheduled (confidence scheduling): free pages are not consulted, and a
+        prompt whose prefix the cache holds feeds less than counted."""
+        requests = tokens = 0
+        room = self.limits.max_num_seqs - len(self.running)
+        for seq in self.waiting:
+            if budget <= 0 or requests >= room:
+                break
+            if self._waits_for_prefill(seq):
+                continue
+            fed = min(seq.num_tokens - seq.num_computed, budget)
+            requests, tokens, budget = requests + 1, tokens + fed, budget - fed
+        return requests, tokens
+
     def finish(self, seq: Sequence, reason: str, scrub: bool = False) -> None:
         """Mark finished, free its pages; the runner is told to drop its state next step. ``scrub``: the pages
         may hold NaN/inf (a faulted request); the runner zeroes them before anyone reuses them, because attention

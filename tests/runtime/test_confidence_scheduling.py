@@ -15,6 +15,9 @@ from runtime.confidence_scheduler import (FIT_WINDOW, FOLD_DEFERRED_MOST, FOLD_E
                                           SurvivalCorrection, SurvivalSkill, history_classes, next_history,
                                           read_calibration, top_drafts)
 from runtime.mixed_step_costs import MixedStepCosts
+from runtime.pages import PageAllocator
+from runtime.scheduler import Scheduler, SchedulerLimits
+from runtime.sequence import Sequence
 from runtime.step_costs import StepCostTable
 from runtime.transfer import HostWork
 from tests import builders
@@ -507,6 +510,46 @@ def test_a_full_batch_with_a_queue_is_decided_as_a_packed_step(tmp_path, near_bi
     assert [o.token_ids for o in outputs] == builders.hf_greedy(near_bigram_target, PROMPTS[:3], 10)
     assert ("allot_packed", 2, False) in chosen  # two running, the third waiting: no room, packed
     assert all(name == "allot" for name, _, room in chosen if room)  # room for an arrival: mixed
+
+
+def test_a_step_that_admits_an_arrival_is_priced_with_its_prompt(tmp_path, near_bigram_target, confident_drafter):
+    """An arrival joins the next step with its whole prompt: the decision made before that step prices it beside the
+    verifies (run 66: such steps were priced as the verifies alone, 7.9 ms where they took 21), where the requests
+    already running feed nothing else."""
+    path = tmp_path / "table.json"
+    flat_table(0.001).save(path)
+    llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
+                 confidence_cost_table_path=str(path))
+    eng, seen = llm.engine, []
+    method = eng.confidence.allot
+    eng.confidence.allot = lambda confidences, others=0, other_tokens=0, *a, **k: (
+        seen.append((len(confidences), others, other_tokens)), method(confidences, others, other_tokens, *a, **k))[1]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = [eng.add_request(prompt, greedy) for prompt in PROMPTS[:2]]
+    while not seen:
+        eng.step()
+    assert seen[-1][1:] == (0, 0)  # both decoding, nobody waits: the verifies alone
+    late = eng.add_request(PROMPTS[2], greedy)
+    eng.step()
+    assert seen[-1] == (2, 1, len(PROMPTS[2]))  # the arrival's 31 prompt tokens beside the two verifies
+    outputs = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            outputs[out.request_id] = out.token_ids
+    assert [outputs[i] for i in (*first, late)] == builders.hf_greedy(near_bigram_target, PROMPTS[:3], 12)
+
+
+def test_expected_admissions_follow_the_schedules_limits():
+    """The queue's head in arrival order, within the token budget (a prompt cut at it) and the free slots."""
+    pages = PageAllocator(num_pages=64, page_size=4)
+    scheduler = Scheduler(SchedulerLimits(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=128), pages)
+    for n, length in enumerate((10, 30, 5)):
+        scheduler.add(Sequence(f"r{n}", list(range(3, 3 + length)), SamplingParams(max_tokens=4), seed=0, arrival=n))
+    assert scheduler.expected_admissions(64) == (3, 45)
+    assert scheduler.expected_admissions(20) == (2, 20)  # the second prompt cut at the budget
+    assert scheduler.expected_admissions(0) == (0, 0)
+    scheduler.schedule()  # all three admitted: no slot left
+    assert scheduler.expected_admissions(64) == (0, 0)
 
 
 def test_scheduling_needs_a_confidence_head(near_bigram_target, make_drafter):
