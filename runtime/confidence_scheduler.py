@@ -234,7 +234,7 @@ class SurvivalCorrection:
     reached, the new ones are ``REFIT_GROWTH`` of the window's, or ``REFIT_FOLDS`` folds went by (a refit costs ~0.7
     ms of numpy: at 64 requests once per ~8 steps; at a few requests each time the evidence grew by a quarter while
     the window fills, at least once per 64 steps); an engine whose executor runs host work while the device computes
-    (``defer_to``) folds there, off the step's path.
+    (``defer_to``) folds there, off the step's path, and refits there a slice at a time within its budget.
 
     The ridge is light (``FIT_PRIOR``: the weight of one draft per parameter): a Gaussian prior on the logit weighs
     most in the tails, and at 4 (the weight of a few drafts) a request whose drafter accepted nothing was still
@@ -272,6 +272,7 @@ class SurvivalCorrection:
         # ``runtime.transfer.HostWork``); None: at once, in ``learn``
         self.defer_to = None
         self._fold_queued = False
+        self._refit = None  # a deferred refit under way (its slices: _refit_slices), or None
         self.skill = SurvivalSkill(k)  # how sharp the believed survivals were (metrics; reset_skill)
 
     def _set_parameters(self) -> None:
@@ -351,9 +352,11 @@ class SurvivalCorrection:
             self._fold()
 
     def refit_now(self) -> None:
-        """Fold the gathered evidence in and refit, whatever is due (a judgement that depends on the newest step)."""
+        """Fold the gathered evidence in and refit, whatever is due (a judgement that depends on the newest step);
+        a deferred refit under way is dropped (this one fits newer evidence)."""
         with self._lock:
             self._fold()
+            self._refit = None
             self.refit()
 
     def _fold(self) -> None:
@@ -392,7 +395,23 @@ class SurvivalCorrection:
         # kept drafting for 0.93-0.97 of the tuned throughput). Refits grow geometric, then every REFIT_FOLDS folds.
         if self._new >= FIT_EVERY or (self._new and (self._folds >= REFIT_FOLDS or not self.learned
                                                      or self._new >= REFIT_GROWTH * int(self._filled.sum()))):
-            self.refit()
+            if self.defer_to is None:
+                self.refit()
+            elif self._refit is None:  # in slices, in the host work's budget (a refit already running: it goes on)
+                self._refit = self._refit_slices()
+                self.defer_to.add(self._advance_refit)
+
+    def _advance_refit(self) -> None:
+        """A deferred refit's next slice (``_refit_slices``); queued again until it ends."""
+        with self._lock:
+            if self._refit is None:  # (superseded by a refit at once: refit_now)
+                return
+            try:
+                next(self._refit)
+            except StopIteration:
+                self._refit = None
+                return
+        self.defer_to.add(self._advance_refit)
 
     def _add_diagnostic(self, survival: np.ndarray, lengths: np.ndarray, accepted: np.ndarray) -> None:
         k = survival.shape[1]
@@ -420,6 +439,11 @@ class SurvivalCorrection:
         self._filled[j] = min(FIT_WINDOW, self._filled[j] + len(x))
 
     def refit(self) -> None:
+        """Refit at once (``_refit_slices`` run to the end): see there."""
+        for _ in self._refit_slices():
+            pass
+
+    def _refit_slices(self):
         """``NEWTON_STEPS`` Newton steps of every position's ridge logistic regression, from the current parameters.
         The features are logit(c), 1 and the class's one-hot, so the gradient and Hessian are sums per position and
         class of a few weighted terms: one ``bincount`` each over the window (a refit of 7 x 2048 drafts ~0.7 ms on a
@@ -430,18 +454,25 @@ class SurvivalCorrection:
         A full Newton step from saturated probabilities (a head whose logits spread over tens, read at a slope of 10:
         a calibration temperature of 0.1) has a Hessian near the ridge alone and jumps to the parameters' limits:
         run 59 at 256 requests fitted position 0 at slope 30 and bias 30 (``FIT_LIMIT``), believed a survival of 0.85
-        where 0.57 survived (Brier skill -0.34) and verified drafts that did not pay."""
+        where 0.57 survived (Brier skill -0.34) and verified drafts that did not pay.
+        A generator: it yields after taking its copy, within each Newton step and before each loss it evaluates
+        (slices of ~0.1-0.4 ms of numpy on a 2-core host; a whole refit 1.3 ms typically, up to 4.3 while steps are
+        halved), so a deferred refit runs a slice at a time in the host work's budget (``_advance_refit``); it fits
+        a copy of the window taken at its start (folds may come in between) and sets the parameters at its end. Its
+        caller holds the lock around each slice."""
         self._new = self._folds = 0
         k, classes = self._x.shape[0], len(self.history_names)
         used = (np.arange(FIT_WINDOW)[None, :] < self._filled[:, None]).astype(np.float64)  # [K, W]
-        index = (np.arange(k)[:, None] * classes + self._h).reshape(-1)  # [K*W] position-major (position, class)
-        x, y = self._x, self._y
+        member = self._h.copy()  # [K, W] each draft's class
+        index = (np.arange(k)[:, None] * classes + member).reshape(-1)  # [K*W] position-major (position, class)
+        x, y = self._x.copy(), self._y.copy()
+        yield
 
         def per_class(weights: np.ndarray) -> np.ndarray:  # [K, W] -> [K, H] summed per position and class
             return np.bincount(index, weights=weights.reshape(-1), minlength=k * classes).reshape(k, classes)
 
         def linear(theta: np.ndarray) -> np.ndarray:  # [K, F] -> eta [K, W]
-            return theta[:, :1] * x + theta[:, 1:2] + np.take_along_axis(theta[:, 2:], self._h, axis=1)
+            return theta[:, :1] * x + theta[:, 1:2] + np.take_along_axis(theta[:, 2:], member, axis=1)
 
         def loss(theta: np.ndarray) -> np.ndarray:  # [K, F] -> [K] each position's penalized negative log-likelihood
             eta = linear(theta)
@@ -464,6 +495,7 @@ class SurvivalCorrection:
             p = 0.5 * (1.0 + np.tanh(0.5 * eta))  # sigmoid, without exp's overflow
             residual, weight = (p - y) * used, p * (1.0 - p) * used
             r, rx = per_class(residual), per_class(residual * x)  # [K, H]
+            yield
             w, wx, wxx = per_class(weight), per_class(weight * x), per_class(weight * x * x)
             gradient = np.concatenate([rx.sum(1, keepdims=True), r.sum(1, keepdims=True), r], axis=1) \
                 + FIT_PRIOR * (theta - self.prior)  # [K, F]
@@ -475,6 +507,7 @@ class SurvivalCorrection:
             hessian[:, 1, 2:] = hessian[:, 2:, 1] = w
             hessian[:, diagonal, diagonal] = w
             step = np.linalg.solve(hessian + ridge, gradient[..., None])[..., 0]  # [K, F]
+            yield
             # a slope the step would take below 0 stops at 0, and the other parameters take the Newton step given
             # that (the bound's active set): clipping the slope alone dropped the part of the step it stood for,
             # and where every draft at a position has one confidence (logit(c) and 1 collinear) that was most of
@@ -492,6 +525,7 @@ class SurvivalCorrection:
                 before = loss(theta)
                 slack = 1e-9 * (1.0 + np.abs(before))  # rounding: at the optimum a step changes nothing
                 for _ in range(HALVINGS + 1):
+                    yield
                     worse = searched & (loss(candidate) > before + slack)
                     if not worse.any():
                         break

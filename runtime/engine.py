@@ -40,6 +40,11 @@ from runtime.stops import StopCriteria
 
 log = logging.getLogger(__name__)
 
+# the share of its last step's wall time the host may spend on deferred work (``runtime.transfer.HostWork``) while
+# the device computes the step launched ahead: the rest is the engine's own commit, schedule and launch (about a
+# third of a 3-ms step at one to four requests, run 63's profiles)
+HOST_WORK_SHARE = 0.15
+
 
 class RequestFault(RuntimeError):
     """A failure that belongs to one request (non-finite logits in its rows, its text): only it fails."""
@@ -106,11 +111,13 @@ class Engine:
         # step's results bring the drafter's blocks for the previous step's group
         self.pipelined = bool(getattr(self.executor, "pipelined_drafting", False))
         self._turn = 0  # the group the next step serves
+        self._host_work = None  # the executor's HostWork where confidence scheduling defers its learning there
         if self.spec is not None and self.spec.enable_confidence_scheduling:
             self.confidence = self._confidence_scheduler()
             host_work = getattr(self.executor, "host_work", None)  # (Executor: optional)
             if host_work is not None:  # the survival fit learns while the device computes the next step
                 self.confidence.defer_learning(host_work)
+                self._host_work = host_work  # (its budget follows the steps: step)
 
     # ---- setup --------------------------------------------------------------------------------
 
@@ -296,7 +303,10 @@ class Engine:
             if self.pipelined:
                 self._take_late_drafts()
         if learn:
-            self._learn_step_time(scheduled, time.perf_counter() - began, decided, drafted)
+            seconds = time.perf_counter() - began
+            self._learn_step_time(scheduled, seconds, decided, drafted)
+            if self._host_work is not None:  # the next step's deferred work: what its device time leaves the host
+                self._host_work.budget_s = HOST_WORK_SHARE * seconds
         self._step_index += 1
         return outputs
 

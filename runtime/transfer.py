@@ -4,6 +4,7 @@ waits for the host's next wait on the device (``HostWork``)."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
@@ -71,20 +72,31 @@ class HostWork:
     in the engine's thread, between its own steps' work; the engine queues only work no decision needs before it
     runs (the survival fit's folds: the fit lags a few steps anyway). On a CPU device the forward has
     already run by then: the tasks still leave the scheduling path, but nothing overlaps them. A task that raises
-    fails the step that ran it (a bug, never swallowed)."""
+    fails the step that ran it (a bug, never swallowed).
+
+    ``budget_s`` bounds the host time one ``run`` spends (None: no bound): once it is spent no further task starts,
+    and the rest wait for the next step's. While the host works the device has at most a step to compute, so the
+    engine sets it to a share of its last step (``runtime.engine.HOST_WORK_SHARE``): a task longer than what the
+    device leaves delays the step launched ahead of it (a whole survival refit took 1.3-4.3 ms on a 2-core host,
+    against 3-ms steps at four requests), so long work is queued in slices (``SurvivalCorrection._advance_refit``).
+    A call runs one task at least."""
 
     def __init__(self):
         self._tasks: deque = deque()
+        self.budget_s: float | None = None
 
     def add(self, task) -> None:
         """Queue ``task`` (a callable of no arguments)."""
         self._tasks.append(task)
 
     def run(self) -> None:
-        """Run every queued task, oldest first (tasks a task adds run too; after one that raised, the rest stay
-        queued)."""
+        """Run the queued tasks, oldest first, while the budget lasts (tasks a task adds run too; after one that
+        raised, the rest stay queued)."""
+        budget, start = self.budget_s, time.perf_counter()
         while self._tasks:
             self._tasks.popleft()()
+            if budget is not None and time.perf_counter() - start >= budget:
+                break
 
     def __len__(self) -> int:
         return len(self._tasks)

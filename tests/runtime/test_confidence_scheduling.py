@@ -242,13 +242,43 @@ def test_a_deferred_fold_waits_for_the_host_work_and_runs_once():
         deferred.allot([[0.9, 0.6, 0.3]] * 4)
         deferred.learn([3, 3, 3, 3], [0, 0, 0, 0])
         assert len(deferred.correction._evidence) < FOLD_DEFERRED_MOST
-    assert len(work) == 1  # (one fold queued, whatever came due after it)
+    assert len(work) == 2  # one fold queued (whatever came due after it), and the refit the inline fold started
     deferred.allot([[0.9, 0.6, 0.3]] * 4)
     deferred.learn([3, 3, 3, 3], [0, 0, 0, 0])
     deferred.correction.refit_now()
     assert not deferred.correction._evidence
     work.run()  # the queued fold finds nothing left: harmless
     assert not deferred.correction._evidence and len(work) == 0
+
+
+def test_a_deferred_refit_runs_in_slices_within_the_host_works_budget():
+    """A refit is ~10 slices of numpy (a Newton step's gradient, each loss it evaluates): deferred, it runs a slice
+    at a time where the host work's budget is spent (here: none, one task a run), on a copy of the window taken at
+    its start, and ends at the fit a refit at once makes of that window. Folds coming in between do not change it."""
+    work = HostWork()
+    work.budget_s = 0.0  # one task a run
+    deferred, direct = ConfidenceScheduler(3, flat_table(0.001)), ConfidenceScheduler(3, flat_table(0.001))
+    deferred.defer_learning(work)
+    rng = np.random.default_rng(0)
+    steps = [(rng.uniform(0.2, 0.95, (4, 3)).tolist(), rng.integers(0, 4, 4).tolist()) for _ in range(FOLD_EVERY)]
+    for confidences, accepted in steps:
+        for scheduler in (deferred, direct):
+            scheduler.allot(confidences)
+            scheduler.learn([3, 3, 3, 3], accepted)
+    assert direct.correction.learned and len(work) == 1  # the direct one folded and fitted in learn
+    work.run()  # the fold: it starts the refit
+    assert not deferred.correction.learned and len(work) == 1
+    slices = 0
+    while len(work):
+        if slices == 2:  # more evidence arrives mid-refit, its fold queued between two slices: the refit goes on
+            for _ in range(FOLD_EVERY):
+                deferred.allot([[0.9, 0.9, 0.9]] * 4)
+                deferred.learn([3, 3, 3, 3], [3, 3, 3, 3])
+        work.run()
+        slices += 1
+    assert deferred.correction.learned and slices >= 4
+    assert deferred.correction.verified.sum() > direct.correction.verified.sum()  # (the fold ran in between)
+    np.testing.assert_allclose(deferred.correction.theta, direct.correction.theta, rtol=1e-12)
 
 
 def test_one_request_is_fitted_at_its_first_fold_then_as_its_evidence_grows():
