@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from cluster.bench import MODEL_SHAPES, confidence_bounds, paired_ratio, schedule_cap, write_shape
+from cluster.bench import (MODEL_SHAPES, confidence_bounds, mixed_noise_floor, paired_ratio, schedule_cap,
+                           write_shape)
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
 
@@ -317,6 +318,21 @@ def test_a_paired_ratio_is_the_median_of_the_rounds_ratios():
     assert paired_ratio([2.0, 3.0, 9.0], [1.0, 3.0, 3.0]) == 2.0  # ratios 2, 1, 3
     assert paired_ratio([1.0, 4.0], [1.0, 2.0]) == 1.5
     assert paired_ratio([1.0], [1.0, 2.0]) is None and paired_ratio([], []) is None
+
+
+def test_the_mixed_noise_floor_is_reported_only_where_tuned_and_fixed_are_one_engine():
+    """Run 66's figures: at 64 requests the tuned schedule drafts 7 everywhere, so tuned / fixed is the floor; with
+    256 in the workload (the schedule drafts 4 there) they are two engines, and nothing is reported."""
+    rows = [{"concurrency": 64, "acceptance_per_position": [0.9] * 7}]
+    mixed = {"dspark": {"tokens_per_s": 21541.9, "tokens_per_s_rounds": [14361.8, 21542.2, 21541.9]},
+             "tuned": {"tokens_per_s": 14914.8, "tokens_per_s_rounds": [14467.3, 14914.8, 18206.5]}}
+    record = {"mixed_workload": mixed, "tuned_schedule": {"schedule": {"64": 7}}}
+    floor = mixed_noise_floor(record, rows, 64)
+    assert floor["mixed_tuned_vs_dspark"] == pytest.approx(14914.8 / 21541.9)
+    assert floor["mixed_tuned_vs_dspark_paired"] == pytest.approx(paired_ratio(
+        mixed["tuned"]["tokens_per_s_rounds"], mixed["dspark"]["tokens_per_s_rounds"]))
+    assert mixed_noise_floor({**record, "tuned_schedule": {"schedule": {"64": 7, "256": 4}}}, rows, 256) == {}
+    assert mixed_noise_floor({"mixed_workload": mixed}, rows, 64) == {}  # no tuned schedule
 
 
 def test_gpu_gaps_sum_the_time_no_device_activity_covers():
