@@ -33,9 +33,10 @@
 #                                                    partial until the end), OUT/tuned-schedule.json,
 #                                                    OUT/step-costs.json (dspark bench-plot draws bench.json)
 #   bash benchmarks/trained_pair.sh check WORK OUT [BENCH FLAGS]
-#                                                    the confidence scheduler's check (~4 minutes a pair): the bench
-#                                                    at the concurrencies issue 16 is judged at (1, 4, 64, 256), 32
-#                                                    end-to-end prompts, no torch profiles (later flags win), on the
+#                                                    the confidence scheduler's check (~7-8 minutes a pair): the
+#                                                    bench at the concurrencies issue 16 is judged at (1, 4, 64,
+#                                                    256), 32 end-to-end prompts, the mixed workload also with
+#                                                    prefill apart, no torch profiles (later flags win), on the
 #                                                    pair of a `train WORK OUT 60 430 2048 16` run just before it
 #                                                    (~7 minutes; the next command must follow within the machine's
 #                                                    keep-alive) -> OUT/bench.json; and, if a `snapshot WORK early`
@@ -87,7 +88,7 @@ profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpar
 case "$step" in
   train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" "${8:-48}" ;;
   bench) shift 3; bench --profile --profile-batches 1,64 "$@" ;;
-  check) shift 3; bench --concurrency 1,4,64,256 --e2e-prompts 32 "$@"
+  check) shift 3; bench --concurrency 1,4,64,256 --e2e-prompts 32 --mixed-prefill-apart "$@"
          if [ -d "$work/dspark-early" ]; then
            # (no end-to-end prompts: the strong pair's say what they say of the engine; this pair is for the schedule)
            drafter="$work/dspark-early" dest="$out/early" bench --concurrency 1,4,64,256 --e2e-prompts 0 "$@"

@@ -303,7 +303,8 @@ def end_to_end(llms: dict, prompts: list[list[int]], max_tokens: int) -> dict[st
     return results
 
 
-def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, seed: int = 0) -> dict:
+def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, seed: int = 0,
+                   mixed_prefill: bool = True) -> dict:
     """Requests arriving while others decode (so steps mix prefill and decode): ``prompts`` submitted one by
     one at Poisson arrival times of ``rate`` per second (seeded), greedy, ``max_tokens`` each; the engine steps
     whenever it has work. -> output tokens/s over the whole run, mean TTFT and TPOT, steps, and the share of
@@ -311,7 +312,8 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     (``step_ms``: ``engine.step``'s mean; ``host_ms``: of it, per step, scheduling, the executor's step (the device's
     work and its wait), committing, and a confidence-scheduled engine's decision; ``mean_batch`` /
     ``mean_tokens_fed``: what a step fed); a confidence-scheduled engine's choices over the run besides
-    (``scheduled``: ``scheduled_since``)."""
+    (``scheduled``: ``scheduled_since``). ``mixed_prefill`` False: the engine's scheduler keeps prefill apart for
+    this run (``LLMConfig.enable_mixed_prefill``), as built afterwards."""
     import random
 
     from runtime import SamplingParams
@@ -338,6 +340,9 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     with contextlib.ExitStack() as timers:
         engine.scheduler.schedule = counted_schedule
         timers.callback(delattr, engine.scheduler, "schedule")
+        limits = engine.scheduler.limits
+        engine.scheduler.limits = dataclasses.replace(limits, mixed_prefill=mixed_prefill)
+        timers.callback(setattr, engine.scheduler, "limits", limits)
         for owner, name, key in ((engine, "step", "step"), (engine.scheduler, "schedule", "schedule"),
                                  (engine.executor, "execute", "execute"), (engine, "_commit_step", "commit"),
                                  (engine, "_allot_verify_lengths", "decision")):
@@ -660,6 +665,35 @@ def fixed_schedules_spread(row: dict, record: dict, alternate: bool) -> dict:
     return spread
 
 
+APART = "-apart"  # the mixed workload's name for an engine run with prefill apart (--mixed-prefill-apart)
+
+
+def prefill_apart_ratios(runs: dict) -> dict:
+    """--mixed-prefill-apart: each engine's tokens/s under the mixed workload with prefill apart over with mixed
+    steps (``mixed_apart_vs_mixed``, and ``_paired`` where rounds pair up), and the confidence engine against the
+    tuned one with prefill apart (``mixed_confidence_vs_tuned_apart``). {} without apart runs."""
+    ratios, paired = {}, {}
+    for name, run in runs.items():
+        kind = name.removesuffix(APART)
+        if name.endswith(APART) and kind in runs:
+            ratios[kind] = run["tokens_per_s"] / runs[kind]["tokens_per_s"]
+            pair = paired_ratio(run.get("tokens_per_s_rounds", []), runs[kind].get("tokens_per_s_rounds", []))
+            if pair is not None:
+                paired[kind] = pair
+    if not ratios:
+        return {}
+    out = {"mixed_apart_vs_mixed": ratios}
+    if paired:
+        out["mixed_apart_vs_mixed_paired"] = paired
+    confidence, tuned = runs.get("confidence" + APART), runs.get("tuned" + APART)
+    if confidence and tuned:
+        out["mixed_confidence_vs_tuned_apart"] = confidence["tokens_per_s"] / tuned["tokens_per_s"]
+        pair = paired_ratio(confidence.get("tokens_per_s_rounds", []), tuned.get("tokens_per_s_rounds", []))
+        if pair is not None:
+            out["mixed_confidence_vs_tuned_apart_paired"] = pair
+    return out
+
+
 def mixed_noise_floor(record: dict, rows: list[dict], max_batch: int) -> dict:
     """Under the mixed workload, where the tuned schedule drafts ``max_draft_len`` at every batch size up to
     ``max_batch`` (the workload's batch; ``rows`` the sweep's, for the block length), the tuned and fixed engines are
@@ -839,10 +873,19 @@ def run(args) -> dict:
                                context_ms=timing.get("context_ms"))
         print(f"dspark bench: {kind} concurrency {c}: {timing}", file=sys.stderr, flush=True)
 
-    def mixed(llm) -> dict:
+    def mixed(llm, mixed_prefill: bool = True) -> dict:
         mixed_prompts = sweep_prompts or end_to_end_prompts(args, None, vocab, args.mixed_requests)
         return mixed_workload(llm, [mixed_prompts[i % len(mixed_prompts)][:args.prompt_len]
-                                    for i in range(args.mixed_requests)], args.mixed_rate, args.e2e_tokens)
+                                    for i in range(args.mixed_requests)], args.mixed_rate, args.e2e_tokens,
+                              mixed_prefill=mixed_prefill)
+
+    def mixed_variants(llms: dict) -> dict:
+        """name -> (engine, mixed_prefill): each engine as built, and with --mixed-prefill-apart each one again with
+        prefill apart (``KIND-apart``)."""
+        variants = {kind: (llm, True) for kind, llm in llms.items()}
+        if args.mixed_prefill_apart:
+            variants.update({f"{kind}{APART}": (llm, False) for kind, llm in llms.items()})
+        return variants
 
     def report_e2e(results: dict) -> None:
         for kind, result in results.items():
@@ -858,9 +901,10 @@ def run(args) -> dict:
             # the mixed steps' excess over that table (prefill chunks beside the verifies), learned from them
             record["confidence_mixed_step_costs_served"] = llm.engine.confidence.mixed_costs.to_json()
         if args.mixed_rate and with_mixed:
-            record.setdefault("mixed_workload", {})[kind] = mixed(llm)
-            print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,
-                  flush=True)
+            for name, (engine_, mixed_prefill) in mixed_variants({kind: llm}).items():
+                record.setdefault("mixed_workload", {})[name] = mixed(engine_, mixed_prefill)
+                print(f"dspark bench: {name} mixed workload: {record['mixed_workload'][name]}", file=sys.stderr,
+                      flush=True)
         if e2e_prompts is not None and with_e2e:
             report_e2e(end_to_end({kind: llm}, e2e_prompts, args.e2e_tokens))
         release(llm)
@@ -934,9 +978,10 @@ def run(args) -> dict:
                 record_row(kind, llm, c, median_round(timings[kind]))
                 rows[c][f"{kind}_tokens_per_s_rounds"] = [t["tokens_per_s"] for t in timings[kind]]
         if args.mixed_rate:
-            runs = {kind: [] for kind in llms}
-            for kind, result in alternating_rounds(llms, mixed, args.rounds):
-                runs[kind].append(result)
+            variants = mixed_variants(llms)
+            runs = {name: [] for name in variants}
+            for name, result in alternating_rounds(variants, lambda variant: mixed(*variant), args.rounds):
+                runs[name].append(result)
             for kind, results in runs.items():
                 record.setdefault("mixed_workload", {})[kind] = {
                     **median_round(results), "tokens_per_s_rounds": [m["tokens_per_s"] for m in results]}
@@ -994,6 +1039,7 @@ def run(args) -> dict:
             record["mixed_confidence_vs_tuned_paired"] = paired_ratio(
                 mixed_runs["confidence"]["tokens_per_s_rounds"], mixed_runs["tuned"]["tokens_per_s_rounds"])
         record.update(mixed_noise_floor(record, list(rows.values()), max(args.concurrency)))
+    record.update(prefill_apart_ratios(record.get("mixed_workload", {})))
     for row in rows.values():
         row["dspark_step_vs_ar"] = row["dspark_step_ms"] / row["ar_step_ms"]
         if "tuned_tokens_per_s" in row:
@@ -1198,12 +1244,21 @@ def summary(record: dict) -> str:
                          f"{chose['committed_tokens_per_request']:.2f}; decided "
                          f"steps predicted {chose['predicted_step_ms']:.2f} ms, measured "
                          f"{chose['measured_decided_step_ms']:.2f}")
-        for kind in ("tuned", "confidence"):  # where a step's time went, each engine
+        for kind in ("tuned", "confidence", "tuned" + APART, "confidence" + APART):  # where a step's time went
             run = record.get("mixed_workload", {}).get(kind, {})
             if "step_ms" in run:
                 host = ", ".join(f"{key} {value:.2f}" for key, value in run["host_ms"].items())
                 lines.append(f"  {kind}: {run['steps']} steps of {run['step_ms']:.2f} ms ({host}), "
                              f"{run['mean_batch']:.1f} requests and {run['mean_tokens_fed']:.0f} tokens a step")
+    if "mixed_apart_vs_mixed" in record:
+        paired = record.get("mixed_apart_vs_mixed_paired", {})
+        lines.append("mixed workload with prefill apart / mixed steps: " + ", ".join(
+            f"{kind} {ratio:.3f}" + (f" (paired {paired[kind]:.3f})" if kind in paired else "")
+            for kind, ratio in record["mixed_apart_vs_mixed"].items()))
+        if "mixed_confidence_vs_tuned_apart" in record:
+            pair = record.get("mixed_confidence_vs_tuned_apart_paired")
+            lines.append(f"  with prefill apart, confidence / tuned {record['mixed_confidence_vs_tuned_apart']:.3f}"
+                         + (f" (paired {pair:.3f})" if pair is not None else ""))
     return "\n".join(lines)
 
 
@@ -1315,6 +1370,10 @@ def add_parser(commands) -> None:
                        "engine: requests arriving at this Poisson rate per second while others decode (steps mix "
                        "prefill and decode); each engine's record says where its steps' time went")
     bench.add_argument("--mixed-requests", type=integer(1), default=256, help="requests of --mixed-rate (default 256)")
+    bench.add_argument("--mixed-prefill-apart", action="store_true", help="with --mixed-rate: run the mixed workload "
+                       "on every engine twice, as built (a step may feed prompt chunks beside decodes) and with "
+                       "prefill apart (enable_mixed_prefill=False: prefill steps and decode steps, each graphed), in "
+                       "the same alternating rounds; records mixed_workload[KIND-apart] and mixed_apart_vs_mixed")
     bench.add_argument("--prompts", help="JSONL prompts (prompt, messages or prompt_ids rows) for the sweep (cut "
                        "to --prompt-len; a trained pair's acceptance needs its kind of text) and --e2e-prompts; "
                        "default: random token ids")

@@ -27,6 +27,7 @@ MODEL_FLAGS = {
     "model": ("engine", "model"), "tokenizer": ("engine", "tokenizer"), "dtype": ("engine", "dtype"),
     "device": ("engine", "device"), "max_model_len": ("engine", "max_model_len"),
     "max_num_seqs": ("engine", "max_num_seqs"), "kv_cache_memory": ("engine", "kv_cache_memory"),
+    "enable_mixed_prefill": ("engine", "enable_mixed_prefill"),
     "moe_backend": ("engine", "moe_backend"), "speculative_moe_backend": ("speculative", "moe_backend"),
     "speculative_model": ("speculative", "speculative_model"), "max_draft_len": ("speculative", "max_draft_len"),
     "use_rejection_sampling": ("speculative", "use_rejection_sampling"),
@@ -68,6 +69,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, help="requests decoding at once (default 64)")
     p.add_argument("--kv-cache-memory", type=int, help="bytes for KV pages per process")
+    p.add_argument("--enable-mixed-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="let a step feed prompt chunks beside decoding requests (default); --no-enable-mixed-prefill: "
+                   "prefill steps and decode steps apart, each replaying a CUDA graph (outputs unchanged)")
     p.add_argument("--moe-backend", choices=typing.get_args(MoeBackend), help="expert kernels of an MoE target's "
                    "MoE layers, resolved on each rank (default AUTO: TRITON on CUDA, else DENSEGEMM where torch's "
                    "grouped GEMM runs, else VANILLA); one a rank cannot run is an error naming the rank and why")

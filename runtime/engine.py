@@ -68,7 +68,7 @@ class Engine:
         self.max_model_len = config.max_model_len or int(self.model_config.max_position_embeddings)
         self.pages = PageAllocator(self.executor.num_pages, config.page_size, caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len), self.pages)
+                                                   self.max_model_len, config.enable_mixed_prefill), self.pages)
         if getattr(self.executor, "plans_ahead", False):
             # the next decode step's pages are known when this one is launched (its attention is planned while the
             # GPU runs this step): a token ahead, or with a drafter a whole block (the next verify starts at most
@@ -415,17 +415,23 @@ class Engine:
         """Confidence scheduling: trim each decoding request's proposed block to what this step verifies (of
         ``group``'s requests when drafting is pipelined)."""
         members = [s for s in self.scheduler.running if group is None or s.group == group]
+        kind = self.scheduler.next_step_kind(group, admit=not self._ran_ahead)
+        if kind == "decode":  # prefill apart: the decoding requests alone (a prompt's next chunk waits a step)
+            members = [s for s in members if s.is_decoding]
         seqs = [s for s in members if s.draft_ids and s.draft_confidence is not None]
-        if not seqs:
+        if not seqs or kind == "prefill":  # (prefill apart: this step verifies nothing, the next one decides)
             return
         others, other_tokens, other_context = self._beside_next
+        if kind == "decode":  # beside the verifies only decodes without drafts, a token each
+            plain = [s for s in members if not (s.draft_ids and s.draft_confidence is not None)]
+            others, other_tokens, other_context = len(plain), len(plain), sum(s.num_computed for s in plain)
         context = other_context + sum(s.num_computed for s in seqs)
         self._decided = [s.request_id for s in seqs]
         # a step that will feed more than these verifies (a request still prefilling, an arrival to admit) is mixed:
         # it cannot be a packed step, so it verifies under the padded layout's cap (priced as a mixed step). A queue
         # the full batch leaves no room for does not make it mixed: under a steady load, where requests always wait,
         # most steps admit nobody, and they are packed
-        admitting = self.scheduler.may_admit() and not self._ran_ahead
+        admitting = kind == "mixed" and self.scheduler.may_admit() and not self._ran_ahead
         if admitting:
             # the arrivals it admits are priced too: their prefill is most of a mixed step's cost (run 66, 64
             # requests: such steps were priced as the verifies alone, 7.9 ms, and took 21; the scheduler saw a trim

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from cluster.bench import (MODEL_SHAPES, confidence_bounds, mixed_noise_floor, paired_ratio, schedule_cap,
-                           write_shape)
+from cluster.bench import (MODEL_SHAPES, confidence_bounds, mixed_noise_floor, paired_ratio,
+                           prefill_apart_ratios, schedule_cap, write_shape)
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
 
@@ -114,6 +114,13 @@ def test_a_mixed_workload_submits_while_others_decode(tmp_path):
     assert result["mean_batch"] >= 1 and result["mean_tokens_fed"] >= result["mean_batch"]
     assert result["rate_per_s"] == 400.0 and result["max_tokens"] == 8
     assert "step" not in vars(llm.engine.scheduler) and "schedule" not in vars(llm.engine.scheduler)
+    kinds = []  # with prefill apart: no step feeds a prompt chunk beside a decode; the engine as built afterwards
+    execute = llm.engine.executor.execute
+    llm.engine.executor.execute = lambda batch: (kinds.append({len(e.token_ids) > 1 + e.num_drafts or not e.sample
+                                                               for e in batch.requests}), execute(batch))[1]
+    apart = mixed_workload(llm, prompts, rate=400.0, max_tokens=8, mixed_prefill=False)
+    assert apart["requests"] == 12 and not llm.engine.has_unfinished() and llm.engine.scheduler.limits.mixed_prefill
+    assert all(len(kind) == 1 for kind in kinds) and {True} in kinds and {False} in kinds
 
 
 def test_bench_refuses_a_transformers_peer_on_a_replica(tmp_path):
@@ -167,8 +174,8 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
                            "--concurrency", "1,2", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2",
                            "--warmup", "1", "--kv-cache-gib", "0.05", "--confidence-scheduling", "--tune-schedule",
                            str(schedule), "--acceptance-per-position", "0.99,0.99,0.99", "--e2e-prompts", "2",
-                           "--e2e-tokens", "8", "--mixed-rate", "200", "--mixed-requests", "4", "--profile", "--profile-batches", "1,2",
-                           "--out", str(out)],
+                           "--e2e-tokens", "8", "--mixed-rate", "200", "--mixed-requests", "4", "--mixed-prefill-apart",
+                           "--profile", "--profile-batches", "1,2", "--out", str(out)],
                           cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -188,7 +195,10 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     assert "schedule" in record["tuned_schedule"], record["tuned_schedule"]
     assert record["schedules"] == {"dspark": "fixed", "tuned": "tuned",
                                    "confidence": "confidence within the tuned schedule"}
-    assert set(record["mixed_workload"]) == {"ar", "dspark", "tuned", "confidence"}
+    kinds = ("ar", "dspark", "tuned", "confidence")  # each also with prefill apart, in the same rounds
+    assert set(record["mixed_workload"]) == {*kinds, *(f"{kind}-apart" for kind in kinds)}
+    assert set(record["mixed_apart_vs_mixed"]) == set(kinds) and record["mixed_confidence_vs_tuned_apart"] > 0
+    assert len(record["mixed_workload"]["confidence-apart"]["tokens_per_s_rounds"]) == 3
     assert record["end_to_end"]["prompts"] == 2
     assert {b["draft_len"] for b in record["tuned_schedule"]["best"].values()} <= {0, 1, 2, 3}
     for row in record["runs"]:
@@ -333,6 +343,18 @@ def test_the_mixed_noise_floor_is_reported_only_where_tuned_and_fixed_are_one_en
         mixed["tuned"]["tokens_per_s_rounds"], mixed["dspark"]["tokens_per_s_rounds"]))
     assert mixed_noise_floor({**record, "tuned_schedule": {"schedule": {"64": 7, "256": 4}}}, rows, 256) == {}
     assert mixed_noise_floor({"mixed_workload": mixed}, rows, 64) == {}  # no tuned schedule
+
+
+def test_prefill_apart_ratios_pair_each_engine_with_itself():
+    runs = {"tuned": {"tokens_per_s": 100.0, "tokens_per_s_rounds": [90.0, 100.0, 110.0]},
+            "confidence": {"tokens_per_s": 105.0, "tokens_per_s_rounds": [95.0, 105.0, 115.0]},
+            "tuned-apart": {"tokens_per_s": 150.0, "tokens_per_s_rounds": [140.0, 150.0, 160.0]},
+            "confidence-apart": {"tokens_per_s": 160.0, "tokens_per_s_rounds": [150.0, 160.0, 170.0]}}
+    ratios = prefill_apart_ratios(runs)
+    assert ratios["mixed_apart_vs_mixed"] == pytest.approx({"tuned": 1.5, "confidence": 160 / 105})
+    assert ratios["mixed_apart_vs_mixed_paired"]["tuned"] == pytest.approx(1.5)
+    assert ratios["mixed_confidence_vs_tuned_apart"] == pytest.approx(160 / 150)
+    assert prefill_apart_ratios({"tuned": runs["tuned"]}) == {}
 
 
 def test_gpu_gaps_sum_the_time_no_device_activity_covers():

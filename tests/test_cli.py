@@ -162,3 +162,13 @@ def test_a_429_that_could_never_be_sent_is_refused():
     with pytest.raises(ConfigError, match="max_waiting_requests .* must be below max_ongoing_requests"):
         validate(ServeArgs, {"engine": {"model": "m"}, "deployment": {"max_ongoing_requests": 64,
                                                                        "max_waiting_requests": 64}}, "args")
+
+
+def test_prefill_apart_is_a_serve_flag(qwen3_target):
+    from cluster.cli import MODEL_FLAGS, SERVE_FLAGS, build_parser, serve_args
+
+    def engine(*argv):
+        args = build_parser().parse_args(["serve", "--model", str(qwen3_target), *argv])
+        return serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS}).engine
+
+    assert engine().enable_mixed_prefill and not engine("--no-enable-mixed-prefill").enable_mixed_prefill

@@ -569,6 +569,34 @@ def test_a_step_that_admits_an_arrival_is_priced_with_its_prompt(tmp_path, near_
     assert [outputs[i] for i in (*first, late)] == builders.hf_greedy(near_bigram_target, PROMPTS[:3], 12)
 
 
+def test_with_prefill_apart_every_decision_is_a_pure_verify_step(tmp_path, near_bigram_target, confident_drafter):
+    """``enable_mixed_prefill=False``: arrivals and prompt chunks get steps of their own, so each step the scheduler
+    decides feeds only verifies: priced as such (nothing beside them) and packed where packed graphs serve it, and
+    no decision is made for a prefill step. Greedy outputs stay the target's."""
+    path = tmp_path / "table.json"
+    flat_table(0.001).save(path)
+    llm = LLM(str(near_bigram_target), speculative_config=DSparkDecodingConfig(
+        speculative_model=str(confident_drafter), enable_confidence_scheduling=True,
+        confidence_cost_table_path=str(path)), **{**ENGINE, "enable_mixed_prefill": False,
+                                                  "max_num_batched_tokens": 16})
+    eng, chosen = llm.engine, []
+    eng._packs_steps_of = lambda num: True
+    for name in ("allot", "allot_packed"):
+        method = getattr(eng.confidence, name)
+        setattr(eng.confidence, name, lambda confidences, others=0, other_tokens=0, *a, _m=method, _n=name, **k: (
+            chosen.append((_n, others, other_tokens)), _m(confidences, others, other_tokens, *a, **k))[1])
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ids, outputs, steps = [eng.add_request(PROMPTS[0], greedy)], {}, 0
+    while eng.has_unfinished():
+        if len(ids) < len(PROMPTS) and steps % 3 == 2:  # an arrival every third step, one of 31 tokens (chunks)
+            ids.append(eng.add_request(PROMPTS[len(ids)], greedy))
+        for out in eng.step():
+            outputs[out.request_id] = out.token_ids
+        steps += 1
+    assert chosen and all(decision == ("allot_packed", 0, 0) for decision in chosen)
+    assert [outputs[i] for i in ids] == builders.hf_greedy(near_bigram_target, PROMPTS, 12)
+
+
 def test_expected_admissions_follow_the_schedules_limits():
     """The queue's head in arrival order, within the token budget (a prompt cut at it) and the free slots."""
     pages = PageAllocator(num_pages=64, page_size=4)

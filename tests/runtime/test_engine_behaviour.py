@@ -284,3 +284,36 @@ def test_pages_are_allotted_a_token_ahead_only_where_every_target_rank_plans_ahe
         engine.step()  # decode: its key fills the page; the next one's needs a second
         lookahead[ahead] = len(engine.scheduler.running[0].page_ids)
     assert lookahead == {True: 2, False: 1}
+
+
+def test_prefill_apart_never_mixes_a_step_and_keeps_greedy_outputs(near_bigram_target, make_drafter):
+    """``enable_mixed_prefill=False``: arrivals while others decode (and a prompt longer than the token budget, in
+    chunks) are computed in prefill steps of their own, each followed by a decode step while requests decode;
+    every step is one kind or the other, and greedy outputs are transformers' token for token."""
+    drafter = make_drafter(near_bigram_target, 3)
+    llm = make_llm(near_bigram_target, drafter, enable_mixed_prefill=False, max_num_seqs=4,
+                   max_num_batched_tokens=16)
+    engine, kinds, passed_over = llm.engine, [], []
+    execute = engine.executor.execute
+
+    def spy(batch):
+        fed = {e.request_id for e in batch.requests}
+        decoding = {engine.sequences[i].is_decoding for i in fed}
+        kinds.append("decode" if decoding == {True} else "prefill" if decoding == {False} else "mixed")
+        passed_over.append(any(s.is_decoding and s.request_id not in fed for s in engine.scheduler.running))
+        return execute(batch)
+
+    engine.executor.execute = spy
+    prompts = [[5, 17, 33, 2, 90], [100, 3], list(range(20, 60)), [7] * 12, [9, 8, 7]]
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    ids, outputs = [engine.add_request(prompts[0], greedy)], {}
+    while engine.has_unfinished():
+        if len(ids) < len(prompts) and len(kinds) % 3 == 2:  # an arrival every third step
+            ids.append(engine.add_request(prompts[len(ids)], greedy))
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+    assert "mixed" not in kinds and "decode" in kinds and kinds.count("prefill") >= 4  # the 40-token prompt: chunks
+    # decoding requests wait out one prefill step at most
+    assert not any(a == b == "prefill" and skipped for a, b, skipped in zip(kinds, kinds[1:], passed_over[1:]))
+    assert any(passed_over)  # (some did wait one)
+    assert [outputs[i] for i in ids] == builders.hf_greedy(near_bigram_target, prompts, 10)
