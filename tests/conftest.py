@@ -26,20 +26,13 @@ RAY_FILES = ("tests/cluster/test_replica.py", "tests/cluster/test_serve.py", "te
              "tests/gpu/test_cuda.py")
 
 
-# The demo build on a fresh cache holds two cores' worth of torch threads for ~5 minutes: beside it the Ray tests'
-# actors crawled (the Serve fixture's start took 313 s where alone it takes ~70; a packed-verify replica test 100-124
-# s where alone 5), and the suite took 15-16 minutes. It runs first in the Ray tests' worker instead, while the other
-# worker runs the light tests; the Ray tests follow it, mostly alone on the machine.
-DEMO_BUILD = "tests/test_demo.py::test_demo_build_on_a_fresh_cache"
-
-
 def pytest_xdist_make_scheduler(config, log):
-    """Load scheduling, test by test, except the Ray files and the demo build: one unit of work, in one worker."""
+    """Load scheduling, test by test, except the Ray files: one unit of work, in one worker."""
     from xdist.scheduler import LoadScopeScheduling
 
     class RayFilesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "ray" if nodeid.split("::", 1)[0] in RAY_FILES or nodeid == DEMO_BUILD else nodeid
+            return "ray" if nodeid.split("::", 1)[0] in RAY_FILES else nodeid
 
     return RayFilesTogether(config, log)
 
@@ -51,7 +44,7 @@ def pytest_collection_modifyitems(config, items):
     # tests marked last run at the end of their worker's share (the Ray unit's: by then the other worker has finished
     # and idles): four gloo ranks of a TP=4 replica on two cores took 109-132 s each beside the other worker's tests,
     # ~10 s alone (the suite 13.8 min against ~11)
-    items.sort(key=lambda item: ("last" in item.keywords, item.nodeid != DEMO_BUILD))  # stable otherwise
+    items.sort(key=lambda item: "last" in item.keywords)  # stable: the order otherwise kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
