@@ -219,7 +219,8 @@ def test_a_target_run_stopped_by_its_time_limit_has_annealed_its_learning_rate(t
                             num_kv_heads=1, max_len=32, max_corpus_bytes=100_000, batch_size=4, steps=10**6,
                             max_seconds=2.0, lr=1e-2, device="cpu")
     stats = train_target(cfg, progress=False)
-    assert 10 < stats["steps"] < 10**6  # the clock stopped it
+    # the clock stopped it (a loaded 2-core host ran 9 steps in the 2 s; an idle one a few hundred)
+    assert 1 < stats["steps"] < 10**6
     assert stats["last_lr"] < 0.02 * cfg.lr  # the last steps ran at the end of the cosine, not at the peak
 
 
