@@ -462,10 +462,13 @@ class SurvivalCorrection:
         caller holds the lock around each slice."""
         self._new = self._folds = 0
         k, classes = self._x.shape[0], len(self.history_names)
-        used = (np.arange(FIT_WINDOW)[None, :] < self._filled[:, None]).astype(np.float64)  # [K, W]
-        member = self._h.copy()  # [K, W] each draft's class
+        # the rings fill from their first slot: until one wraps, no slot past the fullest holds a draft, and a young
+        # window (refitted the most often: REFIT_GROWTH) costs its size, not FIT_WINDOW's
+        width = int(self._filled.max())
+        used = (np.arange(width)[None, :] < self._filled[:, None]).astype(np.float64)  # [K, W]
+        member = self._h[:, :width].copy()  # [K, W] each draft's class
         index = (np.arange(k)[:, None] * classes + member).reshape(-1)  # [K*W] position-major (position, class)
-        x, y = self._x.copy(), self._y.copy()
+        x, y = self._x[:, :width].copy(), self._y[:, :width].copy()
         yield
 
         def per_class(weights: np.ndarray) -> np.ndarray:  # [K, W] -> [K, H] summed per position and class
