@@ -313,11 +313,11 @@ class Engine:
     def _steady_decode(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether the step after ``scheduled`` is expected to be the same requests decoding one token more: every
         one a plain greedy decode of one token, all running requests in the step, none at its token limit after it,
-        nothing waiting to be admitted (an end of sequence or a stop string can still end one: the worker then drops
-        the step it launched). With a drafter, also while it drafts nothing (a ``draft_len_schedule`` stops
+        nobody to admit (nothing waits, or the batch is full: under a steady load requests always wait); an end of
+        sequence or a stop string can still end one: the worker then drops the step it launched. With a drafter, also while it drafts nothing (a ``draft_len_schedule`` stops
         speculation at this concurrency; the drafter's context still follows, appended by the same step) unless
         drafting is pipelined (the next step is the other group's)."""
-        if not scheduled or self.scheduler.waiting or len(scheduled) != len(self.scheduler.running) \
+        if not scheduled or self.scheduler.may_admit() or len(scheduled) != len(self.scheduler.running) \
                 or (self.has_drafter and (self.pipelined or self.draft_len()
                                           or self._draft_len_at(self._step_index + 1))):
             return False  # (a drafting hold that ends next step: that step drafts)
@@ -385,9 +385,10 @@ class Engine:
         """With a drafter: whether the next step is expected to be the same requests each verifying ``n`` drafts of
         the block drafted now (``_next_verify``): every one is a greedy verify of this step's block length (no
         logprobs, penalties or sampling) and all running requests are in the step, neither step can reach a
-        request's token limit, nothing waits to be admitted, and drafting is not pipelined. An end of sequence, a
-        stop string, a fault or a closing acceptance gate can still end it: the worker then drops the step."""
-        if not scheduled or n == 0 or self.scheduler.waiting or self.pipelined or self.gate.closed \
+        request's token limit, nobody can be admitted (nothing waits, or the batch is full: under a steady load
+        requests always wait), and drafting is not pipelined. An end of sequence, a stop string, a fault or a
+        closing acceptance gate can still end it: the worker then drops the step."""
+        if not scheduled or n == 0 or self.scheduler.may_admit() or self.pipelined or self.gate.closed \
                 or len(scheduled) != len(self.scheduler.running):
             return False
         k = scheduled[0].num_drafts

@@ -40,12 +40,12 @@ class RecordingExecutor:
         pass
 
 
-def engine(tmp_path) -> tuple[Engine, RecordingExecutor]:
+def engine(tmp_path, max_num_seqs: int = 8) -> tuple[Engine, RecordingExecutor]:
     from transformers import Qwen3Config
 
     Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=32, max_position_embeddings=4096).save_pretrained(tmp_path)
-    config = LLMConfig(model=str(tmp_path), num_pages=256, page_size=16, max_num_seqs=8, device="cpu",
+    config = LLMConfig(model=str(tmp_path), num_pages=256, page_size=16, max_num_seqs=max_num_seqs, device="cpu",
                        dtype="float32")
     executor = RecordingExecutor(config.num_pages)
     return Engine(config, executor), executor
@@ -89,6 +89,22 @@ def test_an_arrival_waits_one_step_when_the_step_was_launched_ahead(tmp_path, dr
     assert not ex.batches[-1].run_ahead
     eng.step()  # now the arrival joins
     assert late in [r.request_id for r in ex.batches[-1].requests]
+
+
+def test_a_full_batch_runs_ahead_while_requests_wait(tmp_path):
+    """Under a steady load requests always wait; while the batch is full nobody can join the next step, so it is
+    still the same requests one token on: launched ahead, except before a step after which one finishes (then the
+    one waiting joins)."""
+    eng, ex = engine(tmp_path, max_num_seqs=2)
+    first, second, third = (eng.add_request(prompt, greedy(n)) for prompt, n in
+                            ((list(range(10, 30)), 6), (list(range(40, 45)), 4), (list(range(50, 55)), 2)))
+    while eng.has_unfinished():
+        eng.step()
+    hints = [([r.request_id for r in b.requests], b.run_ahead) for b in ex.batches]
+    # the prefill, then decodes of the first two (tokens 2, 3, 4: the second finishes after the third) while the
+    # third waits, then the third joins (its prefill beside the first's decode)
+    assert [ids for ids, _ in hints[:4]] == [[first, second]] * 4 and third in hints[4][0]
+    assert [ahead for _, ahead in hints[1:4]] == [True, True, False]  # a request waited throughout
 
 
 @pytest.mark.parametrize("drafter", [False, True])
