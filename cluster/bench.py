@@ -18,8 +18,8 @@ on the same target, eager and compiled (static cache).
 (``cluster.schedule_tuning``) and sweeps an engine with it (``tuned_*`` fields). ``--confidence-scheduling`` sweeps
 an engine whose verify lengths the confidence scheduler chooses (``confidence_*`` fields; its startup profile is
 ``confidence_cost_table``, ``--profile-steps FILE`` saves it, and ``confidence_cost_table_served`` is the table as
-the sweep left it, ``confidence_mixed_step_costs_served`` the mixed steps' excess over it (``runtime.mixed_step_costs``),
-from the sweep's ramps and prefills): within the tuned schedule when both are given (the schedule caps the block it
+the sweep left it, ``confidence_mixed_step_costs_served`` the mixed steps' excess over it
+(``runtime.mixed_step_costs``), from the sweep's ramps and prefills): within the tuned schedule when both are given (the schedule caps the block it
 drafts; ``--confidence-draft-len max``: it drafts max_draft_len beside the tuned schedule instead; ``confidence_vs_tuned`` compares the two engines measured in this run, the median rounds' tokens/s, and
 ``confidence_vs_tuned_paired`` the median of the per-round ratios, each round's two figures taken back to back, so
 the host's drift between rounds cancels), else within ``max_draft_len``. Beside them: what any schedule could gain

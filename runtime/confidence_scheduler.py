@@ -801,8 +801,9 @@ class ConfidenceScheduler:
         for value, _ in order:
             total += value
             expected.append(num + total)
-        predicted = self.predict_ms_list(num + other_requests, tuple(other_tokens + num + b for b in range(offered + 1)),
-                                         context, other_tokens)
+        predicted = self.predict_ms_list(num + other_requests,
+                                         tuple(other_tokens + num + b for b in range(offered + 1)), context,
+                                         other_tokens)
         chosen = sum(sum(row[:n]) for row, n in zip(survival, lengths))
         self.last = Decision(budget, offered, num + chosen, predicted[budget], expected[-1], predicted[-1],
                              [sum(column) for column in zip(*survival)])

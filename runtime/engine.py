@@ -273,12 +273,14 @@ class Engine:
         began = time.perf_counter()
         self._decided, self._packed_columns = [], 0  # this step's choice, made now (if any)
         with region("dspark.schedule"):
+            # a step the worker may have launched ahead is the running requests' decode: arrivals join the next
+            admit = not self._ran_ahead
+            kind = self.scheduler.next_step_kind(group, admit)  # (prefill apart: prefill or decode; else mixed)
             if self.forced_verify_len is not None:
                 self._force_verify_lengths()
             elif self.confidence is not None:
-                self._allot_verify_lengths(group)
-            # a step the worker may have launched ahead is the running requests' decode: arrivals join the next
-            scheduled = self.scheduler.schedule(group, admit=not self._ran_ahead)
+                self._allot_verify_lengths(group, kind)
+            scheduled = self.scheduler.schedule(group, admit, kind)
             next_verify_len, next_packed = self._next_verify(scheduled) if self.has_drafter and scheduled else (0, None)
             self._ran_ahead = self._runs_ahead and (self._steady_verify(scheduled, next_verify_len)
                                                     if self.has_drafter and next_verify_len
@@ -314,9 +316,10 @@ class Engine:
         """Whether the step after ``scheduled`` is expected to be the same requests decoding one token more: every
         one a plain greedy decode of one token, all running requests in the step, none at its token limit after it,
         nobody to admit (nothing waits, or the batch is full: under a steady load requests always wait); an end of
-        sequence or a stop string can still end one: the worker then drops the step it launched. With a drafter, also while it drafts nothing (a ``draft_len_schedule`` stops
-        speculation at this concurrency; the drafter's context still follows, appended by the same step) unless
-        drafting is pipelined (the next step is the other group's)."""
+        sequence or a stop string can still end one: the worker then drops the step it launched. With a drafter,
+        also while it drafts nothing (a ``draft_len_schedule`` stops speculation at this concurrency; the drafter's
+        context still follows, appended by the same step) unless drafting is pipelined (the next step is the other
+        group's)."""
         if not scheduled or self.scheduler.may_admit() or len(scheduled) != len(self.scheduler.running) \
                 or (self.has_drafter and (self.pipelined or self.draft_len()
                                           or self._draft_len_at(self._step_index + 1))):
@@ -412,19 +415,21 @@ class Engine:
             if seq is not None and seq.status is Status.RUNNING and seq.is_decoding and not self.gate.closed:
                 seq.draft_ids, seq.draft_confidence = drafts, confidence
 
-    def _allot_verify_lengths(self, group: int | None = None) -> None:
+    def _allot_verify_lengths(self, group: int | None, kind: str) -> None:
         """Confidence scheduling: trim each decoding request's proposed block to what this step verifies (of
-        ``group``'s requests when drafting is pipelined)."""
+        ``group``'s requests when drafting is pipelined; ``kind``: the step's, ``Scheduler.next_step_kind``)."""
+        if kind == "prefill":  # (prefill apart: this step verifies nothing, the next one decides)
+            return
         members = [s for s in self.scheduler.running if group is None or s.group == group]
-        kind = self.scheduler.next_step_kind(group, admit=not self._ran_ahead)
         if kind == "decode":  # prefill apart: the decoding requests alone (a prompt's next chunk waits a step)
             members = [s for s in members if s.is_decoding]
-        seqs = [s for s in members if s.draft_ids and s.draft_confidence is not None]
-        if not seqs or kind == "prefill":  # (prefill apart: this step verifies nothing, the next one decides)
+        proposes = [bool(s.draft_ids) and s.draft_confidence is not None for s in members]
+        seqs = [s for s, block in zip(members, proposes) if block]
+        if not seqs:
             return
         others, other_tokens, other_context = self._beside_next
         if kind == "decode":  # beside the verifies only decodes without drafts, a token each
-            plain = [s for s in members if not (s.draft_ids and s.draft_confidence is not None)]
+            plain = [s for s, block in zip(members, proposes) if not block]
             others, other_tokens, other_context = len(plain), len(plain), sum(s.num_computed for s in plain)
         context = other_context + sum(s.num_computed for s in seqs)
         self._decided = [s.request_id for s in seqs]
@@ -432,7 +437,7 @@ class Engine:
         # it cannot be a packed step, so it verifies under the padded layout's cap (priced as a mixed step). A queue
         # the full batch leaves no room for does not make it mixed: under a steady load, where requests always wait,
         # most steps admit nobody, and they are packed
-        admitting = kind == "mixed" and self.scheduler.may_admit() and not self._ran_ahead
+        admitting = kind == "mixed" and self.scheduler.may_admit() and not self._ran_ahead  # (admit, in step)
         if admitting:
             # the arrivals it admits are priced too: their prefill is most of a mixed step's cost (run 66, 64
             # requests: such steps were priced as the verifies alone, 7.9 ms, and took 21; the scheduler saw a trim

@@ -125,13 +125,14 @@ class Scheduler:
         arriving = admit and self.may_admit() and any(not self._waits_for_prefill(s) for s in self.waiting)
         return "prefill" if prefilling or arriving else "decode"
 
-    def schedule(self, group: int | None = None, admit: bool = True) -> list[ScheduledRequest]:
+    def schedule(self, group: int | None = None, admit: bool = True,
+                 kind: str | None = None) -> list[ScheduledRequest]:
         """This step's entries. ``group`` (pipelined drafting): only the requests of that group (0 or 1), a waiting
         request joining the group with fewer requests when it is first considered (it is admitted in its group's
         steps); the limits still count both groups. ``admit`` False: no waiting request joins this step (the step
         was launched ahead as the running requests' decode; they join the next). With prefill apart, the step is
-        of ``next_step_kind``."""
-        kind = self.next_step_kind(group, admit)
+        of ``next_step_kind`` (``kind``: as the caller read it with the same arguments just before)."""
+        kind = kind or self.next_step_kind(group, admit)
         scheduled = self._schedule(group, admit and kind != "decode", kind)
         if kind == "prefill" and not scheduled:  # nobody could be admitted: decode instead
             kind, scheduled = "decode", self._schedule(group, False, "decode")
