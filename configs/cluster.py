@@ -39,6 +39,11 @@ class ParallelConfig(BaseModel):
         default=300.0, description="Seconds to wait for placement, process-group setup and weight loading.")
     step_timeout_s: Annotated[float, Field(gt=0)] = Field(
         default=600.0, description="Seconds one step may take before the replica is declared failed and rebuilt.")
+    idle_park_s: Annotated[float, Field(gt=0)] | None = Field(
+        default=2.0, description="Seconds without a step after which the replica parks: its compiled step graph is "
+        "torn down, since while it is armed every actor waits for the next step in a spinning read (a CPU core each, "
+        "idle or not); the next step arms it again first (~0.1-0.2 s on a CPU host, plus the first executions' "
+        "warmup). None: never park (the lowest latency after a pause, a core per actor always busy).")
     ray_address: str | None = Field(
         default=None, description="Ray cluster to join; None joins a running one (address 'auto') or starts a "
         "local one.")

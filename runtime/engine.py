@@ -692,4 +692,5 @@ class Engine:
                 "num_kv_pages": self.pages.num_pages, "prefix_cache_queries": self.pages.num_queried_tokens,
                 "prefix_cache_hits": self.pages.num_hit_tokens, "num_kv_pages_cached": self.pages.num_cached,
                 **({"confidence_scheduling": self.confidence_stats.as_dict(self.confidence)}
-                   if self.confidence is not None else {})}
+                   if self.confidence is not None else {}),
+                **(self.executor.stats() if hasattr(self.executor, "stats") else {})}

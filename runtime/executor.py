@@ -17,7 +17,8 @@ class Executor(Protocol):
     """What runs the engine's steps. An executor may also offer ``host_work`` (``runtime.transfer.HostWork``): host
     tasks the engine queues between steps, run while the next step's device work is in flight (the local executor:
     where its runner waits for the step's read-back; the cluster's: between dispatching a step and collecting it).
-    One without it leaves the engine's deferrable work where it arises."""
+    One without it leaves the engine's deferrable work where it arises. An executor may also offer ``stats()``: a dict
+    of its own counters, which ``Engine.get_metrics`` reports beside the engine's."""
 
     num_pages: int
 

@@ -46,6 +46,11 @@ class EngineCollector:
                    float(m["speculation_disabled"])))
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"{PREFIX}:{name}", doc, value=value)
+        if "replica_parked" in m:  # a Ray replica (cluster.executor: idle parking)
+            yield CounterMetricFamily(f"{PREFIX}:replica_idle_parks", "Times the replica parked its step graph "
+                                      "after idle_park_s without a step.", value=m["replica_idle_parks"])
+            yield GaugeMetricFamily(f"{PREFIX}:replica_parked", "1 while the replica's step graph is parked (idle).",
+                                    value=float(m["replica_parked"]))
         scheduling = m.get("confidence_scheduling")
         if scheduling is not None:  # enable_confidence_scheduling
             last = scheduling["last"]

@@ -54,7 +54,8 @@ def test_tp2_matches_the_single_process_engine(ray_cluster, near_bigram_target, 
         for name, params in PARAM_SETS.items():
             expected = [o.token_ids for o in local.generate(PROMPTS, params)]
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected, name
-        assert llm.get_metrics() == {**local.get_metrics(), "num_kv_pages_used": 0}
+        assert llm.get_metrics() == {**local.get_metrics(), "num_kv_pages_used": 0,  # (+ the executor's own)
+                                     "replica_idle_parks": llm.engine.executor.parks, "replica_parked": False}
         info = llm.rank_info()
         roles = [(i["rank"], i["role"], i["holds_drafter"]) for i in info]
         expected_roles = [(0, "target", True), (1, "target", False)] if mode == "colocated" else \
@@ -84,6 +85,45 @@ def test_tp2_moe_target_equals_transformers_and_every_rank_reports_its_backend(r
         assert [(i["tp_rank"], i["moe_backend"], i["draft_moe_backend"]) for i in info] == [
             (0, backend, "none"), (1, backend, "none")]
         assert llm.get_metrics()["num_drafts"] > 0
+    free_cpus_return()
+
+
+def cpu_seconds(pid: int) -> float:
+    """A local process's user + system CPU time so far (``/proc``)."""
+    import os
+
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_replica_parks_its_step_graph_and_the_next_step_arms_it_again(ray_cluster, near_bigram_target,
+                                                                                 drafter):
+    """While the compiled step graph is armed every actor spins in Ray's channel read (a core each, idle or not):
+    after idle_park_s without a step it is torn down, the actors use (almost) no CPU, and the next step compiles it
+    again and gives the same tokens; idle_park_s=None never parks."""
+    import time
+
+    spec = DSparkDecodingConfig(speculative_model=str(drafter))
+    greedy = PARAM_SETS["greedy"]
+    with LLM(str(near_bigram_target), speculative_config=spec, tensor_parallel_size=2, idle_park_s=0.4,
+             **ENGINE) as llm:
+        first = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+        assert llm.get_metrics()["replica_parked"] is False
+        deadline = time.monotonic() + 10
+        while not llm.get_metrics()["replica_parked"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert llm.get_metrics()["replica_idle_parks"] == 1
+        pids = [info["pid"] for info in llm.rank_info()]
+        before = [cpu_seconds(pid) for pid in pids]
+        time.sleep(1.0)
+        used = [cpu_seconds(pid) - b for pid, b in zip(pids, before)]
+        assert max(used) < 0.3, used  # armed, each spins ~1 s of CPU a second
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == first
+        assert llm.get_metrics()["replica_parked"] is False
+    with LLM(str(near_bigram_target), tensor_parallel_size=2, idle_park_s=None, **ENGINE) as llm:
+        llm.generate(PROMPTS[:1], greedy[:1])
+        time.sleep(0.6)
+        assert llm.get_metrics()["replica_idle_parks"] == 0 and not llm.get_metrics()["replica_parked"]
     free_cpus_return()
 
 

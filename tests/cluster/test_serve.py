@@ -393,7 +393,7 @@ def test_metrics_and_health(server):
                  "dspark:spec_decode_mean_acceptance_length", "dspark:time_to_first_token_seconds",
                  "dspark:time_per_output_token_seconds", "dspark:e2e_request_latency_seconds",
                  "dspark:num_requests_running", "dspark:num_requests_waiting", "dspark:kv_pages_used",
-                 "dspark:moe_backend_info"):
+                 "dspark:moe_backend_info", "dspark:replica_idle_parks", "dspark:replica_parked"):
         assert name in families, name
     positions = {s.labels["position"] for s in families["dspark:spec_decode_num_accepted_tokens_per_pos"].samples}
     assert positions == {"0", "1", "2", "3"}
