@@ -84,6 +84,7 @@ def test_the_engines_host_work_runs_while_the_actors_compute_and_its_error_stays
     """``RayExecutor._run_step``: the deferred host work runs between dispatching a step and collecting it; a task
     that raises is the engine's error (not a replica actor's), raised once the step's result is read (a compiled
     graph's result must be), and the tasks after it stay queued."""
+    import threading
     import types
 
     import cluster.executor as executor_module
@@ -94,6 +95,7 @@ def test_the_engines_host_work_runs_while_the_actors_compute_and_its_error_stays
     executor.config = types.SimpleNamespace(parallel=types.SimpleNamespace(step_timeout_s=5.0))
     executor.step_graph = types.SimpleNamespace(execute=lambda wire: (order.append("dispatched"), "ref")[1])
     executor.host_work = HostWork()
+    executor._graph_lock = threading.Lock()  # (idle parking's: the step path takes it)
     monkeypatch.setattr(executor_module.ray, "get", lambda ref, timeout: (order.append("collected"), [ref])[1])
     executor.host_work.add(lambda: order.append("task"))
     assert executor._run_step("wire") == ["ref"] and order == ["dispatched", "task", "collected"]
