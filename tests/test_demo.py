@@ -27,6 +27,7 @@ def digest(path: Path) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.first  # the longest test: it starts the other worker's share (tests/conftest.py)
 def test_demo_build_on_a_fresh_cache(tmp_path):
     env = {**os.environ, "DSPARK_CACHE": str(tmp_path / "cache")}
     # at a lower priority (the build is deterministic however slowly it runs): ./run-tests runs it beside the Ray
