@@ -203,12 +203,24 @@ class RayExecutor:
             finally:
                 self._last_step = time.monotonic()
 
-    def _run_armed_step(self, wire) -> list:
-        if self.step_graph is None:  # parked while idle: arm it again
+    def arm(self) -> None:
+        """Ready the step graph: the engine calls this first thing in a step, before it times the step, so that a
+        parked replica compiles its graph again there and the step time the engine learns from is the step's."""
+        if self.step_graph is None:
+            with self._graph_lock:
+                self._arm_graph()
+
+    def _arm_graph(self) -> None:
+        if self.step_graph is None:  # parked while idle: compile it again
             try:
                 self.step_graph = self._compile_step()
             except Exception as exc:  # noqa: BLE001 - translated (or re-raised) by _raise_from
                 _raise_from(exc, "a replica actor", "compile the step graph")
+            finally:
+                self._last_step = time.monotonic()  # (not parked again before the step comes)
+
+    def _run_armed_step(self, wire) -> list:
+        self._arm_graph()  # (parked between the engine's arm() and now: rare)
         try:
             ref = self.step_graph.execute(wire)
         except Exception as exc:  # noqa: BLE001 - translated (or re-raised) by _raise_from

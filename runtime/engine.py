@@ -79,6 +79,7 @@ class Engine:
         # drafter the next greedy verify of the blocks drafted now, whole or at confidence scheduling's cap
         # (ScheduledBatch.next_verify_len; GraphedTargetForward.launch_verify_ahead)
         self._runs_ahead = getattr(self.executor, "runs_ahead", False)
+        self._arm = getattr(self.executor, "arm", None)  # (Executor: optional) readies it before a step is timed
         self._ran_ahead = False  # the step just scheduled may be launched ahead of its turn
         self.stops = StopCriteria(self._eos_token_ids(), self.tokenizer, self.max_model_len)
         self.metrics = SpecMetrics()
@@ -270,6 +271,8 @@ class Engine:
         group = None
         if self.pipelined:
             group, self._turn = self._turn, 1 - self._turn
+        if self._arm is not None:
+            self._arm()
         began = time.perf_counter()
         self._decided, self._packed_columns = [], 0  # this step's choice, made now (if any)
         with region("dspark.schedule"):

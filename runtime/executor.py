@@ -18,7 +18,8 @@ class Executor(Protocol):
     tasks the engine queues between steps, run while the next step's device work is in flight (the local executor:
     where its runner waits for the step's read-back; the cluster's: between dispatching a step and collecting it).
     One without it leaves the engine's deferrable work where it arises. An executor may also offer ``stats()``: a dict
-    of its own counters, which ``Engine.get_metrics`` reports beside the engine's."""
+    of its own counters, which ``Engine.get_metrics`` reports beside the engine's; and ``arm()``, which the engine
+    calls first thing in every step, before it times the step (a parked Ray replica compiles its step graph there)."""
 
     num_pages: int
 
