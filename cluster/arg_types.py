@@ -38,3 +38,22 @@ def number(minimum: float, above: bool = False) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+NEVER = "never"
+
+
+def number_or_never(minimum: float, above: bool = False) -> Callable[[str], float | str]:
+    """``number(minimum, above)``, or the word ``never`` (returned as ``NEVER``: the caller maps it to the config's
+    None, which a flag's own None, "not given", cannot say)."""
+    parse_number = number(minimum, above)
+
+    def parse(text: str) -> float | str:
+        if text == NEVER:
+            return NEVER
+        try:
+            return parse_number(text)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{exc} or {NEVER!r}") from None
+
+    return parse

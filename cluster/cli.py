@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster import bench, bench_plot
-from cluster.arg_types import integer, number
+from cluster.arg_types import NEVER, integer, number, number_or_never
 from configs import ConfigError, LLMConfig, ParallelConfig, ReplicaConfig, ServeArgs, validate
 from configs.training import DrafterTrainConfig, TargetTrainConfig
 from configs.files import read_mapping
@@ -35,6 +35,7 @@ MODEL_FLAGS = {
     "speculative_revision": ("speculative", "revision"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"), "drafter": ("parallel", "drafter"),
     "pipeline_drafter": ("parallel", "pipeline_drafter"),
+    "idle_park_s": ("parallel", "idle_park_s"),
     "ray_address": ("parallel", "ray_address"),
 }
 APP_NAME = "dspark"  # the Serve application `dspark serve` deploys
@@ -64,6 +65,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-drafter", action="store_true", default=None,
                    help="with --drafter separate: two request groups take turns, the drafter drafting one while "
                    "the target verifies the other (pays with many requests; exact-match verification only)")
+    p.add_argument("--idle-park-s", type=number_or_never(0, above=True), metavar="SECONDS|never",
+                   help="seconds without a step after which a Ray replica parks its step graph (its actors stop "
+                   "spinning a core each; the next step compiles it again); never: keep it armed (default 2)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="default auto (bf16 on GPU)")
     p.add_argument("--device", help="auto (default), cpu, cuda")
     p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
@@ -293,7 +297,7 @@ def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
     for flag, (section, field) in flags.items():
         value = getattr(args, flag, None)
         if value is not None:
-            sections[section][field] = value
+            sections[section][field] = None if value == NEVER else value
     key = api_key_from(args)
     if key is not None:
         data["api_key"] = key

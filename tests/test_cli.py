@@ -172,3 +172,18 @@ def test_prefill_apart_is_a_serve_flag(qwen3_target):
         return serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS}).engine
 
     assert engine().enable_mixed_prefill and not engine("--no-enable-mixed-prefill").enable_mixed_prefill
+
+
+def test_idle_parking_is_a_serve_flag(qwen3_target, capsys):
+    from cluster.cli import MODEL_FLAGS, SERVE_FLAGS, build_parser, serve_args
+
+    def parallel(*argv):
+        args = build_parser().parse_args(["serve", "--model", str(qwen3_target), *argv])
+        return serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS}).parallel
+
+    assert parallel().idle_park_s == 2.0 and parallel("--idle-park-s", "0.5").idle_park_s == 0.5
+    assert parallel("--idle-park-s", "never").idle_park_s is None
+    for bad in ("0", "soon"):
+        with pytest.raises(SystemExit):
+            parallel("--idle-park-s", bad)
+        assert "argument --idle-park-s: wants a number > 0" in capsys.readouterr().err
