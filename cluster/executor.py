@@ -17,7 +17,8 @@ Idle parking: an armed compiled graph's actors wait for the next step in Ray's c
 ``sched_yield`` loop: a whole CPU core per actor, and the same on the driver while it waits for a step), also while
 the replica has nothing to do. After ``ParallelConfig.idle_park_s`` without a step the executor tears the graph
 down (the actors then block in Ray's ordinary task loop, using nothing); the next step compiles it again first
-(~0.1-0.2 s on a CPU host, plus the first executions' warmup) and counts an unpark (``stats``).
+(~0.1-0.2 s on a CPU host, plus the first executions' warmup; the engine calls ``arm`` before it times a step).
+``stats``: the parks so far and whether the replica is parked now.
 """
 
 from __future__ import annotations
@@ -117,8 +118,7 @@ class RayExecutor:
         """The parker thread: tear the step graph down once no step has run for ``idle_s`` seconds."""
         while not self._closing.wait(idle_s / 4):
             with self._graph_lock:
-                if self.step_graph is not None and time.monotonic() - self._last_step >= idle_s \
-                        and not self._closing.is_set():
+                if self.step_graph is not None and time.monotonic() - self._last_step >= idle_s:
                     self._teardown_graph()
                     self.parks += 1
                     log.debug("dspark: replica idle for %.1f s: step graph parked", idle_s)
