@@ -28,7 +28,10 @@ tokens fed)``. The scheduler, in either of two step layouts:
    attend over (``StepCostTable``: cells learned at other contexts are read as if at this one). A mixed step (it
    feeds more than verifies) runs eagerly and costs more than the table's cell of its sizes by an amount the
    verify lengths hardly move: it is priced as that cell plus the excess learned from the mixed steps served
-   (``runtime.mixed_step_costs``), so a trim's saving is weighed against the whole step it is part of.
+   (``runtime.mixed_step_costs``), so a trim's saving is weighed against the whole step it is part of. So is a
+   verify step an engine that launches steps ahead did not launch ahead (``serial``: it adds the host's step work
+   to the device's), and such steps teach that excess, not the table's cells, which stay those of steps launched
+   ahead as the startup profile timed them.
 
 4. the survivals are fitted online to what the engine's own verifications accepted (``SurvivalCorrection``: per
    position a logistic regression of each reached draft's acceptance on its confidence's logit and its request's
@@ -595,6 +598,10 @@ class ConfidenceScheduler:
         # whole-block cell at 256 requests 15 ms where a graphed whole-block step took 11.7: run 51 trimmed to 5.8
         # of 7 drafts and lost 14%; a table of their own priced run 63's mixed steps 35% low)
         self.mixed_costs = MixedStepCosts(costs)
+        # whether the steps being priced run serially: on an engine that launches steps ahead (the startup profile
+        # times such steps), a step it did not launch ahead costs the host's whole step work on top (set by the
+        # engine before each decision, from the step being served: the regime persists from one step to the next)
+        self.serial = False
         self.temperatures = np.asarray(temps[:max_draft_len], dtype=np.float64)
         self.inverse_temperatures = 1.0 / self.temperatures
         self.layout = layout
@@ -631,21 +638,24 @@ class ConfidenceScheduler:
 
     def predict_ms_many(self, batch: int, tokens, context: int, other_tokens: int) -> np.ndarray:
         """[N] predicted ms of a step of ``batch`` requests feeding each of ``tokens`` [N], ``other_tokens`` of them
-        besides the verifies: the verify steps' table, or where it feeds more (a mixed step) ``mixed_costs``."""
-        if other_tokens:
+        besides the verifies: the verify steps' table, or where it feeds more (a mixed step) or runs serially
+        (``serial``) ``mixed_costs``."""
+        if other_tokens or self.serial:
             return self.mixed_costs.predict_ms_many(batch, tokens, context, other_tokens)
         return self.costs.predict_ms_many(batch, tokens, context)
 
     def predict_ms_list(self, batch: int, tokens: tuple[int, ...], context: int, other_tokens: int) -> list[float]:
         """``predict_ms_many`` as a list (a small step's plain-Python path)."""
-        if other_tokens:
+        if other_tokens or self.serial:
             return self.mixed_costs.predict_ms_list(batch, tokens, context, other_tokens)
         return self.costs.predict_ms_list(batch, tokens, context)
 
-    def observe_step(self, batch: int, tokens: int, seconds: float, context: int, other_tokens: int) -> None:
+    def observe_step(self, batch: int, tokens: int, seconds: float, context: int, other_tokens: int,
+                     serial: bool = False) -> None:
         """A served drafting step into what prices its kind: the verify steps' table, or (``other_tokens``: it fed
-        more than verifies) the mixed steps' excess."""
-        if other_tokens:
+        more than verifies; ``serial``: an engine that launches steps ahead did not launch this one ahead) the
+        excess of ``mixed_costs``."""
+        if other_tokens or serial:
             self.mixed_costs.observe(batch, tokens, seconds, context, other_tokens)
         else:
             self.costs.observe(batch, tokens, seconds, context)

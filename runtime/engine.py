@@ -278,10 +278,13 @@ class Engine:
         with region("dspark.schedule"):
             # a step the worker may have launched ahead is the running requests' decode: arrivals join the next
             admit = not self._ran_ahead
+            # an engine that launches steps ahead, this one not launched ahead: its time holds the host's step work
+            serial = self._runs_ahead and not self._ran_ahead
             kind = self.scheduler.next_step_kind(group, admit)  # (prefill apart: prefill or decode; else mixed)
             if self.forced_verify_len is not None:
                 self._force_verify_lengths()
             elif self.confidence is not None:
+                self.confidence.serial = serial  # (the next step is priced as running as this one does)
                 self._allot_verify_lengths(group, kind)
             scheduled = self.scheduler.schedule(group, admit, kind)
             next_verify_len, next_packed = self._next_verify(scheduled) if self.has_drafter and scheduled else (0, None)
@@ -309,7 +312,7 @@ class Engine:
                 self._take_late_drafts()
         if learn:
             seconds = time.perf_counter() - began
-            self._learn_step_time(scheduled, seconds, decided, drafted)
+            self._learn_step_time(scheduled, seconds, decided, drafted, serial)
             if self._host_work is not None:  # the next step's deferred work: what its device time leaves the host
                 self._host_work.budget_s = HOST_WORK_SHARE * seconds
         self._step_index += 1
@@ -520,7 +523,7 @@ class Engine:
                              sum(e.start_position for e in beside))
 
     def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float, decided: bool,
-                         drafted: bool = True) -> None:
+                         drafted: bool = True, serial: bool = False) -> None:
         """The step's wall time, schedule to commit (what the startup profile times: ``runtime.step_profile``), into
         the cost table at the rows the model computed: a graphed verify step at its graph's cell (the batch bucket
         x Q, padding requests included: run 55's steps of 60 and 72 requests, timed as the 64 and 96 graphs they
@@ -533,10 +536,16 @@ class Engine:
         ``decided``: the scheduler chose this step's verifies (its metrics set the time beside the prediction).
         A step that drafted nothing (``drafted`` False) is no cell of these tables (they price drafting steps): a
         plain decode step (a token a request, each sampled) teaches the plain steps' table (``StepCostTable.plain``,
-        at its graph's rows), others nothing."""
+        at its graph's rows), others nothing. ``serial``: the engine launches steps ahead and did not launch this
+        one ahead, so its time holds the host's whole step work besides the device's (a verify step after a
+        prefill, every step of a sampled batch; at 256 requests on an H200 ~4 ms of a 30-ms step): it teaches the
+        excess of ``MixedStepCosts`` as a mixed step does, not the cells the startup profile timed launched ahead
+        (run 65: the whole-block cell at 256 requests ended at 35.4 ms where the fixed engine's whole-block steps
+        took 30.3, about the host's step work there apart, ~4.4 ms; trims to 6 of 7 columns looked 17% cheaper
+        than whole blocks and saved 2%), and no plain step."""
         fed = [len(e.token_ids) for e in scheduled]
         if not drafted:
-            if not decided and all(f == 1 for f in fed) and all(e.sample for e in scheduled):
+            if not decided and not serial and all(f == 1 for f in fed) and all(e.sample for e in scheduled):
                 plain = self.confidence.costs.plain
                 if plain is not None:
                     rows = len(scheduled) if self.confidence.layout == "ragged" else \
@@ -557,7 +566,8 @@ class Engine:
             tokens = requests * q_len
         # a step that fed anything besides the decided verifies (a prefill chunk, a decode without drafts, or no
         # verify at all) teaches the mixed steps' excess: what the scheduler prices such steps by
-        self.confidence.observe_step(requests, tokens, seconds, sum(e.start_position for e in scheduled), other_tokens)
+        self.confidence.observe_step(requests, tokens, seconds, sum(e.start_position for e in scheduled), other_tokens,
+                                     serial)
         self.confidence_stats.record_step(1e3 * seconds, decided)
 
     def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:

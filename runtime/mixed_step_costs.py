@@ -24,6 +24,12 @@ did). The excess does not depend on the verify lengths the scheduler chooses bet
 the saving of a trim is measured against: in a step dominated by a prefill chunk's eager cost, trimming saves a
 small share of the step. A negative excess is read as none (a mixed step is not cheaper than a graphed verify step
 of the same sizes; a fit below it is noise).
+
+A **serial** verify step is priced and learned here too, with no other tokens: on an engine that launches each step
+before the one before it is read back, the startup profile and the steady steps are launched ahead, and a step's
+wall time is about the device's alone; a step that was not launched ahead (the first verify after a prefill, every
+step of a sampled batch) adds the host's whole step work, which grows with the batch (``a + c x batch``, the same
+features; a mixed step is never launched ahead, so its excess holds that work too).
 """
 
 from __future__ import annotations

@@ -501,6 +501,46 @@ def test_confidence_scheduled_verifies_run_ahead_with_the_cap_already_chosen(tmp
     assert {b.next_verify_len for b in ex.batches if b.run_ahead} == {1}
 
 
+def test_only_verify_steps_launched_ahead_teach_the_cost_table_and_the_others_the_serial_excess(tmp_path):
+    """On an engine that launches steps ahead, the startup profile times steps launched ahead; a step that was not
+    (the first verify after the prefill, the step before a request's last) adds the host's step work, so it
+    teaches ``MixedStepCosts``' excess, and the next decision is priced through it."""
+    eng, ex = spark_engine(tmp_path, confidence=True)
+    execute = ex.execute
+
+    def execute_serial_dearer(batch):  # a step not launched ahead waits 4 ms more: the host's work before it
+        if not (ex.batches and ex.batches[-1].run_ahead):
+            time.sleep(4e-3)
+        return execute(batch)
+
+    ex.execute = execute_serial_dearer
+    scheduler, observed, priced = eng.confidence, [], []
+    observe, allot = scheduler.observe_step, eng._allot_verify_lengths
+
+    def spy_observe(batch, tokens, seconds, context, other_tokens, serial=False):
+        observed.append((len(ex.batches) - 1, other_tokens, serial))
+        observe(batch, tokens, seconds, context, other_tokens, serial)
+
+    def spy_allot(group, kind):
+        priced.append((len(ex.batches), scheduler.serial))
+        allot(group, kind)
+
+    scheduler.observe_step, eng._allot_verify_lengths = spy_observe, spy_allot
+    serve(eng, (list(range(10, 30)), greedy(40)), (list(range(40, 45)), greedy(40)))
+    launched_ahead = [False] + [b.run_ahead for b in ex.batches[:-1]]  # each step: said by the step before it
+    assert observed and all(serial == (not launched_ahead[i]) for i, _, serial in observed)
+    ahead = [i for i, other, serial in observed if not serial and not other]
+    serial = [i for i, other, serial in observed if serial and not other]
+    assert ahead and serial  # steady verifies ran ahead; the first verify after the prefill did not
+    assert scheduler.costs.observations == len(ahead)
+    assert scheduler.mixed_costs.observations == len(observed) - len(ahead)
+    assert all(was_serial == (not launched_ahead[i]) for i, was_serial in priced)  # priced as the step runs
+    scheduler.mixed_costs.flush()
+    scheduler.serial = True  # a serial verify step is the table's cell plus the excess learned (the host's work)
+    excess = scheduler.mixed_costs.excess_ms(2, 0)
+    assert excess > 1.0 and scheduler.predict_ms_list(2, (4,), 0, 0)[0] == pytest.approx(scheduler.costs.predict_ms(2, 4) + excess)
+
+
 
 class PackingExecutor(DraftingExecutor):
     def describe(self) -> list[dict]:  # a graphed target whose packed graphs serve steps of 2 requests on
