@@ -862,7 +862,9 @@ def run(args) -> dict:
                            confidence_unpacked_steps=stats["unpacked_steps"], confidence_layout=stats["layout"],
                            # steps that drafted nothing since drafting did not pay (point 6), holds since startup
                            confidence_drafting_off_steps=stats["drafting_off_steps"],
-                           confidence_drafting_holds=stats["drafting_holds"])
+                           confidence_drafting_holds=stats["drafting_holds"],
+                           # timed steps not launched ahead (priced and learned with the serial excess)
+                           confidence_serial_steps=stats["serial_steps"])
         elif kind == "tuned":
             rows[c].update(tuned_mean_acceptance_length=timing["mean_acceptance_length"])
         elif kind == "dspark":

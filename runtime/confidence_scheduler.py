@@ -1013,6 +1013,7 @@ class ConfidenceStats:
     committed_tokens: int = 0  # tokens the verifying requests committed (accepted drafts + one each), summed
     unpacked_steps: int = 0  # packed layout: decided steps that verified whole blocks instead (runtime.engine)
     drafting_off_steps: int = 0  # steps that drafted nothing because drafting did not pay (DraftingHold)
+    serial_steps: int = 0  # timed steps an engine that runs ahead did not launch ahead (priced with the excess)
     last: dict = field(default_factory=dict)
 
     def record_decision(self, decision: Decision, requests: int) -> None:
@@ -1037,9 +1038,11 @@ class ConfidenceStats:
         if self.last:
             self.last["committed_tokens"] = committed
 
-    def record_step(self, ms: float, decided: bool = True) -> None:
-        """A timed step; ``decided``: the scheduler chose its verify budget (its prediction is comparable)."""
+    def record_step(self, ms: float, decided: bool = True, serial: bool = False) -> None:
+        """A timed step; ``decided``: the scheduler chose its verify budget (its prediction is comparable);
+        ``serial``: not launched ahead by an engine that runs ahead."""
         self.steps += 1
+        self.serial_steps += serial
         self.measured_ms += ms
         if decided:
             self.decided_steps += 1
@@ -1071,6 +1074,7 @@ class ConfidenceStats:
                 "explored_decisions": scheduler.explored, "unpacked_steps": self.unpacked_steps,
                 # point 6: steps that drafted nothing since drafting did not pay, and the holds that began
                 "drafting_off_steps": self.drafting_off_steps, "drafting_holds": scheduler.hold.holds,
+                "serial_steps": self.serial_steps,
                 # (None: no plain steps profiled, the drafting never stops)
                 "plain_cost_table_observations": scheduler.costs.plain.observations
                 if scheduler.costs.plain is not None else None,

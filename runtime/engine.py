@@ -551,7 +551,7 @@ class Engine:
                     rows = len(scheduled) if self.confidence.layout == "ragged" else \
                         self.confidence.graph_rows(len(scheduled))
                     plain.observe(rows, rows, seconds, sum(e.start_position for e in scheduled))
-            self.confidence_stats.record_step(1e3 * seconds, decided)
+            self.confidence_stats.record_step(1e3 * seconds, decided, serial)
             return
         requests, tokens, q_len = len(scheduled), sum(fed), None
         if self._packed is not None:  # a packed graph: an anchor and `columns` drafts a request
@@ -568,7 +568,7 @@ class Engine:
         # verify at all) teaches the mixed steps' excess: what the scheduler prices such steps by
         self.confidence.observe_step(requests, tokens, seconds, sum(e.start_position for e in scheduled), other_tokens,
                                      serial)
-        self.confidence_stats.record_step(1e3 * seconds, decided)
+        self.confidence_stats.record_step(1e3 * seconds, decided, serial)
 
     def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:
         outputs, drafted, accepted = [], 0, 0

@@ -73,7 +73,10 @@ class EngineCollector:
                      scheduling["drafting_off_steps"]),
                     ("confidence_drafting_holds", "Drafting holds begun since startup (each a stretch of plain "
                      "decoding at one batch size, then one block drafted to look again).",
-                     scheduling["drafting_holds"])):
+                     scheduling["drafting_holds"]),
+                    ("confidence_serial_steps", "Steps the replica could have launched ahead of the step before "
+                     "and did not (after a prefill, sampled batches): priced with the host's step work on top "
+                     "(since startup or the last metrics reset).", scheduling["serial_steps"])):
                 yield GaugeMetricFamily(f"{PREFIX}:{name}", doc, value=value)
             yield per_position("confidence_survival_correction", "Survived over predicted survival of the drafts "
                                "verified at each block position, predicted by the offline calibration alone (how "

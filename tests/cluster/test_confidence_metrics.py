@@ -29,6 +29,7 @@ def test_the_scheduler_gauges_are_exported(near_bigram_target, make_drafter):
     stats = llm.get_metrics()["confidence_scheduling"]
     assert f"dspark:confidence_drafting_off_steps {float(stats['drafting_off_steps'])}" in text
     assert f"dspark:confidence_drafting_holds {float(stats['drafting_holds'])}" in text
+    assert f"dspark:confidence_serial_steps {float(stats['serial_steps'])}" in text  # (0: a CPU runs nothing ahead)
     ratios = llm.get_metrics()["confidence_scheduling"]["survival_correction"]
     assert len(ratios) == 4
     for position, ratio in enumerate(ratios):

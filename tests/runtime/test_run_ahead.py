@@ -534,6 +534,7 @@ def test_only_verify_steps_launched_ahead_teach_the_cost_table_and_the_others_th
     assert ahead and serial  # steady verifies ran ahead; the first verify after the prefill did not
     assert scheduler.costs.observations == len(ahead)
     assert scheduler.mixed_costs.observations == len(observed) - len(ahead)
+    assert eng.get_metrics()["confidence_scheduling"]["serial_steps"] == len(observed) - len(ahead)
     assert all(was_serial == (not launched_ahead[i]) for i, was_serial in priced)  # priced as the step runs
     scheduler.mixed_costs.flush()
     scheduler.serial = True  # a serial verify step is the table's cell plus the excess learned (the host's work)
