@@ -45,6 +45,13 @@
 #                                                    Training and bench do not fit one 10-minute command: run 48 tried
 #                                                    (a 240 s recipe) and its drafter got 24 s, tau 1.9; run 49's got
 #                                                    412 s, tau 6.8; run 51's 229 s, tau 5.2.
+#   bash benchmarks/trained_pair.sh quick WORK OUT [BENCH FLAGS]
+#                                                    train and check in one command, for a session whose device time
+#                                                    allows no second command (or a machine taken back between two):
+#                                                    `train WORK OUT 60 300 3072 24 20` (~265 s, a drafter trained
+#                                                    ~45 s: it accepts less, where a schedule has something to gain),
+#                                                    then the bench at 1, 4 and 64 requests in two alternating rounds,
+#                                                    no end-to-end prompts (~300 s) -> OUT/gpu-recipe.json, OUT/bench.json
 #   bash benchmarks/trained_pair.sh snapshot WORK NAME
 #                                                    keep the drafter as it stands as WORK/dspark-NAME (a later
 #                                                    `train` resumes WORK/dspark): a pair that accepts less, on which
@@ -60,7 +67,7 @@
 # ~1.3 s, spread its rounds by +-10%, too short to resolve the 1% the confidence scheduler is held to).
 # Both steps run from the checkout root with .whl-fi (and .fi-cache, if any) carried; see benchmarks/gpu_host.sh.
 set -euo pipefail
-step=${1:?give a step: train, profile, bench, check, snapshot or all}; work=${2:?give a work folder}
+step=${1:?give a step: train, profile, bench, check, quick, snapshot or all}; work=${2:?give a work folder}
 out=${3:?give an output folder (snapshot: a name)}
 [ "$step" = snapshot ] || eval "$(bash benchmarks/gpu_host.sh install)"
 export PYTHONUNBUFFERED=1
@@ -88,6 +95,8 @@ profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpar
 case "$step" in
   train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" "${8:-48}" ;;
   bench) shift 3; bench --profile --profile-batches 1,64 "$@" ;;
+  quick) shift 3; train 60 300 3072 24 20
+         bench --concurrency 1,4,64 --e2e-prompts 0 --rounds 2 "$@" ;;
   check) shift 3; bench --concurrency 1,4,64,256 --e2e-prompts 32 --mixed-prefill-apart "$@"
          if [ -d "$work/dspark-early" ]; then
            # (no end-to-end prompts: the strong pair's say what they say of the engine; this pair is for the schedule)
@@ -100,5 +109,5 @@ case "$step" in
   all) train 100 300 "${4:-512}" "${5:-8}" 48
        profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2
        bench --profile --profile-batches 1,64 ;;
-  *) echo "usage: $0 train|bench|profile|check|snapshot|all WORK OUT|NAME" >&2; exit 2 ;;
+  *) echo "usage: $0 train|bench|profile|check|quick|snapshot|all WORK OUT|NAME" >&2; exit 2 ;;
 esac
