@@ -50,8 +50,12 @@
 #                                                    allows no second command (or a machine taken back between two):
 #                                                    `train WORK OUT 60 300 3072 24 20` (~265 s, a drafter trained
 #                                                    ~45 s: it accepts less, where a schedule has something to gain),
-#                                                    then the bench at 1, 4 and 64 requests in two alternating rounds,
-#                                                    no end-to-end prompts (~300 s) -> OUT/gpu-recipe.json, OUT/bench.json
+#                                                    then the bench at 1, 4 and 64 requests in one round (rounds
+#                                                    must be odd; three do not fit), no end-to-end prompts, no
+#                                                    prefill-apart workload -> OUT/gpu-recipe.json, OUT/bench.json
+#                                                    (run 69: the train 258 s, then `check` with these flags, which
+#                                                    adds prefill apart, 408 s: together near the 10-minute limit,
+#                                                    not yet run whole as one command)
 #   bash benchmarks/trained_pair.sh snapshot WORK NAME
 #                                                    keep the drafter as it stands as WORK/dspark-NAME (a later
 #                                                    `train` resumes WORK/dspark): a pair that accepts less, on which
@@ -96,7 +100,7 @@ case "$step" in
   train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" "${8:-48}" ;;
   bench) shift 3; bench --profile --profile-batches 1,64 "$@" ;;
   quick) shift 3; train 60 300 3072 24 20
-         bench --concurrency 1,4,64 --e2e-prompts 0 --rounds 2 "$@" ;;
+         bench --concurrency 1,4,64 --e2e-prompts 0 --rounds 1 "$@" ;;
   check) shift 3; bench --concurrency 1,4,64,256 --e2e-prompts 32 --mixed-prefill-apart "$@"
          if [ -d "$work/dspark-early" ]; then
            # (no end-to-end prompts: the strong pair's say what they say of the engine; this pair is for the schedule)
