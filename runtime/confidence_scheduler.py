@@ -12,7 +12,10 @@ tokens fed)``. The scheduler, in either of two step layouts:
    **padded** (CUDA graphs, ``runtime.graphs``: every request of a step is padded to the step's longest verify,
    so the step costs its batch x (longest + 1) tokens whatever the others verify): it verifies
    ``min(proposed, Q)`` drafts of every request under one cap ``Q`` (the tier search over the cost curve's
-   steps: under padding, a draft below the cap is free and one above it costs a whole column);
+   steps: under padding, a draft below the cap is free and one above it costs a whole column), and since the cap
+   is chosen before the block it applies to is drafted, the engine drafts only ``Q + 1`` of it
+   (``Engine.drafts_follow_cap``: the drafts past the cap would never be verified, and the one past it keeps that
+   position's confidence in view; the startup profile times each cap so);
 2. the budget (B per request, scaled to this step's batch; or Q) comes from the **previous** step's confidences:
    the choice of which drafts to verify then depends only on each draft's prefix and on other requests, never on
    the draft token being verified, which is what keeps rejection sampling lossless (a budget chosen from the

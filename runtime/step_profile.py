@@ -3,7 +3,8 @@
 For each batch bucket that fits the KV cache (1, 2, 4, ... up to ``max_num_seqs``), that many requests of random
 tokens decode together; once every one carries a proposed block, each verify length L = 0..K is forced on all of them
 for ``repeats`` steps in each of two passes over the lengths (``PASSES``; ``Engine.forced_verify_len``: the engine
-plans and launches each next step ahead at L, as it does at a confidence-scheduled cap; run 37's profile trimmed the
+plans and launches each next step ahead at L, as it does at a confidence-scheduled cap, and where a served step at cap
+L drafts only L + 1 (a padded step, ``Engine.drafts_follow_cap``) the profile's does too; run 37's profile trimmed the
 blocks behind its back, so every timed step of a shorter length dropped a verify launched ahead at the full block and
 ran it again, 1.5-3 ms too slow) and the median step time of both passes is the table's (batch, batch * (L + 1))
 cell, measured at the mean context (KV tokens) its timed steps attended over. Then the same requests decode
@@ -103,10 +104,12 @@ def profile_step_costs(engine, repeats: int = 2, max_batch: int | None = None) -
                                f"{to_first_block} steps")
         times = {length: [] for length in range(drafts + 1)}
         contexts = {length: [] for length in range(drafts + 1)}
+        follows = engine.drafts_follow_cap(batch)  # (a padded step drafts one past its cap, as served)
         try:
             for lengths in [range(drafts + 1), range(drafts, -1, -1)][:PASSES]:
                 for length in lengths:
                     engine.forced_verify_len = length  # the steps planned (and launched) ahead at it, as served
+                    engine.forced_draft_len = min(drafts, length + 1) if follows else None
                     timed_steps(engine, ids, steps_per_length, 1, times[length], contexts[length],
                                 f"a profiling request of {batch} finished before its {max_tokens} tokens' bound; "
                                 f"profiling at length {length}")

@@ -192,15 +192,17 @@ class Worker:
         under confidence scheduling every length from 1 to ``max_draft_len`` (its padded layout verifies
         ``min(proposed, cap)`` drafts, the cap any of them; a step padded past its length's graph, or refused
         padding and run eagerly, would cost what the scheduler's table does not predict)."""
-        if self.spec is not None and self.spec.enable_confidence_scheduling:
-            return list(range(1, int(self.spec.max_draft_len) + 1))
         return self.draft_lengths
 
     @property
     def draft_lengths(self) -> list[int]:
-        """Every block length a step may draft (and verify): ``max_draft_len`` and the schedule's other lengths."""
+        """Every block length a step may draft (and verify): ``max_draft_len`` and the schedule's other lengths, and
+        under confidence scheduling every length from 1 (a padded step drafts one past the cap it will verify at:
+        ``Engine.drafts_follow_cap``)."""
         if self.spec is None:
             return []
+        if self.spec.enable_confidence_scheduling:
+            return list(range(1, int(self.spec.max_draft_len) + 1))
         lengths = {int(self.spec.max_draft_len)} | set((self.spec.draft_len_schedule or {}).values())
         return sorted(k for k in lengths if k > 0)
 

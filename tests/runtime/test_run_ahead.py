@@ -501,6 +501,26 @@ def test_confidence_scheduled_verifies_run_ahead_with_the_cap_already_chosen(tmp
     assert {b.next_verify_len for b in ex.batches if b.run_ahead} == {1}
 
 
+def test_a_padded_confidence_scheduled_step_drafts_one_past_the_cap_it_will_verify_at(tmp_path):
+    """Drafts of confidence 0.9, 0.1, ...: only the first pays, so the cap is 1 and each step drafts 2 of the
+    block of 4 (the second draft's confidence keeps that position in view), until a decision explores (whole
+    blocks, drafted whole); the first step, before any cap, drafts the whole block."""
+    eng, ex = spark_engine(tmp_path, confidence=True)
+    execute, drafted = ex.execute, []
+
+    def recording(batch):  # the cap the engine chose for the next step, beside what it drafts for it
+        drafted.append((batch.num_next_drafts, eng.confidence.cap))
+        return execute(batch)
+
+    ex.execute = recording
+    serve(eng, (list(range(10, 30)), greedy(60)), (list(range(40, 45)), greedy(60)))
+    capped = [(n, cap) for n, cap in drafted if n and cap is not None]
+    assert capped and all(n == min(4, cap + 1) for n, cap in capped)
+    assert sum(n == 2 for n, _ in capped) > len(capped) // 2
+    assert drafted[0][0] == 4  # no cap yet: the whole block
+    assert_launched_steps_come_as_said(ex.batches)
+
+
 def test_only_verify_steps_launched_ahead_teach_the_cost_table_and_the_others_the_serial_excess(tmp_path):
     """On an engine that launches steps ahead, the startup profile times steps launched ahead; a step that was not
     (the first verify after the prefill, the step before a request's last) adds the host's step work, so it
@@ -667,8 +687,9 @@ def test_the_step_profile_plans_and_launches_each_verify_length_as_served(tmp_pa
     from runtime.step_profile import profile_step_costs
 
     eng, ex = spark_engine(tmp_path)  # block 4
+    eng._graph_q_lens = ex.describe()[0]["graph_q_lens"]  # (as Engine._confidence_scheduler reads it, then profiles)
     table = profile_step_costs(eng, repeats=2, max_batch=2)
-    assert eng.forced_verify_len is None and not eng.sequences
+    assert eng.forced_verify_len is None and eng.forced_draft_len is None and not eng.sequences
     said = [(b, nxt) for b, nxt in zip(ex.batches, ex.batches[1:]) if b.run_ahead
             and [r.request_id for r in nxt.requests] == [r.request_id for r in b.requests]]
     wrong = [b for b, nxt in said if any(r.num_drafts != b.next_verify_len for r in nxt.requests)]
@@ -681,6 +702,11 @@ def test_the_step_profile_plans_and_launches_each_verify_length_as_served(tmp_pa
                for b, nxt in said if not b.next_verify_len)
     assert table.batch_sizes == [1, 2] and None not in table.to_json()["step_ms"][0][:5]  # 1 x (0..4 + 1) tokens
     assert table.plain.batch_sizes == [1, 2] and table.plain.predict_ms(2, 2) > 0  # plain decoding, 1 and 2
+    # each length L's steps draft L + 1 (the padded steps served at cap L do: Engine.drafts_follow_cap)
+    verifying = [b for b in ex.batches if b.num_next_drafts and len({r.num_drafts for r in b.requests}) == 1
+                 and b.requests[0].num_drafts >= 1]
+    assert {b.requests[0].num_drafts for b in verifying} == {1, 2, 3, 4}
+    assert all(b.num_next_drafts == min(4, b.requests[0].num_drafts + 1) for b in verifying)
 
 
 def test_the_step_profile_times_packed_steps_where_packed_graphs_serve_them(tmp_path):
@@ -693,12 +719,17 @@ def test_the_step_profile_times_packed_steps_where_packed_graphs_serve_them(tmp_
     packing = PackingExecutor(ex.num_pages)
     packing.engine, eng.executor = eng, packing
     eng._packed_from = 2  # what _confidence_scheduler reads from the graphs' rank info before it profiles
+    eng._graph_q_lens = packing.describe()[0]["graph_q_lens"]
     table = profile_step_costs(eng, repeats=2, max_batch=2)
     drafted = [b for b in packing.batches if any(r.num_drafts for r in b.requests)]
     pairs = [b for b in drafted if len(b.requests) == 2]
     assert {b.packed.columns for b in pairs if b.packed} == {1, 2, 3}  # the lengths short of the block: packed
     assert all(r.num_drafts == 4 for b in pairs if b.packed for r in b.requests)
     assert all(b.packed is None for b in drafted if len(b.requests) == 1)
+    # a packed step's device picks drafts from whole blocks: drafted whole; a padded one drafts one past its length
+    assert all(b.num_next_drafts == 4 for b in pairs if b.num_next_drafts)
+    assert all(b.num_next_drafts == min(4, b.requests[0].num_drafts + 1) for b in drafted
+               if len(b.requests) == 1 and b.num_next_drafts)
     ahead = {b.next_packed.columns for b in pairs if b.run_ahead and b.next_packed}
     assert ahead == {1, 2, 3}  # each packed length planned and launched ahead as served
     row = dict(zip(table.token_counts, table.to_json()["step_ms"][1]))
