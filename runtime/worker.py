@@ -188,9 +188,9 @@ class Worker:
 
     @property
     def verify_lengths(self) -> list[int]:
-        """Every number of drafts a step may verify per request, each a graph's q_len - 1: the drafted lengths, and
-        under confidence scheduling every length from 1 to ``max_draft_len`` (its padded layout verifies
-        ``min(proposed, cap)`` drafts, the cap any of them; a step padded past its length's graph, or refused
+        """Every number of drafts a step may verify per request, each a graph's q_len - 1: the drafted lengths
+        (``draft_lengths``; under confidence scheduling every length from 1, since its padded layout verifies
+        ``min(proposed, cap)`` drafts, the cap any of them, and a step padded past its length's graph, or refused
         padding and run eagerly, would cost what the scheduler's table does not predict)."""
         return self.draft_lengths
 
