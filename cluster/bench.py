@@ -312,7 +312,9 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     (``step_ms``: ``engine.step``'s mean; ``host_ms``: of it, per step, scheduling, the executor's step (the device's
     work and its wait), committing, and a confidence-scheduled engine's decision; ``mean_batch`` /
     ``mean_tokens_fed``: what a step fed); a confidence-scheduled engine's choices over the run besides
-    (``scheduled``: ``scheduled_since``). ``mixed_prefill`` False: the engine's scheduler keeps prefill apart for
+    (``scheduled``: ``scheduled_since``); how the steps' times spread over the run (``step_spread``: quantiles,
+    quarters, idle time, garbage-collector pauses; alternating rounds also keep each round's, ``rounds_spread``).
+    ``mixed_prefill`` False: the engine's scheduler keeps prefill apart for
     this run (``LLMConfig.enable_mixed_prefill``), as built afterwards."""
     import random
 
@@ -360,33 +362,97 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
 
 
 def _mixed_run(engine, prompts: list[list[int]], arrivals: list[float], params) -> dict:
-    """``mixed_workload``'s loop: submit each prompt at its arrival time, step while there is work."""
+    """``mixed_workload``'s loop: submit each prompt at its arrival time, step while there is work. Besides the
+    figures, where the run's time went (``step_spread``): the steps' wall-time quantiles, the mean step of each
+    quarter of the run (a warm-up or a drift shows as a trend), the seconds spent idle waiting for arrivals, and the
+    garbage collector's pauses (collections per generation and their milliseconds): a run on one host can take 12 or
+    23 ms a step for the same work (run 72), and these say whether its host paused, drifted or did more."""
+    pauses = GcPauses()
     start = time.perf_counter()
     submitted, first_token, finished, steps, mixed, pending = {}, {}, {}, 0, 0, 0
-    while len(finished) < len(prompts):
-        now = time.perf_counter() - start
-        while pending < len(prompts) and arrivals[pending] <= now:
-            submitted[engine.add_request(prompts[pending], params)] = time.perf_counter()
-            pending += 1
-        if not engine.has_unfinished():
-            time.sleep(max(0.0, min(arrivals[pending] - now, 0.01)))
-            continue
-        decoding = sum(1 for seq in engine.scheduler.running if seq.output_token_ids)
-        prefilling = engine.num_waiting + engine.num_running - decoding
-        outputs = engine.step()
-        steps += 1
-        mixed += int(decoding > 0 and prefilling > 0)
-        stamp = time.perf_counter()
-        for out in outputs:
-            first_token.setdefault(out.request_id, stamp)
-            if out.finish_reason is not None:
-                finished[out.request_id] = (stamp, len(out.token_ids))
+    step_s, idle_s = [], 0.0
+    with pauses:
+        while len(finished) < len(prompts):
+            now = time.perf_counter() - start
+            while pending < len(prompts) and arrivals[pending] <= now:
+                submitted[engine.add_request(prompts[pending], params)] = time.perf_counter()
+                pending += 1
+            if not engine.has_unfinished():
+                wait = max(0.0, min(arrivals[pending] - now, 0.01))
+                time.sleep(wait)
+                idle_s += wait
+                continue
+            decoding = sum(1 for seq in engine.scheduler.running if seq.output_token_ids)
+            prefilling = engine.num_waiting + engine.num_running - decoding
+            began = time.perf_counter()
+            outputs = engine.step()
+            stamp = time.perf_counter()
+            step_s.append(stamp - began)
+            steps += 1
+            mixed += int(decoding > 0 and prefilling > 0)
+            for out in outputs:
+                first_token.setdefault(out.request_id, stamp)
+                if out.finish_reason is not None:
+                    finished[out.request_id] = (stamp, len(out.token_ids))
     seconds = time.perf_counter() - start
     tokens = sum(n for _, n in finished.values())
     ttft = [first_token[r] - submitted[r] for r in finished]
     tpot = [(end - first_token[r]) / (n - 1) for r, (end, n) in finished.items() if n > 1]
     return {"seconds": seconds, "tokens_per_s": tokens / seconds, "mean_ttft_ms": 1e3 * sum(ttft) / len(ttft),
-            "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1), "steps": steps, "mixed_step_share": mixed / steps}
+            "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1), "steps": steps, "mixed_step_share": mixed / steps,
+            "step_spread": {**step_spread(step_s), "idle_s": idle_s, "gc": pauses.summary()}}
+
+
+def round_spread(result: dict) -> dict:
+    """One mixed round's figures to set beside the others' (``mixed_workload``'s record): its tokens/s, steps, mean
+    and median step ms, the mean step of each quarter, and its garbage collector's milliseconds."""
+    spread = result.get("step_spread", {})
+    return {"tokens_per_s": result["tokens_per_s"], "steps": result["steps"], "step_ms": result.get("step_ms"),
+            "p50_ms": spread.get("step_ms_quantiles", {}).get("p50"), "quarters_ms": spread.get("step_ms_quarters"),
+            "gc_ms": spread.get("gc", {}).get("ms")}
+
+
+def step_spread(step_s: list[float]) -> dict:
+    """Step wall times (seconds, in run order) -> ms quantiles (p10, p50, p90, p99, max), the mean of each quarter
+    of the run in order, and the share of steps over twice the median."""
+    if not step_s:
+        return {}
+    ordered = sorted(step_s)
+
+    def quantile(q: float) -> float:
+        return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    quarters = [step_s[i * len(step_s) // 4:(i + 1) * len(step_s) // 4] for i in range(4)]
+    median = ordered[len(ordered) // 2]
+    return {"step_ms_quantiles": {name: quantile(q) for name, q in
+                                  (("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))},
+            "step_ms_quarters": [1e3 * sum(part) / len(part) for part in quarters if part],
+            "slow_step_share": sum(1 for s in step_s if s > 2 * median) / len(step_s)}
+
+
+class GcPauses:
+    """Within the block, the garbage collector's collections per generation and the milliseconds they took
+    (``gc.callbacks``)."""
+
+    def __init__(self):
+        self.counts, self.seconds, self._began = [0, 0, 0], 0.0, 0.0
+
+    def _note(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._began
+            self.counts[min(int(info.get("generation", 0)), 2)] += 1
+
+    def __enter__(self):
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._note)
+
+    def summary(self) -> dict:
+        return {"collections": list(self.counts), "ms": 1e3 * self.seconds}
 
 
 def scheduled_since(before, after) -> dict:
@@ -986,7 +1052,8 @@ def run(args) -> dict:
                 runs[name].append(result)
             for kind, results in runs.items():
                 record.setdefault("mixed_workload", {})[kind] = {
-                    **median_round(results), "tokens_per_s_rounds": [m["tokens_per_s"] for m in results]}
+                    **median_round(results), "tokens_per_s_rounds": [m["tokens_per_s"] for m in results],
+                    "rounds_spread": [round_spread(m) for m in results]}
                 print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,
                       flush=True)
         if with_e2e and e2e_prompts is not None:
@@ -1246,12 +1313,17 @@ def summary(record: dict) -> str:
                          f"{chose['committed_tokens_per_request']:.2f}; decided "
                          f"steps predicted {chose['predicted_step_ms']:.2f} ms, measured "
                          f"{chose['measured_decided_step_ms']:.2f}")
-        for kind in ("tuned", "confidence", "tuned" + APART, "confidence" + APART):  # where a step's time went
+        # where a step's time went
+        for kind in ("ar", "dspark", "tuned", "confidence", "tuned" + APART, "confidence" + APART):
             run = record.get("mixed_workload", {}).get(kind, {})
             if "step_ms" in run:
                 host = ", ".join(f"{key} {value:.2f}" for key, value in run["host_ms"].items())
                 lines.append(f"  {kind}: {run['steps']} steps of {run['step_ms']:.2f} ms ({host}), "
                              f"{run['mean_batch']:.1f} requests and {run['mean_tokens_fed']:.0f} tokens a step")
+                if run.get("rounds_spread"):  # each round: mean / median step, its quarters, the collector's pauses
+                    lines.append("    rounds: " + "; ".join(
+                        f"{r['step_ms']:.2f} / {r['p50_ms']:.2f} ms [" + " ".join(f"{q:.1f}" for q in r["quarters_ms"])
+                        + f"] gc {r['gc_ms']:.0f} ms" for r in run["rounds_spread"] if r.get("p50_ms") is not None))
     if "mixed_apart_vs_mixed" in record:
         paired = record.get("mixed_apart_vs_mixed_paired", {})
         lines.append("mixed workload with prefill apart / mixed steps: " + ", ".join(

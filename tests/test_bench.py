@@ -113,6 +113,11 @@ def test_a_mixed_workload_submits_while_others_decode(tmp_path):
     assert 0 < result["host_ms"]["execute"] < result["step_ms"] and result["host_ms"]["schedule"] > 0
     assert result["mean_batch"] >= 1 and result["mean_tokens_fed"] >= result["mean_batch"]
     assert result["rate_per_s"] == 400.0 and result["max_tokens"] == 8
+    spread = result["step_spread"]  # where the run's time went: the steps' spread, idle time, the collector's pauses
+    quantiles = spread["step_ms_quantiles"]
+    assert 0 < quantiles["p10"] <= quantiles["p50"] <= quantiles["p90"] <= quantiles["p99"] <= quantiles["max"]
+    assert len(spread["step_ms_quarters"]) == 4 and spread["idle_s"] >= 0 and 0 <= spread["slow_step_share"] < 1
+    assert len(spread["gc"]["collections"]) == 3 and spread["gc"]["ms"] >= 0
     assert "step" not in vars(llm.engine.scheduler) and "schedule" not in vars(llm.engine.scheduler)
     kinds = []  # with prefill apart: no step feeds a prompt chunk beside a decode; the engine as built afterwards
     execute = llm.engine.executor.execute
@@ -121,6 +126,24 @@ def test_a_mixed_workload_submits_while_others_decode(tmp_path):
     apart = mixed_workload(llm, prompts, rate=400.0, max_tokens=8, mixed_prefill=False)
     assert apart["requests"] == 12 and not llm.engine.has_unfinished() and llm.engine.scheduler.limits.mixed_prefill
     assert all(len(kind) == 1 for kind in kinds) and {True} in kinds and {False} in kinds
+
+
+def test_the_step_spread_reads_quantiles_quarters_and_slow_steps_and_the_collector_pauses_are_counted():
+    import gc
+
+    from cluster.bench import GcPauses, round_spread, step_spread
+
+    spread = step_spread([0.001] * 6 + [0.002, 0.010])  # six 1-ms steps, then a 2-ms and a 10-ms one
+    assert spread["step_ms_quantiles"]["p50"] == pytest.approx(1.0) and spread["step_ms_quantiles"]["max"] == 10.0
+    assert spread["step_ms_quarters"] == pytest.approx([1.0, 1.0, 1.0, 6.0])
+    assert spread["slow_step_share"] == 1 / 8  # only the 10-ms step is over twice the median
+    assert step_spread([]) == {}
+    with GcPauses() as pauses:
+        gc.collect()
+    assert pauses.summary()["collections"][2] >= 1 and pauses.summary()["ms"] > 0
+    assert pauses._note not in gc.callbacks
+    assert round_spread({"tokens_per_s": 5.0, "steps": 8, "step_ms": 2.0, "step_spread": {
+        **spread, "gc": pauses.summary()}})["quarters_ms"] == pytest.approx([1.0, 1.0, 1.0, 6.0])
 
 
 def test_bench_refuses_a_transformers_peer_on_a_replica(tmp_path):
@@ -211,6 +234,8 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
             assert len(rounds) == 3 and row[f"{kind}_tokens_per_s"] == sorted(rounds)[1]
         assert "roofline_fraction" not in row and "ar_forward_ms" not in row
     assert len(record["mixed_workload"]["confidence"]["tokens_per_s_rounds"]) == 3
+    assert [r["tokens_per_s"] for r in record["mixed_workload"]["confidence"]["rounds_spread"]] == record[
+        "mixed_workload"]["confidence"]["tokens_per_s_rounds"]  # each round's spread beside its tokens/s
     chose = record["mixed_workload"]["confidence"]["scheduled"]  # what it chose under the mixed load (a loaded
     # CPU may find drafting never pays there: no decisions)
     assert chose["decisions"] >= 0 and 0 <= chose["verify_budget_per_request"] <= chose["offered_per_request"]
