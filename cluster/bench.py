@@ -313,7 +313,8 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     work and its wait), committing, and a confidence-scheduled engine's decision; ``mean_batch`` /
     ``mean_tokens_fed``: what a step fed); a confidence-scheduled engine's choices over the run besides
     (``scheduled``: ``scheduled_since``); how the steps' times spread over the run (``step_spread``: quantiles,
-    quarters, idle time, garbage-collector pauses; alternating rounds also keep each round's, ``rounds_spread``).
+    quarters, idle time, garbage-collector pauses, on a CUDA device the caching allocator's mallocs and retries;
+    alternating rounds also keep each round's, ``rounds_spread``).
     ``mixed_prefill`` False: the engine's scheduler keeps prefill apart for
     this run (``LLMConfig.enable_mixed_prefill``), as built afterwards."""
     import random
@@ -365,13 +366,15 @@ def _mixed_run(engine, prompts: list[list[int]], arrivals: list[float], params) 
     """``mixed_workload``'s loop: submit each prompt at its arrival time, step while there is work. Besides the
     figures, where the run's time went (``step_spread``): the steps' wall-time quantiles, the mean step of each
     quarter of the run (a warm-up or a drift shows as a trend), the seconds spent idle waiting for arrivals, and the
-    garbage collector's pauses (collections per generation and their milliseconds): a run on one host can take 12 or
-    23 ms a step for the same work (run 72), and these say whether its host paused, drifted or did more."""
-    pauses = GcPauses()
+    garbage collector's pauses (collections per generation and their milliseconds), and on a CUDA device the caching
+    allocator's cudaMalloc / cudaFree calls and retries (every engine of a bench is alive on one device: near its
+    memory's end a retry frees the cache and synchronizes): a run on one host can take 12 or 23 ms a step for the
+    same work (run 72), and these say whether its host paused, drifted or its allocator struggled."""
+    pauses, allocator = GcPauses(), AllocatorEvents()
     start = time.perf_counter()
     submitted, first_token, finished, steps, mixed, pending = {}, {}, {}, 0, 0, 0
     step_s, idle_s = [], 0.0
-    with pauses:
+    with pauses, allocator:
         while len(finished) < len(prompts):
             now = time.perf_counter() - start
             while pending < len(prompts) and arrivals[pending] <= now:
@@ -400,16 +403,20 @@ def _mixed_run(engine, prompts: list[list[int]], arrivals: list[float], params) 
     tpot = [(end - first_token[r]) / (n - 1) for r, (end, n) in finished.items() if n > 1]
     return {"seconds": seconds, "tokens_per_s": tokens / seconds, "mean_ttft_ms": 1e3 * sum(ttft) / len(ttft),
             "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1), "steps": steps, "mixed_step_share": mixed / steps,
-            "step_spread": {**step_spread(step_s), "idle_s": idle_s, "gc": pauses.summary()}}
+            "step_spread": {**step_spread(step_s), "idle_s": idle_s, "gc": pauses.summary(),
+                            **({"allocator": allocator.summary()} if allocator.summary() else {})}}
 
 
 def round_spread(result: dict) -> dict:
     """One mixed round's figures to set beside the others' (``mixed_workload``'s record): its tokens/s, steps, mean
-    and median step ms, the mean step of each quarter, and its garbage collector's milliseconds."""
+    and median step ms, the mean step of each quarter, its garbage collector's milliseconds, and on a CUDA device its
+    allocator's cudaMalloc calls and retries (None elsewhere)."""
     spread = result.get("step_spread", {})
     return {"tokens_per_s": result["tokens_per_s"], "steps": result["steps"], "step_ms": result.get("step_ms"),
             "p50_ms": spread.get("step_ms_quantiles", {}).get("p50"), "quarters_ms": spread.get("step_ms_quarters"),
-            "gc_ms": spread.get("gc", {}).get("ms")}
+            "gc_ms": spread.get("gc", {}).get("ms"),
+            "alloc_retries": spread.get("allocator", {}).get("num_alloc_retries"),
+            "device_allocs": spread.get("allocator", {}).get("num_device_alloc")}
 
 
 def step_spread(step_s: list[float]) -> dict:
@@ -428,6 +435,49 @@ def step_spread(step_s: list[float]) -> dict:
                                   (("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))},
             "step_ms_quarters": [1e3 * sum(part) / len(part) for part in quarters if part],
             "slow_step_share": sum(1 for s in step_s if s > 2 * median) / len(step_s)}
+
+
+class AllocatorEvents:
+    """Within the block, what the CUDA caching allocator did beyond serving from its cache (``memory_stats``
+    deltas): cudaMalloc and cudaFree calls, retries after a failed allocation (each frees the cache and synchronizes
+    the device), out-of-memory errors, and the device memory free at the start (GiB). Empty off a CUDA device."""
+
+    COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms")
+
+    def __init__(self):
+        self._before: dict | None = None
+        self._after: dict | None = None
+        self._free_gib = 0.0
+
+    @staticmethod
+    def _active() -> bool:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def _counters(self) -> dict:
+        import torch
+
+        stats = torch.cuda.memory_stats()
+        return {name: int(stats.get(name, 0)) for name in self.COUNTERS}
+
+    def __enter__(self):
+        if self._active():
+            import torch
+
+            self._before = self._counters()
+            self._free_gib = torch.cuda.mem_get_info()[0] / 2**30
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._before is not None:
+            self._after = self._counters()
+
+    def summary(self) -> dict:
+        if self._before is None or self._after is None:
+            return {}
+        return {**{name: self._after[name] - self._before[name] for name in self.COUNTERS},
+                "free_gib_at_start": self._free_gib}
 
 
 class GcPauses:
@@ -1323,7 +1373,10 @@ def summary(record: dict) -> str:
                 if run.get("rounds_spread"):  # each round: mean / median step, its quarters, the collector's pauses
                     lines.append("    rounds: " + "; ".join(
                         f"{r['step_ms']:.2f} / {r['p50_ms']:.2f} ms [" + " ".join(f"{q:.1f}" for q in r["quarters_ms"])
-                        + f"] gc {r['gc_ms']:.0f} ms" for r in run["rounds_spread"] if r.get("p50_ms") is not None))
+                        + f"] gc {r['gc_ms']:.0f} ms"
+                        + (f", {r['device_allocs']} mallocs, {r['alloc_retries']} retries"
+                           if r.get("device_allocs") is not None else "")
+                        for r in run["rounds_spread"] if r.get("p50_ms") is not None))
     if "mixed_apart_vs_mixed" in record:
         paired = record.get("mixed_apart_vs_mixed_paired", {})
         lines.append("mixed workload with prefill apart / mixed steps: " + ", ".join(

@@ -131,7 +131,7 @@ def test_a_mixed_workload_submits_while_others_decode(tmp_path):
 def test_the_step_spread_reads_quantiles_quarters_and_slow_steps_and_the_collector_pauses_are_counted():
     import gc
 
-    from cluster.bench import GcPauses, round_spread, step_spread
+    from cluster.bench import AllocatorEvents, GcPauses, round_spread, step_spread
 
     spread = step_spread([0.001] * 6 + [0.002, 0.010])  # six 1-ms steps, then a 2-ms and a 10-ms one
     assert spread["step_ms_quantiles"]["p50"] == pytest.approx(1.0) and spread["step_ms_quantiles"]["max"] == 10.0
@@ -144,6 +144,9 @@ def test_the_step_spread_reads_quantiles_quarters_and_slow_steps_and_the_collect
     assert pauses._note not in gc.callbacks
     assert round_spread({"tokens_per_s": 5.0, "steps": 8, "step_ms": 2.0, "step_spread": {
         **spread, "gc": pauses.summary()}})["quarters_ms"] == pytest.approx([1.0, 1.0, 1.0, 6.0])
+    with AllocatorEvents() as allocator:  # no CUDA device here: the allocator says nothing rather than zeros
+        pass
+    assert allocator.summary() == {}
 
 
 def test_bench_refuses_a_transformers_peer_on_a_replica(tmp_path):
