@@ -267,6 +267,9 @@ class Engine:
             return 0
         if k and self.confidence is not None and self.confidence.cap is not None and self.drafts_follow_cap(running):
             return min(k, self.confidence.cap + 1)
+        if k and self.confidence is not None and self.confidence.packed_draft_len is not None \
+                and self.drafts_follow_columns(running):
+            return min(k, self.confidence.packed_draft_len)
         return k
 
     def drafts_follow_cap(self, num: int) -> bool:
@@ -277,8 +280,16 @@ class Engine:
         4 requests: drafting 7 and verifying none 3.10 ms a step, a plain step 2.31, the tuned schedule's K = 2 step
         2.76); the one draft past the cap keeps that position's confidence in view, so the next cap can rise by a
         column a step, and a decision that explores verifies (and so drafts) whole blocks. A packed step's device
-        picks drafts from whole blocks: it drafts the schedule's length."""
+        picks drafts from whole blocks: it drafts as ``drafts_follow_columns`` says."""
         return bool(self._graph_q_lens) and not self._packs_steps_of(num)
+
+    def drafts_follow_columns(self, num: int) -> bool:
+        """Whether a step of ``num`` requests drafts only as long a block as the packed step that verifies it can
+        use (``ConfidenceScheduler.packed_draft_len``: one past the longest share a request took of the last block
+        at the columns already chosen for that step): a packed step, whose device picks the top survivals of the
+        blocks as drafted (a packed graph pads a shorter block to K with drafts that propose nothing,
+        ``GraphedTargetForward.run_packed``; an eager one ranks the block as it is)."""
+        return self._packs_steps_of(num)
 
     def step(self) -> list[RequestOutput]:
         group = None

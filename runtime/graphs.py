@@ -388,6 +388,8 @@ class GraphedTargetForward:
         if num != len(reqs):
             return None
         next_q_len = self.served_by.get((batch, next_q_len), next_q_len) if next_q_len else q_len
+        if columns:  # a packed graph feeds K + 1 rows a request, a shorter block padded
+            next_q_len = self.q_lens[-1]
         if (batch, columns) not in self.packed_graphs if columns else (batch, next_q_len) not in self.graphs:
             return None
         accepted = self._accepted_read.wait().tolist()
@@ -419,15 +421,18 @@ class GraphedTargetForward:
         num, ps = len(reqs), self.page_size
         fed = drafts.shape[1] + 1  # anchor and drafts; the graph's length may be longer (served_by: padded)
         columns = packed.columns if packed is not None else 0
-        q_len = fed if columns else self.served_by.get((batch, fed), fed)
+        # (a packed graph feeds K + 1 rows a request: a shorter block is padded, its padding proposing nothing)
+        q_len = self.q_lens[-1] if columns else self.served_by.get((batch, fed), fed)
         if drafts.shape[0] != num or len(accepted) != num or (batch, q_len) not in self.graphs \
-                or (columns and ((batch, columns) not in self.packed_graphs or q_len != self.q_lens[-1]
-                                 or confidence is None)):
+                or (columns and ((batch, columns) not in self.packed_graphs or confidence is None)):
             return False
         upcoming = [ScheduledRequest(r.request_id, [0] * fed, next_anchor_position(r, a), r.page_ids, fed - 1,
                                      True, r.params, r.seed) for r, a in zip(reqs, accepted)]
-        if any(-(-(r.start_position + q_len) // ps) > len(r.page_ids) for r in upcoming):
-            return False  # its pages do not cover the block (and its padding) yet
+        # its pages must cover the block (and a uniform step's padding; a packed step's padding writes the scratch page
+        # and is never fed)
+        covered = fed if columns else q_len
+        if any(-(-(r.start_position + covered) // ps) > len(r.page_ids) for r in upcoming):
+            return False
         g = self.packed_graphs[(batch, columns)] if columns else self.graphs[(batch, q_len)]
         inputs, layout = graph_inputs(upcoming, batch, q_len, ps, self.scratch_page)
         self.inputs[:, :batch * q_len].copy_(torch.from_numpy(inputs), non_blocking=True)

@@ -4,7 +4,9 @@ For each batch bucket that fits the KV cache (1, 2, 4, ... up to ``max_num_seqs`
 tokens decode together; once every one carries a proposed block, each verify length L = 0..K is forced on all of them
 for ``repeats`` steps in each of two passes over the lengths (``PASSES``; ``Engine.forced_verify_len``: the engine
 plans and launches each next step ahead at L, as it does at a confidence-scheduled cap, and where a served step at cap
-L drafts only L + 1 (a padded step, ``Engine.drafts_follow_cap``) the profile's does too; run 37's profile trimmed the
+L drafts only L + 1 (a padded step, ``Engine.drafts_follow_cap``) the profile's does too; a packed step's block
+follows the shares requests took (``Engine.drafts_follow_columns``), unknown here, so the profile drafts its columns
+whole blocks and the served steps teach their cells what they cost drafting less; run 37's profile trimmed the
 blocks behind its back, so every timed step of a shorter length dropped a verify launched ahead at the full block and
 ran it again, 1.5-3 ms too slow) and the median step time of both passes is the table's (batch, batch * (L + 1))
 cell, measured at the mean context (KV tokens) its timed steps attended over. Then the same requests decode

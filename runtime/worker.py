@@ -197,8 +197,9 @@ class Worker:
     @property
     def draft_lengths(self) -> list[int]:
         """Every block length a step may draft (and verify): ``max_draft_len`` and the schedule's other lengths, and
-        under confidence scheduling every length from 1 (a padded step drafts one past the cap it will verify at:
-        ``Engine.drafts_follow_cap``)."""
+        under confidence scheduling every length from 1 (a padded step drafts one past the cap it will verify at,
+        ``Engine.drafts_follow_cap``; a packed one one past the longest share of the last block at its columns,
+        ``Engine.drafts_follow_columns``)."""
         if self.spec is None:
             return []
         if self.spec.enable_confidence_scheduling:

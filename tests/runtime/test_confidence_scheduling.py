@@ -13,7 +13,7 @@ from runtime import LLM, SamplingParams
 from runtime.confidence_scheduler import (FIT_WINDOW, FOLD_DEFERRED_MOST, FOLD_EVERY, HISTORY_NONE, HOLD_FIRST,
                                           REFIT_FOLDS, ConfidenceScheduler, ConfidenceStats, DraftingHold,
                                           SurvivalCorrection, SurvivalSkill, history_classes, next_history,
-                                          read_calibration, top_drafts)
+                                          packed_draft_len, read_calibration, top_drafts)
 from runtime.mixed_step_costs import MixedStepCosts
 from runtime.pages import PageAllocator
 from runtime.scheduler import Scheduler, SchedulerLimits
@@ -668,6 +668,27 @@ def test_a_row_is_read_as_its_lower_envelope():
     assert spiky.predict_ms_many(192, np.arange(1, 9)).tolist() == pytest.approx([3.20] + [3.72] * 7)
     rising = StepCostTable([1], list(range(1, 9)), [[1.0 + 0.1 * t for t in range(1, 9)]])
     assert rising.predict_ms_many(1, np.arange(1, 9)) == pytest.approx([1.0 + 0.1 * t for t in range(1, 9)])
+
+
+def test_a_packed_step_drafts_one_past_the_longest_share_a_request_took_at_the_columns_chosen():
+    """The block for a packed step is drafted before it exists: the device will pick the top S x c survivals, so the
+    engine drafts one past the longest share a request took of this block at those columns (a request it trusts
+    takes more than c, one it doubts none), whole blocks at whole-block columns, one draft at none."""
+    survival = np.array([[0.9, 0.8, 0.7, 0.6], [0.5, 0.1, 0.05, 0.01], [0.4, 0.3, 0.02, 0.01]])
+    # 2 columns over 3 requests: the top 6 are the trusted request's 4 and the others' first (0.5, 0.4)
+    assert top_drafts(survival, np.ones_like(survival, dtype=bool), 6).tolist() == [4, 1, 1]
+    assert packed_draft_len(survival, [4, 4, 4], 2, 7) == 5  # grows past the block: a request took all of it
+    assert packed_draft_len(survival, [4, 4, 4], 2, 4) == 4  # (never past max_draft_len)
+    assert packed_draft_len(survival, [4, 4, 4], 1, 7) == 4  # top 3: the trusted request's first three
+    assert packed_draft_len(survival, [4, 4, 4], 7, 7) is None  # whole blocks: the schedule's length
+    assert packed_draft_len(survival, [4, 4, 4], 0, 7) == 1  # nothing verified: one draft keeps it in view
+    assert packed_draft_len(survival, [2, 4, 4], 2, 7) == 3  # the first block proposed two: it takes both
+    # the scheduler sets it with the columns it chose for the next step: here only first drafts pay
+    costs = StepCostTable([64], [64 * q for q in range(1, 9)], [[2.0 + 0.02 * 64 * q for q in range(1, 9)]])
+    scheduler = ConfidenceScheduler(7, costs, layout="packed")
+    assert scheduler.packed_draft_len is None  # no decision yet: whole blocks
+    scheduler.allot_packed([[0.9] + [0.05] * 6] * 64)
+    assert scheduler.columns == 1 and scheduler.packed_draft_len == 2
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])

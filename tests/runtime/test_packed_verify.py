@@ -192,6 +192,37 @@ def test_the_packed_layout_keeps_greedy_outputs_and_learns_what_the_device_verif
     assert stats["survival_correction"] != [1.0] * 4  # learned from the verified counts
 
 
+def test_a_packed_step_drafts_only_what_its_columns_let_a_request_take_and_keeps_greedy_outputs(
+        tmp_path, near_bigram_target, make_drafter):
+    """The packed layout, forced on a CPU engine, its decisions held at one column: each block is drafted one past
+    the longest share a request took of the last one (``packed_draft_len``), so the packed steps verify blocks
+    shorter than K, and greedy outputs are still transformers'."""
+    from configs import DSparkDecodingConfig
+    from tests import builders
+    from tests.runtime.test_confidence_scheduling import ENGINE, PROMPTS
+
+    path = tmp_path / "table.json"
+    flat_table(0.6).save(path)
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4, oracle=True)),
+                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
+    llm = LLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
+    scheduler = llm.engine.confidence
+    scheduler.layout = "packed"
+    scheduler._best = lambda expected, predicted: 1  # one column (and a cap of one) every decision
+    fed = []
+    execute = llm.engine.executor.execute
+
+    def recorded(batch):
+        if batch.packed is not None:
+            fed.append(batch.requests[0].num_drafts)
+        return execute(batch)
+
+    llm.engine.executor.execute = recorded
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == builders.hf_greedy(near_bigram_target, PROMPTS, 24)
+    assert fed and min(fed) < 4  # packed steps of blocks drafted shorter than the drafter's 4
+
+
 def test_small_steps_of_the_packed_layout_are_padded(tmp_path, near_bigram_target, make_drafter):
     """A graphed engine packs only the steps its packed graphs' buckets serve (``packed_from`` requests on); the
     smaller ones verify under the padded layout's cap. Both kinds in one run keep greedy outputs."""

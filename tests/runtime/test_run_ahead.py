@@ -394,6 +394,37 @@ def test_a_packed_verify_launched_ahead_ranks_the_block_drafted_and_is_used_only
     assert forward.steps_ahead_dropped == 2 and len(packed.fed) == 3
     assert torch.allclose(forward.packed_confidence, torch.tensor([[0.3, 0.1], [0.7, 0.6]]))
 
+def test_a_packed_verify_of_a_shorter_block_is_launched_ahead_padded_to_the_packed_graph():
+    """A packed step's block drafted shorter than K (``ConfidenceScheduler.packed_draft_len``) is launched ahead
+    into the packed graph of K + 1 rows a request: the block's drafts, then padding (token 0 at the last real
+    position, proposing nothing: confidence 0), its pages needed only under the block; taken when scheduled so."""
+    from runtime.step_io import PackedAhead
+
+    forward, uniform = _verify_forward(batch=2, q_len=4, shorter=3)  # K = 3; blocks of 2 drafted
+    packed = _with_packed_graph(forward, batch=2, q_len=4, columns=1)
+    pages = {"a": [5, 6, 7], "b": [8, 9]}  # a's pages end at position 11, b's at 7
+    forward.run([_verify("a", [10, 11, 12], 4, pages["a"]), _verify("b", [20, 21, 22], 1, pages["b"])], 3)
+    committed, accepted = torch.tensor([[11, 12, 40], [50, 0, 0]]), torch.tensor([2, 0])
+    drafts, confidence = torch.tensor([[41, 42], [51, 52]]), torch.tensor([[0.9, 0.5], [0.8, 0.2]])
+    bias = [[0.0] * 3] * 7  # K = 3: 7 verify-history classes
+    forward._accepted_pending = 2  # (the accepted counts read back while the drafter drafts: a's 2, b's 0)
+    forward._accepted_read = type("Read", (), dict(wait=lambda self: accepted))()
+    assert forward.plan_next_verify(3, columns=1) == [2, 0]
+    assert forward.planned[("packed", 2, 1)].qo_lens == [4, 4]  # at the packed graph's K + 1 rows, not 3
+    assert forward.launch_verify_ahead([2, 0], committed, accepted, drafts, False, PackedAhead(1, [1.0] * 3, bias,
+                                                                                                [0, 0]), confidence)
+    ids, positions, slots = packed.fed[0]
+    assert ids == [40, 41, 42, 0, 50, 51, 52, 0]  # each block padded to K + 1 rows
+    assert positions == [7, 8, 9, 9, 2, 3, 4, 4]  # the padding at the last real position
+    assert slots[3] // 4 == slots[7] // 4 == 99  # writing the scratch page
+    assert forward.packed_confidence.tolist() == torch.tensor([[0.9, 0.5, 0.0], [0.8, 0.2, 0.0]]).tolist()  # the
+    # padding proposes nothing
+    forward.set_ahead_tokens([(40, 41, 42), (50, 51, 52)])
+    following = [_verify("a", [40, 41, 42], 7, pages["a"]), _verify("b", [50, 51, 52], 2, pages["b"])]
+    forward.run_packed(following, [[0.9, 0.5], [0.8, 0.2]], [1.0] * 3, bias, [0, 0], 1)
+    assert len(packed.fed) == 1 and forward.packed_run_ahead == 1 and len(uniform.fed) == 0
+
+
 # ---- the engine's side with a drafter: ScheduledBatch.run_ahead on steady greedy verify steps --------------------
 
 class DraftingExecutor(RecordingExecutor):
@@ -419,11 +450,11 @@ class DraftingExecutor(RecordingExecutor):
         return [{"role": "target", "draft_confidence_head": True, "graph_q_lens": [1, 2, 3, 4, 5]}]
 
 
-def spark_engine(tmp_path, block: int = 4, confidence: bool = False,
-                 schedule: dict[int, int] | None = None) -> tuple[Engine, DraftingExecutor]:
-    """A DSpark engine over ``DraftingExecutor``; ``confidence``: confidence scheduling, a step costing 2 ms plus
-    0.5 ms a token fed (the executor sleeps as much): of drafts of confidence 0.9, 0.1, ... only the first pays;
-    ``schedule``: its ``draft_len_schedule``."""
+def spark_engine(tmp_path, block: int = 4, confidence: bool = False, schedule: dict[int, int] | None = None,
+                 executor_class: type = DraftingExecutor) -> tuple[Engine, DraftingExecutor]:
+    """A DSpark engine over ``DraftingExecutor`` (or ``executor_class``); ``confidence``: confidence scheduling, a
+    step costing 2 ms plus 0.5 ms a token fed (the executor sleeps as much): of drafts of confidence 0.9, 0.1, ...
+    only the first pays; ``schedule``: its ``draft_len_schedule``."""
     from configs import DSparkDecodingConfig
     from runtime.step_costs import StepCostTable
     from tests import builders
@@ -439,7 +470,7 @@ def spark_engine(tmp_path, block: int = 4, confidence: bool = False,
     config = LLMConfig(model=str(target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter),
                                                                                   **spec),
                        num_pages=256, page_size=16, max_num_seqs=8, device="cpu", dtype="float32")
-    executor = DraftingExecutor(config.num_pages, timed=confidence)
+    executor = executor_class(config.num_pages, timed=confidence)
     eng = Engine(config, executor)
     executor.engine = eng
     return eng, executor
@@ -519,6 +550,32 @@ def test_a_padded_confidence_scheduled_step_drafts_one_past_the_cap_it_will_veri
     assert sum(n == 2 for n, _ in capped) > len(capped) // 2
     assert drafted[0][0] == 4  # no cap yet: the whole block
     assert_launched_steps_come_as_said(ex.batches)
+
+
+def test_a_packed_confidence_scheduled_step_drafts_one_past_the_longest_share_at_its_columns(tmp_path):
+    """Drafts of confidence 0.9, 0.1, ...: only first drafts pay, so the packed steps verify one column, each request
+    takes its first draft of the block, and the engine drafts 2 of the block of 4 for them (blocks padded to 4 in
+    the packed graph); a decision that explores verifies, and so drafts, whole blocks; before any decision, whole
+    blocks. The step launched ahead verifies the block as drafted."""
+    eng, packed = spark_engine(tmp_path, confidence=True, executor_class=PackingExecutor)
+    assert eng.confidence.layout == "packed" and eng.drafts_follow_columns(2) and not eng.drafts_follow_columns(1)
+    execute, drafted = packed.execute, []
+
+    def recording(batch):  # what the engine drafts for the next step, beside the columns and length it chose
+        drafted.append((len(batch.requests), batch.num_next_drafts, eng.confidence.columns,
+                        eng.confidence.packed_draft_len))
+        return execute(batch)
+
+    packed.execute = recording
+    serve(eng, (list(range(10, 30)), greedy(60)), (list(range(40, 45)), greedy(60)))
+    both = [(n, columns, length) for requests, n, columns, length in drafted if requests == 2 and n]
+    assert both[0][0] == 4  # no decision yet: the whole block
+    chosen = [(n, columns, length) for n, columns, length in both if columns is not None]
+    assert chosen and all(n == (4 if length is None else min(4, length)) for n, _, length in chosen)
+    assert all(length is None for _, columns, length in chosen if columns >= 4)  # exploring: whole blocks
+    assert sum(n == 2 and columns == 1 for n, columns, _ in chosen) > len(chosen) // 2
+    assert any(b.packed is not None and b.requests[0].num_drafts == 2 for b in packed.batches)
+    assert_launched_steps_come_as_said(packed.batches)
 
 
 def test_only_verify_steps_launched_ahead_teach_the_cost_table_and_the_others_the_serial_excess(tmp_path):
@@ -617,9 +674,9 @@ def test_the_step_profile_never_lets_a_request_finish_even_when_every_draft_is_a
 
 def test_packed_verifies_run_ahead_at_the_columns_already_chosen(tmp_path):
     """The packed layout: the next step's columns are chosen from this step's confidences, so the step launched
-    ahead is a packed verify of the whole blocks drafted now (``next_verify_len`` the block, ``next_packed`` its
-    columns and ranking), and the next step is exactly that (the same requests, whole blocks, packed at those
-    columns)."""
+    ahead is a packed verify of the blocks drafted now (``next_verify_len`` the block, as long as the columns let a
+    request take: ``packed_draft_len``; ``next_packed`` its columns and ranking), and the next step is exactly that
+    (the same requests, their blocks as drafted, packed at those columns)."""
     eng, ex = spark_engine(tmp_path, confidence=True)
     packing = PackingExecutor(ex.num_pages, timed=True)
     packing.engine, eng.executor = eng, packing
@@ -628,16 +685,18 @@ def test_packed_verifies_run_ahead_at_the_columns_already_chosen(tmp_path):
     serve(eng, (list(range(10, 30)), greedy(40)), (list(range(40, 45)), greedy(40)))
     ahead = [(b, nxt) for b, nxt in zip(packing.batches, packing.batches[1:]) if b.run_ahead and b.next_packed]
     assert ahead  # of drafts of confidence 0.9, 0.1, ..., one column pays
+    assert {b.next_verify_len for b, _ in ahead} == {2}  # one column: a request takes one draft, two are drafted
     for b, nxt in ahead:
-        assert b.next_verify_len == 4 and b.next_packed.columns == 1
+        assert b.next_verify_len == b.num_next_drafts and b.next_packed.columns == 1
         assert [r.request_id for r in nxt.requests] == [r.request_id for r in b.requests]
-        assert all(r.num_drafts == 4 for r in nxt.requests)  # whole blocks fed; the device picks what it verifies
+        assert all(r.num_drafts == 2 for r in nxt.requests)  # the blocks fed; the device picks what it verifies
         assert nxt.packed is not None and nxt.packed.columns == 1 and nxt.packed.budget == len(nxt.requests)
         # the block's ranking: the survival fit's slope per position, its bias per history class and position
-        assert len(b.next_packed.slope) == 4 and [len(r) for r in b.next_packed.bias] == [4] * 9  # 2K + 1 classes
+        assert len(b.next_packed.slope) == 2 and [len(r) for r in b.next_packed.bias] == [2] * 9  # 2K + 1 classes
         # the classes sent ahead are b's requests' before b; the device updates them from b's verdicts (each
-        # request verifies its block of 4 and accepts 1 here) to what the engine then ranks nxt by
-        assert nxt.packed.history == [next_history(h, 4, 1, 4) for h in b.next_packed.history]
+        # request verifies its block and accepts 1 here) to what the engine then ranks nxt by
+        assert nxt.packed.history == [next_history(h, r.num_drafts, 1, 4)
+                                      for h, r in zip(b.next_packed.history, b.requests)]
     assert {h for _, nxt in ahead for h in nxt.packed.history} == {2}  # rejected_at_1
 
 def test_a_verify_served_by_a_faster_longer_graph_is_launched_ahead_padded_and_taken():
