@@ -189,6 +189,39 @@ def test_packed_verify_graphs_keep_greedy_outputs(tmp_path, wide_target, make_dr
     assert any(len(set(counts)) > 1 for _, counts in verified)  # ragged: requests verified different counts
 
 
+def test_packed_verify_graphs_of_shorter_blocks_keep_greedy_outputs(tmp_path, wide_target, make_drafter):
+    """A packed step drafts one past the longest share a request took at its columns
+    (``ConfidenceScheduler.packed_draft_len``): held at one column here, the blocks are drafted shorter than K, the
+    packed graphs pad them (launched ahead padded too), and the tokens equal scheduling off."""
+    from tests.runtime.test_confidence_scheduling import flat_table
+
+    drafter = make_drafter(wide_target, 4, oracle=True)
+    table = tmp_path / "dear.json"
+    flat_table(0.6).save(table)
+    prompts = [[3 + i, 17, 33 + i, 2] for i in range(20)]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    runs, fed = {}, []
+    for name, spec in (("off", {}), ("on", {"enable_confidence_scheduling": True,
+                                            "confidence_cost_table_path": str(table)})):
+        config = DSparkDecodingConfig(speculative_model=str(drafter), **spec)
+        llm = LLM(str(wide_target), speculative_config=config, **{**ENGINE, "max_num_seqs": 32})
+        if name == "on":
+            assert llm.engine.confidence.layout == "packed"
+            llm.engine.confidence._best = lambda expected, predicted: 1  # one column (and a cap of one)
+            execute = llm.engine.executor.execute
+
+            def recorded(batch, execute=execute):
+                if batch.packed is not None:
+                    fed.append(batch.requests[0].num_drafts)
+                return execute(batch)
+
+            llm.engine.executor.execute = recorded
+        runs[name] = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert runs["on"] == runs["off"]
+    info = llm.rank_info()[0]
+    assert fed and min(fed) < 4 and info["graph_packed_replays"] > 0 and info["graph_packed_run_ahead"] > 0
+
+
 def test_verify_steps_served_by_a_longer_graph_keep_greedy_outputs(wide_target, make_drafter):
     """A step of Q tokens a request replayed on a longer verify graph (``GraphedTargetForward.served_by``, chosen at
     capture where the longer graph replays faster; forced here): its blocks are padded, launched ahead padded, and
