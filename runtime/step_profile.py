@@ -4,9 +4,11 @@ For each batch bucket that fits the KV cache (1, 2, 4, ... up to ``max_num_seqs`
 tokens decode together; once every one carries a proposed block, each verify length L = 0..K is forced on all of them
 for ``repeats`` steps in each of two passes over the lengths (``PASSES``; ``Engine.forced_verify_len``: the engine
 plans and launches each next step ahead at L, as it does at a confidence-scheduled cap, and where a served step at cap
-L drafts only L + 1 (a padded step, ``Engine.drafts_follow_cap``) the profile's does too; a packed step's block
-follows the shares requests took (``Engine.drafts_follow_columns``), unknown here, so the profile drafts its columns
-whole blocks and the served steps teach their cells what they cost drafting less; run 37's profile trimmed the
+L drafts only L + 1 (a padded step, ``Engine.drafts_follow_cap``) the profile's does too; a packed step of L
+columns drafts one past the longest share a request took (``Engine.drafts_follow_columns``), at least L + 1, which
+the profile's (every request taking L, its ranking flat) drafts: a cell priced for the shortest block a served step
+drafts is chosen, served and so learned at its cost, where one priced whole blocks would never be (a dear cell is
+never served: on run 69's pair such cells held the drafting off at 64 requests); run 37's profile trimmed the
 blocks behind its back, so every timed step of a shorter length dropped a verify launched ahead at the full block and
 ran it again, 1.5-3 ms too slow) and the median step time of both passes is the table's (batch, batch * (L + 1))
 cell, measured at the mean context (KV tokens) its timed steps attended over. Then the same requests decode
@@ -106,7 +108,8 @@ def profile_step_costs(engine, repeats: int = 2, max_batch: int | None = None) -
                                f"{to_first_block} steps")
         times = {length: [] for length in range(drafts + 1)}
         contexts = {length: [] for length in range(drafts + 1)}
-        follows = engine.drafts_follow_cap(batch)  # (a padded step drafts one past its cap, as served)
+        # (a padded step drafts one past its cap, as served; a packed one at least one past its columns)
+        follows = engine.drafts_follow_cap(batch) or engine.drafts_follow_columns(batch)
         try:
             for lengths in [range(drafts + 1), range(drafts, -1, -1)][:PASSES]:
                 for length in lengths:
