@@ -892,8 +892,13 @@ class ConfidenceScheduler:
             return 0
         k = max(sizes)
         history = history_rows(history, num, len(self.correction.history_names))
-        padded = [list(c) + [0.0] * (k - len(c)) for c in confidences]  # [S][K]
-        survival = np.asarray([self.survival_row(c, k, h) for c, h in zip(confidences, history.tolist())])
+        if min(sizes) == k:  # the usual step: every block proposed in full
+            padded = np.asarray(confidences, dtype=np.float64)  # [S, K]
+        else:
+            padded = np.zeros((num, k))
+            for i, c in enumerate(confidences):
+                padded[i, :len(c)] = c
+        survival = self.survival(padded, history)  # [S, K], over the whole step at once (as allot)
         column_sums = survival.sum(axis=0)  # [K] each position's survivals, summed
         ranked = np.concatenate([[0.0], np.sort(survival.reshape(-1))[::-1].cumsum()])  # [S*K+1] top-b sums
         shares = np.minimum(num * np.arange(k + 1), offered)  # [K+1] drafts verified under each c
