@@ -20,7 +20,7 @@ an engine whose verify lengths the confidence scheduler chooses (``confidence_*`
 ``confidence_cost_table``, ``--profile-steps FILE`` saves it, and ``confidence_cost_table_served`` is the table as
 the sweep left it, ``confidence_mixed_step_costs_served`` the mixed steps' excess over it
 (``runtime.mixed_step_costs``), from the sweep's ramps and prefills): within the tuned schedule when both are given (the schedule caps the block it
-drafts; ``--confidence-draft-len max``: it drafts max_draft_len beside the tuned schedule instead; ``confidence_vs_tuned`` compares the two engines measured in this run, the median rounds' tokens/s, and
+drafts; ``--confidence-draft-len max``: up to max_draft_len, as its scheduler chooses, beside the tuned schedule; ``confidence_vs_tuned`` compares the two engines measured in this run, the median rounds' tokens/s, and
 ``confidence_vs_tuned_paired`` the median of the per-round ratios, each round's two figures taken back to back, so
 the host's drift between rounds cancels), else within ``max_draft_len``. Beside them: what any schedule could gain
 there over whole blocks, priced on the startup table from the fixed engine's acceptance (``confidence_oracle_bound``,
@@ -1451,9 +1451,10 @@ def add_parser(commands) -> None:
     bench.add_argument("--confidence-draft-len", choices=("tuned", "max"), default="tuned",
                        help="with --confidence-scheduling and --tune-schedule: the block the confidence-scheduled "
                        "engine drafts: the tuned schedule's length at each concurrency (tuned, the default), or "
-                       "max_draft_len everywhere (max: where the tuned schedule drafts fewer, the scheduler may "
-                       "still verify a whole block for a request whose drafts it trusts); either way it is compared "
-                       "with the tuned schedule")
+                       "up to max_draft_len everywhere (max: the scheduler alone chooses how much to draft and "
+                       "verify: a graphed step drafts one past the cap or the packed columns it chose, and where "
+                       "the tuned schedule drafts fewer it may still verify a whole block for a request whose "
+                       "drafts it trusts); either way it is compared with the tuned schedule")
     bench.add_argument("--profile-steps", metavar="FILE", help="with --confidence-scheduling: also write the "
                        "profiled step-time table to FILE (a confidence_cost_table_path)")
     bench.add_argument("--moe-backend", default="AUTO", choices=["AUTO", "VANILLA", "DENSEGEMM", "TRITON"],
