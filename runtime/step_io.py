@@ -40,8 +40,8 @@ class ScheduledRequest:
 @dataclass(frozen=True, slots=True)
 class PackedPlan:
     """A packed verify step (``runtime.packed_verify``, confidence scheduling's packed layout): how many drafts it
-    verifies over its requests, and what the device ranks them by. Every request of the step verifies a full
-    greedy block."""
+    verifies over its requests, and what the device ranks them by. Every request of the step feeds a greedy block
+    of the same length (K, or shorter where the scheduler drafted less: ``ConfidenceScheduler.packed_draft_len``)."""
 
     budget: int  # drafts verified over the step (the scheduler's columns x requests)
     columns: int  # the scheduler's columns (a packed graph of them feeds its batch bucket x (columns + 1) rows)
