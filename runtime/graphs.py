@@ -45,8 +45,9 @@ request's committed tokens, in both caches, which later steps write again before
 
 Confidence scheduling's packed layout (``runtime.packed_verify``; single rank) adds a packed graph per batch bucket
 from ``PACKED_MIN_BATCH`` and per number of columns c = 1..K-1 (``run_packed``): the step's blocks are fed as a
-uniform K+1-token step (a block drafted shorter padded with drafts that propose nothing), and the graph ranks the block's confidences (persistent buffers the host, or a launch ahead,
-fills), picks the B x c drafts of highest survival and runs the target's GEMMs on those rows only. Its attention is
+uniform K+1-token step (a block drafted shorter padded with drafts that propose nothing), and the graph ranks the
+block's confidences (persistent buffers the host, or a launch ahead, fills), picks the B x c drafts of highest
+survival and runs the target's GEMMs on those rows only. Its attention is
 planned in the uniform layout under its own key, so a packed step is planned while the drafter drafts and launched
 ahead (``launch_verify_ahead`` with ``packed``: the confidences copied on the device from the block just drafted,
 as the host reads them back) like a uniform verify; ``run_packed`` takes it when the engine schedules exactly it at
@@ -339,9 +340,10 @@ class GraphedTargetForward:
                    append_context: bool = False) -> PackedGraphOutputs:
         """Replay the packed graph of ``len(reqs)`` requests (padded to a bucket) verifying ``columns`` x bucket
         drafts of their blocks (``reqs`` each feed an anchor and a block of K' <= K drafts, padded to K), ranked by
-        ``confidences`` [S][K'] under the survival fit given; then, if asked and captured, the drafter's context append. Or taken from the packed step
-        launched ahead (``launch_verify_ahead``) when ``reqs`` is exactly that step: it ranked the block's
-        confidences as drafted on the device, under the survival fit of the step before."""
+        ``confidences`` [S][K'] under the survival fit given; then, if asked and captured, the drafter's context
+        append. Or taken from the packed step launched ahead (``launch_verify_ahead``) when ``reqs`` is exactly that
+        step: it ranked the block's confidences as drafted on the device, under the survival fit of the step
+        before."""
         ahead, self._ahead_verify = self._ahead_verify, None
         self.drop_ahead()
         batch = bucket_of(self.buckets, len(reqs))

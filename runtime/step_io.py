@@ -45,7 +45,7 @@ class PackedPlan:
 
     budget: int  # drafts verified over the step (the scheduler's columns x requests)
     columns: int  # the scheduler's columns (a packed graph of them feeds its batch bucket x (columns + 1) rows)
-    confidences: list[list[float]]  # [S][K] each request's drafts' confidences, in batch order
+    confidences: list[list[float]]  # [S][K'] each request's drafts' confidences, in batch order (K' <= K)
     slope: list[float]  # [K] the survival fit's slope of each position (runtime.confidence_scheduler)
     bias: list[list[float]]  # [H][K] and its bias, per verify-history class and position
     history: list[int]  # [S] each request's verify-history class (runtime.confidence_scheduler.next_history)
