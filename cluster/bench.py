@@ -991,11 +991,22 @@ def run(args) -> dict:
                                context_ms=timing.get("context_ms"))
         print(f"dspark bench: {kind} concurrency {c}: {timing}", file=sys.stderr, flush=True)
 
-    def mixed(llm, mixed_prefill: bool = True) -> dict:
-        mixed_prompts = sweep_prompts or end_to_end_prompts(args, None, vocab, args.mixed_requests)
+    def mixed(llm, mixed_prefill: bool = True, requests: int | None = None) -> dict:
+        requests = requests or args.mixed_requests
+        mixed_prompts = sweep_prompts or end_to_end_prompts(args, None, vocab, requests)
         return mixed_workload(llm, [mixed_prompts[i % len(mixed_prompts)][:args.prompt_len]
-                                    for i in range(args.mixed_requests)], args.mixed_rate, args.e2e_tokens,
+                                    for i in range(requests)], args.mixed_rate, args.e2e_tokens,
                               mixed_prefill=mixed_prefill)
+
+    def warm_mixed(variants: dict) -> None:
+        """``--mixed-warmup`` requests through each variant's mixed workload, untimed: the first run of an engine's
+        eager mixed steps meets shapes the sweep never did (a CPU engine's first mixed step took 1.1 s, its later
+        ones 25 ms), which the first timed round would otherwise pay alone."""
+        requests = min(args.mixed_warmup, args.mixed_requests)
+        if requests:
+            record["mixed_warmup_requests"] = requests
+            for engine_, mixed_prefill in variants.values():
+                mixed(engine_, mixed_prefill, requests=requests)
 
     def mixed_variants(llms: dict) -> dict:
         """name -> (engine, mixed_prefill): each engine as built, and with --mixed-prefill-apart each one again with
@@ -1019,6 +1030,7 @@ def run(args) -> dict:
             # the mixed steps' excess over that table (prefill chunks beside the verifies), learned from them
             record["confidence_mixed_step_costs_served"] = llm.engine.confidence.mixed_costs.to_json()
         if args.mixed_rate and with_mixed:
+            warm_mixed(mixed_variants({kind: llm}))
             for name, (engine_, mixed_prefill) in mixed_variants({kind: llm}).items():
                 record.setdefault("mixed_workload", {})[name] = mixed(engine_, mixed_prefill)
                 print(f"dspark bench: {name} mixed workload: {record['mixed_workload'][name]}", file=sys.stderr,
@@ -1097,6 +1109,7 @@ def run(args) -> dict:
                 rows[c][f"{kind}_tokens_per_s_rounds"] = [t["tokens_per_s"] for t in timings[kind]]
         if args.mixed_rate:
             variants = mixed_variants(llms)
+            warm_mixed(variants)
             runs = {name: [] for name in variants}
             for name, result in alternating_rounds(variants, lambda variant: mixed(*variant), args.rounds):
                 runs[name].append(result)
@@ -1498,6 +1511,8 @@ def add_parser(commands) -> None:
                        "engine: requests arriving at this Poisson rate per second while others decode (steps mix "
                        "prefill and decode); each engine's record says where its steps' time went")
     bench.add_argument("--mixed-requests", type=integer(1), default=256, help="requests of --mixed-rate (default 256)")
+    bench.add_argument("--mixed-warmup", type=integer(0), default=64, help="requests of an untimed mixed workload "
+                       "each engine runs first (its eager mixed steps' first shapes; default 64, at most --mixed-requests; 0: none)")
     bench.add_argument("--mixed-prefill-apart", action="store_true", help="with --mixed-rate: run the mixed workload "
                        "on every engine twice, as built (a step may feed prompt chunks beside decodes) and with "
                        "prefill apart (enable_mixed_prefill=False: prefill steps and decode steps, each graphed), in "

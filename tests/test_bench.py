@@ -213,6 +213,7 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     # the rows' AR and DSpark figures come from the same rounds as the tuned and confidence engines' (measured
     # after tuning, minutes later than the first sweep: the host's speed drifts)
     assert record["measured_together"] == ["ar", "dspark", "tuned", "confidence"]
+    assert record["mixed_warmup_requests"] == 4  # an untimed mixed run per engine first (at most --mixed-requests)
     assert record["tuned_schedule"]["step_ms"].startswith("candidate / reference")
     assert record["step_outputs"] == "delta"
     # the tuned schedule swept as an engine, the confidence scheduler within it, both after tuning (a projected tau
