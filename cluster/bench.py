@@ -1000,8 +1000,8 @@ def run(args) -> dict:
 
     def warm_mixed(variants: dict) -> None:
         """``--mixed-warmup`` requests through each variant's mixed workload, untimed: the first run of an engine's
-        eager mixed steps meets shapes the sweep never did (a CPU engine's first mixed step took 1.1 s, its later
-        ones 25 ms), which the first timed round would otherwise pay alone."""
+        eager mixed steps meets shapes the sweep never fed (kernel variants compiled or chosen for them, memory the
+        allocator has not cached), first-use costs the first timed round would otherwise pay alone."""
         requests = min(args.mixed_warmup, args.mixed_requests)
         if requests:
             record["mixed_warmup_requests"] = requests
