@@ -16,9 +16,9 @@ tokens fed)``. The scheduler, in either of two step layouts:
    is chosen before the block it applies to is drafted, the engine drafts only ``Q + 1`` of it
    (``Engine.drafts_follow_cap``: the drafts past the cap would never be verified, and the one past it keeps that
    position's confidence in view; the startup profile times each cap so); **packed** (``runtime.packed_verify``,
-   steps of ``packed_from`` requests or more): the device picks the top ``S x columns`` drafts of whole blocks, and
-   the engine drafts one past the longest share a request took of this step's block at the columns chosen for the
-   next (``packed_draft_len``);
+   steps of ``packed_from`` requests or more): the device picks the top ``S x columns`` drafts of the step's blocks,
+   and the engine drafts one past the longest share a request took of this step's block at the columns chosen for
+   the next (``packed_draft_len``);
 2. the budget (B per request, scaled to this step's batch; or Q) comes from the **previous** step's confidences:
    the choice of which drafts to verify then depends only on each draft's prefix and on other requests, never on
    the draft token being verified, which is what keeps rejection sampling lossless (a budget chosen from the

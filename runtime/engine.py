@@ -279,8 +279,8 @@ class Engine:
         drafts past it are never verified, while the drafter's block costs more the longer it is (run 69 on an H200,
         4 requests: drafting 7 and verifying none 3.10 ms a step, a plain step 2.31, the tuned schedule's K = 2 step
         2.76); the one draft past the cap keeps that position's confidence in view, so the next cap can rise by a
-        column a step, and a decision that explores verifies (and so drafts) whole blocks. A packed step's device
-        picks drafts from whole blocks: it drafts as ``drafts_follow_columns`` says."""
+        column a step, and a decision that explores verifies (and so drafts) whole blocks. A packed step drafts as
+        ``drafts_follow_columns`` says."""
         return bool(self._graph_q_lens) and not self._packs_steps_of(num)
 
     def drafts_follow_columns(self, num: int) -> bool:
