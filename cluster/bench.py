@@ -956,6 +956,9 @@ def run(args) -> dict:
             rows[c].update(confidence_mean_acceptance_length=timing["mean_acceptance_length"],
                            confidence_acceptance_per_position=timing["acceptance_per_position"],
                            confidence_verify_budget_per_request=stats["mean_verify_budget_per_request"],
+                           # the drafts each deciding request proposed: the block it drafted (padded and packed
+                           # steps draft what the step verifying them can use, Engine.drafts_follow_cap / _columns)
+                           confidence_offered_per_request=stats["mean_offered_per_request"],
                            confidence_predicted_step_ms=stats["mean_predicted_step_ms"],
                            confidence_measured_step_ms=stats["mean_measured_step_ms"],
                            # the decided steps alone: what confidence_predicted_step_ms predicted
@@ -1336,7 +1339,8 @@ def summary(record: dict) -> str:
                      f"{e2e['speedup']:.2f}, identical greedy outputs {e2e['identical_fraction']:.2f}")
     confident = [r for r in record["runs"] if "confidence_vs_tuned" in r]
     if confident:  # the confidence scheduler against the tuned schedule, and what it chose from which predictions
-        lines.append(f"{'conc':>5} {'conf/tuned':>10} {'paired':>7} {'budget':>7} {'pred ms':>8} {'meas ms':>8} "
+        lines.append(f"{'conc':>5} {'conf/tuned':>10} {'paired':>7} {'budget':>7} {'drafted':>7} {'pred ms':>8} "
+                     f"{'meas ms':>8} "
                      f"{'whole pred':>10} {'tuned ms':>8} {'exp tok':>8} {'got tok':>8} {'whole exp':>9} "
                      f"{'model':>6} {'oracle':>6} {'noise':>6} {'skill':>6} {'held':>5}")
         def cell(value, width: int, digits: int = 2) -> str:  # a figure an older record lacks: "-"
@@ -1346,7 +1350,7 @@ def summary(record: dict) -> str:
             lines.append(" ".join([
                 f"{r['concurrency']:>5}", cell(r["confidence_vs_tuned"], 10, 3),
                 cell(r.get("confidence_vs_tuned_paired"), 7, 3), cell(r["confidence_verify_budget_per_request"], 7),
-                cell(r["confidence_predicted_step_ms"], 8),
+                cell(r.get("confidence_offered_per_request"), 7), cell(r["confidence_predicted_step_ms"], 8),
                 cell(r.get("confidence_measured_decided_step_ms", r["confidence_measured_step_ms"]), 8),
                 cell(r.get("confidence_whole_block_predicted_step_ms"), 10), cell(r["tuned_step_ms"], 8),
                 cell(r["confidence_expected_tokens_per_request"], 8),

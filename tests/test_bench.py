@@ -270,6 +270,8 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
         assert 1 <= len(believed) <= 3 and all(1.0 >= a >= b >= 0.0 for a, b in zip(believed, believed[1:] + [0.0]))
         assert row["confidence_whole_block_expected_tokens_per_request"] >= row[
             "confidence_expected_tokens_per_request"] - 1e-9
+        # what it drafted beside what it verified: never less, never past the block the schedule drafts
+        assert row["confidence_verify_budget_per_request"] <= row["confidence_offered_per_request"] <= cap
         # the noise floor (above): the tuned engine against the fixed one, the same configuration where the schedule
         # says 3; what any schedule could gain here, priced on the startup table: the best cap is no worse than K
         assert row["confidence_oracle_bound"] > 0 and row["confidence_padded_bound"] >= 1.0
@@ -279,6 +281,7 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
             (row["confidence_whole_block_expected_tokens_per_request"] / row["confidence_whole_block_predicted_step_ms"]))
     # the printed summary sets the scheduler beside the tuned schedule, a line per concurrency, and the mixed workload
     assert "conf/tuned" in proc.stderr and "whole pred" in proc.stderr and "oracle" in proc.stderr
+    assert "drafted" in proc.stderr
     assert "skill" in proc.stderr and "mixed workload: confidence / tuned" in proc.stderr
     # every engine profiled, and only after the last figure was taken (the confidence engine's sweep is the last):
     # a process the profiler has run in launches CUDA graphs slower
