@@ -223,6 +223,56 @@ def test_a_packed_step_drafts_only_what_its_columns_let_a_request_take_and_keeps
     assert fed and min(fed) < 4  # packed steps of blocks drafted shorter than the drafter's 4
 
 
+def test_packed_steps_of_any_drafted_length_beside_arrivals_and_sampled_requests_keep_greedy_outputs(
+        tmp_path, near_bigram_target, make_drafter):
+    """The packed layout forced on a CPU engine whose every decision (columns, cap) is drawn at random, requests
+    arriving while others decode, one in five sampled: packed steps verify blocks drafted 2, 3 and 4 long, steps an
+    arrival or a sampled request joins are not packed, and every greedy request's tokens are transformers' (up to
+    its end of sequence, which it was told to ignore)."""
+    import random
+
+    from configs import DSparkDecodingConfig
+    from tests import builders
+    from tests.runtime.test_confidence_scheduling import ENGINE
+
+    path = tmp_path / "table.json"
+    flat_table(0.6).save(path)
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4, oracle=True)),
+                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
+    engine = LLM(str(near_bigram_target), speculative_config=spec, **ENGINE).engine
+    rng = random.Random(3)
+    engine.confidence.layout, engine.confidence.packed_from = "packed", 2
+    engine.confidence._best = lambda expected, predicted: rng.randrange(len(predicted))
+    fed, execute = [], engine.executor.execute
+
+    def recorded(batch):
+        if batch.packed is not None:
+            fed.append(batch.requests[0].num_drafts)
+        return execute(batch)
+
+    engine.executor.execute = recorded
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(2, 12))] for _ in range(14)]
+    pending, greedy, outputs = list(enumerate(prompts)), {}, {}
+    while pending or engine.has_unfinished():
+        if pending and rng.random() < 0.15:  # an arrival, this step
+            i, prompt = pending.pop(0)
+            tokens = rng.randrange(20, 60)
+            sampled = i % 5 == 4
+            params = SamplingParams(max_tokens=tokens, temperature=0.8 if sampled else 0.0, seed=i,
+                                    ignore_eos=not sampled)
+            engine.add_request(prompt, params, request_id=str(i))
+            if not sampled:
+                greedy[i] = tokens
+        for out in engine.step() if engine.has_unfinished() else []:
+            if out.finish_reason is not None:
+                outputs[int(out.request_id)] = out.token_ids
+    assert {2, 3, 4} <= set(fed)  # packed steps of blocks drafted 2, 3 and 4 long
+    eos = engine._eos_token_ids()  # (transformers stops there; the engine was told to go on)
+    for i, tokens in greedy.items():
+        expected = builders.hf_greedy(near_bigram_target, [prompts[i]], tokens)[0]
+        assert outputs[i][:len(expected)] == expected and (len(expected) == tokens or expected[-1] in eos), i
+
+
 def test_small_steps_of_the_packed_layout_are_padded(tmp_path, near_bigram_target, make_drafter):
     """A graphed engine packs only the steps its packed graphs' buckets serve (``packed_from`` requests on); the
     smaller ones verify under the padded layout's cap. Both kinds in one run keep greedy outputs."""
