@@ -906,6 +906,9 @@ def run(args) -> dict:
     alternate = not replica and not args.sequential
     record["measurement"] = "alternating rounds" if alternate else "sequential"
     record["rounds"] = args.rounds  # also the paired tuned / confidence engines' under --sequential
+    mixed_rounds = args.mixed_rounds or args.rounds  # the mixed workload's, in alternating rounds
+    if args.mixed_rate and alternate:
+        record["mixed_rounds"] = mixed_rounds
     record["schedules"] = {"dspark": "fixed" if spec.get("draft_len_schedule") is None else "tuned",
                            **({"confidence": "confidence"} if args.confidence_scheduling else {})}
 
@@ -1114,7 +1117,7 @@ def run(args) -> dict:
             variants = mixed_variants(llms)
             warm_mixed(variants)
             runs = {name: [] for name in variants}
-            for name, result in alternating_rounds(variants, lambda variant: mixed(*variant), args.rounds):
+            for name, result in alternating_rounds(variants, lambda variant: mixed(*variant), mixed_rounds):
                 runs[name].append(result)
             for kind, results in runs.items():
                 record.setdefault("mixed_workload", {})[kind] = {
@@ -1533,6 +1536,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--rounds", type=integer(1), default=PAIRED_ROUNDS, help="alternating rounds per concurrency "
                        f"(and per tuning candidate) when engines are measured side by side; the median round is "
                        f"kept (default {PAIRED_ROUNDS}; odd)")
+    bench.add_argument("--mixed-rounds", type=integer(1), help="alternating rounds of the mixed workload (default: "
+                       "--rounds; odd): its rounds spread far more than the sweep's (run 72: the same engine 7.2K to "
+                       "12.3K tokens/s), so it may need more of them than the sweep does")
     bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 decode steps of "
                        "each engine (AR, DSpark, and the tuned and confidence-scheduled ones where swept): kernels "
                        "per step, GPU busy and idle time per step, the largest GPU gaps, host time per region; a "
@@ -1575,10 +1581,11 @@ def main(args) -> int:
         print("dspark bench: --hf-tokens times transformers on one GPU; leave it out with --tensor-parallel-size or "
               "--drafter separate", file=sys.stderr)
         return 2
-    if args.rounds < 1 or args.rounds % 2 == 0:
-        print(f"dspark bench: --rounds must be an odd number >= 1 (the median round is kept), got {args.rounds}",
-              file=sys.stderr)
-        return 2
+    for flag, rounds in (("--rounds", args.rounds), ("--mixed-rounds", args.mixed_rounds)):
+        if rounds is not None and (rounds < 1 or rounds % 2 == 0):
+            print(f"dspark bench: {flag} must be an odd number >= 1 (the median round is kept), got {rounds}",
+                  file=sys.stderr)
+            return 2
     if args.profile and max(args.profile_batches) > max(args.concurrency):
         print(f"dspark bench: --profile-batches {max(args.profile_batches)} exceeds the largest --concurrency "
               f"{max(args.concurrency)} (the engines hold that many requests)", file=sys.stderr)
