@@ -1519,7 +1519,8 @@ def add_parser(commands) -> None:
                        "prefill and decode); each engine's record says where its steps' time went")
     bench.add_argument("--mixed-requests", type=integer(1), default=256, help="requests of --mixed-rate (default 256)")
     bench.add_argument("--mixed-warmup", type=integer(0), default=64, help="requests of an untimed mixed workload "
-                       "each engine runs first (its eager mixed steps' first shapes; default 64, at most --mixed-requests; 0: none)")
+                       "each engine runs first (its eager mixed steps' first shapes; default 64, at most "
+                       "--mixed-requests; 0: none)")
     bench.add_argument("--mixed-prefill-apart", action="store_true", help="with --mixed-rate: run the mixed workload "
                        "on every engine twice, as built (a step may feed prompt chunks beside decodes) and with "
                        "prefill apart (enable_mixed_prefill=False: prefill steps and decode steps, each graphed), in "
