@@ -20,7 +20,7 @@ an engine whose verify lengths the confidence scheduler chooses (``confidence_*`
 ``confidence_cost_table``, ``--profile-steps FILE`` saves it, and ``confidence_cost_table_served`` is the table as
 the sweep left it, ``confidence_mixed_step_costs_served`` the mixed steps' excess over it
 (``runtime.mixed_step_costs``), from the sweep's ramps and prefills): within the tuned schedule when both are given (the schedule caps the block it
-drafts; ``--confidence-draft-len max``: up to max_draft_len, as its scheduler chooses, beside the tuned schedule; ``confidence_vs_tuned`` compares the two engines measured in this run, the median rounds' tokens/s, and
+drafts; ``--confidence-draft-len max``: up to max_draft_len, as its scheduler chooses, beside the tuned schedule; ``both``: the two in the same rounds, the second's figures as ``confidence-max_*``; ``confidence_vs_tuned`` compares the two engines measured in this run, the median rounds' tokens/s, and
 ``confidence_vs_tuned_paired`` the median of the per-round ratios, each round's two figures taken back to back, so
 the host's drift between rounds cancels), else within ``max_draft_len``. Beside them: what any schedule could gain
 there over whole blocks, priced on the startup table from the fixed engine's acceptance (``confidence_oracle_bound``,
@@ -687,6 +687,7 @@ def end_to_end_prompts(args, prompts: list[list[int]] | None, vocab: int, count:
     return [torch.randint(3, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(count)]
 
 
+CONFIDENCE_MAX = "confidence-max"  # --confidence-draft-len both: the engine drafting up to max_draft_len
 PAIRED_ROUNDS = 3  # default alternating rounds per concurrency when engines are measured side by side (--rounds)
 
 
@@ -933,7 +934,7 @@ def run(args) -> dict:
         return llm
 
     def reset_stats(kind: str, llm) -> None:
-        if kind == "confidence":  # its figures per concurrency
+        if kind in ("confidence", CONFIDENCE_MAX):  # its figures per concurrency
             from runtime.confidence_scheduler import ConfidenceStats
 
             llm.engine.confidence_stats = ConfidenceStats()
@@ -987,6 +988,17 @@ def run(args) -> dict:
                            confidence_drafting_holds=stats["drafting_holds"],
                            # timed steps not launched ahead (priced and learned with the serial excess)
                            confidence_serial_steps=stats["serial_steps"])
+        elif kind == CONFIDENCE_MAX:  # (--confidence-draft-len both) what it chose, beside the engine above
+            stats = llm.get_metrics()["confidence_scheduling"]
+            rows[c].update({f"{kind}_{name}": value for name, value in (
+                ("mean_acceptance_length", timing["mean_acceptance_length"]),
+                ("verify_budget_per_request", stats["mean_verify_budget_per_request"]),
+                ("offered_per_request", stats["mean_offered_per_request"]),
+                ("expected_tokens_per_request", stats["mean_expected_tokens_per_request"]),
+                ("committed_tokens_per_request", stats["mean_committed_tokens_per_request"]),
+                ("predicted_step_ms", stats["mean_predicted_step_ms"]),
+                ("measured_decided_step_ms", stats["mean_measured_decided_step_ms"]),
+                ("drafting_off_steps", stats["drafting_off_steps"]))})
         elif kind == "tuned":
             rows[c].update(tuned_mean_acceptance_length=timing["mean_acceptance_length"])
         elif kind == "dspark":
@@ -1063,7 +1075,7 @@ def run(args) -> dict:
     profiled: dict[str, tuple[dict | None, dict]] = {}  # kind -> how to build it again (each kind once)
 
     def profile_later(kind: str, speculative: dict | None, layout: dict) -> None:
-        if args.profile and kind in ("ar", "dspark", "tuned", "confidence"):
+        if args.profile and kind in ("ar", "dspark", "tuned", "confidence", CONFIDENCE_MAX):
             profiled[kind] = (speculative, layout)
 
     def profile_all() -> None:
@@ -1150,12 +1162,15 @@ def run(args) -> dict:
         capped = {"draft_len_schedule": tuned["schedule"]}
         after = [("tuned", {**spec, **capped}, {})]  # the tuned schedule as an engine
         record["schedules"]["tuned"] = "tuned"
-        if confidence_after_tuning:  # beside the scheduler within it (or, asked, drafting max_draft_len)
-            within = capped if args.confidence_draft_len == "tuned" else {}
+        if confidence_after_tuning:  # beside the scheduler within it (or, asked, drafting max_draft_len; or both)
+            within = {} if args.confidence_draft_len == "max" else capped
             record["confidence_draft_len"] = args.confidence_draft_len
             after.append(("confidence", {**spec, **within, "enable_confidence_scheduling": True}, {}))
             record["schedules"]["confidence"] = ("confidence within the tuned schedule" if within else
                                                  "confidence within max_draft_len, beside the tuned schedule")
+            if args.confidence_draft_len == "both":  # the scheduler alone choosing how much to draft, beside
+                after.append((CONFIDENCE_MAX, {**spec, "enable_confidence_scheduling": True}, {}))
+                record["schedules"][CONFIDENCE_MAX] = "confidence within max_draft_len, beside the tuned schedule"
         if alternate:  # in alternating rounds with the sweep's engines again: every schedule and the AR baseline
             # measured together (the sweep's figures, minutes earlier, are replaced; the host's speed drifts)
             paired([(kind, speculative, layout) for kind, speculative, layout in engines if kind in kept] + after,
@@ -1177,6 +1192,12 @@ def run(args) -> dict:
             record["mixed_confidence_vs_tuned_paired"] = paired_ratio(
                 mixed_runs["confidence"]["tokens_per_s_rounds"], mixed_runs["tuned"]["tokens_per_s_rounds"])
         record.update(mixed_noise_floor(record, list(rows.values()), max(args.concurrency)))
+    if CONFIDENCE_MAX in mixed_runs and "tuned" in mixed_runs:
+        record[f"mixed_{CONFIDENCE_MAX}_vs_tuned"] = mixed_runs[CONFIDENCE_MAX]["tokens_per_s"] / mixed_runs[
+            "tuned"]["tokens_per_s"]
+        if alternate:
+            record[f"mixed_{CONFIDENCE_MAX}_vs_tuned_paired"] = paired_ratio(
+                mixed_runs[CONFIDENCE_MAX]["tokens_per_s_rounds"], mixed_runs["tuned"]["tokens_per_s_rounds"])
     record.update(prefill_apart_ratios(record.get("mixed_workload", {})))
     for row in rows.values():
         row["dspark_step_vs_ar"] = row["dspark_step_ms"] / row["ar_step_ms"]
@@ -1192,6 +1213,11 @@ def run(args) -> dict:
                                                                      row.get("tuned_tokens_per_s_rounds", []))
             row.update(confidence_bounds(row, record))
             row.update(confidence_predicted_gain(row))
+        if f"{CONFIDENCE_MAX}_tokens_per_s" in row and "tuned_tokens_per_s" in row:
+            row[f"{CONFIDENCE_MAX}_vs_tuned"] = row[f"{CONFIDENCE_MAX}_tokens_per_s"] / row["tuned_tokens_per_s"]
+            if alternate:
+                row[f"{CONFIDENCE_MAX}_vs_tuned_paired"] = paired_ratio(
+                    row.get(f"{CONFIDENCE_MAX}_tokens_per_s_rounds", []), row.get("tuned_tokens_per_s_rounds", []))
         if "tuned_tokens_per_s" in row:
             row.update(fixed_schedules_spread(row, record, alternate))
         row["speedup"] = row["dspark_tokens_per_s"] / row["ar_tokens_per_s"]
@@ -1266,7 +1292,8 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
         candidates += [Candidate(c, 0, row["ar_step_ms"], 1.0),
                        Candidate(c, top, row["dspark_step_ms"], tau(c, top, row["mean_acceptance_length"]))]
     top_c = max(rows)
-    for k in range(1, top):
+    # (a sweep of one request alone has nothing to tune: one request drafts max_draft_len, the schedule's start)
+    for k in range(1, top) if top_c > 1 else ():
         llm = engine_class(str(target), speculative_config={**spec, "draft_len_schedule": {1: top, top_c: k}},
                            **common)
         freeze_long_lived(f"bench engine k={k}")
@@ -1340,15 +1367,15 @@ def summary(record: dict) -> str:
     if e2e:
         lines.append(f"end to end, {e2e['prompts']} prompts x {e2e['max_tokens']} tokens at concurrency 1: speedup "
                      f"{e2e['speedup']:.2f}, identical greedy outputs {e2e['identical_fraction']:.2f}")
+    def cell(value, width: int, digits: int = 2) -> str:  # a figure an older record lacks: "-"
+        return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
     confident = [r for r in record["runs"] if "confidence_vs_tuned" in r]
     if confident:  # the confidence scheduler against the tuned schedule, and what it chose from which predictions
         lines.append(f"{'conc':>5} {'conf/tuned':>10} {'paired':>7} {'budget':>7} {'drafted':>7} {'pred ms':>8} "
                      f"{'meas ms':>8} "
                      f"{'whole pred':>10} {'tuned ms':>8} {'exp tok':>8} {'got tok':>8} {'whole exp':>9} "
                      f"{'model':>6} {'oracle':>6} {'noise':>6} {'skill':>6} {'held':>5}")
-        def cell(value, width: int, digits: int = 2) -> str:  # a figure an older record lacks: "-"
-            return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
-
         for r in confident:
             lines.append(" ".join([
                 f"{r['concurrency']:>5}", cell(r["confidence_vs_tuned"], 10, 3),
@@ -1366,6 +1393,21 @@ def summary(record: dict) -> str:
                 cell(mean_skill(r.get("confidence_survival_skill_per_position")), 6, 3),
                 # steps that drafted nothing since drafting did not pay (drafting holds)
                 cell(r.get("confidence_drafting_off_steps"), 5, 0)]))
+    both = [r for r in record["runs"] if f"{CONFIDENCE_MAX}_vs_tuned" in r]
+    if both:  # --confidence-draft-len both: the scheduler drafting up to max_draft_len, in the same rounds
+        lines.append(f"{'conc':>5} {'max/tuned':>10} {'paired':>7} {'budget':>7} {'drafted':>7} {'pred ms':>8} "
+                     f"{'meas ms':>8} {'exp tok':>8} {'got tok':>8} {'held':>5}")
+        for r in both:
+            lines.append(" ".join([f"{r['concurrency']:>5}"] + [
+                cell(r.get(f"{CONFIDENCE_MAX}_{name}"), width, digits) for name, width, digits in (
+                    ("vs_tuned", 10, 3), ("vs_tuned_paired", 7, 3), ("verify_budget_per_request", 7, 2),
+                    ("offered_per_request", 7, 2), ("predicted_step_ms", 8, 2), ("measured_decided_step_ms", 8, 2),
+                    ("expected_tokens_per_request", 8, 2), ("committed_tokens_per_request", 8, 2),
+                    ("drafting_off_steps", 5, 0))]))
+    if f"mixed_{CONFIDENCE_MAX}_vs_tuned" in record:
+        paired = record.get(f"mixed_{CONFIDENCE_MAX}_vs_tuned_paired")
+        lines.append(f"mixed workload: {CONFIDENCE_MAX} / tuned {record[f'mixed_{CONFIDENCE_MAX}_vs_tuned']:.3f}" +
+                     (f" (paired {paired:.3f})" if paired is not None else ""))
     if "mixed_confidence_vs_tuned" in record:
         paired = record.get("mixed_confidence_vs_tuned_paired")
         held = record.get("mixed_workload", {}).get("confidence", {}).get("drafting_off_step_share")
@@ -1468,13 +1510,15 @@ def add_parser(commands) -> None:
                        "confidence_tokens_per_s beside the fixed schedule's dspark_tokens_per_s; with "
                        "--tune-schedule it runs within the tuned schedule, beside a sweep of that schedule alone "
                        "(confidence_vs_tuned)")
-    bench.add_argument("--confidence-draft-len", choices=("tuned", "max"), default="tuned",
+    bench.add_argument("--confidence-draft-len", choices=("tuned", "max", "both"), default="tuned",
                        help="with --confidence-scheduling and --tune-schedule: the block the confidence-scheduled "
                        "engine drafts: the tuned schedule's length at each concurrency (tuned, the default), or "
                        "up to max_draft_len everywhere (max: the scheduler alone chooses how much to draft and "
                        "verify: a graphed step drafts one past the cap or the packed columns it chose, and where "
                        "the tuned schedule drafts fewer it may still verify a whole block for a request whose "
-                       "drafts it trusts); either way it is compared with the tuned schedule")
+                       "drafts it trusts); either way it is compared with the tuned schedule; both: the two "
+                       "engines in the same rounds, the second's figures as confidence-max_* (one engine more alive "
+                       "at once: a smaller --kv-cache-gib may be needed)")
     bench.add_argument("--profile-steps", metavar="FILE", help="with --confidence-scheduling: also write the "
                        "profiled step-time table to FILE (a confidence_cost_table_path)")
     bench.add_argument("--moe-backend", default="AUTO", choices=["AUTO", "VANILLA", "DENSEGEMM", "TRITON"],

@@ -185,7 +185,7 @@ def test_bench_refuses_a_transformers_peer_on_a_replica(tmp_path):
         proc.stderr
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--confidence-draft-len", "all"], cwd=root,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--confidence-draft-len: invalid choice: 'all' (choose from 'tuned', 'max')" in \
+    assert proc.returncode == 2 and "--confidence-draft-len: invalid choice: 'all' (choose from 'tuned', 'max', 'both')" in \
         proc.stderr
 
 
@@ -295,6 +295,59 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
         for batch in (1, 2):
             assert record[f"{kind}_profile_batch{batch}"]["host_ms_per_step"], (kind, batch)
             assert keys.index(f"{kind}_profile_batch{batch}") > keys.index("confidence_rank_info"), (kind, batch)
+
+
+def test_both_confidence_engines_are_measured_in_the_same_rounds_beside_the_tuned_schedule(tmp_path):
+    """``--confidence-draft-len both``: the scheduler within the tuned schedule (``confidence``) and the scheduler
+    choosing how much to draft up to max_draft_len (``confidence-max``), measured in the same alternating rounds as
+    the tuned engine, each compared with it (rows and the mixed workload), the second's choices in its own fields
+    and the summary."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cluster.bench import schedule_cap
+
+    out, schedule = tmp_path / "bench.json", tmp_path / "schedule.json"
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
+                           "--concurrency", "1,2", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2",
+                           "--warmup", "1", "--rounds", "1", "--kv-cache-gib", "0.05", "--confidence-scheduling",
+                           "--tune-schedule", str(schedule), "--confidence-draft-len", "both",
+                           "--acceptance-per-position", "0.99,0.5,0.1", "--mixed-rate", "200", "--mixed-requests",
+                           "4", "--e2e-prompts", "0", "--e2e-tokens", "8", "--out", str(out)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["confidence_draft_len"] == "both"
+    assert record["schedules"]["confidence"] == "confidence within the tuned schedule"
+    assert record["schedules"]["confidence-max"] == "confidence within max_draft_len, beside the tuned schedule"
+    assert record["measured_together"] == ["ar", "dspark", "tuned", "confidence", "confidence-max"]
+    for row in record["runs"]:
+        cap = schedule_cap(record["tuned_schedule"]["schedule"], row["concurrency"], 3)
+        assert row["confidence_vs_tuned"] > 0 and row["confidence-max_vs_tuned"] == pytest.approx(
+            row["confidence-max_tokens_per_s"] / row["tuned_tokens_per_s"])
+        assert row["confidence-max_vs_tuned_paired"] == pytest.approx(row["confidence-max_vs_tuned"])  # (one round)
+        assert row["confidence_offered_per_request"] <= cap  # within the tuned schedule; the other up to 3
+        assert row["confidence-max_verify_budget_per_request"] <= row["confidence-max_offered_per_request"] <= 3
+    assert record["mixed_confidence-max_vs_tuned"] > 0 and record["mixed_confidence_vs_tuned"] > 0
+    assert "max/tuned" in proc.stderr and "mixed workload: confidence-max / tuned" in proc.stderr
+
+
+def test_tuning_a_sweep_of_one_request_keeps_max_draft_len(tmp_path):
+    """A sweep of one request alone has nothing to tune (one request drafts max_draft_len, where every schedule
+    starts): the tuned schedule is {1: K}; it built a candidate engine of schedule {1: k}, refused as invalid."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out, schedule = tmp_path / "bench.json", tmp_path / "schedule.json"
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
+                           "--concurrency", "1", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2",
+                           "--warmup", "1", "--rounds", "1", "--kv-cache-gib", "0.05", "--tune-schedule", str(schedule),
+                           "--acceptance-per-position", "0.99,0.5,0.1", "--e2e-prompts", "0", "--out", str(out)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(out.read_text())["tuned_schedule"]["schedule"] == {"1": 3}
 
 
 def test_the_confidence_engine_can_draft_max_draft_len_beside_the_tuned_schedule(tmp_path):
