@@ -404,7 +404,7 @@ def _mixed_run(engine, prompts: list[list[int]], arrivals: list[float], params) 
     return {"seconds": seconds, "tokens_per_s": tokens / seconds, "mean_ttft_ms": 1e3 * sum(ttft) / len(ttft),
             "mean_tpot_ms": 1e3 * sum(tpot) / max(len(tpot), 1), "steps": steps, "mixed_step_share": mixed / steps,
             "step_spread": {**step_spread(step_s), "idle_s": idle_s, "gc": pauses.summary(),
-                            **({"allocator": allocator.summary()} if allocator.summary() else {})}}
+                            **({"allocator": events} if (events := allocator.summary()) else {})}}
 
 
 def round_spread(result: dict) -> dict:
@@ -701,6 +701,26 @@ def alternating_rounds(llms: dict, run, rounds: int = PAIRED_ROUNDS) -> Iterator
 def median_round(rounds: list[dict]) -> dict:
     """The round whose tokens/s is the median (an odd count: the middle one)."""
     return sorted(rounds, key=lambda r: r["tokens_per_s"])[len(rounds) // 2]
+
+
+def against_tuned(name: str, tokens_per_s: float, rounds: list[float], tuned_tokens_per_s: float,
+                  tuned_rounds: list[float], alternate: bool) -> dict:
+    """``NAME_vs_tuned``: an engine's tokens/s over the tuned engine's (the median rounds'), and measured in
+    alternating rounds ``NAME_vs_tuned_paired``, the median of the per-round ratios."""
+    return {f"{name}_vs_tuned": tokens_per_s / tuned_tokens_per_s,
+            **({f"{name}_vs_tuned_paired": paired_ratio(rounds, tuned_rounds)} if alternate else {})}
+
+
+def row_against_tuned(row: dict, kind: str, alternate: bool) -> dict:
+    """``against_tuned`` on a sweep row's figures of ``kind``: ``KIND_vs_tuned[_paired]``."""
+    return against_tuned(kind, row[f"{kind}_tokens_per_s"], row.get(f"{kind}_tokens_per_s_rounds", []),
+                         row["tuned_tokens_per_s"], row.get("tuned_tokens_per_s_rounds", []), alternate)
+
+
+def mixed_against_tuned(runs: dict, kind: str, alternate: bool) -> dict:
+    """``against_tuned`` on the mixed workload's runs (``mixed_workload``): ``mixed_KIND_vs_tuned[_paired]``."""
+    return against_tuned(f"mixed_{kind}", runs[kind]["tokens_per_s"], runs[kind]["tokens_per_s_rounds"],
+                         runs["tuned"]["tokens_per_s"], runs["tuned"]["tokens_per_s_rounds"], alternate)
 
 
 def paired_ratio(rounds: list[float], against: list[float]) -> float | None:
@@ -1183,21 +1203,13 @@ def run(args) -> dict:
     profile_all()
     mixed_runs = record.get("mixed_workload", {})
     if "confidence" in mixed_runs and "tuned" in mixed_runs:  # measured in alternating rounds, median each
-        record["mixed_confidence_vs_tuned"] = mixed_runs["confidence"]["tokens_per_s"] / mixed_runs["tuned"][
-            "tokens_per_s"]
+        record.update(mixed_against_tuned(mixed_runs, "confidence", alternate))
         # below saturation both keep up with the arrivals (tokens/s near equal): then the time per token differs
         record["mixed_confidence_vs_tuned_tpot"] = mixed_runs["confidence"]["mean_tpot_ms"] / mixed_runs["tuned"][
             "mean_tpot_ms"]
-        if alternate:
-            record["mixed_confidence_vs_tuned_paired"] = paired_ratio(
-                mixed_runs["confidence"]["tokens_per_s_rounds"], mixed_runs["tuned"]["tokens_per_s_rounds"])
         record.update(mixed_noise_floor(record, list(rows.values()), max(args.concurrency)))
     if CONFIDENCE_MAX in mixed_runs and "tuned" in mixed_runs:
-        record[f"mixed_{CONFIDENCE_MAX}_vs_tuned"] = mixed_runs[CONFIDENCE_MAX]["tokens_per_s"] / mixed_runs[
-            "tuned"]["tokens_per_s"]
-        if alternate:
-            record[f"mixed_{CONFIDENCE_MAX}_vs_tuned_paired"] = paired_ratio(
-                mixed_runs[CONFIDENCE_MAX]["tokens_per_s_rounds"], mixed_runs["tuned"]["tokens_per_s_rounds"])
+        record.update(mixed_against_tuned(mixed_runs, CONFIDENCE_MAX, alternate))
     record.update(prefill_apart_ratios(record.get("mixed_workload", {})))
     for row in rows.values():
         row["dspark_step_vs_ar"] = row["dspark_step_ms"] / row["ar_step_ms"]
@@ -1207,17 +1219,11 @@ def run(args) -> dict:
             row["confidence_speedup"] = row["confidence_tokens_per_s"] / row["ar_tokens_per_s"]
             row["confidence_vs_dspark"] = row["confidence_tokens_per_s"] / row["dspark_tokens_per_s"]
             if "tuned_tokens_per_s" in row:  # both measured in this run, the scheduler inside the tuned schedule
-                row["confidence_vs_tuned"] = row["confidence_tokens_per_s"] / row["tuned_tokens_per_s"]
-                if alternate:
-                    row["confidence_vs_tuned_paired"] = paired_ratio(row.get("confidence_tokens_per_s_rounds", []),
-                                                                     row.get("tuned_tokens_per_s_rounds", []))
+                row.update(row_against_tuned(row, "confidence", alternate))
             row.update(confidence_bounds(row, record))
             row.update(confidence_predicted_gain(row))
         if f"{CONFIDENCE_MAX}_tokens_per_s" in row and "tuned_tokens_per_s" in row:
-            row[f"{CONFIDENCE_MAX}_vs_tuned"] = row[f"{CONFIDENCE_MAX}_tokens_per_s"] / row["tuned_tokens_per_s"]
-            if alternate:
-                row[f"{CONFIDENCE_MAX}_vs_tuned_paired"] = paired_ratio(
-                    row.get(f"{CONFIDENCE_MAX}_tokens_per_s_rounds", []), row.get("tuned_tokens_per_s_rounds", []))
+            row.update(row_against_tuned(row, CONFIDENCE_MAX, alternate))
         if "tuned_tokens_per_s" in row:
             row.update(fixed_schedules_spread(row, record, alternate))
         row["speedup"] = row["dspark_tokens_per_s"] / row["ar_tokens_per_s"]

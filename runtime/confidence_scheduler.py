@@ -735,12 +735,7 @@ class ConfidenceScheduler:
         if num == 0 or offered == 0:
             return [0] * num
         k = int(sizes.max())
-        if (sizes == k).all():  # the usual step: every block proposed in full
-            table = np.asarray(confidences, dtype=np.float64)
-        else:
-            table = np.zeros((num, k))
-            for i, c in enumerate(confidences):
-                table[i, :len(c)] = c
+        table = confidence_table(confidences, sizes, k)
         history = history_rows(history, num, len(self.correction.history_names))
         survival = self.survival(table, history)
         if padded:
@@ -892,12 +887,7 @@ class ConfidenceScheduler:
             return 0
         k = max(sizes)
         history = history_rows(history, num, len(self.correction.history_names))
-        if min(sizes) == k:  # the usual step: every block proposed in full
-            padded = np.asarray(confidences, dtype=np.float64)  # [S, K]
-        else:
-            padded = np.zeros((num, k))
-            for i, c in enumerate(confidences):
-                padded[i, :len(c)] = c
+        padded = confidence_table(confidences, sizes, k)
         survival = self.survival(padded, history)  # [S, K], over the whole step at once (as allot)
         column_sums = survival.sum(axis=0)  # [K] each position's survivals, summed
         ranked = np.concatenate([[0.0], np.sort(survival.reshape(-1))[::-1].cumsum()])  # [S*K+1] top-b sums
@@ -945,6 +935,16 @@ class ConfidenceScheduler:
         if rate[best] < (1 + self.min_gain) * rate[full]:
             return full
         return best
+
+
+def confidence_table(confidences: list[list[float]], sizes, k: int) -> np.ndarray:
+    """S blocks' confidences of ``sizes`` [S] drafts -> [S, k] float64, 0 past each block."""
+    if min(sizes) == k:  # the usual step: every block proposed in full
+        return np.asarray(confidences, dtype=np.float64)
+    table = np.zeros((len(confidences), k))
+    for i, c in enumerate(confidences):
+        table[i, :len(c)] = c
+    return table
 
 
 def packed_draft_len(survival: np.ndarray, sizes: list[int], columns: int, max_draft_len: int) -> int | None:
