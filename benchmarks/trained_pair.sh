@@ -32,6 +32,9 @@
 #                                                    -> OUT/bench.json (written as each engine finishes, marked
 #                                                    partial until the end), OUT/tuned-schedule.json,
 #                                                    OUT/step-costs.json (dspark bench-plot draws bench.json)
+#   bash benchmarks/trained_pair.sh measure WORK OUT [BENCH FLAGS]
+#                                                    the bench as `bench` runs it without the torch profiles (each
+#                                                    engine's profiled steps cost ~10-20 s of a command's 10 minutes)
 #   bash benchmarks/trained_pair.sh check WORK OUT [BENCH FLAGS]
 #                                                    the confidence scheduler's check (~7-8 minutes a pair): the
 #                                                    bench at the concurrencies issue 16 is judged at (1, 4, 64,
@@ -71,7 +74,7 @@
 # ~1.3 s, spread its rounds by +-10%, too short to resolve the 1% the confidence scheduler is held to).
 # Both steps run from the checkout root with .whl-fi (and .fi-cache, if any) carried; see benchmarks/gpu_host.sh.
 set -euo pipefail
-step=${1:?give a step: train, profile, bench, check, quick, snapshot or all}; work=${2:?give a work folder}
+step=${1:?give a step: train, profile, bench, measure, check, quick, snapshot or all}; work=${2:?give a work folder}
 out=${3:?give an output folder (snapshot: a name)}
 [ "$step" = snapshot ] || eval "$(bash benchmarks/gpu_host.sh install)"
 export PYTHONUNBUFFERED=1
@@ -99,6 +102,7 @@ profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpar
 case "$step" in
   train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" "${8:-48}" ;;
   bench) shift 3; bench --profile --profile-batches 1,64 "$@" ;;
+  measure) shift 3; bench "$@" ;;
   quick) shift 3; train 60 300 3072 24 20
          bench --concurrency 1,4,64 --e2e-prompts 0 --rounds 1 "$@" ;;
   check) shift 3; bench --concurrency 1,4,64,256 --e2e-prompts 32 --mixed-prefill-apart "$@"
@@ -113,5 +117,5 @@ case "$step" in
   all) train 100 300 "${4:-512}" "${5:-8}" 48
        profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2
        bench --profile --profile-batches 1,64 ;;
-  *) echo "usage: $0 train|bench|profile|check|quick|snapshot|all WORK OUT|NAME" >&2; exit 2 ;;
+  *) echo "usage: $0 train|bench|measure|profile|check|quick|snapshot|all WORK OUT|NAME" >&2; exit 2 ;;
 esac

@@ -304,7 +304,7 @@ def end_to_end(llms: dict, prompts: list[list[int]], max_tokens: int) -> dict[st
 
 
 def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, seed: int = 0,
-                   mixed_prefill: bool = True) -> dict:
+                   mixed_prefill: bool = True, piecewise: bool = True) -> dict:
     """Requests arriving while others decode (so steps mix prefill and decode): ``prompts`` submitted one by
     one at Poisson arrival times of ``rate`` per second (seeded), greedy, ``max_tokens`` each; the engine steps
     whenever it has work. -> output tokens/s over the whole run, mean TTFT and TPOT, steps, and the share of
@@ -316,7 +316,9 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     quarters, idle time, garbage-collector pauses, on a CUDA device the caching allocator's mallocs and retries;
     alternating rounds also keep each round's, ``rounds_spread``).
     ``mixed_prefill`` False: the engine's scheduler keeps prefill apart for
-    this run (``LLMConfig.enable_mixed_prefill``), as built afterwards."""
+    this run (``LLMConfig.enable_mixed_prefill``), as built afterwards. ``piecewise`` False: the steps no whole-step
+    graph serves run eagerly for this run, not through the engine's piecewise graphs (``runtime.piecewise``; a
+    single-process engine's). ``piecewise_steps``: the steps its piecewise graphs served in the run."""
     import random
 
     from runtime import SamplingParams
@@ -346,6 +348,14 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
         limits = engine.scheduler.limits
         engine.scheduler.limits = dataclasses.replace(limits, mixed_prefill=mixed_prefill)
         timers.callback(setattr, engine.scheduler, "limits", limits)
+        runner = piecewise_runner(engine)
+        replays_before = runner.piecewise.replays if runner is not None else 0
+        if not piecewise:
+            if runner is None:
+                raise ValueError("--mixed-eager: this engine has no piecewise graphs to compare with (one process "
+                                 "on a GPU with CUDA graphs and piecewise_cuda_graphs builds them)")
+            runner.use_piecewise = False
+            timers.callback(setattr, runner, "use_piecewise", True)
         for owner, name, key in ((engine, "step", "step"), (engine.scheduler, "schedule", "schedule"),
                                  (engine.executor, "execute", "execute"), (engine, "_commit_step", "commit"),
                                  (engine, "_allot_verify_lengths", "decision")):
@@ -357,9 +367,18 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     record["host_ms"] = {key: 1e3 * value / steps for key, value in totals.items()}
     record["mean_batch"], record["mean_tokens_fed"] = fed[0] / steps, fed[1] / steps
     record["drafting_off_step_share"] = (engine.confidence_stats.drafting_off_steps - held_before) / steps
+    record["piecewise_steps"] = runner.piecewise.replays - replays_before if runner is not None else 0
     if engine.confidence is not None:
         record["scheduled"] = scheduled_since(stats_before, engine.confidence_stats)
     return record
+
+
+def piecewise_runner(engine):
+    """The model runner of a single-process engine whose target has piecewise graphs (``runtime.piecewise``), else
+    None (an engine on Ray actors, eager, or without them)."""
+    worker = getattr(engine.executor, "worker", None)
+    runner = getattr(worker, "engine_part", None)
+    return runner if getattr(runner, "piecewise", None) is not None else None
 
 
 def _mixed_run(engine, prompts: list[list[int]], arrivals: list[float], params) -> dict:
@@ -803,6 +822,33 @@ def fixed_schedules_spread(row: dict, record: dict, alternate: bool) -> dict:
 
 
 APART = "-apart"  # the mixed workload's name for an engine run with prefill apart (--mixed-prefill-apart)
+EAGER = "-eager"  # ... and for one whose steps no whole-step graph serves ran eagerly (--mixed-eager)
+
+
+def piecewise_ratios(runs: dict) -> dict:
+    """--mixed-eager: each engine's tokens/s under the mixed workload through its piecewise graphs over the same
+    engine's with those steps eager (``mixed_piecewise_vs_eager``, ``_paired`` where rounds pair up), and the
+    confidence engine against the tuned one with them eager (``mixed_confidence_vs_tuned_eager``). {} without."""
+    ratios, paired = {}, {}
+    for name, run in runs.items():
+        kind = name.removesuffix(EAGER)
+        if name.endswith(EAGER) and kind in runs:
+            ratios[kind] = runs[kind]["tokens_per_s"] / run["tokens_per_s"]
+            pair = paired_ratio(runs[kind].get("tokens_per_s_rounds", []), run.get("tokens_per_s_rounds", []))
+            if pair is not None:
+                paired[kind] = pair
+    if not ratios:
+        return {}
+    out = {"mixed_piecewise_vs_eager": ratios}
+    if paired:
+        out["mixed_piecewise_vs_eager_paired"] = paired
+    confidence, tuned = runs.get("confidence" + EAGER), runs.get("tuned" + EAGER)
+    if confidence and tuned:
+        out["mixed_confidence_vs_tuned_eager"] = confidence["tokens_per_s"] / tuned["tokens_per_s"]
+        pair = paired_ratio(confidence.get("tokens_per_s_rounds", []), tuned.get("tokens_per_s_rounds", []))
+        if pair is not None:
+            out["mixed_confidence_vs_tuned_eager_paired"] = pair
+    return out
 
 
 def prefill_apart_ratios(runs: dict) -> dict:
@@ -879,6 +925,7 @@ def run(args) -> dict:
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     common = dict(dtype="bfloat16" if device.type == "cuda" else "float32", device=args.device,
                   kernel_backend=args.kernel_backend, enforce_eager=args.enforce_eager, moe_backend=args.moe_backend,
+                  piecewise_cuda_graphs=args.piecewise_cuda_graphs,
                   max_num_seqs=max(args.concurrency), max_model_len=args.prompt_len + 2048,
                   kv_cache_memory=int(args.kv_cache_gib * 2**30), max_num_batched_tokens=max(2048, args.prompt_len * 2),
                   load_format="dummy" if shape else "auto")
@@ -1029,12 +1076,12 @@ def run(args) -> dict:
                                context_ms=timing.get("context_ms"))
         print(f"dspark bench: {kind} concurrency {c}: {timing}", file=sys.stderr, flush=True)
 
-    def mixed(llm, mixed_prefill: bool = True, requests: int | None = None) -> dict:
+    def mixed(llm, mixed_prefill: bool = True, piecewise: bool = True, requests: int | None = None) -> dict:
         requests = requests or args.mixed_requests
         mixed_prompts = sweep_prompts or end_to_end_prompts(args, None, vocab, requests)
         return mixed_workload(llm, [mixed_prompts[i % len(mixed_prompts)][:args.prompt_len]
                                     for i in range(requests)], args.mixed_rate, args.e2e_tokens,
-                              mixed_prefill=mixed_prefill)
+                              mixed_prefill=mixed_prefill, piecewise=piecewise)
 
     def warm_mixed(variants: dict) -> None:
         """``--mixed-warmup`` requests through each variant's mixed workload, untimed: the first run of an engine's
@@ -1043,15 +1090,18 @@ def run(args) -> dict:
         requests = min(args.mixed_warmup, args.mixed_requests)
         if requests:
             record["mixed_warmup_requests"] = requests
-            for engine_, mixed_prefill in variants.values():
-                mixed(engine_, mixed_prefill, requests=requests)
+            for variant in variants.values():
+                mixed(*variant, requests=requests)
 
     def mixed_variants(llms: dict) -> dict:
-        """name -> (engine, mixed_prefill): each engine as built, and with --mixed-prefill-apart each one again with
-        prefill apart (``KIND-apart``)."""
-        variants = {kind: (llm, True) for kind, llm in llms.items()}
+        """name -> (engine, mixed_prefill, piecewise): each engine as built, with --mixed-prefill-apart each one again
+        with prefill apart (``KIND-apart``), with --mixed-eager each one again with the steps no whole-step graph
+        serves eager (``KIND-eager``)."""
+        variants = {kind: (llm, True, True) for kind, llm in llms.items()}
         if args.mixed_prefill_apart:
-            variants.update({f"{kind}{APART}": (llm, False) for kind, llm in llms.items()})
+            variants.update({f"{kind}{APART}": (llm, False, True) for kind, llm in llms.items()})
+        if args.mixed_eager:
+            variants.update({f"{kind}{EAGER}": (llm, True, False) for kind, llm in llms.items()})
         return variants
 
     def report_e2e(results: dict) -> None:
@@ -1069,8 +1119,8 @@ def run(args) -> dict:
             record["confidence_mixed_step_costs_served"] = llm.engine.confidence.mixed_costs.to_json()
         if args.mixed_rate and with_mixed:
             warm_mixed(mixed_variants({kind: llm}))
-            for name, (engine_, mixed_prefill) in mixed_variants({kind: llm}).items():
-                record.setdefault("mixed_workload", {})[name] = mixed(engine_, mixed_prefill)
+            for name, variant in mixed_variants({kind: llm}).items():
+                record.setdefault("mixed_workload", {})[name] = mixed(*variant)
                 print(f"dspark bench: {name} mixed workload: {record['mixed_workload'][name]}", file=sys.stderr,
                       flush=True)
         if e2e_prompts is not None and with_e2e:
@@ -1211,6 +1261,7 @@ def run(args) -> dict:
     if CONFIDENCE_MAX in mixed_runs and "tuned" in mixed_runs:
         record.update(mixed_against_tuned(mixed_runs, CONFIDENCE_MAX, alternate))
     record.update(prefill_apart_ratios(record.get("mixed_workload", {})))
+    record.update(piecewise_ratios(record.get("mixed_workload", {})))
     for row in rows.values():
         row["dspark_step_vs_ar"] = row["dspark_step_ms"] / row["ar_step_ms"]
         if "tuned_tokens_per_s" in row:
@@ -1432,12 +1483,13 @@ def summary(record: dict) -> str:
                          f"steps predicted {chose['predicted_step_ms']:.2f} ms, measured "
                          f"{chose['measured_decided_step_ms']:.2f}")
         # where a step's time went
-        for kind in ("ar", "dspark", "tuned", "confidence", "tuned" + APART, "confidence" + APART):
-            run = record.get("mixed_workload", {}).get(kind, {})
+        for kind, run in record.get("mixed_workload", {}).items():
             if "step_ms" in run:
                 host = ", ".join(f"{key} {value:.2f}" for key, value in run["host_ms"].items())
                 lines.append(f"  {kind}: {run['steps']} steps of {run['step_ms']:.2f} ms ({host}), "
-                             f"{run['mean_batch']:.1f} requests and {run['mean_tokens_fed']:.0f} tokens a step")
+                             f"{run['mean_batch']:.1f} requests and {run['mean_tokens_fed']:.0f} tokens a step"
+                             + (f", {run['piecewise_steps']} through piecewise graphs"
+                                if run.get("piecewise_steps") else ""))
                 if run.get("rounds_spread"):  # each round: mean / median step, its quarters, the collector's pauses
                     lines.append("    rounds: " + "; ".join(
                         f"{r['step_ms']:.2f} / {r['p50_ms']:.2f} ms [" + " ".join(f"{q:.1f}" for q in r["quarters_ms"])
@@ -1453,6 +1505,15 @@ def summary(record: dict) -> str:
         if "mixed_confidence_vs_tuned_apart" in record:
             pair = record.get("mixed_confidence_vs_tuned_apart_paired")
             lines.append(f"  with prefill apart, confidence / tuned {record['mixed_confidence_vs_tuned_apart']:.3f}"
+                         + (f" (paired {pair:.3f})" if pair is not None else ""))
+    if "mixed_piecewise_vs_eager" in record:
+        paired = record.get("mixed_piecewise_vs_eager_paired", {})
+        lines.append("mixed workload through piecewise graphs / eager: " + ", ".join(
+            f"{kind} {ratio:.3f}" + (f" (paired {paired[kind]:.3f})" if kind in paired else "")
+            for kind, ratio in record["mixed_piecewise_vs_eager"].items()))
+        if "mixed_confidence_vs_tuned_eager" in record:
+            pair = record.get("mixed_confidence_vs_tuned_eager_paired")
+            lines.append(f"  with those steps eager, confidence / tuned {record['mixed_confidence_vs_tuned_eager']:.3f}"
                          + (f" (paired {pair:.3f})" if pair is not None else ""))
     return "\n".join(lines)
 
@@ -1495,6 +1556,8 @@ def acceptance_list(text: str) -> list[float]:
 
 
 def add_parser(commands) -> None:
+    import argparse
+
     bench = commands.add_parser("bench", help="our AR baseline and DSpark side by side (JSON record)",
                                 description=__doc__)
     which = bench.add_mutually_exclusive_group(required=True)
@@ -1511,6 +1574,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "flashinfer"],
                        help="kernels of both engines (default auto: flashinfer on a GPU where it imports)")
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    bench.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                       help="the engines' piecewise graphs of the steps no whole-step graph serves (default on; "
+                       "LLMConfig.piecewise_cuda_graphs)")
     bench.add_argument("--confidence-scheduling", action="store_true", help="also sweep DSpark with "
                        "enable_confidence_scheduling (its step-time table profiled at startup, in the record): "
                        "confidence_tokens_per_s beside the fixed schedule's dspark_tokens_per_s; with "
@@ -1575,6 +1641,10 @@ def add_parser(commands) -> None:
                        "on every engine twice, as built (a step may feed prompt chunks beside decodes) and with "
                        "prefill apart (enable_mixed_prefill=False: prefill steps and decode steps, each graphed), in "
                        "the same alternating rounds; records mixed_workload[KIND-apart] and mixed_apart_vs_mixed")
+    bench.add_argument("--mixed-eager", action="store_true", help="with --mixed-rate: run the mixed workload on every "
+                       "engine twice, through its piecewise CUDA graphs (as built) and with the steps no whole-step "
+                       "graph serves eager, in the same alternating rounds; records mixed_workload[KIND-eager] and "
+                       "mixed_piecewise_vs_eager (one process on a GPU)")
     bench.add_argument("--prompts", help="JSONL prompts (prompt, messages or prompt_ids rows) for the sweep (cut "
                        "to --prompt-len; a trained pair's acceptance needs its kind of text) and --e2e-prompts; "
                        "default: random token ids")

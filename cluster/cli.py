@@ -28,6 +28,7 @@ MODEL_FLAGS = {
     "device": ("engine", "device"), "max_model_len": ("engine", "max_model_len"),
     "max_num_seqs": ("engine", "max_num_seqs"), "kv_cache_memory": ("engine", "kv_cache_memory"),
     "enable_mixed_prefill": ("engine", "enable_mixed_prefill"),
+    "piecewise_cuda_graphs": ("engine", "piecewise_cuda_graphs"),
     "moe_backend": ("engine", "moe_backend"), "speculative_moe_backend": ("speculative", "moe_backend"),
     "speculative_model": ("speculative", "speculative_model"), "max_draft_len": ("speculative", "max_draft_len"),
     "use_rejection_sampling": ("speculative", "use_rejection_sampling"),
@@ -76,6 +77,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-mixed-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="let a step feed prompt chunks beside decoding requests (default); --no-enable-mixed-prefill: "
                    "prefill steps and decode steps apart, each replaying a CUDA graph (outputs unchanged)")
+    p.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay steps no whole-step CUDA graph serves (prompt chunks beside decodes) as graphs cut at "
+                   "each layer's attention (default, one GPU); --no-piecewise-cuda-graphs: run them eagerly "
+                   "(outputs unchanged)")
     p.add_argument("--moe-backend", choices=typing.get_args(MoeBackend), help="expert kernels of an MoE target's "
                    "MoE layers, resolved on each rank (default AUTO: TRITON on CUDA, else DENSEGEMM where torch's "
                    "grouped GEMM runs, else VANILLA); one a rank cannot run is an error naming the rank and why")

@@ -62,6 +62,12 @@ class LLMConfig(BaseModel):
         default=False, description="Never use CUDA graphs. Otherwise, with the flashinfer kernels on one GPU, "
         "decode and verify steps replay graphs captured per batch-size bucket (capture time and memory are "
         "logged).")
+    piecewise_cuda_graphs: bool = Field(
+        default=True, description="Where CUDA graphs are used on one GPU, the steps no whole-step graph serves "
+        "(prompt chunks beside decoding requests, long or ragged chunks; up to 2048 tokens) replay the target's "
+        "forward as graphs captured per token bucket, cut at each layer's attention, which runs eagerly with the "
+        "step's own plan (vLLM's piecewise graphs). False: those steps run eagerly. Outputs are the same either "
+        "way; capture time and memory are in rank_info (piecewise_graphs).")
     seed: int = Field(default=0, description="Seed of the engine's generator for unseeded sampled requests.")
     enable_prefix_caching: bool = Field(
         default=True, description="Reuse the KV pages (and drafter context) of a prompt prefix another request "

@@ -20,6 +20,7 @@ from configs import DSparkDecodingConfig
 from runtime.confidence_scheduler import CONFIDENCE_SCALE, confidence_from_ints
 from runtime.draft_channel import DraftChannel, Proposal, receive_features, send_features
 from runtime.graphs import GraphedTargetForward, GraphOutputs
+from runtime.piecewise import PiecewiseTargetForward
 from runtime.kernels import AttentionGeometry, KernelBackend
 from runtime.kv_cache import KVCaches, scrub_pages
 from runtime.logprobs import LogprobSource
@@ -61,8 +62,12 @@ class ModelRunner:
     def __init__(self, target: TargetModel, spec: DSparkDecodingConfig | None, kernels: KernelBackend,
                  caches: KVCaches, page_size: int, device: torch.device, parallel: ParallelContext = SINGLE,
                  channel: DraftChannel | None = None, draft_w2: nn.Module | None = None,
-                 graphs: GraphedTargetForward | None = None, logprobs_mode: str = "raw"):
+                 graphs: GraphedTargetForward | None = None, logprobs_mode: str = "raw",
+                 piecewise: PiecewiseTargetForward | None = None):
         self.target, self.kernels, self.caches, self.graphs = target, kernels, caches, graphs
+        # the steps no whole-step graph serves, when built (one GPU); ``use_piecewise`` False runs them eagerly
+        # (what the bench's --mixed-eager compares against, on the same engine)
+        self.piecewise, self.use_piecewise = piecewise, piecewise is not None
         self.logprobs_mode = logprobs_mode  # "raw" or "processed" (configs.LLMConfig.logprobs_mode)
         self.geometry = attention_geometry(target)
         self.page_size, self.device, self.parallel = page_size, device, parallel
@@ -104,7 +109,7 @@ class ModelRunner:
         if self.graphs is not None and (q_len is None or batch.scrub_page_ids):
             self.graphs.drop_ahead()  # (a graphed step takes or drops a verify launched ahead: graphs.run)
         drafting = self.has_drafter and batch.maintain_draft_context
-        graphed = None
+        graphed, appended = None, False  # appended: a piecewise forward appended the drafter's context
         with region("dspark.forward"):
             if q_len is not None:
                 graphed = self.graphs.run(reqs, q_len, append_context=drafting)
@@ -112,8 +117,12 @@ class ModelRunner:
                 t = graphed.step_tensors(reqs, self.page_size, self.device, with_page_table=drafting)
             else:
                 t = build_step_tensors(reqs, self.page_size, self.device, self.kernels, self.geometry)
-                hidden, captured = self.target(t.input_ids, t.positions, self.caches, t.meta, t.slots)
-        if drafting and self.is_leader and not (graphed is not None and graphed.context_appended):
+                if self.use_piecewise and self.piecewise.serves(t.row_ends[-1]):
+                    pieces = self.piecewise.forward(t, append_context=drafting)
+                    hidden, captured, appended = pieces.hidden, pieces.captured, pieces.context_appended
+                else:
+                    hidden, captured = self.target(t.input_ids, t.positions, self.caches, t.meta, t.slots)
+        if drafting and self.is_leader and not appended and not (graphed is not None and graphed.context_appended):
             with region("dspark.context"):
                 self.channel.send_context(captured, t)
         sampled = sampled_entries(reqs)

@@ -23,6 +23,7 @@ from runtime.draft_runner import DraftRunner
 from runtime.draft_server import DraftServer
 from runtime.graph_layout import PREFILL_GRAPH_TOKENS, PREFILL_Q_LENS
 from runtime.graphs import GraphedTargetForward
+from runtime.piecewise import PiecewiseTargetForward
 from runtime.kernels import get_backend
 from runtime.kernels.moe import GRAPH_SAFE
 from runtime.kv_cache import allocate_caches, bytes_per_page
@@ -73,6 +74,7 @@ class Worker:
         if config.kernel_backend == "auto":
             log.info("dspark: kernel_backend auto -> %s on %s", self.kernel_backend, self.device)
         self.graphs: GraphedTargetForward | None = None
+        self.piecewise: PiecewiseTargetForward | None = None  # the steps no whole-step graph serves (one GPU)
         self.step_profiler = StepProfiler()  # idle until the driver starts a profile of this rank's steps
         self.parallel: ParallelContext = SINGLE
         self.target = self.drafter = self.vocab = self.draft_w2 = None
@@ -183,8 +185,13 @@ class Worker:
                                                and not self.parallel.is_parallel else (),
                                                # a step of Q tokens served by a longer graph that replays faster
                                                time_lengths=not self.parallel.is_parallel)
+            if self.config.piecewise_cuda_graphs and not self.parallel.is_parallel:
+                self.piecewise = PiecewiseTargetForward(self.target, caches, attention_geometry(self.target),
+                                                        page_size, num_pages, self.config.max_num_batched_tokens,
+                                                        self.device, draft_runner.append_context if local else None)
         self.engine_part = ModelRunner(self.target, self.spec, self.kernels, caches, page_size, self.device,
-                                       self.parallel, channel, w2, self.graphs, self.config.logprobs_mode)
+                                       self.parallel, channel, w2, self.graphs, self.config.logprobs_mode,
+                                       self.piecewise)
 
     @property
     def verify_lengths(self) -> list[int]:
@@ -220,7 +227,8 @@ class Worker:
         (VANILLA reads expert choices back to the host), and under tensor parallelism NCCL (its all-reduces and
         the LM head's max/argmax gather are captured inside the graphs; every rank captures and replays the same
         graphs in the same order; validated on two H200s by tests/gpu/test_cuda.py). A separate drafter's process
-        runs eagerly."""
+        runs eagerly. On one GPU the steps no whole-step graph serves replay piecewise graphs
+        (``LLMConfig.piecewise_cuda_graphs``, ``runtime.piecewise``); under tensor parallelism they run eagerly."""
         collectives_ok = self.plan.tp_size == 1 or dist.get_backend(self.parallel.group) == "nccl"
         return (self.plan.role == "target" and self.kernel_backend == "flashinfer" and not self.config.enforce_eager
                 and self.device.type == "cuda" and collectives_ok
@@ -267,6 +275,8 @@ class Worker:
                 # plain greedy decode steps launched before the engine scheduled them: used, and dropped
                 "steps_run_ahead": self.graphs.steps_run_ahead if self.graphs is not None else 0,
                 "steps_ahead_dropped": self.graphs.steps_ahead_dropped if self.graphs is not None else 0,
+                # steps no whole-step graph serves, replayed piece by piece around eager attention (one GPU)
+                "piecewise_graphs": self.piecewise.as_dict() if self.piecewise is not None else None,
                 "small_gemms": self.small_gemms.as_dict() if self.small_gemms is not None else None,
                 "draft_graphs": self.graphs is not None and self.plan.holds_drafter and self.spec is not None,
                 "holds_drafter": self.plan.holds_drafter and self.spec is not None,

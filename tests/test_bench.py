@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cluster.bench import (MODEL_SHAPES, confidence_bounds, mixed_noise_floor, paired_ratio,
+from cluster.bench import (MODEL_SHAPES, confidence_bounds, mixed_noise_floor, paired_ratio, piecewise_ratios,
                            prefill_apart_ratios, schedule_cap, write_shape)
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
@@ -126,6 +126,11 @@ def test_a_mixed_workload_submits_while_others_decode(tmp_path):
     apart = mixed_workload(llm, prompts, rate=400.0, max_tokens=8, mixed_prefill=False)
     assert apart["requests"] == 12 and not llm.engine.has_unfinished() and llm.engine.scheduler.limits.mixed_prefill
     assert all(len(kind) == 1 for kind in kinds) and {True} in kinds and {False} in kinds
+    # a CPU engine has no piecewise graphs: none of its steps went through them, and comparing against them is refused
+    assert result["piecewise_steps"] == 0 and llm.rank_info()[0]["piecewise_graphs"] is None
+    with pytest.raises(ValueError, match="--mixed-eager: this engine has no piecewise graphs"):
+        mixed_workload(llm, prompts, rate=400.0, max_tokens=8, piecewise=False)
+    assert not llm.engine.has_unfinished()
 
 
 def test_the_step_spread_reads_quantiles_quarters_and_slow_steps_and_the_collector_pauses_are_counted():
@@ -445,6 +450,18 @@ def test_prefill_apart_ratios_pair_each_engine_with_itself():
     assert ratios["mixed_apart_vs_mixed_paired"]["tuned"] == pytest.approx(1.5)
     assert ratios["mixed_confidence_vs_tuned_apart"] == pytest.approx(160 / 150)
     assert prefill_apart_ratios({"tuned": runs["tuned"]}) == {}
+
+
+def test_piecewise_ratios_pair_each_engine_with_its_eager_self():
+    runs = {"tuned": {"tokens_per_s": 150.0, "tokens_per_s_rounds": [140.0, 150.0, 160.0]},
+            "confidence": {"tokens_per_s": 160.0, "tokens_per_s_rounds": [150.0, 160.0, 170.0]},
+            "tuned-eager": {"tokens_per_s": 100.0, "tokens_per_s_rounds": [90.0, 100.0, 110.0]},
+            "confidence-eager": {"tokens_per_s": 105.0, "tokens_per_s_rounds": [95.0, 105.0, 115.0]}}
+    ratios = piecewise_ratios(runs)
+    assert ratios["mixed_piecewise_vs_eager"] == pytest.approx({"tuned": 1.5, "confidence": 160 / 105})
+    assert ratios["mixed_piecewise_vs_eager_paired"]["tuned"] == pytest.approx(1.5)
+    assert ratios["mixed_confidence_vs_tuned_eager"] == pytest.approx(105 / 100)
+    assert piecewise_ratios({"tuned": runs["tuned"], "tuned-apart": runs["tuned-eager"]}) == {}
 
 
 def test_gpu_gaps_sum_the_time_no_device_activity_covers():

@@ -164,7 +164,7 @@ def test_a_429_that_could_never_be_sent_is_refused():
                                                                        "max_waiting_requests": 64}}, "args")
 
 
-def test_prefill_apart_is_a_serve_flag(qwen3_target):
+def test_prefill_apart_and_piecewise_graphs_are_serve_flags(qwen3_target):
     from cluster.cli import MODEL_FLAGS, SERVE_FLAGS, build_parser, serve_args
 
     def engine(*argv):
@@ -172,6 +172,7 @@ def test_prefill_apart_is_a_serve_flag(qwen3_target):
         return serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS}).engine
 
     assert engine().enable_mixed_prefill and not engine("--no-enable-mixed-prefill").enable_mixed_prefill
+    assert engine().piecewise_cuda_graphs and not engine("--no-piecewise-cuda-graphs").piecewise_cuda_graphs
 
 
 def test_idle_parking_is_a_serve_flag(qwen3_target, capsys):

@@ -83,10 +83,15 @@ class FlashInferPlan:
                               q_data_type=g.dtype, kv_data_type=g.dtype)
         self.planned = geometry
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of the planned forward's queries q [T, Hq, D] -> [T, Hq, D] (into ``out`` when given: the
+        prefill wrapper only, as piecewise graphs read a fixed address, ``runtime.piecewise``)."""
         if isinstance(self.wrapper, DecodeGraphWrapper):
+            if out is not None:
+                raise ValueError("a decode graph wrapper's attention returns its own output; out is for eager plans")
             return self.wrapper.run(q, k_cache, v_cache, self.planned.scale)
-        return self.wrapper.run(q, (k_cache, v_cache))
+        return self.wrapper.run(q, (k_cache, v_cache), out=out)
 
 
 @dataclass
