@@ -145,9 +145,14 @@ class PiecewiseTargetForward:
         self.graphs: dict[int, _Bucket] = {}
         self.replays = 0  # forwards served
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
+        stream = torch.cuda.Stream(device)  # one side stream: its warm-ups' cached blocks serve every bucket
         with torch.inference_mode():
             for bucket in reversed(self.buckets):  # the largest first: smaller ones reuse its pool memory
-                self.graphs[bucket] = self._capture(bucket)
+                self.graphs[bucket] = self._capture(bucket, stream)
+        # the warm-ups' blocks, cached by the allocator for the side stream, go back to the device: what stays is the
+        # graphs' pool (one bucket's working set at a time) and the shared buffers
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
         self.capture_seconds = time.perf_counter() - start
         log.info("dspark: captured piecewise CUDA graphs of %d pieces for steps of %s tokens in %.1f s, %.0f MiB",
@@ -182,9 +187,8 @@ class PiecewiseTargetForward:
             self.captured[:bucket].copy_(captured)
         return self.hidden[:bucket], self.captured[:bucket] if captured is not None else None
 
-    def _capture(self, bucket: int) -> _Bucket:
+    def _capture(self, bucket: int, stream: torch.cuda.Stream) -> _Bucket:
         self._pad_inputs(0, bucket)  # capture-time inputs: every row a padding row's
-        stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up outside the graphs (lazy inits, Triton compilation for these shapes)
