@@ -304,7 +304,8 @@ def end_to_end(llms: dict, prompts: list[list[int]], max_tokens: int) -> dict[st
 
 
 def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, seed: int = 0,
-                   mixed_prefill: bool = True, piecewise: bool = True) -> dict:
+                   mixed_prefill: bool = True, piecewise: bool = True,
+                   profile: tuple[int, int] | None = None) -> dict:
     """Requests arriving while others decode (so steps mix prefill and decode): ``prompts`` submitted one by
     one at Poisson arrival times of ``rate`` per second (seeded), greedy, ``max_tokens`` each; the engine steps
     whenever it has work. -> output tokens/s over the whole run, mean TTFT and TPOT, steps, and the share of
@@ -318,7 +319,9 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     ``mixed_prefill`` False: the engine's scheduler keeps prefill apart for
     this run (``LLMConfig.enable_mixed_prefill``), as built afterwards. ``piecewise`` False: the steps no whole-step
     graph serves run eagerly for this run, not through the engine's piecewise graphs (``runtime.piecewise``; a
-    single-process engine's). ``piecewise_steps``: the steps its piecewise graphs served in the run."""
+    single-process engine's). ``piecewise_steps``: the steps its piecewise graphs served in the run. ``profile``
+    (skip, steps): a torch profile of the run's steps from its ``skip``-th on, ``steps`` of them
+    (``runtime.profiling.summarize``, in the record's ``profile``; the run's own figures then include its cost)."""
     import random
 
     from runtime import SamplingParams
@@ -360,8 +363,11 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
                                  (engine.executor, "execute", "execute"), (engine, "_commit_step", "commit"),
                                  (engine, "_allot_verify_lengths", "decision")):
             timers.enter_context(timed(owner, name, totals, key))
+        profiler = StepWindowProfile(*profile) if profile is not None else None
         record = {"requests": len(prompts), "rate_per_s": rate, "max_tokens": max_tokens,
-                  **_mixed_run(engine, prompts, arrivals, params)}
+                  **_mixed_run(engine, prompts, arrivals, params, profiler)}
+        if profiler is not None:
+            record["profile"] = profiler.summary
     steps = record["steps"]
     record["step_ms"] = 1e3 * totals.pop("step", 0.0) / steps
     record["host_ms"] = {key: 1e3 * value / steps for key, value in totals.items()}
@@ -381,7 +387,48 @@ def piecewise_runner(engine):
     return runner if getattr(runner, "piecewise", None) is not None else None
 
 
-def _mixed_run(engine, prompts: list[list[int]], arrivals: list[float], params) -> dict:
+class StepWindowProfile:
+    """A torch profile of ``steps`` consecutive steps of a loop, from its ``skip``-th step on: ``before(i)`` ahead of
+    step i, ``after(i)`` behind it; ``summary`` the profile's (``runtime.profiling.summarize``), None until the window
+    closed (a loop shorter than ``skip + steps`` closes it early, at its last step)."""
+
+    def __init__(self, skip: int, steps: int):
+        if skip < 0 or steps < 1:
+            raise ValueError(f"a profile window needs skip >= 0 and steps >= 1, got {skip}, {steps}")
+        self.skip, self.steps = skip, steps
+        self.summary: dict | None = None
+        self._profile = None
+        self._profiled = 0
+
+    def before(self, step: int) -> None:
+        if step == self.skip and self.summary is None:
+            import torch
+            from torch.profiler import ProfilerActivity, profile
+
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.synchronize()
+            self._profile = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            self._profile.start()
+
+    def after(self, step: int, last: bool = False) -> None:
+        if self._profile is None:
+            return
+        self._profiled += 1
+        if self._profiled == self.steps or last:
+            import torch
+
+            from runtime.profiling import summarize
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._profile.stop()
+            self.summary = summarize(self._profile, self._profiled, None)
+            self._profile = None
+
+
+def _mixed_run(engine, prompts: list[list[int]], arrivals: list[float], params,
+               profiler: StepWindowProfile | None = None) -> dict:
     """``mixed_workload``'s loop: submit each prompt at its arrival time, step while there is work. Besides the
     figures, where the run's time went (``step_spread``): the steps' wall-time quantiles, the mean step of each
     quarter of the run (a warm-up or a drift shows as a trend), the seconds spent idle waiting for arrivals, and the
@@ -406,16 +453,20 @@ def _mixed_run(engine, prompts: list[list[int]], arrivals: list[float], params) 
                 continue
             decoding = sum(1 for seq in engine.scheduler.running if seq.output_token_ids)
             prefilling = engine.num_waiting + engine.num_running - decoding
+            if profiler is not None:
+                profiler.before(steps)
             began = time.perf_counter()
             outputs = engine.step()
             stamp = time.perf_counter()
             step_s.append(stamp - began)
-            steps += 1
             mixed += int(decoding > 0 and prefilling > 0)
             for out in outputs:
                 first_token.setdefault(out.request_id, stamp)
                 if out.finish_reason is not None:
                     finished[out.request_id] = (stamp, len(out.token_ids))
+            if profiler is not None:
+                profiler.after(steps, last=len(finished) == len(prompts))
+            steps += 1
     seconds = time.perf_counter() - start
     tokens = sum(n for _, n in finished.values())
     ttft = [first_token[r] - submitted[r] for r in finished]
@@ -829,51 +880,42 @@ def piecewise_ratios(runs: dict) -> dict:
     """--mixed-eager: each engine's tokens/s under the mixed workload through its piecewise graphs over the same
     engine's with those steps eager (``mixed_piecewise_vs_eager``, ``_paired`` where rounds pair up), and the
     confidence engine against the tuned one with them eager (``mixed_confidence_vs_tuned_eager``). {} without."""
-    ratios, paired = {}, {}
-    for name, run in runs.items():
-        kind = name.removesuffix(EAGER)
-        if name.endswith(EAGER) and kind in runs:
-            ratios[kind] = runs[kind]["tokens_per_s"] / run["tokens_per_s"]
-            pair = paired_ratio(runs[kind].get("tokens_per_s_rounds", []), run.get("tokens_per_s_rounds", []))
-            if pair is not None:
-                paired[kind] = pair
-    if not ratios:
-        return {}
-    out = {"mixed_piecewise_vs_eager": ratios}
-    if paired:
-        out["mixed_piecewise_vs_eager_paired"] = paired
-    confidence, tuned = runs.get("confidence" + EAGER), runs.get("tuned" + EAGER)
-    if confidence and tuned:
-        out["mixed_confidence_vs_tuned_eager"] = confidence["tokens_per_s"] / tuned["tokens_per_s"]
-        pair = paired_ratio(confidence.get("tokens_per_s_rounds", []), tuned.get("tokens_per_s_rounds", []))
-        if pair is not None:
-            out["mixed_confidence_vs_tuned_eager_paired"] = pair
-    return out
+    return variant_ratios(runs, EAGER, "mixed_piecewise_vs_eager", variant_over_engine=False)
 
 
 def prefill_apart_ratios(runs: dict) -> dict:
     """--mixed-prefill-apart: each engine's tokens/s under the mixed workload with prefill apart over with mixed
     steps (``mixed_apart_vs_mixed``, and ``_paired`` where rounds pair up), and the confidence engine against the
     tuned one with prefill apart (``mixed_confidence_vs_tuned_apart``). {} without apart runs."""
+    return variant_ratios(runs, APART, "mixed_apart_vs_mixed", variant_over_engine=True)
+
+
+def variant_ratios(runs: dict, suffix: str, key: str, variant_over_engine: bool) -> dict:
+    """The mixed workload's runs of each engine as built (``KIND``) and as a variant of it (``KIND`` + ``suffix``):
+    ``key`` -> kind -> the variant's tokens/s over the engine's (``variant_over_engine``; else the engine's over the
+    variant's), ``key`` + ``_paired`` where rounds pair up, and ``mixed_confidence_vs_tuned_<suffix>`` (and
+    ``_paired``): the confidence engine against the tuned one, both as the variant. {} without variant runs."""
     ratios, paired = {}, {}
     for name, run in runs.items():
-        kind = name.removesuffix(APART)
-        if name.endswith(APART) and kind in runs:
-            ratios[kind] = run["tokens_per_s"] / runs[kind]["tokens_per_s"]
-            pair = paired_ratio(run.get("tokens_per_s_rounds", []), runs[kind].get("tokens_per_s_rounds", []))
+        kind = name.removesuffix(suffix)
+        if name.endswith(suffix) and kind in runs:
+            top, bottom = (run, runs[kind]) if variant_over_engine else (runs[kind], run)
+            ratios[kind] = top["tokens_per_s"] / bottom["tokens_per_s"]
+            pair = paired_ratio(top.get("tokens_per_s_rounds", []), bottom.get("tokens_per_s_rounds", []))
             if pair is not None:
                 paired[kind] = pair
     if not ratios:
         return {}
-    out = {"mixed_apart_vs_mixed": ratios}
+    out = {key: ratios}
     if paired:
-        out["mixed_apart_vs_mixed_paired"] = paired
-    confidence, tuned = runs.get("confidence" + APART), runs.get("tuned" + APART)
+        out[f"{key}_paired"] = paired
+    confidence, tuned = runs.get("confidence" + suffix), runs.get("tuned" + suffix)
     if confidence and tuned:
-        out["mixed_confidence_vs_tuned_apart"] = confidence["tokens_per_s"] / tuned["tokens_per_s"]
+        name = "mixed_confidence_vs_tuned_" + suffix.removeprefix("-")
+        out[name] = confidence["tokens_per_s"] / tuned["tokens_per_s"]
         pair = paired_ratio(confidence.get("tokens_per_s_rounds", []), tuned.get("tokens_per_s_rounds", []))
         if pair is not None:
-            out["mixed_confidence_vs_tuned_apart_paired"] = pair
+            out[f"{name}_paired"] = pair
     return out
 
 
@@ -1076,12 +1118,24 @@ def run(args) -> dict:
                                context_ms=timing.get("context_ms"))
         print(f"dspark bench: {kind} concurrency {c}: {timing}", file=sys.stderr, flush=True)
 
-    def mixed(llm, mixed_prefill: bool = True, piecewise: bool = True, requests: int | None = None) -> dict:
+    def mixed(llm, mixed_prefill: bool = True, piecewise: bool = True, requests: int | None = None,
+              profile: tuple[int, int] | None = None) -> dict:
         requests = requests or args.mixed_requests
         mixed_prompts = sweep_prompts or end_to_end_prompts(args, None, vocab, requests)
         return mixed_workload(llm, [mixed_prompts[i % len(mixed_prompts)][:args.prompt_len]
                                     for i in range(requests)], args.mixed_rate, args.e2e_tokens,
-                              mixed_prefill=mixed_prefill, piecewise=piecewise)
+                              mixed_prefill=mixed_prefill, piecewise=piecewise, profile=profile)
+
+    def profile_mixed(variants: dict) -> None:
+        """--profile-mixed N: each variant's mixed workload once more, untimed, with a torch profile of N steps from
+        the middle of its timed run's steps on (where the batch has ramped up) -> ``mixed_workload[NAME]["profile"]``
+        (the kernels, the device's busy and idle time, the host's regions per step)."""
+        if not args.profile_mixed:
+            return
+        for name, variant in variants.items():
+            middle = record["mixed_workload"][name]["steps"] // 2
+            profiled = mixed(*variant, profile=(middle, args.profile_mixed))
+            record["mixed_workload"][name]["profile"] = profiled.get("profile")
 
     def warm_mixed(variants: dict) -> None:
         """``--mixed-warmup`` requests through each variant's mixed workload, untimed: the first run of an engine's
@@ -1123,6 +1177,7 @@ def run(args) -> dict:
                 record.setdefault("mixed_workload", {})[name] = mixed(*variant)
                 print(f"dspark bench: {name} mixed workload: {record['mixed_workload'][name]}", file=sys.stderr,
                       flush=True)
+            profile_mixed(mixed_variants({kind: llm}))
         if e2e_prompts is not None and with_e2e:
             report_e2e(end_to_end({kind: llm}, e2e_prompts, args.e2e_tokens))
         release(llm)
@@ -1207,6 +1262,7 @@ def run(args) -> dict:
                     "rounds_spread": [round_spread(m) for m in results]}
                 print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,
                       flush=True)
+            profile_mixed(variants)
         if with_e2e and e2e_prompts is not None:
             report_e2e(end_to_end(llms, e2e_prompts, args.e2e_tokens))
         kept = {}
@@ -1490,6 +1546,12 @@ def summary(record: dict) -> str:
                              f"{run['mean_batch']:.1f} requests and {run['mean_tokens_fed']:.0f} tokens a step"
                              + (f", {run['piecewise_steps']} through piecewise graphs"
                                 if run.get("piecewise_steps") else ""))
+                if run.get("profile"):  # --profile-mixed: where a step's time went, from the middle of the run
+                    p = run["profile"]
+                    lines.append(f"    profile: {p['kernels_per_step']:.0f} kernels, GPU busy "
+                                 f"{p['gpu_busy_ms_per_step']:.2f} and idle {p.get('gpu_idle_ms_per_step', 0):.2f} ms "
+                                 "a step; host " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                             sorted(p["host_ms_per_step"].items())[:6]))
                 if run.get("rounds_spread"):  # each round: mean / median step, its quarters, the collector's pauses
                     lines.append("    rounds: " + "; ".join(
                         f"{r['step_ms']:.2f} / {r['p50_ms']:.2f} ms [" + " ".join(f"{q:.1f}" for q in r["quarters_ms"])
@@ -1497,25 +1559,28 @@ def summary(record: dict) -> str:
                         + (f", {r['device_allocs']} mallocs, {r['alloc_retries']} retries"
                            if r.get("device_allocs") is not None else "")
                         for r in run["rounds_spread"] if r.get("p50_ms") is not None))
-    if "mixed_apart_vs_mixed" in record:
-        paired = record.get("mixed_apart_vs_mixed_paired", {})
-        lines.append("mixed workload with prefill apart / mixed steps: " + ", ".join(
-            f"{kind} {ratio:.3f}" + (f" (paired {paired[kind]:.3f})" if kind in paired else "")
-            for kind, ratio in record["mixed_apart_vs_mixed"].items()))
-        if "mixed_confidence_vs_tuned_apart" in record:
-            pair = record.get("mixed_confidence_vs_tuned_apart_paired")
-            lines.append(f"  with prefill apart, confidence / tuned {record['mixed_confidence_vs_tuned_apart']:.3f}"
-                         + (f" (paired {pair:.3f})" if pair is not None else ""))
-    if "mixed_piecewise_vs_eager" in record:
-        paired = record.get("mixed_piecewise_vs_eager_paired", {})
-        lines.append("mixed workload through piecewise graphs / eager: " + ", ".join(
-            f"{kind} {ratio:.3f}" + (f" (paired {paired[kind]:.3f})" if kind in paired else "")
-            for kind, ratio in record["mixed_piecewise_vs_eager"].items()))
-        if "mixed_confidence_vs_tuned_eager" in record:
-            pair = record.get("mixed_confidence_vs_tuned_eager_paired")
-            lines.append(f"  with those steps eager, confidence / tuned {record['mixed_confidence_vs_tuned_eager']:.3f}"
-                         + (f" (paired {pair:.3f})" if pair is not None else ""))
+    for key, what, variant, suffix in (("mixed_apart_vs_mixed", "with prefill apart / mixed steps", "with prefill apart",
+                                        "apart"),
+                                       ("mixed_piecewise_vs_eager", "through piecewise graphs / eager",
+                                        "with those steps eager", "eager")):
+        lines += variant_summary(record, key, what, variant, suffix)
     return "\n".join(lines)
+
+
+def variant_summary(record: dict, key: str, what: str, variant: str, suffix: str) -> list[str]:
+    """The summary's lines of ``variant_ratios``' figures (``key``; the confidence / tuned ratio of ``suffix``)."""
+    if key not in record:
+        return []
+    paired = record.get(f"{key}_paired", {})
+    lines = [f"mixed workload {what}: " + ", ".join(
+        f"{kind} {ratio:.3f}" + (f" (paired {paired[kind]:.3f})" if kind in paired else "")
+        for kind, ratio in record[key].items())]
+    ratio = record.get(f"mixed_confidence_vs_tuned_{suffix}")
+    if ratio is not None:
+        pair = record.get(f"mixed_confidence_vs_tuned_{suffix}_paired")
+        lines.append(f"  {variant}, confidence / tuned {ratio:.3f}" + (f" (paired {pair:.3f})" if pair is not None
+                                                                        else ""))
+    return lines
 
 
 def mean_skill(per_position: list[float | None] | None) -> float | None:
@@ -1645,6 +1710,10 @@ def add_parser(commands) -> None:
                        "engine twice, through its piecewise CUDA graphs (as built) and with the steps no whole-step "
                        "graph serves eager, in the same alternating rounds; records mixed_workload[KIND-eager] and "
                        "mixed_piecewise_vs_eager (one process on a GPU)")
+    bench.add_argument("--profile-mixed", type=integer(0), default=0, metavar="STEPS", help="with --mixed-rate: "
+                       "after the timed rounds, each engine's mixed workload once more, untimed, with a torch profile "
+                       "of STEPS steps from the middle of its timed run on -> mixed_workload[KIND].profile (default "
+                       "0: none)")
     bench.add_argument("--prompts", help="JSONL prompts (prompt, messages or prompt_ids rows) for the sweep (cut "
                        "to --prompt-len; a trained pair's acceptance needs its kind of text) and --e2e-prompts; "
                        "default: random token ids")
@@ -1707,6 +1776,13 @@ def main(args) -> int:
             print(f"dspark bench: {flag} must be an odd number >= 1 (the median round is kept), got {rounds}",
                   file=sys.stderr)
             return 2
+    needs_mixed = [flag for flag, given in (("--mixed-prefill-apart", args.mixed_prefill_apart),
+                                            ("--mixed-eager", args.mixed_eager), ("--profile-mixed", args.profile_mixed))
+                   if given]
+    if needs_mixed and not args.mixed_rate:
+        print(f"dspark bench: {', '.join(needs_mixed)} needs --mixed-rate (the mixed workload they run)",
+              file=sys.stderr)
+        return 2
     if args.profile and max(args.profile_batches) > max(args.concurrency):
         print(f"dspark bench: --profile-batches {max(args.profile_batches)} exceeds the largest --concurrency "
               f"{max(args.concurrency)} (the engines hold that many requests)", file=sys.stderr)

@@ -177,6 +177,10 @@ def test_bench_refuses_a_transformers_peer_on_a_replica(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--mixed-rounds", "4"], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--mixed-rounds must be an odd number >= 1" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
+                           "--mixed-eager", "--profile-mixed", "5"], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "--mixed-eager, --profile-mixed needs --mixed-rate" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--profile-batches", "0"], cwd=root,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--profile-batches wants integers >= 1" in proc.stderr
@@ -209,7 +213,7 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
                            "--warmup", "1", "--kv-cache-gib", "0.05", "--confidence-scheduling", "--tune-schedule",
                            str(schedule), "--acceptance-per-position", "0.99,0.99,0.99", "--e2e-prompts", "2",
                            "--e2e-tokens", "8", "--mixed-rate", "200", "--mixed-requests", "4", "--mixed-prefill-apart",
-                           "--mixed-rounds", "1",
+                           "--mixed-rounds", "1", "--profile-mixed", "2",
                            "--profile", "--profile-batches", "1,2", "--out", str(out)],
                           cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -236,6 +240,10 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     assert set(record["mixed_apart_vs_mixed"]) == set(kinds) and record["mixed_confidence_vs_tuned_apart"] > 0
     # the mixed workload in its own count of rounds (--mixed-rounds), the sweep in --rounds
     assert record["mixed_rounds"] == 1 and len(record["mixed_workload"]["confidence-apart"]["tokens_per_s_rounds"]) == 1
+    # --profile-mixed: each variant's mixed workload once more, two of its steps profiled from its middle on
+    for name in ("tuned", "confidence-apart"):
+        profiled = record["mixed_workload"][name]["profile"]
+        assert profiled["host_ms_per_step"] and "top_kernels" in profiled, profiled
     assert record["end_to_end"]["prompts"] == 2
     assert {b["draft_len"] for b in record["tuned_schedule"]["best"].values()} <= {0, 1, 2, 3}
     for row in record["runs"]:
@@ -440,11 +448,18 @@ def test_the_mixed_noise_floor_is_reported_only_where_tuned_and_fixed_are_one_en
     assert mixed_noise_floor({"mixed_workload": mixed}, rows, 64) == {}  # no tuned schedule
 
 
+def variant_runs(suffix: str) -> dict:
+    """The mixed workload's runs of two engines (100 and 105 tokens/s) and of a variant of each (150 and 160)."""
+    def run(tokens_per_s):
+        return {"tokens_per_s": tokens_per_s, "tokens_per_s_rounds": [tokens_per_s - 10, tokens_per_s,
+                                                                       tokens_per_s + 10]}
+
+    return {"tuned": run(100.0), "confidence": run(105.0), f"tuned{suffix}": run(150.0),
+            f"confidence{suffix}": run(160.0)}
+
+
 def test_prefill_apart_ratios_pair_each_engine_with_itself():
-    runs = {"tuned": {"tokens_per_s": 100.0, "tokens_per_s_rounds": [90.0, 100.0, 110.0]},
-            "confidence": {"tokens_per_s": 105.0, "tokens_per_s_rounds": [95.0, 105.0, 115.0]},
-            "tuned-apart": {"tokens_per_s": 150.0, "tokens_per_s_rounds": [140.0, 150.0, 160.0]},
-            "confidence-apart": {"tokens_per_s": 160.0, "tokens_per_s_rounds": [150.0, 160.0, 170.0]}}
+    runs = variant_runs("-apart")
     ratios = prefill_apart_ratios(runs)
     assert ratios["mixed_apart_vs_mixed"] == pytest.approx({"tuned": 1.5, "confidence": 160 / 105})
     assert ratios["mixed_apart_vs_mixed_paired"]["tuned"] == pytest.approx(1.5)
@@ -453,15 +468,48 @@ def test_prefill_apart_ratios_pair_each_engine_with_itself():
 
 
 def test_piecewise_ratios_pair_each_engine_with_its_eager_self():
-    runs = {"tuned": {"tokens_per_s": 150.0, "tokens_per_s_rounds": [140.0, 150.0, 160.0]},
-            "confidence": {"tokens_per_s": 160.0, "tokens_per_s_rounds": [150.0, 160.0, 170.0]},
-            "tuned-eager": {"tokens_per_s": 100.0, "tokens_per_s_rounds": [90.0, 100.0, 110.0]},
-            "confidence-eager": {"tokens_per_s": 105.0, "tokens_per_s_rounds": [95.0, 105.0, 115.0]}}
+    runs = variant_runs("-eager")  # here the engines as built are the slower ones: ratios below 1
     ratios = piecewise_ratios(runs)
-    assert ratios["mixed_piecewise_vs_eager"] == pytest.approx({"tuned": 1.5, "confidence": 160 / 105})
-    assert ratios["mixed_piecewise_vs_eager_paired"]["tuned"] == pytest.approx(1.5)
-    assert ratios["mixed_confidence_vs_tuned_eager"] == pytest.approx(105 / 100)
-    assert piecewise_ratios({"tuned": runs["tuned"], "tuned-apart": runs["tuned-eager"]}) == {}
+    assert ratios["mixed_piecewise_vs_eager"] == pytest.approx({"tuned": 100 / 150, "confidence": 105 / 160})
+    assert ratios["mixed_piecewise_vs_eager_paired"]["tuned"] == pytest.approx(
+        paired_ratio([90.0, 100.0, 110.0], [140.0, 150.0, 160.0]))
+    assert ratios["mixed_confidence_vs_tuned_eager"] == pytest.approx(160 / 150)
+    assert piecewise_ratios(variant_runs("-apart")) == {}
+
+
+def test_a_step_window_profile_covers_its_steps_or_the_loops_end():
+    from cluster.bench import StepWindowProfile
+
+    def loop(window: StepWindowProfile, steps: int) -> None:
+        import torch
+
+        for i in range(steps):
+            window.before(i)
+            torch.ones(8).sum()
+            window.after(i, last=i == steps - 1)
+
+    window = StepWindowProfile(2, 3)
+    loop(window, 10)
+    assert window.summary is not None and window._profiled == 3
+    short = StepWindowProfile(2, 30)  # the loop ends first: the window closes at its last step
+    loop(short, 5)
+    assert short.summary is not None and short._profiled == 3
+    never = StepWindowProfile(8, 2)  # the loop never reaches the window
+    loop(never, 5)
+    assert never.summary is None
+    with pytest.raises(ValueError, match="skip >= 0 and steps >= 1"):
+        StepWindowProfile(0, 0)
+
+
+def test_the_summary_reads_each_variants_ratios():
+    from cluster.bench import variant_summary
+
+    record = piecewise_ratios(variant_runs("-eager"))
+    lines = variant_summary(record, "mixed_piecewise_vs_eager", "through piecewise graphs / eager",
+                            "with those steps eager", "eager")
+    assert lines[0].startswith("mixed workload through piecewise graphs / eager: tuned 0.667 (paired 0.")
+    assert lines[1] == "  with those steps eager, confidence / tuned 1.067 (paired 1.067)"
+    assert variant_summary(record, "mixed_apart_vs_mixed", "", "", "apart") == []
 
 
 def test_gpu_gaps_sum_the_time_no_device_activity_covers():
