@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from runtime.graphs import ContextAppend
 from runtime.kernels import AttentionGeometry, PagedAttentionMeta
 from runtime.kv_cache import KVCaches
 from runtime.models.target import TargetModel
@@ -48,10 +48,6 @@ log = logging.getLogger(__name__)
 # is what it costs; none past PIECEWISE_MAX_TOKENS (a longer step's launches are small beside its device time).
 TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 PIECEWISE_MAX_TOKENS = TOKEN_BUCKETS[-1]
-
-# A colocated drafter's context append: captured [N, m*d], positions [N], slots [N] -> writes its cache.
-ContextAppend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-
 
 def token_buckets(max_tokens: int) -> list[int]:
     """The buckets for steps of up to ``max_tokens`` (``LLMConfig.max_num_batched_tokens``) tokens: every
