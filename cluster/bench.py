@@ -577,12 +577,15 @@ class GcPauses:
 
 def scheduled_since(before, after) -> dict:
     """What a confidence-scheduled engine chose between two snapshots of its ``ConfidenceStats``: the decisions, the
-    drafts verified and proposed per deciding request, the committed tokens per deciding request, and the decided
-    steps' predicted and measured ms (their means)."""
+    drafts verified and proposed per deciding request, the tokens it expected them to commit and they committed
+    (and what it expected of whole blocks), and the decided steps' predicted and measured ms (their means)."""
     decisions, requests = after.decisions - before.decisions, max(after.requests - before.requests, 1)
     decided = max(after.decided_steps - before.decided_steps, 1)
     return {"decisions": decisions, "verify_budget_per_request": (after.budget - before.budget) / requests,
             "offered_per_request": (after.offered - before.offered) / requests,
+            "expected_tokens_per_request": (after.expected_tokens - before.expected_tokens) / requests,
+            "whole_block_expected_tokens_per_request": (after.whole_expected_tokens - before.whole_expected_tokens)
+            / requests,
             "committed_tokens_per_request": (after.committed_tokens - before.committed_tokens) / requests,
             "predicted_step_ms": (after.predicted_ms - before.predicted_ms) / max(decisions, 1),
             "measured_decided_step_ms": (after.decided_ms - before.decided_ms) / decided}
@@ -1534,7 +1537,9 @@ def summary(record: dict) -> str:
         chose = record.get("mixed_workload", {}).get("confidence", {}).get("scheduled")
         if chose:
             lines.append(f"  it verified {chose['verify_budget_per_request']:.2f} of "
-                         f"{chose['offered_per_request']:.2f} drafts a deciding request, committed "
+                         f"{chose['offered_per_request']:.2f} drafts a deciding request, expected "
+                         f"{chose.get('expected_tokens_per_request', float('nan')):.2f} tokens (whole blocks "
+                         f"{chose.get('whole_block_expected_tokens_per_request', float('nan')):.2f}), committed "
                          f"{chose['committed_tokens_per_request']:.2f}; decided "
                          f"steps predicted {chose['predicted_step_ms']:.2f} ms, measured "
                          f"{chose['measured_decided_step_ms']:.2f}")

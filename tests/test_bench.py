@@ -261,6 +261,7 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     chose = record["mixed_workload"]["confidence"]["scheduled"]  # what it chose under the mixed load (a loaded
     # CPU may find drafting never pays there: no decisions)
     assert chose["decisions"] >= 0 and 0 <= chose["verify_budget_per_request"] <= chose["offered_per_request"]
+    assert chose["expected_tokens_per_request"] >= 0 and chose["whole_block_expected_tokens_per_request"] >= 0
     assert "scheduled" not in record["mixed_workload"]["tuned"]
     assert record["mixed_confidence_vs_tuned"] > 0 and record["mixed_confidence_vs_tuned_tpot"] > 0
     assert record["mixed_confidence_vs_tuned_paired"] > 0
