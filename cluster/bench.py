@@ -390,7 +390,7 @@ def piecewise_runner(engine):
 class StepWindowProfile:
     """A torch profile of ``steps`` consecutive steps of a loop, from its ``skip``-th step on: ``before(i)`` ahead of
     step i, ``after(i)`` behind it; ``summary`` the profile's (``runtime.profiling.summarize``), None until the window
-    closed (a loop shorter than ``skip + steps`` closes it early, at its last step)."""
+    closed (a loop shorter than ``skip + steps`` closes it early, at its ``last`` step)."""
 
     def __init__(self, skip: int, steps: int):
         if skip < 0 or steps < 1:
@@ -402,16 +402,10 @@ class StepWindowProfile:
 
     def before(self, step: int) -> None:
         if step == self.skip and self.summary is None:
-            import torch
-            from torch.profiler import ProfilerActivity, profile
-
-            cuda = torch.cuda.is_available()
-            if cuda:
-                torch.cuda.synchronize()
-            self._profile = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            self._profile = step_profiler()
             self._profile.start()
 
-    def after(self, step: int, last: bool = False) -> None:
+    def after(self, last: bool = False) -> None:
         if self._profile is None:
             return
         self._profiled += 1
@@ -465,7 +459,7 @@ def _mixed_run(engine, prompts: list[list[int]], arrivals: list[float], params,
                 if out.finish_reason is not None:
                     finished[out.request_id] = (stamp, len(out.token_ids))
             if profiler is not None:
-                profiler.after(steps, last=len(finished) == len(prompts))
+                profiler.after(last=len(finished) == len(prompts))
             steps += 1
     seconds = time.perf_counter() - start
     tokens = sum(n for _, n in finished.values())
@@ -709,13 +703,24 @@ def hf_generate_tokens_per_s(target_dir: Path, shape: bool, tokens: int, device,
     return {"tokens_per_s": rate, "warmup_s": warmup}
 
 
+def step_profiler():
+    """A torch profiler of the host and, where CUDA is, the device (not started), the device synchronized first so
+    no earlier work lands in it."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+
+
 def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None = None) -> dict:
     """torch.profiler over 5 decode steps of ``batch`` fresh requests, once each has its first token
     (``runtime.profiling.summarize``: CUDA kernels launched per step, GPU busy and idle time per step, host time per
     region, the top kernels); ``trace``: also the timeline as a Chrome trace (gzip) there. A Ray replica's engine is
     profiled on every rank (``ranks``, one summary each: the driver only dispatches)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from runtime import SamplingParams
     from runtime.profiling import summarize
@@ -736,13 +741,10 @@ def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None
             engine.step()
         engine.abort_all()
         return {"ranks": engine.executor.profile_results()}
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with step_profiler() as prof:
         for _ in range(5):
             engine.step()
-        if cuda:
+        if torch.cuda.is_available():
             torch.cuda.synchronize()
     engine.abort_all()
     return summarize(prof, 5, trace)
@@ -1175,12 +1177,13 @@ def run(args) -> dict:
             # the mixed steps' excess over that table (prefill chunks beside the verifies), learned from them
             record["confidence_mixed_step_costs_served"] = llm.engine.confidence.mixed_costs.to_json()
         if args.mixed_rate and with_mixed:
-            warm_mixed(mixed_variants({kind: llm}))
-            for name, variant in mixed_variants({kind: llm}).items():
+            variants = mixed_variants({kind: llm})
+            warm_mixed(variants)
+            for name, variant in variants.items():
                 record.setdefault("mixed_workload", {})[name] = mixed(*variant)
                 print(f"dspark bench: {name} mixed workload: {record['mixed_workload'][name]}", file=sys.stderr,
                       flush=True)
-            profile_mixed(mixed_variants({kind: llm}))
+            profile_mixed(variants)
         if e2e_prompts is not None and with_e2e:
             report_e2e(end_to_end({kind: llm}, e2e_prompts, args.e2e_tokens))
         release(llm)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.graph_layout import bucket_of
 from runtime.graphs import ContextAppend
 from runtime.kernels import AttentionGeometry, PagedAttentionMeta
 from runtime.kv_cache import KVCaches
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 PIECEWISE_MAX_TOKENS = TOKEN_BUCKETS[-1]
 
+
 def token_buckets(max_tokens: int) -> list[int]:
     """The buckets for steps of up to ``max_tokens`` (``LLMConfig.max_num_batched_tokens``) tokens: every
     ``TOKEN_BUCKETS`` size below it, and ``max_tokens`` itself as the last one when it is within
@@ -57,11 +59,6 @@ def token_buckets(max_tokens: int) -> list[int]:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     buckets = [b for b in TOKEN_BUCKETS if b < max_tokens]
     return buckets + [max_tokens] if max_tokens <= PIECEWISE_MAX_TOKENS else buckets
-
-
-def bucket_for(buckets: list[int], num_tokens: int) -> int | None:
-    """The smallest bucket holding ``num_tokens`` tokens, None when none does (the step runs eagerly)."""
-    return next((b for b in buckets if b >= num_tokens), None)
 
 
 @dataclass
@@ -152,14 +149,14 @@ class PiecewiseTargetForward:
         self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
         self.capture_seconds = time.perf_counter() - start
         log.info("dspark: captured piecewise CUDA graphs of %d pieces for steps of %s tokens in %.1f s, %.0f MiB",
-                 len(self.layer_caches) + 1, self.buckets, self.capture_seconds, self.capture_bytes / 2**20)
+                 self.num_pieces, self.buckets, self.capture_seconds, self.capture_bytes / 2**20)
 
     @property
     def num_pieces(self) -> int:
         return len(self.layer_caches) + 1
 
     def serves(self, num_tokens: int) -> bool:
-        return bucket_for(self.buckets, num_tokens) is not None
+        return bucket_of(self.buckets, num_tokens) is not None
 
     def as_dict(self) -> dict:
         """What ``rank_info()`` shows."""
@@ -214,7 +211,7 @@ class PiecewiseTargetForward:
         target's geometry) through its bucket's pieces and the step's eager attentions; ``append_context``: the
         drafter's context append too (when one was captured)."""
         num = t.input_ids.shape[0]
-        bucket = bucket_for(self.buckets, num)
+        bucket = bucket_of(self.buckets, num)
         if bucket is None:
             raise ValueError(f"piecewise graphs serve steps of up to {self.buckets[-1]} tokens, got {num}")
         graphs = self.graphs[bucket]
@@ -239,5 +236,4 @@ class PiecewiseTargetForward:
                                 appended)
 
 
-__all__ = ["PIECEWISE_MAX_TOKENS", "TOKEN_BUCKETS", "PiecewiseOutputs", "PiecewiseTargetForward", "bucket_for",
-           "token_buckets"]
+__all__ = ["PIECEWISE_MAX_TOKENS", "TOKEN_BUCKETS", "PiecewiseOutputs", "PiecewiseTargetForward", "token_buckets"]

@@ -487,7 +487,7 @@ def test_a_step_window_profile_covers_its_steps_or_the_loops_end():
         for i in range(steps):
             window.before(i)
             torch.ones(8).sum()
-            window.after(i, last=i == steps - 1)
+            window.after(last=i == steps - 1)
 
     window = StepWindowProfile(2, 3)
     loop(window, 10)

@@ -7,7 +7,7 @@ import pytest
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.piecewise import bucket_for
+from runtime.graph_layout import bucket_of
 from tests import builders
 
 pytestmark = pytest.mark.gpu
@@ -73,5 +73,5 @@ def test_a_step_of_every_bucket_size_keeps_its_rows(narrow_head_target):
         outs[piecewise] = [o.token_ids for o in llm.generate(prompts, params)]
         if piecewise:
             info = llm.rank_info()[0]["piecewise_graphs"]
-            assert info["replays"] > 0 and bucket_for(info["token_buckets"], sum(lengths)) == 320
+            assert info["replays"] > 0 and bucket_of(info["token_buckets"], sum(lengths)) == 320
     assert outs[True] == outs[False]

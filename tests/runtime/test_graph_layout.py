@@ -222,14 +222,15 @@ def test_a_length_goes_to_a_longer_graph_only_where_it_replays_faster():
 def test_piecewise_token_buckets_end_at_the_step_budget():
     import pytest
 
-    from runtime.piecewise import PIECEWISE_MAX_TOKENS, bucket_for, token_buckets
+    from runtime.graph_layout import bucket_of
+    from runtime.piecewise import PIECEWISE_MAX_TOKENS, token_buckets
 
     assert token_buckets(2048)[-1] == 2048 and token_buckets(2048)[:4] == [16, 32, 64, 128]
     assert token_buckets(500) == [16, 32, 64, 128, 192, 256, 320, 384, 448, 500]  # the budget itself is the last
     assert token_buckets(8) == [8]
     assert token_buckets(8192)[-1] == PIECEWISE_MAX_TOKENS  # longer steps run eagerly: device-bound anyway
     buckets = token_buckets(2048)
-    assert bucket_for(buckets, 1) == 16 and bucket_for(buckets, 472) == 512 and bucket_for(buckets, 512) == 512
-    assert bucket_for(buckets, 513) == 640 and bucket_for(buckets, 2049) is None
+    assert bucket_of(buckets, 1) == 16 and bucket_of(buckets, 472) == 512 and bucket_of(buckets, 512) == 512
+    assert bucket_of(buckets, 513) == 640 and bucket_of(buckets, 2049) is None
     with pytest.raises(ValueError, match="max_tokens must be positive"):
         token_buckets(0)
