@@ -634,6 +634,7 @@ class ConfidenceScheduler:
         self.explored = 0  # of them, raised to whole blocks to gather evidence (EXPLORE_EVERY)
         # the last allot's (confidences [S, K] padded with 0, lengths, history), to learn (arrays or lists)
         self._pending: tuple | None = None
+        self._unsettled = None  # a deferred decision's rest, until it ran (allot_deferred, settle)
 
     def defer_learning(self, host_work) -> None:
         """Fold the survival fit's evidence (and refit) in tasks queued on ``host_work`` (``runtime.transfer.HostWork``:
@@ -724,6 +725,7 @@ class ConfidenceScheduler:
         mixed step a verify token is priced where the step really is on the cost curve. ``context``: the KV tokens
         the step's requests attend over before what they feed, summed (the cost grows with it). ``history``: each
         request's verify-history class (``next_history``; None: all ``HISTORY_NONE``)."""
+        self.settle()
         num = len(confidences)
         padded = self.layout != "ragged"  # the packed layout's steps below packed_from are padded
         if num * self.max_draft_len <= SMALL_STEP:
@@ -765,11 +767,50 @@ class ConfidenceScheduler:
         self._pending = (table, lengths, history)
         return lengths.tolist()
 
+    def allot_deferred(self, confidences: list[list[float]], other_requests: int, other_tokens: int, context: int,
+                       history: list[int] | None, host_work, then=None) -> list[int]:
+        """``allot``'s padded decision with what does not decide this step deferred: each request verifies
+        ``min(proposed, cap)`` drafts at once (the cap an earlier step chose: what ``allot`` returns), and the rest
+        of ``allot`` (this step's survivals, its ``last`` Decision, the next cap, whether drafting pays), then
+        ``then()``, runs as a task on ``host_work`` (``runtime.transfer.HostWork``: while the device computes this
+        step), or, if that has not run it, when the next decision or ``learn`` calls ``settle``. The same choices
+        as ``allot`` made at once, in the same order; what moves is when ``last``, ``cap`` and ``drafting_pays``
+        become current: the block drafted during this step follows the cap as it stood
+        (``Engine.drafts_follow_cap``), a step behind. For steps that are neither packed nor launched ahead (a
+        mixed step: prefill chunks beside the verifies), whose host work between steps the device waits for
+        (~0.4 ms a decision at 64 requests on an H200 host, run 75)."""
+        if self.layout == "ragged":  # its lengths rank this step's survivals: nothing decides it before they exist
+            raise ValueError("confidence scheduling: a ragged decision cannot be deferred (its lengths rank the "
+                             "step's own survivals)")
+        self.settle()
+        cap, serial = self.cap, self.serial
+        lengths = [len(c) if cap is None else min(len(c), cap) for c in confidences]
+
+        def rest() -> None:  # priced in the regime of the step it decided (the engine sets serial per step)
+            now, self.serial = self.serial, serial
+            try:
+                self.allot(confidences, other_requests, other_tokens, context, history)
+            finally:
+                self.serial = now
+            if then is not None:
+                then()
+
+        self._unsettled = rest
+        host_work.add(self.settle)
+        return lengths
+
+    def settle(self) -> None:
+        """Run a deferred decision's rest (``allot_deferred``) if it has not run yet; idempotent."""
+        rest, self._unsettled = self._unsettled, None
+        if rest is not None:
+            rest()
+
     def learn(self, verified: list[int], accepted: list[int]) -> None:
         """How many drafts each request of the last ``allot`` verified (at most what it was allotted: the step may
         have trimmed more, at a token limit) and accepted, in its order (-1: unknown, e.g. the request left the
         step or failed): the online survival fit's evidence. Call once per allot, after the step
         committed."""
+        self.settle()
         if self._pending is None:
             return
         confidence, allotted, history = self._pending
@@ -880,6 +921,7 @@ class ConfidenceScheduler:
         step feeding ``rows x (c + 1)`` tokens (what a packed graph of c columns feeds: ``rows`` its batch bucket,
         ``graph_rows``), with ``min_gain`` and
         the exploration as for a cap. ``history``: as for ``allot`` (the device ranks under the same classes)."""
+        self.settle()
         num = len(confidences)
         sizes = [len(c) for c in confidences]
         offered = sum(sizes)

@@ -10,6 +10,7 @@ requests of the step continue with exactly the tokens they would have had. This 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -113,6 +114,7 @@ class Engine:
         self.pipelined = bool(getattr(self.executor, "pipelined_drafting", False))
         self._turn = 0  # the group the next step serves
         self._host_work = None  # the executor's HostWork where confidence scheduling defers its learning there
+        self._deferred = False  # the step's decision was deferred (allot_deferred)
         if self.spec is not None and self.spec.enable_confidence_scheduling:
             self.confidence = self._confidence_scheduler()
             host_work = getattr(self.executor, "host_work", None)  # (Executor: optional)
@@ -299,6 +301,7 @@ class Engine:
             self._arm()
         began = time.perf_counter()
         self._decided, self._packed_columns = [], 0  # this step's choice, made now (if any)
+        self._deferred = False  # whether its rest runs while the device computes (allot_deferred)
         with region("dspark.schedule"):
             # a step the worker may have launched ahead is the running requests' decode: arrivals join the next
             admit = not self._ran_ahead
@@ -336,7 +339,13 @@ class Engine:
                 self._take_late_drafts()
         if learn:
             seconds = time.perf_counter() - began
-            self._learn_step_time(scheduled, seconds, decided, drafted, serial)
+            learning = functools.partial(self._learn_step_time, scheduled, seconds, decided, drafted, serial,
+                                         self._packed.columns if self._packed is not None else None,
+                                         self._other_fed[1])
+            if self._deferred:  # the step's decision was deferred (a mixed step): so is learning its time
+                self._host_work.add(learning)
+            else:
+                learning()
             if self._host_work is not None:  # the next step's deferred work: what its device time leaves the host
                 self._host_work.budget_s = HOST_WORK_SHARE * seconds
         self._step_index += 1
@@ -484,16 +493,32 @@ class Engine:
             if self._packed_columns == 0:  # no draft pays: every request verifies none (its anchor only)
                 for seq in seqs:
                     seq.trim_drafts(0)
+        elif mixed and self._host_work is not None and self.confidence.layout != "ragged":
+            # a mixed step is neither packed nor launched ahead: the device waits for the host's work between steps,
+            # so only the cap chosen earlier is applied now, the rest of the decision runs while it computes
+            num, bucket, step = len(seqs), self.confidence.bucket(len(self.scheduler.running)), self._step_index
+            lengths = self.confidence.allot_deferred(
+                [s.draft_confidence for s in seqs], others, other_tokens, context, [s.verify_history for s in seqs],
+                self._host_work, then=lambda: self._record_decision(num, bucket, step))
+            for seq, length in zip(seqs, lengths):
+                seq.trim_drafts(length)
+            self._deferred = True
+            return
         else:
             lengths = self.confidence.allot([s.draft_confidence for s in seqs], others, other_tokens, context,
                                             [s.verify_history for s in seqs])
             if self.confidence.last.budget < self.confidence.last.offered:  # (else every block stays whole)
                 for seq, length in zip(seqs, lengths):
                     seq.trim_drafts(length)
-        self.confidence_stats.record_decision(self.confidence.last, len(seqs))
-        if self.confidence.drafting_pays is not None:  # (this step drafts nothing if it did not pay: draft_len)
-            self.confidence.hold.record(self.confidence.bucket(len(self.scheduler.running)), self._step_index,
-                                        self.confidence.drafting_pays)
+        self._record_decision(len(seqs), self.confidence.bucket(len(self.scheduler.running)), self._step_index)
+
+    def _record_decision(self, requests: int, bucket: int, step: int) -> None:
+        """The scheduler's last decision (``requests`` deciding, at step ``step`` of a batch in ``bucket``) into the
+        metrics, and its judgement of drafting into the hold (from ``step`` on: a decision made at once holds this
+        step's drafting, ``draft_len``; a deferred one, made while this step computes, the next step's)."""
+        self.confidence_stats.record_decision(self.confidence.last, requests)
+        if self.confidence.drafting_pays is not None:
+            self.confidence.hold.record(bucket, step, self.confidence.drafting_pays)
 
     def _packed_plan(self, scheduled: list[ScheduledRequest]) -> PackedPlan | None:
         """The packed layout: this step's packed verify, when it is exactly the requests the scheduler decided for
@@ -547,7 +572,8 @@ class Engine:
                              sum(e.start_position for e in beside))
 
     def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float, decided: bool,
-                         drafted: bool = True, serial: bool = False) -> None:
+                         drafted: bool = True, serial: bool = False, packed_columns: int | None = None,
+                         other_tokens: int = 0) -> None:
         """The step's wall time, schedule to commit (what the startup profile times: ``runtime.step_profile``), into
         the cost table at the rows the model computed: a graphed verify step at its graph's cell (the batch bucket
         x Q, padding requests included: run 55's steps of 60 and 72 requests, timed as the 64 and 96 graphs they
@@ -566,7 +592,9 @@ class Engine:
         excess of ``MixedStepCosts`` as a mixed step does, not the cells the startup profile timed launched ahead
         (run 65: the whole-block cell at 256 requests ended at 35.4 ms where the fixed engine's whole-block steps
         took 30.3, about the host's step work there apart, ~4.4 ms; trims to 6 of 7 columns looked 17% cheaper
-        than whole blocks and saved 2%), and no plain step."""
+        than whole blocks and saved 2%), and no plain step. ``packed_columns``: the columns of the step's packed verify
+        (None: not packed); ``other_tokens``: what it fed besides the decided verifies (``_other_fed``, before its
+        commit). Called after the step, or (a deferred decision's step) as a task of the executor's host work."""
         fed = [len(e.token_ids) for e in scheduled]
         if not drafted:
             if not decided and not serial and all(f == 1 for f in fed) and all(e.sample for e in scheduled):
@@ -578,11 +606,10 @@ class Engine:
             self.confidence_stats.record_step(1e3 * seconds, decided, serial)
             return
         requests, tokens, q_len = len(scheduled), sum(fed), None
-        if self._packed is not None:  # a packed graph: an anchor and `columns` drafts a request
-            q_len = self._packed.columns + 1
+        if packed_columns is not None:  # a packed graph: an anchor and `columns` drafts a request
+            q_len = packed_columns + 1
         elif self.confidence.layout != "ragged":  # a graph pads it
             q_len = graphed_q_len(fed, self._graph_q_lens, self.config.max_num_seqs, *self._graph_prefill)
-        other_tokens = self._other_fed[1]  # (_note_other_fed: this step's, before its commit)
         if q_len is not None:
             # a pure verify step at its graph's cell, the rows it computed (padding requests too), as the scheduler
             # prices it (ConfidenceScheduler.graph_rows); a mixed one at its own requests

@@ -542,6 +542,96 @@ def test_a_full_batch_with_a_queue_is_decided_as_a_packed_step(tmp_path, near_bi
     assert all(name == "allot" for name, _, room in chosen if room)  # room for an arrival: mixed
 
 
+def test_a_deferred_decision_chooses_what_an_immediate_one_does():
+    """A mixed step's padded decision applies the cap an earlier step chose at once and runs the rest (survivals, the
+    next cap, its Decision, whether drafting pays, then the engine's ``then``) while the device computes: whether
+    the host work runs it or the next decision (or ``learn``) settles it, every choice is the one ``allot`` makes
+    at once, in the same order. A ragged decision ranks the step's own survivals: it cannot be deferred."""
+    rng = np.random.default_rng(3)
+    k = 4
+    table = StepCostTable([1, 8], [1, 8, 40, 200], [[3.0, 3.2, 4.5, 9.0], [3.5, 3.8, 5.5, 11.0]])
+    now, later = (ConfidenceScheduler(k, table.copy(), layout="padded", graph_batches=[1, 8]) for _ in range(2))
+    work, then_saw, caps = HostWork(), [], set()
+    for step in range(120):
+        num = int(rng.integers(1, 9))
+        confidences = [rng.uniform(0.05, 0.99, size=int(rng.integers(0, k + 1))).tolist() for _ in range(num)]
+        others = (int(rng.integers(0, 3)), int(rng.integers(1, 60)), int(rng.integers(0, 2000)))
+        history = rng.integers(0, 2 * k + 1, size=num).tolist()
+        serial = bool(step % 5 == 0)
+        now.serial = later.serial = serial
+        want = now.allot(confidences, *others, history)
+        got = later.allot_deferred(confidences, *others, history, work,
+                                   then=lambda: then_saw.append((later.last, later.cap)))
+        later.serial = not serial  # the next step's regime, set before the rest ran: it prices in its own
+        assert got == want and len(work) == 1
+        if step % 3:  # the device's wait ran it; else the next decision or learn settles it
+            work.run()
+        verified = [min(n, int(rng.integers(0, k + 1))) for n in want]
+        accepted = [int(rng.integers(-1, n + 1)) for n in verified]
+        now.learn(verified, accepted)
+        later.learn(verified, accepted)
+        work.run()  # (a task the learn settled already: nothing left to do)
+        assert then_saw[-1] == (now.last, now.cap) and len(then_saw) == step + 1  # after the rest, once a decision
+        assert later.drafting_pays == now.drafting_pays and later.decisions == now.decisions
+        caps.add(now.cap)
+    assert len(caps) >= 3  # decisions that differ
+    ragged = ConfidenceScheduler(k, table, layout="ragged")
+    with pytest.raises(ValueError, match="a ragged decision cannot be deferred"):
+        ragged.allot_deferred([[0.9, 0.8]], 0, 0, 0, None, work)
+
+
+def test_a_mixed_step_decides_its_rest_while_the_device_computes(tmp_path, monkeypatch, near_bigram_target,
+                                                                  confident_drafter):
+    """On a graphed engine's layout (forced here on a CPU engine), a step that feeds prompt chunks beside its
+    verifies applies the cap at once and leaves the rest of its decision, and the learning of its time, to the
+    executor's host work, which the runner runs while the step computes; steps that verify alone decide at once.
+    Greedy outputs stay the target's; every decision is recorded once."""
+    from runtime import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "HOST_WORK_SHARE", 1e3)  # (no budget runs out on a slow CI host)
+    path = tmp_path / "table.json"
+    flat_table(3.0).save(path)  # caps below whole blocks pay
+    llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
+                 confidence_cost_table_path=str(path))
+    eng = llm.engine
+    eng.confidence.layout = "padded"
+    work, where, calls = eng.executor.host_work, {"device_wait": False}, []
+    run, settle, deferred = work.run, eng.confidence.settle, eng.confidence.allot_deferred
+
+    def run_marked():
+        where["device_wait"] = True
+        try:
+            run()
+        finally:
+            where["device_wait"] = False
+
+    def settle_marked():
+        pending = eng.confidence._unsettled is not None
+        settle()
+        if pending:
+            calls.append(("rest", where["device_wait"]))
+
+    work.run, eng.confidence.settle = run_marked, settle_marked
+    eng.confidence.allot_deferred = lambda *a, **k: (calls.append(("deferred", eng.scheduler.may_admit())),
+                                                     deferred(*a, **k))[1]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ids, outputs, steps = [eng.add_request(PROMPTS[0], greedy)], {}, 0
+    while eng.has_unfinished():
+        if len(ids) < len(PROMPTS) and steps % 3 == 2:  # arrivals while the others decode: mixed steps
+            ids.append(eng.add_request(PROMPTS[len(ids)], greedy))
+        for out in eng.step():
+            outputs[out.request_id] = out.token_ids
+        steps += 1
+    assert [outputs[i] for i in ids] == builders.hf_greedy(near_bigram_target, PROMPTS, 16)
+    deferred_calls = [c for c in calls if c[0] == "deferred"]
+    rests = [c for c in calls if c[0] == "rest"]
+    assert deferred_calls and len(rests) == len(deferred_calls)
+    assert all(during for _, during in rests)  # each ran in the device's wait, not on the path between steps
+    stats = llm.get_metrics()["confidence_scheduling"]
+    assert stats["decisions"] > len(deferred_calls)  # the pure verify steps (nothing to admit) decided at once
+    assert stats["mixed_step_observations"] > 0  # learned by the host work
+
+
 def test_a_step_that_admits_an_arrival_is_priced_with_its_prompt(tmp_path, near_bigram_target, confident_drafter):
     """An arrival joins the next step with its whole prompt: the decision made before that step prices it beside the
     verifies (run 66: such steps were priced as the verifies alone, 7.9 ms where they took 21), where the requests
