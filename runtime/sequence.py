@@ -14,7 +14,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # a request is itself: `in` and `remove` on the queues compare identities
 class Sequence:
     """One request.
 
