@@ -230,10 +230,13 @@ class ModelRunner:
                     else None for r in results])
             return results
         with region("dspark.results"):
+            # the rows' copy queued first (pinned, behind the step's last kernel), the host work while it computes
+            rows = self._read_back_rows(verified, proposal, verified_counts)  # [S, W]
+            if rows.is_cuda:
+                self._rows_read.queue(rows)
             self.host_work.run()
             logprobs = verified.source.top(verified.committed) if verified.source is not None else None
-            host = self._read_back_rows(verified, proposal, verified_counts).tolist() \
-                if verified_counts is not None else None
+            host = (self._rows_read.wait() if rows.is_cuda else rows).tolist()
             # a faulted request's pages, and the graphs' scratch page its padding rows may have filled with NaN, are
             # zeroed on every rank before the next step: the engine names them in that step's scrub list
             results = self._results(reqs, entries, verified, proposal, logprobs, host=host)
