@@ -572,9 +572,12 @@ class GcPauses:
 def scheduled_since(before, after) -> dict:
     """What a confidence-scheduled engine chose between two snapshots of its ``ConfidenceStats``: the decisions, the
     drafts verified and proposed per deciding request, the tokens it expected them to commit and they committed
-    (and what it expected of whole blocks), and the decided steps' predicted and measured ms (their means)."""
+    (and what it expected of whole blocks), the decided steps' predicted and measured ms (their means), and the
+    drafting judgement's plain step (its predicted ms, the share of judgements where drafting paid; None: none
+    judged)."""
     decisions, requests = after.decisions - before.decisions, max(after.requests - before.requests, 1)
     decided = max(after.decided_steps - before.decided_steps, 1)
+    judged = after.judged - before.judged
     return {"decisions": decisions, "verify_budget_per_request": (after.budget - before.budget) / requests,
             "offered_per_request": (after.offered - before.offered) / requests,
             "expected_tokens_per_request": (after.expected_tokens - before.expected_tokens) / requests,
@@ -582,7 +585,9 @@ def scheduled_since(before, after) -> dict:
             / requests,
             "committed_tokens_per_request": (after.committed_tokens - before.committed_tokens) / requests,
             "predicted_step_ms": (after.predicted_ms - before.predicted_ms) / max(decisions, 1),
-            "measured_decided_step_ms": (after.decided_ms - before.decided_ms) / decided}
+            "measured_decided_step_ms": (after.decided_ms - before.decided_ms) / decided,
+            "judged_plain_step_ms": (after.judged_plain_ms - before.judged_plain_ms) / judged if judged else None,
+            "drafting_paid_share": (after.judged_paid - before.judged_paid) / judged if judged else None}
 
 
 def agreement(first: list[list[int]], second: list[list[int]]) -> dict:
@@ -1537,15 +1542,20 @@ def summary(record: dict) -> str:
             lines.append(f"  noise floor: tuned / fixed K, the same engine, {record['mixed_tuned_vs_dspark']:.3f}" +
                          (f" (paired {record['mixed_tuned_vs_dspark_paired']:.3f})"
                           if "mixed_tuned_vs_dspark_paired" in record else ""))
-        chose = record.get("mixed_workload", {}).get("confidence", {}).get("scheduled")
-        if chose:
-            lines.append(f"  it verified {chose['verify_budget_per_request']:.2f} of "
+        for kind, run in record.get("mixed_workload", {}).items():  # each confidence engine's choices
+            chose = run.get("scheduled")
+            if not chose:
+                continue
+            plain = chose.get("judged_plain_step_ms")
+            lines.append(f"  {kind} verified {chose['verify_budget_per_request']:.2f} of "
                          f"{chose['offered_per_request']:.2f} drafts a deciding request, expected "
                          f"{chose.get('expected_tokens_per_request', float('nan')):.2f} tokens (whole blocks "
                          f"{chose.get('whole_block_expected_tokens_per_request', float('nan')):.2f}), committed "
                          f"{chose['committed_tokens_per_request']:.2f}; decided "
                          f"steps predicted {chose['predicted_step_ms']:.2f} ms, measured "
-                         f"{chose['measured_decided_step_ms']:.2f}")
+                         f"{chose['measured_decided_step_ms']:.2f}"
+                         + (f"; drafting judged against plain steps priced {plain:.2f} ms, paid in "
+                            f"{chose['drafting_paid_share']:.0%}" if plain is not None else ""))
         # where a step's time went
         for kind, run in record.get("mixed_workload", {}).items():
             if "step_ms" in run:

@@ -581,6 +581,10 @@ class Decision:
     # the scheduler believed of every draft, verified or not (a whole-block engine's acceptance per position is
     # what it should be)
     position_survival: list[float]
+    # the drafting judgement's plain alternative (point 6): the ms it priced a plain step of the same requests at (a
+    # token each, nothing drafted), and whether drafting paid against it (None: no plain steps profiled)
+    plain_ms: float | None = None
+    drafting_pays: bool | None = None
 
 
 LAYOUTS = ("ragged", "padded", "packed")
@@ -706,6 +710,8 @@ class ConfidenceScheduler:
         drafting_ms = max(self.costs.predict_ms_list(rows, (rows,))[0] - plain.predict_ms_list(rows, (rows,))[0], 0.0)
         plain_ms = max(none_ms - drafting_ms, 1e-6)
         self.drafting_pays = expected * plain_ms >= num * predicted_ms
+        if self.last is not None:  # (made just before, by the same decision: its metrics show the judgement)
+            self.last.plain_ms, self.last.drafting_pays = plain_ms, self.drafting_pays
 
     def survival(self, confidence: np.ndarray, history=None) -> np.ndarray:
         """confidence [S, K] (0 where nothing was proposed), history [S] verify-history classes (None: all
@@ -1088,6 +1094,9 @@ class ConfidenceStats:
     steps: int = 0
     decided_ms: float = 0.0  # summed over the steps a decision was made for: what predicted_ms predicted
     decided_steps: int = 0
+    judged: int = 0  # decisions that judged drafting against plain decoding (Decision.plain_ms)
+    judged_plain_ms: float = 0.0  # the plain alternative's predicted ms, summed over them
+    judged_paid: int = 0  # of them, those where drafting paid
     committed_tokens: int = 0  # tokens the verifying requests committed (accepted drafts + one each), summed
     unpacked_steps: int = 0  # packed layout: decided steps that verified whole blocks instead (runtime.engine)
     drafting_off_steps: int = 0  # steps that drafted nothing because drafting did not pay (DraftingHold)
@@ -1108,6 +1117,10 @@ class ConfidenceStats:
             self.position_survival.extend([0.0] * grow)
         for j, value in enumerate(decision.position_survival):
             self.position_survival[j] += value
+        if decision.plain_ms is not None:
+            self.judged += 1
+            self.judged_plain_ms += decision.plain_ms
+            self.judged_paid += bool(decision.drafting_pays)
         self.last = {"verify_budget": decision.budget, "offered": decision.offered, "requests": requests,
                      "predicted_step_ms": decision.predicted_ms, "expected_tokens": decision.expected_tokens}
 
@@ -1144,6 +1157,9 @@ class ConfidenceStats:
                 "mean_measured_step_ms": self.measured_ms / max(self.steps, 1),
                 # the steps mean_predicted_step_ms predicted, measured (the mean above has the ramps' steps too)
                 "mean_measured_decided_step_ms": self.decided_ms / max(self.decided_steps, 1),
+                # the drafting judgement (point 6): the plain step it priced drafting against, and how often it paid
+                "mean_judged_plain_step_ms": self.judged_plain_ms / self.judged if self.judged else None,
+                "drafting_paid_share": self.judged_paid / self.judged if self.judged else None,
                 "layout": scheduler.layout, "next_budget_per_request": scheduler.budget_per_request,
                 "next_cap": scheduler.cap,
                 "survival_correction": [round(float(r), 4) for r in scheduler.correction.ratio],

@@ -262,6 +262,9 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     # CPU may find drafting never pays there: no decisions)
     assert chose["decisions"] >= 0 and 0 <= chose["verify_budget_per_request"] <= chose["offered_per_request"]
     assert chose["expected_tokens_per_request"] >= 0 and chose["whole_block_expected_tokens_per_request"] >= 0
+    # the drafting judgement's plain step (the engine profiled plain steps at startup): priced, paid or not
+    assert chose["judged_plain_step_ms"] is None if not chose["decisions"] else chose["judged_plain_step_ms"] > 0
+    assert chose["drafting_paid_share"] is None or 0.0 <= chose["drafting_paid_share"] <= 1.0
     assert "scheduled" not in record["mixed_workload"]["tuned"]
     assert record["mixed_confidence_vs_tuned"] > 0 and record["mixed_confidence_vs_tuned_tpot"] > 0
     assert record["mixed_confidence_vs_tuned_paired"] > 0

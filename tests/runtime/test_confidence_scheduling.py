@@ -1187,6 +1187,17 @@ def test_drafting_pays_only_where_the_best_verify_beats_plain_decoding():
     unknown = ConfidenceScheduler(4, flat_table(1.0))
     unknown.allot(weak)
     assert unknown.drafting_pays is None
+    # each decision shows its judgement: the plain step it priced (the 11-ms verify-nothing step less the drafter's
+    # 11 - 4 or 11 - 10.5 ms) and the verdict; the metrics average them over the decisions that judged
+    assert (cheap.last.plain_ms, cheap.last.drafting_pays) == (pytest.approx(4.0), False)
+    assert (dear.last.plain_ms, dear.last.drafting_pays) == (pytest.approx(10.5), True)
+    assert (unknown.last.plain_ms, unknown.last.drafting_pays) == (None, None)
+    stats = ConfidenceStats()
+    for scheduler in (cheap, dear, unknown):
+        stats.record_decision(scheduler.last, 1)
+    metrics = stats.as_dict(cheap)
+    assert metrics["mean_judged_plain_step_ms"] == pytest.approx(7.25) and metrics["drafting_paid_share"] == 0.5
+    assert ConfidenceStats().as_dict(cheap)["mean_judged_plain_step_ms"] is None
     for layout in ("padded", "packed"):  # every layout judges alike
         scheduler = ConfidenceScheduler(4, with_plain(flat_table(1.0), 4.0), layout=layout, graph_batches=[1, 64])
         if layout == "packed":
