@@ -234,7 +234,8 @@ class ModelRunner:
             rows = self._read_back_rows(verified, proposal, verified_counts)  # [S, W]
             if rows.is_cuda:
                 self._rows_read.queue(rows)
-            self.host_work.run()
+            # (no task starts once the rows landed: the next step waits for this one's, nothing runs ahead of it)
+            self.host_work.run(done=self._rows_read.landed if rows.is_cuda else None)
             logprobs = verified.source.top(verified.committed) if verified.source is not None else None
             host = (self._rows_read.wait() if rows.is_cuda else rows).tolist()
             # a faulted request's pages, and the graphs' scratch page its padding rows may have filled with NaN, are

@@ -63,6 +63,13 @@ class PinnedReadBack:
         self._event.synchronize()
         return self._view
 
+    def landed(self) -> bool:
+        """Whether the last queued copy has landed (the device has finished everything queued before it)."""
+        return self._event is None or self._event.query()
+
+
+QUEUED_MOST = 16  # tasks past this many run whether the device is done or not (HostWork.run)
+
 
 class HostWork:
     """Host work that can wait for the device: tasks queued between steps (``add``) run in order, once, at the next
@@ -79,7 +86,7 @@ class HostWork:
     engine sets it to a share of its last step (``runtime.engine.HOST_WORK_SHARE``): a task longer than what the
     device leaves delays the step launched ahead of it (a whole survival refit took 1.3-4.3 ms on a 2-core host,
     against 3-ms steps at four requests), so long work is queued in slices (``SurvivalCorrection._advance_refit``).
-    A call runs one task at least."""
+    A call runs one task at least, unless told the device is done (``run``'s ``done``)."""
 
     def __init__(self):
         self._tasks: deque = deque()
@@ -89,11 +96,16 @@ class HostWork:
         """Queue ``task`` (a callable of no arguments)."""
         self._tasks.append(task)
 
-    def run(self) -> None:
+    def run(self, done=None) -> None:
         """Run the queued tasks, oldest first, while the budget lasts (tasks a task adds run too; after one that
-        raised, the rest stay queued)."""
+        raised, the rest stay queued). ``done``: a callable saying whether the device has finished what the host
+        is about to wait for (a step not launched ahead: its read-back has landed); once it says so no task starts
+        (the device would wait for it: the rest wait for a step that leaves room), unless more than
+        ``QUEUED_MOST`` are queued (then they run as without it: the queue never grows without bound)."""
         budget, start = self.budget_s, time.perf_counter()
         while self._tasks:
+            if done is not None and len(self._tasks) <= QUEUED_MOST and done():
+                break
             self._tasks.popleft()()
             if budget is not None and time.perf_counter() - start >= budget:
                 break

@@ -203,6 +203,27 @@ def test_host_work_queued_between_steps_runs_once_after_the_steps_launches_befor
     assert len(seen) == 1  # once
 
 
+def test_host_work_told_the_device_is_done_starts_no_task_until_too_many_wait():
+    """A step not launched ahead runs the host work while the device computes it, asking whether its read-back has
+    landed: once it has, no task starts (the device would wait for it: the tasks wait for a step with room), unless
+    more than ``QUEUED_MOST`` are queued; without ``done`` every call runs one task at least."""
+    from runtime.transfer import QUEUED_MOST
+
+    work, ran, device = HostWork(), [], {"done": False}
+    for i in range(3):
+        work.add(lambda i=i: (ran.append(i), device.update(done=i == 1)))  # the device finishes during task 1
+    work.run(done=lambda: device["done"])
+    assert ran == [0, 1] and len(work) == 1
+    work.run(done=lambda: True)  # done before it began: nothing starts
+    assert ran == [0, 1] and len(work) == 1
+    work.run()  # a step launched ahead (nothing said): it runs
+    assert ran == [0, 1, 2] and len(work) == 0
+    for i in range(QUEUED_MOST + 2):
+        work.add(lambda i=i: ran.append(10 + i))
+    work.run(done=lambda: True)  # past QUEUED_MOST the oldest run regardless, down to the bound
+    assert len(work) == QUEUED_MOST and ran[-2:] == [10, 11]
+
+
 def test_a_step_launched_ahead_is_not_used_for_other_tokens_or_pages_and_a_broken_row_feeds_token_0():
     forward, g, _ = _forward(batch=1)
     step = [_decode("a", 13, 3, [1, 2])]  # token 13 breaks its row: verdict -1
