@@ -141,10 +141,10 @@ def measure(target: Path, drafter: Path, costs: Path, batch: int, steps: int, co
         work = engine.executor.host_work
         run = work.run
 
-        def run_marked():
+        def run_marked(**kwargs):
             began, waiting["now"] = time.perf_counter(), True
             try:
-                run()
+                run(**kwargs)
             finally:
                 waiting["now"] = False
                 totals["host_work"] = totals.get("host_work", 0.0) + time.perf_counter() - began

@@ -598,10 +598,10 @@ def test_a_mixed_step_decides_its_rest_while_the_device_computes(tmp_path, monke
     work, where, calls = eng.executor.host_work, {"device_wait": False}, []
     run, settle, deferred = work.run, eng.confidence.settle, eng.confidence.allot_deferred
 
-    def run_marked():
+    def run_marked(**kwargs):
         where["device_wait"] = True
         try:
-            run()
+            run(**kwargs)
         finally:
             where["device_wait"] = False
 
