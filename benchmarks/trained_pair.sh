@@ -22,7 +22,11 @@
 #                                                    target, `60 300 3072 24 20`, ~285 s: runs 54-55, whose 64 x 8
 #                                                    verify is compute-bound, so trimming can pay; run 59's drafter
 #                                                    got only 46 s of those 300 (distillation took 86): `60 480 3072
-#                                                    24 20` gives it ~220 s in ~440 s, alone in its command)
+#                                                    24 20` gives it ~220 s in ~440 s, alone in its command;
+#                                                    the recipe keeps 90 s for its eval: run 76's `45 240 3072 24
+#                                                    20` spent 179 s on target and distillation and refused, naming
+#                                                    --run-seconds; the same WORK then `45 150` found both done and
+#                                                    trained the drafter 95 s)
 #   bash benchmarks/trained_pair.sh bench WORK OUT [BENCH FLAGS]
 #                                                    dspark bench on that pair over the held-out prompts: the
 #                                                    concurrency sweep, the tuned draft_len_schedule, the end-to-end

@@ -70,7 +70,8 @@ tokens fed)``. The scheduler, in either of two step layouts:
    requests on a 2.7B target ~35% of a plain decode step), so verifying nothing is no match for plain decoding, and
    where no verify pays the step it costs, the scheduler says so (``drafting_pays``: the best choice's expected
    tokens per predicted ms against plain decoding's, a token a request per ``StepCostTable.plain``'s step, the
-   drafter's cost taken off at the step's place on the curve; no margin), and the engine drafts nothing at that
+   drafter's cost taken off at the step's place on the curve, or for a mixed step the plain table plus the mixed
+   excess read per verify row, ``MixedStepCosts.plain_excess_ms``; no margin), and the engine drafts nothing at that
    batch size for a while (``DraftingHold``: 16 steps, doubling up to 512 while it keeps not paying), then drafts
    again to look (its blocks verified whole; the hold's next judgement waits for the look's outcome, refitted at
    once). Run 59 (an H200, a 2.7B pair): at 256 requests the tuned schedule drafts nothing, and under mixed
@@ -694,24 +695,39 @@ class ConfidenceScheduler:
         two at or above ``num`` (a step of any size in it judged alike)."""
         return self.graph_rows(num) if self.graph_batches else 1 << max(num - 1, 0).bit_length()
 
-    def _judge_drafting(self, num: int, expected: float, predicted_ms: float, none_ms: float) -> None:
+    def _judge_drafting(self, num: int, expected: float, predicted_ms: float, none_ms: float,
+                        other_requests: int = 0, other_tokens: int = 0, context: int = 0) -> None:
         """Point 6 of the module doc: ``drafting_pays`` from the best choice's ``expected`` committed tokens in
-        ``predicted_ms`` against plain decoding: ``num`` tokens in the step that verifies nothing (``none_ms``) less
-        the drafter's cost at this batch (the verify-nothing step against the plain step of ``StepCostTable.plain``
-        at its graph's rows). No ``min_gain`` margin: a trim is undone next step, a hold lasts 16 to 512 steps, so
-        drafting stops only where it is believed to lose (simulated on run 59's costs at 256 requests, 60% hard
-        requests: with the 4% margin the holds served 1.007 of the best of plain decoding and fixed caps, without
-        it 1.071, alike elsewhere)."""
+        ``predicted_ms`` against plain decoding, ``num`` tokens in a plain step of the same requests (``_plain_ms``).
+        No ``min_gain`` margin: a trim is undone next step, a hold lasts 16 to 512 steps, so drafting stops only where
+        it is believed to lose (simulated on run 59's costs at 256 requests, 60% hard requests: with the 4% margin
+        the holds served 1.007 of the best of plain decoding and fixed caps, without it 1.071, alike elsewhere)."""
         plain = self.costs.plain
         if plain is None or not plain.measured:
             self.drafting_pays = None
             return
-        rows = self.graph_rows(num)  # (cached Python lists: no numpy call on a small step's path)
-        drafting_ms = max(self.costs.predict_ms_list(rows, (rows,))[0] - plain.predict_ms_list(rows, (rows,))[0], 0.0)
-        plain_ms = max(none_ms - drafting_ms, 1e-6)
+        plain_ms = self._plain_ms(num, none_ms, other_requests, other_tokens, context)
         self.drafting_pays = expected * plain_ms >= num * predicted_ms
         if self.last is not None:  # (made just before, by the same decision: its metrics show the judgement)
             self.last.plain_ms, self.last.drafting_pays = plain_ms, self.drafting_pays
+
+    def _plain_ms(self, num: int, none_ms: float, other_requests: int, other_tokens: int, context: int) -> float:
+        """The predicted ms of plain decoding in place of a drafting step of ``num`` deciding requests: for a step
+        of verifies alone, the step that verifies nothing (``none_ms``) less the drafter's cost at this batch (the
+        verify-nothing step against the plain step of ``StepCostTable.plain`` at its graph's rows); for a mixed step
+        (``other_tokens`` besides the verifies), the plain table at its batch (a token a request) plus the plain
+        excess of ``MixedStepCosts.plain_excess_ms``: the mixed excess was learned from drafting steps, whose
+        requests fed K + 1 rows each, and read whole beside a plain step it priced run 76's plain alternative at
+        10.4 ms where plain mixed steps took 3.9 (and run 73's, ~13 against 10.9: drafting kept looking as if it
+        paid in mixed steps where it lost, 0.88 of the tuned engine's plain decoding)."""
+        plain = self.costs.plain
+        if other_tokens:
+            batch = num + other_requests
+            return max(plain.predict_ms_list(batch, (batch,), context)[0]
+                       + self.mixed_costs.plain_excess_ms(batch, other_tokens), 1e-6)
+        rows = self.graph_rows(num)  # (cached Python lists: no numpy call on a small step's path)
+        drafting_ms = max(self.costs.predict_ms_list(rows, (rows,))[0] - plain.predict_ms_list(rows, (rows,))[0], 0.0)
+        return max(none_ms - drafting_ms, 1e-6)
 
     def survival(self, confidence: np.ndarray, history=None) -> np.ndarray:
         """confidence [S, K] (0 where nothing was proposed), history [S] verify-history classes (None: all
@@ -768,7 +784,8 @@ class ConfidenceScheduler:
         ranked = -np.sort(-survival[proposed])
         expected = num + np.concatenate([[0.0], ranked.cumsum()])  # [B+1] committed tokens under each budget
         best = self._best(expected, predicted)
-        self._judge_drafting(num, float(expected[best]), float(predicted[best]), float(predicted[0]))
+        self._judge_drafting(num, float(expected[best]), float(predicted[best]), float(predicted[0]),
+                             other_requests, other_tokens, context)
         self.budget_per_request = self.max_draft_len if self._explores(best < offered, best) else best / num
         self._pending = (table, lengths, history)
         return lengths.tolist()
@@ -869,7 +886,8 @@ class ConfidenceScheduler:
         self.last = Decision(budget, offered, num + chosen, predicted[budget], expected[-1], predicted[-1],
                              [sum(column) for column in zip(*survival)])
         best = self._best(expected, predicted)
-        self._judge_drafting(num, expected[best], predicted[best], predicted[0])
+        self._judge_drafting(num, expected[best], predicted[best], predicted[0], other_requests, other_tokens,
+                             context)
         self.budget_per_request = self.max_draft_len if self._explores(best < offered, best) else best / num
         self._pending = (padded, lengths, history)
         return list(lengths)
@@ -892,7 +910,8 @@ class ConfidenceScheduler:
         self.last = Decision(sum(lengths), offered, num + chosen, predicted[max(lengths)], expected[-1],
                              predicted[-1], column_sums)
         cap = self._best(expected, predicted)
-        self._judge_drafting(num, expected[cap], predicted[cap], predicted[0])
+        self._judge_drafting(num, expected[cap], predicted[cap], predicted[0], other_requests, other_tokens,
+                             context)
         self.cap = self.max_draft_len if self._explores(cap < k, cap) else cap
         self._pending = (padded, lengths, history)
         return list(lengths)
@@ -913,7 +932,8 @@ class ConfidenceScheduler:
         self.last = Decision(int(lengths.sum()), int(sizes.sum()), num + chosen, float(predicted[verified]),
                              num + float(columns[-1]), float(predicted[-1]), column_sums.tolist())
         cap = self._best(num + columns, predicted)
-        self._judge_drafting(num, num + float(columns[cap]), float(predicted[cap]), float(predicted[0]))
+        self._judge_drafting(num, num + float(columns[cap]), float(predicted[cap]), float(predicted[0]),
+                             other_requests, other_tokens, context)
         self.cap = self.max_draft_len if self._explores(cap < k, cap) else cap
         return lengths
 
@@ -947,7 +967,8 @@ class ConfidenceScheduler:
         self.last = Decision(int(shares[columns]), offered, float(expected[columns]), float(predicted[columns]),
                              float(expected[-1]), float(predicted[-1]), column_sums.tolist())
         best = self._best(expected, predicted)
-        self._judge_drafting(num, float(expected[best]), float(predicted[best]), float(predicted[0]))
+        self._judge_drafting(num, float(expected[best]), float(predicted[best]), float(predicted[0]),
+                             other_requests, other_tokens, context)
         self.columns = self.max_draft_len if self._explores(best < k, best) else best
         self.packed_draft_len = packed_draft_len(survival, sizes, self.columns, self.max_draft_len)
         # a step that cannot be packed (a prefill chunk joins it) verifies under a cap: the padded layout's choice

@@ -60,12 +60,26 @@ class MixedStepCosts:
         self._pending: list[tuple[int, int, float, int, int]] = []
         self.observations = 0  # mixed steps observed (fitted or pending)
         self.mean_residual_ms = 0.0  # decayed mean of the residuals fitted (what the excess explains, for metrics)
+        # decayed mean over the fitted steps of the rows each request fed besides the other tokens (its verify's
+        # anchor and drafts): what the per-request excess was learned at (plain_excess_ms)
+        self.rows_per_request = 1.0
         self._weight = 0.0
 
     def excess_ms(self, batch: int, other_tokens: int) -> float:
         """The learned excess of a mixed step of ``batch`` requests feeding ``other_tokens`` besides its verifies."""
         a, b, c = self.coefficients
         return max(float(a + b * other_tokens / TOKEN_SCALE + c * batch / BATCH_SCALE), 0.0)
+
+    def plain_excess_ms(self, batch: int, other_tokens: int) -> float:
+        """The excess of a **plain** mixed step of ``batch`` requests, each decoding one token, beside
+        ``other_tokens`` (the drafting judgement's alternative, ``ConfidenceScheduler._plain_ms``): the fit's level
+        and its other tokens' part as they are, its per-request part read as per verify row (it was learned from
+        steps whose requests fed ``rows_per_request`` rows each: the eager attention of those rows is most of it),
+        so a plain step's one row a request pays 1 / rows_per_request of it. Run 76 (an H200, 57 requests, 8 rows a
+        request): the drafting mixed steps' excess ~4 ms, nearly all per request, priced the plain alternative
+        10.4 ms where the AR engine's mixed steps took 3.9."""
+        a, b, c = self.coefficients
+        return max(float(a + b * other_tokens / TOKEN_SCALE + c * batch / BATCH_SCALE / self.rows_per_request), 0.0)
 
     def predict_ms_many(self, batch: int, tokens, context: int, other_tokens: int) -> np.ndarray:
         """[N] predicted ms of a mixed step of ``batch`` requests feeding each of ``tokens`` [N] in all (of which
@@ -101,11 +115,14 @@ class MixedStepCosts:
             self._xty = DECAY * self._xty + x * residual
             self._weight = DECAY * self._weight + 1.0
             self.mean_residual_ms += (residual - self.mean_residual_ms) / max(self._weight, 1.0)
+            rows = max((tokens - other_tokens) / max(batch, 1), 1.0)
+            self.rows_per_request += (rows - self.rows_per_request) / max(self._weight, 1.0)
         self.coefficients = np.linalg.solve(self._xtx + np.diag(PRIOR_STEPS), self._xty)
 
     def to_json(self) -> dict:
         """The fit as it stands (for ``rank_info`` and the bench record)."""
         self.flush()
         return {"observations": self.observations, "mean_residual_ms": round(self.mean_residual_ms, 4),
+                "rows_per_request": round(self.rows_per_request, 3),
                 "excess": {name: round(float(v) / scale, 6) for name, v, scale in
                            zip(FEATURES, self.coefficients, (1.0, TOKEN_SCALE, BATCH_SCALE))}}

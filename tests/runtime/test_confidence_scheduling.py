@@ -902,6 +902,41 @@ def test_the_mixed_excess_fits_what_mixed_steps_cost_beyond_the_verify_table():
     assert cheap.excess_ms(64, 88) == 0.0
 
 
+def test_a_plain_mixed_step_pays_the_per_request_excess_per_verify_row():
+    """The mixed excess is learned from drafting steps whose requests fed K + 1 rows each; a plain step of the same
+    requests feeds one row a request, so the drafting judgement prices its alternative as the plain table plus the
+    excess with its per-request part divided by the rows it was learned at (run 76: read whole, the plain
+    alternative of 57 requests cost 10.4 ms where plain mixed steps took 3.9). A weak block in a mixed step then
+    does not pay where the old reading (the verify-nothing step less the drafter) said it did; a strong one still
+    does; a step of verifies alone is judged as before."""
+    table = with_plain(flat_table(0.01), 4.0)  # drafting steps 10 ms + 0.01 a token, plain decoding 4 ms
+    scheduler = ConfidenceScheduler(4, table, layout="padded")
+    rng = np.random.default_rng(1)
+    for _ in range(200):  # mixed steps of 5 rows a request: 1 ms + 0.2 ms a request beyond the verify table
+        batch, other = int(rng.integers(8, 65)), int(rng.integers(16, 256))
+        tokens = batch * 5 + other
+        scheduler.mixed_costs.observe(batch, tokens, (table.predict_ms(batch, tokens) + 1.0 + 0.2 * batch) / 1e3, 0,
+                                      other)
+    scheduler.mixed_costs.flush()
+    mixed = scheduler.mixed_costs
+    assert mixed.rows_per_request == pytest.approx(5.0)
+    assert mixed.excess_ms(32, 64) == pytest.approx(1.0 + 0.2 * 32, rel=0.05)
+    assert mixed.plain_excess_ms(33, 64) == pytest.approx(
+        mixed.coefficients[0] + mixed.coefficients[1] * 64 / 256 + mixed.coefficients[2] * 33 / 64 / mixed.rows_per_request)
+    weak, strong = [[0.5] * 4] * 32, [[0.99] * 4] * 32
+    scheduler.allot(weak, 1, 64, 0)
+    decision = scheduler.last  # 1.94 tokens a request in ~20 ms, against one in ~7
+    assert decision.plain_ms == pytest.approx(4.0 + mixed.plain_excess_ms(33, 64))
+    assert scheduler.drafting_pays is False and decision.drafting_pays is False
+    none_ms = scheduler.predict_ms_many(33, np.array([64 + 32]), 0, 64)[0]
+    old = none_ms - (table.predict_ms(32, 32) - 4.0)  # the old reading: ~12.4 ms, and drafting "paid"
+    assert decision.expected_tokens * old >= 32 * decision.predicted_ms > decision.expected_tokens * decision.plain_ms
+    scheduler.allot(strong, 1, 64, 0)
+    assert scheduler.drafting_pays is True  # ~4.9 tokens a request
+    scheduler.allot(weak)  # verifies alone: the verify-nothing step less the drafter, as before
+    assert scheduler.last.plain_ms == pytest.approx(table.predict_ms(32, 32) - (table.predict_ms(32, 32) - 4.0))
+
+
 def test_a_mixed_step_dominated_by_its_prefill_keeps_whole_blocks():
     """Run 63 (an H200, 64 requests under mixed load): verify steps cost 5-8 ms, mixed ones 12-13. Priced as verify
     steps, trimming two drafts saves ~20% of the step and pays; priced with the excess the mixed steps showed, it
