@@ -1186,6 +1186,11 @@ def run(args) -> dict:
             warm_mixed(variants)
             for name, variant in variants.items():
                 record.setdefault("mixed_workload", {})[name] = mixed(*variant)
+                confidence = getattr(getattr(variant[0], "engine", None), "confidence", None)
+                if confidence is not None:  # what its mixed steps and their plain alternative cost, as learned
+                    record["mixed_workload"][name]["mixed_step_costs"] = confidence.mixed_costs.to_json()
+                    if confidence.plain_mixed is not None:
+                        record["mixed_workload"][name]["plain_mixed_step_costs"] = confidence.plain_mixed.to_json()
                 print(f"dspark bench: {name} mixed workload: {record['mixed_workload'][name]}", file=sys.stderr,
                       flush=True)
             profile_mixed(variants)

@@ -133,6 +133,7 @@ TRUSTED_STEP = 0.5  # a Newton step moving no parameter by more than this is tak
 EXPLORE_EVERY = 32  # every this many decisions below whole blocks, the next step verifies whole blocks
 FOLD_EVERY = 8  # steps of evidence the correction gathers before it folds them in (its numpy work, once for all)
 FOLD_DEFERRED_MOST = 32  # a fold deferred to the device's wait (SurvivalCorrection.defer_to) runs at once past this
+PLAIN_MIXED_MIN = 16  # plain mixed steps served before their own excess prices a mixed step's plain alternative
 SMALL_STEP = 128  # a step of at most this many drafts (requests x max_draft_len) is decided in plain Python
 HOLD_FIRST = 16  # steps the engine drafts nothing at a batch size after drafting did not pay there (DraftingHold)
 HOLD_MOST = 512  # the hold doubles each time it did not pay again, up to this: one look costs a block's drafting
@@ -609,6 +610,11 @@ class ConfidenceScheduler:
         # whole-block cell at 256 requests 15 ms where a graphed whole-block step took 11.7: run 51 trimmed to 5.8
         # of 7 drafts and lost 14%; a table of their own priced run 63's mixed steps 35% low)
         self.mixed_costs = MixedStepCosts(costs)
+        # plain steps that feed prompt chunks beside their decodes (a drafting hold's mixed steps, nothing drafted):
+        # the plain table plus an excess of their own, learned from those steps; what a mixed step's drafting is
+        # judged against once PLAIN_MIXED_MIN of them were served (before: the drafting steps' excess read per
+        # verify row, MixedStepCosts.plain_excess_ms)
+        self.plain_mixed = MixedStepCosts(costs.plain) if costs.plain is not None else None
         # whether the steps being priced run serially: on an engine that launches steps ahead (the startup profile
         # times such steps), a step it did not launch ahead costs the host's whole step work on top (set by the
         # engine before each decision, from the step being served: the regime persists from one step to the next)
@@ -675,6 +681,13 @@ class ConfidenceScheduler:
         else:
             self.costs.observe(batch, tokens, seconds, context)
 
+    def observe_plain_mixed_step(self, batch: int, seconds: float, context: int, other_tokens: int) -> None:
+        """A served plain step of ``batch`` requests that fed ``other_tokens`` (prompt chunks) beside its one-token
+        decodes, nothing drafted: into ``plain_mixed`` (the plain table at its batch, a token a request, plus their
+        excess), which prices a mixed step's plain alternative once it has seen ``PLAIN_MIXED_MIN``."""
+        if self.plain_mixed is not None:
+            self.plain_mixed.observe(batch, batch, seconds, context, other_tokens)
+
     def graph_rows(self, num: int) -> int:
         """The requests a graphed step of ``num`` requests computes: its graph's batch (``num`` past the largest)."""
         return bucket_of(self.graph_batches, num) or num
@@ -715,14 +728,18 @@ class ConfidenceScheduler:
         """The predicted ms of plain decoding in place of a drafting step of ``num`` deciding requests: for a step
         of verifies alone, the step that verifies nothing (``none_ms``) less the drafter's cost at this batch (the
         verify-nothing step against the plain step of ``StepCostTable.plain`` at its graph's rows); for a mixed step
-        (``other_tokens`` besides the verifies), the plain table at its batch (a token a request) plus the plain
-        excess of ``MixedStepCosts.plain_excess_ms``: the mixed excess was learned from drafting steps, whose
+        (``other_tokens`` besides the verifies), the plain table at its batch (a token a request) plus the excess
+        learned from plain mixed steps (``plain_mixed``, once ``PLAIN_MIXED_MIN`` were served: a drafting hold's), or
+        before that the plain excess of ``MixedStepCosts.plain_excess_ms``: the mixed excess was learned from
+        drafting steps, whose
         requests fed K + 1 rows each, and read whole beside a plain step it priced run 76's plain alternative at
-        10.4 ms where plain mixed steps took 3.9 (and run 73's, ~13 against 10.9: drafting kept looking as if it
-        paid in mixed steps where it lost, 0.88 of the tuned engine's plain decoding)."""
+        10.4 ms where plain mixed steps took 3.9 (and run 73's, 12.6-15.1 against 10.9: drafting kept looking as if
+        it paid in mixed steps where it lost, 0.88 of the tuned engine's plain decoding)."""
         plain = self.costs.plain
         if other_tokens:
             batch = num + other_requests
+            if self.plain_mixed is not None and self.plain_mixed.observations >= PLAIN_MIXED_MIN:  # measured
+                return max(self.plain_mixed.predict_ms_list(batch, (batch,), context, other_tokens)[0], 1e-6)
             return max(plain.predict_ms_list(batch, (batch,), context)[0]
                        + self.mixed_costs.plain_excess_ms(batch, other_tokens), 1e-6)
         rows = self.graph_rows(num)  # (cached Python lists: no numpy call on a small step's path)

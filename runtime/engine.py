@@ -586,7 +586,8 @@ class Engine:
         ``decided``: the scheduler chose this step's verifies (its metrics set the time beside the prediction).
         A step that drafted nothing (``drafted`` False) is no cell of these tables (they price drafting steps): a
         plain decode step (a token a request, each sampled) teaches the plain steps' table (``StepCostTable.plain``,
-        at its graph's rows), others nothing. ``serial``: the engine launches steps ahead and did not launch this
+        at its graph's rows), a plain step with prompt chunks beside its decodes the plain mixed steps' excess
+        (``ConfidenceScheduler.plain_mixed``: a mixed step's plain alternative), others nothing. ``serial``: the engine launches steps ahead and did not launch this
         one ahead, so its time holds the host's whole step work besides the device's (a verify step after a
         prefill, every step of a sampled batch; at 256 requests on an H200 ~4 ms of a 30-ms step): it teaches the
         excess of ``MixedStepCosts`` as a mixed step does, not the cells the startup profile timed launched ahead
@@ -603,6 +604,11 @@ class Engine:
                     rows = len(scheduled) if self.confidence.layout == "ragged" else \
                         self.confidence.graph_rows(len(scheduled))
                     plain.observe(rows, rows, seconds, sum(e.start_position for e in scheduled))
+            elif not decided:  # prompt chunks beside plain decodes: what a mixed step's plain alternative costs
+                other = sum(f for f, e in zip(fed, scheduled) if f != 1 or not e.sample)
+                if 0 < other < sum(fed):
+                    self.confidence.observe_plain_mixed_step(len(scheduled), seconds,
+                                                             sum(e.start_position for e in scheduled), other)
             self.confidence_stats.record_step(1e3 * seconds, decided, serial)
             return
         requests, tokens, q_len = len(scheduled), sum(fed), None

@@ -57,7 +57,8 @@ def best_samples(outputs: list[RequestOutput], params: SamplingParams) -> list[R
 def rank_info(engine: Engine) -> list[dict]:
     """One dict per process of the replica (``Worker.info``); with confidence scheduling, target rank 0's also has
     the engine's step-time model as it stands: the verify steps' table (profiled or loaded, then learned from every
-    such step served) and the mixed steps' excess over it (learned from the steps that fed more than verifies)."""
+    such step served), the mixed steps' excess over it (learned from the steps that fed more than verifies) and,
+    where plain steps were profiled, the plain mixed steps' excess (a drafting hold's steps with prompt chunks)."""
     infos = engine.executor.describe()
     if engine.confidence is not None:
         leader = next((i for i in infos if i.get("role") == "target" and i.get("tp_rank") == 0), None)
@@ -65,6 +66,8 @@ def rank_info(engine: Engine) -> list[dict]:
             costs = engine.confidence.costs
             leader["confidence_cost_table"] = {**costs.to_json(), "observations": costs.observations}
             leader["confidence_mixed_step_costs"] = engine.confidence.mixed_costs.to_json()
+            if engine.confidence.plain_mixed is not None:  # (a drafting hold's mixed steps: the plain alternative)
+                leader["confidence_plain_mixed_step_costs"] = engine.confidence.plain_mixed.to_json()
     return infos
 
 

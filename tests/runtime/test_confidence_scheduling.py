@@ -11,6 +11,7 @@ import torch
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
 from runtime.confidence_scheduler import (FIT_WINDOW, FOLD_DEFERRED_MOST, FOLD_EVERY, HISTORY_NONE, HOLD_FIRST,
+                                          PLAIN_MIXED_MIN,
                                           REFIT_FOLDS, ConfidenceScheduler, ConfidenceStats, DraftingHold,
                                           SurvivalCorrection, SurvivalSkill, history_classes, next_history,
                                           packed_draft_len, read_calibration, top_drafts)
@@ -935,6 +936,18 @@ def test_a_plain_mixed_step_pays_the_per_request_excess_per_verify_row():
     assert scheduler.drafting_pays is True  # ~4.9 tokens a request
     scheduler.allot(weak)  # verifies alone: the verify-nothing step less the drafter, as before
     assert scheduler.last.plain_ms == pytest.approx(table.predict_ms(32, 32) - (table.predict_ms(32, 32) - 4.0))
+    # plain mixed steps served (a drafting hold's): once PLAIN_MIXED_MIN were, their own excess prices the plain
+    # alternative (here 2.5 ms beyond the plain table: drafting the strong block still pays, at a measured price)
+    for step in range(PLAIN_MIXED_MIN):
+        assert scheduler.plain_mixed.observations == step
+        scheduler.allot(strong, 1, 64, 0)
+        assert scheduler.last.plain_ms == pytest.approx(4.0 + mixed.plain_excess_ms(33, 64))  # not yet
+        scheduler.observe_plain_mixed_step(30 + step % 8, (4.0 + 2.5) / 1e3, 0, 40 + 8 * step)
+    scheduler.allot(strong, 1, 64, 0)
+    measured = scheduler.plain_mixed.predict_ms_list(33, (33,), 0, 64)[0]
+    assert scheduler.last.plain_ms == pytest.approx(measured) and measured == pytest.approx(6.5, abs=0.3)
+    assert scheduler.drafting_pays is True
+    assert ConfidenceScheduler(4, flat_table(0.01)).plain_mixed is None  # no plain steps profiled: nothing to learn
 
 
 def test_a_mixed_step_dominated_by_its_prefill_keeps_whole_blocks():
@@ -1288,6 +1301,32 @@ def test_where_drafting_does_not_pay_the_engine_decodes_plainly_for_a_hold_then_
     stats = llm.get_metrics()["confidence_scheduling"]
     assert stats["drafting_holds"] >= 2 and stats["drafting_off_steps"] >= 3 * HOLD_FIRST - 2
     assert stats["plain_cost_table_observations"] >= 3 * HOLD_FIRST - 4
+    assert llm.engine.confidence.plain_mixed.observations == 0  # one request: no prompt beside a plain decode
+
+
+def test_a_holds_plain_steps_beside_prompt_chunks_teach_the_plain_alternative_of_mixed_steps(
+        tmp_path, near_bigram_target, confident_drafter):
+    """Where drafting does not pay the engine holds it; its plain steps that feed an arrival's prompt beside the
+    decodes are the plain alternative of a mixed step, measured: they teach ``plain_mixed`` (in ``rank_info``),
+    the pure plain decodes the plain table. Greedy outputs stay the target's."""
+    path = tmp_path / "table.json"
+    with_plain(flat_table(1.0, base=50.0), 1.0).save(path)
+    llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
+                 confidence_cost_table_path=str(path))
+    eng = llm.engine
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS * 2
+    ids, outputs, steps = [eng.add_request(prompts[0], greedy)], {}, 0
+    while eng.has_unfinished():
+        if len(ids) < len(prompts) and steps % 4 == 3:  # arrivals while the others decode plainly
+            ids.append(eng.add_request(prompts[len(ids)], greedy))
+        for out in eng.step():
+            outputs[out.request_id] = out.token_ids
+        steps += 1
+    assert [outputs[i] for i in ids] == builders.hf_greedy(near_bigram_target, prompts, 40)
+    learned = eng.confidence.plain_mixed
+    assert learned.observations >= 3 and eng.confidence.costs.plain.observations > 0
+    assert llm.rank_info()[0]["confidence_plain_mixed_step_costs"]["observations"] == learned.observations
 
 
 def test_the_survival_fit_does_not_diverge_from_saturated_probabilities():
