@@ -1160,7 +1160,8 @@ class ConfidenceStats:
             self.judged_plain_ms += decision.plain_ms
             self.judged_paid += bool(decision.drafting_pays)
         self.last = {"verify_budget": decision.budget, "offered": decision.offered, "requests": requests,
-                     "predicted_step_ms": decision.predicted_ms, "expected_tokens": decision.expected_tokens}
+                     "predicted_step_ms": decision.predicted_ms, "expected_tokens": decision.expected_tokens,
+                     "plain_step_ms": decision.plain_ms, "drafting_pays": decision.drafting_pays}
 
     def record_outcome(self, committed: int) -> None:
         self.committed_tokens += committed

@@ -63,6 +63,12 @@ class EngineCollector:
                      last.get("predicted_step_ms", 0.0) / 1e3),
                     ("confidence_measured_step_seconds", "The last scheduled step's measured time.",
                      last.get("measured_step_ms", 0.0) / 1e3),
+                    ("confidence_plain_step_seconds", "What plain decoding of the last scheduled step's requests "
+                     "was priced at: its drafting was judged against it (0: no plain steps profiled).",
+                     (last.get("plain_step_ms") or 0.0) / 1e3),
+                    ("confidence_drafting_paid_share", "Share of the decisions whose drafting beat plain decoding "
+                     "(since startup or the last metrics reset; 0 before any was judged).",
+                     scheduling["drafting_paid_share"] or 0.0),
                     ("confidence_mean_verify_budget_per_request", "Mean drafts verified per request and step.",
                      scheduling["mean_verify_budget_per_request"]),
                     ("confidence_step_seconds_per_context_token", "What one KV token of context adds to a step, "

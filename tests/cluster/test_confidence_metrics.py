@@ -30,6 +30,9 @@ def test_the_scheduler_gauges_are_exported(near_bigram_target, make_drafter):
     assert f"dspark:confidence_drafting_off_steps {float(stats['drafting_off_steps'])}" in text
     assert f"dspark:confidence_drafting_holds {float(stats['drafting_holds'])}" in text
     assert f"dspark:confidence_serial_steps {float(stats['serial_steps'])}" in text  # (0: a CPU runs nothing ahead)
+    # the drafting judgement: the plain step the last decision priced (its startup profile timed plain steps)
+    assert last["plain_step_ms"] > 0 and f"dspark:confidence_plain_step_seconds {last['plain_step_ms'] / 1e3}" in text
+    assert f"dspark:confidence_drafting_paid_share {float(stats['drafting_paid_share'])}" in text
     ratios = llm.get_metrics()["confidence_scheduling"]["survival_correction"]
     assert len(ratios) == 4
     for position, ratio in enumerate(ratios):
