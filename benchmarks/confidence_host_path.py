@@ -195,7 +195,8 @@ def main() -> None:
                             cwd=Path(__file__).resolve().parents[1]).stdout.strip()
     record = {"benchmark": "confidence_host_path", "date": str(date.today()), "checkout": commit,
               "command": "python3 " + shlex.join(sys.argv), "hardware": f"cpu ({os.cpu_count()} cores)",
-              "host": platform.node(), "torch": torch.__version__, "max_draft_len": BLOCK - 1, "mixed": args.mixed, "rows": rows}
+              "host": platform.node(), "torch": torch.__version__, "max_draft_len": BLOCK - 1, "mixed": args.mixed,
+              "rows": rows}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
 

@@ -587,8 +587,8 @@ class Engine:
         A step that drafted nothing (``drafted`` False) is no cell of these tables (they price drafting steps): a
         plain decode step (a token a request, each sampled) teaches the plain steps' table (``StepCostTable.plain``,
         at its graph's rows), a plain step with prompt chunks beside its decodes the plain mixed steps' excess
-        (``ConfidenceScheduler.plain_mixed``: a mixed step's plain alternative), others nothing. ``serial``: the engine launches steps ahead and did not launch this
-        one ahead, so its time holds the host's whole step work besides the device's (a verify step after a
+        (``ConfidenceScheduler.plain_mixed``: a mixed step's plain alternative), others nothing. ``serial``: the
+        engine launches steps ahead and did not launch this one ahead, so its time holds the host's whole step work besides the device's (a verify step after a
         prefill, every step of a sampled batch; at 256 requests on an H200 ~4 ms of a 30-ms step): it teaches the
         excess of ``MixedStepCosts`` as a mixed step does, not the cells the startup profile timed launched ahead
         (run 65: the whole-block cell at 256 requests ended at 35.4 ms where the fixed engine's whole-block steps

@@ -922,8 +922,8 @@ def test_a_plain_mixed_step_pays_the_per_request_excess_per_verify_row():
     mixed = scheduler.mixed_costs
     assert mixed.rows_per_request == pytest.approx(5.0)
     assert mixed.excess_ms(32, 64) == pytest.approx(1.0 + 0.2 * 32, rel=0.05)
-    assert mixed.plain_excess_ms(33, 64) == pytest.approx(
-        mixed.coefficients[0] + mixed.coefficients[1] * 64 / 256 + mixed.coefficients[2] * 33 / 64 / mixed.rows_per_request)
+    a, b, c = mixed.coefficients
+    assert mixed.plain_excess_ms(33, 64) == pytest.approx(a + b * 64 / 256 + c * 33 / 64 / mixed.rows_per_request)
     weak, strong = [[0.5] * 4] * 32, [[0.99] * 4] * 32
     scheduler.allot(weak, 1, 64, 0)
     decision = scheduler.last  # 1.94 tokens a request in ~20 ms, against one in ~7
