@@ -339,13 +339,12 @@ class Engine:
                 self._take_late_drafts()
         if learn:
             seconds = time.perf_counter() - began
-            learning = functools.partial(self._learn_step_time, scheduled, seconds, decided, drafted, serial,
-                                         self._packed.columns if self._packed is not None else None,
-                                         self._other_fed[1])
+            step = (scheduled, seconds, decided, drafted, serial,
+                    self._packed.columns if self._packed is not None else None, self._other_fed[1])
             if self._deferred:  # the step's decision was deferred (a mixed step): so is learning its time
-                self._host_work.add(learning)
+                self._host_work.add(functools.partial(self._learn_step_time, *step))
             else:
-                learning()
+                self._learn_step_time(*step)
             if self._host_work is not None:  # the next step's deferred work: what its device time leaves the host
                 self._host_work.budget_s = HOST_WORK_SHARE * seconds
         self._step_index += 1

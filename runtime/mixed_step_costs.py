@@ -65,7 +65,7 @@ class MixedStepCosts:
         self.rows_per_request = 1.0
         self._weight = 0.0
 
-    def excess_ms(self, batch: int, other_tokens: int) -> float:
+    def excess_ms(self, batch: float, other_tokens: int) -> float:
         """The learned excess of a mixed step of ``batch`` requests feeding ``other_tokens`` besides its verifies."""
         a, b, c = self.coefficients
         return max(float(a + b * other_tokens / TOKEN_SCALE + c * batch / BATCH_SCALE), 0.0)
@@ -78,8 +78,7 @@ class MixedStepCosts:
         so a plain step's one row a request pays 1 / rows_per_request of it. Run 76 (an H200, 57 requests, 8 rows a
         request): the drafting mixed steps' excess ~4 ms, nearly all per request, priced the plain alternative
         10.4 ms where the AR engine's mixed steps took 3.9."""
-        a, b, c = self.coefficients
-        return max(float(a + b * other_tokens / TOKEN_SCALE + c * batch / BATCH_SCALE / self.rows_per_request), 0.0)
+        return self.excess_ms(batch / self.rows_per_request, other_tokens)
 
     def predict_ms_many(self, batch: int, tokens, context: int, other_tokens: int) -> np.ndarray:
         """[N] predicted ms of a mixed step of ``batch`` requests feeding each of ``tokens`` [N] in all (of which
