@@ -68,6 +68,20 @@ def test_admission_respects_max_num_seqs_and_order():
     assert [s.request_id for s in sched.waiting] == ["2"]
 
 
+def test_a_request_is_itself_so_finishing_one_never_removes_a_twin():
+    """Two requests alike in every field are two requests: finishing the second leaves the first running (with value
+    equality the queue's ``remove`` took the first equal one, and every ``in`` compared all fields)."""
+    sched = Scheduler(SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=100, max_model_len=64),
+                      PageAllocator(32, 4))
+    first, twin = seq("same", 3, 0), seq("same", 3, 0)
+    assert first != twin
+    sched.add(first)
+    sched.add(twin)
+    sched.schedule()
+    sched.finish(twin, "stop")
+    assert sched.running == [first] and sched.running[0] is first and twin.status is Status.FINISHED
+
+
 def test_preemption_releases_the_newest_and_requeues_it_first():
     pages = PageAllocator(4, 4)
     sched = Scheduler(SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=100, max_model_len=64), pages)
