@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from tests import builders  # noqa: E402
 
-# Ray Serve kills an HTTP proxy not ready within 5 s; on the suite's two busy cores (the demo build's two threads
+# Ray Serve kills an HTTP proxy not ready within 5 s; on the suite's two busy cores (the demo build's threads
 # beside a Ray test) one was killed before it ran and serve.start failed. The clusters the tests start, and the
 # `dspark serve` processes they spawn, inherit this environment.
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
@@ -52,7 +52,7 @@ def pytest_collection_modifyitems(config, items):
     # tests marked last run at the end of their worker's share (the Ray unit's: by then the other worker has finished
     # and idles): four gloo ranks of a TP=4 replica on two cores took 109-132 s each beside the other worker's tests,
     # ~10 s alone (the suite 13.8 min against ~11)
-    # and the test marked first (the full demo build, ~4 minutes of both cores alone) heads the collection: xdist
+    # and the test marked first (the full demo build, ~6 minutes of one core alone) heads the collection: xdist
     # hands the Ray unit (the largest scope) to one worker and the next scope to the other, so the build runs beside
     # the Ray unit from the start (collected in its place, it started 3.5 minutes in and ended the suite alone)
     items.sort(key=lambda item: ("last" in item.keywords, "first" not in item.keywords))  # stable otherwise

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.training.demo import EXPECTED_ACCEPTANCE, VERSION, DemoPlan, build_demo
+from runtime.training.demo import BUILD_THREADS, EXPECTED_ACCEPTANCE, VERSION, DemoPlan, build_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 NICE = 10  # the full build's scheduling priority (see test_demo_build_on_a_fresh_cache)
@@ -31,7 +31,8 @@ def digest(path: Path) -> str:
 def test_demo_build_on_a_fresh_cache(tmp_path):
     env = {**os.environ, "DSPARK_CACHE": str(tmp_path / "cache")}
     # at a lower priority (the build is deterministic however slowly it runs): ./run-tests runs it beside the Ray
-    # tests, whose actors crawled beside its two busy threads (the Serve fixture's start 313 s where ~70 alone)
+    # tests, whose actors crawled beside its busy threads (two until BUILD_THREADS became one: the Serve fixture's
+    # start 313 s where ~70 alone)
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "demo", "build"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     os.setpriority(os.PRIO_PROCESS, proc.pid, NICE)
@@ -58,7 +59,7 @@ def test_the_same_plan_builds_the_same_pair(tmp_path):
     before = torch.get_num_threads()
     records = []
     try:
-        for threads, name in ((1, "a"), (3, "b")):  # the ambient thread count must not matter
+        for threads, name in ((2, "a"), (3, "b")):  # the ambient thread count (not BUILD_THREADS) must not matter
             torch.set_num_threads(threads)
             records.append(build_demo(progress=False, plan=TINY, root=tmp_path / name))
             assert torch.get_num_threads() == threads  # restored after the build
@@ -69,7 +70,7 @@ def test_the_same_plan_builds_the_same_pair(tmp_path):
         assert digest(Path(first[model]) / "model.safetensors") == digest(Path(second[model]) / "model.safetensors")
     assert (tmp_path / "a" / "distill.jsonl").read_bytes() == (tmp_path / "b" / "distill.jsonl").read_bytes()
     assert first["mean_acceptance_length"] == second["mean_acceptance_length"]
-    assert first["plan"] == second["plan"] and first["threads"] == 2
+    assert first["plan"] == second["plan"] and first["threads"] == BUILD_THREADS
 
 
 def test_a_damaged_corpus_is_an_error(tmp_path, monkeypatch):

@@ -36,7 +36,11 @@ from runtime.training.target_trainer import source_files, split, train_target
 
 VERSION = "v2"
 BLOCK = 4
-BUILD_THREADS = 2  # torch intra-op threads of every stage: fixed, so results do not depend on the machine
+# torch intra-op threads of every stage: fixed, so results do not depend on the machine. One: this model's GEMMs are
+# too small for a second thread to pay (the full build alone on a 2-core host: 342 s with one thread, 362 s with two,
+# the same weights bit for bit; before, it ran two), and the second core stays free for whatever else the machine
+# runs (the test suite's other worker)
+BUILD_THREADS = 1
 ENGINE = dict(dtype="float32", device="cpu", num_pages=2048, page_size=16, max_num_seqs=128)
 TARGET = TargetTrainConfig(out="", vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                            max_len=128, max_corpus_bytes=CORPUS_BYTES, batch_size=16, steps=700, lr=3e-3,
