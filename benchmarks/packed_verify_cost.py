@@ -101,7 +101,9 @@ def main() -> int:
               "shape": {"vocab": 4096, "hidden": args.hidden, "layers": args.layers, "head_dim": 64, "drafts": K},
               "graph_packed_columns": info.get("graph_packed_columns"),
               "graph_packed_from": info.get("graph_packed_from"),
-              "graphs": {k: v for k, v in info.items() if k.startswith("graph")}, "rows": rows}
+              "graphs": {k: v for k, v in info.items() if k.startswith("graph")},
+              # per weight shape, the skinny GEMMs chosen and the graph row counts padded (runtime.small_gemm)
+              "small_gemms": info.get("small_gemms"), "rows": rows}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0
 

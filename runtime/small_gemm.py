@@ -20,6 +20,15 @@ heuristics the choice follows the row count: a graph padded past a bucket (3 req
 eager, 20 in the graph of 4 requests) may run another kernel than the eager step of the same requests, and round
 differently in the last bit. Weights with a bias, MoE experts (their own kernels) and small weights (launch-bound
 either way) keep cuBLAS.
+
+Many rows: cuBLAS's time is not monotone in the row count. On an H200 the 2.7B trained pair's verify at 64 requests
+took 7.95 ms at 7 tokens a request against 6.63 at 8 (run 58): 448 and 320 rows to every GEMM dearer than 512 and
+384 (``benchmarks/gemm_rows.py`` times each shape at every multiple of 64 rows). So for the row counts the worker's
+graphs feed (``rows`` of ``install_small_gemms``: past one tile of ``PAD_ROWS_TO``, not a multiple of it), each
+shape is also timed with its rows padded up to the next multiple of ``PAD_ROWS_TO`` (zero rows, the pad copy
+counted), and where that takes at most ``MARGIN`` of cuBLAS's own time the linear computes on the padded rows and
+keeps its own (``GemmChoice.padded_rows``). Each row is computed from its own input row either way; like the choice
+of a kernel, the padding may change how a row rounds in the last bit, never which rows it depends on.
 """
 
 from __future__ import annotations
@@ -39,7 +48,9 @@ from runtime.kernels.timing import graph_device_us
 log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # rows measured; M rows use the choice of the smallest bucket >= M
-MARGIN = 0.97  # a Triton config must take at most this share of cuBLAS's time to replace it
+MARGIN = 0.97  # a Triton config (or padded rows) must take at most this share of cuBLAS's time to replace it
+PAD_ROWS_TO = 128  # many-row GEMMs are timed padded to a multiple of this (a GEMM tile's rows)
+PAD_TIMED_WEIGHTS = 8  # of a shape's weights, the most one padding measurement runs over (many rows: compute-bound)
 MIN_WEIGHT_ELEMENTS = 1 << 22  # smaller weights are launch-bound: cuBLAS stays
 FLUSH_BYTES = 256 << 20  # written between timed replays so that no weight is still in L2 (50 MiB on an H200)
 PRENORM_LINEARS = ("qkv_proj", "gate_up_proj")  # the fused projections a decoder layer feeds a norm's output
@@ -57,6 +68,12 @@ class GemmChoice:
     swiglu_configs: tuple = (None,) * len(ROW_BUCKETS)  # [len(ROW_BUCKETS)] SkinnyConfig | None
     norm_configs: tuple = (None,) * len(ROW_BUCKETS)  # [len(ROW_BUCKETS)] SkinnyConfig | None
     norm_matmul: Callable | None = None  # runtime.kernels.skinny_gemm.skinny_norm_matmul (where a norm config won)
+    padded_rows: dict[int, int] = field(default_factory=dict)  # rows -> the more rows cuBLAS computes them on
+
+    @property
+    def used(self) -> bool:
+        """Whether anything differs from cuBLAS on the rows as given."""
+        return self.matmul is not None or bool(self.padded_rows)
 
     def for_rows(self, rows: int):
         return self._of(self.configs, rows)
@@ -74,13 +91,22 @@ class GemmChoice:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, choice: GemmChoice | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the skinny GEMM where ``choice`` says so for x's row count."""
+    """``F.linear(x, weight, bias)``, through the skinny GEMM where ``choice`` says so for x's row count, or on
+    zero-padded rows where it measured cuBLAS faster on those (``GemmChoice.padded_rows``)."""
     if choice is not None and bias is None:
         rows = x.numel() // x.shape[-1]
         config = choice.for_rows(rows)
         if config is not None:
             return choice.matmul(x.reshape(rows, x.shape[-1]), weight, config).view(*x.shape[:-1], weight.shape[0])
+        padded = choice.padded_rows.get(rows)
+        if padded is not None:
+            return padded_linear(x.reshape(rows, x.shape[-1]), weight, padded).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``F.linear(x, weight)`` of x [M, K] computed on ``rows`` >= M rows (zeros below x's): [M, N], contiguous."""
+    return F.linear(F.pad(x, (0, 0, 0, rows - x.shape[0])), weight)[:x.shape[0]]
 
 
 def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, choice: GemmChoice | None,
@@ -230,6 +256,31 @@ def _measure(weights: list[torch.Tensor], flush: torch.Tensor, silu_and_mul: Cal
                       tuple(norm_configs), skinny_norm_matmul if uses_norm else None), rows_report
 
 
+def pad_candidates(rows) -> list[int]:
+    """The row counts among ``rows`` that padding could serve: past one ``PAD_ROWS_TO`` tile (below, one tile of
+    rows is computed anyway and the weight read is the cost), not a multiple of it."""
+    return sorted({r for r in rows if r > PAD_ROWS_TO and r % PAD_ROWS_TO})
+
+
+def _measure_padding(weights: list[torch.Tensor], flush: torch.Tensor, rows: list[int]) -> tuple[dict[int, int], dict]:
+    """For one weight shape (``weights``: the model's weights of it) and each of ``rows`` (``pad_candidates``),
+    cuBLAS on those rows against cuBLAS on them padded to the next multiple of ``PAD_ROWS_TO``, each a graph over
+    up to ``PAD_TIMED_WEIGHTS`` of the weights: ({rows: padded rows} where padding takes at most ``MARGIN`` of the time, {rows: report})."""
+    n, k = weights[0].shape
+    chosen, report = {}, {}
+    weights = weights[:PAD_TIMED_WEIGHTS]
+    for count in rows:
+        padded = -(-count // PAD_ROWS_TO) * PAD_ROWS_TO
+        x = torch.randn(count, k, dtype=weights[0].dtype, device=weights[0].device)
+        plain = graph_device_us(lambda: [F.linear(x, w) for w in weights], flush)
+        pad = graph_device_us(lambda: [padded_linear(x, w, padded) for w in weights], flush)
+        if pad <= MARGIN * plain:
+            chosen[count] = padded
+        report[str(count)] = {"cublas_us": round(plain, 1), f"padded_to_{padded}_us": round(pad, 1),
+                              "chosen": f"padded_to_{padded}" if count in chosen else "cublas"}
+    return chosen, report
+
+
 def _fused_choice(n: int, k: int, separate_us: float, fused_us_of: Callable, report: dict, name: str):
     """The fastest candidate of a fused variant (``fused_us_of(config)``: its device time) if it takes at most
     ``MARGIN`` of ``separate_us`` (the kernels it fuses, run apart), else None; ``report`` gets ``{name}_separate_us``,
@@ -255,11 +306,14 @@ def _fastest(n: int, k: int, device_us: Callable) -> tuple:
     return best, best_us
 
 
-def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: torch.dtype) -> SmallGemmReport:
+def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: torch.dtype,
+                        rows=()) -> SmallGemmReport:
     """Measure and install the small-batch GEMM choice of every eligible linear in ``modules`` (in place: an
-    ``nn.Linear`` becomes a ``SmallBatchLinear``, a tensor-parallel linear gets its ``small_gemm``). Call after the
-    weights are loaded and fused, before anything keeps a reference to a linear; needs a CUDA device, a half
-    dtype and triton."""
+    ``nn.Linear`` becomes a ``SmallBatchLinear``, a tensor-parallel linear gets its ``small_gemm``), and the padded
+    row counts among ``rows`` (those the worker's graphs feed; ``pad_candidates``). Call after the weights are
+    loaded and fused, before anything keeps a reference to a linear; needs a CUDA device, a half dtype and
+    triton."""
+    candidates = pad_candidates(rows)
     start = time.perf_counter()
     report = SmallGemmReport()
     targets = _targets(modules)
@@ -274,14 +328,18 @@ def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: t
                     and getattr(parent, "gate_up_proj", None) is not None), None)
         norm = next((parent.kernels.add_rms_norm for parent, name, child in members if name in PRENORM_LINEARS
                      and type(child) is nn.Linear), None)
-        key = (str(device), dtype, n, k, act is not None, norm is not None)
+        key = (str(device), dtype, n, k, act is not None, norm is not None, tuple(candidates))
         if key not in _MEASURED:
             if flush is None:
                 flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
-            _MEASURED[key] = _measure([child.weight for _, _, child in members], flush, act, norm)
+            weights = [child.weight for _, _, child in members]
+            choice, rows_report = _measure(weights, flush, act, norm)
+            padded, padded_report = _measure_padding(weights, flush, candidates) if candidates else ({}, {})
+            choice.padded_rows = padded
+            _MEASURED[key] = choice, {**rows_report, **padded_report}
         choice, rows_report = _MEASURED[key]
         report.shapes[f"{n}x{k}"] = {"weights": len(members), "rows": rows_report}
-        if choice.matmul is None:
+        if not choice.used:
             continue
         for parent, name, child in members:
             if type(child) is nn.Linear:
@@ -292,5 +350,6 @@ def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: t
     chosen = {shape: [r["chosen"] + (f"+{r['swiglu_chosen']}" if "swiglu_chosen" in r else "")
                       + (f"+norm:{r['norm_chosen']}" if "norm_chosen" in r else "")
                       for r in entry["rows"].values()] for shape, entry in report.shapes.items()}
-    log.info("dspark: small-batch GEMMs (rows %s) measured in %.1f s: %s", list(ROW_BUCKETS), report.seconds, chosen)
+    log.info("dspark: small-batch GEMMs (rows %s, padding tried at %s) measured in %.1f s: %s", list(ROW_BUCKETS),
+             candidates, report.seconds, chosen)
     return report

@@ -21,9 +21,9 @@ from runtime.draft_channel import LocalDraftChannel, RemoteDraftChannel
 from runtime.draft_graphs import DraftGraphs
 from runtime.draft_runner import DraftRunner
 from runtime.draft_server import DraftServer
-from runtime.graph_layout import PREFILL_GRAPH_TOKENS, PREFILL_Q_LENS
+from runtime.graph_layout import PREFILL_GRAPH_TOKENS, PREFILL_Q_LENS, batch_buckets
 from runtime.graphs import GraphedTargetForward
-from runtime.piecewise import PiecewiseTargetForward
+from runtime.piecewise import PiecewiseTargetForward, token_buckets
 from runtime.kernels import get_backend
 from runtime.kernels.moe import GRAPH_SAFE
 from runtime.kv_cache import allocate_caches, bytes_per_page
@@ -130,9 +130,11 @@ class Worker:
             if self.target is None or self.parallel.is_parallel:
                 self.vocab = load_vocab_modules(self.config.model, target_config, self.dtype, self.device,
                                                 self.config.load_format)
-        if self.kernel_backend == "flashinfer":  # few-row GEMMs: cuBLAS or Triton, whichever measures faster here
+        if self.kernel_backend == "flashinfer":  # few-row GEMMs: cuBLAS or Triton, whichever measures faster here;
+            # the graphs' many-row GEMMs padded where cuBLAS measures faster on more rows
             models = [m for m in (self.target, self.drafter, self.vocab) if m is not None]
-            self.small_gemms = install_small_gemms(models, self.device, self.dtype)
+            self.small_gemms = install_small_gemms(models, self.device, self.dtype,
+                                                   self.graph_gemm_rows() if self.uses_cuda_graphs else ())
         per_page = bytes_per_page(layers, self.config.page_size, self.dtype)
         return max(kv_budget_bytes(self.config, self.device) // per_page, 0)
 
@@ -213,6 +215,19 @@ class Worker:
             return list(range(1, int(self.spec.max_draft_len) + 1))
         lengths = {int(self.spec.max_draft_len)} | set((self.spec.draft_len_schedule or {}).values())
         return sorted(k for k in lengths if k > 0)
+
+    def graph_gemm_rows(self) -> set[int]:
+        """The row counts this worker's graphs feed their GEMMs (``install_small_gemms`` pads some): every batch
+        bucket times every token count a request of a verify, packed or draft graph feeds (1 to K + 1), the prefill
+        graphs' chunks, the piecewise graphs' token buckets."""
+        buckets = batch_buckets(self.config.max_num_seqs)
+        longest = int(self.spec.max_draft_len) + 1 if self.spec is not None else 1
+        rows = {b * q for b in buckets for q in range(1, longest + 1)}
+        rows |= {b * q for b in buckets for q in PREFILL_Q_LENS
+                 if q <= self.config.max_num_batched_tokens and b * q <= PREFILL_GRAPH_TOKENS}
+        if self.config.piecewise_cuda_graphs and not self.parallel.is_parallel:
+            rows |= set(token_buckets(self.config.max_num_batched_tokens))
+        return rows
 
     @property
     def pages_per_seq(self) -> int:

@@ -94,9 +94,20 @@ def test_the_measurement_is_reported_in_rank_info(mid_target):
     gemms = llm.rank_info()[0]["small_gemms"]
     assert gemms["calibration_s"] >= 0 and "8192x1024" in gemms["shapes"]
     rows = gemms["shapes"]["8192x1024"]["rows"]
-    assert set(rows) == {str(r) for r in small_gemm.ROW_BUCKETS}
+    from cluster.bench import local_worker
+
+    padded = small_gemm.pad_candidates(local_worker(llm).graph_gemm_rows())  # the graphs' off-tile row counts
+    assert padded and set(rows) == {str(r) for r in (*small_gemm.ROW_BUCKETS, *padded)}
     assert all(r["cublas_us"] > 0 and r["chosen"] for r in rows.values())
-    down = gemms["shapes"]["1024x4096"]["rows"]  # the MLP's down projection: the fused activation measured too
+    for count in padded:
+        to = -(-count // small_gemm.PAD_ROWS_TO) * small_gemm.PAD_ROWS_TO
+        entry = rows[str(count)]
+        assert entry[f"padded_to_{to}_us"] > 0 and entry["chosen"] in ("cublas", f"padded_to_{to}")
+
+    def few(shape):  # the skinny GEMM's row buckets
+        return {k: v for k, v in gemms["shapes"][shape]["rows"].items() if int(k) <= small_gemm.ROW_BUCKETS[-1]}
+
+    rows, down = few("8192x1024"), few("1024x4096")  # down: the MLP's down projection, the fused activation too
     assert all(r["swiglu_separate_us"] > 0 and r["swiglu_chosen"] for r in down.values())
     assert "swiglu_chosen" not in rows["1"]
     assert all(r["norm_separate_us"] > 0 and r["norm_chosen"] for r in rows.values())  # gate/up reads a norm

@@ -191,6 +191,54 @@ def test_tensor_parallel_linears_take_the_choice_as_an_attribute(patched):
     torch.testing.assert_close(row.swiglu_forward(gate_up, act), row(act(gate_up)))
 
 
+def test_graph_row_counts_that_measured_faster_padded_compute_on_zero_rows_and_keep_their_own():
+    """448 rows computed on 512 (``padded_rows``): the same product, the input's shape kept, the pad really taken;
+    rows not listed (and few-row buckets) as before."""
+    choice = GemmChoice((None,) * len(ROW_BUCKETS), padded_rows={448: 512})
+    assert choice.used and not GemmChoice((None,) * len(ROW_BUCKETS)).used
+    w = torch.randn(24, 32)
+    padded = []
+    real = F.pad
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(small_gemm.F, "pad", lambda x, pad: padded.append((x.shape[0], pad)) or real(x, pad))
+        for shape in ((448, 32), (64, 7, 32), (384, 32), (8, 32)):
+            x = torch.randn(*shape)
+            out = linear(x, w, None, choice)
+            assert out.shape == (*shape[:-1], 24) and out.is_contiguous()
+            torch.testing.assert_close(out, F.linear(x, w))
+    assert padded == [(448, (0, 0, 0, 64))] * 2  # 448 rows, flat or [64, 7]; 384 and 8 rows unpadded
+
+
+def test_padding_is_tried_past_one_tile_at_row_counts_off_the_tile():
+    assert small_gemm.pad_candidates([8, 64, 120, 128, 144, 192, 256, 320, 448, 512, 1344, 2048]) == \
+        [144, 192, 320, 448, 1344]
+
+
+def test_install_pads_the_rows_measured_faster_even_where_no_skinny_gemm_won(patched, qwen3_target):
+    asked = []
+
+    def measure_padding(weights, flush, rows):
+        asked.append((tuple(weights[0].shape), rows))
+        return {448: 512}, {"448": {"chosen": "padded_to_512"}}
+
+    patched.setattr(small_gemm, "_measure", fake_measure([None] * len(ROW_BUCKETS)))
+    patched.setattr(small_gemm, "_measure_padding", measure_padding)
+    model = load_target(str(qwen3_target), get_backend("torch"), torch.float32, torch.device("cpu"))
+    model.fuse_projections()
+    report = small_gemm.install_small_gemms([model], torch.device("cpu"), torch.float32, rows={64, 448, 512, 100})
+    assert asked and all(rows == [448] for _, rows in asked)  # only the off-tile count past one tile
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, SmallBatchLinear) and qkv.choice.padded_rows == {448: 512}
+    assert all(e["rows"]["448"]["chosen"] == "padded_to_512" for e in report.shapes.values())
+    x = torch.randn(448, qkv.in_features)
+    torch.testing.assert_close(qkv(x), F.linear(x, qkv.weight))
+    asked.clear()
+    bare = load_target(str(qwen3_target), get_backend("torch"), torch.float32, torch.device("cpu"))
+    bare.fuse_projections()
+    small_gemm.install_small_gemms([bare], torch.device("cpu"), torch.float32)  # no graph rows: nothing padded
+    assert asked == [] and not any(isinstance(m, SmallBatchLinear) for m in bare.modules())
+
+
 KERNEL_CHECK = """
 import torch
 from runtime.kernels.skinny_gemm import CANDIDATES, skinny_matmul
