@@ -50,7 +50,11 @@ log = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # rows measured; M rows use the choice of the smallest bucket >= M
 MARGIN = 0.97  # a Triton config (or padded rows) must take at most this share of cuBLAS's time to replace it
 PAD_ROWS_TO = 128  # many-row GEMMs are timed padded to a multiple of this (a GEMM tile's rows)
-PAD_TIMED_WEIGHTS = 8  # of a shape's weights, the most one padding measurement runs over (many rows: compute-bound)
+# of a shape's weights, the most one padding measurement runs over (many rows: compute-bound), and its replays: at 8
+# weights and 5 replays the 15 row counts of a 256-request K=7 worker's graphs took 24 s of the startup for the
+# 2.7B trained pair's 5 shapes (2026-12-03); 2 and 3 cut the GEMM work 6x (the anomaly they look for was 1.6x)
+PAD_TIMED_WEIGHTS = 2
+PAD_TIMED_REPLAYS = 3
 MIN_WEIGHT_ELEMENTS = 1 << 22  # smaller weights are launch-bound: cuBLAS stays
 FLUSH_BYTES = 256 << 20  # written between timed replays so that no weight is still in L2 (50 MiB on an H200)
 PRENORM_LINEARS = ("qkv_proj", "gate_up_proj")  # the fused projections a decoder layer feeds a norm's output
@@ -265,15 +269,15 @@ def pad_candidates(rows) -> list[int]:
 def _measure_padding(weights: list[torch.Tensor], flush: torch.Tensor, rows: list[int]) -> tuple[dict[int, int], dict]:
     """For one weight shape (``weights``: the model's weights of it) and each of ``rows`` (``pad_candidates``),
     cuBLAS on those rows against cuBLAS on them padded to the next multiple of ``PAD_ROWS_TO``, each a graph over
-    up to ``PAD_TIMED_WEIGHTS`` of the weights: ({rows: padded rows} where padding takes at most ``MARGIN`` of the time, {rows: report})."""
+    up to ``PAD_TIMED_WEIGHTS`` of the weights, ``PAD_TIMED_REPLAYS`` replays: ({rows: padded rows} where padding takes at most ``MARGIN`` of the time, {rows: report})."""
     n, k = weights[0].shape
     chosen, report = {}, {}
     weights = weights[:PAD_TIMED_WEIGHTS]
     for count in rows:
         padded = -(-count // PAD_ROWS_TO) * PAD_ROWS_TO
         x = torch.randn(count, k, dtype=weights[0].dtype, device=weights[0].device)
-        plain = graph_device_us(lambda: [F.linear(x, w) for w in weights], flush)
-        pad = graph_device_us(lambda: [padded_linear(x, w, padded) for w in weights], flush)
+        plain = graph_device_us(lambda: [F.linear(x, w) for w in weights], flush, PAD_TIMED_REPLAYS)
+        pad = graph_device_us(lambda: [padded_linear(x, w, padded) for w in weights], flush, PAD_TIMED_REPLAYS)
         if pad <= MARGIN * plain:
             chosen[count] = padded
         report[str(count)] = {"cublas_us": round(plain, 1), f"padded_to_{padded}_us": round(pad, 1),
