@@ -52,10 +52,9 @@ def pytest_collection_modifyitems(config, items):
     # tests marked last run at the end of their worker's share (the Ray unit's: by then the other worker has finished
     # and idles): four gloo ranks of a TP=4 replica on two cores took 109-132 s each beside the other worker's tests,
     # ~10 s alone (the suite 13.8 min against ~11)
-    # (and the full demo build's check, which waits for the build tests/test_demo.py started in the background);
-    # the test marked first (the one that starts that build, ~6 minutes of one core alone) heads the collection, so
-    # the build runs beside every other test from the start (it used to hold a worker for all of it: 8.4 of the
-    # suite's 14 minutes, that worker idle while the build used one core)
+    # and the test marked first (the full demo build, ~6 minutes of one core alone) heads the collection: xdist
+    # hands the Ray unit (the largest scope) to one worker and the next scope to the other, so the build runs beside
+    # the Ray unit from the start (collected in its place, it started 3.5 minutes in and ended the suite alone)
     items.sort(key=lambda item: ("last" in item.keywords, "first" not in item.keywords))  # stable otherwise
     if torch.cuda.is_available():
         return

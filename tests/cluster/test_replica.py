@@ -44,7 +44,6 @@ def free_cpus_return(total=4.0):
     assert ray.available_resources().get("CPU", 0) == total
 
 
-@pytest.mark.last  # 12-17 s each with one worker idle, 51-124 s beside the other worker's tests and the demo build
 @pytest.mark.parametrize("mode", ["colocated", "separate"])
 @pytest.mark.parametrize("rejection", [False, True], ids=["exact-match", "rejection"])
 def test_tp2_matches_the_single_process_engine(ray_cluster, near_bigram_target, drafter, mode, rejection):
