@@ -37,7 +37,7 @@ import logging
 import time
 from bisect import bisect_left
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -185,6 +185,7 @@ class SmallGemmReport:
 
 
 _MEASURED: dict[tuple, tuple[GemmChoice, dict]] = {}  # (device, dtype, N, K, swiglu, norm) -> choice, report
+_PADDED: dict[tuple, tuple[int | None, dict]] = {}  # (device, dtype, N, K, rows) -> padded rows (None: as given), report
 
 
 def _targets(modules: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -332,16 +333,21 @@ def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: t
                     and getattr(parent, "gate_up_proj", None) is not None), None)
         norm = next((parent.kernels.add_rms_norm for parent, name, child in members if name in PRENORM_LINEARS
                      and type(child) is nn.Linear), None)
-        key = (str(device), dtype, n, k, act is not None, norm is not None, tuple(candidates))
+        key = (str(device), dtype, n, k, act is not None, norm is not None)
+        weights = [child.weight for _, _, child in members]
+        missing = [r for r in candidates if (str(device), dtype, n, k, r) not in _PADDED]
+        if flush is None and (key not in _MEASURED or missing):
+            flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
         if key not in _MEASURED:
-            if flush is None:
-                flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
-            weights = [child.weight for _, _, child in members]
-            choice, rows_report = _measure(weights, flush, act, norm)
-            padded, padded_report = _measure_padding(weights, flush, candidates) if candidates else ({}, {})
-            choice.padded_rows = padded
-            _MEASURED[key] = choice, {**rows_report, **padded_report}
-        choice, rows_report = _MEASURED[key]
+            _MEASURED[key] = _measure(weights, flush, act, norm)
+        if missing:  # each row count measured once a process (engines of other graph shapes share them)
+            padded, padded_report = _measure_padding(weights, flush, missing)
+            for r in missing:
+                _PADDED[(str(device), dtype, n, k, r)] = padded.get(r), padded_report[str(r)]
+        base, rows_report = _MEASURED[key]
+        padding = {r: _PADDED[(str(device), dtype, n, k, r)] for r in candidates}
+        choice = replace(base, padded_rows={r: to for r, (to, _) in padding.items() if to is not None})
+        rows_report = {**rows_report, **{str(r): entry for r, (_, entry) in padding.items()}}
         report.shapes[f"{n}x{k}"] = {"weights": len(members), "rows": rows_report}
         if not choice.used:
             continue

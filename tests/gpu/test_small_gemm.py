@@ -130,6 +130,7 @@ def triton_everywhere(monkeypatch):
     monkeypatch.setattr(small_gemm, "MIN_WEIGHT_ELEMENTS", 0)
     monkeypatch.setattr(small_gemm, "MARGIN", 1e9)
     monkeypatch.setattr(small_gemm, "_MEASURED", {})
+    monkeypatch.setattr(small_gemm, "_PADDED", {})
 
 
 @pytest.mark.parametrize("speculative", [False, True])

@@ -139,6 +139,7 @@ def test_an_mlp_down_projection_fuses_the_activation_where_measured_faster(patch
 def patched(monkeypatch):
     monkeypatch.setattr(small_gemm, "MIN_WEIGHT_ELEMENTS", 1)
     monkeypatch.setattr(small_gemm, "_MEASURED", {})
+    monkeypatch.setattr(small_gemm, "_PADDED", {})
     monkeypatch.setattr(small_gemm, "FLUSH_BYTES", 8)
     return monkeypatch
 
@@ -219,7 +220,7 @@ def test_install_pads_the_rows_measured_faster_even_where_no_skinny_gemm_won(pat
 
     def measure_padding(weights, flush, rows):
         asked.append((tuple(weights[0].shape), rows))
-        return {448: 512}, {"448": {"chosen": "padded_to_512"}}
+        return {448: 512}, {str(r): {"chosen": "padded_to_512" if r == 448 else "cublas"} for r in rows}
 
     patched.setattr(small_gemm, "_measure", fake_measure([None] * len(ROW_BUCKETS)))
     patched.setattr(small_gemm, "_measure_padding", measure_padding)
@@ -232,6 +233,12 @@ def test_install_pads_the_rows_measured_faster_even_where_no_skinny_gemm_won(pat
     assert all(e["rows"]["448"]["chosen"] == "padded_to_512" for e in report.shapes.values())
     x = torch.randn(448, qkv.in_features)
     torch.testing.assert_close(qkv(x), F.linear(x, qkv.weight))
+    asked.clear()
+    again = load_target(str(qwen3_target), get_backend("torch"), torch.float32, torch.device("cpu"))
+    again.fuse_projections()  # another engine in the process: its rows measured once, what it adds measured then
+    small_gemm.install_small_gemms([again], torch.device("cpu"), torch.float32, rows={448, 320})
+    assert asked and all(rows == [320] for _, rows in asked)
+    assert again.model.layers[0].self_attn.qkv_proj.choice.padded_rows == {448: 512}
     asked.clear()
     bare = load_target(str(qwen3_target), get_backend("torch"), torch.float32, torch.device("cpu"))
     bare.fuse_projections()
