@@ -29,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.kernels.timing import graph_device_us  # noqa: E402
+from runtime.small_gemm import padded_linear  # noqa: E402
 
 # per model shape, its linears' [N, K] (bias-free, as runtime/models fuses them: q/k/v into one, gate/up into one)
 SHAPES = {
@@ -48,11 +49,6 @@ def row_list(text: str) -> list[int]:
         low, high = (int(x) for x in text.split(".."))
         return list(range(low, high + 1, 64))
     return [int(x) for x in text.split(",")]
-
-
-def padded_linear(x: torch.Tensor, w: torch.Tensor, rows: int) -> torch.Tensor:
-    """F.linear of x [M, K] computed on ``rows`` >= M rows (zeros below), its first M rows."""
-    return F.linear(F.pad(x, (0, 0, 0, rows - x.shape[0])), w)[:x.shape[0]]
 
 
 def main() -> int:

@@ -270,7 +270,8 @@ def pad_candidates(rows) -> list[int]:
 def _measure_padding(weights: list[torch.Tensor], flush: torch.Tensor, rows: list[int]) -> tuple[dict[int, int], dict]:
     """For one weight shape (``weights``: the model's weights of it) and each of ``rows`` (``pad_candidates``),
     cuBLAS on those rows against cuBLAS on them padded to the next multiple of ``PAD_ROWS_TO``, each a graph over
-    up to ``PAD_TIMED_WEIGHTS`` of the weights, ``PAD_TIMED_REPLAYS`` replays: ({rows: padded rows} where padding takes at most ``MARGIN`` of the time, {rows: report})."""
+    up to ``PAD_TIMED_WEIGHTS`` of the weights, ``PAD_TIMED_REPLAYS`` replays: ({rows: padded rows} where padding
+    takes at most ``MARGIN`` of the time, {rows: report})."""
     n, k = weights[0].shape
     chosen, report = {}, {}
     weights = weights[:PAD_TIMED_WEIGHTS]
@@ -335,7 +336,8 @@ def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: t
                      and type(child) is nn.Linear), None)
         key = (str(device), dtype, n, k, act is not None, norm is not None)
         weights = [child.weight for _, _, child in members]
-        missing = [r for r in candidates if (str(device), dtype, n, k, r) not in _PADDED]
+        shape = (str(device), dtype, n, k)  # + a row count: the key of _PADDED
+        missing = [r for r in candidates if (*shape, r) not in _PADDED]
         if flush is None and (key not in _MEASURED or missing):
             flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
         if key not in _MEASURED:
@@ -343,9 +345,9 @@ def install_small_gemms(modules: list[nn.Module], device: torch.device, dtype: t
         if missing:  # each row count measured once a process (engines of other graph shapes share them)
             padded, padded_report = _measure_padding(weights, flush, missing)
             for r in missing:
-                _PADDED[(str(device), dtype, n, k, r)] = padded.get(r), padded_report[str(r)]
+                _PADDED[(*shape, r)] = padded.get(r), padded_report[str(r)]
         base, rows_report = _MEASURED[key]
-        padding = {r: _PADDED[(str(device), dtype, n, k, r)] for r in candidates}
+        padding = {r: _PADDED[(*shape, r)] for r in candidates}
         choice = replace(base, padded_rows={r: to for r, (to, _) in padding.items() if to is not None})
         rows_report = {**rows_report, **{str(r): entry for r, (_, entry) in padding.items()}}
         report.shapes[f"{n}x{k}"] = {"weights": len(members), "rows": rows_report}

@@ -178,8 +178,7 @@ class Worker:
                                                q_lens, self.device,
                                                draft_runner.append_context if local else None,
                                                plan_ahead=True,
-                                               prefill_q_lens=[q for q in PREFILL_Q_LENS
-                                                               if q <= self.config.max_num_batched_tokens],
+                                               prefill_q_lens=self.prefill_q_lens,
                                                prefill_tokens=PREFILL_GRAPH_TOKENS,
                                                # confidence scheduling packs large steps (runtime.packed_verify)
                                                packed_columns=range(1, int(self.spec.max_draft_len))
@@ -216,6 +215,11 @@ class Worker:
         lengths = {int(self.spec.max_draft_len)} | set((self.spec.draft_len_schedule or {}).values())
         return sorted(k for k in lengths if k > 0)
 
+    @property
+    def prefill_q_lens(self) -> list[int]:
+        """The tokens a request of the prefill graphs feeds: ``PREFILL_Q_LENS`` a step's token budget allows."""
+        return [q for q in PREFILL_Q_LENS if q <= self.config.max_num_batched_tokens]
+
     def graph_gemm_rows(self) -> set[int]:
         """The row counts this worker's graphs feed their GEMMs (``install_small_gemms`` pads some): every batch
         bucket times every token count a request of a verify, packed or draft graph feeds (1 to K + 1), the prefill
@@ -223,8 +227,7 @@ class Worker:
         buckets = batch_buckets(self.config.max_num_seqs)
         longest = int(self.spec.max_draft_len) + 1 if self.spec is not None else 1
         rows = {b * q for b in buckets for q in range(1, longest + 1)}
-        rows |= {b * q for b in buckets for q in PREFILL_Q_LENS
-                 if q <= self.config.max_num_batched_tokens and b * q <= PREFILL_GRAPH_TOKENS}
+        rows |= {b * q for b in buckets for q in self.prefill_q_lens if b * q <= PREFILL_GRAPH_TOKENS}
         if self.config.piecewise_cuda_graphs and not self.parallel.is_parallel:
             rows |= set(token_buckets(self.config.max_num_batched_tokens))
         return rows

@@ -64,6 +64,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster for one test module (``address="local"``: never one already running on the machine)."""
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     return tmp_path_factory.mktemp("checkpoints")

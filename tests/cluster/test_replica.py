@@ -22,13 +22,6 @@ PARAM_SETS = {
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def drafter(near_bigram_target, make_drafter):
     return make_drafter(near_bigram_target, 3, "gated", oracle=True)
 

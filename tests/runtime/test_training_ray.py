@@ -7,16 +7,6 @@ from runtime.training.distill import evaluate
 from tests.runtime.test_training import ENGINE, config
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray cluster for both tests (a start and a shutdown each cost seconds on the suite's two cores)."""
-    import ray
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.slow
 @pytest.mark.ray
 def test_two_ray_train_workers(ray_cluster, near_bigram_target, distilled, tmp_path):
