@@ -69,18 +69,26 @@ class FlashInferPlan:
         self.planned: AttentionGeometry | None = None
 
     def ensure(self, geometry: AttentionGeometry) -> None:
+        """Plan for ``geometry`` unless already planned for it.
+
+        Always under ``torch.inference_mode()``: planning writes only the wrapper's own buffers (FlashInfer
+        allocates some lazily, inside ``plan``), and a buffer made inside inference mode (an engine's forward)
+        refuses in-place writes outside it, so a wrapper first planned by an engine and later by a caller outside
+        inference mode (or the reverse) failed in FlashInfer's ``plan`` ("Inplace update to inference tensor
+        outside InferenceMode"). One mode for every plan keeps the wrapper usable from both."""
         if self.planned == geometry:
             return
         i, g = self.indptrs, geometry
-        if isinstance(self.wrapper, DecodeGraphWrapper):
-            if not self.causal:
-                raise ValueError(f"a decode wrapper serves {self.wrapper.q_len} causal tokens per request, got a "
-                                 "non-causal layout")
-            self.wrapper.plan(i, g, self.page_size)
-        else:
-            self.wrapper.plan(i.qo_indptr, i.kv_indptr, i.kv_indices, i.last_page_len, g.num_q_heads,
-                              g.num_kv_heads, g.head_dim, self.page_size, causal=self.causal, sm_scale=g.scale,
-                              q_data_type=g.dtype, kv_data_type=g.dtype)
+        if isinstance(self.wrapper, DecodeGraphWrapper) and not self.causal:
+            raise ValueError(f"a decode wrapper serves {self.wrapper.q_len} causal tokens per request, got a "
+                             "non-causal layout")
+        with torch.inference_mode():
+            if isinstance(self.wrapper, DecodeGraphWrapper):
+                self.wrapper.plan(i, g, self.page_size)
+            else:
+                self.wrapper.plan(i.qo_indptr, i.kv_indptr, i.kv_indices, i.last_page_len, g.num_q_heads,
+                                  g.num_kv_heads, g.head_dim, self.page_size, causal=self.causal, sm_scale=g.scale,
+                                  q_data_type=g.dtype, kv_data_type=g.dtype)
         self.planned = geometry
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

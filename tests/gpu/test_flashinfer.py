@@ -77,8 +77,8 @@ def test_rope_and_cache_writes_the_rotated_keys(fi):
     assert torch.equal(caches[0][1], caches[1][1])  # v is copied as is
 
 
-def test_paged_attention_matches_the_reference(fi):
-    """A prefill chunk, a decode row and an 8-token verify in one batch, pages scattered, GQA 32/8."""
+def mixed_batch_attention(backend):
+    """A prefill chunk, a decode row and an 8-token verify in one batch, pages scattered, GQA 32/8 -> (got, want)."""
     page, hq, hkv, d = 16, 32, 8, 128
     k_cache, v_cache = (torch.randn(64, page, hkv, d, device=DEV, dtype=BF16) for _ in range(2))
     qo_lens, kv_lens = [40, 1, 8], [40, 300, 77]
@@ -90,9 +90,25 @@ def test_paged_attention_matches_the_reference(fi):
                               max_query_len=40, max_seq_len=300, causal=True, num_tokens=49, page_size=page,
                               host=HostLayout(qo_lens, kv_lens, pages))
     q = torch.randn(49, hq, d, device=DEV, dtype=BF16)
-    got = fi.paged_attention(q, k_cache, v_cache, fi.plan_attention(meta), d ** -0.5)
+    got = backend.paged_attention(q, k_cache, v_cache, backend.plan_attention(meta), d ** -0.5)
     want = torch_ref.paged_attention(q, k_cache, v_cache, torch_ref.plan_attention(meta), d ** -0.5)
-    close(got, want)
+    return got, want
+
+
+def test_paged_attention_matches_the_reference(fi):
+    close(*mixed_batch_attention(fi))
+
+
+def test_the_eager_wrapper_plans_in_and_out_of_inference_mode():
+    """A backend whose eager wrapper an engine's forward made (inside inference mode: its buffers are inference
+    tensors) plans again outside it: run 78 saw FlashInfer's plan refuse the in-place write, after the small-GEMM
+    tests' engines had used the process's backend first."""
+    from runtime.kernels.flashinfer_backend import FlashInferBackend
+
+    backend = FlashInferBackend()
+    with torch.inference_mode():
+        close(*mixed_batch_attention(backend))
+    close(*mixed_batch_attention(backend))
 
 
 @pytest.mark.parametrize("q_len", [1, 8])
