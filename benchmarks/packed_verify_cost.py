@@ -13,7 +13,12 @@ step's GEMM-bound floor (a served step adds its context's attention to both alik
 layout). The engine is never stepped: its confidence_cost_table_path is a placeholder table (one value, only so
 that it starts without profiling).
 
+With ``--profile-columns c``, the torch profiler (CUPTI sees the kernels inside a replayed graph) over replays of
+the first batch's packed graph of c columns, the uniform graph of c + 1 tokens and the whole block's: each graph's
+device time per kernel name, so that what the packing adds over the uniform step of as many rows is named.
+
 usage: python3 benchmarks/packed_verify_cost.py --out FILE.json [--hidden 2048] [--layers 16] [--batches 64,256]
+                                                [--profile-columns C]
 """
 
 from __future__ import annotations
@@ -51,13 +56,44 @@ def write_pair(root: Path, hidden: int, layers: int) -> tuple[Path, Path]:
     return target, drafter
 
 
+PROFILE_REPLAYS = 5
+
+
+def kernel_times(graph) -> dict:
+    """The device time of one replay of ``graph`` per kernel name (the mean of ``PROFILE_REPLAYS`` replays, us),
+    largest first, and their total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE_REPLAYS):
+            graph.replay()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = {}
+    for event in prof.key_averages():
+        device_us = event.device_time_total
+        if device_us > 0:
+            per_name.setdefault(event.key[:160], [0.0, 0])
+            per_name[event.key[:160]][0] += device_us / PROFILE_REPLAYS
+            per_name[event.key[:160]][1] += event.count // PROFILE_REPLAYS
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+    return {"total_us": round(sum(us for us, _ in per_name.values()), 1),
+            "kernels": [{"name": name, "us": round(us, 1), "calls": calls} for name, (us, calls) in ranked]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--batches", default="64,256", help="batch buckets to time (each at least 16)")
+    parser.add_argument("--profile-columns", type=int, default=None, metavar="C",
+                        help=f"profile the first batch's packed graph of C columns (1..{K - 1}) beside the uniform "
+                             "graphs of C + 1 tokens and of whole blocks: device time per kernel name")
     args = parser.parse_args()
+    if args.profile_columns is not None and not 1 <= args.profile_columns < K:
+        parser.error(f"--profile-columns: {args.profile_columns} is not in 1..{K - 1}")
     if not torch.cuda.is_available():
         print("packed_verify_cost.py: needs a CUDA device", file=sys.stderr)
         return 2
@@ -95,6 +131,15 @@ def main() -> int:
                          "packed_vs_whole_blocks": {c: packed[c] / uniform[K + 1] for c in packed
                                                     if K + 1 in uniform}})
             print(json.dumps(rows[-1]), flush=True)
+        profiled = None
+        if args.profile_columns is not None:
+            bucket, c = rows[0]["batch"], args.profile_columns
+            profiled = {"batch": bucket, "columns": c, "replays": PROFILE_REPLAYS,
+                        "packed": kernel_times(graphs.packed_graphs[(bucket, c)].graph),
+                        "uniform_same_rows": kernel_times(graphs.graphs[(bucket, c + 1)].graph),
+                        "whole_blocks": kernel_times(graphs.graphs[(bucket, K + 1)].graph)}
+            for name in ("packed", "uniform_same_rows", "whole_blocks"):
+                print(name, json.dumps(profiled[name]["total_us"]), flush=True)
     record = {"benchmark": "packed_verify_cost", "date": date.today().isoformat(),
               "hardware": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "command": " ".join(["python3", *sys.argv]),
@@ -103,7 +148,7 @@ def main() -> int:
               "graph_packed_from": info.get("graph_packed_from"),
               "graphs": {k: v for k, v in info.items() if k.startswith("graph")},
               # per weight shape, the skinny GEMMs chosen and the graph row counts padded (runtime.small_gemm)
-              "small_gemms": info.get("small_gemms"), "rows": rows}
+              "small_gemms": info.get("small_gemms"), "rows": rows, "profile": profiled}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
