@@ -294,5 +294,7 @@ class FlashInferBackend:
     def qk_norm_rope(self, q, k, q_weight, k_weight, eps, cos, sin):
         return self._ops.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
 
-    def rope_and_cache(self, q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots):
-        return self._ops.rope_and_cache(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots)
+    def rope_and_cache(self, q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots, q_index=None,
+                       q_rows=0):
+        return self._ops.rope_and_cache(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots,
+                                        q_index, q_rows)

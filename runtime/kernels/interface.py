@@ -94,8 +94,12 @@ class KernelBackend(Protocol):
 
     def rope_and_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                        k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """``qk_norm_rope`` then ``write_kv`` of the rotated k and of v at ``slots``; returns the rotated q."""
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                       q_index: torch.Tensor | None = None, q_rows: int = 0) -> torch.Tensor:
+        """``qk_norm_rope`` then ``write_kv`` of the rotated k and of v at ``slots``; returns the rotated q [T, Hq,
+        D], or with ``q_index`` [T] (distinct rows) a [q_rows, Hq, D] tensor holding row t's q at row
+        ``q_index[t]`` and zeros elsewhere (a packed verify's queries in the uniform layout attention is planned
+        for, ``runtime.packed_verify``)."""
 
     def sample_exponential_race(self, probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
         """Categorical sample per row of probs [R, V] given Exp(1) noise [R, V]: argmax(p / E)."""

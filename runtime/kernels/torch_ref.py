@@ -113,10 +113,13 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                    k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   q_index: torch.Tensor | None = None, q_rows: int = 0) -> torch.Tensor:
     q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
     write_kv(k_cache, v_cache, slots, k, v)
-    return q
+    if q_index is None:
+        return q
+    return q.new_zeros((q_rows, *q.shape[1:])).index_copy_(0, q_index, q)
 
 
 def sample_exponential_race(probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:

@@ -90,12 +90,14 @@ ROPE_HEADS = 16
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
-                         slots_ptr, q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, v_tok_stride,
-                         v_head_stride, cos_stride, num_q_heads, num_k_heads, eps, HALF: tl.constexpr,
-                         HEADS: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
+                         slots_ptr, q_index_ptr, q_tok_stride, q_head_stride, k_tok_stride, k_head_stride,
+                         v_tok_stride, v_head_stride, cos_stride, num_q_heads, num_k_heads, eps, HALF: tl.constexpr,
+                         HEADS: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr, Q_INDEXED: tl.constexpr,
+                         PDL: tl.constexpr):
     """One program per (token, block of HEADS heads of one kind): the q blocks first, then k, then (when STORE)
-    v. q and k normed and rotated; with STORE, k and v go to their cache slot ([slots, Hkv, D] rows of the flat
-    cache), else k to k_out [T, Hkv, D]. Each head's arithmetic is that of one head alone (its own norm)."""
+    v. q and k normed and rotated, q to row ``q_index[token]`` of q_out (Q_INDEXED) or to row ``token``; with
+    STORE, k and v go to their cache slot ([slots, Hkv, D] rows of the flat cache), else k to k_out [T, Hkv, D].
+    Each head's arithmetic is that of one head alone (its own norm)."""
     wait_for_inputs(PDL)
     tok = tl.program_id(0)
     block = tl.program_id(1)
@@ -120,7 +122,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, 
             ok = h < num_q_heads
             src = q_ptr + tok * q_tok_stride + h * q_head_stride
             w_ptr = qw_ptr
-            dst = q_out_ptr + (tok * num_q_heads + h) * 2 * HALF
+            if Q_INDEXED:
+                row = tl.load(q_index_ptr + tok)
+            else:
+                row = tok
+            dst = q_out_ptr + (row * num_q_heads + h) * 2 * HALF
         else:
             h = ((block - q_blocks) * HEADS + tl.arange(0, HEADS))[:, None]
             ok = h < num_k_heads
@@ -176,21 +182,25 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     norm = q_weight is not None
     grid, block = _rope_grid(tokens, num_q, num_k, half, with_v=False)
     _qk_norm_rope_kernel[grid](
-        q, k, k, q_weight if norm else cos, k_weight if norm else cos, cos, sin, q_out, k_out, k_out, cos,
+        q, k, k, q_weight if norm else cos, k_weight if norm else cos, cos, sin, q_out, k_out, k_out, cos, cos,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), 0, 0, cos.stride(0), num_q, num_k, eps, HALF=half,
-        NORM=norm, STORE=False, **block, **launch_options(q))
+        NORM=norm, STORE=False, Q_INDEXED=False, **block, **launch_options(q))
     return q_out, k_out
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                    k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   q_index: torch.Tensor | None = None, q_rows: int = 0) -> torch.Tensor:
     tokens, num_q, _ = q.shape
     num_k = k.shape[1]
     half = _check_heads(q, k, q_weight, k_weight)
     if v.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("rope_and_cache (triton): v needs a contiguous last dim and the caches must be contiguous")
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q_index is None:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    else:  # rows no token is written to stay zero (a packed verify's rows not fed)
+        q_out = torch.zeros((q_rows, *q.shape[1:]), dtype=q.dtype, device=q.device)
     if tokens == 0:
         return q_out
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -198,8 +208,9 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: 
     grid, block = _rope_grid(tokens, num_q, num_k, half, with_v=True)
     _qk_norm_rope_kernel[grid](
         q, k, v, q_weight if norm else cos, k_weight if norm else cos, cos, sin, q_out, k_cache, v_cache, slots,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), num_q, num_k,
-        eps, HALF=half, NORM=norm, STORE=True, **block, **launch_options(q))
+        slots if q_index is None else q_index, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), cos.stride(0), num_q, num_k, eps, HALF=half, NORM=norm, STORE=True,
+        Q_INDEXED=q_index is not None, **block, **launch_options(q))
     return q_out
 
 

@@ -241,21 +241,21 @@ class Attention(nn.Module):
                inputs: AttentionInputs) -> torch.Tensor:
         """Projected q [T, Hq, D], k, v [T, Hkv, D] -> the attention block's output [T, d] (norms, RoPE, the
         cache write, attention, o_proj)."""
+        rows = q.shape[0]
         if inputs.block_size is None:  # k and v go to the cache in the same kernel that rotates them
+            # packed rows: the kernel writes each fed row's q into the uniform layout the plan is for (rows not fed
+            # zero: they attend to nothing needed), and attention's output is read back at the fed rows
             q = self.kernels.rope_and_cache(q, k, v, *self._weights(), self.eps, inputs.cos, inputs.sin, cache[0],
-                                            cache[1], inputs.slots)
-            if inputs.unpack is not None:  # packed rows: attend in the uniform layout the plan is for, read back
-                full = q.new_zeros((inputs.padded_rows, *q.shape[1:]))  # rows not fed attend to nothing needed
-                full[inputs.unpack] = q
-                out = self.kernels.paged_attention(full, cache[0], cache[1], inputs.meta, self.scale)[inputs.unpack]
-            else:
-                out = self.kernels.paged_attention(q, cache[0], cache[1], inputs.meta, self.scale)
+                                            cache[1], inputs.slots, inputs.unpack, inputs.padded_rows)
+            out = self.kernels.paged_attention(q, cache[0], cache[1], inputs.meta, self.scale)
+            if inputs.unpack is not None:
+                out = out[inputs.unpack]
         else:
             q, k = self.kernels.qk_norm_rope(q, k, *self._weights(), self.eps, inputs.cos, inputs.sin)
             shape = (-1, inputs.block_size, *k.shape[1:])  # [B, block, Hkv, D]
             out = self.kernels.paged_attention(q, cache[0], cache[1], inputs.meta, self.scale,
                                                k.view(shape), v.view(shape))
-        return self.o_proj(out.reshape(q.shape[0], -1))
+        return self.o_proj(out.reshape(rows, -1))
 
 
 class DecoderLayer(nn.Module):

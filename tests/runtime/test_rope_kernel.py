@@ -1,7 +1,8 @@
 """The q/k norm + RoPE kernel (``triton_ops.qk_norm_rope`` and ``rope_and_cache``) under Triton's CPU interpreter,
 against the torch reference: strided q/k/v views of one fused projection, heads past one program's block (20 q heads
 in blocks of 16, a partial block after) and fewer (3 kv heads), with and without the q/k norm, the rotated keys and
-the values written to their cache slots and nothing else of the cache touched."""
+the values written to their cache slots and nothing else of the cache touched; q written to given rows of a larger
+zeroed layout (a packed verify's)."""
 
 from tests.runtime.interpreter import run_interpreted
 
@@ -27,6 +28,12 @@ for qw, kw in ((torch.randn(d), torch.randn(d)), (None, None)):
     assert torch.allclose(got_q, want_q, atol=1e-5, rtol=1e-5)
     assert torch.allclose(caches[0][0], caches[1][0], atol=1e-5, rtol=1e-5)  # rotated keys at their slots
     assert torch.equal(caches[0][1], caches[1][1])  # values copied as they are; every other row untouched
+    index = torch.randperm(2 * t)[:t]  # a packed verify's rows in its uniform layout of 2t rows
+    got = triton_ops.rope_and_cache(q, k, v, qw, kw, 1e-6, cos, sin, *caches[0], slots, index, 2 * t)
+    want = torch_ref.rope_and_cache(q, k, v, qw, kw, 1e-6, cos, sin, *caches[1], slots, index, 2 * t)
+    assert got.shape == (2 * t, hq, d) and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(got[index], got_q, atol=1e-6) and not got[torch.ones(2 * t, dtype=torch.bool).index_fill_(
+        0, index, False)].any()  # every other row zero
 print("rope ok")
 """
 
