@@ -86,6 +86,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # heads a q/k norm + RoPE program takes (one token's): one program per (token, head) was ~50k programs of 32-64
 # elements at 512 tokens, 52 us a layer of the 3072 x 24 target's 64 x 8 verify (run 82's profile: 19% of the step)
 ROPE_HEADS = 16
+ROPE_WARPS = None  # warps a program; None: one per 256 elements of its [HEADS, HALF] halves, 1 to 4
 
 
 @triton.jit
@@ -150,11 +151,12 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, 
 
 
 def _rope_grid(tokens: int, num_q: int, num_k: int, half: int, with_v: bool) -> tuple[tuple[int, int], dict]:
-    """-> (the grid, the launch's HEADS and num_warps): a block of heads a program, a warp per 256 elements of its
-    [HEADS, HALF] halves (1 to 4)."""
+    """-> (the grid, the launch's HEADS and num_warps): ``ROPE_HEADS`` heads a program (fewer where the model has
+    fewer), ``ROPE_WARPS`` warps (benchmarks/rope_kernel.py sets both to time other layouts)."""
     heads = min(ROPE_HEADS, triton.next_power_of_2(max(num_q, num_k)))
     blocks = triton.cdiv(num_q, heads) + triton.cdiv(num_k, heads) * (2 if with_v else 1)
-    return (tokens, blocks), {"HEADS": heads, "num_warps": max(1, min(4, heads * half // 256))}
+    warps = ROPE_WARPS or max(1, min(4, heads * half // 256))
+    return (tokens, blocks), {"HEADS": heads, "num_warps": warps}
 
 
 def _check_heads(q: torch.Tensor, k: torch.Tensor, q_weight, k_weight) -> int:

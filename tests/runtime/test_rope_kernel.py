@@ -11,12 +11,14 @@ import torch
 from runtime.kernels import torch_ref, triton_ops
 torch.manual_seed(0)
 t, hq, hkv, d, page = 7, 20, 3, 16, 4
-assert hq > triton_ops.ROPE_HEADS  # two blocks of q heads, the second partial
+assert hq > triton_ops.ROPE_HEADS == 16  # two blocks of q heads, the second partial
 qkv = torch.randn(t, (hq + 2 * hkv) * d)
 q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
 angles = torch.arange(t).float()[:, None] * torch.rand(d // 2)
 cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-for qw, kw in ((torch.randn(d), torch.randn(d)), (None, None)):
+cases = [(w, heads) for w in ((torch.randn(d), torch.randn(d)), (None, None)) for heads in (16, 1)]
+for (qw, kw), heads in cases:  # 16 heads a program (the engine's), 1 (benchmarks/rope_kernel.py's other layout)
+    triton_ops.ROPE_HEADS = heads
     for got, want in zip(triton_ops.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin),
                          torch_ref.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)):
         assert got.is_contiguous() and torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
