@@ -190,6 +190,8 @@ class Engine:
                              "(runtime.llm.sample_params), as LLM.generate and the server do")
         seed = params.seed % (1 << 63) if params.seed is not None else self._seeds.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), params, seed, arrival=next(self._arrivals), index=index)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first token has no logprob: nothing precedes it
         leader = self.sequences.get(follows) if follows is not None else None
         if leader is not None and leader.prompt_token_ids == seq.prompt_token_ids:
             seq.follows = leader
@@ -685,6 +687,8 @@ class Engine:
 
     def _commit(self, seq: Sequence, entry: ScheduledRequest, result: RequestStepResult) -> int:
         """Append committed tokens up to the first stop; returns how many were kept."""
+        if result.prompt_logprobs is not None:
+            self._record_prompt_logprobs(seq, entry, result.prompt_logprobs)
         seq.num_computed = entry.end_position - entry.num_drafts + result.num_accepted if entry.sample \
             else entry.end_position
         if seq.first_token_time is None and result.token_ids:
@@ -732,6 +736,17 @@ class Engine:
             return kept, kept
         return entry.num_drafts, result.num_accepted
 
+    @staticmethod
+    def _record_prompt_logprobs(seq: Sequence, entry: ScheduledRequest, logprobs: list) -> None:
+        """Append a prefill chunk's prompt logprobs (those of ``entry.prompt_rows``) to ``seq.prompt_logprobs``: its
+        first row is the prompt position after the last one recorded (a chunk recomputed after a preemption records
+        only what was missing: the scheduler asked for no more)."""
+        offset, _ = entry.prompt_rows
+        if entry.start_position + offset + 1 != len(seq.prompt_logprobs):
+            raise RuntimeError(f"request {seq.request_id}: prompt logprobs from position {entry.start_position + offset + 1}"
+                               f" arrived with {len(seq.prompt_logprobs)} recorded")
+        seq.prompt_logprobs.extend(logprobs)
+
     def output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         """A snapshot (``SamplingParams.output_kind``: every token so far, or with "delta" this step's only);
         ``text`` is decoded once the request finished (empty before)."""
@@ -741,11 +756,15 @@ class Engine:
         if seq.params.logprobs is not None:
             every = seq.output_logprobs or []
             logprobs = every[len(every) - len(new_token_ids):] if delta else list(every)
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and (not delta or len(seq.output_token_ids) == len(new_token_ids)):
+            prompt_logprobs = list(seq.prompt_logprobs)  # (deltas: once, with the first generated tokens)
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
                              token_ids=list(new_token_ids) if delta else list(seq.output_token_ids), text=text,
                              finish_reason=seq.finish_reason, new_token_ids=new_token_ids,
                              num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens,
-                             logprobs=logprobs, index=seq.index, first_token_time=seq.first_token_time)
+                             logprobs=logprobs, index=seq.index, first_token_time=seq.first_token_time,
+                             prompt_logprobs=prompt_logprobs)
 
     @property
     def num_waiting(self) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """One generated token's log-probability and the most likely alternatives', best first (``top`` holds
+    """One generated (or prompt) token's log-probability and the most likely alternatives', best first (``top`` holds
     ``SamplingParams.logprobs`` of them; the token itself may be among them or not)."""
 
     token_id: int
@@ -29,6 +29,9 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
     index: int = 0  # which of its prompt's n samples this is (0 with n = 1)
     first_token_time: float | None = None  # time.monotonic() when the engine committed its first token
+    # one per prompt token when SamplingParams.prompt_logprobs is set (the first None: nothing precedes it); with
+    # output_kind "delta" only in the output that carries the first generated tokens
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -125,6 +125,13 @@ class ModelRunner:
         if drafting and self.is_leader and not appended and not (graphed is not None and graphed.context_appended):
             with region("dspark.context"):
                 self.channel.send_context(captured, t)
+        prompt_logprobs = self._prompt_logprobs(reqs, hidden, t.row_ends)  # (prefill chunks that asked for them)
+        results = self._verify_and_draft(batch, reqs, hidden, t, graphed, drafting)
+        return with_prompt_logprobs(results, prompt_logprobs) if prompt_logprobs else results
+
+    def _verify_and_draft(self, batch: ScheduledBatch, reqs: list[ScheduledRequest], hidden: torch.Tensor,
+                          t: StepTensors, graphed: GraphOutputs | None, drafting: bool) -> list[RequestStepResult]:
+        """After the step's forward: verify (or decode) what it sampled, draft the next blocks, read back."""
         sampled = sampled_entries(reqs)
         if not sampled:
             return [RequestStepResult(r.request_id, [], 0, []) for r in reqs] if self.is_leader else []
@@ -144,6 +151,38 @@ class ModelRunner:
         table = t.page_table if len(sampled) == len(reqs) or not k_next else t.page_table[
             to_device(sampled, self.device)]
         return self._draft_and_finish(batch, reqs, entries, verified, table, graphed is not None)
+
+    def _prompt_logprobs(self, reqs: list[ScheduledRequest], hidden: torch.Tensor,
+                         row_ends: list[int]) -> dict[int, list[TokenLogprob] | None] | None:
+        """The prompt logprobs of the step's prefill chunks that asked for them (``ScheduledRequest.prompt_rows``):
+        batch index -> one ``TokenLogprob`` per target token (None where a row's logits are not finite: that request
+        fails alone), on rank 0; None when no chunk asked (every rank computes the logits: under tensor parallelism
+        their gather is a collective). The raw distribution, the chunk's rows read from ``hidden`` [T, d]."""
+        wanted = [(b, r) for b, r in enumerate(reqs) if r.prompt_rows is not None]
+        if not wanted:
+            return None
+        index, targets = [], []
+        for b, r in wanted:
+            offset, tokens = r.prompt_rows
+            first = row_ends[b] - len(r.token_ids) + offset  # a request's fed rows end at row_ends[b]
+            index.extend(range(first, first + len(tokens)))
+            targets.extend(tokens)
+        logits = self.target.compute_logits(hidden[to_device(index, self.device)])  # [R, V] float32
+        if not self.is_leader:
+            return None
+        logp = torch.log_softmax(logits, dim=-1)  # [R, V]
+        chosen = logp.gather(-1, to_device(targets, self.device)[:, None]).squeeze(-1)  # [R]
+        top_lp, top_ids = logp.topk(max(max(r.params.prompt_logprobs for _, r in wanted), 1), dim=-1)  # [R, N]
+        finite = torch.isfinite(logits.amax(dim=-1))  # [R]: NaN propagates into the max, +inf is the max
+        chosen_h, ids_h, lp_h, finite_h = chosen.tolist(), top_ids.tolist(), top_lp.tolist(), finite.tolist()
+        out, row = {}, 0
+        for b, r in wanted:
+            n, count = r.params.prompt_logprobs, len(r.prompt_rows[1])
+            rows = range(row, row + count)
+            out[b] = [TokenLogprob(targets[i], chosen_h[i], tuple(zip(ids_h[i][:n], lp_h[i][:n]))) for i in rows] \
+                if all(finite_h[i] for i in rows) else None
+            row += count
+        return out
 
     def _execute_packed(self, batch: ScheduledBatch) -> list[RequestStepResult]:
         """A packed verify step (``runtime.packed_verify``; every request a full greedy block, ``batch.packed``):
@@ -517,3 +556,15 @@ class ModelRunner:
         flat = apply_penalties(logits.view(-1, vocab), row_counts.view(-1, vocab), row_seen.view(-1, vocab),
                                row_params)
         return flat.view_as(logits)
+
+
+def with_prompt_logprobs(results: list[RequestStepResult],
+                         prompt_logprobs: dict[int, list[TokenLogprob] | None]) -> list[RequestStepResult]:
+    """``results`` (batch order) with each prefill chunk's prompt logprobs; a chunk whose prompt rows' logits were
+    not finite fails its request (as a broken sampled row does)."""
+    for b, logprobs in prompt_logprobs.items():
+        if logprobs is None:
+            results[b] = RequestStepResult(results[b].request_id, [], 0, [], NON_FINITE_LOGITS)
+        elif results[b].error is None:
+            results[b].prompt_logprobs = logprobs
+    return results

@@ -24,7 +24,11 @@ class SamplingParams:
     ``stop`` strings end the output before the string; ``stop_token_ids`` and EOS (unless ``ignore_eos``) end
     it after the token. ``logprobs`` N (0..``MAX_LOGPROBS``) returns, for every generated token, its
     log-probability and the N most likely tokens' (the engine's ``logprobs_mode`` says of which distribution);
-    None returns none. ``n`` samples of one prompt decode as ``n`` requests that share its prefill
+    None returns none. ``prompt_logprobs`` N (vLLM's field, 0..``MAX_LOGPROBS``) returns, for every prompt token
+    after the first, its log-probability under the target given the tokens before it and the N most likely tokens'
+    (always the raw distribution: no temperature, filter or penalty applies to a prompt; the first token has none,
+    so ``RequestOutput.prompt_logprobs[0]`` is None); its rows are computed, never taken from the prefix cache.
+    ``n`` samples of one prompt decode as ``n`` requests that share its prefill
     (``runtime.llm.sample_params``: sample i has seed ``seed + i``, or its own random seed); with ``best_of``
     (>= n), that many are drawn and the n with the highest log-probability (the sum of their tokens' raw
     logprobs) are returned, best first. ``output_kind`` (vLLM's ``RequestOutputKind``) says what the engine's
@@ -47,6 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     best_of: int | None = None
     output_kind: str = "cumulative"
@@ -75,6 +80,9 @@ class SamplingParams:
              f"token ids in 0..{MAX_INT32}"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "a boolean"),
             ("logprobs", self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"None or an integer in 0..{MAX_LOGPROBS}"),
+            ("prompt_logprobs", self.prompt_logprobs is None or (_integer(self.prompt_logprobs)
+                                                                 and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
              f"None or an integer in 0..{MAX_LOGPROBS}"),
             ("n", _integer(self.n) and 1 <= self.n <= MAX_N, f"an integer in 1..{MAX_N}"),
             ("best_of", self.best_of is None or (_integer(self.best_of) and _integer(self.n)

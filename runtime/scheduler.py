@@ -9,7 +9,9 @@ unchanged because sampling noise is keyed by position, see ``runtime.noise``). W
 admitted from the queue first takes the cached pages of its longest computed prefix (whole pages, leaving at least
 its last token to compute, whose logits it needs) and computes from there; the pages a request fills are
 registered as they fill, so the next request with the same prefix (a shared system prompt, a preempted
-request's own tokens) skips them.
+request's own tokens) skips them. A request that asked for prompt logprobs takes only the pages whose rows'
+logprobs it already recorded (none, unless it was preempted), since the cache keeps no logits; its prefill chunks
+name the rows whose logprobs are still missing (``ScheduledRequest.prompt_rows``).
 
 With ``mixed_prefill`` off (``LLMConfig.enable_mixed_prefill``) a step never feeds prefill chunks beside decoding
 requests: while prompts are to be computed (a running request's next chunk, an arrival that may be admitted) the step
@@ -230,14 +232,16 @@ class Scheduler:
         own list, not a copy (O(pages) a request a step): the scheduler only appends to it while scheduling a later
         step, and a step's entries are read only during that step (a Ray executor pickles them anyway)."""
         history = ((seq.prompt_token_ids, seq.output_token_ids) if sample and seq.params.uses_penalties else None)
+        rows = prompt_rows(seq, len(tokens)) if seq.prompt_logprobs is not None and not num_drafts else None
         return ScheduledRequest(seq.request_id, tokens, seq.num_computed, seq.page_ids, num_drafts, sample,
-                                seq.params, seq.seed, history)
+                                seq.params, seq.seed, history, rows)
 
     def _waits_for_prefill(self, seq: Sequence) -> bool:
         """True while the sample ``seq`` follows is still computing their shared prompt (with prefix caching,
         ``seq`` then starts from its pages); never when caching is off or that sample is gone."""
         leader = seq.follows
-        if leader is None or not self.pages.caching or leader.status is Status.FINISHED:
+        if leader is None or not self.pages.caching or leader.status is Status.FINISHED \
+                or seq.prompt_logprobs is not None:  # its prompt's rows are computed anyway (prompt_logprobs)
             return False
         return leader.status is Status.WAITING or leader.num_computed < len(leader.prompt_token_ids) - 1
 
@@ -255,7 +259,10 @@ class Scheduler:
         """The cached pages ``seq`` can start from: whole pages of its tokens, its last token left to compute."""
         if not self.pages.caching:
             return []
-        return self.pages.match(self._keys(seq, (seq.num_tokens - 1) // self.pages.page_size))
+        count = (seq.num_tokens - 1) // self.pages.page_size
+        if seq.prompt_logprobs is not None:  # only pages whose rows' prompt logprobs are recorded (a preempted one's)
+            count = min(count, (len(seq.prompt_logprobs) - 1) // self.pages.page_size)
+        return self.pages.match(self._keys(seq, count))
 
     def cache_computed(self, seq: Sequence) -> None:
         """Register the pages ``seq`` has filled with computed tokens since the last call."""
@@ -279,3 +286,16 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         self._released.append(seq.request_id)
+
+
+def prompt_rows(seq: Sequence, fed: int) -> tuple[int, list[int]] | None:
+    """A prefill chunk of ``fed`` tokens from ``seq.num_computed`` of a request that asked for prompt logprobs ->
+    (the first of its rows whose logprob is not yet recorded, the prompt tokens that row and the next ones predict),
+    or None when the chunk has none: row i (position p + i) predicts prompt token p + i + 1, up to the prompt's
+    last token."""
+    start, prompt = seq.num_computed, seq.prompt_token_ids
+    first = max(start, len(seq.prompt_logprobs) - 1)  # rows before it: already recorded (a recomputed chunk)
+    end = min(start + fed, len(prompt) - 1)
+    if first >= end:
+        return None
+    return first - start, prompt[first + 1:end + 1]

@@ -42,6 +42,9 @@ class Sequence:
     num_draft_tokens: int = 0  # drafts verified for this request (as counted in the engine's metrics)
     num_accepted_tokens: int = 0
     output_logprobs: list | None = None  # TokenLogprob per output token, when params.logprobs is set
+    # params.prompt_logprobs: the prompt's tokens' TokenLogprob recorded so far ([None] first: nothing precedes the
+    # first token), in prompt order; complete once the prompt is computed
+    prompt_logprobs: list | None = None
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full pages (chained)
     num_registered_pages: int = 0  # leading pages of page_ids registered in the prefix cache (or matched from it)
     follows: Sequence | None = None  # another sample of the same prompt: wait until it computed the prompt

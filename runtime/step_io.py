@@ -31,6 +31,9 @@ class ScheduledRequest:
     seed: int
     # (prompt ids, output ids) before this step, only for requests that use penalties
     penalty_history: tuple[list[int], list[int]] | None = None
+    # a prefill chunk of a request that asked for prompt_logprobs: (r, the prompt tokens its rows r, r+1, ..
+    # predict), the rows whose prompt logprobs are not yet recorded (a row predicts the prompt's next token)
+    prompt_rows: tuple[int, list[int]] | None = None
 
     @property
     def end_position(self) -> int:
@@ -93,3 +96,5 @@ class RequestStepResult:
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for them
     next_draft_confidence: list[float] | None = None  # the confidence head's c_k of each next_draft_ids entry
     num_verified: int | None = None  # a packed verify step: the drafts the device chose to verify (else all fed)
+    # the prompt logprobs of the entry's prompt_rows, one per target token (when it had them)
+    prompt_logprobs: list[TokenLogprob] | None = None

@@ -178,7 +178,10 @@ class DSparkServer:
     async def completions(self, body: protocol.CompletionRequest, request: Request):
         self._check_model(body.model)
         prompt = body.prompt if isinstance(body.prompt, list) else self._encode(body.prompt)
-        return await self._respond(body, prompt, sampling_params(body, body.max_tokens), "prompt", chat=False)
+        # echo: the prompt as sent (token ids: their text)
+        echo = (body.prompt if isinstance(body.prompt, str) else self._prompt_text(prompt)) if body.echo else None
+        return await self._respond(body, prompt, sampling_params(body, body.max_tokens), "prompt", chat=False,
+                                   echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: protocol.ChatCompletionRequest, request: Request):
@@ -250,7 +253,16 @@ class DSparkServer:
         except Exception as exc:  # a template or tokenizer error about these messages
             raise ApiError(400, f"the chat template cannot render these messages: {exc}", "messages") from None
 
-    async def _respond(self, body, prompt: list[int], params, prompt_field: str, chat: bool):
+    def _prompt_text(self, prompt: list[int]) -> str:
+        """Token ids as text (without a tokenizer, each token's ``token_text``)."""
+        if self.tokenizer is None:
+            return "".join(protocol.token_text(None, t) for t in prompt)
+        return self.tokenizer.decode(prompt)
+
+    async def _respond(self, body, prompt: list[int], params, prompt_field: str, chat: bool,
+                       echo: str | None = None):
+        """Serve one request's samples, whole or streamed. ``echo`` (a completion that echoes its prompt): the
+        prompt's text, which each choice's text (and, with logprobs, its logprobs) starts with."""
         for name, value in (("n", params.n), ("best_of", params.best_of or 0)):
             if value > self.args.max_n:
                 raise ApiError(400, f"{name} must be at most {self.args.max_n} on this server (max_n), got {value}",
@@ -279,7 +291,7 @@ class DSparkServer:
             raise
         timing = {"arrival": arrival, "first": first_token_time(firsts)}
         if body.stream:
-            return StreamingResponse(self._stream(body, rid, prompt, firsts, streams, chat, timing),
+            return StreamingResponse(self._stream(body, rid, prompt, firsts, streams, chat, timing, echo),
                                      media_type="text/event-stream")
 
         async def last_of(first: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -300,9 +312,20 @@ class DSparkServer:
         usage = protocol.usage(len(prompt), lasts)  # every sample drawn counts, best_of's discarded ones too
         choice = protocol.chat_choice if chat else protocol.completion_choice
         build = protocol.chat_body if chat else protocol.completion_body
+        if echo is not None:
+            return build(rid, body.model, [choice(out.index, echo + out.text, out.finish_reason,
+                                                  self._logprobs(self._echoed(prompt, out, out.logprobs), chat))
+                                           for out in best_samples(lasts, params)], usage)
         return build(rid, body.model, [choice(out.index, out.text, out.finish_reason,
                                               self._logprobs(out.logprobs, chat))
                                        for out in best_samples(lasts, params)], usage)
+
+    @staticmethod
+    def _echoed(prompt: list[int], out: RequestOutput, entries):
+        """``entries`` (an output's logprobs) after the echoed prompt's (None when the request asked for none)."""
+        if entries is None:
+            return None
+        return protocol.echoed_prompt(prompt, out.prompt_logprobs) + entries
 
     def _logprobs(self, entries, chat: bool, text_offset: int = 0) -> dict | None:
         """The response's ``logprobs`` for ``entries`` (None when the request asked for none)."""
@@ -313,13 +336,16 @@ class DSparkServer:
         return protocol.completion_logprobs(self.tokenizer, entries, text_offset)
 
     async def _stream(self, body, rid: str, prompt: list[int], firsts: list[RequestOutput],
-                      streams: list[AsyncIterator[RequestOutput]], chat: bool, timing: dict) -> AsyncIterator[str]:
+                      streams: list[AsyncIterator[RequestOutput]], chat: bool, timing: dict,
+                      echo: str | None = None) -> AsyncIterator[str]:
         """Server-sent chunks of every sample as its steps commit tokens (``index`` says whose), an error event
-        and ``[DONE]`` if anything fails, the usage chunk when asked for, then ``[DONE]``."""
+        and ``[DONE]`` if anything fails, the usage chunk when asked for, then ``[DONE]``. ``echo``: each sample's
+        first chunk starts with the prompt's text (and its logprobs, which arrive with the first tokens)."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         n = len(streams)
         texts = [TextStream(self.tokenizer, body.stop) for _ in range(n)]
         text_offsets, generated = [0] * n, [0] * n  # per sample: completion text its logprobs cover, tokens
+        echoed = [False] * n  # per sample: its first chunk (the echoed prompt) was made
         lasts = list(firsts)
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -339,6 +365,9 @@ class DSparkServer:
             # each chunk carries the logprobs of the tokens committed since the last one (the delta output's):
             # concatenated, a sample's streamed logprobs are its non-streamed ones
             new = out.logprobs
+            if echo is not None and not echoed[i]:  # this sample's first chunk
+                echoed[i], delta = True, echo + delta
+                new = self._echoed(prompt, out, new)
             logprobs = self._logprobs(new, chat, text_offsets[i]) if new else None
             if new:
                 if not chat:

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from runtime.outputs import TokenLogprob
 from runtime.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_N, SamplingParams
 
 
@@ -51,7 +52,7 @@ class SamplingFields(BaseModel):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
                               ignore_eos=self.ignore_eos, logprobs=self.logprob_count(), n=self.n,
-                              best_of=self.samples_drawn())
+                              best_of=self.samples_drawn(), prompt_logprobs=self.prompt_logprob_count())
 
     def logprob_count(self) -> int | None:
         """How many alternatives per token the request's logprobs ask for; None: no logprobs."""
@@ -59,6 +60,11 @@ class SamplingFields(BaseModel):
 
     def samples_drawn(self) -> int | None:
         """best_of: how many samples to draw for the n answered; None: n (chat has no best_of)."""
+        return None
+
+    def prompt_logprob_count(self) -> int | None:
+        """How many alternatives per prompt token the response shows; None: no prompt logprobs (only a completion
+        that echoes its prompt with logprobs has them)."""
         return None
 
     @property
@@ -69,7 +75,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] = 16
-    echo: Literal[False] = False
+    echo: bool = False  # the choice's text (and logprobs) start with the prompt's
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
@@ -87,6 +93,9 @@ class CompletionRequest(SamplingFields):
 
     def samples_drawn(self) -> int | None:
         return self.best_of
+
+    def prompt_logprob_count(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class ChatMessage(BaseModel):
@@ -177,15 +186,23 @@ def token_text(tokenizer, token_id: int) -> str:
 
 def completion_logprobs(tokenizer, entries, text_offset: int = 0) -> dict:
     """OpenAI's completions ``logprobs``: tokens, their logprobs, per token a {token text: logprob} map of the top
-    alternatives, and each token's offset in the completion text (from ``text_offset``)."""
+    alternatives, and each token's offset in the completion text (from ``text_offset``). An echoed prompt's first
+    token has neither (``echoed_prompt``: its entry's logprob and top are None, shown as null)."""
     tokens = [token_text(tokenizer, e.token_id) for e in entries]
     offsets = []
     for t in tokens:
         offsets.append(text_offset)
         text_offset += len(t)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+            "top_logprobs": [None if e.top is None else {token_text(tokenizer, t): lp for t, lp in e.top}
+                             for e in entries],
             "text_offset": offsets}
+
+
+def echoed_prompt(prompt: list[int], prompt_logprobs: list[TokenLogprob | None]) -> list[TokenLogprob]:
+    """An echoing completion's prompt entries for ``completion_logprobs``: the engine's prompt logprobs, the first
+    token's (there is none: nothing precedes it) an entry whose logprob and top are None."""
+    return [TokenLogprob(prompt[0], None, None), *prompt_logprobs[1:]]
 
 
 def chat_logprobs(tokenizer, entries) -> dict:

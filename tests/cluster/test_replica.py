@@ -55,12 +55,17 @@ def test_tp2_matches_the_single_process_engine(ray_cluster, near_bigram_target, 
             [(0, "target", False), (1, "target", False), (2, "drafter", True)]
         assert roles == expected_roles
         assert all(i["moe_backend"] in ("none", None) and i["draft_moe_backend"] == "none" for i in info)
-        # samples and logprobs through the replica: rank 0 reads them from the gathered verify rows
-        params = SamplingParams(max_tokens=8, temperature=0.9, seed=4, n=2, logprobs=2)
+        # samples, logprobs and prompt logprobs through the replica: rank 0 reads them from the gathered rows
+        params = SamplingParams(max_tokens=8, temperature=0.9, seed=4, n=2, logprobs=2, prompt_logprobs=2)
         want, got = local.generate(PROMPTS, params), llm.generate(PROMPTS, params)
         assert [(o.index, o.token_ids) for o in got] == [(o.index, o.token_ids) for o in want]
         for g, w in zip(got, want):
             assert [e.logprob for e in g.logprobs] == pytest.approx([e.logprob for e in w.logprobs], abs=1e-4)
+            assert g.prompt_logprobs[0] is None and len(g.prompt_logprobs) == len(g.prompt_token_ids)
+            assert [(e.token_id, [t for t, _ in e.top]) for e in g.prompt_logprobs[1:]] == \
+                [(e.token_id, [t for t, _ in e.top]) for e in w.prompt_logprobs[1:]]
+            assert [e.logprob for e in g.prompt_logprobs[1:]] == \
+                pytest.approx([e.logprob for e in w.prompt_logprobs[1:]], abs=1e-4)
     free_cpus_return()
 
 

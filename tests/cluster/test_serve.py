@@ -150,6 +150,34 @@ def test_completion_logprobs_equal_the_engines_streamed_or_not(server):
     assert plain.choices[0].logprobs is None
 
 
+def test_an_echoed_completion_starts_with_its_prompt_and_the_prompts_logprobs(server):
+    """``echo`` with ``logprobs`` (how lm-evaluation-harness scores a continuation): the text and the logprobs start
+    with the prompt's, its first token's logprob and top null, the others the engine's prompt logprobs."""
+    tokenizer = server["local"].tokenizer
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    expected = server["local"].generate([ids], SamplingParams(max_tokens=3, temperature=0, logprobs=2,
+                                                              prompt_logprobs=2))[0]
+    r = server["client"].completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=3, temperature=0,
+                                            logprobs=2, echo=True)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == PROMPTS[1] + expected.text
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids + expected.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    entries = expected.prompt_logprobs[1:] + expected.logprobs
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in entries], abs=1e-5)
+    assert [len(top) for top in lp.top_logprobs[1:]] == [len({tokenizer.decode([t]) for t, _ in e.top})
+                                                         for e in entries]
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(server["client"].completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0,
+                                                      logprobs=2, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == tokenizer.decode(ids) + expected.text
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    bare = server["client"].completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=3, temperature=0,
+                                               echo=True)
+    assert bare.choices[0].text == PROMPTS[1] + expected.text and bare.choices[0].logprobs is None
+
+
 def test_chat_logprobs_and_top_logprobs(server):
     messages = [{"role": "user", "content": "hello"}]
     r = server["client"].chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
