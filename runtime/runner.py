@@ -38,6 +38,9 @@ from runtime.transfer import HostWork, PinnedReadBack, to_device
 from runtime.verify import accept_by_rejection, commit_by_match, gather_rows, greedy_verdicts, residual_distribution
 
 NON_FINITE_LOGITS = "the target produced non-finite logits (NaN/inf) for this request; it was stopped"
+# rows of a step's prompt logprobs computed at once: a slice's logits [rows, V] float32 (and their log-softmax) bound
+# the memory a long prompt chunk takes (512 rows of a 151,936-token vocabulary: 311 MB each)
+PROMPT_LOGPROB_ROWS = 512
 
 
 def attention_geometry(target: TargetModel) -> AttentionGeometry:
@@ -167,14 +170,21 @@ class ModelRunner:
             first = row_ends[b] - len(r.token_ids) + offset  # a request's fed rows end at row_ends[b]
             index.extend(range(first, first + len(tokens)))
             targets.extend(tokens)
-        logits = self.target.compute_logits(hidden[to_device(index, self.device)])  # [R, V] float32
+        rows, wanted_ids = hidden[to_device(index, self.device)], to_device(targets, self.device)  # [R, d], [R]
+        top = max(max(r.params.prompt_logprobs for _, r in wanted), 1)
+        parts = []  # per slice of PROMPT_LOGPROB_ROWS rows: a long chunk's [R, V] logits never exist at once
+        for start in range(0, len(index), PROMPT_LOGPROB_ROWS):
+            logits = self.target.compute_logits(rows[start:start + PROMPT_LOGPROB_ROWS])  # [r, V] float32
+            if not self.is_leader:
+                continue
+            logp = torch.log_softmax(logits, dim=-1)  # [r, V]
+            chosen = logp.gather(-1, wanted_ids[start:start + PROMPT_LOGPROB_ROWS, None]).squeeze(-1)  # [r]
+            top_lp, top_ids = logp.topk(top, dim=-1)  # [r, N]
+            finite = torch.isfinite(logits.amax(dim=-1))  # [r]: NaN propagates into the max, +inf is the max
+            parts.append((chosen, top_ids, top_lp, finite))
         if not self.is_leader:
             return None
-        logp = torch.log_softmax(logits, dim=-1)  # [R, V]
-        chosen = logp.gather(-1, to_device(targets, self.device)[:, None]).squeeze(-1)  # [R]
-        top_lp, top_ids = logp.topk(max(max(r.params.prompt_logprobs for _, r in wanted), 1), dim=-1)  # [R, N]
-        finite = torch.isfinite(logits.amax(dim=-1))  # [R]: NaN propagates into the max, +inf is the max
-        chosen_h, ids_h, lp_h, finite_h = chosen.tolist(), top_ids.tolist(), top_lp.tolist(), finite.tolist()
+        chosen_h, ids_h, lp_h, finite_h = (torch.cat(column).tolist() for column in zip(*parts))
         out, row = {}, 0
         for b, r in wanted:
             n, count = r.params.prompt_logprobs, len(r.prompt_rows[1])

@@ -177,18 +177,20 @@ class DSparkServer:
     @app.post("/v1/completions")
     async def completions(self, body: protocol.CompletionRequest, request: Request):
         self._check_model(body.model)
-        prompt = body.prompt if isinstance(body.prompt, list) else self._encode(body.prompt)
-        # echo: the prompt as sent (token ids: their text)
-        echo = (body.prompt if isinstance(body.prompt, str) else self._prompt_text(prompt)) if body.echo else None
-        return await self._respond(body, prompt, sampling_params(body, body.max_tokens), "prompt", chat=False,
-                                   echo=echo)
+        sent = body.prompts()
+        prompts = [p if isinstance(p, list) else self._encode(p) for p in sent]
+        # echo: each prompt as sent (token ids: their text)
+        echoes = [p if isinstance(p, str) else self._prompt_text(ids) for p, ids in zip(sent, prompts)] \
+            if body.echo else None
+        return await self._respond(body, prompts, sampling_params(body, body.max_tokens), "prompt", chat=False,
+                                   echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: protocol.ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         prompt = self._chat_prompt(body)
         budget = body.token_budget(max(self.llm.engine.max_model_len - len(prompt), 1))
-        return await self._respond(body, prompt, sampling_params(body, budget), "messages", chat=True)
+        return await self._respond(body, [prompt], sampling_params(body, budget), "messages", chat=True)
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
@@ -259,23 +261,32 @@ class DSparkServer:
             return "".join(protocol.token_text(None, t) for t in prompt)
         return self.tokenizer.decode(prompt)
 
-    async def _respond(self, body, prompt: list[int], params, prompt_field: str, chat: bool,
-                       echo: str | None = None):
-        """Serve one request's samples, whole or streamed. ``echo`` (a completion that echoes its prompt): the
-        prompt's text, which each choice's text (and, with logprobs, its logprobs) starts with."""
+    async def _respond(self, body, prompts: list[list[int]], params, prompt_field: str, chat: bool,
+                       echoes: list[str] | None = None):
+        """Serve one request's prompts' samples, whole or streamed (choice ``p * n + i``: prompt p's sample i).
+        ``echoes`` (a completion that echoes its prompts): each prompt's text, which its choices' text (and, with
+        logprobs, their logprobs) start with."""
         for name, value in (("n", params.n), ("best_of", params.best_of or 0)):
             if value > self.args.max_n:
                 raise ApiError(400, f"{name} must be at most {self.args.max_n} on this server (max_n), got {value}",
                                name)
+        samples = sample_params(params)
+        most = self.args.deployment.max_waiting_requests
+        if len(prompts) * len(samples) > most:  # could never be admitted at once: a 429 would be retried forever
+            raise ApiError(400, f"{len(prompts)} prompts x {len(samples)} samples exceed the {most} requests this "
+                           f"server queues (deployment.max_waiting_requests): send fewer prompts a request",
+                           prompt_field)
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         arrival = time.monotonic()
         # n samples: n engine requests with their own seeds; the later ones wait for the first to compute the
         # prompt and start from its cached pages. A stream's outputs carry only each step's new tokens and logprobs;
         # a whole response needs only the finished output (no O(length) copy a step, no wake-up a step)
         kind = "delta" if body.stream else "final_only"
-        streams = [self.engine.generate(prompt, dataclasses.replace(sample, output_kind=kind), f"{rid}/{i}",
-                                        f"{rid}/0" if i else None, i)
-                   for i, sample in enumerate(sample_params(params))]
+        ids = [f"{rid}/{i}" if len(prompts) == 1 else f"{rid}/{p}/{i}" for p in range(len(prompts))
+               for i in range(len(samples))]  # (stream j: prompt j // samples, sample j % samples)
+        streams = [self.engine.generate(prompt, dataclasses.replace(sample, output_kind=kind),
+                                        ids[p * len(samples) + i], ids[p * len(samples)] if i else None, i)
+                   for p, prompt in enumerate(prompts) for i, sample in enumerate(samples)]
         try:
             # validation errors surface here, before any byte is sent
             firsts = list(await asyncio.gather(*(anext(s) for s in streams)))
@@ -291,7 +302,7 @@ class DSparkServer:
             raise
         timing = {"arrival": arrival, "first": first_token_time(firsts)}
         if body.stream:
-            return StreamingResponse(self._stream(body, rid, prompt, firsts, streams, chat, timing, echo),
+            return StreamingResponse(self._stream(body, rid, prompts, firsts, streams, chat, timing, echoes),
                                      media_type="text/event-stream")
 
         async def last_of(first: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -309,16 +320,17 @@ class DSparkServer:
         timing["first"] = first_token_time(lasts)
         for last in lasts:
             self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
-        usage = protocol.usage(len(prompt), lasts)  # every sample drawn counts, best_of's discarded ones too
+        # every sample drawn counts, best_of's discarded ones too
+        usage = protocol.usage(sum(len(p) for p in prompts), lasts)
         choice = protocol.chat_choice if chat else protocol.completion_choice
+        choices, drawn = [], len(samples)
+        for p, prompt in enumerate(prompts):
+            for out in best_samples(lasts[p * drawn:(p + 1) * drawn], params):
+                entries = out.logprobs if echoes is None else self._echoed(prompt, out, out.logprobs)
+                choices.append(choice(p * params.n + out.index, out.text if echoes is None else echoes[p] + out.text,
+                                      out.finish_reason, self._logprobs(entries, chat)))
         build = protocol.chat_body if chat else protocol.completion_body
-        if echo is not None:
-            return build(rid, body.model, [choice(out.index, echo + out.text, out.finish_reason,
-                                                  self._logprobs(self._echoed(prompt, out, out.logprobs), chat))
-                                           for out in best_samples(lasts, params)], usage)
-        return build(rid, body.model, [choice(out.index, out.text, out.finish_reason,
-                                              self._logprobs(out.logprobs, chat))
-                                       for out in best_samples(lasts, params)], usage)
+        return build(rid, body.model, choices, usage)
 
     @staticmethod
     def _echoed(prompt: list[int], out: RequestOutput, entries):
@@ -335,14 +347,16 @@ class DSparkServer:
             return protocol.chat_logprobs(self.tokenizer, entries)
         return protocol.completion_logprobs(self.tokenizer, entries, text_offset)
 
-    async def _stream(self, body, rid: str, prompt: list[int], firsts: list[RequestOutput],
+    async def _stream(self, body, rid: str, prompts: list[list[int]], firsts: list[RequestOutput],
                       streams: list[AsyncIterator[RequestOutput]], chat: bool, timing: dict,
-                      echo: str | None = None) -> AsyncIterator[str]:
-        """Server-sent chunks of every sample as its steps commit tokens (``index`` says whose), an error event
-        and ``[DONE]`` if anything fails, the usage chunk when asked for, then ``[DONE]``. ``echo``: each sample's
-        first chunk starts with the prompt's text (and its logprobs, which arrive with the first tokens)."""
+                      echoes: list[str] | None = None) -> AsyncIterator[str]:
+        """Server-sent chunks of every sample as its steps commit tokens (``index`` says whose: stream j is choice
+        j, prompt j // n's sample), an error event and ``[DONE]`` if anything fails, the usage chunk when asked for,
+        then ``[DONE]``. ``echoes``: each sample's first chunk starts with its prompt's text (and its logprobs, which
+        arrive with the first tokens)."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         n = len(streams)
+        samples = n // len(prompts)  # each prompt's (a stream never draws more than it answers: no best_of)
         texts = [TextStream(self.tokenizer, body.stop) for _ in range(n)]
         text_offsets, generated = [0] * n, [0] * n  # per sample: completion text its logprobs cover, tokens
         echoed = [False] * n  # per sample: its first chunk (the echoed prompt) was made
@@ -365,9 +379,9 @@ class DSparkServer:
             # each chunk carries the logprobs of the tokens committed since the last one (the delta output's):
             # concatenated, a sample's streamed logprobs are its non-streamed ones
             new = out.logprobs
-            if echo is not None and not echoed[i]:  # this sample's first chunk
-                echoed[i], delta = True, echo + delta
-                new = self._echoed(prompt, out, new)
+            if echoes is not None and not echoed[i]:  # this sample's first chunk
+                echoed[i], delta = True, echoes[i // samples] + delta
+                new = self._echoed(prompts[i // samples], out, new)
             logprobs = self._logprobs(new, chat, text_offsets[i]) if new else None
             if new:
                 if not chat:
@@ -408,7 +422,8 @@ class DSparkServer:
         for count in generated:
             self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), count)
         if body.include_usage:
-            yield sse(protocol.usage_chunk(rid, body.model, kind, protocol.usage(len(prompt), lasts, generated)))
+            yield sse(protocol.usage_chunk(rid, body.model, kind, protocol.usage(sum(len(p) for p in prompts), lasts,
+                                                                                  generated)))
         yield "data: [DONE]\n\n"
 
 

@@ -72,8 +72,13 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+PromptIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(min_length=1)]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(min_length=1)]
+    # one prompt (text or token ids) or a batch of them (OpenAI's four forms): choice p * n + i is prompt p's
+    # sample i
+    prompt: str | PromptIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[PromptIds], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] = 16
     echo: bool = False  # the choice's text (and logprobs) start with the prompt's
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -90,6 +95,12 @@ class CompletionRequest(SamplingFields):
 
     def logprob_count(self) -> int | None:
         return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each text or token ids (a single prompt: a batch of one)."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
     def samples_drawn(self) -> int | None:
         return self.best_of
@@ -133,8 +144,8 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, outs, generated: list[int] | None = None) -> dict:
-    """OpenAI's usage of a request's finished (or last streamed) ``RequestOutput``s, one per sample (the prompt
-    counted once, the samples' tokens summed: ``generated`` per sample where the outputs were deltas), plus our
+    """OpenAI's usage of a request's finished (or last streamed) ``RequestOutput``s, one per sample (each prompt
+    counted once: ``prompt_tokens`` is the request's prompts' tokens; the samples' tokens summed: ``generated`` per sample where the outputs were deltas), plus our
     extension ``dspark``: the drafts the target verified and those it accepted (each accepted draft saved a target
     step; both 0 without a drafter). OpenAI's schema requires only the first three fields, so clients ignore the
     extension."""

@@ -178,6 +178,32 @@ def test_an_echoed_completion_starts_with_its_prompt_and_the_prompts_logprobs(se
     assert bare.choices[0].text == PROMPTS[1] + expected.text and bare.choices[0].logprobs is None
 
 
+def test_a_batch_of_prompts_answers_each_in_order_as_lm_eval_sends_them(server):
+    """OpenAI's batched ``prompt`` (token lists or strings): choice p * n + i is prompt p's sample i; lm-evaluation-
+    harness's loglikelihood payload (``echo``, ``logprobs: 1``, ``max_tokens: 1``, token lists) scores each prompt."""
+    tokenizer, local = server["local"].tokenizer, server["local"]
+    batch = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    payload = {"model": "tiny", "prompt": batch, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+               "echo": True}
+    r = httpx.post(f"{server['base']}/v1/completions", json=payload, timeout=120).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    for ids, choice in zip(batch, r["choices"]):
+        want = local.generate([ids], SamplingParams(max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1))[0]
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(
+            [e.logprob for e in want.prompt_logprobs[1:] + want.logprobs], abs=1e-5)
+    assert r["usage"]["prompt_tokens"] == sum(len(ids) for ids in batch)
+    texts = server["client"].completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=4, temperature=0, n=2)
+    singles = [server["client"].completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0)
+               for p in PROMPTS[:2]]
+    assert [(c.index, c.text) for c in texts.choices] == [(i, singles[i // 2].choices[0].text) for i in range(4)]
+    too_many = httpx.post(f"{server['base']}/v1/completions", json={"model": "tiny", "prompt": [[5]] * 129},
+                          timeout=60)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
+    assert "max_waiting_requests" in too_many.json()["error"]["message"]
+
+
 def test_chat_logprobs_and_top_logprobs(server):
     messages = [{"role": "user", "content": "hello"}]
     r = server["client"].chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
