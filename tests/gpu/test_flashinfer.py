@@ -266,6 +266,25 @@ def test_graphed_steps_equal_eager_steps(wide_target, make_drafter, speculative)
     assert alone == tokens
 
 
+def test_prompt_logprobs_of_graphed_and_piecewise_steps_equal_the_eager_steps(wide_target, make_drafter):
+    """Prompt logprobs read from a prefill graph's or a piecewise graph's hidden states (short and long chunks,
+    beside a drafter) equal the eager engine's (bf16: the same kernels, within rounding)."""
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(wide_target, 4)))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    prompts = PROMPTS + [[(7 * i) % 300 + 3 for i in range(400)]]  # a chunk past the prefill graphs: piecewise
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(str(wide_target), speculative_config=spec, **{**ENGINE, "enforce_eager": eager})
+        runs[eager] = llm.generate(prompts, params)
+        if not eager:
+            assert llm.rank_info()[0]["graph_replays"] > 0
+    for prompt, got, want in zip(prompts, runs[False], runs[True]):
+        assert len(got.prompt_logprobs) == len(prompt) and got.prompt_logprobs[0] is None
+        assert [e.token_id for e in got.prompt_logprobs[1:]] == prompt[1:]
+        lp = torch.tensor([[e.logprob for e in x.prompt_logprobs[1:]] for x in (got, want)])
+        assert torch.isfinite(lp).all() and (lp[0] - lp[1]).abs().max() < 0.1
+
+
 def test_a_broken_row_in_a_graphed_greedy_step_fails_that_request_alone(wide_target, tmp_path):
     """Plain greedy steps read back the one-token graph's verdicts (argmax, -1 for a broken row): one-token prompts
     are served by that graph from their first step, and the one whose embedding is NaN fails alone."""
