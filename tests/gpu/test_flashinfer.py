@@ -271,7 +271,7 @@ def test_prompt_logprobs_of_graphed_and_piecewise_steps_equal_the_eager_steps(wi
     beside a drafter) equal the eager engine's (bf16: the same kernels, within rounding)."""
     spec = DSparkDecodingConfig(speculative_model=str(make_drafter(wide_target, 4)))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
-    prompts = PROMPTS + [[(7 * i) % 300 + 3 for i in range(400)]]  # a chunk past the prefill graphs: piecewise
+    prompts = PROMPTS + [[(7 * i) % 300 + 3 for i in range(400)]]  # a long chunk beside the short ones
     runs = {}
     for eager in (False, True):
         llm = LLM(str(wide_target), speculative_config=spec, **{**ENGINE, "enforce_eager": eager})
