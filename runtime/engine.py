@@ -216,6 +216,9 @@ class Engine:
                              f"pages of {self.pages.page_size}); raise num_pages/kv_cache_memory or lower max_tokens")
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; the model directory has none")
+        if any(token >= vocab for token, _ in params.logit_bias):
+            raise ValueError(f"SamplingParams.logit_bias token ids must be in 0..{vocab - 1} (this model's "
+                             f"vocabulary), got {max(token for token, _ in params.logit_bias)}")
         if self.spec is None:
             return
         if params.uses_penalties and not self.spec.enable_penalty:

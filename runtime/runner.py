@@ -491,8 +491,9 @@ class ModelRunner:
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         num_drafts = to_device(num_drafts_list, dev)  # [S]
         penalized = any(e.penalty_history is not None for e in entries)
+        biased = any(e.params.logit_bias for e in entries)
         greedy = all(e.params.greedy for e in entries)
-        need_logits = penalized or not greedy or any(e.params.logprobs is not None for e in entries)
+        need_logits = penalized or biased or not greedy or any(e.params.logprobs is not None for e in entries)
         logits, top_argmax = self._logits(entries, hidden, row_ends, batch_index, k_max, num_drafts, graphed,
                                           need_logits)
         wanted = [i for i, e in enumerate(entries) if e.params.logprobs is not None] if self.is_leader else []
@@ -503,8 +504,11 @@ class ModelRunner:
                             for e in entries], dev, torch.int64).view(len(entries), k_max)  # [S, K]
         row_params = RowParams.build([e.params for e in entries for _ in range(k_max + 1)], vocab, dev) \
             if penalized or not greedy else None
-        if penalized or not greedy:
+        if penalized or biased or not greedy:
             logits = logits.float()
+        if biased:  # (before penalties, as vLLM's logits processors)
+            logits = logits + logit_bias_rows(entries, vocab, dev)[:, None, :]
+            top_argmax = None
         if penalized:
             logits = self._penalize(logits, entries, drafts, row_params)
             top_argmax = None
@@ -578,3 +582,16 @@ def with_prompt_logprobs(results: list[RequestStepResult],
         elif results[b].error is None:
             results[b].prompt_logprobs = logprobs
     return results
+
+
+def logit_bias_rows(entries: list[ScheduledRequest], vocab: int, device: torch.device) -> torch.Tensor:
+    """[S, V] float32: each entry's ``SamplingParams.logit_bias`` at its tokens, 0 elsewhere."""
+    rows, tokens, values = [], [], []
+    for i, e in enumerate(entries):
+        for token, value in e.params.logit_bias:
+            rows.append(i)
+            tokens.append(token)
+            values.append(value)
+    bias = torch.zeros(len(entries), vocab, device=device)
+    bias[to_device(rows, device), to_device(tokens, device)] = to_device(values, device, torch.float32)
+    return bias

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 MAX_INT32 = 2**31 - 1  # bound of every integer parameter: token counts, top_k and token ids fit a device int32
 MAX_LOGPROBS = 20  # most alternatives ``logprobs`` may ask for per token (OpenAI's top_logprobs bound)
 MAX_N = 128  # most samples ``n`` may ask for per prompt (OpenAI's bound; servers configure a lower one)
+MAX_LOGIT_BIAS = 1024  # most tokens ``logit_bias`` may bias per request
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule): 1/T would overflow the logits
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # vLLM's RequestOutputKind, lower-cased
 
@@ -22,7 +23,9 @@ class SamplingParams:
     vLLM: ``repetition_penalty`` divides positive / multiplies negative logits of every token seen in the
     prompt or output; ``presence_penalty`` and ``frequency_penalty`` subtract from output tokens' logits.
     ``stop`` strings end the output before the string; ``stop_token_ids`` and EOS (unless ``ignore_eos``) end
-    it after the token. ``logprobs`` N (0..``MAX_LOGPROBS``) returns, for every generated token, its
+    it after the token. ``logit_bias`` ({token id: value in [-100, 100]}, OpenAI's field) is added to those tokens'
+    logits before penalties, temperature and filters (-100 all but bans a token, +100 all but forces it); the
+    engine checks the ids against its vocabulary. ``logprobs`` N (0..``MAX_LOGPROBS``) returns, for every generated token, its
     log-probability and the N most likely tokens' (the engine's ``logprobs_mode`` says of which distribution);
     None returns none. ``prompt_logprobs`` N (vLLM's field, 0..``MAX_LOGPROBS``) returns, for every prompt token
     after the first, its log-probability under the target given the tokens before it and the N most likely tokens'
@@ -50,6 +53,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, value), ids ascending
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
@@ -61,6 +65,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias or ()
+        if isinstance(bias, dict):  # (a dict as given: kept sorted by id, as a tuple of pairs: params stay hashable)
+            bias = sorted(bias.items(), key=lambda item: item[0] if _integer(item[0]) else -1)
+        if isinstance(bias, (list, tuple)) and all(isinstance(x, (list, tuple)) and len(x) == 2 for x in bias):
+            object.__setattr__(self, "logit_bias", tuple((t, v) for t, v in bias))
         checks = [
             ("max_tokens", _integer(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32,
              f"an integer in 1..{MAX_INT32}"),
@@ -79,6 +88,8 @@ class SamplingParams:
             ("stop_token_ids", all(_integer(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids),
              f"token ids in 0..{MAX_INT32}"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "a boolean"),
+            ("logit_bias", _logit_bias(self.logit_bias),
+             f"a mapping of at most {MAX_LOGIT_BIAS} distinct token ids (0..{MAX_INT32}) to numbers in [-100, 100]"),
             ("logprobs", self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"None or an integer in 0..{MAX_LOGPROBS}"),
             ("prompt_logprobs", self.prompt_logprobs is None or (_integer(self.prompt_logprobs)
@@ -123,6 +134,16 @@ def _number(x: object) -> bool:
         return math.isfinite(float(x))
     except OverflowError:
         return False
+
+
+def _logit_bias(bias: object) -> bool:
+    """(token id, value) pairs of distinct ids, each value a finite number in [-100, 100]."""
+    if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS:
+        return False
+    if not all(isinstance(x, tuple) and len(x) == 2 and _integer(x[0]) and 0 <= x[0] <= MAX_INT32 and _number(x[1])
+               and -100 <= x[1] <= 100 for x in bias):
+        return False
+    return len({t for t, _ in bias}) == len(bias)
 
 
 def _integer(x: object) -> bool:

@@ -62,8 +62,10 @@ def sampled_entries(reqs: list[ScheduledRequest]) -> list[int]:
 
 
 def greedy_only(entry: ScheduledRequest) -> bool:
-    """Whether ``entry``'s tokens are argmaxes and nothing else: greedy, no logprobs, no penalties."""
-    return entry.params.greedy and entry.params.logprobs is None and entry.penalty_history is None
+    """Whether ``entry``'s tokens are argmaxes of the model's rows and nothing else: greedy, no logprobs, no
+    penalties, no logit bias."""
+    return entry.params.greedy and entry.params.logprobs is None and entry.penalty_history is None \
+        and not entry.params.logit_bias
 
 
 def plain_greedy(entry: ScheduledRequest) -> bool:

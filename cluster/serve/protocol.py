@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from runtime.outputs import TokenLogprob
-from runtime.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_N, SamplingParams
+from runtime.sampling_params import MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -44,6 +44,20 @@ class SamplingFields(BaseModel):
     repetition_penalty: Annotated[float, Field(ge=0.01, le=100)] = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] | None = None
+    # OpenAI's: {token id as a string: a value in [-100, 100]} added to those tokens' logits
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def logit_bias_keys_are_token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens, got {len(v)}")
+        for key in v:
+            if not (key.isascii() and key.isdigit() and int(key) <= MAX_INT32):
+                raise ValueError(f"logit_bias keys must be token ids (decimal integers in 0..{MAX_INT32}), got {key!r}")
+        return v
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -52,7 +66,8 @@ class SamplingFields(BaseModel):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
                               ignore_eos=self.ignore_eos, logprobs=self.logprob_count(), n=self.n,
-                              best_of=self.samples_drawn(), prompt_logprobs=self.prompt_logprob_count())
+                              best_of=self.samples_drawn(), prompt_logprobs=self.prompt_logprob_count(),
+                              logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
 
     def logprob_count(self) -> int | None:
         """How many alternatives per token the request's logprobs ask for; None: no logprobs."""

@@ -204,6 +204,22 @@ def test_a_batch_of_prompts_answers_each_in_order_as_lm_eval_sends_them(server):
     assert "max_waiting_requests" in too_many.json()["error"]["message"]
 
 
+def test_logit_bias_forces_and_bans_tokens_on_both_endpoints(server):
+    """OpenAI's ``logit_bias``: -100 bans the greedy first token (the answer equals the engine's with the same bias),
+    +100 forces a token even when sampling."""
+    local, tokenizer = server["local"], server["local"].tokenizer
+    first = reference(server, PROMPTS[0], 6).token_ids[0]
+    want = local.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0, logit_bias={first: -100}))[0]
+    banned = server["client"].completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                                 logit_bias={str(first): -100})
+    assert want.token_ids[0] != first and banned.choices[0].text == want.text
+    token = tokenizer("a")["input_ids"][-1]
+    forced = server["client"].chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                      max_tokens=4, temperature=0.8, seed=3,
+                                                      logit_bias={str(token): 100})
+    assert forced.choices[0].message.content == tokenizer.decode([token] * 4)
+
+
 def test_chat_logprobs_and_top_logprobs(server):
     messages = [{"role": "user", "content": "hello"}]
     r = server["client"].chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
@@ -286,7 +302,9 @@ def post(server, path, payload, headers=None, raw=None):
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "n": 17}, 400, "n"),  # above the server's max_n (16)
     ({"model": "tiny", "prompt": "x", "n": 129}, 400, "n"),
-    ({"model": "tiny", "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"1": 101}}, 400, "logit_bias.1"),  # the entry named
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"one": 5}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias"),  # past the vocabulary
     ({"model": "tiny"}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
     ({"model": "other", "prompt": "x"}, 404, "model"),

@@ -84,3 +84,28 @@ def test_without_logprobs_outputs_have_none_and_bad_values_are_refused(near_bigr
     assert len(zero.logprobs) == 3 and all(e.top == () for e in zero.logprobs)
     with pytest.raises(ValueError, match="SamplingParams.logprobs must be None or an integer in 0..20"):
         SamplingParams(logprobs=21)
+
+
+def test_logit_bias_moves_greedy_and_sampled_tokens_with_and_without_a_drafter(near_bigram_target, make_drafter):
+    """``logit_bias`` is added to the target's logits before anything else: -100 bans the greedy token everywhere, a
+    bias of +100 forces a token even when sampling, and a drafter changes nothing (exact with and without)."""
+    plain = run(near_bigram_target, params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    banned_tokens = sorted({t for o in plain for t in o.token_ids})[:3]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                            logit_bias={t: -100.0 for t in banned_tokens}, logprobs=1)
+    drafter = make_drafter(near_bigram_target, 3, "vanilla", oracle=True)
+    biased = run(near_bigram_target, params=params)
+    assert all(t not in banned_tokens for o in biased for t in o.token_ids)
+    assert [o.token_ids for o in run(near_bigram_target, drafter, params=params)] == [o.token_ids for o in biased]
+    # raw logprobs (the default) are the model's, before the bias: the banned tokens keep their probability
+    model = model_logprobs(near_bigram_target, PROMPTS[0], biased[0].token_ids)
+    assert biased[0].logprobs[0].logprob == pytest.approx(model[0][biased[0].token_ids[0]].item(), abs=1e-4)
+    forced = SamplingParams(max_tokens=5, temperature=1.0, seed=7, ignore_eos=True, logit_bias={42: 100})
+    for rejection in (False, True):
+        spark = LLM(str(near_bigram_target), speculative_config={"speculative_model": str(drafter),
+                                                                 "use_rejection_sampling": rejection}, **ENGINE)
+        assert all(o.token_ids == [42] * 5 for o in spark.generate(PROMPTS, forced))
+    with pytest.raises(ValueError, match="SamplingParams.logit_bias must be a mapping"):
+        SamplingParams(logit_bias={1: 101})
+    with pytest.raises(ValueError, match=r"logit_bias token ids must be in 0\.\.319"):
+        LLM(str(near_bigram_target), **ENGINE).generate(PROMPTS[:1], SamplingParams(logit_bias={320: 1.0}))
