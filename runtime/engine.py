@@ -83,6 +83,7 @@ class Engine:
         self._arm = getattr(self.executor, "arm", None)  # (Executor: optional) readies it before a step is timed
         self._ran_ahead = False  # the step just scheduled may be launched ahead of its turn
         self.stops = StopCriteria(self._eos_token_ids(), self.tokenizer, self.max_model_len)
+        self.scheduler.eos_token_ids = self.stops.eos_token_ids
         self.metrics = SpecMetrics()
         self.gate = AcceptanceGate(self.spec.acceptance_rate_window_size if self.spec else None,
                                    self.spec.acceptance_rate_threshold if self.spec else None)

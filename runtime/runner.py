@@ -491,7 +491,7 @@ class ModelRunner:
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         num_drafts = to_device(num_drafts_list, dev)  # [S]
         penalized = any(e.penalty_history is not None for e in entries)
-        biased = any(e.params.logit_bias for e in entries)
+        biased = any(e.params.logit_bias for e in entries) or any(e.banned is not None for e in entries)
         greedy = all(e.params.greedy for e in entries)
         need_logits = penalized or biased or not greedy or any(e.params.logprobs is not None for e in entries)
         logits, top_argmax = self._logits(entries, hidden, row_ends, batch_index, k_max, num_drafts, graphed,
@@ -506,8 +506,9 @@ class ModelRunner:
             if penalized or not greedy else None
         if penalized or biased or not greedy:
             logits = logits.float()
-        if biased:  # (before penalties, as vLLM's logits processors)
+        if biased:  # logit bias and min_tokens' banned stop tokens (before penalties, as vLLM's logits processors)
             logits = logits + logit_bias_rows(entries, vocab, dev)[:, None, :]
+            logits = ban_stop_tokens(logits, entries)
             top_argmax = None
         if penalized:
             logits = self._penalize(logits, entries, drafts, row_params)
@@ -593,5 +594,17 @@ def logit_bias_rows(entries: list[ScheduledRequest], vocab: int, device: torch.d
             tokens.append(token)
             values.append(value)
     bias = torch.zeros(len(entries), vocab, device=device)
-    bias[to_device(rows, device), to_device(tokens, device)] = to_device(values, device, torch.float32)
+    if rows:
+        bias[to_device(rows, device, torch.int64), to_device(tokens, device, torch.int64)] = to_device(
+            values, device, torch.float32)
     return bias
+
+
+def ban_stop_tokens(logits: torch.Tensor, entries: list[ScheduledRequest]) -> torch.Tensor:
+    """logits [S, K+1, V] float32 with -inf at each entry's banned tokens in its first banned rows
+    (``ScheduledRequest.banned``: min_tokens not reached)."""
+    for i, e in enumerate(entries):
+        if e.banned is not None:
+            rows, ids = e.banned
+            logits[i, :rows, to_device(list(ids), logits.device, torch.int64)] = float("-inf")
+    return logits

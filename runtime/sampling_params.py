@@ -23,7 +23,9 @@ class SamplingParams:
     vLLM: ``repetition_penalty`` divides positive / multiplies negative logits of every token seen in the
     prompt or output; ``presence_penalty`` and ``frequency_penalty`` subtract from output tokens' logits.
     ``stop`` strings end the output before the string; ``stop_token_ids`` and EOS (unless ``ignore_eos``) end
-    it after the token. ``logit_bias`` ({token id: value in [-100, 100]}, OpenAI's field) is added to those tokens'
+    it after the token. ``min_tokens`` (vLLM's field, at most ``max_tokens``): until that many tokens are out, the
+    stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) are never drawn (their logits are -inf) and
+    stop strings do not end the output. ``logit_bias`` ({token id: value in [-100, 100]}, OpenAI's field) is added to those tokens'
     logits before penalties, temperature and filters (-100 all but bans a token, +100 all but forces it); the
     engine checks the ids against its vocabulary. ``logprobs`` N (0..``MAX_LOGPROBS``) returns, for every generated token, its
     log-probability and the N most likely tokens' (the engine's ``logprobs_mode`` says of which distribution);
@@ -42,6 +44,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -73,6 +76,8 @@ class SamplingParams:
         checks = [
             ("max_tokens", _integer(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32,
              f"an integer in 1..{MAX_INT32}"),
+            ("min_tokens", _integer(self.min_tokens) and 0 <= self.min_tokens <= max(self.max_tokens, 0)
+             if _integer(self.max_tokens) else False, "an integer in 0..max_tokens"),
             ("temperature", _number(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
             ("top_k", _integer(self.top_k) and -1 <= self.top_k <= MAX_INT32,
              f"-1 or 0 (disabled) or an integer in 1..{MAX_INT32}"),

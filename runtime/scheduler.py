@@ -54,6 +54,7 @@ class Scheduler:
         # max_draft_len + 1 the next verify step's (runtime.graphs: plan_next_verify)
         self.lookahead = 0
         self._prefilled_last = False  # prefill apart: the last step was a prefill step
+        self.eos_token_ids: frozenset[int] = frozenset()  # (the engine's) banned below min_tokens unless ignore_eos
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -226,15 +227,19 @@ class Scheduler:
         end = min(num_tokens, seq.num_computed + budget)
         return seq.token_slice(seq.num_computed, end), 0, end == num_tokens
 
-    @staticmethod
-    def _entry(seq: Sequence, tokens: list[int], num_drafts: int, sample: bool) -> ScheduledRequest:
+    def _entry(self, seq: Sequence, tokens: list[int], num_drafts: int, sample: bool) -> ScheduledRequest:
         """The step's plain-data entry for ``seq``, once its pages cover the tokens. ``page_ids`` is the request's
         own list, not a copy (O(pages) a request a step): the scheduler only appends to it while scheduling a later
         step, and a step's entries are read only during that step (a Ray executor pickles them anyway)."""
         history = ((seq.prompt_token_ids, seq.output_token_ids) if sample and seq.params.uses_penalties else None)
         rows = prompt_rows(seq, len(tokens)) if seq.prompt_logprobs is not None and not num_drafts else None
+        banned = None
+        if sample and len(seq.output_token_ids) < seq.params.min_tokens:
+            ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
+            if ids:  # rows 0..num_drafts decide output tokens len(output) + row
+                banned = (seq.params.min_tokens - len(seq.output_token_ids), tuple(sorted(ids)))
         return ScheduledRequest(seq.request_id, tokens, seq.num_computed, seq.page_ids, num_drafts, sample,
-                                seq.params, seq.seed, history, rows)
+                                seq.params, seq.seed, history, rows, banned)
 
     def _waits_for_prefill(self, seq: Sequence) -> bool:
         """True while the sample ``seq`` follows is still computing their shared prompt (with prefix caching,

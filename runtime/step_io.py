@@ -34,6 +34,9 @@ class ScheduledRequest:
     # a prefill chunk of a request that asked for prompt_logprobs: (r, the prompt tokens its rows r, r+1, ..
     # predict), the rows whose prompt logprobs are not yet recorded (a row predicts the prompt's next token)
     prompt_rows: tuple[int, list[int]] | None = None
+    # SamplingParams.min_tokens not reached: (n, ids) -> the first n rows that commit tokens may not draw these
+    # (the stop tokens: their logits are -inf)
+    banned: tuple[int, tuple[int, ...]] | None = None
 
     @property
     def end_position(self) -> int:

@@ -22,15 +22,16 @@ class StopCriteria:
         """For ``tokens`` about to be appended to ``seq`` (which has no stop strings): how many to keep and the
         finish reason after the last kept one (None to go on). The same answer as appending them one by one with
         ``check`` after each: the first stop token ends the output with "stop", unless ``max_tokens`` or
-        ``max_model_len`` is reached before it ("length"; on the same token, "stop")."""
+        ``max_model_len`` is reached before it ("length"; on the same token, "stop"); none before ``min_tokens``."""
         params = seq.params
         stops = self.eos_token_ids if not params.ignore_eos else frozenset()
         if params.stop_token_ids:
             stops = stops | frozenset(params.stop_token_ids)
         room = min(params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
         if stops and not stops.isdisjoint(tokens):  # in C: the usual step holds no stop token
-            first = next(i for i, token in enumerate(tokens) if token in stops)
-            if first < room:
+            early = max(params.min_tokens - len(seq.output_token_ids) - 1, 0)  # tokens that may not stop
+            first = next((i for i, token in enumerate(tokens) if token in stops and i >= early), None)
+            if first is not None and first < room:
                 return first + 1, "stop"
         if room <= len(tokens):
             return max(room, 0), "length"
@@ -40,9 +41,10 @@ class StopCriteria:
         """The finish reason after ``seq``'s last appended token, or None to go on."""
         token = seq.output_token_ids[-1]
         params = seq.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        stoppable = len(seq.output_token_ids) >= params.min_tokens  # (before, its stop tokens were never drawn)
+        if stoppable and (token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)):
             return "stop"
-        if params.stop and self._stop_string_in_tail(seq):
+        if stoppable and params.stop and self._stop_string_in_tail(seq):
             return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -50,13 +52,34 @@ class StopCriteria:
 
     def _stop_string_in_tail(self, seq: Sequence) -> bool:
         window = max(len(s) for s in seq.params.stop) + STOP_WINDOW_SLACK
-        tail = self.tokenizer.decode(seq.output_token_ids[-window:], skip_special_tokens=True)
-        return any(s in tail for s in seq.params.stop)
+        start = max(len(seq.output_token_ids) - window, 0)
+        tail = self.tokenizer.decode(seq.output_token_ids[start:], skip_special_tokens=True)
+        return first_stop(tail, seq.params.stop, self._held_chars(seq, start)) is not None
+
+    def _held_chars(self, seq: Sequence, start: int) -> int:
+        """Characters of the output's text from token ``start`` on that ``min_tokens`` holds: those of its first
+        ``min_tokens - 1`` tokens (a stop string counts only where it ends past them, so once the output may stop,
+        one that was complete before does not end it then)."""
+        held = seq.params.min_tokens - 1
+        if held <= start:
+            return 0
+        return len(self.tokenizer.decode(seq.output_token_ids[start:held], skip_special_tokens=True))
 
     def text(self, seq: Sequence) -> str:
-        """The output text, cut before the earliest stop string."""
+        """The output text, cut before the earliest stop string (of those that end past ``min_tokens``' hold)."""
         if self.tokenizer is None:
             return ""
         text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
-        return text[:min(cuts)] if cuts else text
+        cut = first_stop(text, seq.params.stop, self._held_chars(seq, 0)) if seq.params.stop else None
+        return text if cut is None else text[:cut]
+
+
+def first_stop(text: str, stops, held: int = 0) -> int | None:
+    """Where the earliest occurrence of any of ``stops`` in ``text`` that ends past its first ``held`` characters
+    begins; None without one."""
+    found = []
+    for stop in stops:
+        at = text.find(stop, max(held - len(stop) + 1, 0))
+        if at >= 0:
+            found.append(at)
+    return min(found) if found else None

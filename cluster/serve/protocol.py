@@ -2,7 +2,7 @@
 
 Requests are validated strictly: a parameter we do not implement is refused with a 400 naming it,
 never silently ignored. Beyond OpenAI's fields we accept vLLM's common extras (``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``).
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: Annotated[float, Field(ge=0.01, le=100)] = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_INT32)] = 0  # vLLM's: no stop before this many tokens
     # OpenAI's: {token id as a string: a value in [-100, 100]} added to those tokens' logits
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
 
@@ -61,7 +62,8 @@ class SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+        return SamplingParams(max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
+                              top_k=self.top_k,
                               top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),

@@ -303,6 +303,7 @@ def post(server, path, payload, headers=None, raw=None):
     ({"model": "tiny", "prompt": "x", "n": 17}, 400, "n"),  # above the server's max_n (16)
     ({"model": "tiny", "prompt": "x", "n": 129}, 400, "n"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"1": 101}}, 400, "logit_bias.1"),  # the entry named
+    ({"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"one": 5}}, 400, "logit_bias"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias"),  # past the vocabulary
     ({"model": "tiny"}, 400, "prompt"),
@@ -581,7 +582,7 @@ def json_values():
 
 FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "stream", "stream_options",
           "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-          "stop_token_ids", "n", "best_of", "logprobs", "top_logprobs", "user", "echo", "logit_bias"]
+          "stop_token_ids", "n", "best_of", "logprobs", "top_logprobs", "user", "echo", "logit_bias", "min_tokens"]
 
 
 @st.composite
