@@ -768,7 +768,7 @@ class Engine:
                              finish_reason=seq.finish_reason, new_token_ids=new_token_ids,
                              num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens,
                              logprobs=logprobs, index=seq.index, first_token_time=seq.first_token_time,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, num_cached_tokens=seq.num_cached_tokens)
 
     @property
     def num_waiting(self) -> int:

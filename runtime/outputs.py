@@ -32,6 +32,7 @@ class RequestOutput:
     # one per prompt token when SamplingParams.prompt_logprobs is set (the first None: nothing precedes it); with
     # output_kind "delta" only in the output that carries the first generated tokens
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (vLLM's field)
 
     @property
     def finished(self) -> bool:

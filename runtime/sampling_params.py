@@ -25,7 +25,9 @@ class SamplingParams:
     ``stop`` strings end the output before the string; ``stop_token_ids`` and EOS (unless ``ignore_eos``) end
     it after the token. ``min_tokens`` (vLLM's field, at most ``max_tokens``): until that many tokens are out, the
     stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) are never drawn (their logits are -inf) and
-    stop strings do not end the output. ``logit_bias`` ({token id: value in [-100, 100]}, OpenAI's field) is added to those tokens'
+    stop strings do not end the output. ``include_stop_str_in_output`` keeps the stop string that ended the output
+    in its text; ``skip_special_tokens`` False keeps special tokens in the text (and in what stop strings are looked
+    for in). ``logit_bias`` ({token id: value in [-100, 100]}, OpenAI's field) is added to those tokens'
     logits before penalties, temperature and filters (-100 all but bans a token, +100 all but forces it); the
     engine checks the ids against its vocabulary. ``logprobs`` N (0..``MAX_LOGPROBS``) returns, for every generated token, its
     log-probability and the N most likely tokens' (the engine's ``logprobs_mode`` says of which distribution);
@@ -56,6 +58,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, value), ids ascending
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -93,6 +97,8 @@ class SamplingParams:
             ("stop_token_ids", all(_integer(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids),
              f"token ids in 0..{MAX_INT32}"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "a boolean"),
+            ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "a boolean"),
+            ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "a boolean"),
             ("logit_bias", _logit_bias(self.logit_bias),
              f"a mapping of at most {MAX_LOGIT_BIAS} distinct token ids (0..{MAX_INT32}) to numbers in [-100, 100]"),
             ("logprobs", self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),

@@ -196,6 +196,8 @@ class Scheduler:
             self.pages.take(cached)
             self.pages.num_queried_tokens += seq.num_tokens if self.pages.caching else 0
             self.pages.num_hit_tokens += seq.num_computed
+            if not seq.num_preemptions:  # (a readmission finds its own pages: not the client's cached prompt)
+                seq.num_cached_tokens = seq.num_computed
             seq.page_ids, seq.num_registered_pages = cached, len(cached)
             seq.status = Status.RUNNING
             self.running.append(seq)

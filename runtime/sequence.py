@@ -39,6 +39,7 @@ class Sequence:
     verify_history: int = 0  # HISTORY_NONE
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache (not computed)
     num_draft_tokens: int = 0  # drafts verified for this request (as counted in the engine's metrics)
     num_accepted_tokens: int = 0
     output_logprobs: list | None = None  # TokenLogprob per output token, when params.logprobs is set

@@ -53,7 +53,7 @@ class StopCriteria:
     def _stop_string_in_tail(self, seq: Sequence) -> bool:
         window = max(len(s) for s in seq.params.stop) + STOP_WINDOW_SLACK
         start = max(len(seq.output_token_ids) - window, 0)
-        tail = self.tokenizer.decode(seq.output_token_ids[start:], skip_special_tokens=True)
+        tail = self.tokenizer.decode(seq.output_token_ids[start:], skip_special_tokens=seq.params.skip_special_tokens)
         return first_stop(tail, seq.params.stop, self._held_chars(seq, start)) is not None
 
     def _held_chars(self, seq: Sequence, start: int) -> int:
@@ -63,23 +63,29 @@ class StopCriteria:
         held = seq.params.min_tokens - 1
         if held <= start:
             return 0
-        return len(self.tokenizer.decode(seq.output_token_ids[start:held], skip_special_tokens=True))
+        return len(self.tokenizer.decode(seq.output_token_ids[start:held],
+                                         skip_special_tokens=seq.params.skip_special_tokens))
 
     def text(self, seq: Sequence) -> str:
-        """The output text, cut before the earliest stop string (of those that end past ``min_tokens``' hold)."""
+        """The output text, cut before the earliest stop string (of those that end past ``min_tokens``' hold), or
+        after it with ``include_stop_str_in_output``."""
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        cut = first_stop(text, seq.params.stop, self._held_chars(seq, 0)) if seq.params.stop else None
-        return text if cut is None else text[:cut]
+        params = seq.params
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        found = first_stop(text, params.stop, self._held_chars(seq, 0)) if params.stop else None
+        if found is None:
+            return text
+        at, stop = found
+        return text[:at + len(stop)] if params.include_stop_str_in_output else text[:at]
 
 
-def first_stop(text: str, stops, held: int = 0) -> int | None:
-    """Where the earliest occurrence of any of ``stops`` in ``text`` that ends past its first ``held`` characters
-    begins; None without one."""
+def first_stop(text: str, stops, held: int = 0) -> tuple[int, str] | None:
+    """The earliest occurrence of any of ``stops`` in ``text`` that ends past its first ``held`` characters: (where
+    it begins, which stop); None without one."""
     found = []
     for stop in stops:
         at = text.find(stop, max(held - len(stop) + 1, 0))
         if at >= 0:
-            found.append(at)
+            found.append((at, stop))
     return min(found) if found else None

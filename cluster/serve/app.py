@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import importlib.metadata
 import json
 import re
 import threading
@@ -173,6 +174,10 @@ class DSparkServer:
     async def models(self, request: Request) -> dict:
         return {"object": "list", "data": [{"id": self.args.model_name, "object": "model", "created": 0,
                                             "owned_by": "dspark"}]}
+
+    @app.get("/version")
+    async def version(self) -> dict:
+        return {"version": importlib.metadata.version("dspark")}
 
     @app.post("/v1/completions")
     async def completions(self, body: protocol.CompletionRequest, request: Request):
@@ -357,7 +362,7 @@ class DSparkServer:
         kind = "chat.completion.chunk" if chat else "text_completion"
         n = len(streams)
         samples = n // len(prompts)  # each prompt's (a stream never draws more than it answers: no best_of)
-        texts = [TextStream(self.tokenizer, body.stop) for _ in range(n)]
+        texts = [TextStream(self.tokenizer, body.stop, body.skip_special_tokens) for _ in range(n)]
         text_offsets, generated = [0] * n, [0] * n  # per sample: completion text its logprobs cover, tokens
         echoed = [False] * n  # per sample: its first chunk (the echoed prompt) was made
         lasts = list(firsts)

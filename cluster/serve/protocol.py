@@ -2,7 +2,8 @@
 
 Requests are validated strictly: a parameter we do not implement is refused with a 400 naming it,
 never silently ignored. Beyond OpenAI's fields we accept vLLM's common extras (``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``).
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``,
+``skip_special_tokens``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=MAX_INT32)] = 0  # vLLM's: no stop before this many tokens
+    include_stop_str_in_output: bool = False  # vLLM's
+    skip_special_tokens: bool = True  # vLLM's
     # OpenAI's: {token id as a string: a value in [-100, 100]} added to those tokens' logits
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
 
@@ -68,6 +71,8 @@ class SamplingFields(BaseModel):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
                               ignore_eos=self.ignore_eos, logprobs=self.logprob_count(), n=self.n,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens,
                               best_of=self.samples_drawn(), prompt_logprobs=self.prompt_logprob_count(),
                               logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
 
@@ -162,13 +167,15 @@ def new_id(prefix: str) -> str:
 
 def usage(prompt_tokens: int, outs, generated: list[int] | None = None) -> dict:
     """OpenAI's usage of a request's finished (or last streamed) ``RequestOutput``s, one per sample (each prompt
-    counted once: ``prompt_tokens`` is the request's prompts' tokens; the samples' tokens summed: ``generated`` per sample where the outputs were deltas), plus our
-    extension ``dspark``: the drafts the target verified and those it accepted (each accepted draft saved a target
-    step; both 0 without a drafter). OpenAI's schema requires only the first three fields, so clients ignore the
-    extension."""
+    counted once: ``prompt_tokens`` is the request's prompts' tokens; the samples' tokens summed: ``generated`` per
+    sample where the outputs were deltas), ``prompt_tokens_details.cached_tokens`` (the prompt tokens the prefix
+    cache held when each prompt's first sample was admitted), plus our extension ``dspark``: the drafts the target
+    verified and those it accepted (each accepted draft saved a target step; both 0 without a drafter). OpenAI's
+    schema requires only the first three fields, so clients ignore the extension."""
     completion_tokens = sum(generated) if generated is not None else sum(len(out.token_ids) for out in outs)
+    cached = sum(out.num_cached_tokens for out in outs if out.index == 0)  # each prompt's, as its first sample found
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached},
             "dspark": {"draft_tokens": sum(out.num_draft_tokens for out in outs),
                        "accepted_draft_tokens": sum(out.num_accepted_tokens for out in outs)}}
 

@@ -19,9 +19,10 @@ class TextStream:
     character), so a stream costs O(new tokens) a step instead of decoding its whole output again.
     """
 
-    def __init__(self, tokenizer, stop: str | list[str] | None):
+    def __init__(self, tokenizer, stop: str | list[str] | None, skip_special_tokens: bool = True):
         stops = [stop] if isinstance(stop, str) else (stop or [])
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens  # (SamplingParams': the finished text decodes alike)
         self.holdback = max((len(s) for s in stops), default=1) - 1
         self.sent = 0  # characters sent
         self.text = ""  # the running output's text decoded so far
@@ -46,8 +47,9 @@ class TextStream:
         """Append the text of ``ids[read_offset:]`` unless it ends in a partial character (then wait for more)."""
         if len(ids) <= self.read_offset:
             return
-        known = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        grown = self.tokenizer.decode(ids[self.prefix_offset:], skip_special_tokens=True)
+        known = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset],
+                                      skip_special_tokens=self.skip_special_tokens)
+        grown = self.tokenizer.decode(ids[self.prefix_offset:], skip_special_tokens=self.skip_special_tokens)
         if len(grown) > len(known) and not grown.endswith(REPLACEMENT):
             self.text += grown[len(known):]
             self.prefix_offset, self.read_offset = self.read_offset, len(ids)

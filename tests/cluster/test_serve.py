@@ -80,6 +80,9 @@ def reference(server, prompt: str, max_tokens: int):
 
 def test_models(server):
     assert [m.id for m in server["client"].models.list().data] == ["tiny"]
+    import importlib.metadata
+
+    assert httpx.get(f"{server['base']}/version", timeout=30).json() == {"version": importlib.metadata.version("dspark")}
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -94,6 +97,19 @@ def test_completion_equals_runtime_greedy(server, prompt):
     assert r.usage.model_extra["dspark"] == {"draft_tokens": expected.num_draft_tokens,
                                              "accepted_draft_tokens": expected.num_accepted_tokens}
     assert expected.num_accepted_tokens > 0
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(server):
+    """``usage.prompt_tokens_details.cached_tokens``: none for a new prompt, its full pages (4 tokens each here)
+    when the same prompt comes again; ``include_stop_str_in_output`` and ``skip_special_tokens`` are accepted too."""
+    prompt = "cached prefix: " + "abcdefgh" * 6
+    first = server["client"].completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    again = server["client"].completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                                extra_body={"include_stop_str_in_output": True,
+                                                            "skip_special_tokens": False})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == (again.usage.prompt_tokens - 1) // 4 * 4 and cached > 0
 
 
 def test_streaming_equals_non_streaming_with_exact_usage(server):

@@ -91,3 +91,21 @@ def test_a_stop_string_counts_only_where_it_ends_past_the_min_tokens_hold(near_b
             if first is None and stops.check(seq) is not None:
                 first = i + 1
         assert first == stopped_at and stops.text(seq) == text, min_tokens
+
+
+def test_the_stop_string_and_special_tokens_stay_in_the_text_when_asked(near_bigram_target):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(near_bigram_target))
+    stops = StopCriteria(frozenset(), tokenizer, max_model_len=100)
+    ids = [tokenizer.convert_tokens_to_ids(c) for c in "ab"] + [tokenizer.eos_token_id] + \
+        [tokenizer.convert_tokens_to_ids(c) for c in "cXd"]
+    for include, skip, text in ((False, True, "abc"), (True, True, "abcX"), (True, False, "ab<eos>cX"),
+                                (False, False, "ab<eos>c")):
+        params = SamplingParams(max_tokens=20, stop=("X",), include_stop_str_in_output=include,
+                                skip_special_tokens=skip, ignore_eos=True)
+        seq = Sequence("r", [5], params, 0, arrival=0)
+        seq.output_token_ids = list(ids)
+        assert stops.text(seq) == text, (include, skip)
+    with pytest.raises(ValueError, match="SamplingParams.skip_special_tokens must be a boolean"):
+        SamplingParams(skip_special_tokens=1)
