@@ -86,7 +86,8 @@ class LLM:
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None):
         """Yield the request's snapshot after every step that committed tokens for it (the last one finished)."""
-        request_id = self.engine.add_request(runtime_llm.token_ids(self.engine, prompt), params or SamplingParams())
+        request_id = self.engine.add_request(runtime_llm.token_ids(self.engine, prompt),
+                                             params or self.engine.default_sampling_params())
         while True:
             for out in self.engine.step():
                 if out.request_id == request_id:
@@ -105,6 +106,10 @@ class LLM:
     def health(self, timeout_s: float = 30.0) -> list[dict]:
         """Ask every actor; raises ``ReplicaFailure`` if one is dead or does not answer within ``timeout_s``."""
         return self.engine.executor.health(timeout_s)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """Like ``runtime.LLM.get_default_sampling_params``."""
+        return self.engine.default_sampling_params()
 
     def get_metrics(self) -> dict:
         return self.engine.get_metrics()

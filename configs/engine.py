@@ -79,6 +79,11 @@ class LLMConfig(BaseModel):
         "prefill step followed by a decode step while requests decode (SGLang's default): each kind replays a CUDA "
         "graph, where a mixed step runs eagerly (on an H200 at 64 requests 1.7-2.4x the graphed verify step). "
         "Outputs are the same either way.")
+    generation_config: Literal["auto", "none"] = Field(
+        default="auto", description="Default sampling parameters: auto (vLLM's default) takes what the model's "
+        "generation_config.json sets (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as "
+        "max_tokens) for every request that leaves them unset; none keeps the engine's own (temperature 1, no "
+        "filters, max_tokens 16 in Python, as OpenAI's API).")
     logprobs_mode: Literal["raw", "processed"] = Field(
         default="raw", description="What a request's logprobs are: raw (the target model's log-softmax, before "
         "penalties, temperature and filters; vLLM's default) or processed (the distribution each token was drawn "

@@ -24,6 +24,7 @@ from configs.checkpoint import read_model_config
 from runtime.confidence_scheduler import (ConfidenceScheduler, ConfidenceStats, history_classes, next_history,
                                           read_calibration)
 from runtime.executor import Executor, LocalExecutor
+from runtime.generation_defaults import model_sampling_defaults
 from runtime.graph_layout import graphed_q_len
 from runtime.loader import load_hf_config
 from runtime.metrics import AcceptanceGate, SpecMetrics
@@ -66,6 +67,8 @@ class Engine:
         self.has_drafter = self.spec is not None
         self.vocab_size = int(self.model_config.vocab_size)
         self.tokenizer = self._load_tokenizer()
+        # the model's default sampling parameters (generation_config auto), checked against this engine at startup
+        self.sampling_defaults = model_sampling_defaults(config.model) if config.generation_config == "auto" else {}
         self.max_model_len = config.max_model_len or int(self.model_config.max_position_embeddings)
         self.pages = PageAllocator(self.executor.num_pages, config.page_size, caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens,
@@ -84,6 +87,7 @@ class Engine:
         self._ran_ahead = False  # the step just scheduled may be launched ahead of its turn
         self.stops = StopCriteria(self._eos_token_ids(), self.tokenizer, self.max_model_len)
         self.scheduler.eos_token_ids = self.stops.eos_token_ids
+        self._check_sampling_defaults()
         self.metrics = SpecMetrics()
         self.gate = AcceptanceGate(self.spec.acceptance_rate_window_size if self.spec else None,
                                    self.spec.acceptance_rate_threshold if self.spec else None)
@@ -200,6 +204,20 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request that sets nothing samples with: the model's defaults (``sampling_defaults``) over the
+        engine's own."""
+        return SamplingParams(**self.sampling_defaults)
+
+    def _check_sampling_defaults(self) -> None:
+        """The model's default sampling parameters must be ones this engine serves (a speculative configuration may
+        refuse penalties or filters): else every request that sets nothing would fail."""
+        try:
+            self.validate_params(self.default_sampling_params())
+        except ValueError as exc:
+            raise ValueError(f"the model's generation_config.json sets default sampling parameters this engine "
+                             f"refuses ({exc}); set generation_config: none, or allow them") from None
+
     def validate_request(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming what makes this request unservable. Reads only immutable engine state,
         so other threads may call it."""
@@ -215,6 +233,11 @@ class Engine:
         if self.pages.pages_for(longest) > self.pages.num_pages:
             raise ValueError(f"prompt + max_tokens ({longest} tokens) exceeds the KV cache ({self.pages.num_pages} "
                              f"pages of {self.pages.page_size}); raise num_pages/kv_cache_memory or lower max_tokens")
+        self.validate_params(params)
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the parameter this engine cannot serve (whatever the prompt)."""
+        vocab = self.vocab_size
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; the model directory has none")
         if any(token >= vocab for token, _ in params.logit_bias):

@@ -14,8 +14,11 @@ from runtime.sampling_params import SamplingParams
 Prompts = Seq[str] | Seq[Seq[int]]
 
 
-def per_prompt_params(num_prompts: int, sampling_params: SamplingParams | Seq[SamplingParams] | None) -> list:
-    params = sampling_params if sampling_params is not None else SamplingParams()
+def per_prompt_params(num_prompts: int, sampling_params: SamplingParams | Seq[SamplingParams] | None,
+                      default: SamplingParams | None = None) -> list:
+    """One SamplingParams per prompt: ``sampling_params`` (one for all, or one each), or ``default`` (the engine's
+    ``default_sampling_params``: the model's defaults) when None."""
+    params = sampling_params if sampling_params is not None else (default or SamplingParams())
     per_prompt = [params] * num_prompts if isinstance(params, SamplingParams) else list(params)
     if len(per_prompt) != num_prompts:
         raise ValueError(f"sampling_params has {len(per_prompt)} entries for {num_prompts} prompts")
@@ -76,7 +79,7 @@ def generate(engine: Engine, prompts: Prompts, sampling_params=None) -> list[Req
     asking for ``n`` samples yields n outputs in a row (``index`` 0..n-1); its samples share its prefill."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    params = per_prompt_params(len(prompts), sampling_params)
+    params = per_prompt_params(len(prompts), sampling_params, engine.default_sampling_params())
     ids, groups = [], []  # groups: per prompt, the request ids of its samples
     try:
         for prompt, p in zip(prompts, params):
@@ -120,6 +123,11 @@ class LLM:
         """One output per prompt, in order. Prompts are strings (tokenized with the target's tokenizer)
         or token-id lists; ``sampling_params`` is one for all or one per prompt."""
         return generate(self.engine, prompts, sampling_params)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no SamplingParams (vLLM's name): the model's
+        generation_config.json defaults (``generation_config`` auto) over the engine's own."""
+        return self.engine.default_sampling_params()
 
     def get_metrics(self) -> dict:
         return self.engine.get_metrics()

@@ -88,9 +88,10 @@ def failure(exc: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
 
-def sampling_params(body: protocol.SamplingFields, max_tokens: int) -> SamplingParams:
+def sampling_params(body: protocol.SamplingFields, max_tokens: int, defaults: dict) -> SamplingParams:
+    """The request's SamplingParams, the model's ``defaults`` where it set nothing; a 400 for a bad value."""
     try:
-        return body.sampling_params(max_tokens)
+        return body.sampling_params(max_tokens, defaults)
     except ValueError as exc:
         raise request_error(exc, "prompt") from None
 
@@ -187,15 +188,21 @@ class DSparkServer:
         # echo: each prompt as sent (token ids: their text)
         echoes = [p if isinstance(p, str) else self._prompt_text(ids) for p, ids in zip(sent, prompts)] \
             if body.echo else None
-        return await self._respond(body, prompts, sampling_params(body, body.max_tokens), "prompt", chat=False,
+        defaults = self.llm.engine.sampling_defaults
+        # max_tokens unset: the model's max_new_tokens if it sets one, else OpenAI's 16
+        budget = defaults["max_tokens"] if "max_tokens" in defaults and "max_tokens" not in body.model_fields_set \
+            else body.max_tokens
+        return await self._respond(body, prompts, sampling_params(body, budget, defaults), "prompt", chat=False,
                                    echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: protocol.ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         prompt = self._chat_prompt(body)
-        budget = body.token_budget(max(self.llm.engine.max_model_len - len(prompt), 1))
-        return await self._respond(body, [prompt], sampling_params(body, budget), "messages", chat=True)
+        defaults, room = self.llm.engine.sampling_defaults, max(self.llm.engine.max_model_len - len(prompt), 1)
+        # unset: the model's max_new_tokens if it sets one (within the context left), else the context left
+        budget = body.token_budget(min(defaults.get("max_tokens", room), room))
+        return await self._respond(body, [prompt], sampling_params(body, budget, defaults), "messages", chat=True)
 
     @app.get("/health")
     async def health(self) -> JSONResponse:

@@ -63,11 +63,14 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias keys must be token ids (decimal integers in 0..{MAX_INT32}), got {key!r}")
         return v
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+        """The request's SamplingParams; ``defaults`` (the model's, ``Engine.sampling_defaults``) fill the
+        sampling fields the request left unset (``max_tokens``: the caller's)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
-                              top_k=self.top_k,
-                              top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+        unset = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set}
+        chosen = {name: unset.get(name, getattr(self, name))
+                  for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
+        return SamplingParams(max_tokens=max_tokens, min_tokens=self.min_tokens, **chosen,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
                               ignore_eos=self.ignore_eos, logprobs=self.logprob_count(), n=self.n,
@@ -156,6 +159,7 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_budget(self, default: int) -> int:
+        """max_completion_tokens, else max_tokens, else ``default``."""
         return self.max_completion_tokens or self.max_tokens or default
 
 
