@@ -180,6 +180,38 @@ class DSparkServer:
     async def version(self) -> dict:
         return {"version": importlib.metadata.version("dspark")}
 
+    @app.post("/tokenize")
+    async def tokenize(self, body: protocol.TokenizeRequest) -> dict:
+        """vLLM's: ``{"count", "max_model_len", "tokens"}`` of a prompt or a chat."""
+        if body.model is not None:
+            self._check_model(body.model)
+        if body.messages is not None:
+            ids = self._chat_prompt(body, body.add_generation_prompt)
+        else:
+            ids = self._encode(body.prompt, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.llm.engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: protocol.DetokenizeRequest) -> dict:
+        """vLLM's: ``{"prompt"}``, the tokens' text."""
+        if body.model is not None:
+            self._check_model(body.model)
+        tokenizer = self._tokenizer("tokens")
+        vocab = self.llm.engine.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise ApiError(400, f"tokens must be ids in 0..{vocab - 1} (this model's vocabulary)", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(self) -> dict:
+        """vLLM's: the tokenizer's class, special tokens, chat template and the longest sequence served (what
+        lm-evaluation-harness's remote tokenizer reads)."""
+        tokenizer = self._tokenizer(None)
+        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
+                "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
+                "chat_template": getattr(tokenizer, "chat_template", None),
+                "model_max_length": self.llm.engine.max_model_len}
+
     @app.post("/v1/completions")
     async def completions(self, body: protocol.CompletionRequest, request: Request):
         self._check_model(body.model)
@@ -245,23 +277,29 @@ class DSparkServer:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.args.model_name!r}",
                            "model", "model_not_found")
 
-    def _encode(self, text: str) -> list[int]:
+    def _tokenizer(self, param: str | None):
+        """The model's tokenizer, or a 400 (naming ``param``) for a model without one."""
         if self.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+            raise ApiError(400, "this model has no tokenizer: send token ids", param)
+        return self.tokenizer
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self._tokenizer("prompt")
         check_unicode(text, "prompt")
         try:
-            return list(self.tokenizer(text)["input_ids"])
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         except Exception as exc:  # the tokenizer refused this text: the request's fault, nobody else's
             raise ApiError(400, f"the tokenizer cannot encode this prompt: {exc}", "prompt") from None
 
-    def _chat_prompt(self, body: protocol.ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, body, add_generation_prompt: bool = True) -> list[int]:
+        """``body.messages`` through the chat template (a 400 naming what it cannot render)."""
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         for i, message in enumerate(messages):
             for key in ("content", "name"):
                 if key in message:
                     check_unicode(message[key], f"messages.{i}.{key}")
         try:
-            return chat_token_ids(self.tokenizer, messages)
+            return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
         except ValueError as exc:
             raise ApiError(400, f"{exc}; use /v1/completions", "messages") from None
         except Exception as exc:  # a template or tokenizer error about these messages

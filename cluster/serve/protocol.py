@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from runtime.outputs import TokenLogprob
 from runtime.sampling_params import MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, SamplingParams
@@ -161,6 +161,32 @@ class ChatCompletionRequest(SamplingFields):
     def token_budget(self, default: int) -> int:
         """max_completion_tokens, else max_tokens, else ``default``."""
         return self.max_completion_tokens or self.max_tokens or default
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a prompt's token ids (``add_special_tokens`` as the completions endpoint encodes:
+    True), or a chat's through the chat template (``add_generation_prompt`` as chat completions: True)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def prompt_or_messages(self):
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``/detokenize``: token ids as text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_INT32)]]
 
 
 # ---- responses ------------------------------------------------------------------------------

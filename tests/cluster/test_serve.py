@@ -703,3 +703,24 @@ def test_a_dead_shard_is_rebuilt_without_traffic(server):
     expected = reference(server, PROMPTS[0], 12)
     r = server["client"].completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
     assert r.choices[0].text == expected.text
+
+
+def test_the_tokenizer_endpoints_answer_as_vllms_for_lm_eval(server):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (lm-evaluation-harness's remote tokenizer reads them): the
+    engine's own token ids, their text, the chat template's ids; bad tokens and unknown models are 400 / 404."""
+    base, tokenizer = server["base"], server["local"].tokenizer
+    r = httpx.post(f"{base}/tokenize", json={"prompt": PROMPTS[0], "add_special_tokens": False}, timeout=30).json()
+    assert r["tokens"] == tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"] and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 256
+    chat = httpx.post(f"{base}/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+                      timeout=30).json()
+    assert chat["tokens"] == list(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                                add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert httpx.post(f"{base}/detokenize", json={"tokens": r["tokens"]}, timeout=30).json() == {"prompt": PROMPTS[0]}
+    info = httpx.get(f"{base}/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == tokenizer.chat_template
+    bad = httpx.post(f"{base}/detokenize", json={"tokens": [10**6]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.post(f"{base}/tokenize", json={"model": "other", "prompt": "x"}, timeout=30).status_code == 404
+    neither = httpx.post(f"{base}/tokenize", json={"add_special_tokens": True}, timeout=30)
+    assert neither.status_code == 400
