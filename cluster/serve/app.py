@@ -176,6 +176,11 @@ class DSparkServer:
         return {"object": "list", "data": [{"id": self.args.model_name, "object": "model", "created": 0,
                                             "owned_by": "dspark"}]}
 
+    @app.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request) -> dict:
+        self._check_model(model)
+        return {"id": model, "object": "model", "created": 0, "owned_by": "dspark"}
+
     @app.get("/version")
     async def version(self) -> dict:
         return {"version": importlib.metadata.version("dspark")}
@@ -410,6 +415,7 @@ class DSparkServer:
         texts = [TextStream(self.tokenizer, body.stop, body.skip_special_tokens) for _ in range(n)]
         text_offsets, generated = [0] * n, [0] * n  # per sample: completion text its logprobs cover, tokens
         echoed = [False] * n  # per sample: its first chunk (the echoed prompt) was made
+        prompt_tokens = sum(len(p) for p in prompts)
         lasts = list(firsts)
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -438,8 +444,11 @@ class DSparkServer:
                     text_offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             if not (delta or reason or logprobs):
                 return None
-            return sse(protocol.chat_chunk(rid, body.model, {"content": delta}, reason, logprobs, i) if chat
-                       else protocol.completion_chunk(rid, body.model, delta, reason, logprobs, i))
+            payload = protocol.chat_chunk(rid, body.model, {"content": delta}, reason, logprobs, i) if chat \
+                else protocol.completion_chunk(rid, body.model, delta, reason, logprobs, i)
+            if body.continuous_usage:
+                payload["usage"] = protocol.usage(prompt_tokens, lasts, generated)
+            return sse(payload)
 
         pumps = [asyncio.create_task(pump(i)) for i in range(n) if not firsts[i].finished]
         try:
@@ -472,8 +481,7 @@ class DSparkServer:
         for count in generated:
             self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), count)
         if body.include_usage:
-            yield sse(protocol.usage_chunk(rid, body.model, kind, protocol.usage(sum(len(p) for p in prompts), lasts,
-                                                                                  generated)))
+            yield sse(protocol.usage_chunk(rid, body.model, kind, protocol.usage(prompt_tokens, lasts, generated)))
         yield "data: [DONE]\n\n"
 
 

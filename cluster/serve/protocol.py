@@ -21,6 +21,8 @@ from runtime.sampling_params import MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    # vLLM's: every chunk also carries the usage so far (the request's prompts and the tokens streamed until then)
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):
@@ -95,6 +97,10 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 PromptIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(min_length=1)]

@@ -83,6 +83,9 @@ def test_models(server):
     import importlib.metadata
 
     assert httpx.get(f"{server['base']}/version", timeout=30).json() == {"version": importlib.metadata.version("dspark")}
+    assert server["client"].models.retrieve("tiny").id == "tiny"
+    missing = httpx.get(f"{server['base']}/v1/models/org/other", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -234,6 +237,15 @@ def test_logit_bias_forces_and_bans_tokens_on_both_endpoints(server):
                                                       max_tokens=4, temperature=0.8, seed=3,
                                                       logit_bias={str(token): 100})
     assert forced.choices[0].message.content == tokenizer.decode([token] * 4)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
+    chunks = list(server["client"].completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counted = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counted == sorted(counted) and counted[-1] == chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
 
 
 def test_chat_logprobs_and_top_logprobs(server):
