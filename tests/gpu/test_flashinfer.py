@@ -285,6 +285,30 @@ def test_prompt_logprobs_of_graphed_and_piecewise_steps_equal_the_eager_steps(wi
         assert torch.isfinite(lp).all() and (lp[0] - lp[1]).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_biased_and_min_tokens_requests_leave_the_argmax_paths_and_equal_eager(wide_target, make_drafter,
+                                                                               speculative):
+    """logit_bias and min_tokens' banned stop tokens change the target's rows, so such requests skip the graphs'
+    argmax verdicts (greedy decode, verify, packed) and verify from the logits: graphed equals eager, beside plain
+    requests that keep the fast paths."""
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(wide_target, 4))) if speculative else None
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    first = [o.token_ids[0] for o in LLM(str(wide_target), speculative_config=spec, **ENGINE).generate(PROMPTS, plain)]
+    params = [dataclasses.replace(plain, logit_bias={t: -100.0}) if i % 2 else
+              dataclasses.replace(plain, min_tokens=12, stop_token_ids=(first[i],)) if i % 3 == 0 else plain
+              for i, t in enumerate(first)]
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(str(wide_target), speculative_config=spec, **{**ENGINE, "enforce_eager": eager})
+        runs[eager] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert runs[False] == runs[True]
+    for i, tokens in enumerate(runs[False]):
+        if i % 2:
+            assert first[i] not in tokens
+        elif i % 3 == 0:
+            assert len(tokens) >= 12 and first[i] not in tokens[:11]
+
+
 def test_a_broken_row_in_a_graphed_greedy_step_fails_that_request_alone(wide_target, tmp_path):
     """Plain greedy steps read back the one-token graph's verdicts (argmax, -1 for a broken row): one-token prompts
     are served by that graph from their first step, and the one whose embedding is NaN fails alone."""
