@@ -785,7 +785,9 @@ class Engine:
             logprobs = every[len(every) - len(new_token_ids):] if delta else list(every)
         prompt_logprobs = None
         if seq.prompt_logprobs is not None and (not delta or len(seq.output_token_ids) == len(new_token_ids)):
-            prompt_logprobs = list(seq.prompt_logprobs)  # (deltas: once, with the first generated tokens)
+            # (deltas: once, with the first generated tokens). Complete and never changed again once a token is out
+            # (a recomputed prompt records nothing twice), so every output shares the one list: no O(prompt) copy
+            prompt_logprobs = seq.prompt_logprobs
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
                              token_ids=list(new_token_ids) if delta else list(seq.output_token_ids), text=text,
                              finish_reason=seq.finish_reason, new_token_ids=new_token_ids,
