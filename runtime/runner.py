@@ -603,8 +603,14 @@ def logit_bias_rows(entries: list[ScheduledRequest], vocab: int, device: torch.d
 def ban_stop_tokens(logits: torch.Tensor, entries: list[ScheduledRequest]) -> torch.Tensor:
     """logits [S, K+1, V] float32 with -inf at each entry's banned tokens in its first banned rows
     (``ScheduledRequest.banned``: min_tokens not reached)."""
+    at = ([], [], [])  # (entry, row, token) of every banned logit: one index_put for the step, not one per entry
     for i, e in enumerate(entries):
         if e.banned is not None:
             rows, ids = e.banned
-            logits[i, :rows, to_device(list(ids), logits.device, torch.int64)] = float("-inf")
+            for r in range(min(rows, logits.shape[1])):
+                at[0].extend([i] * len(ids))
+                at[1].extend([r] * len(ids))
+                at[2].extend(ids)
+    if at[0]:
+        logits[tuple(to_device(x, logits.device, torch.int64) for x in at)] = float("-inf")
     return logits
