@@ -170,11 +170,12 @@ class ModelRunner:
             first = row_ends[b] - len(r.token_ids) + offset  # a request's fed rows end at row_ends[b]
             index.extend(range(first, first + len(tokens)))
             targets.extend(tokens)
-        rows, wanted_ids = hidden[to_device(index, self.device)], to_device(targets, self.device)  # [R, d], [R]
+        states = hidden[to_device(index, self.device, torch.int64)]  # [R, d]
+        wanted_ids = to_device(targets, self.device, torch.int64)  # [R]
         top = max(max(r.params.prompt_logprobs for _, r in wanted), 1)
         parts = []  # per slice of PROMPT_LOGPROB_ROWS rows: a long chunk's [R, V] logits never exist at once
         for start in range(0, len(index), PROMPT_LOGPROB_ROWS):
-            logits = self.target.compute_logits(rows[start:start + PROMPT_LOGPROB_ROWS])  # [r, V] float32
+            logits = self.target.compute_logits(states[start:start + PROMPT_LOGPROB_ROWS])  # [r, V] float32
             if not self.is_leader:
                 continue
             logp = torch.log_softmax(logits, dim=-1)  # [r, V]
@@ -188,9 +189,9 @@ class ModelRunner:
         out, row = {}, 0
         for b, r in wanted:
             n, count = r.params.prompt_logprobs, len(r.prompt_rows[1])
-            rows = range(row, row + count)
-            out[b] = [TokenLogprob(targets[i], chosen_h[i], tuple(zip(ids_h[i][:n], lp_h[i][:n]))) for i in rows] \
-                if all(finite_h[i] for i in rows) else None
+            span = range(row, row + count)
+            out[b] = [TokenLogprob(targets[i], chosen_h[i], tuple(zip(ids_h[i][:n], lp_h[i][:n]))) for i in span] \
+                if all(finite_h[i] for i in span) else None
             row += count
         return out
 
