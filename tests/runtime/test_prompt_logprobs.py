@@ -82,3 +82,20 @@ def test_delta_outputs_carry_the_prompt_logprobs_once_and_bad_values_are_refused
     check(near_bigram_target, PROMPTS[0], carrying[0].prompt_logprobs, 0)
     with pytest.raises(ValueError, match="SamplingParams.prompt_logprobs must be None or an integer in 0..20"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_a_prompt_row_that_is_not_finite_fails_its_request_alone(near_bigram_target, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(near_bigram_target, poisoned)
+    weights = load_file(str(poisoned / "model.safetensors"))
+    weights["model.embed_tokens.weight"][7] = float("nan")
+    save_file(weights, str(poisoned / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(str(poisoned), max_num_batched_tokens=4, **ENGINE)  # the NaN row's chunk is not the last one
+    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=1)
+    broken, fine = llm.generate([[5, 7, 8, 9, 10, 11, 12], PROMPTS[1]], params)
+    assert broken.finish_reason == "error" and "non-finite" in broken.error and broken.prompt_logprobs is None
+    check(near_bigram_target, PROMPTS[1], fine.prompt_logprobs, 1)
