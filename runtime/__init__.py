@@ -7,6 +7,6 @@ configures a request.
 from runtime.engine import Engine
 from runtime.llm import LLM
 from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, StructuredOutputs
 
-__all__ = ["LLM", "Engine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "Engine", "RequestOutput", "SamplingParams", "StructuredOutputs"]

@@ -25,6 +25,7 @@ from runtime.confidence_scheduler import (ConfidenceScheduler, ConfidenceStats, 
                                           read_calibration)
 from runtime.executor import Executor, LocalExecutor
 from runtime.generation_defaults import model_sampling_defaults
+from runtime.grammar import GrammarBackend
 from runtime.graph_layout import graphed_q_len
 from runtime.loader import load_hf_config
 from runtime.metrics import AcceptanceGate, SpecMetrics
@@ -120,6 +121,7 @@ class Engine:
         self._turn = 0  # the group the next step serves
         self._host_work = None  # the executor's HostWork where confidence scheduling defers its learning there
         self._deferred = False  # the step's decision was deferred (allot_deferred)
+        self._grammar_backend: GrammarBackend | None = None  # structured outputs' compiler (_grammars)
         if self.spec is not None and self.spec.enable_confidence_scheduling:
             self.confidence = self._confidence_scheduler()
             host_work = getattr(self.executor, "host_work", None)  # (Executor: optional)
@@ -197,12 +199,28 @@ class Engine:
         seq = Sequence(request_id, list(prompt_token_ids), params, seed, arrival=next(self._arrivals), index=index)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first token has no logprob: nothing precedes it
+        if params.structured_outputs is not None:  # (a schema xgrammar refuses: ValueError, nothing queued)
+            seq.grammar = self._grammars().matcher(params.structured_outputs)
         leader = self.sequences.get(follows) if follows is not None else None
         if leader is not None and leader.prompt_token_ids == seq.prompt_token_ids:
             seq.follows = leader
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def _grammars(self) -> GrammarBackend:
+        """The grammar compiler of structured outputs, built on first use (xgrammar is optional)."""
+        if self._grammar_backend is None:
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size)
+        return self._grammar_backend
+
+    def _mask_grammars(self, scheduled: list[ScheduledRequest]) -> None:
+        """Each structured request's token masks for the rows it commits this step (``runtime.grammar``)."""
+        for entry in scheduled:
+            seq = self.sequences.get(entry.request_id)
+            if entry.sample and seq is not None and seq.grammar is not None:
+                drafts = entry.token_ids[len(entry.token_ids) - entry.num_drafts:] if entry.num_drafts else []
+                entry.token_mask = self._grammar_backend.row_masks(seq.grammar, drafts)
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request that sets nothing samples with: the model's defaults (``sampling_defaults``) over the
@@ -240,6 +258,8 @@ class Engine:
         vocab = self.vocab_size
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; the model directory has none")
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("SamplingParams.structured_outputs needs a tokenizer; the model directory has none")
         if any(token >= vocab for token, _ in params.logit_bias):
             raise ValueError(f"SamplingParams.logit_bias token ids must be in 0..{vocab - 1} (this model's "
                              f"vocabulary), got {max(token for token, _ in params.logit_bias)}")
@@ -343,6 +363,8 @@ class Engine:
                 self.confidence.serial = serial  # (the next step is priced as running as this one does)
                 self._allot_verify_lengths(group, kind)
             scheduled = self.scheduler.schedule(group, admit, kind)
+            if self._grammar_backend is not None:
+                self._mask_grammars(scheduled)
             next_verify_len, next_packed = self._next_verify(scheduled) if self.has_drafter and scheduled else (0, None)
             self._ran_ahead = self._runs_ahead and (self._steady_verify(scheduled, next_verify_len)
                                                     if self.has_drafter and next_verify_len
@@ -720,7 +742,10 @@ class Engine:
             else entry.end_position
         if seq.first_token_time is None and result.token_ids:
             seq.first_token_time = time.monotonic()
-        tokens = result.token_ids
+        tokens, complete = result.token_ids, False
+        if seq.grammar is not None and tokens:  # (what the grammar took: up to the token that completed it)
+            taken, complete = self._grammar_backend.accepted(seq.grammar, tokens)
+            tokens = tokens[:taken]
         if not seq.params.stop:  # no stop strings: the cut is found over the step's tokens at once
             kept, reason = self.stops.cut(seq, tokens)
             seq.output_token_ids.extend(tokens[:kept])
@@ -734,6 +759,8 @@ class Engine:
             if seq.output_logprobs is None:
                 seq.output_logprobs = []
             seq.output_logprobs.extend(result.logprobs[:kept])
+        if reason is None and complete and kept == len(tokens):
+            reason = "stop"  # the grammar is complete: nothing may follow
         if reason is not None:
             self.scheduler.finish(seq, reason)
         else:

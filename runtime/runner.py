@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
 from configs import DSparkDecodingConfig
 from runtime.confidence_scheduler import CONFIDENCE_SCALE, confidence_from_ints
 from runtime.draft_channel import DraftChannel, Proposal, receive_features, send_features
+from runtime.grammar import unpack_masks
 from runtime.graphs import GraphedTargetForward, GraphOutputs
 from runtime.piecewise import PiecewiseTargetForward
 from runtime.kernels import AttentionGeometry, KernelBackend
@@ -492,7 +494,7 @@ class ModelRunner:
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         num_drafts = to_device(num_drafts_list, dev)  # [S]
         penalized = any(e.penalty_history is not None for e in entries)
-        biased = any(e.params.logit_bias for e in entries) or any(e.banned is not None for e in entries)
+        biased = any(e.params.logit_bias or e.banned is not None or e.token_mask is not None for e in entries)
         greedy = all(e.params.greedy for e in entries)
         need_logits = penalized or biased or not greedy or any(e.params.logprobs is not None for e in entries)
         logits, top_argmax = self._logits(entries, hidden, row_ends, batch_index, k_max, num_drafts, graphed,
@@ -509,7 +511,7 @@ class ModelRunner:
             logits = logits.float()
         if biased:  # logit bias and min_tokens' banned stop tokens (before penalties, as vLLM's logits processors)
             logits = logits + logit_bias_rows(entries, vocab, dev)[:, None, :]
-            logits = ban_stop_tokens(logits, entries)
+            logits = mask_by_grammar(ban_stop_tokens(logits, entries), entries)
             top_argmax = None
         if penalized:
             logits = self._penalize(logits, entries, drafts, row_params)
@@ -614,4 +616,22 @@ def ban_stop_tokens(logits: torch.Tensor, entries: list[ScheduledRequest]) -> to
                 at[2].extend(ids)
     if at[0]:
         logits[tuple(to_device(x, logits.device, torch.int64) for x in at)] = float("-inf")
+    return logits
+
+
+def mask_by_grammar(logits: torch.Tensor, entries: list[ScheduledRequest]) -> torch.Tensor:
+    """logits [S, K+1, V] float32 with -inf where each structured entry's grammar refuses a token, at the rows its
+    ``token_mask`` covers (``runtime.grammar``): one host-to-device copy and one masked write for the step."""
+    owners, rows, words = [], [], []
+    for i, e in enumerate(entries):
+        if e.token_mask is not None:
+            n = min(len(e.token_mask), logits.shape[1])
+            owners.extend([i] * n)
+            rows.extend(range(n))
+            words.append(e.token_mask[:n])
+    if not owners:
+        return logits
+    allowed = unpack_masks(torch.from_numpy(np.concatenate(words)).to(logits.device), logits.shape[-1])  # [R, V]
+    at = (to_device(owners, logits.device, torch.int64), to_device(rows, logits.device, torch.int64))
+    logits[at] = logits[at].masked_fill(~allowed, float("-inf"))
     return logits

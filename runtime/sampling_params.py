@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -11,6 +12,27 @@ MAX_N = 128  # most samples ``n`` may ask for per prompt (OpenAI's bound; server
 MAX_LOGIT_BIAS = 1024  # most tokens ``logit_bias`` may bias per request
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule): 1/T would overflow the logits
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # vLLM's RequestOutputKind, lower-cased
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """What a request's output must be (vLLM's ``StructuredOutputsParams``, the JSON part): ``json``, a JSON schema
+    (as text), or ``json_object`` True: any JSON object. Exactly one; enforced by xgrammar (``runtime.grammar``)."""
+
+    json: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.json_object, bool) or (self.json is None) == (not self.json_object):
+            raise ValueError("SamplingParams.structured_outputs must give exactly one of json (a JSON schema) or "
+                             "json_object=True")
+        if self.json is not None:
+            try:
+                schema = json.loads(self.json) if isinstance(self.json, str) else None
+            except ValueError:
+                schema = None
+            if not isinstance(schema, dict):
+                raise ValueError("SamplingParams.structured_outputs.json must be a JSON schema object, as text")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +51,10 @@ class SamplingParams:
     in its text; ``skip_special_tokens`` False keeps special tokens in the text (and in what stop strings are looked
     for in). ``logit_bias`` ({token id: value in [-100, 100]}, OpenAI's field) is added to those tokens'
     logits before penalties, temperature and filters (-100 all but bans a token, +100 all but forces it); the
-    engine checks the ids against its vocabulary. ``logprobs`` N (0..``MAX_LOGPROBS``) returns, for every generated token, its
-    log-probability and the N most likely tokens' (the engine's ``logprobs_mode`` says of which distribution);
+    engine checks the ids against its vocabulary. ``structured_outputs`` (``StructuredOutputs``) holds the output
+    to a JSON schema or to any JSON object: at each position only the tokens the grammar allows can be drawn, and
+    the output ends ("stop") once the grammar is complete. ``logprobs`` N (0..``MAX_LOGPROBS``) returns, for every
+    generated token, its log-probability and the N most likely tokens' (the engine's ``logprobs_mode`` says of which distribution);
     None returns none. ``prompt_logprobs`` N (vLLM's field, 0..``MAX_LOGPROBS``) returns, for every prompt token
     after the first, its log-probability under the target given the tokens before it and the N most likely tokens'
     (always the raw distribution: no temperature, filter or penalty applies to a prompt; the first token has none,
@@ -61,6 +85,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, value), ids ascending
+    structured_outputs: StructuredOutputs | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
@@ -99,6 +124,8 @@ class SamplingParams:
             ("ignore_eos", isinstance(self.ignore_eos, bool), "a boolean"),
             ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "a boolean"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "a boolean"),
+            ("structured_outputs", self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputs), "None or a StructuredOutputs"),
             ("logit_bias", _logit_bias(self.logit_bias),
              f"a mapping of at most {MAX_LOGIT_BIAS} distinct token ids (0..{MAX_INT32}) to numbers in [-100, 100]"),
             ("logprobs", self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),

@@ -37,6 +37,9 @@ class ScheduledRequest:
     # SamplingParams.min_tokens not reached: (n, ids) -> the first n rows that commit tokens may not draw these
     # (the stop tokens: their logits are -inf)
     banned: tuple[int, tuple[int, ...]] | None = None
+    # SamplingParams.structured_outputs: [rows, ceil(V / 32)] int32, the tokens its grammar allows at each row that
+    # commits a token (runtime.grammar.row_masks; numpy, on the host)
+    token_mask: object | None = None
 
     @property
     def end_position(self) -> int:

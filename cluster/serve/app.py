@@ -109,6 +109,7 @@ def request_error(exc: ValueError, prompt_field: str) -> ApiError:
     text = str(exc)
     field = SAMPLING_FIELD.search(text)
     param = field.group(1) if field else (prompt_field if text.startswith("prompt") else None)
+    param = {"structured_outputs": "response_format"}.get(param, param)  # (the API's name for it)
     return ApiError(400, text, param, "context_length_exceeded" if "max_model_len" in text else "invalid_value")
 
 

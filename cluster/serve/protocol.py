@@ -8,14 +8,15 @@ never silently ignored. Beyond OpenAI's fields we accept vLLM's common extras (`
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from runtime.outputs import TokenLogprob
-from runtime.sampling_params import MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, SamplingParams
+from runtime.sampling_params import MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputs
 
 
 class StreamOptions(BaseModel):
@@ -23,6 +24,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
     # vLLM's: every chunk also carries the usage so far (the request's prompts and the tokens streamed until then)
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: the schema the output must fit (``strict`` is how it is enforced
+    anyway: a grammar allows only fitting tokens)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    json_schema: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (anything), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format.json_schema is given with type json_schema, and only then")
+        return self
+
+    def structured_outputs(self) -> StructuredOutputs | None:
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputs(json=json.dumps(self.json_schema.json_schema))
+        return None
 
 
 class SamplingFields(BaseModel):
@@ -52,6 +85,7 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True  # vLLM's
     # OpenAI's: {token id as a string: a value in [-100, 100]} added to those tokens' logits
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -79,7 +113,9 @@ class SamplingFields(BaseModel):
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               skip_special_tokens=self.skip_special_tokens,
                               best_of=self.samples_drawn(), prompt_logprobs=self.prompt_logprob_count(),
-                              logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
+                              logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                              structured_outputs=self.response_format.structured_outputs()
+                              if self.response_format is not None else None)
 
     def logprob_count(self) -> int | None:
         """How many alternatives per token the request's logprobs ask for; None: no logprobs."""

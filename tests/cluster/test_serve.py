@@ -248,6 +248,24 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
     assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
 
 
+def test_response_format_holds_both_endpoints_to_json(server):
+    """OpenAI's ``response_format`` (xgrammar): a json_schema answer parses and fits, a json_object answer starts
+    an object; a json_schema type without its schema is a 400 naming response_format."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = server["client"].chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=30, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert chat.choices[0].finish_reason == "stop" and set(json.loads(chat.choices[0].message.content)) == {"ok"}
+    obj = server["client"].completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                              extra_body={"response_format": {"type": "json_object"}})
+    assert obj.choices[0].text.startswith("{")
+    bad = httpx.post(f"{server['base']}/v1/completions", timeout=30, json={
+        "model": "tiny", "prompt": "x", "response_format": {"type": "json_schema"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("response_format")
+
+
 def test_chat_logprobs_and_top_logprobs(server):
     messages = [{"role": "user", "content": "hello"}]
     r = server["client"].chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
@@ -611,7 +629,7 @@ def json_values():
 FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "stream", "stream_options",
           "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
           "stop_token_ids", "n", "best_of", "logprobs", "top_logprobs", "user", "echo", "logit_bias", "min_tokens",
-          "include_stop_str_in_output", "skip_special_tokens"]
+          "include_stop_str_in_output", "skip_special_tokens", "response_format"]
 
 
 @st.composite

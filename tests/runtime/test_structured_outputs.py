@@ -1,0 +1,65 @@
+"""Structured outputs (``SamplingParams.structured_outputs``, xgrammar): every output the grammar completes is JSON
+that fits the schema, greedy and sampled; a drafter changes no token (its drafts are verified against the masked
+rows, so a draft the grammar refuses is rejected); bad schemas are refused naming the field."""
+
+import json
+
+import pytest
+
+from runtime import LLM, SamplingParams, StructuredOutputs
+
+ENGINE = dict(dtype="float32", device="cpu", num_pages=256, page_size=4)
+PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [3]]
+SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
+def test_outputs_fit_the_schema_with_and_without_a_drafter(near_bigram_target, make_drafter):
+    pytest.importorskip("xgrammar")
+    wanted = StructuredOutputs(json=json.dumps(SCHEMA))
+    greedy = SamplingParams(max_tokens=40, temperature=0, structured_outputs=wanted)
+    plain = LLM(str(near_bigram_target), **ENGINE)
+    outs = plain.generate(PROMPTS, greedy)
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        value = json.loads(out.text)
+        assert value["a"] in ("x", "yy") and isinstance(value["b"], bool) and set(value) == {"a", "b"}
+    drafter = make_drafter(near_bigram_target, 3, "vanilla", oracle=True)
+    for rejection in (False, True):
+        spark = LLM(str(near_bigram_target), speculative_config={"speculative_model": str(drafter),
+                                                                 "use_rejection_sampling": rejection}, **ENGINE)
+        assert [o.token_ids for o in spark.generate(PROMPTS, greedy)] == [o.token_ids for o in outs]
+        assert spark.get_metrics()["num_draft_tokens"] > 0
+        sampled = spark.generate(PROMPTS * 3, SamplingParams(max_tokens=40, temperature=1.0, seed=4,
+                                                             structured_outputs=wanted))
+        for out in sampled:
+            assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"a", "b"}
+    objects = plain.generate(PROMPTS, SamplingParams(max_tokens=60, temperature=0,
+                                                     structured_outputs=StructuredOutputs(json_object=True)))
+    for out in objects:  # any JSON object (a random model may run out of tokens inside one: "length")
+        assert out.text.startswith("{")
+        if out.finish_reason == "stop":
+            assert isinstance(json.loads(out.text), dict)
+
+
+def test_bad_structured_outputs_are_refused_naming_the_field(near_bigram_target):
+    with pytest.raises(ValueError, match="exactly one of json"):
+        StructuredOutputs()
+    with pytest.raises(ValueError, match="structured_outputs.json must be a JSON schema object"):
+        StructuredOutputs(json="[1, 2")
+    pytest.importorskip("xgrammar")
+    llm = LLM(str(near_bigram_target), **ENGINE)
+    with pytest.raises(ValueError, match="SamplingParams.structured_outputs: xgrammar cannot compile"):
+        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputs(
+            json=json.dumps({"type": "object", "properties": {"a": {"type": "no-such-type"}}}))))
+    assert not llm.engine.sequences  # nothing was queued
+
+
+def test_without_xgrammar_a_structured_request_is_refused_naming_what_to_install(near_bigram_target, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # (an import of it now fails, as where it is not installed)
+    llm = LLM(str(near_bigram_target), **ENGINE)
+    with pytest.raises(ValueError, match=r"SamplingParams.structured_outputs needs xgrammar.*dspark\[structured\]"):
+        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputs(json_object=True)))
+    assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].token_ids  # other requests are served
