@@ -69,6 +69,26 @@ def test_tp2_matches_the_single_process_engine(ray_cluster, near_bigram_target, 
     free_cpus_return()
 
 
+def test_structured_outputs_over_tp2_with_a_separate_drafter_equal_one_process(ray_cluster, near_bigram_target,
+                                                                                 drafter):
+    """The grammar's row masks cross the step's wire to every rank and the separate drafter's replica (xgrammar,
+    where installed)."""
+    pytest.importorskip("xgrammar")
+    from runtime import StructuredOutputs
+
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=30, temperature=0, structured_outputs=StructuredOutputs(json=json.dumps(schema)))
+    spec = DSparkDecodingConfig(speculative_model=str(drafter))
+    want = [o.token_ids for o in LocalLLM(str(near_bigram_target), speculative_config=spec, **ENGINE).generate(
+        PROMPTS, params)]
+    with LLM(str(near_bigram_target), speculative_config=spec, tensor_parallel_size=2, drafter="separate",
+             **ENGINE) as llm:
+        outs = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == want and all(o.finish_reason == "stop" for o in outs)
+    free_cpus_return()
+
+
 @pytest.mark.parametrize("backend", ["VANILLA", "DENSEGEMM"])
 def test_tp2_moe_target_equals_transformers_and_every_rank_reports_its_backend(ray_cluster, moe_target,
                                                                                make_drafter, backend):
