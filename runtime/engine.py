@@ -211,7 +211,7 @@ class Engine:
     def _grammars(self) -> GrammarBackend:
         """The grammar compiler of structured outputs, built on first use (xgrammar is optional)."""
         if self._grammar_backend is None:
-            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size)
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, sorted(self.stops.eos_token_ids))
         return self._grammar_backend
 
     def _mask_grammars(self, scheduled: list[ScheduledRequest]) -> None:

@@ -27,13 +27,16 @@ INSTALL = "SamplingParams.structured_outputs needs xgrammar, which is not instal
 class GrammarBackend:
     """The engine's grammar compiler over its tokenizer (compiled grammars cached by xgrammar per schema)."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None):
+        """``stop_token_ids``: the engine's end-of-sequence ids (its generation config's, all of them): the tokens
+        that complete a grammar (xgrammar alone would take the tokenizer's one EOS)."""
         try:
             import xgrammar
         except ImportError:
             raise ValueError(INSTALL) from None
         self.xgr = xgrammar
-        self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                            stop_token_ids=stop_token_ids or None)
         self.compiler = xgrammar.GrammarCompiler(self.info)
         self.words = (vocab_size + 31) // 32  # int32 words of a row's mask
 
