@@ -29,6 +29,7 @@ MODEL_FLAGS = {
     "max_num_seqs": ("engine", "max_num_seqs"), "kv_cache_memory": ("engine", "kv_cache_memory"),
     "enable_mixed_prefill": ("engine", "enable_mixed_prefill"),
     "piecewise_cuda_graphs": ("engine", "piecewise_cuda_graphs"),
+    "generation_config": ("engine", "generation_config"),
     "moe_backend": ("engine", "moe_backend"), "speculative_moe_backend": ("speculative", "moe_backend"),
     "speculative_model": ("speculative", "speculative_model"), "max_draft_len": ("speculative", "max_draft_len"),
     "use_rejection_sampling": ("speculative", "use_rejection_sampling"),
@@ -73,6 +74,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="auto (default), cpu, cuda")
     p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, help="requests decoding at once (default 64)")
+    p.add_argument("--generation-config", choices=["auto", "none"],
+                   help="default sampling parameters: auto (default, as vLLM) takes what the model's "
+                   "generation_config.json sets for every request that leaves them unset; none keeps the engine's "
+                   "own (temperature 1, no filters)")
     p.add_argument("--kv-cache-memory", type=int, help="bytes for KV pages per process")
     p.add_argument("--enable-mixed-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="let a step feed prompt chunks beside decoding requests (default); --no-enable-mixed-prefill: "

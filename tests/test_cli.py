@@ -173,6 +173,7 @@ def test_prefill_apart_and_piecewise_graphs_are_serve_flags(qwen3_target):
 
     assert engine().enable_mixed_prefill and not engine("--no-enable-mixed-prefill").enable_mixed_prefill
     assert engine().piecewise_cuda_graphs and not engine("--no-piecewise-cuda-graphs").piecewise_cuda_graphs
+    assert engine().generation_config == "auto" and engine("--generation-config", "none").generation_config == "none"
 
 
 def test_idle_parking_is_a_serve_flag(qwen3_target, capsys):
