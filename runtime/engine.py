@@ -260,6 +260,9 @@ class Engine:
             raise ValueError("SamplingParams.stop needs a tokenizer; the model directory has none")
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("SamplingParams.structured_outputs needs a tokenizer; the model directory has none")
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
+            raise ValueError(f"SamplingParams.allowed_token_ids must be in 0..{vocab - 1} (this model's vocabulary), "
+                             f"got {max(params.allowed_token_ids)}")
         if any(token >= vocab for token, _ in params.logit_bias):
             raise ValueError(f"SamplingParams.logit_bias token ids must be in 0..{vocab - 1} (this model's "
                              f"vocabulary), got {max(token for token, _ in params.logit_bias)}")

@@ -494,7 +494,8 @@ class ModelRunner:
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         num_drafts = to_device(num_drafts_list, dev)  # [S]
         penalized = any(e.penalty_history is not None for e in entries)
-        biased = any(e.params.logit_bias or e.banned is not None or e.token_mask is not None for e in entries)
+        biased = any(e.params.logit_bias or e.banned is not None or e.token_mask is not None
+                     or e.params.allowed_token_ids is not None for e in entries)
         greedy = all(e.params.greedy for e in entries)
         need_logits = penalized or biased or not greedy or any(e.params.logprobs is not None for e in entries)
         logits, top_argmax = self._logits(entries, hidden, row_ends, batch_index, k_max, num_drafts, graphed,
@@ -589,7 +590,8 @@ def with_prompt_logprobs(results: list[RequestStepResult],
 
 
 def logit_bias_rows(entries: list[ScheduledRequest], vocab: int, device: torch.device) -> torch.Tensor:
-    """[S, V] float32: each entry's ``SamplingParams.logit_bias`` at its tokens, 0 elsewhere."""
+    """[S, V] float32: each entry's ``SamplingParams.logit_bias`` at its tokens, 0 elsewhere; with
+    ``allowed_token_ids``, -inf at every token not listed."""
     rows, tokens, values = [], [], []
     for i, e in enumerate(entries):
         for token, value in e.params.logit_bias:
@@ -600,6 +602,13 @@ def logit_bias_rows(entries: list[ScheduledRequest], vocab: int, device: torch.d
     if rows:
         bias[to_device(rows, device, torch.int64), to_device(tokens, device, torch.int64)] = to_device(
             values, device, torch.float32)
+    limited = [(i, e.params.allowed_token_ids) for i, e in enumerate(entries) if e.params.allowed_token_ids]
+    if limited:
+        keep = torch.zeros(len(entries), vocab, dtype=torch.bool, device=device)
+        at = ([i for i, ids in limited for _ in ids], [t for _, ids in limited for t in ids])
+        keep[tuple(to_device(x, device, torch.int64) for x in at)] = True
+        listed = to_device([i for i, _ in limited], device, torch.int64)
+        bias[listed] = bias[listed].masked_fill(~keep[listed], float("-inf"))
     return bias
 
 

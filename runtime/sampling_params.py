@@ -51,7 +51,8 @@ class SamplingParams:
     in its text; ``skip_special_tokens`` False keeps special tokens in the text (and in what stop strings are looked
     for in). ``logit_bias`` ({token id: value in [-100, 100]}, OpenAI's field) is added to those tokens'
     logits before penalties, temperature and filters (-100 all but bans a token, +100 all but forces it); the
-    engine checks the ids against its vocabulary. ``structured_outputs`` (``StructuredOutputs``) holds the output
+    engine checks the ids against its vocabulary. ``allowed_token_ids`` (vLLM's field) lets only those tokens be
+    drawn (every other logit -inf; the stop tokens too, unless listed). ``structured_outputs`` (``StructuredOutputs``) holds the output
     to a JSON schema or to any JSON object: at each position only the tokens the grammar allows can be drawn, and
     the output ends ("stop") once the grammar is complete. ``logprobs`` N (0..``MAX_LOGPROBS``) returns, for every
     generated token, its log-probability and the N most likely tokens' (the engine's ``logprobs_mode`` says of which distribution);
@@ -86,6 +87,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, value), ids ascending
     structured_outputs: StructuredOutputs | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
@@ -97,6 +99,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if isinstance(self.allowed_token_ids, list):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         bias = self.logit_bias or ()
         if isinstance(bias, dict):  # (a dict as given: kept sorted by id, as a tuple of pairs: params stay hashable)
             bias = sorted(bias.items(), key=lambda item: item[0] if _integer(item[0]) else -1)
@@ -124,6 +128,10 @@ class SamplingParams:
             ("ignore_eos", isinstance(self.ignore_eos, bool), "a boolean"),
             ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "a boolean"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "a boolean"),
+            ("allowed_token_ids", self.allowed_token_ids is None or (
+                isinstance(self.allowed_token_ids, tuple) and 0 < len(self.allowed_token_ids) <= MAX_LOGIT_BIAS
+                and all(_integer(t) and 0 <= t <= MAX_INT32 for t in self.allowed_token_ids)),
+             f"None or 1..{MAX_LOGIT_BIAS} token ids in 0..{MAX_INT32}"),
             ("structured_outputs", self.structured_outputs is None
              or isinstance(self.structured_outputs, StructuredOutputs), "None or a StructuredOutputs"),
             ("logit_bias", _logit_bias(self.logit_bias),

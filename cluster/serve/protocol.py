@@ -86,6 +86,8 @@ class SamplingFields(BaseModel):
     # OpenAI's: {token id as a string: a value in [-100, 100]} added to those tokens' logits
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's: only these tokens may be drawn
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(min_length=1)] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -115,7 +117,8 @@ class SamplingFields(BaseModel):
                               best_of=self.samples_drawn(), prompt_logprobs=self.prompt_logprob_count(),
                               logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
                               structured_outputs=self.response_format.structured_outputs()
-                              if self.response_format is not None else None)
+                              if self.response_format is not None else None,
+                              allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids else None)
 
     def logprob_count(self) -> int | None:
         """How many alternatives per token the request's logprobs ask for; None: no logprobs."""

@@ -350,6 +350,7 @@ def post(server, path, payload, headers=None, raw=None):
     ({"model": "tiny", "prompt": "x", "n": 129}, 400, "n"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"1": 101}}, 400, "logit_bias.1"),  # the entry named
     ({"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ({"model": "tiny", "prompt": "x", "allowed_token_ids": [99999]}, 400, "allowed_token_ids"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"one": 5}}, 400, "logit_bias"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias"),  # past the vocabulary
     ({"model": "tiny"}, 400, "prompt"),
@@ -629,7 +630,7 @@ def json_values():
 FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "stream", "stream_options",
           "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
           "stop_token_ids", "n", "best_of", "logprobs", "top_logprobs", "user", "echo", "logit_bias", "min_tokens",
-          "include_stop_str_in_output", "skip_special_tokens", "response_format"]
+          "include_stop_str_in_output", "skip_special_tokens", "response_format", "allowed_token_ids"]
 
 
 @st.composite

@@ -109,3 +109,21 @@ def test_logit_bias_moves_greedy_and_sampled_tokens_with_and_without_a_drafter(n
         SamplingParams(logit_bias={1: 101})
     with pytest.raises(ValueError, match=r"logit_bias token ids must be in 0\.\.319"):
         LLM(str(near_bigram_target), **ENGINE).generate(PROMPTS[:1], SamplingParams(logit_bias={320: 1.0}))
+
+
+def test_allowed_token_ids_limit_every_drawn_token_with_and_without_a_drafter(near_bigram_target, make_drafter):
+    allowed = (40, 41, 42)
+    drafter = make_drafter(near_bigram_target, 3, "vanilla", oracle=True)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=10, temperature=temperature, seed=2, ignore_eos=True,
+                                allowed_token_ids=list(allowed))
+        outs = run(near_bigram_target, params=params)
+        assert all(set(o.token_ids) <= set(allowed) and len(o.token_ids) == 10 for o in outs)
+        spark = run(near_bigram_target, drafter, params=params)
+        if temperature == 0.0:
+            assert [o.token_ids for o in spark] == [o.token_ids for o in outs]
+        assert all(set(o.token_ids) <= set(allowed) for o in spark)
+    with pytest.raises(ValueError, match="SamplingParams.allowed_token_ids must be None or 1..1024 token ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be in 0\.\.319"):
+        run(near_bigram_target, params=SamplingParams(allowed_token_ids=[400]))
