@@ -309,6 +309,27 @@ def test_biased_and_min_tokens_requests_leave_the_argmax_paths_and_equal_eager(w
             assert len(tokens) >= 12 and first[i] not in tokens[:11]
 
 
+def test_structured_outputs_in_graphed_engines_equal_eager(wide_target, make_drafter):
+    """A grammar's masked rows (xgrammar, carried in .whl-fi) verify from the graphs' logits: graphed equals eager,
+    beside plain requests that keep the argmax paths."""
+    pytest.importorskip("xgrammar")
+    import json
+
+    from runtime import StructuredOutputs
+
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    wanted = StructuredOutputs(json=json.dumps(schema))
+    params = [SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=wanted) if i % 2 else
+              SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(wide_target, 4)))
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(str(wide_target), speculative_config=spec, **{**ENGINE, "enforce_eager": eager})
+        runs[eager] = [(o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS, params)]
+    assert runs[False] == runs[True]
+
+
 def test_a_broken_row_in_a_graphed_greedy_step_fails_that_request_alone(wide_target, tmp_path):
     """Plain greedy steps read back the one-token graph's verdicts (argmax, -1 for a broken row): one-token prompts
     are served by that graph from their first step, and the one whose embedding is NaN fails alone."""
