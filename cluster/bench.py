@@ -856,8 +856,8 @@ def confidence_bounds(row: dict, record: dict) -> dict:
 def confidence_predicted_gain(row: dict) -> dict:
     """What the scheduler's own model promised over whole blocks at the steps it decided: its expected tokens over its
     predicted step time against the same for whole blocks (``confidence_predicted_gain``; whole = every draft
-    proposed, fewer than max_draft_len where the packed layout drafted a shorter block, ``packed_draft_len``). Beside the oracle bound it
-    says how much of what was there its confidences could see (calibrated survivals that barely differ between
+    proposed, fewer than max_draft_len where the packed layout drafted a shorter block, ``packed_draft_len``). Beside
+    the oracle bound it says how much of what was there its confidences could see (calibrated survivals that barely differ between
     requests promise little, however much the oracle could gain); {} without the figures."""
     names = ("confidence_expected_tokens_per_request", "confidence_predicted_step_ms",
              "confidence_whole_block_expected_tokens_per_request", "confidence_whole_block_predicted_step_ms")

@@ -798,10 +798,10 @@ class Engine:
         """Append a prefill chunk's prompt logprobs (those of ``entry.prompt_rows``) to ``seq.prompt_logprobs``: its
         first row is the prompt position after the last one recorded (a chunk recomputed after a preemption records
         only what was missing: the scheduler asked for no more)."""
-        offset, _ = entry.prompt_rows
-        if entry.start_position + offset + 1 != len(seq.prompt_logprobs):
-            raise RuntimeError(f"request {seq.request_id}: prompt logprobs from position {entry.start_position + offset + 1}"
-                               f" arrived with {len(seq.prompt_logprobs)} recorded")
+        first = entry.start_position + entry.prompt_rows[0] + 1  # the prompt position the chunk's first row predicts
+        if first != len(seq.prompt_logprobs):
+            raise RuntimeError(f"request {seq.request_id}: prompt logprobs from position {first} arrived with "
+                               f"{len(seq.prompt_logprobs)} recorded")
         seq.prompt_logprobs.extend(logprobs)
 
     def output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:

@@ -494,6 +494,7 @@ class ModelRunner:
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         num_drafts = to_device(num_drafts_list, dev)  # [S]
         penalized = any(e.penalty_history is not None for e in entries)
+        # rows the request's own parameters change: logit bias, allowed tokens, min_tokens' bans, a grammar's masks
         biased = any(e.params.logit_bias or e.banned is not None or e.token_mask is not None
                      or e.params.allowed_token_ids is not None for e in entries)
         greedy = all(e.params.greedy for e in entries)
@@ -510,7 +511,7 @@ class ModelRunner:
             if penalized or not greedy else None
         if penalized or biased or not greedy:
             logits = logits.float()
-        if biased:  # logit bias and min_tokens' banned stop tokens (before penalties, as vLLM's logits processors)
+        if biased:  # (before penalties, as vLLM's logits processors)
             logits = logits + logit_bias_rows(entries, vocab, dev)[:, None, :]
             logits = mask_by_grammar(ban_stop_tokens(logits, entries), entries)
             top_argmax = None

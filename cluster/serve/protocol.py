@@ -143,12 +143,13 @@ class SamplingFields(BaseModel):
 
 
 PromptIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(min_length=1)]
+Prompts = Annotated[list[str], Field(min_length=1)] | Annotated[list[PromptIds], Field(min_length=1)]  # a batch
 
 
 class CompletionRequest(SamplingFields):
     # one prompt (text or token ids) or a batch of them (OpenAI's four forms): choice p * n + i is prompt p's
     # sample i
-    prompt: str | PromptIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[PromptIds], Field(min_length=1)]
+    prompt: str | PromptIds | Prompts
     max_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] = 16
     echo: bool = False  # the choice's text (and logprobs) start with the prompt's
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
