@@ -246,6 +246,7 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     sync(llm)
     before = sum(len(engine.sequences[i].output_token_ids) for i in ids)
     metrics_before = engine.metrics.as_dict()
+    traced = engine.confidence_stats.steps  # a confidence-scheduled engine's step trace, from here
     graphs = getattr(local_worker(llm), "graphs", None)
     ahead_before = graphs.steps_run_ahead if graphs is not None else 0
     start = time.perf_counter()
@@ -253,6 +254,9 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
         engine.step()
     sync(llm)
     elapsed = time.perf_counter() - start
+    # what a confidence-scheduled engine chose and measured at each timed step (ConfidenceStats.trace_since)
+    trace = {"confidence_trace": engine.confidence_stats.trace_since(traced, engine.confidence_stats.steps)} \
+        if engine.confidence is not None else {}
     # the timed steps launched before the engine scheduled them (decode or verify run-ahead), of one process's graphs
     ahead = {"steps_run_ahead_fraction": (graphs.steps_run_ahead - ahead_before) / steps} if graphs is not None else {}
     committed = sum(len(engine.sequences[i].output_token_ids) for i in ids) - before
@@ -269,7 +273,7 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     return {"step_ms": 1e3 * elapsed / steps, "tokens_per_s": committed / elapsed, "ttft_ms": 1e3 * ttft,
             "tpot_ms": 1e3 * elapsed * batch / committed, "mean_acceptance_length": (1 + accepted / drafts)
             if drafts else None, "acceptance_per_position": per_pos if drafts else None, "context": context,
-            **ahead, **device, **host, **routing}
+            **ahead, **device, **host, **routing, **trace}
 
 
 def end_to_end(llms: dict, prompts: list[list[int]], max_tokens: int) -> dict[str, dict]:
@@ -376,6 +380,7 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     record["piecewise_steps"] = runner.piecewise.replays - replays_before if runner is not None else 0
     if engine.confidence is not None:
         record["scheduled"] = scheduled_since(stats_before, engine.confidence_stats)
+        record["confidence_trace"] = engine.confidence_stats.trace_since(stats_before.steps)
     return record
 
 
@@ -1107,7 +1112,9 @@ def run(args) -> dict:
                            confidence_drafting_off_steps=stats["drafting_off_steps"],
                            confidence_drafting_holds=stats["drafting_holds"],
                            # timed steps not launched ahead (priced and learned with the serial excess)
-                           confidence_serial_steps=stats["serial_steps"])
+                           confidence_serial_steps=stats["serial_steps"],
+                           # the timed steps one by one (what each chose, predicted and measured), and by kind
+                           confidence_trace=timing["confidence_trace"])
         elif kind == CONFIDENCE_MAX:  # (--confidence-draft-len both) what it chose, beside the engine above
             stats = llm.get_metrics()["confidence_scheduling"]
             rows[c].update({f"{kind}_{name}": value for name, value in (
@@ -1267,6 +1274,7 @@ def run(args) -> dict:
             for kind, llm in llms.items():
                 record_row(kind, llm, c, median_round(timings[kind]))
                 rows[c][f"{kind}_tokens_per_s_rounds"] = [t["tokens_per_s"] for t in timings[kind]]
+        save_partial(args, record, rows)  # the sweep's rows, before the mixed workload (a run cut there keeps them)
         if args.mixed_rate:
             variants = mixed_variants(llms)
             warm_mixed(variants)

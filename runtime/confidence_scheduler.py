@@ -95,6 +95,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -587,6 +588,8 @@ class Decision:
     # token each, nothing drafted), and whether drafting paid against it (None: no plain steps profiled)
     plain_ms: float | None = None
     drafting_pays: bool | None = None
+    # whether this decision raised the next one's budget to whole blocks to gather evidence (``_explores``)
+    explores: bool = False
 
 
 LAYOUTS = ("ragged", "padded", "packed")
@@ -1003,6 +1006,8 @@ class ConfidenceScheduler:
         self.decisions += 1
         if below_whole_blocks and (self.decisions % EXPLORE_EVERY == 0 or (best == 0 and self.drafting_pays is False)):
             self.explored += 1
+            if self.last is not None:  # (made just before, by the same decision: the step trace shows it)
+                self.last.explores = True
             return True
         return False
 
@@ -1115,9 +1120,19 @@ def read_calibration(source: str | Path | dict, what: str) -> list[float]:
     return temps
 
 
+TRACE_STEPS = 4096  # the step trace keeps the newest this many steps (ConfidenceStats.trace)
+# one step of the trace: its number (ConfidenceStats.steps once it was counted), the requests it scheduled, whether
+# a drafting hold kept it from drafting a next block (a decided step too, where the hold begins), whether it ran serially (not launched ahead by an engine that runs ahead),
+# its measured ms; then, for a step the scheduler decided (else None): the drafts it verified and the drafts proposed
+# over the batch, the committed tokens expected and got, the predicted ms of the step and of whole blocks, the plain
+# step drafting was judged against and the verdict, and whether the decision made the next step verify whole blocks
+TRACE_FIELDS = ("step", "requests", "held", "serial", "ms", "budget", "offered", "expected_tokens",
+                "committed_tokens", "predicted_ms", "whole_predicted_ms", "plain_ms", "drafting_pays", "explores")
+
+
 @dataclass
 class ConfidenceStats:
-    """What the scheduler chose and how its predictions held (engine metrics)."""
+    """What the scheduler chose and how its predictions held (engine metrics), and step by step (``trace``)."""
 
     decisions: int = 0
     budget: int = 0  # drafts verified, summed over decisions
@@ -1140,6 +1155,10 @@ class ConfidenceStats:
     drafting_off_steps: int = 0  # steps that drafted nothing because drafting did not pay (DraftingHold)
     serial_steps: int = 0  # timed steps an engine that runs ahead did not launch ahead (priced with the excess)
     last: dict = field(default_factory=dict)
+    # the newest TRACE_STEPS steps, one tuple of TRACE_FIELDS each (``record_step``): what the means above average
+    # over, so a run's figures can be taken apart step by step (``trace_since``); a snapshot made with
+    # ``dataclasses.replace`` starts an empty one (its counters are what a snapshot compares)
+    trace: deque = field(default_factory=lambda: deque(maxlen=TRACE_STEPS), init=False, repr=False)
 
     def record_decision(self, decision: Decision, requests: int) -> None:
         self.decisions += 1
@@ -1168,9 +1187,12 @@ class ConfidenceStats:
         if self.last:
             self.last["committed_tokens"] = committed
 
-    def record_step(self, ms: float, decided: bool = True, serial: bool = False) -> None:
+    def record_step(self, ms: float, decided: bool = True, serial: bool = False, requests: int = 0,
+                    held: bool = False, committed: int | None = None, decision: Decision | None = None) -> None:
         """A timed step; ``decided``: the scheduler chose its verify budget (its prediction is comparable);
-        ``serial``: not launched ahead by an engine that runs ahead."""
+        ``serial``: not launched ahead by an engine that runs ahead. For the trace: the ``requests`` it scheduled,
+        whether a drafting hold kept it from drafting (``held``), and for a decided step the tokens its deciding
+        requests ``committed`` and the ``decision`` (``ConfidenceScheduler.last``) that chose its verifies."""
         self.steps += 1
         self.serial_steps += serial
         self.measured_ms += ms
@@ -1179,6 +1201,19 @@ class ConfidenceStats:
             self.decided_ms += ms
             if self.last:
                 self.last["measured_step_ms"] = ms
+        chosen = decision if decided else None
+        self.trace.append((self.steps, requests, held, serial, round(ms, 4)) + (
+            (chosen.budget, chosen.offered, round(chosen.expected_tokens, 3), committed,
+             round(chosen.predicted_ms, 4), round(chosen.whole_predicted_ms, 4),
+             None if chosen.plain_ms is None else round(chosen.plain_ms, 4), chosen.drafting_pays, chosen.explores)
+            if chosen is not None else (None,) * 9))
+
+    def trace_since(self, step: int = 0, until: int | None = None) -> dict:
+        """The trace's steps numbered above ``step`` and up to ``until`` (``steps`` counts read before and after a
+        run; those the trace still holds) -> {"fields": TRACE_FIELDS, "steps": [[...], ...]}, a step a list in the
+        fields' order, and ``summary`` (``trace_summary``)."""
+        rows = [list(row) for row in self.trace if row[0] > step and (until is None or row[0] <= until)]
+        return {"fields": list(TRACE_FIELDS), "steps": rows, "summary": trace_summary(rows)}
 
     def as_dict(self, scheduler: ConfidenceScheduler) -> dict:
         per = max(self.requests, 1)
@@ -1216,3 +1251,33 @@ class ConfidenceStats:
                 "mixed_step_observations": scheduler.mixed_costs.observations,
                 "mixed_step_excess": scheduler.mixed_costs.to_json()["excess"],
                 "cost_table_ms_per_context_token": scheduler.costs.ms_per_context_token, "last": dict(self.last)}
+
+
+def trace_summary(rows: list) -> dict:
+    """Trace steps (``TRACE_FIELDS`` lists) by kind -> per kind its steps, their mean measured ms and, for decided
+    ones, the mean predicted ms of the step and of whole blocks and the mean drafts verified / proposed: ``decided``
+    (launched ahead) and ``decided_serial`` (not: priced with the serial excess, ``ConfidenceScheduler.serial``),
+    ``held`` (undecided and held: a plain step), ``other`` (ramps, prefill-only steps, a look's first step...)."""
+    at = {name: i for i, name in enumerate(TRACE_FIELDS)}
+    kinds: dict[str, list] = {}
+    for row in rows:
+        if row[at["budget"]] is not None:
+            kind = "decided_serial" if row[at["serial"]] else "decided"
+        else:
+            kind = "held" if row[at["held"]] else "other"
+        kinds.setdefault(kind, []).append(row)
+    summary = {}
+    for kind, members in kinds.items():
+        def mean(name: str) -> float | None:
+            values = [r[at[name]] for r in members if r[at[name]] is not None]
+            return round(sum(values) / len(values), 4) if values else None
+
+        summary[kind] = {"steps": len(members), "ms": mean("ms")}
+        if kind.startswith("decided"):
+            summary[kind].update(predicted_ms=mean("predicted_ms"), whole_predicted_ms=mean("whole_predicted_ms"),
+                                 budget=mean("budget"), offered=mean("offered"),
+                                 expected_tokens=mean("expected_tokens"), committed_tokens=mean("committed_tokens"),
+                                 explores=sum(bool(r[at["explores"]]) for r in members),
+                                 drafting_paid=sum(r[at["drafting_pays"]] is True for r in members),
+                                 drafting_lost=sum(r[at["drafting_pays"]] is False for r in members))
+    return summary

@@ -21,8 +21,8 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from configs import LLMConfig
 from configs.checkpoint import read_model_config
-from runtime.confidence_scheduler import (ConfidenceScheduler, ConfidenceStats, history_classes, next_history,
-                                          read_calibration)
+from runtime.confidence_scheduler import (ConfidenceScheduler, ConfidenceStats, Decision, history_classes,
+                                          next_history, read_calibration)
 from runtime.executor import Executor, LocalExecutor
 from runtime.generation_defaults import model_sampling_defaults
 from runtime.grammar import GrammarBackend
@@ -112,6 +112,7 @@ class Engine:
         self.forced_verify_len: int | None = None
         # profiling: the block every step drafts, whatever the schedule (0: plain decoding, the drafter idle)
         self.forced_draft_len: int | None = None
+        self._committed: int | None = None  # the tokens the last decided step's deciding requests committed
         self._step_index = 0  # the step being scheduled (confidence scheduling's drafting holds count in steps)
         # when a list: every verify appends (the verified drafts' confidences, accepted count) (calibration)
         self.verification_log: list[tuple[list[float], int]] | None = None
@@ -383,7 +384,8 @@ class Engine:
         learn = self.confidence is not None and bool(scheduled)
         decided = bool(self._decided)  # (the commit clears it)
         drafted = batch.num_next_drafts > 0
-        if not drafted and self._drafting_held():
+        held = not drafted and self._drafting_held()
+        if held:
             self.confidence_stats.drafting_off_steps += 1
         if learn:
             self._note_other_fed(scheduled, drafted)
@@ -394,7 +396,9 @@ class Engine:
         if learn:
             seconds = time.perf_counter() - began
             step = (scheduled, seconds, decided, drafted, serial,
-                    self._packed.columns if self._packed is not None else None, self._other_fed[1])
+                    self._packed.columns if self._packed is not None else None, self._other_fed[1], held,
+                    self._committed, self.confidence.last if decided else None)  # (the commit settled it)
+            self._committed = None
             if self._deferred:  # the step's decision was deferred (a mixed step): so is learning its time
                 self._host_work.add(functools.partial(self._learn_step_time, *step))
             else:
@@ -626,7 +630,8 @@ class Engine:
 
     def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float, decided: bool,
                          drafted: bool = True, serial: bool = False, packed_columns: int | None = None,
-                         other_tokens: int = 0) -> None:
+                         other_tokens: int = 0, held: bool = False, committed: int | None = None,
+                         decision: Decision | None = None) -> None:
         """The step's wall time, schedule to commit (what the startup profile times: ``runtime.step_profile``), into
         the cost table at the rows the model computed: a graphed verify step at its graph's cell (the batch bucket
         x Q, padding requests included: run 55's steps of 60 and 72 requests, timed as the 64 and 96 graphs they
@@ -641,14 +646,18 @@ class Engine:
         plain decode step (a token a request, each sampled) teaches the plain steps' table (``StepCostTable.plain``,
         at its graph's rows), a plain step with prompt chunks beside its decodes the plain mixed steps' excess
         (``ConfidenceScheduler.plain_mixed``: a mixed step's plain alternative), others nothing. ``serial``: the
-        engine launches steps ahead and did not launch this one ahead, so its time holds the host's whole step work besides the device's (a verify step after a
-        prefill, every step of a sampled batch; at 256 requests on an H200 ~4 ms of a 30-ms step): it teaches the
-        excess of ``MixedStepCosts`` as a mixed step does, not the cells the startup profile timed launched ahead
+        engine launches steps ahead and did not launch this one ahead, so its time holds the host's whole step work
+        besides the device's (a verify step after a prefill, every step of a sampled batch; at 256 requests on an
+        H200 ~4 ms of a 30-ms step): it teaches the excess of ``MixedStepCosts`` as a mixed step does, not the
+        cells the startup profile timed launched ahead
         (run 65: the whole-block cell at 256 requests ended at 35.4 ms where the fixed engine's whole-block steps
         took 30.3, about the host's step work there apart, ~4.4 ms; trims to 6 of 7 columns looked 17% cheaper
         than whole blocks and saved 2%), and no plain step. ``packed_columns``: the columns of the step's packed verify
         (None: not packed); ``other_tokens``: what it fed besides the decided verifies (``_other_fed``, before its
-        commit). Called after the step, or (a deferred decision's step) as a task of the executor's host work."""
+        commit). ``held`` (a drafting hold kept the step from drafting), ``committed`` (the tokens its deciding
+        requests committed) and ``decision`` (the one that chose its verifies, ``ConfidenceScheduler.last`` as the
+        commit left it: its learning settles a deferred decision) go to the step trace (``ConfidenceStats.trace``).
+        Called after the step, or (a deferred decision's step) as a task of the executor's host work."""
         fed = [len(e.token_ids) for e in scheduled]
         if not drafted:
             if not decided and not serial and all(f == 1 for f in fed) and all(e.sample for e in scheduled):
@@ -662,7 +671,8 @@ class Engine:
                 if 0 < other < sum(fed):
                     self.confidence.observe_plain_mixed_step(len(scheduled), seconds,
                                                              sum(e.start_position for e in scheduled), other)
-            self.confidence_stats.record_step(1e3 * seconds, decided, serial)
+            self.confidence_stats.record_step(1e3 * seconds, decided, serial, len(scheduled), held, committed,
+                                              decision)
             return
         requests, tokens, q_len = len(scheduled), sum(fed), None
         if packed_columns is not None:  # a packed graph: an anchor and `columns` drafts a request
@@ -678,7 +688,8 @@ class Engine:
         # verify at all) teaches the mixed steps' excess: what the scheduler prices such steps by
         self.confidence.observe_step(requests, tokens, seconds, sum(e.start_position for e in scheduled), other_tokens,
                                      serial)
-        self.confidence_stats.record_step(1e3 * seconds, decided, serial)
+        self.confidence_stats.record_step(1e3 * seconds, decided, serial, len(scheduled), held, committed,
+                                          decision)
 
     def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:
         outputs, drafted, accepted = [], 0, 0
@@ -734,6 +745,7 @@ class Engine:
                     verified[i] = entry.num_drafts if result.num_verified is None else result.num_verified
                     accepted[i] = result.num_accepted
         self.confidence_stats.record_outcome(committed)
+        self._committed = committed  # (the step trace's, with the step's time: _learn_step_time)
         self.confidence.learn(verified, accepted)
         self._decided = []
 

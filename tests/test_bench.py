@@ -266,6 +266,11 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     assert chose["judged_plain_step_ms"] is None if not chose["decisions"] else chose["judged_plain_step_ms"] > 0
     assert chose["drafting_paid_share"] is None or 0.0 <= chose["drafting_paid_share"] <= 1.0
     assert "scheduled" not in record["mixed_workload"]["tuned"]
+    mixed_trace = record["mixed_workload"]["confidence"]["confidence_trace"]  # the run's steps, one by one
+    assert 0 < len(mixed_trace["steps"]) <= record["mixed_workload"]["confidence"]["steps"]
+    assert sum(1 for step in mixed_trace["steps"] if step[mixed_trace["fields"].index("budget")] is not None) == \
+        chose["decisions"]
+    assert "confidence_trace" not in record["mixed_workload"]["tuned"]
     assert record["mixed_confidence_vs_tuned"] > 0 and record["mixed_confidence_vs_tuned_tpot"] > 0
     assert record["mixed_confidence_vs_tuned_paired"] > 0
     # the startup profile and the table as serving left it (its served cells at the contexts they were served at)
@@ -287,6 +292,13 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
             assert row["confidence_whole_block_predicted_step_ms"] == 0
             continue
         assert row["confidence_whole_block_predicted_step_ms"] > 0 and len(row["confidence_survival_correction"]) == 3
+        # the timed steps one by one (--steps 2), each with what it chose and predicted if the scheduler decided it
+        trace = row["confidence_trace"]
+        steps = [dict(zip(trace["fields"], step)) for step in trace["steps"]]
+        assert len(steps) == 2 and all(s["requests"] == row["concurrency"] and s["ms"] > 0 for s in steps)
+        assert sum(kind["steps"] for kind in trace["summary"].values()) == 2
+        for s in steps:
+            assert s["budget"] is None or (0 <= s["budget"] <= s["offered"] and s["predicted_ms"] > 0)
         assert len(row["confidence_survival_skill_per_position"]) == 3  # this concurrency's (reset between them)
         believed = row["confidence_predicted_survival_per_position"]  # the blocks drafted (the tuned schedule's cap)
         assert 1 <= len(believed) <= 3 and all(1.0 >= a >= b >= 0.0 for a, b in zip(believed, believed[1:] + [0.0]))

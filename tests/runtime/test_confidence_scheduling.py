@@ -10,9 +10,9 @@ import torch
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.confidence_scheduler import (FIT_WINDOW, FOLD_DEFERRED_MOST, FOLD_EVERY, HISTORY_NONE, HOLD_FIRST,
-                                          PLAIN_MIXED_MIN,
-                                          REFIT_FOLDS, ConfidenceScheduler, ConfidenceStats, DraftingHold,
+from runtime.confidence_scheduler import (EXPLORE_EVERY, FIT_WINDOW, FOLD_DEFERRED_MOST, FOLD_EVERY, HISTORY_NONE,
+                                          HOLD_FIRST, PLAIN_MIXED_MIN, REFIT_FOLDS, TRACE_FIELDS, TRACE_STEPS,
+                                          ConfidenceScheduler, ConfidenceStats, DraftingHold,
                                           SurvivalCorrection, SurvivalSkill, history_classes, next_history,
                                           packed_draft_len, read_calibration, top_drafts)
 from runtime.mixed_step_costs import MixedStepCosts
@@ -32,6 +32,25 @@ def flat_table(ms_per_token: float, base: float = 10.0) -> StepCostTable:
     """A step costs ``base`` ms plus ``ms_per_token`` per token fed, at any batch size."""
     tokens = [1, 64, 512]
     return StepCostTable([1, 64], tokens, [[base + ms_per_token * t for t in tokens]] * 2)
+
+
+def trace_agrees_with_the_stats(stats: ConfidenceStats) -> list[dict]:
+    """The engine's step trace (``ConfidenceStats.trace``), every step of it held, against the stats' sums: each
+    decision is attributed to exactly the step it chose the verifies of (a decision counted twice, or another's,
+    moves a sum). -> the steps as dicts."""
+    steps = [dict(zip(TRACE_FIELDS, row)) for row in stats.trace_since()["steps"]]
+    assert len(steps) == stats.steps < TRACE_STEPS and [s["step"] for s in steps] == list(range(1, stats.steps + 1))
+    decided = [s for s in steps if s["budget"] is not None]
+    assert len(decided) == stats.decided_steps == stats.decisions
+    assert sum(s["budget"] for s in decided) == stats.budget and sum(s["offered"] for s in decided) == stats.offered
+    assert sum(s["committed_tokens"] for s in decided) == stats.committed_tokens
+    assert sum(s["expected_tokens"] for s in decided) == pytest.approx(stats.expected_tokens, abs=1e-3 * len(decided))
+    assert sum(s["ms"] for s in steps) == pytest.approx(stats.measured_ms, abs=1e-3 * len(steps))
+    assert sum(s["held"] for s in steps) == stats.drafting_off_steps
+    assert sum(s["serial"] for s in steps) == stats.serial_steps
+    for s in decided:
+        assert 0 <= s["budget"] <= s["offered"] and s["predicted_ms"] > 0 and s["whole_predicted_ms"] > 0
+    return steps
 
 
 # ---- the table --------------------------------------------------------------------------------------------
@@ -631,6 +650,7 @@ def test_a_mixed_step_decides_its_rest_while_the_device_computes(tmp_path, monke
     stats = llm.get_metrics()["confidence_scheduling"]
     assert stats["decisions"] > len(deferred_calls)  # the pure verify steps (nothing to admit) decided at once
     assert stats["mixed_step_observations"] > 0  # learned by the host work
+    trace_agrees_with_the_stats(eng.confidence_stats)  # deferred decisions traced with their own steps
 
 
 def test_a_step_that_admits_an_arrival_is_priced_with_its_prompt(tmp_path, near_bigram_target, confident_drafter):
@@ -1190,6 +1210,53 @@ def test_the_measured_step_time_beside_the_prediction_is_the_decided_steps_alone
     assert metrics["last"]["measured_step_ms"] == 8.0
 
 
+def test_the_step_trace_keeps_each_steps_decision_beside_its_time_and_sums_it_by_kind():
+    """``ConfidenceStats.trace``: one entry per timed step (the newest ``TRACE_STEPS``), the decision's figures on
+    decided steps only; ``trace_since`` takes a window by step number; the summary splits decided steps launched
+    ahead from serial ones, and held steps from the rest (run 80's whole-block price, 8.46 ms against the table's
+    7.91, was a mean over both kinds)."""
+    scheduler = ConfidenceScheduler(4, flat_table(0.01), layout="padded")
+    stats = ConfidenceStats()
+    stats.record_step(20.0, decided=False, requests=2)  # a prefill step of the ramp
+    for serial, ms in ((False, 8.0), (True, 11.0), (False, 9.0)):
+        scheduler.allot([[0.9, 0.8, 0.7, 0.6]] * 2)
+        stats.record_decision(scheduler.last, 2)
+        stats.record_outcome(5)
+        stats.record_step(ms, serial=serial, requests=2, committed=5, decision=scheduler.last)
+    stats.drafting_off_steps += 1
+    stats.record_step(4.0, decided=False, requests=2, held=True)
+    window = stats.trace_since(1, 4)  # the three decided steps
+    assert window["fields"] == list(TRACE_FIELDS) and [row[0] for row in window["steps"]] == [2, 3, 4]
+    row = dict(zip(TRACE_FIELDS, window["steps"][1]))
+    assert row["serial"] and row["ms"] == 11.0 and row["budget"] == 8 == row["offered"]
+    assert row["committed_tokens"] == 5 and row["predicted_ms"] == round(scheduler.last.predicted_ms, 4)
+    summary = stats.trace_since()["summary"]
+    assert summary["decided"]["steps"] == 2 and summary["decided"]["ms"] == 8.5
+    assert summary["decided_serial"]["steps"] == 1 and summary["decided_serial"]["ms"] == 11.0
+    assert summary["held"] == {"steps": 1, "ms": 4.0} and summary["other"] == {"steps": 1, "ms": 20.0}
+    assert summary["decided"]["committed_tokens"] == 5 and summary["decided"]["explores"] == 0
+    # a snapshot (as the bench takes one before a run) starts its own trace; the engine's keeps the newest steps
+    import dataclasses
+
+    assert not dataclasses.replace(stats).trace and len(stats.trace) == 5
+    for _ in range(TRACE_STEPS):
+        stats.record_step(1.0, decided=False)
+    assert len(stats.trace) == TRACE_STEPS and stats.trace[0][0] == 6
+
+
+def test_a_decision_that_raises_the_next_budget_to_whole_blocks_says_so():
+    """Every ``EXPLORE_EVERY``-th decision below whole blocks verifies whole blocks next: its ``Decision`` (and so
+    the step trace) marks it."""
+    scheduler = ConfidenceScheduler(4, flat_table(3.0), layout="padded")  # caps below whole blocks pay
+    marks = []
+    for _ in range(2 * EXPLORE_EVERY):
+        scheduler.allot([[0.9, 0.5, 0.2, 0.1]] * 2)
+        marks.append(scheduler.last.explores)
+        if scheduler.last.explores:
+            assert scheduler.cap == 4  # the next step verifies whole blocks
+    assert sum(marks) == scheduler.explored >= 1 and not all(marks)
+
+
 def test_a_bad_verify_history_is_refused_naming_what_was_expected():
     scheduler = ConfidenceScheduler(3, flat_table(0.001))
     for small in (True, False):  # the plain-Python and the numpy paths
@@ -1300,6 +1367,11 @@ def test_where_drafting_does_not_pay_the_engine_decodes_plainly_for_a_hold_then_
     assert drafting[look + 2 + 2 * HOLD_FIRST]
     stats = llm.get_metrics()["confidence_scheduling"]
     assert stats["drafting_holds"] >= 2 and stats["drafting_off_steps"] >= 3 * HOLD_FIRST - 2
+    steps = trace_agrees_with_the_stats(llm.engine.confidence_stats)
+    # the held steps are the plain ones, and each hold began after a decision that judged drafting to lose
+    assert sum(s["held"] for s in steps) == stats["drafting_off_steps"]
+    judged = [s["drafting_pays"] for s in steps if s["budget"] is not None]
+    assert False in judged and all(s["plain_ms"] > 0 for s in steps if s["budget"] is not None)
     assert stats["plain_cost_table_observations"] >= 3 * HOLD_FIRST - 4
     assert llm.engine.confidence.plain_mixed.observations == 0  # one request: no prompt beside a plain decode
 
