@@ -1054,7 +1054,12 @@ def run(args) -> dict:
                 record["expert_bytes"] = expert_bytes(llm)
             record["moe_backend"] = next(info.get("moe_backend") for info in llm.rank_info()
                                          if info.get("role") == "target")  # rank 0's (every target rank's alike)
-        time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0)  # untimed: first-call costs stay out of TTFT
+        # untimed: first-call costs stay out of TTFT. On the sweep's prompts where it has them: a confidence-scheduled
+        # engine learns from these steps (its survival fit, its drafting holds), and random tokens, which no drafter
+        # predicts, teach a fit where nothing survives, which can start a hold (16 plain steps) that outlasts the
+        # warm-up: the likely cause of run 85's one-request sweep running a third of its steps plain while it
+        # accepted every draft it verified (its step trace was not recorded yet)
+        time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0, prompts=sweep_prompts)
         freeze_long_lived(f"bench engine {kind}")  # as a server does once started (runtime.heap)
         return llm
 
@@ -1230,7 +1235,8 @@ def run(args) -> dict:
     def profile_all() -> None:
         for kind, (speculative, layout) in profiled.items():
             llm = engine_class(str(target), speculative_config=speculative, **common, **layout)
-            time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0)  # first-call costs stay out of the profile
+            # first-call costs stay out of the profile (on the sweep's prompts, as the engines' builds warm up)
+            time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0, prompts=sweep_prompts)
             for batch in args.profile_batches:
                 record[f"{kind}_profile_batch{batch}"] = summary_ = profile_step(
                     llm, batch, args.prompt_len, vocab, trace_path(args, kind, batch))
