@@ -1262,12 +1262,13 @@ def run(args) -> dict:
                              "another, or lower --kv-cache-gib") from None
 
     def paired(engines_: list[tuple[str, dict | None, dict]], with_e2e: bool = False,
-               keep: frozenset = frozenset(), alive: dict | None = None) -> dict:
+               keep: frozenset = frozenset(), alive: dict | None = None, with_mixed: bool = True) -> dict:
         """Engines alive together, measured in alternating rounds (``--rounds`` per concurrency, the order
         flipped each round; the mixed workload too, and with ``with_e2e`` the end-to-end prompts, alternating per
         prompt): each figure is the round with the median tokens/s, so host drift and jitter fall on all alike.
         The record keeps every round's tokens/s. ``alive``: engines of ``engines_`` already built (kind -> engine;
-        measured again, their rows replaced). -> the engines named in ``keep``, still alive (the rest freed)."""
+        measured again, their rows replaced). ``with_mixed`` False: no mixed workload in this phase (a later one
+        measures every engine's again). -> the engines named in ``keep``, still alive (the rest freed)."""
         alive = alive or {}
         llms = {kind: alive[kind] if kind in alive else build_together(kind, speculative, layout)
                 for kind, speculative, layout in engines_}
@@ -1281,7 +1282,7 @@ def run(args) -> dict:
                 record_row(kind, llm, c, median_round(timings[kind]))
                 rows[c][f"{kind}_tokens_per_s_rounds"] = [t["tokens_per_s"] for t in timings[kind]]
         save_partial(args, record, rows)  # the sweep's rows, before the mixed workload (a run cut there keeps them)
-        if args.mixed_rate:
+        if args.mixed_rate and with_mixed:
             variants = mixed_variants(llms)
             warm_mixed(variants)
             runs = {name: [] for name in variants}
@@ -1308,8 +1309,10 @@ def run(args) -> dict:
 
     kept = {}  # with --tune-schedule in alternating rounds: the sweep's engines, alive for the tuned ones' rounds
     if alternate:  # every engine of the sweep alive at once, in alternating rounds
+        # (with --tune-schedule the second phase measures every engine's mixed workload again, beside the tuned
+        # ones: this phase's would be replaced unread, ~1.5 minutes of run 85's ten)
         kept = paired(engines, with_e2e=True, keep=frozenset(kind for kind, _, _ in engines)
-                      if args.tune_schedule else frozenset())
+                      if args.tune_schedule else frozenset(), with_mixed=not args.tune_schedule)
     else:
         for kind, speculative, layout in engines:
             sweep(kind, speculative, layout)

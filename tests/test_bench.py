@@ -227,6 +227,8 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     # after tuning, minutes later than the first sweep: the host's speed drifts)
     assert record["measured_together"] == ["ar", "dspark", "tuned", "confidence"]
     assert record["mixed_warmup_requests"] == 4  # an untimed mixed run per engine first (at most --mixed-requests)
+    # each engine's mixed workload run once, in the phase after tuning (the first phase's would be replaced unread)
+    assert all(proc.stderr.count(f"dspark bench: {kind} mixed workload:") == 1 for kind in ("ar", "dspark", "tuned"))
     assert record["tuned_schedule"]["step_ms"].startswith("candidate / reference")
     assert record["step_outputs"] == "delta"
     # the tuned schedule swept as an engine, the confidence scheduler within it, both after tuning (a projected tau
