@@ -183,17 +183,18 @@ class ModelRunner:
             logp = torch.log_softmax(logits, dim=-1)  # [r, V]
             chosen = logp.gather(-1, wanted_ids[start:start + PROMPT_LOGPROB_ROWS, None]).squeeze(-1)  # [r]
             top_lp, top_ids = logp.topk(top, dim=-1)  # [r, N]
+            rank = (logp > chosen[:, None]).sum(dim=-1) + 1  # [r] the prompt token's place (1: the most likely)
             finite = torch.isfinite(logits.amax(dim=-1))  # [r]: NaN propagates into the max, +inf is the max
-            parts.append((chosen, top_ids, top_lp, finite))
+            parts.append((chosen, top_ids, top_lp, rank, finite))
         if not self.is_leader:
             return None
-        chosen_h, ids_h, lp_h, finite_h = (torch.cat(column).tolist() for column in zip(*parts))
+        chosen_h, ids_h, lp_h, rank_h, finite_h = (torch.cat(column).tolist() for column in zip(*parts))
         out, row = {}, 0
         for b, r in wanted:
             n, count = r.params.prompt_logprobs, len(r.prompt_rows[1])
             span = range(row, row + count)
-            out[b] = [TokenLogprob(targets[i], chosen_h[i], tuple(zip(ids_h[i][:n], lp_h[i][:n]))) for i in span] \
-                if all(finite_h[i] for i in span) else None
+            out[b] = [TokenLogprob(targets[i], chosen_h[i], tuple(zip(ids_h[i][:n], lp_h[i][:n])), rank_h[i])
+                      for i in span] if all(finite_h[i] for i in span) else None
             row += count
         return out
 

@@ -379,21 +379,28 @@ class DSparkServer:
         # every sample drawn counts, best_of's discarded ones too
         usage = protocol.usage(sum(len(p) for p in prompts), lasts)
         choice = protocol.chat_choice if chat else protocol.completion_choice
-        choices, drawn = [], len(samples)
+        choices, drawn, shown = [], len(samples), body.prompt_logprobs
         for p, prompt in enumerate(prompts):
             for out in best_samples(lasts[p * drawn:(p + 1) * drawn], params):
-                entries = out.logprobs if echoes is None else self._echoed(prompt, out, out.logprobs)
+                entries = out.logprobs if echoes is None else self._echoed(prompt, out, out.logprobs, body.logprobs)
                 choices.append(choice(p * params.n + out.index, out.text if echoes is None else echoes[p] + out.text,
                                       out.finish_reason, self._logprobs(entries, chat)))
+                if shown is not None and not chat:  # vLLM's: each choice its prompt's
+                    choices[-1]["prompt_logprobs"] = protocol.prompt_logprobs_body(self.tokenizer,
+                                                                                   out.prompt_logprobs, shown)
         build = protocol.chat_body if chat else protocol.completion_body
-        return build(rid, body.model, choices, usage)
+        response = build(rid, body.model, choices, usage)
+        if shown is not None and chat:  # vLLM's: the chat's one prompt, beside the choices
+            response["prompt_logprobs"] = protocol.prompt_logprobs_body(self.tokenizer, lasts[0].prompt_logprobs, shown)
+        return response
 
     @staticmethod
-    def _echoed(prompt: list[int], out: RequestOutput, entries):
-        """``entries`` (an output's logprobs) after the echoed prompt's (None when the request asked for none)."""
+    def _echoed(prompt: list[int], out: RequestOutput, entries, top: int):
+        """``entries`` (an output's logprobs) after the echoed prompt's, ``top`` alternatives each (None when the
+        request asked for no logprobs)."""
         if entries is None:
             return None
-        return protocol.echoed_prompt(prompt, out.prompt_logprobs) + entries
+        return protocol.echoed_prompt(prompt, out.prompt_logprobs, top) + entries
 
     def _logprobs(self, entries, chat: bool, text_offset: int = 0) -> dict | None:
         """The response's ``logprobs`` for ``entries`` (None when the request asked for none)."""
@@ -438,7 +445,7 @@ class DSparkServer:
             new = out.logprobs
             if echoes is not None and not echoed[i]:  # this sample's first chunk
                 echoed[i], delta = True, echoes[i // samples] + delta
-                new = self._echoed(prompts[i // samples], out, new)
+                new = self._echoed(prompts[i // samples], out, new, body.logprobs)
             logprobs = self._logprobs(new, chat, text_offsets[i]) if new else None
             if new:
                 if not chat:

@@ -3,7 +3,7 @@
 Requests are validated strictly: a parameter we do not implement is refused with a 400 naming it,
 never silently ignored. Beyond OpenAI's fields we accept vLLM's common extras (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``,
-``skip_special_tokens``).
+``skip_special_tokens``, ``allowed_token_ids``, ``prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -88,6 +88,15 @@ class SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None
     # vLLM's: only these tokens may be drawn
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(min_length=1)] | None = None
+    # vLLM's: each prompt token's logprob, rank and this many most likely alternatives (``prompt_logprobs_body``)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def prompt_logprobs_are_not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs cannot be streamed (as in vLLM): ask without stream")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -129,9 +138,9 @@ class SamplingFields(BaseModel):
         return None
 
     def prompt_logprob_count(self) -> int | None:
-        """How many alternatives per prompt token the response shows; None: no prompt logprobs (only a completion
-        that echoes its prompt with logprobs has them)."""
-        return None
+        """How many alternatives per prompt token the engine computes; None: no prompt logprobs (``prompt_logprobs``
+        asks for them, and a completion that echoes its prompt with logprobs)."""
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -177,7 +186,8 @@ class CompletionRequest(SamplingFields):
         return self.best_of
 
     def prompt_logprob_count(self) -> int | None:
-        return self.logprobs if self.echo else None
+        wanted = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(wanted) if wanted else None  # (each shown with its own count: echoed_prompt, prompt_logprobs_body)
 
 
 class ChatMessage(BaseModel):
@@ -310,10 +320,31 @@ def completion_logprobs(tokenizer, entries, text_offset: int = 0) -> dict:
             "text_offset": offsets}
 
 
-def echoed_prompt(prompt: list[int], prompt_logprobs: list[TokenLogprob | None]) -> list[TokenLogprob]:
-    """An echoing completion's prompt entries for ``completion_logprobs``: the engine's prompt logprobs, the first
-    token's (there is none: nothing precedes it) an entry whose logprob and top are None."""
-    return [TokenLogprob(prompt[0], None, None), *prompt_logprobs[1:]]
+def echoed_prompt(prompt: list[int], prompt_logprobs: list[TokenLogprob | None], top: int) -> list[TokenLogprob]:
+    """An echoing completion's prompt entries for ``completion_logprobs``: the engine's prompt logprobs with ``top``
+    alternatives each (the request's ``logprobs``; the engine may have computed more for its ``prompt_logprobs``),
+    the first token's (there is none: nothing precedes it) an entry whose logprob and top are None."""
+    return [TokenLogprob(prompt[0], None, None),
+            *(TokenLogprob(e.token_id, e.logprob, e.top[:top], e.rank) for e in prompt_logprobs[1:])]
+
+
+def prompt_logprobs_body(tokenizer, prompt_logprobs: list[TokenLogprob | None] | None, top: int) -> list | None:
+    """vLLM's ``prompt_logprobs`` of a response (a completion's choice, a chat response): per prompt token a map
+    {token id: {logprob, rank, decoded_token}} of the token itself and its ``top`` most likely alternatives (rank 1
+    the most likely), the first token's None (nothing precedes it)."""
+    if prompt_logprobs is None:
+        return None
+
+    def entry(token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_text(tokenizer, token_id)}
+
+    body: list[dict | None] = [None]
+    for e in prompt_logprobs[1:]:
+        position = {str(e.token_id): entry(e.token_id, e.logprob, e.rank)}
+        for place, (token_id, logprob) in enumerate(e.top[:top], start=1):
+            position.setdefault(str(token_id), entry(token_id, logprob, place))
+        body.append(position)
+    return body
 
 
 def chat_logprobs(tokenizer, entries) -> dict:

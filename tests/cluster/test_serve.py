@@ -197,6 +197,49 @@ def test_an_echoed_completion_starts_with_its_prompt_and_the_prompts_logprobs(se
     assert bare.choices[0].text == PROMPTS[1] + expected.text and bare.choices[0].logprobs is None
 
 
+def test_vllms_prompt_logprobs_on_both_endpoints(server):
+    """vLLM's ``prompt_logprobs`` request field: per prompt token a map {token id: {logprob, rank, decoded_token}} of
+    the token and its N most likely alternatives (the engine's prompt logprobs), the first token's null; a
+    completion's in each choice (with ``echo`` and ``logprobs`` each shown with its own count), a chat's beside the
+    choices (its prompt is the chat template's); streamed, a 400 naming the field."""
+    local, tokenizer = server["local"], server["local"].tokenizer
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    want = local.generate([ids], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))[0]
+    payload = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3,
+               "echo": True, "logprobs": 1, "n": 2}
+    r = httpx.post(f"{server['base']}/v1/completions", json=payload, timeout=120).json()
+    for choice in r["choices"]:  # each sample's, the same prompt's
+        shown = choice["prompt_logprobs"]
+        assert len(shown) == len(ids) and shown[0] is None
+        for token, entry, position in zip(ids[1:], want.prompt_logprobs[1:], shown[1:]):
+            own = position[str(token)]
+            assert own["logprob"] == pytest.approx(entry.logprob, abs=1e-5) and own["rank"] == entry.rank >= 1
+            assert own["decoded_token"] == tokenizer.decode([token])
+            top = [(int(t), v["logprob"], v["rank"]) for t, v in position.items() if v["rank"] <= 3 and
+                   (int(t) != token or entry.rank <= 3)]
+            assert sorted(top, key=lambda x: x[2]) == [(t, pytest.approx(lp, abs=1e-5), place) for place, (t, lp)
+                                                        in enumerate(entry.top, start=1)]
+            assert len(position) == 3 + (entry.rank > 3)  # the token itself beside the top 3 when not among them
+        # the echoed prompt's logprobs show logprobs: 1 alternative each, though the engine computed 3
+        assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:len(ids)])
+    plain = httpx.post(f"{server['base']}/v1/completions", json={**payload, "prompt_logprobs": 0}, timeout=120).json()
+    assert all(len(position) == 1 for position in plain["choices"][0]["prompt_logprobs"][1:])  # the token alone
+    assert "prompt_logprobs" not in httpx.post(f"{server['base']}/v1/completions", json={
+        "model": "tiny", "prompt": PROMPTS[1], "max_tokens": 2}, timeout=120).json()["choices"][0]
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    chat = httpx.post(f"{server['base']}/v1/chat/completions", json={
+        "model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1},
+        timeout=120).json()
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    shown = chat["prompt_logprobs"]
+    assert len(shown) == len(prompt) and shown[0] is None and "prompt_logprobs" not in chat["choices"][0]
+    assert all(str(token) in position and len(position) <= 2 for token, position in zip(prompt[1:], shown[1:]))
+    streamed = httpx.post(f"{server['base']}/v1/completions", json={**payload, "stream": True}, timeout=60)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+    assert "cannot be streamed" in streamed.json()["error"]["message"]
+
+
 def test_a_batch_of_prompts_answers_each_in_order_as_lm_eval_sends_them(server):
     """OpenAI's batched ``prompt`` (token lists or strings): choice p * n + i is prompt p's sample i; lm-evaluation-
     harness's loglikelihood payload (``echo``, ``logprobs: 1``, ``max_tokens: 1``, token lists) scores each prompt."""
@@ -630,7 +673,8 @@ def json_values():
 FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "stream", "stream_options",
           "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
           "stop_token_ids", "n", "best_of", "logprobs", "top_logprobs", "user", "echo", "logit_bias", "min_tokens",
-          "include_stop_str_in_output", "skip_special_tokens", "response_format", "allowed_token_ids"]
+          "include_stop_str_in_output", "skip_special_tokens", "response_format", "allowed_token_ids",
+          "prompt_logprobs"]
 
 
 @st.composite

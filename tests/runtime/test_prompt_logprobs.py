@@ -28,6 +28,11 @@ def check(target, prompt: list[int], entries, top: int) -> None:
         assert entry.token_id == token and entry.logprob == pytest.approx(row[token].item(), abs=1e-4)
         assert [t for t, _ in entry.top] == row.topk(top).indices.tolist()
         assert [lp for _, lp in entry.top] == pytest.approx(row.topk(top).values.tolist(), abs=1e-4)
+        # its place in the distribution (vLLM's rank): one more than the tokens more likely; a token within the
+        # two computations' 1e-4 of it may fall on either side
+        above = int((row > row[token] + 1e-4).sum())
+        near = int(((row - row[token]).abs() <= 1e-4).sum())  # itself and any near-tie
+        assert above + 1 <= entry.rank <= above + near
 
 
 @pytest.mark.parametrize("drafted", [False, True])
