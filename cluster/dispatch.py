@@ -31,7 +31,7 @@ WIRE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 # one request of a step: (request id, token ids, start position, pages held before, new pages, drafts, sample,
 #                         (params, seed) the first time else None, penalty history, prompt-logprob rows,
-#                         banned rows, grammar masks)
+#                         banned rows, grammar masks, bad words' row bans)
 WireRequest = tuple
 
 
@@ -62,7 +62,7 @@ class BatchEncoder:
             held = held or 0
             wire.append((r.request_id, r.token_ids, r.start_position, held, r.page_ids[held:], r.num_drafts,
                          r.sample, (r.params, r.seed) if first else None, r.penalty_history, r.prompt_rows,
-                         r.banned, r.token_mask))
+                         r.banned, r.token_mask, r.row_bans))
             self.pages_sent[r.request_id] = len(r.page_ids)
         return (wire, batch.num_next_drafts, batch.maintain_draft_context, batch.released_request_ids,
                 batch.scrub_page_ids, reset, batch.run_ahead, batch.next_verify_len, batch.packed,
@@ -86,8 +86,8 @@ class BatchDecoder:
             self.pages.pop(request_id, None)
             self.params.pop(request_id, None)
         out = []
-        for request_id, tokens, start, held, new_pages, drafts, sample, first, history, prompt_rows, banned, mask \
-                in requests:
+        for request_id, tokens, start, held, new_pages, drafts, sample, first, history, prompt_rows, banned, mask, \
+                bans in requests:
             if first is not None:
                 self.params[request_id] = first
                 self.pages[request_id] = []
@@ -100,7 +100,7 @@ class BatchDecoder:
             # the request's own list, not a copy (as the scheduler's entries): it only grows when a later step is
             # decoded, and a step's batch is read only while that step runs
             out.append(ScheduledRequest(request_id, tokens, start, pages, drafts, sample, params, seed, history,
-                                        prompt_rows, banned, mask))
+                                        prompt_rows, banned, mask, bans))
         return ScheduledBatch(out, num_next_drafts, maintain, released, scrub, run_ahead=run_ahead,
                               next_verify_len=next_verify_len, packed=packed, next_packed=next_packed)
 

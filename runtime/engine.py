@@ -21,6 +21,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from configs import LLMConfig
 from configs.checkpoint import read_model_config
+from runtime.bad_words import token_sequences
 from runtime.confidence_scheduler import (ConfidenceScheduler, ConfidenceStats, Decision, history_classes,
                                           next_history, read_calibration)
 from runtime.executor import Executor, LocalExecutor
@@ -202,6 +203,8 @@ class Engine:
             seq.prompt_logprobs = [None]  # the first token has no logprob: nothing precedes it
         if params.structured_outputs is not None:  # (a schema xgrammar refuses: ValueError, nothing queued)
             seq.grammar = self._grammars().matcher(params.structured_outputs)
+        if params.bad_words:  # (a word the tokenizer cannot make ids of this model from: ValueError, nothing queued)
+            seq.bad_words = token_sequences(self.tokenizer, params.bad_words, self.vocab_size)
         leader = self.sequences.get(follows) if follows is not None else None
         if leader is not None and leader.prompt_token_ids == seq.prompt_token_ids:
             seq.follows = leader
@@ -261,6 +264,8 @@ class Engine:
             raise ValueError("SamplingParams.stop needs a tokenizer; the model directory has none")
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("SamplingParams.structured_outputs needs a tokenizer; the model directory has none")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer; the model directory has none")
         if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
             raise ValueError(f"SamplingParams.allowed_token_ids must be in 0..{vocab - 1} (this model's vocabulary), "
                              f"got {max(params.allowed_token_ids)}")

@@ -495,9 +495,10 @@ class ModelRunner:
         offsets = torch.arange(k_max + 1, device=dev)  # [K+1]
         num_drafts = to_device(num_drafts_list, dev)  # [S]
         penalized = any(e.penalty_history is not None for e in entries)
-        # rows the request's own parameters change: logit bias, allowed tokens, min_tokens' bans, a grammar's masks
+        # rows the request's own parameters change: logit bias, allowed tokens, min_tokens' and bad words' bans, a
+        # grammar's masks
         biased = any(e.params.logit_bias or e.banned is not None or e.token_mask is not None
-                     or e.params.allowed_token_ids is not None for e in entries)
+                     or e.params.allowed_token_ids is not None or e.row_bans is not None for e in entries)
         greedy = all(e.params.greedy for e in entries)
         need_logits = penalized or biased or not greedy or any(e.params.logprobs is not None for e in entries)
         logits, top_argmax = self._logits(entries, hidden, row_ends, batch_index, k_max, num_drafts, graphed,
@@ -514,7 +515,7 @@ class ModelRunner:
             logits = logits.float()
         if biased:  # (before penalties, as vLLM's logits processors)
             logits = logits + logit_bias_rows(entries, vocab, dev)[:, None, :]
-            logits = mask_by_grammar(ban_stop_tokens(logits, entries), entries)
+            logits = mask_by_grammar(ban_tokens(logits, entries), entries)
             top_argmax = None
         if penalized:
             logits = self._penalize(logits, entries, drafts, row_params)
@@ -614,14 +615,20 @@ def logit_bias_rows(entries: list[ScheduledRequest], vocab: int, device: torch.d
     return bias
 
 
-def ban_stop_tokens(logits: torch.Tensor, entries: list[ScheduledRequest]) -> torch.Tensor:
-    """logits [S, K+1, V] float32 with -inf at each entry's banned tokens in its first banned rows
-    (``ScheduledRequest.banned``: min_tokens not reached)."""
+def ban_tokens(logits: torch.Tensor, entries: list[ScheduledRequest]) -> torch.Tensor:
+    """logits [S, K+1, V] float32 with -inf at each entry's banned tokens: the stop tokens in its first banned rows
+    (``ScheduledRequest.banned``: min_tokens not reached) and the tokens that would complete a bad word at each row
+    (``ScheduledRequest.row_bans``)."""
     at = ([], [], [])  # (entry, row, token) of every banned logit: one index_put for the step, not one per entry
     for i, e in enumerate(entries):
         if e.banned is not None:
             rows, ids = e.banned
             for r in range(min(rows, logits.shape[1])):
+                at[0].extend([i] * len(ids))
+                at[1].extend([r] * len(ids))
+                at[2].extend(ids)
+        if e.row_bans is not None:
+            for r, ids in enumerate(e.row_bans[:logits.shape[1]]):
                 at[0].extend([i] * len(ids))
                 at[1].extend([r] * len(ids))
                 at[2].extend(ids)

@@ -10,6 +10,7 @@ MAX_INT32 = 2**31 - 1  # bound of every integer parameter: token counts, top_k a
 MAX_LOGPROBS = 20  # most alternatives ``logprobs`` may ask for per token (OpenAI's top_logprobs bound)
 MAX_N = 128  # most samples ``n`` may ask for per prompt (OpenAI's bound; servers configure a lower one)
 MAX_LOGIT_BIAS = 1024  # most tokens ``logit_bias`` may bias per request
+MAX_BAD_WORDS = 128  # most words ``bad_words`` may ban per request
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule): 1/T would overflow the logits
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # vLLM's RequestOutputKind, lower-cased
 
@@ -52,7 +53,9 @@ class SamplingParams:
     for in). ``logit_bias`` ({token id: value in [-100, 100]}, OpenAI's field) is added to those tokens'
     logits before penalties, temperature and filters (-100 all but bans a token, +100 all but forces it); the
     engine checks the ids against its vocabulary. ``allowed_token_ids`` (vLLM's field) lets only those tokens be
-    drawn (every other logit -inf; the stop tokens too, unless listed). ``structured_outputs`` (``StructuredOutputs``) holds the output
+    drawn (every other logit -inf; the stop tokens too, unless listed). ``bad_words`` (vLLM's field, at most
+    ``MAX_BAD_WORDS`` non-empty strings) are never generated: where the output so far ends with all of a word's tokens
+    but the last, that last one is banned (``runtime.bad_words``). ``structured_outputs`` (``StructuredOutputs``) holds the output
     to a JSON schema or to any JSON object: at each position only the tokens the grammar allows can be drawn, and
     the output ends ("stop") once the grammar is complete. ``logprobs`` N (0..``MAX_LOGPROBS``) returns, for every
     generated token, its log-probability and the N most likely tokens' (the engine's ``logprobs_mode`` says of which distribution);
@@ -88,6 +91,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, value), ids ascending
     structured_outputs: StructuredOutputs | None = None
     allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
@@ -101,6 +105,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if isinstance(self.allowed_token_ids, list):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words, list):
+            object.__setattr__(self, "bad_words", tuple(self.bad_words))
         bias = self.logit_bias or ()
         if isinstance(bias, dict):  # (a dict as given: kept sorted by id, as a tuple of pairs: params stay hashable)
             bias = sorted(bias.items(), key=lambda item: item[0] if _integer(item[0]) else -1)
@@ -132,6 +138,9 @@ class SamplingParams:
                 isinstance(self.allowed_token_ids, tuple) and 0 < len(self.allowed_token_ids) <= MAX_LOGIT_BIAS
                 and all(_integer(t) and 0 <= t <= MAX_INT32 for t in self.allowed_token_ids)),
              f"None or 1..{MAX_LOGIT_BIAS} token ids in 0..{MAX_INT32}"),
+            ("bad_words", isinstance(self.bad_words, tuple) and len(self.bad_words) <= MAX_BAD_WORDS
+             and all(isinstance(w, str) and w.strip() and _encodable(w) for w in self.bad_words),
+             f"at most {MAX_BAD_WORDS} strings, each with something besides whitespace (valid Unicode)"),
             ("structured_outputs", self.structured_outputs is None
              or isinstance(self.structured_outputs, StructuredOutputs), "None or a StructuredOutputs"),
             ("logit_bias", _logit_bias(self.logit_bias),

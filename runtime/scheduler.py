@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from runtime.bad_words import row_bans
 from runtime.pages import PageAllocator, page_key
 from runtime.sequence import Sequence, Status
 from runtime.step_io import ScheduledRequest
@@ -240,8 +241,11 @@ class Scheduler:
             ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
             if ids:  # rows 0..num_drafts decide output tokens len(output) + row
                 banned = (seq.params.min_tokens - len(seq.output_token_ids), tuple(sorted(ids)))
+        # rows 0..num_drafts decide output tokens; row j's context is the output and the first j drafts
+        bans = row_bans(seq.output_token_ids, tokens[1:] if num_drafts else [], seq.bad_words, num_drafts + 1) \
+            if sample and seq.bad_words else None
         return ScheduledRequest(seq.request_id, tokens, seq.num_computed, seq.page_ids, num_drafts, sample,
-                                seq.params, seq.seed, history, rows, banned)
+                                seq.params, seq.seed, history, rows, banned, row_bans=bans)
 
     def _waits_for_prefill(self, seq: Sequence) -> bool:
         """True while the sample ``seq`` follows is still computing their shared prompt (with prefix caching,

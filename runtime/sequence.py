@@ -47,6 +47,7 @@ class Sequence:
     # first token), in prompt order; complete once the prompt is computed
     prompt_logprobs: list | None = None
     grammar: object | None = None  # params.structured_outputs: its xgrammar matcher (runtime.grammar), on the host
+    bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (runtime.bad_words)
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full pages (chained)
     num_registered_pages: int = 0  # leading pages of page_ids registered in the prefix cache (or matched from it)
     follows: Sequence | None = None  # another sample of the same prompt: wait until it computed the prompt

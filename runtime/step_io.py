@@ -40,6 +40,9 @@ class ScheduledRequest:
     # SamplingParams.structured_outputs: [rows, ceil(V / 32)] int32, the tokens its grammar allows at each row that
     # commits a token (runtime.grammar.row_masks; numpy, on the host)
     token_mask: object | None = None
+    # SamplingParams.bad_words: per row that commits a token, the tokens that would complete a bad word there
+    # (runtime.bad_words.row_bans; None: none this step)
+    row_bans: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def end_position(self) -> int:

@@ -63,10 +63,11 @@ def sampled_entries(reqs: list[ScheduledRequest]) -> list[int]:
 
 def greedy_only(entry: ScheduledRequest) -> bool:
     """Whether ``entry``'s tokens are argmaxes of the model's rows and nothing else: greedy, no logprobs, no
-    penalties, no logit bias, no stop token banned (min_tokens), no grammar, no allowed-token list."""
+    penalties, no logit bias, no stop token banned (min_tokens), no grammar, no allowed-token list, no bad words
+    (whose bans depend on the tokens before each row: a step launched ahead could not know them)."""
     return entry.params.greedy and entry.params.logprobs is None and entry.penalty_history is None \
         and not entry.params.logit_bias and entry.banned is None and entry.token_mask is None \
-        and entry.params.allowed_token_ids is None
+        and entry.params.allowed_token_ids is None and not entry.params.bad_words
 
 
 def plain_greedy(entry: ScheduledRequest) -> bool:

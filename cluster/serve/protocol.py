@@ -3,7 +3,7 @@
 Requests are validated strictly: a parameter we do not implement is refused with a 400 naming it,
 never silently ignored. Beyond OpenAI's fields we accept vLLM's common extras (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``allowed_token_ids``, ``prompt_logprobs``).
+``skip_special_tokens``, ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from runtime.outputs import TokenLogprob
-from runtime.sampling_params import MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputs
+from runtime.sampling_params import (MAX_BAD_WORDS, MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, SamplingParams,
+                                     StructuredOutputs)
 
 
 class StreamOptions(BaseModel):
@@ -88,6 +89,8 @@ class SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None
     # vLLM's: only these tokens may be drawn
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(min_length=1)] | None = None
+    # vLLM's: words the output must not contain (runtime.bad_words)
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
     # vLLM's: each prompt token's logprob, rank and this many most likely alternatives (``prompt_logprobs_body``)
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
@@ -127,7 +130,8 @@ class SamplingFields(BaseModel):
                               logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
                               structured_outputs=self.response_format.structured_outputs()
                               if self.response_format is not None else None,
-                              allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids else None)
+                              allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids else None,
+                              bad_words=tuple(self.bad_words or ()))
 
     def logprob_count(self) -> int | None:
         """How many alternatives per token the request's logprobs ask for; None: no logprobs."""

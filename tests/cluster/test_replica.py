@@ -18,6 +18,9 @@ ENGINE = dict(dtype="float32", device="cpu", num_pages=96, page_size=4)
 PARAM_SETS = {
     "greedy": [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 3,
     "seeded": [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=s, ignore_eos=True) for s in range(3)],
+    # the bad words' row bans cross the step's wire (single letters: banned at every row; pairs: where they end)
+    "bad_words": [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                 bad_words=["a", "e", "t", "in", "th", "er"])] * 3,
 }
 
 

@@ -266,6 +266,27 @@ def test_a_batch_of_prompts_answers_each_in_order_as_lm_eval_sends_them(server):
     assert "max_waiting_requests" in too_many.json()["error"]["message"]
 
 
+def test_bad_words_on_both_endpoints_are_the_engines(server):
+    """vLLM's ``bad_words``: the answer is the engine's with the same words banned (the greedy text without them
+    differs); a word that is not a string or only whitespace is a 400 naming the field."""
+    local = server["local"]
+    free = reference(server, PROMPTS[0], 8).text
+    word = free.split()[0] if free.split() else free[:2]
+    want = local.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, bad_words=[word]))[0]
+    r = httpx.post(f"{server['base']}/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8,
+                                                              "temperature": 0, "bad_words": [word]}, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text != free
+    chat = httpx.post(f"{server['base']}/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "bad_words": [word]},
+        timeout=120)
+    assert chat.status_code == 200
+    for bad in ([" "], [3], "ab"):
+        refused = httpx.post(f"{server['base']}/v1/completions", json={"model": "tiny", "prompt": "x",
+                                                                       "bad_words": bad}, timeout=60)
+        # (the field, or the item of it: "bad_words.0")
+        assert refused.status_code == 400 and refused.json()["error"]["param"].startswith("bad_words"), refused.text
+
+
 def test_logit_bias_forces_and_bans_tokens_on_both_endpoints(server):
     """OpenAI's ``logit_bias``: -100 bans the greedy first token (the answer equals the engine's with the same bias),
     +100 forces a token even when sampling."""
@@ -674,7 +695,7 @@ FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completio
           "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
           "stop_token_ids", "n", "best_of", "logprobs", "top_logprobs", "user", "echo", "logit_bias", "min_tokens",
           "include_stop_str_in_output", "skip_special_tokens", "response_format", "allowed_token_ids",
-          "prompt_logprobs"]
+          "prompt_logprobs", "bad_words"]
 
 
 @st.composite
