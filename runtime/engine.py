@@ -124,6 +124,7 @@ class Engine:
         self._host_work = None  # the executor's HostWork where confidence scheduling defers its learning there
         self._deferred = False  # the step's decision was deferred (allot_deferred)
         self._grammar_backend: GrammarBackend | None = None  # structured outputs' compiler (_grammars)
+        self._structured: set[str] = set()  # ids of structured requests, pruned to live ones each step (_mask_grammars)
         if self.spec is not None and self.spec.enable_confidence_scheduling:
             self.confidence = self._confidence_scheduler()
             host_work = getattr(self.executor, "host_work", None)  # (Executor: optional)
@@ -203,6 +204,7 @@ class Engine:
             seq.prompt_logprobs = [None]  # the first token has no logprob: nothing precedes it
         if params.structured_outputs is not None:  # (a schema xgrammar refuses: ValueError, nothing queued)
             seq.grammar = self._grammars().matcher(params.structured_outputs)
+            self._structured.add(request_id)
         if params.bad_words:  # (a word the tokenizer cannot make ids of this model from: ValueError, nothing queued)
             seq.bad_words = token_sequences(self.tokenizer, params.bad_words, self.vocab_size)
         leader = self.sequences.get(follows) if follows is not None else None
@@ -219,7 +221,12 @@ class Engine:
         return self._grammar_backend
 
     def _mask_grammars(self, scheduled: list[ScheduledRequest]) -> None:
-        """Each structured request's token masks for the rows it commits this step (``runtime.grammar``)."""
+        """Each structured request's token masks for the rows it commits this step (``runtime.grammar``). Once no
+        structured request is left, a step looks at none of its entries (the set of them, pruned to the live ones,
+        is empty)."""
+        self._structured.intersection_update(self.sequences)
+        if not self._structured:
+            return
         for entry in scheduled:
             seq = self.sequences.get(entry.request_id)
             if entry.sample and seq is not None and seq.grammar is not None:

@@ -34,6 +34,12 @@ def test_outputs_fit_the_schema_with_and_without_a_drafter(near_bigram_target, m
                                                              structured_outputs=wanted))
         for out in sampled:
             assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"a", "b"}
+    # once the structured requests are done, a step looks at none of its entries for a grammar
+    masked = []
+    row_masks = plain.engine._grammar_backend.row_masks
+    plain.engine._grammar_backend.row_masks = lambda *a: masked.append(a) or row_masks(*a)
+    plain.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0))
+    assert not masked and not plain.engine._structured
     objects = plain.generate(PROMPTS, SamplingParams(max_tokens=60, temperature=0,
                                                      structured_outputs=StructuredOutputs(json_object=True)))
     for out in objects:  # any JSON object (a random model may run out of tokens inside one: "length")
