@@ -24,7 +24,12 @@ CORPUS = [
 ] * 20
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+# (the tools and tool calls render only where a request has them: other prompts are as they were; the newlines are
+# expressions, which the templates' trim_blocks keeps after a block tag)
+CHAT_TEMPLATE = ("{% if tools %}[tools] {% for t in tools %}{{ t['function']['name'] }} {% endfor %}{{ '\\n' }}"
+                 "{% endif %}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
+                 "{% for c in m.get('tool_calls', []) %} <call {{ c['function']['name'] }} "
+                 "{{ c['function']['arguments'] | tojson }}>{% endfor %}{{ '\\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}[assistant] {% endif %}")
 
 

@@ -104,12 +104,13 @@ def check_unicode(text: str, param: str) -> None:
         raise ApiError(400, f"{param} is not valid Unicode: {exc.reason} at character {exc.start}", param) from None
 
 
-def request_error(exc: ValueError, prompt_field: str) -> ApiError:
-    """A request the engine refuses: 400 naming the parameter."""
+def request_error(exc: ValueError, prompt_field: str, structured_field: str = "response_format") -> ApiError:
+    """A request the engine refuses: 400 naming the parameter (``structured_field``: the API's name for what asked
+    for structured outputs, ``response_format`` or, for tool calls, ``tool_choice``)."""
     text = str(exc)
     field = SAMPLING_FIELD.search(text)
     param = field.group(1) if field else (prompt_field if text.startswith("prompt") else None)
-    param = {"structured_outputs": "response_format"}.get(param, param)  # (the API's name for it)
+    param = {"structured_outputs": structured_field}.get(param, param)  # (the API's name for it)
     return ApiError(400, text, param, "context_length_exceeded" if "max_model_len" in text else "invalid_value")
 
 
@@ -236,6 +237,10 @@ class DSparkServer:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: protocol.ChatCompletionRequest, request: Request):
         self._check_model(body.model)
+        if body.tool_call_mode() == "auto":
+            raise ApiError(400, 'tool_choice "auto" (the default when tools are given) is not served: this server '
+                           "has no tool-call parser to tell a model's calls from its text; pass tool_choice "
+                           '"required", "none" or {"type": "function", "function": {"name": ...}}', "tool_choice")
         prompt = self._chat_prompt(body)
         defaults, room = self.llm.engine.sampling_defaults, max(self.llm.engine.max_model_len - len(prompt), 1)
         # unset: the model's max_new_tokens if it sets one (within the context left), else the context left
@@ -299,13 +304,14 @@ class DSparkServer:
 
     def _chat_prompt(self, body, add_generation_prompt: bool = True) -> list[int]:
         """``body.messages`` through the chat template (a 400 naming what it cannot render)."""
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         for i, message in enumerate(messages):
             for key in ("content", "name"):
                 if key in message:
                     check_unicode(message[key], f"messages.{i}.{key}")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if getattr(body, "tools", None) else None
         try:
-            return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
+            return chat_token_ids(self.tokenizer, messages, add_generation_prompt, tools)
         except ValueError as exc:
             raise ApiError(400, f"{exc}; use /v1/completions", "messages") from None
         except Exception as exc:  # a template or tokenizer error about these messages
@@ -327,6 +333,8 @@ class DSparkServer:
                 raise ApiError(400, f"{name} must be at most {self.args.max_n} on this server (max_n), got {value}",
                                name)
         samples = sample_params(params)
+        # a chat answer held to a tool call's schema: its text becomes the message's tool calls
+        tool_mode = body.tool_call_mode() if chat else None
         most = self.args.deployment.max_waiting_requests
         if len(prompts) * len(samples) > most:  # could never be admitted at once: a 429 would be retried forever
             raise ApiError(400, f"{len(prompts)} prompts x {len(samples)} samples exceed the {most} requests this "
@@ -349,7 +357,7 @@ class DSparkServer:
         except BaseException as exc:
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             if isinstance(exc, ValueError):
-                raise request_error(exc, prompt_field) from None
+                raise request_error(exc, prompt_field, "tool_choice" if tool_mode else "response_format") from None
             if isinstance(exc, Overloaded):
                 raise ApiError(429, f"server overloaded: {exc}; retry later", code="overloaded",
                                headers={"Retry-After": "1"}) from None
@@ -388,11 +396,20 @@ class DSparkServer:
                 if shown is not None and not chat:  # vLLM's: each choice its prompt's
                     choices[-1]["prompt_logprobs"] = protocol.prompt_logprobs_body(self.tokenizer,
                                                                                    out.prompt_logprobs, shown)
+                if tool_mode is not None:
+                    choices[-1]["message"], choices[-1]["finish_reason"] = protocol.tool_message(
+                        tool_mode, self._called(body), out.text, out.finish_reason)
         build = protocol.chat_body if chat else protocol.completion_body
         response = build(rid, body.model, choices, usage)
         if shown is not None and chat:  # vLLM's: the chat's one prompt, beside the choices
             response["prompt_logprobs"] = protocol.prompt_logprobs_body(self.tokenizer, lasts[0].prompt_logprobs, shown)
         return response
+
+    @staticmethod
+    def _called(body) -> str | None:
+        """The named tool choice's function name (None for other requests)."""
+        function = body.called_function() if isinstance(body, protocol.ChatCompletionRequest) else None
+        return function.name if function is not None else None
 
     @staticmethod
     def _echoed(prompt: list[int], out: RequestOutput, entries, top: int):
@@ -434,6 +451,11 @@ class DSparkServer:
             except Exception as exc:  # forwarded to the stream's reader
                 merged.put_nowait((i, exc))
 
+        # a chat answer held to a tool call's schema streams as tool calls (ChatCompletionRequest.tool_call_mode)
+        tool_mode = body.tool_call_mode() if chat else None
+        function = self._called(body)
+        called, held = [False] * n, [""] * n  # per sample: its named call's first delta sent; required: its text
+
         def chunk(i: int, out: RequestOutput) -> str | None:
             if timing["first"] is None:
                 timing["first"] = out.first_token_time
@@ -450,9 +472,24 @@ class DSparkServer:
             if new:
                 if not chat:
                     text_offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-            if not (delta or reason or logprobs):
+            message = {"content": delta}
+            if tool_mode == "named":  # the arguments as they come, the call's id and name in its first delta
+                call = {"index": 0, "function": {"arguments": delta}}
+                if not called[i]:
+                    called[i] = True
+                    call = {"index": 0, **protocol.tool_call(function, delta)}
+                message = {"tool_calls": [call]} if delta or "id" in call else {}
+            elif tool_mode == "required":  # the calls once the array is complete (its text does not stream)
+                held[i] += delta
+                message = {}
+                if reason is not None:
+                    whole, reason = protocol.tool_message(tool_mode, None, held[i], reason)
+                    message = {"tool_calls": [{"index": j, **c} for j, c in enumerate(whole["tool_calls"])]} \
+                        if whole.get("tool_calls") else {"content": held[i]}
+            says = bool(message.get("content")) if "content" in message else bool(message)  # (text, or calls)
+            if not (says or reason or logprobs):
                 return None
-            payload = protocol.chat_chunk(rid, body.model, {"content": delta}, reason, logprobs, i) if chat \
+            payload = protocol.chat_chunk(rid, body.model, message, reason, logprobs, i) if chat \
                 else protocol.completion_chunk(rid, body.model, delta, reason, logprobs, i)
             if body.continuous_usage:
                 payload["usage"] = protocol.usage(prompt_tokens, lasts, generated)

@@ -3,11 +3,14 @@
 Requests are validated strictly: a parameter we do not implement is refused with a 400 naming it,
 never silently ignored. Beyond OpenAI's fields we accept vLLM's common extras (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``).
+``skip_special_tokens``, ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``). Tool calls (``tools``,
+``tool_choice`` named, ``required`` or ``none``) are answers held to a JSON schema (``ChatCompletionRequest.tool_schema``)
+and shaped as OpenAI's calls (``tool_message``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -194,11 +197,79 @@ class CompletionRequest(SamplingFields):
         return max(wanted) if wanted else None  # (each shown with its own count: echoed_prompt, prompt_logprobs_body)
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    """A tool call an assistant message made (OpenAI's shape), sent back in a later request's history."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | None = None  # an assistant message that made tool calls may have none
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+
+    @model_validator(mode="after")
+    def content_and_tool_fields_fit_the_role(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may leave it out)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id (the call it answers), and only a tool message has it")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: the fields set, a tool call's JSON arguments as an object (as
+        models' templates render them; text that is no JSON object stays text)."""
+        message = self.model_dump(exclude_none=True)
+        for call in message.get("tool_calls", ()):
+            try:
+                arguments = json.loads(call["function"]["arguments"])
+            except ValueError:
+                continue
+            if isinstance(arguments, dict):
+                call["function"]["arguments"] = arguments
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (none: any object)
+    strict: bool | None = None  # (the arguments are held to the schema either way: a grammar allows nothing else)
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+MAX_TOOLS = 128  # functions a request may offer
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -207,6 +278,68 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def each_tool_once(cls, v: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in v or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each function name once, got {names}")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def tool_choice_names_an_offered_tool(cls, v, info: ValidationInfo):
+        tools = info.data.get("tools")
+        names = [t.function.name for t in tools or ()]
+        if v is not None and v != "none" and not tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"tool_choice names {v.function.name!r}, which tools do not offer ({names})")
+        form = info.data.get("response_format")
+        if tools and v != "none" and form is not None and form.type != "text":
+            raise ValueError("tool calls and response_format each fix the answer's form: give one of them")
+        return v
+
+    def tool_call_mode(self) -> str | None:
+        """How the answer may call tools: None (no tools, or ``tool_choice`` none), ``named`` (that function,
+        once), ``required`` (one or more of the tools), ``auto`` (OpenAI's default with tools: text or calls)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def called_function(self) -> FunctionDefinition | None:
+        """The named tool choice's function."""
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        return next(t.function for t in self.tools if t.function.name == self.tool_choice.function.name)
+
+    def tool_schema(self) -> dict | None:
+        """The JSON schema the answer is held to under ``tool_call_mode``: the named function's arguments, or for
+        ``required`` an array of {name, parameters} calls of the offered functions (one call unless
+        ``parallel_tool_calls``); None otherwise."""
+        mode = self.tool_call_mode()
+        if mode == "named":
+            return self.called_function().parameters or {"type": "object"}
+        if mode != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                   "parameters": t.function.parameters or {"type": "object"}},
+                  "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
+        return {"type": "array", "minItems": 1, **({} if self.parallel_tool_calls else {"maxItems": 1}),
+                "items": {"anyOf": calls}}
+
+    def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, defaults)
+        schema = self.tool_schema()
+        if schema is None:
+            return params
+        return dataclasses.replace(params, structured_outputs=StructuredOutputs(json=json.dumps(schema)))
 
     @field_validator("top_logprobs")
     @classmethod
@@ -287,6 +420,38 @@ def chat_body(rid: str, model: str, choices: list[dict], usage: dict) -> dict:
 def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
     return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
             "logprobs": logprobs}
+
+
+def tool_calls_of(mode: str, name: str | None, text: str) -> list[dict] | None:
+    """The calls an answer held to ``ChatCompletionRequest.tool_schema`` makes, in OpenAI's shape: ``named``, one call
+    of that function with the text as its arguments; ``required``, one per item of the JSON array the text is;
+    None where the text is no such array (an answer cut at max_tokens)."""
+    if mode == "named":
+        return [tool_call(name, text)]
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not all(isinstance(i, dict) and "name" in i and "parameters" in i
+                                              for i in items):
+        return None
+    return [tool_call(i["name"], json.dumps(i["parameters"])) for i in items]
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def tool_message(mode: str, name: str | None, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """A chat choice's message and finish reason for an answer that calls tools: the calls (``tool_calls_of``) with
+    no content, finishing "tool_calls" where ``required`` calls were complete (a named call finishes "stop", as
+    OpenAI's forced function call does); an answer that parses as no calls keeps its text as content."""
+    calls = tool_calls_of(mode, name, text) if finish_reason != "length" or mode == "named" else None
+    if calls is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    finish = "tool_calls" if mode == "required" and finish_reason == "stop" else finish_reason
+    return {"role": "assistant", "content": None, "tool_calls": calls}, finish
 
 
 def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None, logprobs: dict | None = None,

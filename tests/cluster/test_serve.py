@@ -330,6 +330,100 @@ def test_response_format_holds_both_endpoints_to_json(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("response_format")
 
 
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "today's weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer"}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_tool_calls_named_and_required_streamed_or_not(server):
+    """OpenAI's ``tools``: a named ``tool_choice`` answers one call of that function whose arguments fit its schema
+    (the engine's answer under that schema, through the chat template with the tools); ``required`` one or more
+    calls of the offered functions (one with ``parallel_tool_calls`` false), finishing "tool_calls"; streamed,
+    the same calls (a named call's arguments as they come); an earlier call and its result in the history render
+    through the template."""
+    pytest.importorskip("xgrammar")
+    from runtime import StructuredOutputs
+
+    client, local, tokenizer = server["client"], server["local"], server["local"].tokenizer
+    messages = [{"role": "user", "content": "weather?"}]
+    named = {"type": "function", "function": {"name": "weather"}}
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                       tools=[WEATHER, CLOCK], tool_choice=named)
+    message = r.choices[0].message
+    assert message.content is None and len(message.tool_calls) == 1 and r.choices[0].finish_reason == "stop"
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "weather" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    assert arguments["city"] in ("Paris", "Oslo") and isinstance(arguments["days"], int)
+    prompt = tokenizer.apply_chat_template(messages, tools=[WEATHER, CLOCK], add_generation_prompt=True,
+                                           tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    assert tokenizer.decode(prompt).startswith("[tools] weather clock")
+    want = local.generate([prompt], SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputs(
+        json=json.dumps(WEATHER["function"]["parameters"]))))[0]
+    assert call.function.arguments == want.text
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                                 tools=[WEATHER, CLOCK], tool_choice=named, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name == "weather"
+    assert "".join(d.function.arguments for d in deltas) == want.text and all(d.index == 0 for d in deltas)
+    for parallel in (True, False):
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=80, temperature=0,
+                                           tools=[WEATHER, CLOCK], tool_choice="required",
+                                           parallel_tool_calls=parallel)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and calls and (parallel or len(calls) == 1)
+        for c in calls:
+            args = json.loads(c.function.arguments)
+            assert (c.function.name, set(args)) in (("weather", {"city", "days"}), ("clock", {"zone"}))
+        streamed = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=80,
+                                                       temperature=0, tools=[WEATHER, CLOCK], tool_choice="required",
+                                                       parallel_tool_calls=parallel, stream=True))
+        got = [d for c in streamed if c.choices for d in c.choices[0].delta.tool_calls or ()]
+        assert [(d.function.name, d.function.arguments) for d in got] == \
+            [(c.function.name, c.function.arguments) for c in calls]
+        assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "tool_calls"
+    history = messages + [{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "clock", "arguments": '{"zone": "UTC"}'}}]}, {"role": "tool", "tool_call_id": "call_1",
+                                                               "content": "12:00"}]
+    after = client.chat.completions.create(model="tiny", messages=history, max_tokens=4, temperature=0,
+                                           tools=[WEATHER, CLOCK], tool_choice="none")
+    # the server rendered the call's arguments as an object, as models' templates expect (not as a JSON string)
+    as_object = json.loads(json.dumps(history))
+    as_object[1]["tool_calls"][0]["function"]["arguments"] = {"zone": "UTC"}
+    rendered = {form: tokenizer.apply_chat_template(h, tools=[WEATHER, CLOCK], add_generation_prompt=True,
+                                                    tokenize=False) for form, h in (("object", as_object),
+                                                                                    ("text", history))}
+    assert '<call clock {"zone": "UTC"}>' in rendered["object"] and "[tool] 12:00" in rendered["object"]
+    counts = {form: len(tokenizer(text, add_special_tokens=False)["input_ids"]) for form, text in rendered.items()}
+    assert after.usage.prompt_tokens == counts["object"] != counts["text"]
+    assert after.choices[0].message.content is not None and after.choices[0].message.tool_calls is None
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(server):
+    """``auto`` (the default with tools) needs a tool-call parser this server does not have; a named choice must be
+    offered; tool choices need tools; a tool message needs its call's id; a function name is OpenAI's pattern."""
+    base = f"{server['base']}/v1/chat/completions"
+    messages = [{"role": "user", "content": "x"}]
+    for extra, param, words in (
+            ({"tools": [WEATHER]}, "tool_choice", "auto"),
+            ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "no tool-call parser"),
+            ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "clock"}}},
+             "tool_choice", "which tools do not offer"),
+            ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+            ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools", "each function name once"),
+            ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools", "pattern"),
+            ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+             "tool_choice", "give one of them"),
+            ({"messages": [{"role": "tool", "content": "12:00"}]}, "messages", "tool_call_id")):
+        r = httpx.post(base, json={"model": "tiny", "messages": messages, **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), (extra, r.text)
+        assert words in r.json()["error"]["message"], (extra, r.text)
+
+
 def test_chat_logprobs_and_top_logprobs(server):
     messages = [{"role": "user", "content": "hello"}]
     r = server["client"].chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
@@ -695,7 +789,7 @@ FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completio
           "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
           "stop_token_ids", "n", "best_of", "logprobs", "top_logprobs", "user", "echo", "logit_bias", "min_tokens",
           "include_stop_str_in_output", "skip_special_tokens", "response_format", "allowed_token_ids",
-          "prompt_logprobs", "bad_words"]
+          "prompt_logprobs", "bad_words", "tools", "tool_choice", "parallel_tool_calls"]
 
 
 @st.composite
