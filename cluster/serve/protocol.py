@@ -4,8 +4,8 @@ Requests are validated strictly: a parameter we do not implement is refused with
 never silently ignored. Beyond OpenAI's fields we accept vLLM's common extras (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``). Tool calls (``tools``,
-``tool_choice`` named, ``required`` or ``none``) are answers held to a JSON schema (``ChatCompletionRequest.tool_schema``)
-and shaped as OpenAI's calls (``tool_message``).
+``tool_choice`` named, ``required`` or ``none``) are answers held to a JSON schema
+(``ChatCompletionRequest.tool_schema``) and shaped as OpenAI's calls (``tool_message``).
 """
 
 from __future__ import annotations
