@@ -30,8 +30,15 @@
 #                                                    own training: run 80's `60 122` on a WORK whose target and
 #                                                    distillation were done gave it 65 s and a pair as strong
 #                                                    as any (6.0 tokens a step at 64 requests), where issue 16's
-#                                                    >= 1.10 needs one with something to trim, e.g. `60 400
-#                                                    3072 24 20 15`)
+#                                                    >= 1.10 needs one with something to trim; run 85's `60 400
+#                                                    3072 24 20 15` was too weak: 28 drafter steps, requests
+#                                                    accepting all or nothing, the tuned schedule speculating at
+#                                                    one request only; run 54's 35 s drafter accepted 0.79 / 0.61
+#                                                    / 0.58 ... at 64 requests, oracle 1.18x: `... 20 35`. Run 85's
+#                                                    train (255 s) and measure did not fit one command (cut in
+#                                                    the mixed workload at 600 s); the measure's first phase now
+#                                                    runs no mixed workload (its rows are replaced unread), and
+#                                                    the sweep's rows are saved before the mixed workload starts)
 #   bash benchmarks/trained_pair.sh bench WORK OUT [BENCH FLAGS]
 #                                                    dspark bench on that pair over the held-out prompts: the
 #                                                    concurrency sweep, the tuned draft_len_schedule, the end-to-end
