@@ -43,7 +43,7 @@ MODEL_FLAGS = {
 APP_NAME = "dspark"  # the Serve application `dspark serve` deploys
 SERVER_KEY = "server"  # where it records its port and route on the Ray cluster (namespace "dspark")
 SERVE_FLAGS = {"served_model_name": (None, "served_model_name"), "api_key": (None, "api_key"),
-               "num_replicas": ("deployment", "num_replicas")}
+               "num_replicas": ("deployment", "num_replicas"), "tool_call_parser": (None, "tool_call_parser")}
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="0.0.0.0", help="HTTP host (default 0.0.0.0)")
     serve.add_argument("--port", type=integer(1, 65535), default=8000, help="HTTP port (default 8000)")
     serve.add_argument("--served-model-name", help="model name clients send (default: the model directory's name)")
+    serve.add_argument("--tool-call-parser", choices=["hermes"],
+                       help="how chat's tool_choice auto (the default when a request gives tools) tells the model's "
+                       "tool calls from its text: hermes (<tool_call> JSON blocks: Hermes, Qwen2.5, Qwen3); without "
+                       "it such a request is a 400 (named and required tool choices need no parser)")
     keys = serve.add_mutually_exclusive_group()
     keys.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes (visible in ps: prefer "
                       "--api-key-file or the DSPARK_API_KEY environment variable)")

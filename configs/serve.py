@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -78,6 +78,10 @@ class ServeArgs(BaseModel):
     route_prefix: str = Field(default="/", description="Where the app is mounted.")
     max_n: Annotated[int, Field(ge=1, le=128)] = Field(default=16, description="Most samples one request may ask "
                                                       "for (n); more is a 400 naming n.")
+    tool_call_parser: Literal["hermes"] | None = Field(
+        default=None, description="How chat's tool_choice auto (OpenAI's default when tools are given) tells the "
+        "model's tool calls from its text: hermes, <tool_call>{\"name\", \"arguments\"}</tool_call> blocks "
+        "(Hermes, Qwen2.5 and Qwen3 chat templates); none: such a request is a 400 naming tool_choice.")
 
     @model_validator(mode="after")
     def separate_needs_a_drafter(self) -> ServeArgs:

@@ -156,6 +156,24 @@ def test_the_api_key_comes_from_a_flag_a_file_or_the_environment(qwen3_target, t
         key("--api-key-file", str(tmp_path / "empty"))
 
 
+def test_the_tool_call_parser_comes_from_the_flag_or_the_config(qwen3_target, tmp_path):
+    from cluster.cli import MODEL_FLAGS, SERVE_FLAGS, build_parser, serve_args
+    from configs import ConfigError, ServeArgs, validate
+
+    def parser(*argv):
+        args = build_parser().parse_args(["serve", "--model", str(qwen3_target), *argv])
+        return serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS}).tool_call_parser
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("tool_call_parser: hermes\n")
+    assert parser() is None and parser("--tool-call-parser", "hermes") == "hermes"
+    assert parser("--config", str(config)) == "hermes"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parser("--tool-call-parser", "mistral")
+    with pytest.raises(ConfigError, match="tool_call_parser"):
+        validate(ServeArgs, {"engine": {"model": "m"}, "tool_call_parser": "mistral"}, "args")
+
+
 def test_a_429_that_could_never_be_sent_is_refused():
     from configs import ConfigError, ServeArgs, validate
 

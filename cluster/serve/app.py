@@ -31,6 +31,7 @@ from cluster.placement.plan import NodeResources, PlacementError, PlacementPlan,
 from cluster.serve import drain, protocol
 from cluster.serve.metrics import ServerMetrics
 from cluster.serve.text import TextStream
+from cluster.serve.tool_parsers import HermesStream, parse_hermes
 from configs import ReplicaConfig, ServeArgs, validate
 from runtime.async_engine import AsyncEngine, Overloaded, RequestFailed, StepFailed
 from runtime.chat import chat_token_ids
@@ -237,10 +238,11 @@ class DSparkServer:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: protocol.ChatCompletionRequest, request: Request):
         self._check_model(body.model)
-        if body.tool_call_mode() == "auto":
-            raise ApiError(400, 'tool_choice "auto" (the default when tools are given) is not served: this server '
-                           "has no tool-call parser to tell a model's calls from its text; pass tool_choice "
-                           '"required", "none" or {"type": "function", "function": {"name": ...}}', "tool_choice")
+        if body.tool_call_mode() == "auto" and self.args.tool_call_parser is None:
+            raise ApiError(400, 'tool_choice "auto" (the default when tools are given) needs a tool-call parser to '
+                           "tell the model's calls from its text, and this server has none (dspark serve "
+                           '--tool-call-parser hermes); pass tool_choice "required", "none" or {"type": "function", '
+                           '"function": {"name": ...}}', "tool_choice")
         prompt = self._chat_prompt(body)
         defaults, room = self.llm.engine.sampling_defaults, max(self.llm.engine.max_model_len - len(prompt), 1)
         # unset: the model's max_new_tokens if it sets one (within the context left), else the context left
@@ -398,7 +400,7 @@ class DSparkServer:
                                                                                    out.prompt_logprobs, shown)
                 if tool_mode is not None:
                     choices[-1]["message"], choices[-1]["finish_reason"] = protocol.tool_message(
-                        tool_mode, self._called(body), out.text, out.finish_reason)
+                        tool_mode, self._called(body), out.text, out.finish_reason, parse_hermes)
         build = protocol.chat_body if chat else protocol.completion_body
         response = build(rid, body.model, choices, usage)
         if shown is not None and chat:  # vLLM's: the chat's one prompt, beside the choices
@@ -437,7 +439,9 @@ class DSparkServer:
         kind = "chat.completion.chunk" if chat else "text_completion"
         n = len(streams)
         samples = n // len(prompts)  # each prompt's (a stream never draws more than it answers: no best_of)
-        texts = [TextStream(self.tokenizer, body.stop, body.skip_special_tokens) for _ in range(n)]
+        # (a tool-call parser reads tags that may be special tokens: auto keeps them, as its SamplingParams do)
+        skip = body.skip_special_tokens and not (chat and body.tool_call_mode() == "auto")
+        texts = [TextStream(self.tokenizer, body.stop, skip) for _ in range(n)]
         text_offsets, generated = [0] * n, [0] * n  # per sample: completion text its logprobs cover, tokens
         echoed = [False] * n  # per sample: its first chunk (the echoed prompt) was made
         prompt_tokens = sum(len(p) for p in prompts)
@@ -455,6 +459,7 @@ class DSparkServer:
         tool_mode = body.tool_call_mode() if chat else None
         function = self._called(body)
         called, held = [False] * n, [""] * n  # per sample: its named call's first delta sent; required: its text
+        parsers = [HermesStream() for _ in range(n)] if tool_mode == "auto" else []  # auto: each sample's
 
         def chunk(i: int, out: RequestOutput) -> str | None:
             if timing["first"] is None:
@@ -479,6 +484,17 @@ class DSparkServer:
                     called[i] = True
                     call = {"index": 0, **protocol.tool_call(function, delta)}
                 message = {"tool_calls": [call]} if delta or "id" in call else {}
+            elif tool_mode == "auto":  # the text as it comes (held where it may begin a call), then the calls
+                message = {"content": parsers[i].feed(delta)}
+                if reason is not None:
+                    rest, found = parsers[i].finish()
+                    message["content"] += rest
+                    if found:
+                        message["tool_calls"] = [{"index": j, **protocol.tool_call(n, a)}
+                                                 for j, (n, a) in enumerate(found)]
+                        reason = "tool_calls"
+                if not message["content"] and "tool_calls" in message:
+                    del message["content"]
             elif tool_mode == "required":  # the calls once the array is complete (its text does not stream)
                 held[i] += delta
                 message = {}

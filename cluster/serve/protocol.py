@@ -336,6 +336,8 @@ class ChatCompletionRequest(SamplingFields):
 
     def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
         params = super().sampling_params(max_tokens, defaults)
+        if self.tool_call_mode() == "auto":  # a parser reads the calls from the text: their tags must be in it
+            return dataclasses.replace(params, skip_special_tokens=False)
         schema = self.tool_schema()
         if schema is None:
             return params
@@ -443,10 +445,18 @@ def tool_call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def tool_message(mode: str, name: str | None, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-    """A chat choice's message and finish reason for an answer that calls tools: the calls (``tool_calls_of``) with
-    no content, finishing "tool_calls" where ``required`` calls were complete (a named call finishes "stop", as
-    OpenAI's forced function call does); an answer that parses as no calls keeps its text as content."""
+def tool_message(mode: str, name: str | None, text: str, finish_reason: str | None,
+                 parse=None) -> tuple[dict, str | None]:
+    """A chat choice's message and finish reason for an answer that may call tools: the calls (``tool_calls_of``;
+    ``auto``: those ``parse``, a tool-call parser of ``cluster.serve.tool_parsers``, finds, beside the text before
+    them) finishing "tool_calls" where ``required`` or ``auto`` calls were complete (a named call finishes "stop",
+    as OpenAI's forced function call does); an answer that parses as no calls keeps its text as content."""
+    if mode == "auto":
+        content, found = parse(text)
+        if not found:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": content,
+                "tool_calls": [tool_call(n, a) for n, a in found]}, "tool_calls"
     calls = tool_calls_of(mode, name, text) if finish_reason != "length" or mode == "named" else None
     if calls is None:
         return {"role": "assistant", "content": text}, finish_reason

@@ -47,8 +47,8 @@ def server(near_bigram_target, make_drafter, tmp_path_factory):
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"engine": engine_args(near_bigram_target, drafter), "served_model_name": "tiny"}),
-                  name="main", route_prefix="/")
+        serve.run(build_app({"engine": engine_args(near_bigram_target, drafter), "served_model_name": "tiny",
+                             "tool_call_parser": "hermes"}), name="main", route_prefix="/")
         serve.run(build_app({"engine": engine_args(near_bigram_target, drafter, max_num_seqs=1),
                              "served_model_name": "tiny", "api_key": "sesame",
                              "deployment": {"max_waiting_requests": 1}}), name="small", route_prefix="/small")
@@ -403,14 +403,45 @@ def test_tool_calls_named_and_required_streamed_or_not(server):
     assert after.choices[0].message.content is not None and after.choices[0].message.tool_calls is None
 
 
+def test_auto_tool_choice_answers_in_text_or_calls_through_the_hermes_parser(server):
+    """``tool_choice: auto`` (the default with tools) on a server with ``tool_call_parser: hermes``: the answer is
+    the engine's (special tokens kept: the parser reads tags), as text where it makes no call (this random model
+    makes none), streamed too; an answer with <tool_call> blocks becomes OpenAI's calls (``tool_message``)."""
+    from cluster.serve import protocol
+    from cluster.serve.tool_parsers import parse_hermes
+
+    client, local, tokenizer = server["client"], server["local"], server["local"].tokenizer
+    messages = [{"role": "user", "content": "weather?"}]
+    prompt = tokenizer.apply_chat_template(messages, tools=[WEATHER], add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    want = local.generate([prompt], SamplingParams(max_tokens=12, temperature=0, skip_special_tokens=False))[0]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                       tools=[WEATHER])
+    assert r.choices[0].message.content == want.text and r.choices[0].message.tool_calls is None
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                 tools=[WEATHER], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    text = 'Checking. <tool_call>{"name": "weather", "arguments": {"city": "Oslo", "days": 1}}</tool_call>'
+    message, finish = protocol.tool_message("auto", None, text, "stop", parse_hermes)
+    assert finish == "tool_calls" and message["content"] == "Checking."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("weather", {"city": "Oslo", "days": 1})]
+    assert protocol.tool_message("auto", None, "just text", "length", parse_hermes) == (
+        {"role": "assistant", "content": "just text"}, "length")
+
+
 def test_bad_tool_requests_are_400s_naming_the_field(server):
-    """``auto`` (the default with tools) needs a tool-call parser this server does not have; a named choice must be
+    """``auto`` (the default with tools) needs a tool-call parser (the small app has none); a named choice must be
     offered; tool choices need tools; a tool message needs its call's id; a function name is OpenAI's pattern."""
     base = f"{server['base']}/v1/chat/completions"
     messages = [{"role": "user", "content": "x"}]
+    for extra in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "auto"}):  # a server without a parser
+        r = httpx.post(f"{server['base']}/small/v1/chat/completions", json={"model": "tiny", "messages": messages,
+                                                                             **extra},
+                       headers={"Authorization": "Bearer sesame"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+        assert "--tool-call-parser hermes" in r.json()["error"]["message"]
     for extra, param, words in (
-            ({"tools": [WEATHER]}, "tool_choice", "auto"),
-            ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "no tool-call parser"),
             ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "clock"}}},
              "tool_choice", "which tools do not offer"),
             ({"tool_choice": "required"}, "tool_choice", "needs tools"),
