@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence as Seq
 
 from configs import DSparkDecodingConfig, LLMConfig, validate
+from runtime.chat import chat_token_ids
 from runtime.engine import Engine
 from runtime.hub import resolve_hub_ids
 from runtime.outputs import RequestOutput
@@ -101,6 +102,23 @@ def generate(engine: Engine, prompts: Prompts, sampling_params=None) -> list[Req
     return [out for group, p in zip(groups, params) for out in best_samples([finished[i] for i in group], p)]
 
 
+def chat_prompts(engine: Engine, messages, tools: list[dict] | None = None,
+                 add_generation_prompt: bool = True) -> list[list[int]]:
+    """vLLM's ``LLM.chat`` input: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them ->
+    each one's prompt token ids through the model's chat template (with ``tools``, OpenAI's function definitions,
+    where the template renders them). A model without a chat template, or a malformed conversation, is a
+    ``ValueError`` naming ``messages``."""
+    conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages or [])
+    if not conversations or not all(isinstance(c, list) and c and all(isinstance(m, dict) and "role" in m for m in c)
+                                    for c in conversations):
+        raise ValueError("messages: one conversation (a non-empty list of {\"role\", \"content\"} dicts) or a "
+                         "non-empty list of them")
+    try:
+        return [chat_token_ids(engine.tokenizer, c, add_generation_prompt, tools) for c in conversations]
+    except ValueError as exc:
+        raise ValueError(f"messages: {exc}") from None
+
+
 class LLM:
     """Generate with a target model, speculatively when ``speculative_config`` names a DSpark drafter.
 
@@ -123,6 +141,13 @@ class LLM:
         """One output per prompt, in order. Prompts are strings (tokenized with the target's tokenizer)
         or token-id lists; ``sampling_params`` is one for all or one per prompt."""
         return generate(self.engine, prompts, sampling_params)
+
+    def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one output per conversation (one, or a list of them), each rendered by the model's
+        chat template (``chat_prompts``) and generated as ``generate`` does."""
+        return generate(self.engine, chat_prompts(self.engine, messages, tools, add_generation_prompt),
+                        sampling_params)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no SamplingParams (vLLM's name): the model's

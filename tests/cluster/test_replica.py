@@ -50,6 +50,9 @@ def test_tp2_matches_the_single_process_engine(ray_cluster, near_bigram_target, 
         for name, params in PARAM_SETS.items():
             expected = [o.token_ids for o in local.generate(PROMPTS, params)]
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected, name
+        chats = [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "weather?"}]]  # LLM.chat
+        assert [o.token_ids for o in llm.chat(chats, PARAM_SETS["greedy"][0])] == \
+            [o.token_ids for o in local.chat(chats, PARAM_SETS["greedy"][0])]
         assert llm.get_metrics() == {**local.get_metrics(), "num_kv_pages_used": 0,  # (+ the executor's own)
                                      "replica_idle_parks": llm.engine.executor.parks, "replica_parked": False}
         info = llm.rank_info()
@@ -273,6 +276,9 @@ def test_tp4_with_replicated_kv_heads_matches_the_single_process_engine(ray_clus
         for name, params in PARAM_SETS.items():
             expected = [o.token_ids for o in local.generate(PROMPTS, params)]
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected, name
+        chats = [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "weather?"}]]  # LLM.chat
+        assert [o.token_ids for o in llm.chat(chats, PARAM_SETS["greedy"][0])] == \
+            [o.token_ids for o in local.chat(chats, PARAM_SETS["greedy"][0])]
     free_cpus_return()
 
 

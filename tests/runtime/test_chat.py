@@ -1,0 +1,30 @@
+"""vLLM's offline ``LLM.chat``: conversations through the model's chat template (tools too), then ``generate``."""
+
+import pytest
+
+from runtime import LLM, SamplingParams
+
+ENGINE = dict(dtype="float32", device="cpu", num_pages=128, page_size=4)
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+TOOLS = [{"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}]
+
+
+def template_ids(tokenizer, conversation, **kwargs):
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, **kwargs)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_chat_is_generate_on_the_templated_conversations(near_bigram_target):
+    llm = LLM(str(near_bigram_target), **ENGINE)
+    one = [{"role": "system", "content": "brief"}, {"role": "user", "content": "hello"}]
+    two = [{"role": "user", "content": "weather?"}]
+    outs = llm.chat([one, two], GREEDY)
+    want = llm.generate([template_ids(llm.tokenizer, one), template_ids(llm.tokenizer, two)], GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert [o.prompt_token_ids for o in outs] == [o.prompt_token_ids for o in want]
+    assert llm.chat(one, GREEDY)[0].token_ids == outs[0].token_ids  # one conversation alone
+    with_tools = llm.chat(two, GREEDY, tools=TOOLS)[0]
+    assert with_tools.prompt_token_ids == template_ids(llm.tokenizer, two, tools=TOOLS) != outs[1].prompt_token_ids
+    for bad in ([], [[]], ["hello"], [{"content": "no role"}]):
+        with pytest.raises(ValueError, match="messages: one conversation"):
+            llm.chat(bad, GREEDY)
