@@ -85,10 +85,11 @@ class LLM:
             raise ReplicaFailure(f"{exc}; {failed} in-flight request(s) failed; the replica was rebuilt") from exc
 
     def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             tools: list[dict] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Like ``runtime.LLM.chat`` (vLLM's): conversations through the chat template, then ``generate``."""
-        return self.generate(runtime_llm.chat_prompts(self.engine, messages, tools, add_generation_prompt),
-                             sampling_params)
+        return self.generate(runtime_llm.chat_prompts(self.engine, messages, tools, add_generation_prompt,
+                                                      continue_final_message, chat_template_kwargs), sampling_params)
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None):
         """Yield the request's snapshot after every step that committed tokens for it (the last one finished)."""

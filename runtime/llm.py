@@ -102,19 +102,21 @@ def generate(engine: Engine, prompts: Prompts, sampling_params=None) -> list[Req
     return [out for group, p in zip(groups, params) for out in best_samples([finished[i] for i in group], p)]
 
 
-def chat_prompts(engine: Engine, messages, tools: list[dict] | None = None,
-                 add_generation_prompt: bool = True) -> list[list[int]]:
+def chat_prompts(engine: Engine, messages, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                 continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[list[int]]:
     """vLLM's ``LLM.chat`` input: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them ->
     each one's prompt token ids through the model's chat template (with ``tools``, OpenAI's function definitions,
-    where the template renders them). A model without a chat template, or a malformed conversation, is a
-    ``ValueError`` naming ``messages``."""
+    where the template renders them; the options as ``runtime.chat.chat_token_ids`` takes them). A model without a
+    chat template, a malformed conversation or options that do not go together are a ``ValueError`` naming
+    ``messages``."""
     conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages or [])
     if not conversations or not all(isinstance(c, list) and c and all(isinstance(m, dict) and "role" in m for m in c)
                                     for c in conversations):
         raise ValueError("messages: one conversation (a non-empty list of {\"role\", \"content\"} dicts) or a "
                          "non-empty list of them")
     try:
-        return [chat_token_ids(engine.tokenizer, c, add_generation_prompt, tools) for c in conversations]
+        return [chat_token_ids(engine.tokenizer, c, add_generation_prompt, tools, continue_final_message,
+                               chat_template_kwargs) for c in conversations]
     except ValueError as exc:
         raise ValueError(f"messages: {exc}") from None
 
@@ -143,11 +145,12 @@ class LLM:
         return generate(self.engine, prompts, sampling_params)
 
     def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             tools: list[dict] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one output per conversation (one, or a list of them), each rendered by the model's
         chat template (``chat_prompts``) and generated as ``generate`` does."""
-        return generate(self.engine, chat_prompts(self.engine, messages, tools, add_generation_prompt),
-                        sampling_params)
+        return generate(self.engine, chat_prompts(self.engine, messages, tools, add_generation_prompt,
+                                                  continue_final_message, chat_template_kwargs), sampling_params)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no SamplingParams (vLLM's name): the model's

@@ -24,9 +24,10 @@ CORPUS = [
 ] * 20
 
 
-# (the tools and tool calls render only where a request has them: other prompts are as they were; the newlines are
-# expressions, which the templates' trim_blocks keeps after a block tag)
-CHAT_TEMPLATE = ("{% if tools %}[tools] {% for t in tools %}{{ t['function']['name'] }} {% endfor %}{{ '\\n' }}"
+# (the tools, tool calls and Qwen3's enable_thinking false render only where a request has them: other prompts are as
+# they were; the newlines are expressions, which the templates' trim_blocks keeps after a block tag)
+CHAT_TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}[no-think] {% endif %}"
+                 "{% if tools %}[tools] {% for t in tools %}{{ t['function']['name'] }} {% endfor %}{{ '\\n' }}"
                  "{% endif %}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
                  "{% for c in m.get('tool_calls', []) %} <call {{ c['function']['name'] }} "
                  "{{ c['function']['arguments'] | tojson }}>{% endfor %}{{ '\\n' }}{% endfor %}"

@@ -34,7 +34,7 @@ from cluster.serve.text import TextStream
 from cluster.serve.tool_parsers import HermesStream, parse_hermes
 from configs import ReplicaConfig, ServeArgs, validate
 from runtime.async_engine import AsyncEngine, Overloaded, RequestFailed, StepFailed
-from runtime.chat import chat_token_ids
+from runtime.chat import chat_token_ids, template_options_error
 from runtime.llm import best_samples, sample_params
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
@@ -312,8 +312,15 @@ class DSparkServer:
                 if key in message:
                     check_unicode(message[key], f"messages.{i}.{key}")
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if getattr(body, "tools", None) else None
+        # (a chat request's own template options; /tokenize's messages take only add_generation_prompt)
+        continued = getattr(body, "continue_final_message", False)
+        generation = add_generation_prompt and getattr(body, "add_generation_prompt", True)
+        refused = template_options_error(generation, continued, getattr(body, "chat_template_kwargs", None))
+        if refused is not None:
+            raise ApiError(400, f"{refused[0]}: {refused[1]}", refused[0])
         try:
-            return chat_token_ids(self.tokenizer, messages, add_generation_prompt, tools)
+            return chat_token_ids(self.tokenizer, messages, generation, tools, continued,
+                                  getattr(body, "chat_template_kwargs", None))
         except ValueError as exc:
             raise ApiError(400, f"{exc}; use /v1/completions", "messages") from None
         except Exception as exc:  # a template or tokenizer error about these messages

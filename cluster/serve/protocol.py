@@ -281,6 +281,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: the chat template's generation prompt, the last (assistant) message continued instead, and more
+    # variables for the template (e.g. Qwen3's enable_thinking)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("tools")
     @classmethod

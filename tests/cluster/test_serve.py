@@ -455,6 +455,35 @@ def test_bad_tool_requests_are_400s_naming_the_field(server):
         assert words in r.json()["error"]["message"], (extra, r.text)
 
 
+def test_vllms_chat_template_options(server):
+    """vLLM's ``chat_template_kwargs`` (template variables, e.g. Qwen3's ``enable_thinking``),
+    ``add_generation_prompt`` and ``continue_final_message`` render the prompt as transformers does with them (the
+    usage's prompt tokens); options that do not go together are 400s naming the field."""
+    tokenizer, base = server["local"].tokenizer, f"{server['base']}/v1/chat/completions"
+    user = [{"role": "user", "content": "hello"}]
+    started = user + [{"role": "assistant", "content": "The answer is"}]
+
+    def prompt_tokens(messages, **kwargs):
+        r = httpx.post(base, json={"model": "tiny", "messages": messages, "max_tokens": 1, **kwargs}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    def rendered(messages, **kwargs):
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    assert prompt_tokens(user, chat_template_kwargs={"enable_thinking": False}) == rendered(
+        user, add_generation_prompt=True, enable_thinking=False) != rendered(user, add_generation_prompt=True)
+    assert prompt_tokens(user, add_generation_prompt=False) == rendered(user, add_generation_prompt=False)
+    assert prompt_tokens(started, add_generation_prompt=False, continue_final_message=True) == rendered(
+        started, continue_final_message=True) < rendered(started, add_generation_prompt=False)
+    for extra, param in (({"continue_final_message": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": "x"}, "chat_template_kwargs")):
+        r = httpx.post(base, json={"model": "tiny", "messages": started, **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
 def test_chat_logprobs_and_top_logprobs(server):
     messages = [{"role": "user", "content": "hello"}]
     r = server["client"].chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
@@ -820,7 +849,8 @@ FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completio
           "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
           "stop_token_ids", "n", "best_of", "logprobs", "top_logprobs", "user", "echo", "logit_bias", "min_tokens",
           "include_stop_str_in_output", "skip_special_tokens", "response_format", "allowed_token_ids",
-          "prompt_logprobs", "bad_words", "tools", "tool_choice", "parallel_tool_calls"]
+          "prompt_logprobs", "bad_words", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
+          "continue_final_message", "chat_template_kwargs"]
 
 
 @st.composite

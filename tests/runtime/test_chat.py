@@ -28,3 +28,11 @@ def test_chat_is_generate_on_the_templated_conversations(near_bigram_target):
     for bad in ([], [[]], ["hello"], [{"content": "no role"}]):
         with pytest.raises(ValueError, match="messages: one conversation"):
             llm.chat(bad, GREEDY)
+    quiet = llm.chat(two, GREEDY, chat_template_kwargs={"enable_thinking": False})[0]  # a template variable
+    assert quiet.prompt_token_ids == template_ids(llm.tokenizer, two, enable_thinking=False) != outs[1].prompt_token_ids
+    started = one + [{"role": "assistant", "content": "The answer is"}]
+    continued = llm.chat(started, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    ids = llm.tokenizer.apply_chat_template(started, continue_final_message=True, tokenize=True)
+    assert continued.prompt_token_ids == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    with pytest.raises(ValueError, match="messages: continue_final_message: .* needs add_generation_prompt false"):
+        llm.chat(started, GREEDY, continue_final_message=True)
