@@ -1,4 +1,5 @@
-"""Structured outputs: a request's tokens held to a JSON schema (or to any JSON object) by xgrammar's grammar matchers.
+"""Structured outputs: a request's tokens held to a JSON schema (or any JSON object, a regex, a choice of strings, an
+EBNF grammar) by xgrammar's grammar matchers.
 
 The engine keeps one ``GrammarMatcher`` per structured request, on the host, advanced by the tokens the request
 commits. Each step it turns the matcher into a token mask per row the request feeds (``row_masks``): row 0 from the
@@ -14,6 +15,7 @@ with an error naming it; nothing else needs it.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -41,15 +43,25 @@ class GrammarBackend:
         self.words = (vocab_size + 31) // 32  # int32 words of a row's mask
 
     def matcher(self, wanted: StructuredOutputs):
-        """A fresh matcher for ``wanted``; ``ValueError`` naming the field for a schema xgrammar refuses. The JSON is
+        """A fresh matcher for ``wanted``; ``ValueError`` naming the field for a schema, regex or grammar xgrammar
+        refuses (a choice is an EBNF alternation of its strings). The JSON is
         laid out as ``json.dumps`` does (", " and ": " between items, no other whitespace): a grammar that allows any
         whitespace lets a model that likes spaces fill ``max_tokens`` with them (vLLM's ``disable_any_whitespace``)."""
-        schema = json.dumps({"type": "object"}) if wanted.json_object else wanted.json
+        if wanted.regex is not None:
+            what, compile_, source = "regex", self.compiler.compile_regex, wanted.regex
+        elif wanted.grammar is not None:
+            what, compile_, source = "grammar", self.compiler.compile_grammar, wanted.grammar
+        elif wanted.choice is not None:  # one of the strings: an EBNF alternation of them as string literals
+            what, compile_ = "choice", self.compiler.compile_grammar
+            source = "root ::= " + " | ".join(json.dumps(c) for c in wanted.choice)
+        else:
+            what, compile_ = "json", functools.partial(self.compiler.compile_json_schema, any_whitespace=False)
+            source = json.dumps({"type": "object"}) if wanted.json_object else wanted.json
         try:
-            return self.xgr.GrammarMatcher(self.compiler.compile_json_schema(schema, any_whitespace=False))
-        except Exception as exc:  # xgrammar's own error types: an unsupported or invalid schema
-            raise ValueError(f"SamplingParams.structured_outputs: xgrammar cannot compile this JSON schema: "
-                             f"{exc}") from None
+            return self.xgr.GrammarMatcher(compile_(source))
+        except Exception as exc:  # xgrammar's own error types: an unsupported or invalid schema, regex or grammar
+            raise ValueError(f"SamplingParams.structured_outputs.{what}: xgrammar cannot compile it: "
+                             f"{str(exc)[:500]}") from None
 
     def row_masks(self, matcher, drafts: list[int]) -> np.ndarray:
         """[1 + len(drafts), words] int32: the tokens the grammar allows at each row of a step that feeds the last

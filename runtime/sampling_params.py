@@ -11,22 +11,39 @@ MAX_LOGPROBS = 20  # most alternatives ``logprobs`` may ask for per token (OpenA
 MAX_N = 128  # most samples ``n`` may ask for per prompt (OpenAI's bound; servers configure a lower one)
 MAX_LOGIT_BIAS = 1024  # most tokens ``logit_bias`` may bias per request
 MAX_BAD_WORDS = 128  # most words ``bad_words`` may ban per request
+MAX_CHOICES = 1024  # most strings ``StructuredOutputs.choice`` may choose among
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule): 1/T would overflow the logits
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # vLLM's RequestOutputKind, lower-cased
 
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutputs:
-    """What a request's output must be (vLLM's ``StructuredOutputsParams``, the JSON part): ``json``, a JSON schema
-    (as text), or ``json_object`` True: any JSON object. Exactly one; enforced by xgrammar (``runtime.grammar``)."""
+    """What a request's output must be (vLLM's ``StructuredOutputsParams``): ``json``, a JSON schema (as text);
+    ``json_object`` True, any JSON object; ``regex``, text matching a regular expression; ``choice``, exactly one
+    of these strings; ``grammar``, an EBNF grammar (xgrammar's GBNF dialect, ``root ::= ...``). Exactly one;
+    enforced by xgrammar (``runtime.grammar``), which also refuses a regex or grammar it cannot compile."""
 
     json: str | None = None
     json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.json_object, bool) or (self.json is None) == (not self.json_object):
-            raise ValueError("SamplingParams.structured_outputs must give exactly one of json (a JSON schema) or "
-                             "json_object=True")
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [self.json is not None, self.json_object is True, self.regex is not None, self.choice is not None,
+                 self.grammar is not None]
+        if not isinstance(self.json_object, bool) or sum(given) != 1:
+            raise ValueError("SamplingParams.structured_outputs must give exactly one of json (a JSON schema), "
+                             "json_object=True, regex, choice or grammar")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value and _encodable(value)):
+                raise ValueError(f"SamplingParams.structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and not (0 < len(self.choice) <= MAX_CHOICES and all(
+                isinstance(c, str) and c and _encodable(c) for c in self.choice)):
+            raise ValueError(f"SamplingParams.structured_outputs.choice must be 1..{MAX_CHOICES} non-empty strings")
         if self.json is not None:
             try:
                 schema = json.loads(self.json) if isinstance(self.json, str) else None
@@ -55,11 +72,11 @@ class SamplingParams:
     engine checks the ids against its vocabulary. ``allowed_token_ids`` (vLLM's field) lets only those tokens be
     drawn (every other logit -inf; the stop tokens too, unless listed). ``bad_words`` (vLLM's field, at most
     ``MAX_BAD_WORDS`` non-empty strings) are never generated: where the output so far ends with all of a word's tokens
-    but the last, that last one is banned (``runtime.bad_words``). ``structured_outputs`` (``StructuredOutputs``) holds the output
-    to a JSON schema or to any JSON object: at each position only the tokens the grammar allows can be drawn, and
-    the output ends ("stop") once the grammar is complete. ``logprobs`` N (0..``MAX_LOGPROBS``) returns, for every
-    generated token, its log-probability and the N most likely tokens' (the engine's ``logprobs_mode`` says of which distribution);
-    None returns none. ``prompt_logprobs`` N (vLLM's field, 0..``MAX_LOGPROBS``) returns, for every prompt token
+    but the last, that last one is banned (``runtime.bad_words``). ``structured_outputs`` (``StructuredOutputs``)
+    holds the output to a JSON schema, any JSON object, a regex, a choice of strings or an EBNF grammar: at each
+    position only the tokens the grammar allows can be drawn, and the output ends ("stop") once the grammar is
+    complete. ``logprobs`` N (0..``MAX_LOGPROBS``) returns, for every generated token, its log-probability and the N
+    most likely tokens' (the engine's ``logprobs_mode`` says of which distribution); None returns none. ``prompt_logprobs`` N (vLLM's field, 0..``MAX_LOGPROBS``) returns, for every prompt token
     after the first, its log-probability under the target given the tokens before it and the N most likely tokens'
     (always the raw distribution: no temperature, filter or penalty applies to a prompt; the first token has none,
     so ``RequestOutput.prompt_logprobs[0]`` is None); its rows are computed, never taken from the prefix cache.

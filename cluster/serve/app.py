@@ -94,7 +94,7 @@ def sampling_params(body: protocol.SamplingFields, max_tokens: int, defaults: di
     try:
         return body.sampling_params(max_tokens, defaults)
     except ValueError as exc:
-        raise request_error(exc, "prompt") from None
+        raise request_error(exc, "prompt", body.structured_field()) from None
 
 
 def check_unicode(text: str, param: str) -> None:
@@ -366,7 +366,7 @@ class DSparkServer:
         except BaseException as exc:
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             if isinstance(exc, ValueError):
-                raise request_error(exc, prompt_field, "tool_choice" if tool_mode else "response_format") from None
+                raise request_error(exc, prompt_field, body.structured_field()) from None
             if isinstance(exc, Overloaded):
                 raise ApiError(429, f"server overloaded: {exc}; retry later", code="overloaded",
                                headers={"Retry-After": "1"}) from None

@@ -62,6 +62,32 @@ class ResponseFormat(BaseModel):
         return None
 
 
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs`` request field: exactly one of ``json`` (a JSON schema, as an object or as text),
+    ``json_object`` true, ``regex``, ``choice`` (the answer is one of these strings) or ``grammar`` (EBNF)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+
+    def structured_outputs(self) -> StructuredOutputs:
+        """-> the engine's ``StructuredOutputs`` (``ValueError`` naming ``SamplingParams.structured_outputs`` where
+        not exactly one is given or one is malformed)."""
+        schema = self.json_schema if self.json_schema is None or isinstance(self.json_schema, str) \
+            else json.dumps(self.json_schema)
+        return StructuredOutputs(json=schema, json_object=bool(self.json_object), regex=self.regex,
+                                 choice=tuple(self.choice) if self.choice is not None else None, grammar=self.grammar)
+
+
+# what asks for structured outputs, each a field of its own; a request gives at most one (the guided_* fields are
+# vLLM's older names, still sent by many clients)
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+
+
 class SamplingFields(BaseModel):
     """The sampling parameters both endpoints share. Strict types: ``true`` is not 1, ``"yes"`` is not true,
     ``1e30`` is not an integer; every integer is bounded (``MAX_INT32``) so nothing overflows inside a step."""
@@ -90,6 +116,11 @@ class SamplingFields(BaseModel):
     # OpenAI's: {token id as a string: a value in [-100, 100]} added to those tokens' logits
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names of structured_outputs' fields
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
     # vLLM's: only these tokens may be drawn
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(min_length=1)] | None = None
     # vLLM's: words the output must not contain (runtime.bad_words)
@@ -103,6 +134,32 @@ class SamplingFields(BaseModel):
         if v is not None and info.data.get("stream"):
             raise ValueError("prompt_logprobs cannot be streamed (as in vLLM): ask without stream")
         return v
+
+    @field_validator(*STRUCTURED_FIELDS[1:])
+    @classmethod
+    def one_structured_output(cls, v, info: ValidationInfo):
+        earlier = [name for name in STRUCTURED_FIELDS[:STRUCTURED_FIELDS.index(info.field_name)]
+                   if info.data.get(name) is not None and not (name == "response_format"
+                                                              and info.data[name].type == "text")]
+        if v is not None and earlier:
+            raise ValueError(f"give one of {', '.join(STRUCTURED_FIELDS)}; this request also gives {earlier[0]}")
+        return v
+
+    def structured(self) -> StructuredOutputs | None:
+        """What the request holds its answer to (one of ``STRUCTURED_FIELDS``), as the engine's
+        ``StructuredOutputs``; None: nothing."""
+        if self.response_format is not None:
+            return self.response_format.structured_outputs()
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structured_outputs()
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        given = {k: v for k, v in guided.items() if v is not None}
+        return StructuredOutputsRequest(**given).structured_outputs() if given else None
+
+    def structured_field(self) -> str:
+        """The field that asked for structured outputs (what an error about them names)."""
+        return next((name for name in STRUCTURED_FIELDS if getattr(self, name) is not None), "response_format")
 
     @field_validator("logit_bias")
     @classmethod
@@ -131,8 +188,7 @@ class SamplingFields(BaseModel):
                               skip_special_tokens=self.skip_special_tokens,
                               best_of=self.samples_drawn(), prompt_logprobs=self.prompt_logprob_count(),
                               logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-                              structured_outputs=self.response_format.structured_outputs()
-                              if self.response_format is not None else None,
+                              structured_outputs=self.structured(),
                               allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids else None,
                               bad_words=tuple(self.bad_words or ()))
 
@@ -304,10 +360,14 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tool_choice needs tools")
         if isinstance(v, NamedToolChoice) and v.function.name not in names:
             raise ValueError(f"tool_choice names {v.function.name!r}, which tools do not offer ({names})")
-        form = info.data.get("response_format")
-        if tools and v != "none" and form is not None and form.type != "text":
-            raise ValueError("tool calls and response_format each fix the answer's form: give one of them")
+        forms = [name for name in STRUCTURED_FIELDS if info.data.get(name) is not None
+                 and not (name == "response_format" and info.data[name].type == "text")]
+        if tools and v != "none" and forms:
+            raise ValueError(f"tool calls and {forms[0]} each fix the answer's form: give one of them")
         return v
+
+    def structured_field(self) -> str:
+        return "tool_choice" if self.tool_schema() is not None else super().structured_field()
 
     def tool_call_mode(self) -> str | None:
         """How the answer may call tools: None (no tools, or ``tool_choice`` none), ``named`` (that function,

@@ -484,6 +484,42 @@ def test_vllms_chat_template_options(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
 
 
+def test_vllms_structured_outputs_and_guided_fields(server):
+    """vLLM's ``structured_outputs`` field (json, json_object, regex, choice, grammar) and its older ``guided_*``
+    names hold the answer as the engine's ``StructuredOutputs`` does; one of them a request, and what xgrammar
+    cannot compile, are 400s naming the field."""
+    import re
+
+    pytest.importorskip("xgrammar")
+    from runtime import StructuredOutputs
+
+    local, base = server["local"], server["base"]
+    choices = ["yes", "no way"]
+    want = local.generate([PROMPTS[0]], SamplingParams(max_tokens=10, temperature=0, structured_outputs=
+                                                       StructuredOutputs(choice=tuple(choices))))[0].text
+    for extra in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
+        r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 10,
+                                                        "temperature": 0, **extra}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want in choices, r.text
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 12, "temperature": 0}
+    for extra in ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, {"guided_regex": "[0-9]{3}-[a-z]{2}"}):
+        r = httpx.post(f"{base}/v1/chat/completions", json={**chat, **extra}, timeout=60)
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", r.json()["choices"][0]["message"]["content"]), r.text
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    for extra in ({"structured_outputs": {"json": schema}}, {"guided_json": schema},
+                  {"structured_outputs": {"grammar": 'root ::= "{\\"ok\\": " ("true" | "false") "}"'}}):
+        r = httpx.post(f"{base}/v1/chat/completions", json={**chat, "max_tokens": 20, **extra}, timeout=60)
+        assert set(json.loads(r.json()["choices"][0]["message"]["content"])) == {"ok"}, (extra, r.text)
+    for extra, param in (({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+                         ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "guided_choice"),
+                         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+                         ({"guided_regex": "[unclosed"}, "guided_regex"),
+                         ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs")):
+        r = httpx.post(f"{base}/v1/chat/completions", json={**chat, **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), (extra, r.text)
+
+
 def test_chat_logprobs_and_top_logprobs(server):
     messages = [{"role": "user", "content": "hello"}]
     r = server["client"].chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
@@ -850,7 +886,8 @@ FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completio
           "stop_token_ids", "n", "best_of", "logprobs", "top_logprobs", "user", "echo", "logit_bias", "min_tokens",
           "include_stop_str_in_output", "skip_special_tokens", "response_format", "allowed_token_ids",
           "prompt_logprobs", "bad_words", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
-          "continue_final_message", "chat_template_kwargs"]
+          "continue_final_message", "chat_template_kwargs", "structured_outputs", "guided_json", "guided_regex",
+          "guided_choice", "guided_grammar"]
 
 
 @st.composite

@@ -55,10 +55,44 @@ def test_bad_structured_outputs_are_refused_naming_the_field(near_bigram_target)
         StructuredOutputs(json="[1, 2")
     pytest.importorskip("xgrammar")
     llm = LLM(str(near_bigram_target), **ENGINE)
-    with pytest.raises(ValueError, match="SamplingParams.structured_outputs: xgrammar cannot compile"):
+    with pytest.raises(ValueError, match="SamplingParams.structured_outputs.json: xgrammar cannot compile"):
         llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputs(
             json=json.dumps({"type": "object", "properties": {"a": {"type": "no-such-type"}}}))))
+    for bad, field in ((StructuredOutputs(regex="[unclosed"), "regex"),
+                       (StructuredOutputs(grammar="root ::= "), "grammar")):
+        with pytest.raises(ValueError, match=f"SamplingParams.structured_outputs.{field}: xgrammar cannot compile"):
+            llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=bad))
     assert not llm.engine.sequences  # nothing was queued
+    for kwargs, words in (({"json_object": True, "regex": "a"}, "exactly one of"), ({"choice": []}, "choice must be"),
+                          ({"choice": ["a", ""]}, "choice must be"), ({"regex": ""}, "regex must be")):
+        with pytest.raises(ValueError, match=words):
+            StructuredOutputs(**kwargs)
+
+
+def test_a_regex_a_choice_and_a_grammar_hold_the_output_with_and_without_a_drafter(near_bigram_target,
+                                                                                    make_drafter):
+    """vLLM's other structured outputs: a regex (the whole output matches it), a choice (the output is one of the
+    strings), an EBNF grammar; a drafter changes no greedy token."""
+    import re
+
+    pytest.importorskip("xgrammar")
+    plain = LLM(str(near_bigram_target), **ENGINE)
+    drafter = make_drafter(near_bigram_target, 3, "vanilla", oracle=True)
+    spark = LLM(str(near_bigram_target), speculative_config={"speculative_model": str(drafter)}, **ENGINE)
+    choices = ("yes", "no way", 'say "hi"')
+    for wanted, fits in ((StructuredOutputs(regex=r"[0-9]{3}-[a-z]{2,4}"),
+                          lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)),
+                         (StructuredOutputs(choice=choices), lambda t: t in choices),
+                         (StructuredOutputs(grammar='root ::= "(" [a-c]+ ")"'),
+                          lambda t: re.fullmatch(r"\([a-c]+\)", t))):
+        greedy = SamplingParams(max_tokens=30, temperature=0, structured_outputs=wanted)
+        outs = plain.generate(PROMPTS, greedy)
+        for out in outs:
+            assert out.finish_reason == "stop" and fits(out.text), (wanted, out.text)
+        assert [o.token_ids for o in spark.generate(PROMPTS, greedy)] == [o.token_ids for o in outs]
+        for out in spark.generate(PROMPTS, SamplingParams(max_tokens=30, temperature=1.0, seed=2,
+                                                           structured_outputs=wanted)):
+            assert out.finish_reason == "stop" and fits(out.text), (wanted, out.text)
 
 
 def test_without_xgrammar_a_structured_request_is_refused_naming_what_to_install(near_bigram_target, monkeypatch):
