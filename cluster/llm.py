@@ -72,13 +72,14 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: runtime_llm.Prompts,
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
         """Like ``runtime.LLM.generate``. If an actor dies or hangs mid-step, every in-flight request fails
         with ``ReplicaFailure`` and the replica is rebuilt (new placement group and process group)."""
         if self.engine is None:
             raise RuntimeError("this LLM was shut down")
         try:
-            return runtime_llm.generate(self.engine, prompts, sampling_params)
+            return runtime_llm.generate(self.engine, prompts, sampling_params, use_tqdm)
         except ReplicaFailure as exc:
             failed = self.engine.abort_all()
             self.rebuild()
@@ -86,12 +87,14 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              tools: list[dict] | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """Like ``runtime.LLM.chat`` (vLLM's): conversations through the chat template, then ``generate``."""
         return self.generate(runtime_llm.chat_prompts(self.engine, messages, tools, add_generation_prompt,
-                                                      continue_final_message, chat_template_kwargs), sampling_params)
+                                                      continue_final_message, chat_template_kwargs), sampling_params,
+                             use_tqdm)
 
-    def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None):
+    def stream(self, prompt: str | Seq[int] | dict, params: SamplingParams | None = None):
         """Yield the request's snapshot after every step that committed tokens for it (the last one finished)."""
         request_id = self.engine.add_request(runtime_llm.token_ids(self.engine, prompt),
                                              params or self.engine.default_sampling_params())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence as Seq
 
+from tqdm.auto import tqdm
+
 from configs import DSparkDecodingConfig, LLMConfig, validate
 from runtime.chat import chat_token_ids
 from runtime.engine import Engine
@@ -12,7 +14,7 @@ from runtime.hub import resolve_hub_ids
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
-Prompts = Seq[str] | Seq[Seq[int]]
+Prompts = Seq[str] | Seq[Seq[int]] | Seq[dict]  # text, token ids, or vLLM's {"prompt"} / {"prompt_token_ids"}
 
 
 def per_prompt_params(num_prompts: int, sampling_params: SamplingParams | Seq[SamplingParams] | None,
@@ -26,7 +28,16 @@ def per_prompt_params(num_prompts: int, sampling_params: SamplingParams | Seq[Sa
     return per_prompt
 
 
-def token_ids(engine: Engine, prompt: str | Seq[int]) -> list[int]:
+def token_ids(engine: Engine, prompt: str | Seq[int] | dict) -> list[int]:
+    """A prompt's token ids: text (tokenized with the model's tokenizer), token ids, or vLLM's prompt dicts
+    (``TextPrompt`` ``{"prompt": text}``, ``TokensPrompt`` ``{"prompt_token_ids": ids}``; no other keys)."""
+    if isinstance(prompt, dict):
+        if len(prompt) != 1 or not ({"prompt", "prompt_token_ids"} & set(prompt)):
+            raise ValueError(f"a prompt dict holds exactly one of 'prompt' (text) or 'prompt_token_ids', got "
+                             f"{sorted(prompt)}")
+        prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(f"a prompt dict's value must be text or a list of token ids, got {type(prompt).__name__}")
     if isinstance(prompt, str):
         if engine.tokenizer is None:
             raise ValueError("string prompts need a tokenizer; the model directory has none (pass token ids)")
@@ -75,10 +86,11 @@ def rank_info(engine: Engine) -> list[dict]:
     return infos
 
 
-def generate(engine: Engine, prompts: Prompts, sampling_params=None) -> list[RequestOutput]:
+def generate(engine: Engine, prompts: Prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
     """Queue every prompt (all or none: a bad one aborts those already queued), step until all finish. A prompt
-    asking for ``n`` samples yields n outputs in a row (``index`` 0..n-1); its samples share its prefill."""
-    if isinstance(prompts, str):
+    asking for ``n`` samples yields n outputs in a row (``index`` 0..n-1); its samples share its prefill.
+    ``use_tqdm``: a progress bar of the requests finished (vLLM's option; on stderr)."""
+    if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     params = per_prompt_params(len(prompts), sampling_params, engine.default_sampling_params())
     ids, groups = [], []  # groups: per prompt, the request ids of its samples
@@ -95,10 +107,12 @@ def generate(engine: Engine, prompts: Prompts, sampling_params=None) -> list[Req
             engine.abort(request_id)
         raise
     finished: dict[str, RequestOutput] = {}
-    while len(finished) < len(ids):
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
+    with tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm) as bar:
+        while len(finished) < len(ids):
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update()
     return [out for group, p in zip(groups, params) for out in best_samples([finished[i] for i in group], p)]
 
 
@@ -138,19 +152,23 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """One output per prompt, in order. Prompts are strings (tokenized with the target's tokenizer)
-        or token-id lists; ``sampling_params`` is one for all or one per prompt."""
-        return generate(self.engine, prompts, sampling_params)
+    def generate(self, prompts: Prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One output per prompt, in order. Prompts are strings (tokenized with the target's tokenizer), token-id
+        lists or vLLM's prompt dicts (``{"prompt": text}``, ``{"prompt_token_ids": ids}``); ``sampling_params`` is
+        one for all or one per prompt; ``use_tqdm`` shows the requests finishing (vLLM's option, off here: a library
+        call prints nothing unasked)."""
+        return generate(self.engine, prompts, sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              tools: list[dict] | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one output per conversation (one, or a list of them), each rendered by the model's
         chat template (``chat_prompts``) and generated as ``generate`` does."""
         return generate(self.engine, chat_prompts(self.engine, messages, tools, add_generation_prompt,
-                                                  continue_final_message, chat_template_kwargs), sampling_params)
+                                                  continue_final_message, chat_template_kwargs), sampling_params,
+                        use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no SamplingParams (vLLM's name): the model's

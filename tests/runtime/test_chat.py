@@ -36,3 +36,18 @@ def test_chat_is_generate_on_the_templated_conversations(near_bigram_target):
     assert continued.prompt_token_ids == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     with pytest.raises(ValueError, match="messages: continue_final_message: .* needs add_generation_prompt false"):
         llm.chat(started, GREEDY, continue_final_message=True)
+
+
+def test_generate_takes_vllms_prompt_dicts_and_shows_progress_when_asked(near_bigram_target, capsys):
+    llm = LLM(str(near_bigram_target), **ENGINE)
+    text, ids = "def f(", [5, 6, 7]
+    want = [o.token_ids for o in llm.generate([text, ids], GREEDY)]
+    got = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=True)
+    assert [o.token_ids for o in got] == want
+    assert "requests" in capsys.readouterr().err  # the bar, on stderr
+    assert llm.generate({"prompt_token_ids": ids}, GREEDY)[0].token_ids == want[1]  # one dict alone
+    llm.generate([ids], GREEDY)
+    assert "requests" not in capsys.readouterr().err  # off unless asked
+    for bad in ({"prompt": text, "prompt_token_ids": ids}, {"text": text}, {"prompt": 3}):
+        with pytest.raises(ValueError, match="a prompt dict"):
+            llm.generate([bad], GREEDY)
