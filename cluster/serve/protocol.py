@@ -425,7 +425,8 @@ class ChatCompletionRequest(SamplingFields):
 
 class TokenizeRequest(BaseModel):
     """vLLM's ``/tokenize``: a prompt's token ids (``add_special_tokens`` as the completions endpoint encodes:
-    True), or a chat's through the chat template (``add_generation_prompt`` as chat completions: True)."""
+    True), or a chat's through the chat template with chat completions' template options (``add_generation_prompt``
+    True, ``continue_final_message``, ``chat_template_kwargs``, ``tools``): the ids a chat request would feed."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
@@ -433,11 +434,16 @@ class TokenizeRequest(BaseModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
 
     @model_validator(mode="after")
     def prompt_or_messages(self):
         if (self.messages is None) == (self.prompt is None):
             raise ValueError("give either prompt or messages")
+        if self.messages is None and (self.tools or self.continue_final_message or self.chat_template_kwargs):
+            raise ValueError("tools, continue_final_message and chat_template_kwargs go with messages")
         return self
 
 

@@ -477,6 +477,11 @@ def test_vllms_chat_template_options(server):
     assert prompt_tokens(user, add_generation_prompt=False) == rendered(user, add_generation_prompt=False)
     assert prompt_tokens(started, add_generation_prompt=False, continue_final_message=True) == rendered(
         started, continue_final_message=True) < rendered(started, add_generation_prompt=False)
+    tokenized = httpx.post(f"{server['base']}/tokenize", json={
+        "messages": started, "add_generation_prompt": False, "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False}, "tools": [WEATHER]}, timeout=60).json()  # vLLM's too
+    assert tokenized["count"] == rendered(started, continue_final_message=True, enable_thinking=False,
+                                          tools=[WEATHER])
     for extra, param in (({"continue_final_message": True}, "continue_final_message"),
                          ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
                          ({"chat_template_kwargs": "x"}, "chat_template_kwargs")):
