@@ -1495,6 +1495,23 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
     return result
 
 
+def trace_line(summary: dict) -> str:
+    """A confidence trace's summary (``runtime.confidence_scheduler.trace_summary``) on one line: per kind its steps
+    and mean ms, for decided ones against the predicted ms and the drafts verified of those proposed."""
+    parts = []
+    for kind in ("decided", "decided_serial", "held", "other"):
+        part = summary.get(kind)
+        if not part:
+            continue
+        text = f"{kind} {part['steps']} x {part['ms']:.2f} ms"
+        if kind.startswith("decided"):
+            text += (f" (predicted {part['predicted_ms']:.2f}, whole blocks {part['whole_predicted_ms']:.2f}; "
+                     f"{part['budget']:.0f} of {part['offered']:.0f} drafts; drafting lost {part['drafting_lost']}, "
+                     f"explored {part['explores']})")
+        parts.append(text)
+    return "; ".join(parts) or "none"
+
+
 def summary(record: dict) -> str:
     bandwidth = record.get("copy_bandwidth_gbs")
     separate = any("throughput_vs_colocated" in r for r in record["runs"])
@@ -1540,6 +1557,9 @@ def summary(record: dict) -> str:
                 cell(mean_skill(r.get("confidence_survival_skill_per_position")), 6, 3),
                 # steps that drafted nothing since drafting did not pay (drafting holds)
                 cell(r.get("confidence_drafting_off_steps"), 5, 0)]))
+        for r in confident:  # the timed steps by kind (ConfidenceStats.trace_summary): where the means come from
+            if r.get("confidence_trace"):
+                lines.append(f"  {r['concurrency']:>5} timed steps: {trace_line(r['confidence_trace']['summary'])}")
     both = [r for r in record["runs"] if f"{CONFIDENCE_MAX}_vs_tuned" in r]
     if both:  # --confidence-draft-len both: the scheduler drafting up to max_draft_len, in the same rounds
         lines.append(f"{'conc':>5} {'max/tuned':>10} {'paired':>7} {'budget':>7} {'drafted':>7} {'pred ms':>8} "
@@ -1569,6 +1589,8 @@ def summary(record: dict) -> str:
             chose = run.get("scheduled")
             if not chose:
                 continue
+            if run.get("confidence_trace"):
+                lines.append(f"  {kind} steps: {trace_line(run['confidence_trace']['summary'])}")
             plain = chose.get("judged_plain_step_ms")
             lines.append(f"  {kind} verified {chose['verify_budget_per_request']:.2f} of "
                          f"{chose['offered_per_request']:.2f} drafts a deciding request, expected "
