@@ -462,11 +462,10 @@ class DSparkServer:
             except Exception as exc:  # forwarded to the stream's reader
                 merged.put_nowait((i, exc))
 
-        # a chat answer held to a tool call's schema streams as tool calls (ChatCompletionRequest.tool_call_mode)
+        # a chat answer that may call tools streams as tool calls (ChatCompletionRequest.tool_call_mode)
         tool_mode = body.tool_call_mode() if chat else None
-        function = self._called(body)
-        called, held = [False] * n, [""] * n  # per sample: its named call's first delta sent; required: its text
-        parsers = [HermesStream() for _ in range(n)] if tool_mode == "auto" else []  # auto: each sample's
+        calls = [protocol.ToolCallDeltas(tool_mode, self._called(body), HermesStream() if tool_mode == "auto" else None)
+                 for _ in range(n)] if tool_mode is not None else None
 
         def chunk(i: int, out: RequestOutput) -> str | None:
             if timing["first"] is None:
@@ -485,30 +484,8 @@ class DSparkServer:
                 if not chat:
                     text_offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             message = {"content": delta}
-            if tool_mode == "named":  # the arguments as they come, the call's id and name in its first delta
-                call = {"index": 0, "function": {"arguments": delta}}
-                if not called[i]:
-                    called[i] = True
-                    call = {"index": 0, **protocol.tool_call(function, delta)}
-                message = {"tool_calls": [call]} if delta or "id" in call else {}
-            elif tool_mode == "auto":  # the text as it comes (held where it may begin a call), then the calls
-                message = {"content": parsers[i].feed(delta)}
-                if reason is not None:
-                    rest, found = parsers[i].finish()
-                    message["content"] += rest
-                    if found:
-                        message["tool_calls"] = [{"index": j, **protocol.tool_call(n, a)}
-                                                 for j, (n, a) in enumerate(found)]
-                        reason = "tool_calls"
-                if not message["content"] and "tool_calls" in message:
-                    del message["content"]
-            elif tool_mode == "required":  # the calls once the array is complete (its text does not stream)
-                held[i] += delta
-                message = {}
-                if reason is not None:
-                    whole, reason = protocol.tool_message(tool_mode, None, held[i], reason)
-                    message = {"tool_calls": [{"index": j, **c} for j, c in enumerate(whole["tool_calls"])]} \
-                        if whole.get("tool_calls") else {"content": held[i]}
+            if calls is not None:
+                message, reason = calls[i].delta(delta, reason)
             says = bool(message.get("content")) if "content" in message else bool(message)  # (text, or calls)
             if not (says or reason or logprobs):
                 return None

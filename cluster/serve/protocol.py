@@ -535,6 +535,46 @@ def tool_message(mode: str, name: str | None, text: str, finish_reason: str | No
     return {"role": "assistant", "content": None, "tool_calls": calls}, finish
 
 
+class ToolCallDeltas:
+    """One streamed chat answer that may call tools (``ChatCompletionRequest.tool_call_mode``): each text delta ->
+    the chunk's ``delta`` message. ``named``: the arguments as they come, the call's id and name in the first;
+    ``required``: the calls once the array is complete (its text does not stream; cut short, its text as content);
+    ``auto``: the text as it comes, held back only where it may begin a call (``parser``, a tool-call parser's
+    stream of ``cluster.serve.tool_parsers``), then the calls."""
+
+    def __init__(self, mode: str, function: str | None = None, parser=None):
+        self.mode, self.function, self.parser = mode, function, parser
+        self.started = False  # named: the call's first delta (its id and name) was sent
+        self.text = ""  # required: the answer so far
+
+    def delta(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """-> (the chunk's delta message, its finish reason: "tool_calls" where required or auto calls ended it)."""
+        if self.mode == "named":
+            if self.started:
+                return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), finish_reason
+            self.started = True
+            return {"tool_calls": [{"index": 0, **tool_call(self.function, text)}]}, finish_reason
+        if self.mode == "required":
+            self.text += text
+            if finish_reason is None:
+                return {}, None
+            whole, finish_reason = tool_message("required", None, self.text, finish_reason)
+            if not whole.get("tool_calls"):
+                return {"content": self.text}, finish_reason
+            return {"tool_calls": [{"index": j, **c} for j, c in enumerate(whole["tool_calls"])]}, finish_reason
+        message = {"content": self.parser.feed(text)}
+        if finish_reason is not None:
+            rest, found = self.parser.finish()
+            message["content"] += rest
+            if found:
+                message["tool_calls"] = [{"index": j, **tool_call(name, arguments)}
+                                         for j, (name, arguments) in enumerate(found)]
+                finish_reason = "tool_calls"
+                if not message["content"]:
+                    del message["content"]
+        return message, finish_reason
+
+
 def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None, logprobs: dict | None = None,
                      index: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
