@@ -176,13 +176,18 @@ class DSparkServer:
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
-        return {"object": "list", "data": [{"id": self.args.model_name, "object": "model", "created": 0,
-                                            "owned_by": "dspark"}]}
+        return {"object": "list", "data": [self._model_card()]}
 
     @app.get("/v1/models/{model:path}")
     async def model(self, model: str, request: Request) -> dict:
         self._check_model(model)
-        return {"id": model, "object": "model", "created": 0, "owned_by": "dspark"}
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        """OpenAI's model object, with vLLM's ``root`` (the name served) and ``max_model_len`` (clients size their
+        prompts by it)."""
+        return {"id": self.args.model_name, "object": "model", "created": 0, "owned_by": "dspark",
+                "root": self.args.model_name, "max_model_len": self.llm.engine.max_model_len}
 
     @app.get("/version")
     async def version(self) -> dict:

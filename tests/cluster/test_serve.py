@@ -84,6 +84,9 @@ def test_models(server):
 
     assert httpx.get(f"{server['base']}/version", timeout=30).json() == {"version": importlib.metadata.version("dspark")}
     assert server["client"].models.retrieve("tiny").id == "tiny"
+    card = httpx.get(f"{server['base']}/v1/models", timeout=30).json()["data"][0]  # vLLM's fields beside OpenAI's
+    assert card["max_model_len"] == 256 and card["root"] == "tiny"
+    assert httpx.get(f"{server['base']}/v1/models/tiny", timeout=30).json() == card
     missing = httpx.get(f"{server['base']}/v1/models/org/other", timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
