@@ -107,10 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="0.0.0.0", help="HTTP host (default 0.0.0.0)")
     serve.add_argument("--port", type=integer(1, 65535), default=8000, help="HTTP port (default 8000)")
     serve.add_argument("--served-model-name", help="model name clients send (default: the model directory's name)")
-    serve.add_argument("--tool-call-parser", choices=["hermes"],
+    serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"],
                        help="how chat's tool_choice auto (the default when a request gives tools) tells the model's "
-                       "tool calls from its text: hermes (<tool_call> JSON blocks: Hermes, Qwen2.5, Qwen3); without "
-                       "it such a request is a 400 (named and required tool choices need no parser)")
+                       "tool calls from its text: hermes (<tool_call> JSON blocks: Hermes, Qwen2.5, Qwen3) or "
+                       "llama3_json (an answer of JSON calls: Llama 3.1-3.3); without it such a request is a 400 "
+                       "(named and required tool choices need no parser)")
     keys = serve.add_mutually_exclusive_group()
     keys.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes (visible in ps: prefer "
                       "--api-key-file or the DSPARK_API_KEY environment variable)")

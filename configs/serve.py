@@ -78,10 +78,11 @@ class ServeArgs(BaseModel):
     route_prefix: str = Field(default="/", description="Where the app is mounted.")
     max_n: Annotated[int, Field(ge=1, le=128)] = Field(default=16, description="Most samples one request may ask "
                                                       "for (n); more is a 400 naming n.")
-    tool_call_parser: Literal["hermes"] | None = Field(
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         default=None, description="How chat's tool_choice auto (OpenAI's default when tools are given) tells the "
         "model's tool calls from its text: hermes, <tool_call>{\"name\", \"arguments\"}</tool_call> blocks "
-        "(Hermes, Qwen2.5 and Qwen3 chat templates); none: such a request is a 400 naming tool_choice.")
+        "(Hermes, Qwen2.5 and Qwen3 chat templates); llama3_json, an answer of {\"name\", \"parameters\"} "
+        "objects separated by ';' (Llama 3.1-3.3); none: such a request is a 400 naming tool_choice.")
 
     @model_validator(mode="after")
     def separate_needs_a_drafter(self) -> ServeArgs:

@@ -31,7 +31,7 @@ from cluster.placement.plan import NodeResources, PlacementError, PlacementPlan,
 from cluster.serve import drain, protocol
 from cluster.serve.metrics import ServerMetrics
 from cluster.serve.text import TextStream
-from cluster.serve.tool_parsers import HermesStream, parse_hermes
+from cluster.serve.tool_parsers import PARSER_KINDS
 from configs import ReplicaConfig, ServeArgs, validate
 from runtime.async_engine import AsyncEngine, Overloaded, RequestFailed, StepFailed
 from runtime.chat import chat_token_ids, template_options_error
@@ -246,8 +246,8 @@ class DSparkServer:
         if body.tool_call_mode() == "auto" and self.args.tool_call_parser is None:
             raise ApiError(400, 'tool_choice "auto" (the default when tools are given) needs a tool-call parser to '
                            "tell the model's calls from its text, and this server has none (dspark serve "
-                           '--tool-call-parser hermes); pass tool_choice "required", "none" or {"type": "function", '
-                           '"function": {"name": ...}}', "tool_choice")
+                           '--tool-call-parser hermes or llama3_json); pass tool_choice "required", "none" or '
+                           '{"type": "function", "function": {"name": ...}}', "tool_choice")
         prompt = self._chat_prompt(body)
         defaults, room = self.llm.engine.sampling_defaults, max(self.llm.engine.max_model_len - len(prompt), 1)
         # unset: the model's max_new_tokens if it sets one (within the context left), else the context left
@@ -412,12 +412,17 @@ class DSparkServer:
                                                                                    out.prompt_logprobs, shown)
                 if tool_mode is not None:
                     choices[-1]["message"], choices[-1]["finish_reason"] = protocol.tool_message(
-                        tool_mode, self._called(body), out.text, out.finish_reason, parse_hermes)
+                        tool_mode, self._called(body), out.text, out.finish_reason, self._tool_parser()[0])
         build = protocol.chat_body if chat else protocol.completion_body
         response = build(rid, body.model, choices, usage)
         if shown is not None and chat:  # vLLM's: the chat's one prompt, beside the choices
             response["prompt_logprobs"] = protocol.prompt_logprobs_body(self.tokenizer, lasts[0].prompt_logprobs, shown)
         return response
+
+    def _tool_parser(self) -> tuple:
+        """The server's tool-call parser (``ServeArgs.tool_call_parser``): (whole answer's, streamed answer's);
+        (None, None) without one (``auto`` is then refused before any answer)."""
+        return PARSER_KINDS.get(self.args.tool_call_parser, (None, None))
 
     @staticmethod
     def _called(body) -> str | None:
@@ -469,7 +474,8 @@ class DSparkServer:
 
         # a chat answer that may call tools streams as tool calls (ChatCompletionRequest.tool_call_mode)
         tool_mode = body.tool_call_mode() if chat else None
-        calls = [protocol.ToolCallDeltas(tool_mode, self._called(body), HermesStream() if tool_mode == "auto" else None)
+        calls = [protocol.ToolCallDeltas(tool_mode, self._called(body),
+                                         self._tool_parser()[1]() if tool_mode == "auto" else None)
                  for _ in range(n)] if tool_mode is not None else None
 
         def chunk(i: int, out: RequestOutput) -> str | None:
