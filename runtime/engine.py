@@ -113,7 +113,6 @@ class Engine:
         self.forced_verify_len: int | None = None
         # profiling: the block every step drafts, whatever the schedule (0: plain decoding, the drafter idle)
         self.forced_draft_len: int | None = None
-        self._committed: int | None = None  # the tokens the last decided step's deciding requests committed
         self._step_index = 0  # the step being scheduled (confidence scheduling's drafting holds count in steps)
         # when a list: every verify appends (the verified drafts' confidences, accepted count) (calibration)
         self.verification_log: list[tuple[list[float], int]] | None = None
@@ -409,8 +408,9 @@ class Engine:
             seconds = time.perf_counter() - began
             step = (scheduled, seconds, decided, drafted, serial,
                     self._packed.columns if self._packed is not None else None, self._other_fed[1], held,
-                    self._committed, self.confidence.last if decided else None)  # (the commit settled it)
-            self._committed = None
+                    # (the commit settled the decision, then recorded its outcome)
+                    self.confidence_stats.last.get("committed_tokens") if decided else None,
+                    self.confidence.last if decided else None)
             if self._deferred:  # the step's decision was deferred (a mixed step): so is learning its time
                 self._host_work.add(functools.partial(self._learn_step_time, *step))
             else:
@@ -756,8 +756,8 @@ class Engine:
                 if result.error is None and entry.sample:
                     verified[i] = entry.num_drafts if result.num_verified is None else result.num_verified
                     accepted[i] = result.num_accepted
+        self.confidence.settle()  # (a deferred decision recorded before its outcome: the metrics pair them)
         self.confidence_stats.record_outcome(committed)
-        self._committed = committed  # (the step trace's, with the step's time: _learn_step_time)
         self.confidence.learn(verified, accepted)
         self._decided = []
 

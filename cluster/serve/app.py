@@ -199,7 +199,7 @@ class DSparkServer:
         if body.model is not None:
             self._check_model(body.model)
         if body.messages is not None:
-            ids = self._chat_prompt(body, body.add_generation_prompt)
+            ids = self._chat_prompt(body)
         else:
             ids = self._encode(body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.llm.engine.max_model_len, "tokens": ids}
@@ -309,23 +309,22 @@ class DSparkServer:
         except Exception as exc:  # the tokenizer refused this text: the request's fault, nobody else's
             raise ApiError(400, f"the tokenizer cannot encode this prompt: {exc}", "prompt") from None
 
-    def _chat_prompt(self, body, add_generation_prompt: bool = True) -> list[int]:
-        """``body.messages`` through the chat template (a 400 naming what it cannot render)."""
+    def _chat_prompt(self, body) -> list[int]:
+        """``body.messages`` through the chat template with the request's template options and tools (a chat
+        request's or /tokenize's: both have them); a 400 naming what it cannot render."""
         messages = [m.for_template() for m in body.messages]
         for i, message in enumerate(messages):
             for key in ("content", "name"):
                 if key in message:
                     check_unicode(message[key], f"messages.{i}.{key}")
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if getattr(body, "tools", None) else None
-        # (a chat request's own template options; /tokenize's messages take only add_generation_prompt)
-        continued = getattr(body, "continue_final_message", False)
-        generation = add_generation_prompt and getattr(body, "add_generation_prompt", True)
-        refused = template_options_error(generation, continued, getattr(body, "chat_template_kwargs", None))
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        refused = template_options_error(body.add_generation_prompt, body.continue_final_message,
+                                         body.chat_template_kwargs)
         if refused is not None:
             raise ApiError(400, f"{refused[0]}: {refused[1]}", refused[0])
         try:
-            return chat_token_ids(self.tokenizer, messages, generation, tools, continued,
-                                  getattr(body, "chat_template_kwargs", None))
+            return chat_token_ids(self.tokenizer, messages, body.add_generation_prompt, tools,
+                                  body.continue_final_message, body.chat_template_kwargs)
         except ValueError as exc:
             raise ApiError(400, f"{exc}; use /v1/completions", "messages") from None
         except Exception as exc:  # a template or tokenizer error about these messages
@@ -380,8 +379,8 @@ class DSparkServer:
             raise
         timing = {"arrival": arrival, "first": first_token_time(firsts)}
         if body.stream:
-            return StreamingResponse(self._stream(body, rid, prompts, firsts, streams, chat, timing, echoes),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._stream(body, rid, prompts, firsts, streams, chat, timing, echoes,
+                                                  params.skip_special_tokens), media_type="text/event-stream")
 
         async def last_of(first: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
             last = first
@@ -448,17 +447,16 @@ class DSparkServer:
 
     async def _stream(self, body, rid: str, prompts: list[list[int]], firsts: list[RequestOutput],
                       streams: list[AsyncIterator[RequestOutput]], chat: bool, timing: dict,
-                      echoes: list[str] | None = None) -> AsyncIterator[str]:
+                      echoes: list[str] | None = None, skip_special_tokens: bool = True) -> AsyncIterator[str]:
         """Server-sent chunks of every sample as its steps commit tokens (``index`` says whose: stream j is choice
         j, prompt j // n's sample), an error event and ``[DONE]`` if anything fails, the usage chunk when asked for,
         then ``[DONE]``. ``echoes``: each sample's first chunk starts with its prompt's text (and its logprobs, which
-        arrive with the first tokens)."""
+        arrive with the first tokens). ``skip_special_tokens``: the requests' (their text streams as the engine
+        decodes it)."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         n = len(streams)
         samples = n // len(prompts)  # each prompt's (a stream never draws more than it answers: no best_of)
-        # (a tool-call parser reads tags that may be special tokens: auto keeps them, as its SamplingParams do)
-        skip = body.skip_special_tokens and not (chat and body.tool_call_mode() == "auto")
-        texts = [TextStream(self.tokenizer, body.stop, skip) for _ in range(n)]
+        texts = [TextStream(self.tokenizer, body.stop, skip_special_tokens) for _ in range(n)]
         text_offsets, generated = [0] * n, [0] * n  # per sample: completion text its logprobs cover, tokens
         echoed = [False] * n  # per sample: its first chunk (the echoed prompt) was made
         prompt_tokens = sum(len(p) for p in prompts)

@@ -88,6 +88,13 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
                      "guided_grammar")
 
 
+def structured_given(values: dict, names=STRUCTURED_FIELDS) -> list[str]:
+    """Of ``names``, the structured-output fields ``values`` (a request's fields by name) sets: a response_format of
+    type text holds the answer to nothing."""
+    return [name for name in names if values.get(name) is not None
+            and not (name == "response_format" and values[name].type == "text")]
+
+
 class SamplingFields(BaseModel):
     """The sampling parameters both endpoints share. Strict types: ``true`` is not 1, ``"yes"`` is not true,
     ``1e30`` is not an integer; every integer is bounded (``MAX_INT32``) so nothing overflows inside a step."""
@@ -138,9 +145,7 @@ class SamplingFields(BaseModel):
     @field_validator(*STRUCTURED_FIELDS[1:])
     @classmethod
     def one_structured_output(cls, v, info: ValidationInfo):
-        earlier = [name for name in STRUCTURED_FIELDS[:STRUCTURED_FIELDS.index(info.field_name)]
-                   if info.data.get(name) is not None and not (name == "response_format"
-                                                              and info.data[name].type == "text")]
+        earlier = structured_given(info.data, STRUCTURED_FIELDS[:STRUCTURED_FIELDS.index(info.field_name)])
         if v is not None and earlier:
             raise ValueError(f"give one of {', '.join(STRUCTURED_FIELDS)}; this request also gives {earlier[0]}")
         return v
@@ -159,7 +164,7 @@ class SamplingFields(BaseModel):
 
     def structured_field(self) -> str:
         """The field that asked for structured outputs (what an error about them names)."""
-        return next((name for name in STRUCTURED_FIELDS if getattr(self, name) is not None), "response_format")
+        return next(iter(structured_given(dict(self))), "response_format")
 
     @field_validator("logit_bias")
     @classmethod
@@ -326,6 +331,7 @@ class NamedToolChoice(BaseModel):
 
 
 MAX_TOOLS = 128  # functions a request may offer
+Tools = Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -334,7 +340,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tools: Tools | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     # vLLM's: the chat template's generation prompt, the last (assistant) message continued instead, and more
@@ -360,8 +366,7 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tool_choice needs tools")
         if isinstance(v, NamedToolChoice) and v.function.name not in names:
             raise ValueError(f"tool_choice names {v.function.name!r}, which tools do not offer ({names})")
-        forms = [name for name in STRUCTURED_FIELDS if info.data.get(name) is not None
-                 and not (name == "response_format" and info.data[name].type == "text")]
+        forms = structured_given(info.data)
         if tools and v != "none" and forms:
             raise ValueError(f"tool calls and {forms[0]} each fix the answer's form: give one of them")
         return v
@@ -436,7 +441,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tools: Tools | None = None
 
     @model_validator(mode="after")
     def prompt_or_messages(self):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import re
 
-PARSERS = ("hermes", "llama3_json")  # ServeArgs.tool_call_parser's values
 PYTHON_TAG = "<|python_tag|>"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
