@@ -236,6 +236,7 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     else:
         prompts = [torch.randint(3, vocab - 1, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     sync(llm)
+    submitted_step = engine.confidence_stats.steps  # the trace of the untimed steps (prefill, warm-up) from here
     submitted = time.perf_counter()
     ids = [engine.add_request(prompt, params) for prompt in prompts]
     while any(not engine.sequences[i].output_token_ids for i in ids if i in engine.sequences):
@@ -254,8 +255,10 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
         engine.step()
     sync(llm)
     elapsed = time.perf_counter() - start
-    # what a confidence-scheduled engine chose and measured at each timed step (ConfidenceStats.trace_since)
-    trace = {"confidence_trace": engine.confidence_stats.trace_since(traced, engine.confidence_stats.steps)} \
+    # what a confidence-scheduled engine chose and measured at each timed step (ConfidenceStats.trace_since), and
+    # at the untimed ones before them: a drafting hold the window starts in began there (run 88)
+    trace = {"confidence_trace": engine.confidence_stats.trace_since(traced, engine.confidence_stats.steps),
+             "confidence_trace_untimed": engine.confidence_stats.trace_since(submitted_step, traced)} \
         if engine.confidence is not None else {}
     # the timed steps launched before the engine scheduled them (decode or verify run-ahead), of one process's graphs
     ahead = {"steps_run_ahead_fraction": (graphs.steps_run_ahead - ahead_before) / steps} if graphs is not None else {}
@@ -1119,7 +1122,9 @@ def run(args) -> dict:
                            # timed steps not launched ahead (priced and learned with the serial excess)
                            confidence_serial_steps=stats["serial_steps"],
                            # the timed steps one by one (what each chose, predicted and measured), and by kind
-                           confidence_trace=timing["confidence_trace"])
+                           confidence_trace=timing["confidence_trace"],
+                           # the untimed steps before them (prefill, warm-up): where a hold the window shows began
+                           confidence_trace_untimed=timing["confidence_trace_untimed"])
         elif kind == CONFIDENCE_MAX:  # (--confidence-draft-len both) what it chose, beside the engine above
             stats = llm.get_metrics()["confidence_scheduling"]
             rows[c].update({f"{kind}_{name}": value for name, value in (
@@ -1560,6 +1565,9 @@ def summary(record: dict) -> str:
         for r in confident:  # the timed steps by kind (ConfidenceStats.trace_summary): where the means come from
             if r.get("confidence_trace"):
                 lines.append(f"  {r['concurrency']:>5} timed steps: {trace_line(r['confidence_trace']['summary'])}")
+                if r.get("confidence_trace_untimed"):
+                    lines.append(f"  {'':>5} untimed before: "
+                                 f"{trace_line(r['confidence_trace_untimed']['summary'])}")
     both = [r for r in record["runs"] if f"{CONFIDENCE_MAX}_vs_tuned" in r]
     if both:  # --confidence-draft-len both: the scheduler drafting up to max_draft_len, in the same rounds
         lines.append(f"{'conc':>5} {'max/tuned':>10} {'paired':>7} {'budget':>7} {'drafted':>7} {'pred ms':>8} "

@@ -300,6 +300,10 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
         assert len(steps) == 2 and all(s["requests"] == row["concurrency"] and s["ms"] > 0 for s in steps)
         assert sum(kind["steps"] for kind in trace["summary"].values()) == 2
         assert f"{row['concurrency']:>5} timed steps: " in proc.stdout + proc.stderr  # the summary's line of them
+        # and the untimed steps before them (the prefill, --warmup 1), the step numbers running on into the window's
+        untimed = row["confidence_trace_untimed"]
+        assert untimed["steps"] and untimed["steps"][-1][0] < trace["steps"][0][0]
+        assert sum(kind["steps"] for kind in untimed["summary"].values()) == len(untimed["steps"])
         for s in steps:
             assert s["budget"] is None or (0 <= s["budget"] <= s["offered"] and s["predicted_ms"] > 0)
         assert len(row["confidence_survival_skill_per_position"]) == 3  # this concurrency's (reset between them)

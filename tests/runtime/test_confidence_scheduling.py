@@ -1340,6 +1340,21 @@ def test_a_drafting_hold_doubles_while_drafting_does_not_pay_and_ends_when_it_do
     assert not hold.off(64, 63) and hold.hold == {} and hold.looked == {}
 
 
+def test_a_judgement_made_during_a_hold_neither_restarts_nor_doubles_it():
+    """The step after a hold began verifies the block drafted before it (a packed decision is made a step ahead):
+    its judgement is the evidence the hold began on, not a second one."""
+    hold = DraftingHold(first=4, most=64)
+    hold.record(256, 7, pays=False)
+    hold.record(256, 8, pays=False)  # verifying the block drafted at 7
+    assert hold.until[256] == 11 and hold.hold[256] == 8 and hold.holds == 1
+    hold.record(256, 11, pays=False)  # the look's own judgement
+    hold.record(256, 12, pays=False)  # knowing the look: a hold twice as long
+    hold.record(256, 13, pays=False)
+    assert hold.until[256] == 20 and hold.holds == 2
+    hold.record(256, 14, pays=True)  # a block drafted before the hold that paid ends it
+    assert not hold.off(256, 14)
+
+
 def test_where_drafting_does_not_pay_the_engine_decodes_plainly_for_a_hold_then_looks_again(
         tmp_path, near_bigram_target, confident_drafter):
     """Plain steps far cheaper than any drafting step: after the first decision the engine drafts nothing for
