@@ -14,7 +14,7 @@
 #   bash benchmarks/trained_pair.sh profile WORK OUT cProfile of AR, DSpark and confidence-scheduled steps at 1 and
 #                                                    4 requests on the pair -> OUT/host-profile-b{1,4}.json
 #                                                    (benchmarks/host_profile.py)
-#   bash benchmarks/trained_pair.sh train WORK OUT [TARGET_S RUN_S [HIDDEN LAYERS [TARGET_BATCH [DRAFTER_S]]]]
+#   bash benchmarks/trained_pair.sh train WORK OUT [TARGET_S RUN_S [HIDDEN LAYERS [TARGET_BATCH [DRAFTER_S [PROMPTS]]]]]
 #                                                    prepare the host, then the GPU recipe's target (150 s),
 #                                                    self-distillation and DSpark drafter (the rest of ~9 minutes)
 #                                                    -> OUT/gpu-recipe.json, WORK/{target,dspark,heldout-prompts.jsonl}
@@ -38,7 +38,9 @@
 #                                                    train (255 s) and measure did not fit one command (cut in
 #                                                    the mixed workload at 600 s); the measure's first phase now
 #                                                    runs no mixed workload (its rows are replaced unread), and
-#                                                    the sweep's rows are saved before the mixed workload starts)
+#                                                    the sweep's rows are saved before the mixed workload starts;
+#                                                    PROMPTS, the distillation's, default 1536: 74-97 s of a
+#                                                    3072 x 24 target's train, half as many ~half the time)
 #   bash benchmarks/trained_pair.sh bench WORK OUT [BENCH FLAGS]
 #                                                    dspark bench on that pair over the held-out prompts: the
 #                                                    concurrency sweep, the tuned draft_len_schedule, the end-to-end
@@ -95,10 +97,11 @@ out=${3:?give an output folder (snapshot: a name)}
 [ "$step" = snapshot ] || eval "$(bash benchmarks/gpu_host.sh install)"
 export PYTHONUNBUFFERED=1
 train() {  # target seconds, the recipe's wall-time budget (the drafter trains for what is left), target width, layers,
-           # the target's sequences per step, the drafter's own cap in seconds (a weaker drafter on purpose)
+           # the target's sequences per step, the drafter's own cap in seconds (a weaker drafter on purpose), the
+           # distillation's prompts (1536 took 74-97 s of a 3072 x 24 target's train)
   python3 benchmarks/gpu_recipe.py --work "$work" --out "$out/gpu-recipe.json" --stages target,distill,dspark \
     --target-seconds "$1" --drafter-seconds "$6" --run-seconds "$2" --target-hidden "$3" --target-layers "$4" \
-    --target-batch "$5"
+    --target-batch "$5" --distill-prompts "$7"
 }
 bench() {  # [BENCH FLAGS]; the drafter and the output folder from $drafter and $dest (default: WORK/dspark, OUT)
     local model=${drafter:-$work/dspark} to=${dest:-$out}
@@ -116,10 +119,10 @@ profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpar
   done
 }
 case "$step" in
-  train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" "${8:-48}" "${9:-100000}" ;;
+  train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" "${8:-48}" "${9:-100000}" "${10:-1536}" ;;
   bench) shift 3; bench --profile --profile-batches 1,64 "$@" ;;
   measure) shift 3; bench "$@" ;;
-  quick) shift 3; train 60 300 3072 24 20 100000
+  quick) shift 3; train 60 300 3072 24 20 100000 1536
          bench --concurrency 1,4,64 --e2e-prompts 0 --rounds 1 "$@" ;;
   check) shift 3; bench --concurrency 1,4,64,256 --e2e-prompts 32 --mixed-prefill-apart "$@"
          if [ -d "$work/dspark-early" ]; then
@@ -130,7 +133,7 @@ case "$step" in
             rm -rf "$work/dspark-$name" && cp -r "$work/dspark" "$work/dspark-$name"
             echo "trained_pair.sh: $work/dspark-$name kept" >&2 ;;
   profile) profile ;;
-  all) train 100 300 "${4:-512}" "${5:-8}" 48
+  all) train 100 300 "${4:-512}" "${5:-8}" 48 100000 1536
        profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2
        bench --profile --profile-batches 1,64 ;;
   *) echo "usage: $0 train|bench|measure|profile|check|quick|snapshot|all WORK OUT|NAME" >&2; exit 2 ;;

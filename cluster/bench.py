@@ -1286,7 +1286,8 @@ def run(args) -> dict:
             for kind, llm in llms.items():
                 record_row(kind, llm, c, median_round(timings[kind]))
                 rows[c][f"{kind}_tokens_per_s_rounds"] = [t["tokens_per_s"] for t in timings[kind]]
-        save_partial(args, record, rows)  # the sweep's rows, before the mixed workload (a run cut there keeps them)
+            save_partial(args, record, rows)  # the sweep's rows so far, and before the mixed workload (a run cut
+            # there keeps them)
         if args.mixed_rate and with_mixed:
             variants = mixed_variants(llms)
             warm_mixed(variants)
