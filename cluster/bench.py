@@ -1119,6 +1119,8 @@ def run(args) -> dict:
                            # steps that drafted nothing since drafting did not pay (point 6), holds since startup
                            confidence_drafting_off_steps=stats["drafting_off_steps"],
                            confidence_drafting_holds=stats["drafting_holds"],
+                           # of the judgements that began them, those the refit after their step reversed
+                           confidence_drafting_judgements_reversed=stats["drafting_judgements_reversed"],
                            # timed steps not launched ahead (priced and learned with the serial excess)
                            confidence_serial_steps=stats["serial_steps"],
                            # the timed steps one by one (what each chose, predicted and measured), and by kind

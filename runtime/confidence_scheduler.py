@@ -74,7 +74,9 @@ tokens fed)``. The scheduler, in either of two step layouts:
    excess read per verify row, ``MixedStepCosts.plain_excess_ms``; no margin), and the engine drafts nothing at that
    batch size for a while (``DraftingHold``: 16 steps, doubling up to 512 while it keeps not paying), then drafts
    again to look (its blocks verified whole; the hold's next judgement waits for the look's outcome, refitted at
-   once). Run 59 (an H200, a 2.7B pair): at 256 requests the tuned schedule drafts nothing, and under mixed
+   once). A step judged not to pay is refitted at once too, with its own outcome, and where whole blocks pay on
+   the refitted survivals the hold it began ends (``_whole_blocks_pay``: a judgement made on a fit of other
+   requests costs a step, not a hold). Run 59 (an H200, a 2.7B pair): at 256 requests the tuned schedule drafts nothing, and under mixed
    prefill + decode load the confidence-scheduled engine, drafting every step, served 0.70 of its tokens/s. The
    choice reads confidences of drafts already proposed and the step count, never the tokens being verified.
 
@@ -644,6 +646,7 @@ class ConfidenceScheduler:
         # point 6: whether the last decision's best choice beat plain decoding (None: no plain steps profiled)
         self.drafting_pays: bool | None = None
         self.hold = DraftingHold()  # where the engine drafts nothing, and until when (its steps)
+        self.reversals = 0  # judgements that drafting did not pay which the refit after them reversed (learn)
         self.decisions = 0  # budgets (or caps) chosen
         self.explored = 0  # of them, raised to whole blocks to gather evidence (EXPLORE_EVERY)
         # the last allot's (confidences [S, K] padded with 0, lengths, history), to learn (arrays or lists)
@@ -848,11 +851,12 @@ class ConfidenceScheduler:
         if rest is not None:
             rest()
 
-    def learn(self, verified: list[int], accepted: list[int]) -> None:
+    def learn(self, verified: list[int], accepted: list[int]) -> bool:
         """How many drafts each request of the last ``allot`` verified (at most what it was allotted: the step may
         have trimmed more, at a token limit) and accepted, in its order (-1: unknown, e.g. the request left the
         step or failed): the online survival fit's evidence. Call once per allot, after the step
-        committed."""
+        committed. -> whether a judgement that drafting does not pay was reversed by the refit after it
+        (``_whole_blocks_pay``; ``drafting_pays`` is then True): the engine ends the drafting hold it began."""
         self.settle()
         if self._pending is None:
             return
@@ -864,6 +868,30 @@ class ConfidenceScheduler:
         self.correction.learn(confidence, allotted, verified, accepted, history)
         if self.drafting_pays is False:  # (point 6) the next judgement of drafting at all reads this step's outcome
             self.correction.refit_now()
+            if self._whole_blocks_pay(confidence, history):
+                self.drafting_pays = True
+                self.reversals += 1
+                return True
+        return False
+
+    def _whole_blocks_pay(self, confidence, history) -> bool:
+        """Whether, refitted on every verify so far, whole blocks of the step just learned (confidences [S, K'],
+        its classes) pay at the prices the last judgement set them against (its whole-block step and its plain
+        alternative, per request: ``e * plain_ms >= whole_ms`` for ``e`` committed tokens a request). A judgement
+        is made on the fit as it stood, which folds evidence every ``FOLD_EVERY`` steps: after a change of load it
+        can be a fit of other requests (run 88 on an H200: concurrency 1's one request rejected every draft; the
+        four requests after it accepted 5.2 tokens a request a step, and the first judgement, on a fit of that one
+        request, held drafting off for 16 of their steps). Whole blocks are one of the choices the judgement weighed, so where they pay
+        drafting does; the hold they reverse costs a step, not ``HOLD_FIRST``."""
+        last = self.last
+        if last is None or last.plain_ms is None or last.whole_predicted_ms <= 0:
+            return False
+        table = np.asarray(confidence, dtype=np.float64)  # [S, K'] (0 past a block)
+        num = table.shape[0]
+        if num == 0:
+            return False
+        survival = self.survival(table, history_rows(history, num, len(self.correction.history_names)))
+        return (1.0 + float(survival.sum()) / num) * last.plain_ms >= last.whole_predicted_ms
 
     def _small_step(self, confidences: list[list[float]], history: list[int] | None) -> tuple | None:
         """A small step in plain Python: (requests S, longest block K, sizes [S], drafts proposed, the confidences
@@ -1249,6 +1277,7 @@ class ConfidenceStats:
                 "explored_decisions": scheduler.explored, "unpacked_steps": self.unpacked_steps,
                 # point 6: steps that drafted nothing since drafting did not pay, and the holds that began
                 "drafting_off_steps": self.drafting_off_steps, "drafting_holds": scheduler.hold.holds,
+                "drafting_judgements_reversed": scheduler.reversals,
                 "serial_steps": self.serial_steps,
                 # (None: no plain steps profiled, the drafting never stops)
                 "plain_cost_table_observations": scheduler.costs.plain.observations

@@ -122,6 +122,7 @@ class Engine:
         self._turn = 0  # the group the next step serves
         self._host_work = None  # the executor's HostWork where confidence scheduling defers its learning there
         self._deferred = False  # the step's decision was deferred (allot_deferred)
+        self._judged_bucket = 0  # the batch bucket of the last judgement of drafting (its hold's, _record_decision)
         self._grammar_backend: GrammarBackend | None = None  # structured outputs' compiler (_grammars)
         self._structured: set[str] = set()  # ids of structured requests, pruned to live ones each step (_mask_grammars)
         if self.spec is not None and self.spec.enable_confidence_scheduling:
@@ -588,6 +589,7 @@ class Engine:
         self.confidence_stats.record_decision(self.confidence.last, requests)
         if self.confidence.drafting_pays is not None:
             self.confidence.hold.record(bucket, step, self.confidence.drafting_pays)
+            self._judged_bucket = bucket
 
     def _packed_plan(self, scheduled: list[ScheduledRequest]) -> PackedPlan | None:
         """The packed layout: this step's packed verify, when it is exactly the requests the scheduler decided for
@@ -758,7 +760,8 @@ class Engine:
                     accepted[i] = result.num_accepted
         self.confidence.settle()  # (a deferred decision recorded before its outcome: the metrics pair them)
         self.confidence_stats.record_outcome(committed)
-        self.confidence.learn(verified, accepted)
+        if self.confidence.learn(verified, accepted):  # refitted, the judgement that drafting did not pay reversed
+            self.confidence.hold.record(self._judged_bucket, self._step_index, True)
         self._decided = []
 
     def _commit(self, seq: Sequence, entry: ScheduledRequest, result: RequestStepResult) -> int:

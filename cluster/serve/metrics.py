@@ -80,6 +80,9 @@ class EngineCollector:
                     ("confidence_drafting_holds", "Drafting holds begun since startup (each a stretch of plain "
                      "decoding at one batch size, then one block drafted to look again).",
                      scheduling["drafting_holds"]),
+                    ("confidence_drafting_judgements_reversed", "Of the judgements that began a drafting hold, "
+                     "those the survival refit after their step reversed (the hold ended at once; since startup).",
+                     scheduling["drafting_judgements_reversed"]),
                     ("confidence_serial_steps", "Steps the replica could have launched ahead of the step before "
                      "and did not (after a prefill, sampled batches): priced with the host's step work on top "
                      "(since startup or the last metrics reset).", scheduling["serial_steps"])):

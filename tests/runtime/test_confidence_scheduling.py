@@ -1355,6 +1355,56 @@ def test_a_judgement_made_during_a_hold_neither_restarts_nor_doubles_it():
     assert not hold.off(256, 14)
 
 
+def test_a_refit_that_reverses_a_judgement_that_drafting_does_not_pay_says_so():
+    """Run 88's four requests after one that rejected every draft: judged on that request's fit, drafting did not
+    pay; the refit after the step, with their own verifies (all accepted), says whole blocks pay at the prices the
+    judgement set (a whole block 30 ms, plain decoding 12 ms a step of four): ``learn`` returns True, and the next
+    judgement, on their classes' evidence, pays. Requests that reject as the fit believed reverse nothing."""
+    def taught(accepted_after: int) -> tuple[ConfidenceScheduler, list[bool]]:
+        scheduler, history = ConfidenceScheduler(4, with_plain(flat_table(1.0), 12.0)), HISTORY_NONE
+        for _ in range(12):  # one request rejecting its first draft, 0.9 confident, every step
+            scheduler.allot([[0.9] * 4], history=[history])
+            assert scheduler.learn([4], [0]) is False
+            history = next_history(history, 4, 0, 4)
+        reversed_, classes = [], [HISTORY_NONE] * 4
+        for _ in range(3):
+            scheduler.allot([[0.9] * 4] * 4, history=classes)
+            judged = scheduler.drafting_pays
+            reversed_.append(scheduler.learn([4] * 4, [accepted_after] * 4))
+            assert not reversed_[-1] or (judged is False and scheduler.drafting_pays is True)
+            classes = [next_history(c, 4, accepted_after, 4) for c in classes]
+        return scheduler, reversed_
+    scheduler, reversed_ = taught(4)
+    assert reversed_[0] and scheduler.reversals == sum(reversed_)
+    scheduler.allot([[0.9] * 4] * 4, history=[next_history(HISTORY_NONE, 4, 4, 4)] * 4)
+    assert scheduler.drafting_pays is True
+    scheduler, reversed_ = taught(0)
+    assert reversed_ == [False] * 3 and scheduler.reversals == 0 and scheduler.drafting_pays is False
+
+
+def test_a_hold_the_refit_reverses_ends_at_once(tmp_path, near_bigram_target, confident_drafter):
+    """The engine's side: where every judgement that drafting does not pay is reversed by the refit after it, each
+    hold it began ends with the step it was judged at (a decision made at once holds that step's drafting: the
+    step the reversal costs), never two steps in a row."""
+    path = tmp_path / "table.json"
+    with_plain(flat_table(1.0, base=50.0), 1.0).save(path)
+    llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
+                 confidence_cost_table_path=str(path))
+    llm.engine.confidence._whole_blocks_pay = lambda confidence, history: True
+    batches = []
+    executor = llm.engine.executor
+    run = executor.execute
+    executor.execute = lambda batch: (batches.append(batch), run(batch))[1]
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:1], greedy)] == builders.hf_greedy(
+        near_bigram_target, PROMPTS[:1], 40)
+    stats = llm.get_metrics()["confidence_scheduling"]
+    assert stats["drafting_holds"] >= 2 and stats["drafting_judgements_reversed"] == stats["drafting_holds"]
+    assert stats["drafting_off_steps"] <= stats["drafting_holds"]
+    drafting = [b.num_next_drafts > 0 for b in batches[:-1]]
+    assert not any(not a and not b for a, b in zip(drafting, drafting[1:])), drafting
+
+
 def test_where_drafting_does_not_pay_the_engine_decodes_plainly_for_a_hold_then_looks_again(
         tmp_path, near_bigram_target, confident_drafter):
     """Plain steps far cheaper than any drafting step: after the first decision the engine drafts nothing for
