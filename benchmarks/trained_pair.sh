@@ -50,6 +50,11 @@
 #                                                    -> OUT/bench.json (written as each engine finishes, marked
 #                                                    partial until the end), OUT/tuned-schedule.json,
 #                                                    OUT/step-costs.json (dspark bench-plot draws bench.json)
+#   bash benchmarks/trained_pair.sh again WORK OUT [BENCH FLAGS]
+#                                                    the bench again on the pair a `measure` (or `bench`) tuned a
+#                                                    schedule for, with that schedule (`dspark bench --schedule`: no
+#                                                    tuning, one phase; e.g. `--concurrency 256` for its mixed
+#                                                    workload alone, ~1/3 of a measure's time, in a second command)
 #   bash benchmarks/trained_pair.sh measure WORK OUT [BENCH FLAGS]
 #                                                    the bench as `bench` runs it without the torch profiles (each
 #                                                    engine's profiled steps cost ~10-20 s of a command's 10 minutes)
@@ -92,7 +97,7 @@
 # ~1.3 s, spread its rounds by +-10%, too short to resolve the 1% the confidence scheduler is held to).
 # Both steps run from the checkout root with .whl-fi (and .fi-cache, if any) carried; see benchmarks/gpu_host.sh.
 set -euo pipefail
-step=${1:?give a step: train, profile, bench, measure, check, quick, snapshot or all}; work=${2:?give a work folder}
+step=${1:?give a step: train, profile, bench, measure, again, check, quick, snapshot or all}; work=${2:?give a work folder}
 out=${3:?give an output folder (snapshot: a name)}
 [ "$step" = snapshot ] || eval "$(bash benchmarks/gpu_host.sh install)"
 export PYTHONUNBUFFERED=1
@@ -103,14 +108,19 @@ train() {  # target seconds, the recipe's wall-time budget (the drafter trains f
     --target-seconds "$1" --drafter-seconds "$6" --run-seconds "$2" --target-hidden "$3" --target-layers "$4" \
     --target-batch "$5" --distill-prompts "$7"
 }
-bench() {  # [BENCH FLAGS]; the drafter and the output folder from $drafter and $dest (default: WORK/dspark, OUT)
+bench() {  # [BENCH FLAGS]; the drafter and the output folder from $drafter and $dest (default: WORK/dspark, OUT);
+           # the schedule tuned (kept in WORK too, for `again`), or with $given the one tuned before
     local model=${drafter:-$work/dspark} to=${dest:-$out}
+    local tuned="$work/$(basename "$model")-tuned-schedule.json"
+    local schedule=(--tune-schedule "$tuned")
+    [ -z "${given:-}" ] || schedule=(--schedule "$given")
     mkdir -p "$to"
     python3 -m cluster.cli bench --model "$work/target" --speculative-model "$model" \
       --prompts "$work/heldout-prompts.jsonl" --prompt-len 64 --concurrency 1,4,16,64,256 --steps 30 \
-      --kv-cache-gib 16 --tune-schedule "$to/tuned-schedule.json" --e2e-prompts 64 --e2e-tokens 128 \
+      --kv-cache-gib 16 "${schedule[@]}" --e2e-prompts 64 --e2e-tokens 128 \
       --confidence-scheduling --profile-steps "$to/step-costs.json" --mixed-rate 400 --mixed-requests 1536 \
       "$@" --out "$to/bench.json"
+    [ -n "${given:-}" ] || cp "$tuned" "$to/tuned-schedule.json"
 }
 profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpark, confidence-scheduled (cProfile)
   for batch in 1 4; do
@@ -122,6 +132,7 @@ case "$step" in
   train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" "${8:-48}" "${9:-100000}" "${10:-1536}" ;;
   bench) shift 3; bench --profile --profile-batches 1,64 "$@" ;;
   measure) shift 3; bench "$@" ;;
+  again) shift 3; given="$work/dspark-tuned-schedule.json" bench "$@" ;;
   quick) shift 3; train 60 300 3072 24 20 100000 1536
          bench --concurrency 1,4,64 --e2e-prompts 0 --rounds 1 "$@" ;;
   check) shift 3; bench --concurrency 1,4,64,256 --e2e-prompts 32 --mixed-prefill-apart "$@"
@@ -136,5 +147,5 @@ case "$step" in
   all) train 100 300 "${4:-512}" "${5:-8}" 48 100000 1536
        profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2
        bench --profile --profile-batches 1,64 ;;
-  *) echo "usage: $0 train|bench|measure|profile|check|quick|snapshot|all WORK OUT|NAME" >&2; exit 2 ;;
+  *) echo "usage: $0 train|bench|measure|again|profile|check|quick|snapshot|all WORK OUT|NAME" >&2; exit 2 ;;
 esac

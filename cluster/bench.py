@@ -1026,7 +1026,7 @@ def run(args) -> dict:
             engines.append(("serial", spec, {"pipeline": False}))
     # with --tune-schedule the scheduler runs within the tuned schedule (its draft length cap), after it, beside a
     # sweep of that schedule alone: both measured in this run; without, within the fixed max_draft_len
-    confidence_after_tuning = args.confidence_scheduling and args.tune_schedule
+    confidence_after_tuning = args.confidence_scheduling and bool(args.tune_schedule or args.schedule)
     if args.confidence_scheduling and not confidence_after_tuning:
         engines.append(("confidence", {**spec, "enable_confidence_scheduling": True}, {}))
     # single-process engines are measured side by side in alternating rounds (the host's speed drifts: on the lent
@@ -1316,7 +1316,9 @@ def run(args) -> dict:
         return kept
 
     kept = {}  # with --tune-schedule in alternating rounds: the sweep's engines, alive for the tuned ones' rounds
-    if alternate:  # every engine of the sweep alive at once, in alternating rounds
+    if args.schedule and alternate:  # a schedule tuned before: no first phase, the sweep's engines measured beside
+        pass  # the schedule's, below
+    elif alternate:  # every engine of the sweep alive at once, in alternating rounds
         # (with --tune-schedule the second phase measures every engine's mixed workload again, beside the tuned
         # ones: this phase's would be replaced unread, ~1.5 minutes of run 85's ten)
         kept = paired(engines, with_e2e=True, keep=frozenset(kind for kind, _, _ in engines)
@@ -1324,9 +1326,10 @@ def run(args) -> dict:
     else:
         for kind, speculative, layout in engines:
             sweep(kind, speculative, layout)
-    if args.tune_schedule:
+    if args.tune_schedule or args.schedule:
         record["tuned_schedule"] = tuned = tune(args, engine_class, target, spec, common, rows, vocab, shape,
-                                                sweep_prompts, kept.get("dspark"))
+                                                sweep_prompts, kept.get("dspark")) if args.tune_schedule else {
+            "schedule": read_schedule(args.schedule, args.max_draft_len), "from": args.schedule}
         capped = {"draft_len_schedule": tuned["schedule"]}
         after = [("tuned", {**spec, **capped}, {})]  # the tuned schedule as an engine
         record["schedules"]["tuned"] = "tuned"
@@ -1339,7 +1342,11 @@ def run(args) -> dict:
             if args.confidence_draft_len == "both":  # the scheduler alone choosing how much to draft, beside
                 after.append((CONFIDENCE_MAX, {**spec, "enable_confidence_scheduling": True}, {}))
                 record["schedules"][CONFIDENCE_MAX] = "confidence within max_draft_len, beside the tuned schedule"
-        if alternate:  # in alternating rounds with the sweep's engines again: every schedule and the AR baseline
+        if alternate and args.schedule:  # one phase: every engine of the sweep beside the schedule's
+            paired(engines + after, with_e2e=True)
+            record["measurement"] = "alternating rounds; the sweep beside a schedule tuned before (--schedule)"
+            record["measured_together"] = [kind for kind, _, _ in engines + after]
+        elif alternate:  # in alternating rounds with the sweep's engines again: every schedule and the AR baseline
             # measured together (the sweep's figures, minutes earlier, are replaced; the host's speed drifts)
             paired([(kind, speculative, layout) for kind, speculative, layout in engines if kind in kept] + after,
                    alive=kept)
@@ -1501,6 +1508,27 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
     result["schedule"] = schedule
     print(f"dspark bench: draft_len_schedule {schedule} -> {args.tune_schedule}", file=sys.stderr)
     return result
+
+
+def read_schedule(path: str, max_draft_len: int) -> dict[int, int]:
+    """``--schedule FILE``: the ``draft_len_schedule`` of a config fragment ``--tune-schedule`` wrote (``{"engine":
+    {"speculative_config": {"draft_len_schedule": {batch size: draft length}}}}``) or of a bare ``{batch size: draft
+    length}`` -> {int: int}; anything else is a ValueError naming the flag and what it needs."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--schedule {path}: not a readable JSON file ({error})") from error
+    if isinstance(data, dict) and "engine" in data:
+        data = (data["engine"].get("speculative_config") or {}).get("draft_len_schedule") \
+            if isinstance(data["engine"], dict) else None
+    try:
+        schedule = {int(batch): int(length) for batch, length in data.items()}
+    except (AttributeError, TypeError, ValueError):
+        schedule = None
+    if not schedule or any(batch < 1 or not 0 <= length <= max_draft_len for batch, length in schedule.items()):
+        raise ValueError(f"--schedule {path}: needs a draft_len_schedule of batch sizes >= 1 to draft lengths 0.."
+                         f"{max_draft_len} (max_draft_len), as --tune-schedule writes it; got {data!r}")
+    return schedule
 
 
 def trace_line(summary: dict) -> str:
@@ -1756,6 +1784,10 @@ def add_parser(commands) -> None:
     bench.add_argument("--projected-tau", type=float, help="a trained pair's mean acceptance length: adds "
                        "projected_speedup = tau x AR step / DSpark step to every point (for --model-shape)")
     bench.add_argument("--projected-tau-source", default="", help="where --projected-tau was measured (recorded)")
+    bench.add_argument("--schedule", metavar="FILE", help="a draft_len_schedule tuned before on this pair (the "
+                       "FILE an earlier --tune-schedule wrote): the tuned engine runs it, no tuning, in one phase "
+                       "beside the sweep's engines (and with --confidence-scheduling the confidence engine, as after "
+                       "--tune-schedule): a second measurement of a pair, e.g. its mixed workload, in less time")
     bench.add_argument("--tune-schedule", metavar="FILE", help="also time every shorter draft length and write the "
                        "draft_len_schedule with the most tokens/s at each concurrency to FILE (a config fragment for "
                        "dspark serve --config; a length other than max_draft_len only where it measured more than "
@@ -1829,10 +1861,21 @@ def main(args) -> int:
         print("dspark bench: --ray-address needs --tensor-parallel-size (one process joins no Ray cluster)",
               file=sys.stderr)
         return 2
-    if args.confidence_draft_len != "tuned" and not (args.confidence_scheduling and args.tune_schedule):
-        print("dspark bench: --confidence-draft-len needs --confidence-scheduling and --tune-schedule (without a "
-              "tuned schedule the confidence engine drafts max_draft_len already)", file=sys.stderr)
+    if args.confidence_draft_len != "tuned" and not (args.confidence_scheduling
+                                                     and (args.tune_schedule or args.schedule)):
+        print("dspark bench: --confidence-draft-len needs --confidence-scheduling and --tune-schedule or --schedule "
+              "(without a tuned schedule the confidence engine drafts max_draft_len already)", file=sys.stderr)
         return 2
+    if args.schedule:
+        problem = "--schedule and --tune-schedule: give one (a schedule tuned before, or one tuned now)" \
+            if args.tune_schedule else None
+        try:
+            problem = problem or (read_schedule(args.schedule, args.max_draft_len) and None)
+        except ValueError as error:
+            problem = str(error)
+        if problem:
+            print(f"dspark bench: {problem}", file=sys.stderr)
+            return 2
     if args.projected_tau is not None and not 1.0 <= args.projected_tau <= args.max_draft_len + 1:
         print(f"dspark bench: --projected-tau must be in [1, max_draft_len + 1 = {args.max_draft_len + 1}], got "
               f"{args.projected_tau}", file=sys.stderr)

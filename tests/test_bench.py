@@ -369,6 +369,49 @@ def test_both_confidence_engines_are_measured_in_the_same_rounds_beside_the_tune
     assert "max/tuned" in proc.stderr and "mixed workload: confidence-max / tuned" in proc.stderr
 
 
+def test_a_schedule_tuned_before_is_measured_in_one_phase_beside_the_sweep(tmp_path):
+    """``--schedule FILE`` (what an earlier ``--tune-schedule`` wrote): no tuning and no first phase; the sweep's
+    engines, the schedule's and the confidence engine in the same alternating rounds, the mixed workload too."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out, schedule = tmp_path / "bench.json", tmp_path / "schedule.json"
+    schedule.write_text(json.dumps({"engine": {"speculative_config": {"draft_len_schedule": {"1": 3, "2": 1}}}}))
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
+                           "--concurrency", "1,2", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2",
+                           "--warmup", "1", "--rounds", "1", "--kv-cache-gib", "0.05", "--confidence-scheduling",
+                           "--schedule", str(schedule), "--confidence-draft-len", "max", "--mixed-rate", "200",
+                           "--mixed-requests", "4", "--e2e-prompts", "0", "--e2e-tokens", "8", "--out", str(out)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert "tune k=" not in proc.stderr and proc.stderr.count("dspark bench: ar concurrency 1:") == 1  # one phase
+    assert record["tuned_schedule"] == {"schedule": {"1": 3, "2": 1}, "from": str(schedule)}
+    assert record["measured_together"] == ["ar", "dspark", "tuned", "confidence"]
+    assert "--schedule" in record["measurement"]
+    for row in record["runs"]:
+        assert row["confidence_vs_tuned"] > 0 and row["dspark_tokens_per_s"] > 0 and row["ar_tokens_per_s"] > 0
+    assert record["mixed_confidence_vs_tuned"] > 0 and set(record["mixed_workload"]) == {
+        "ar", "dspark", "tuned", "confidence"}
+
+
+def test_a_schedule_file_is_read_in_either_form_and_a_bad_one_names_the_flag(tmp_path):
+    from cluster.bench import read_schedule
+
+    fragment, bare = tmp_path / "fragment.json", tmp_path / "bare.json"
+    fragment.write_text(json.dumps({"engine": {"speculative_config": {"draft_len_schedule": {"64": 7, "256": 2}}}}))
+    bare.write_text(json.dumps({"1": 3, "8": 0}))
+    assert read_schedule(str(fragment), 7) == {64: 7, 256: 2} and read_schedule(str(bare), 3) == {1: 3, 8: 0}
+    for text in ("{}", "[1, 2]", '{"engine": {}}', '{"4": 9}', '{"0": 1}', '{"x": 1}', "not json"):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match="--schedule"):
+            read_schedule(str(bad), 7)
+    with pytest.raises(ValueError, match="--schedule .*readable"):
+        read_schedule(str(tmp_path / "missing.json"), 7)
+
+
 def test_tuning_a_sweep_of_one_request_keeps_max_draft_len(tmp_path):
     """A sweep of one request alone has nothing to tune (one request drafts max_draft_len, where every schedule
     starts): the tuned schedule is {1: K}; it built a candidate engine of schedule {1: k}, refused as invalid."""
