@@ -882,7 +882,10 @@ class ConfidenceScheduler:
         can be a fit of other requests (run 88 on an H200: concurrency 1's one request rejected every draft; the
         four requests after it accepted 5.2 tokens a request a step, and the first judgement, on a fit of that one
         request, held drafting off for 16 of their steps). Whole blocks are one of the choices the judgement weighed, so where they pay
-        drafting does; the hold they reverse costs a step, not ``HOLD_FIRST``."""
+        drafting does; the hold they reverse costs a step, not ``HOLD_FIRST``. By ``min_gain`` at least: whole
+        blocks then beat verifying nothing by as much (a plain step is cheaper than one that drafts), so the next
+        judgement, on the same fit, pays too, and a reversal is never undone by the evidence it was made on (a
+        step verifying nothing, judged not to pay and reversed, every step)."""
         last = self.last
         if last is None or last.plain_ms is None or last.whole_predicted_ms <= 0:
             return False
@@ -891,7 +894,7 @@ class ConfidenceScheduler:
         if num == 0:
             return False
         survival = self.survival(table, history_rows(history, num, len(self.correction.history_names)))
-        return (1.0 + float(survival.sum()) / num) * last.plain_ms >= last.whole_predicted_ms
+        return (1.0 + float(survival.sum()) / num) * last.plain_ms >= (1 + self.min_gain) * last.whole_predicted_ms
 
     def _small_step(self, confidences: list[list[float]], history: list[int] | None) -> tuple | None:
         """A small step in plain Python: (requests S, longest block K, sizes [S], drafts proposed, the confidences
