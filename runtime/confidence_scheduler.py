@@ -740,7 +740,13 @@ class ConfidenceScheduler:
         drafting steps, whose
         requests fed K + 1 rows each, and read whole beside a plain step it priced run 76's plain alternative at
         10.4 ms where plain mixed steps took 3.9 (and run 73's, 12.6-15.1 against 10.9: drafting kept looking as if
-        it paid in mixed steps where it lost, 0.88 of the tuned engine's plain decoding)."""
+        it paid in mixed steps where it lost, 0.88 of the tuned engine's plain decoding). The drafter's cost is the
+        two tables' difference at the step's own context, each read there by its own context slope (so where the
+        verify-nothing cell is the one ``none_ms`` read, the plain alternative is the plain table's step at this
+        context): read at no context (the verify table's cell less its learned slope times its profiled context, the
+        plain table's, no slope learned, its steps being the holds', as profiled) the difference priced plain
+        decoding the verify slope times the step's whole context dearer than its cell (run 88, 256 requests: 10.1
+        ms, 6.4 + 1.1e-4 ms x 32K context tokens, where the held plain steps took 6.1)."""
         plain = self.costs.plain
         if other_tokens:
             batch = num + other_requests
@@ -749,7 +755,8 @@ class ConfidenceScheduler:
             return max(plain.predict_ms_list(batch, (batch,), context)[0]
                        + self.mixed_costs.plain_excess_ms(batch, other_tokens), 1e-6)
         rows = self.graph_rows(num)  # (cached Python lists: no numpy call on a small step's path)
-        drafting_ms = max(self.costs.predict_ms_list(rows, (rows,))[0] - plain.predict_ms_list(rows, (rows,))[0], 0.0)
+        drafting_ms = max(self.costs.predict_ms_list(rows, (rows,), context)[0]
+                          - plain.predict_ms_list(rows, (rows,), context)[0], 0.0)
         return max(none_ms - drafting_ms, 1e-6)
 
     def survival(self, confidence: np.ndarray, history=None) -> np.ndarray:

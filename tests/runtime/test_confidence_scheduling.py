@@ -1061,6 +1061,28 @@ def test_the_table_learns_what_a_context_token_costs_and_reads_every_cell_at_the
         StepCostTable.from_json({**legacy, "context_tokens": [[-1.0] * len(tokens)]})
 
 
+def test_the_plain_alternative_is_the_plain_step_at_the_steps_context_not_the_verify_slope_over_all_of_it():
+    """The drafter's cost, taken off the verify-nothing step to price plain decoding, is the two tables' difference
+    at the step's own context: with a verify slope learned (0.01 ms a context token) and the plain table's steps
+    profiled (no slope of its own), the plain alternative at 3000 context tokens is the plain step (4 ms), not 4 +
+    0.01 x 3000 (run 88, 256 requests: plain decoding priced 10.1 ms where the held plain steps took 6.1)."""
+    tokens = [1, 2, 3, 4, 5]
+
+    def cost(t, context):
+        return 10.0 + 1.0 * t + 0.01 * context
+
+    table = StepCostTable([1], tokens)
+    for t in tokens:
+        table.record(1, t, cost(t, 400), context=400)
+    served(table, 1, 5, range(400, 4400, 50), cost)
+    assert table.ms_per_context_token == pytest.approx(0.01, rel=0.02)
+    table.plain = StepCostTable([1], [1], [[4.0]])
+    scheduler = ConfidenceScheduler(4, table)
+    scheduler.allot([[0.9] * 4], context=3000)
+    assert scheduler.last.plain_ms == pytest.approx(4.0, abs=0.05)
+    assert scheduler.last.whole_predicted_ms == pytest.approx(cost(5, 3000), rel=0.01)  # the verifies at 3000
+
+
 def test_the_slope_waits_for_evidence_never_goes_negative_and_the_envelope_compares_at_one_context():
     tokens = [4, 8]
     table = StepCostTable([4], tokens, [[10.0, 12.0]])
