@@ -22,12 +22,17 @@ Engines, each over the same sequence of steps:
   tuned schedule that drafts nothing there serves), and the packed scheduler judging its best choice against it
   (``drafting_pays``) with the engine's drafting holds (``DraftingHold``): a held step costs ``--plain-ms`` and
   commits a token a request (its draw skipped), the last one before a look also drafts (the verify-nothing cell
-  less the plain step).
+  less the plain step); each judgement is recorded before the step's outcome is learned, and a hold the refit after
+  it reverses ends (``ConfidenceScheduler.learn``), as in the engine; beside it, the same with those holds kept
+  (``*_kept``, the engine before 2be9a17);
+- with ``--stale-steps N``: every scheduler first learns N steps of one confident request rejecting every draft (a
+  fit of other requests, as run 88's concurrency 1 before its 4 and 256).
 Reports committed tokens per millisecond of each, and the packed scheduler against the best fixed cap (and with
 ``--plain-ms``, ``packed_with_holds_vs_best``: against the best of plain decoding and every fixed cap).
 
 usage: python3 benchmarks/packed_schedule_sim.py --step-costs STEP_COSTS.json [--batch 256] [--hard-fractions
-       0.2,0.5,0.8] [--persistence 0.9] [--temperatures T1,...,TK] [--plain-ms MS] [--out FILE.json]
+       0.2,0.5,0.8] [--persistence 0.9] [--temperatures T1,...,TK] [--plain-ms MS] [--stale-steps N]
+       [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -67,15 +72,22 @@ def draw_steps(rng: np.random.Generator, batch: int, k: int, hard_fraction: floa
 
 
 def run_packed(scheduler: ConfidenceScheduler, draws: list, step_ms: np.ndarray, overhead_ms: float,
-               use_history: bool, plain_ms: float | None = None) -> tuple[float, list[int], int]:
+               use_history: bool, plain_ms: float | None = None,
+               reversals: bool = True) -> tuple[float, list[int], int]:
     """The packed scheduler over ``draws``: -> (committed tokens per ms, the columns of each step, the steps held
-    off). ``plain_ms``: with drafting holds, a held step's cost (the scheduler's table has plain steps)."""
+    off). ``plain_ms``: with drafting holds, a held step's cost (the scheduler's table has plain steps); each
+    judgement recorded into the hold before the step's outcome is learned, and a hold the refit after it reverses
+    ended then, as the engine does (``reversals`` False: not ended, the engine before 2be9a17)."""
     batch, k = draws[0][0].shape
     history = [HISTORY_NONE] * batch
     tokens = ms = 0.0
     columns_chosen, held, step = [], 0, 0
     bucket = scheduler.bucket(batch)
+    unblocked = False  # a hold reversed at the step before, which drafted nothing: this one only drafts
     for confidence, accepted in draws:
+        if unblocked:
+            tokens, ms, step, unblocked = tokens + batch, ms + step_ms[0], step + 1, False
+            continue
         if plain_ms is not None and scheduler.hold.off(bucket, step):
             tokens += batch
             # the held step before a look drafts its block: the verify-nothing step less the plain one
@@ -85,49 +97,77 @@ def run_packed(scheduler: ConfidenceScheduler, draws: list, step_ms: np.ndarray,
         classes = history if use_history else None
         budget = scheduler.allot_packed([list(row) for row in confidence], history=classes)
         columns = scheduler.step_columns
+        judged = scheduler.drafting_pays if plain_ms is not None else None
+        if judged is not None:
+            scheduler.hold.record(bucket, step, judged)
+        drafts_nothing = judged is not None and scheduler.hold.off(bucket, step)  # (a decision at once holds this
+        # step's drafting)
         survival = scheduler.survival(confidence, classes)
         chosen = np.argsort(-survival.T.reshape(-1), kind="stable")[:budget]  # the device's top survivals
         lengths = np.bincount(chosen % batch, minlength=batch)
         run = np.cumprod(accepted, axis=1)
         committed = np.array([int(run[i, :lengths[i]].sum()) for i in range(batch)])
-        scheduler.learn(lengths.tolist(), committed.tolist())
+        if scheduler.learn(lengths.tolist(), committed.tolist()) and drafts_nothing and reversals:
+            scheduler.hold.record(bucket, step, True)
+            unblocked = True
         history = [next_history(h, int(n), int(a), k) for h, n, a in zip(history, lengths, committed)]
         tokens += batch + committed.sum()
         ms += step_ms[columns] + (overhead_ms if 0 < columns < k else 0.0)
         columns_chosen.append(columns)
-        if plain_ms is not None and scheduler.drafting_pays is not None:
-            scheduler.hold.record(bucket, step, scheduler.drafting_pays)
-            if scheduler.drafting_pays is False:  # this step drafts nothing: it costs the plain step, not a draft
-                ms -= step_ms[0] - plain_ms
+        if drafts_nothing:  # this step drafts nothing: it costs the plain step, not a draft
+            ms -= step_ms[0] - plain_ms
         step += 1
     return float(tokens / ms), columns_chosen, held
 
 
+def stale(scheduler: ConfidenceScheduler, rng: np.random.Generator, k: int, head_noise: float,
+          steps: int) -> ConfidenceScheduler:
+    """``--stale-steps``: the scheduler first learns ``steps`` steps of one request whose head is confident (as an
+    easy request's) and whose every draft is rejected (run 88: concurrency 1's one request before the four of
+    concurrency 4), at its own batch size (its holds apart); its fit then believes confident drafts fail."""
+    history = HISTORY_NONE
+    for _ in range(steps):
+        confidence, _ = synthetic_step(rng, 1, k, np.zeros(1, dtype=bool), head_noise)
+        scheduler.allot_packed([list(confidence[0])], history=[history])
+        scheduler.learn([k], [0])
+        history = next_history(history, k, 0, k)
+    return scheduler
+
+
 def simulate(table: StepCostTable, batch: int, k: int, hard_fraction: float, persistence: float, head_noise: float,
              temperatures: list[float] | None, steps: int, overhead_ms: float, seed: int,
-             plain_ms: float | None = None) -> dict:
+             plain_ms: float | None = None, stale_steps: int = 0) -> dict:
     step_ms = table.predict_ms_many(batch, batch * (np.arange(k + 1) + 1))  # [K+1] a uniform step of q drafts
     draws = draw_steps(np.random.default_rng(seed), batch, k, hard_fraction, persistence, head_noise, steps)
     fixed = {}
     for cap in range(1, k + 1):
         tokens = sum(batch + np.cumprod(accepted, axis=1)[:, :cap].sum() for _, accepted in draws)
         fixed[cap] = float(tokens / (steps * step_ms[cap]))
-    scheduler = ConfidenceScheduler(k, table, temperatures, layout="packed")
+    def fresh(costs: StepCostTable) -> ConfidenceScheduler:
+        scheduler = ConfidenceScheduler(k, costs, temperatures, layout="packed")
+        return stale(scheduler, np.random.default_rng(seed + 1), k, head_noise, stale_steps)
+
+    scheduler = fresh(table)
     packed, columns_chosen, _ = run_packed(scheduler, draws, step_ms, overhead_ms, use_history=True)
-    alone = ConfidenceScheduler(k, table, temperatures, layout="packed")
+    alone = fresh(table)
     packed_alone, columns_alone, _ = run_packed(alone, draws, step_ms, overhead_ms, use_history=False)
     best_cap = max(fixed, key=fixed.get)
     holds = {}
     if plain_ms is not None:
         with_plain = table.copy()
         with_plain.plain = StepCostTable([batch], [batch], [[plain_ms]])
-        holding = ConfidenceScheduler(k, with_plain, temperatures, layout="packed")
+        holding = fresh(with_plain)
         held_rate, _, held = run_packed(holding, draws, step_ms, overhead_ms, use_history=True, plain_ms=plain_ms)
+        kept = fresh(with_plain)  # the holds the refit reverses kept (the engine before 2be9a17)
+        kept_rate, _, kept_held = run_packed(kept, draws, step_ms, overhead_ms, use_history=True, plain_ms=plain_ms,
+                                             reversals=False)
         plain_rate = batch / plain_ms
         best = max(plain_rate, fixed[best_cap])
         holds = {"plain_tokens_per_ms": plain_rate, "packed_with_holds_tokens_per_ms": held_rate,
                  "packed_with_holds_vs_best": held_rate / best, "packed_vs_best": packed / best,
-                 "held_step_share": held / steps, "drafting_holds": holding.hold.holds}
+                 "held_step_share": held / steps, "drafting_holds": holding.hold.holds,
+                 "drafting_judgements_reversed": holding.reversals,
+                 "packed_with_holds_kept_vs_best": kept_rate / best, "held_step_share_kept": kept_held / steps}
     return {**holds, "hard_fraction": hard_fraction, "persistence": persistence, "fixed_tokens_per_ms": fixed,
             "whole_blocks_tokens_per_ms": fixed[k], "best_fixed_cap": best_cap, "packed_tokens_per_ms": packed,
             "packed_vs_best_fixed": packed / fixed[best_cap], "packed_vs_whole_blocks": packed / fixed[k],
@@ -155,6 +195,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plain-ms", type=float, help="a plain decode step at this batch (ms): simulate plain "
                         "decoding and the drafting holds too")
+    parser.add_argument("--stale-steps", type=int, default=0, help="first, this many steps of one confident request "
+                        "rejecting every draft (a fit of other requests; see stale())")
     parser.add_argument("--out")
     args = parser.parse_args()
     table = StepCostTable.load(args.step_costs)
@@ -162,11 +204,13 @@ def main() -> int:
     rows = []
     for fraction in (float(f) for f in args.hard_fractions.split(",")):
         rows.append(simulate(table, args.batch, args.max_draft_len, fraction, args.persistence, args.head_noise,
-                             temperatures, args.steps, args.packed_overhead_ms, args.seed, args.plain_ms))
+                             temperatures, args.steps, args.packed_overhead_ms, args.seed, args.plain_ms,
+                             args.stale_steps))
         print(json.dumps({key: rows[-1][key] for key in ("hard_fraction", "best_fixed_cap", "packed_vs_best_fixed",
                                                           "packed_without_history_vs_best_fixed",
                                                           "packed_vs_whole_blocks", "mean_columns", "packed_vs_best",
-                                                          "packed_with_holds_vs_best", "held_step_share")
+                                                          "packed_with_holds_vs_best", "held_step_share",
+                                                          "packed_with_holds_kept_vs_best", "held_step_share_kept")
                           if key in rows[-1]}), flush=True)
     record = {"benchmark": "packed_schedule_sim", "kind": "CPU simulation (synthetic drafts, measured step costs)",
               "date": date.today().isoformat(), "host": platform.node(), "command": " ".join(["python3", *sys.argv]),
@@ -174,6 +218,7 @@ def main() -> int:
               "head_noise": args.head_noise, "persistence": args.persistence, "temperatures": temperatures,
               "steps": args.steps,
               "packed_overhead_ms": args.packed_overhead_ms, "seed": args.seed, "plain_ms": args.plain_ms,
+              "stale_steps": args.stale_steps,
               "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

@@ -74,10 +74,10 @@ tokens fed)``. The scheduler, in either of two step layouts:
    excess read per verify row, ``MixedStepCosts.plain_excess_ms``; no margin), and the engine drafts nothing at that
    batch size for a while (``DraftingHold``: 16 steps, doubling up to 512 while it keeps not paying), then drafts
    again to look (its blocks verified whole; the hold's next judgement waits for the look's outcome, refitted at
-   once). A step judged not to pay is refitted at once too, with its own outcome, and where whole blocks pay on
-   the refitted survivals the hold it began ends (``_whole_blocks_pay``: a judgement made on a fit of other
-   requests costs a step, not a hold). Run 59 (an H200, a 2.7B pair): at 256 requests the tuned schedule drafts nothing, and under mixed
-   prefill + decode load the confidence-scheduled engine, drafting every step, served 0.70 of its tokens/s. The
+   once). A step judged not to pay is refitted at once too, with its own outcome, and where some cap pays on
+   the refitted survivals the hold it began ends (``_pays_after_refit``: a judgement made on a fit of other
+   requests costs a step, not a hold). Run 59 (an H200, a 2.7B pair): at 256 requests the tuned schedule drafts
+   nothing, and under mixed prefill + decode load the confidence-scheduled engine, drafting every step, served 0.70 of its tokens/s. The
    choice reads confidences of drafts already proposed and the step count, never the tokens being verified.
 
 The first step (no earlier confidences) verifies whole blocks. The host work is a few numpy operations over the
@@ -647,6 +647,7 @@ class ConfidenceScheduler:
         self.drafting_pays: bool | None = None
         self.hold = DraftingHold()  # where the engine drafts nothing, and until when (its steps)
         self.reversals = 0  # judgements that drafting did not pay which the refit after them reversed (learn)
+        self._judged: tuple | None = None  # the last judgement's step: requests, others, their tokens, context, plain
         self.decisions = 0  # budgets (or caps) chosen
         self.explored = 0  # of them, raised to whole blocks to gather evidence (EXPLORE_EVERY)
         # the last allot's (confidences [S, K] padded with 0, lengths, history), to learn (arrays or lists)
@@ -727,6 +728,7 @@ class ConfidenceScheduler:
             return
         plain_ms = self._plain_ms(num, none_ms, other_requests, other_tokens, context)
         self.drafting_pays = expected * plain_ms >= num * predicted_ms
+        self._judged = (num, other_requests, other_tokens, context, plain_ms)  # (to judge again after a refit)
         if self.last is not None:  # (made just before, by the same decision: its metrics show the judgement)
             self.last.plain_ms, self.last.drafting_pays = plain_ms, self.drafting_pays
 
@@ -863,7 +865,7 @@ class ConfidenceScheduler:
         have trimmed more, at a token limit) and accepted, in its order (-1: unknown, e.g. the request left the
         step or failed): the online survival fit's evidence. Call once per allot, after the step
         committed. -> whether a judgement that drafting does not pay was reversed by the refit after it
-        (``_whole_blocks_pay``; ``drafting_pays`` is then True): the engine ends the drafting hold it began."""
+        (``_pays_after_refit``; ``drafting_pays`` is then True): the engine ends the drafting hold it began."""
         self.settle()
         if self._pending is None:
             return
@@ -875,33 +877,37 @@ class ConfidenceScheduler:
         self.correction.learn(confidence, allotted, verified, accepted, history)
         if self.drafting_pays is False:  # (point 6) the next judgement of drafting at all reads this step's outcome
             self.correction.refit_now()
-            if self._whole_blocks_pay(confidence, history):
+            if self._pays_after_refit(confidence, history):
                 self.drafting_pays = True
                 self.reversals += 1
                 return True
         return False
 
-    def _whole_blocks_pay(self, confidence, history) -> bool:
-        """Whether, refitted on every verify so far, whole blocks of the step just learned (confidences [S, K'],
-        its classes) pay at the prices the last judgement set them against (its whole-block step and its plain
-        alternative, per request: ``e * plain_ms >= whole_ms`` for ``e`` committed tokens a request). A judgement
-        is made on the fit as it stood, which folds evidence every ``FOLD_EVERY`` steps: after a change of load it
-        can be a fit of other requests (run 88 on an H200: concurrency 1's one request rejected every draft; the
-        four requests after it accepted 5.2 tokens a request a step, and the first judgement, on a fit of that one
-        request, held drafting off for 16 of their steps). Whole blocks are one of the choices the judgement weighed, so where they pay
-        drafting does; the hold they reverse costs a step, not ``HOLD_FIRST``. By ``min_gain`` at least: whole
-        blocks then beat verifying nothing by as much (a plain step is cheaper than one that drafts), so the next
-        judgement, on the same fit, pays too, and a reversal is never undone by the evidence it was made on (a
-        step verifying nothing, judged not to pay and reversed, every step)."""
-        last = self.last
-        if last is None or last.plain_ms is None or last.whole_predicted_ms <= 0:
+    def _pays_after_refit(self, confidence, history) -> bool:
+        """Whether, refitted on every verify so far, drafting pays for the last judgement's step after all: some
+        cap ``q`` (each request verifying its first ``q`` drafts of the step just learned, confidences [S, K'] and
+        classes; packing or ranking picks drafts at least as good, so this is the least it gives), chosen as a
+        decision chooses (``_best``), commits as much per predicted ms, at that step's prices (its requests, what
+        else it fed, its context), as plain decoding of them. A judgement is made on the fit as it stood, which folds evidence every
+        ``FOLD_EVERY`` steps: after a change of load it can be a fit of other requests (run 88 on an H200:
+        concurrency 1's one request rejected every draft; the four requests after it accepted 5.2 tokens a
+        request a step, and the first judgement, on a fit of that one request, held drafting off for 16 of their
+        steps); the hold it reverses costs a step, not ``HOLD_FIRST``. Chosen by the decision's own rule (its
+        ``min_gain`` margins), the next judgement, on the same fit and prices, pays too, so a reversal is not undone
+        by the evidence it was made on (a hold begun and reversed every step)."""
+        if self._judged is None:
             return False
+        num, other_requests, other_tokens, context, plain_ms = self._judged
         table = np.asarray(confidence, dtype=np.float64)  # [S, K'] (0 past a block)
-        num = table.shape[0]
-        if num == 0:
+        if table.ndim != 2 or table.shape[0] == 0 or num == 0:
             return False
-        survival = self.survival(table, history_rows(history, num, len(self.correction.history_names)))
-        return (1.0 + float(survival.sum()) / num) * last.plain_ms >= (1 + self.min_gain) * last.whole_predicted_ms
+        k = table.shape[1]
+        survival = self.survival(table, history_rows(history, table.shape[0], len(self.correction.history_names)))
+        per_request = np.concatenate([[0.0], survival.sum(axis=0).cumsum()]) / table.shape[0]  # [K'+1] under cap q
+        predicted = np.asarray(self._priced(num, other_requests, other_tokens, np.arange(k + 1) + 1, context))
+        expected = num * (1.0 + per_request)  # [K'+1] committed tokens under each cap
+        best = self._best(expected, predicted)
+        return bool(expected[best] * plain_ms >= num * predicted[best])
 
     def _small_step(self, confidences: list[list[float]], history: list[int] | None) -> tuple | None:
         """A small step in plain Python: (requests S, longest block K, sizes [S], drafts proposed, the confidences

@@ -212,3 +212,11 @@ def test_packed_schedule_sim_holds_the_drafting_off_only_where_plain_decoding_be
     easy, hard = json.loads(out.read_text())["rows"]
     assert easy["held_step_share"] == 0 and easy["packed_with_holds_vs_best"] > 0.97
     assert hard["held_step_share"] > 0.7 and hard["packed_with_holds_vs_best"] > 0.95
+    # the holds a refit reverses kept (the engine before 2be9a17), beside: where the holds are right, alike
+    assert hard["held_step_share_kept"] > 0.7 and hard["drafting_judgements_reversed"] <= hard["drafting_holds"]
+    # --stale-steps: a fit of one confident request rejecting every draft first: the easy requests still draft
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "packed_schedule_sim.py"), "--step-costs", str(costs),
+                    "--batch", "64", "--hard-fractions", "0", "--steps", "60", "--plain-ms", "1.5",
+                    "--stale-steps", "20", "--out", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=300)
+    record = json.loads(out.read_text())
+    assert record["stale_steps"] == 20 and record["rows"][0]["held_step_share"] < 0.5

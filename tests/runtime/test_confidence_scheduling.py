@@ -1379,7 +1379,7 @@ def test_a_judgement_made_during_a_hold_neither_restarts_nor_doubles_it():
 
 def test_a_refit_that_reverses_a_judgement_that_drafting_does_not_pay_says_so():
     """Run 88's four requests after one that rejected every draft: judged on that request's fit, drafting did not
-    pay; the refit after the step, with their own verifies (all accepted), says whole blocks pay at the prices the
+    pay; the refit after the step, with their own verifies (all accepted), says drafting pays at the prices the
     judgement set (a whole block 30 ms, plain decoding 12 ms a step of four): ``learn`` returns True, and the next
     judgement, on their classes' evidence, pays. Requests that reject as the fit believed reverse nothing."""
     def taught(accepted_after: int) -> tuple[ConfidenceScheduler, list[bool]]:
@@ -1412,7 +1412,7 @@ def test_a_hold_the_refit_reverses_ends_at_once(tmp_path, near_bigram_target, co
     with_plain(flat_table(1.0, base=50.0), 1.0).save(path)
     llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
                  confidence_cost_table_path=str(path))
-    llm.engine.confidence._whole_blocks_pay = lambda confidence, history: True
+    llm.engine.confidence._pays_after_refit = lambda confidence, history: True
     batches = []
     executor = llm.engine.executor
     run = executor.execute
