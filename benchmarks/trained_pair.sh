@@ -54,7 +54,8 @@
 #                                                    the bench again on the pair a `measure` (or `bench`) tuned a
 #                                                    schedule for, with that schedule (`dspark bench --schedule`: no
 #                                                    tuning, one phase; e.g. `--concurrency 256` for its mixed
-#                                                    workload alone, ~1/3 of a measure's time, in a second command)
+#                                                    workload alone, ~1/3 of a measure's time, in a second command
+#                                                    after `train` and `measure ... --mixed-rate 0` in the first)
 #   bash benchmarks/trained_pair.sh measure WORK OUT [BENCH FLAGS]
 #                                                    the bench as `bench` runs it without the torch profiles (each
 #                                                    engine's profiled steps cost ~10-20 s of a command's 10 minutes)

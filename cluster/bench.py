@@ -1801,9 +1801,10 @@ def add_parser(commands) -> None:
                        "LLM.generate with each engine: end-to-end speedup and the share of identical greedy outputs")
     bench.add_argument("--e2e-tokens", type=integer(1), default=128, help="tokens per --e2e-prompts (and --mixed-rate) "
                        "request (default 128)")
-    bench.add_argument("--mixed-rate", type=number(0, above=True), help="also run a mixed workload with every "
+    bench.add_argument("--mixed-rate", type=number(0), help="also run a mixed workload with every "
                        "engine: requests arriving at this Poisson rate per second while others decode (steps mix "
-                       "prefill and decode); each engine's record says where its steps' time went")
+                       "prefill and decode); each engine's record says where its steps' time went (0: none, as "
+                       "without the flag: a later --mixed-rate 0 takes back an earlier one, e.g. a script's default)")
     bench.add_argument("--mixed-requests", type=integer(1), default=256, help="requests of --mixed-rate (default 256)")
     bench.add_argument("--mixed-warmup", type=integer(0), default=64, help="requests of an untimed mixed workload "
                        "each engine runs first (its eager mixed steps' first shapes; default 64, at most "

@@ -423,10 +423,13 @@ def test_tuning_a_sweep_of_one_request_keeps_max_draft_len(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--concurrency", "1", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2",
                            "--warmup", "1", "--rounds", "1", "--kv-cache-gib", "0.05", "--tune-schedule", str(schedule),
-                           "--acceptance-per-position", "0.99,0.5,0.1", "--e2e-prompts", "0", "--out", str(out)],
+                           "--acceptance-per-position", "0.99,0.5,0.1", "--e2e-prompts", "0", "--mixed-rate", "100",
+                           "--mixed-rate", "0", "--out", str(out)],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(out.read_text())["tuned_schedule"]["schedule"] == {"1": 3}
+    record = json.loads(out.read_text())
+    assert record["tuned_schedule"]["schedule"] == {"1": 3}
+    assert "mixed_workload" not in record  # a later --mixed-rate 0 took the earlier one back
 
 
 def test_the_confidence_engine_can_draft_max_draft_len_beside_the_tuned_schedule(tmp_path):
