@@ -1533,13 +1533,14 @@ def read_schedule(path: str, max_draft_len: int) -> dict[int, int]:
 
 def trace_line(summary: dict) -> str:
     """A confidence trace's summary (``runtime.confidence_scheduler.trace_summary``) on one line: per kind its steps
-    and mean ms, for decided ones against the predicted ms and the drafts verified of those proposed."""
+    and mean ms (and how many fed prompt chunks), for decided ones against the predicted ms and the drafts verified
+    of those proposed."""
     parts = []
     for kind in ("decided", "decided_serial", "held", "other"):
         part = summary.get(kind)
         if not part:
             continue
-        text = f"{kind} {part['steps']} x {part['ms']:.2f} ms"
+        text = f"{kind} {part['steps']} x {part['ms']:.2f} ms" + (f" ({part['mixed']} mixed)" if part.get("mixed") else "")
         if kind.startswith("decided"):
             text += (f" (predicted {part['predicted_ms']:.2f}, whole blocks {part['whole_predicted_ms']:.2f}; "
                      f"{part['budget']:.0f} of {part['offered']:.0f} drafts; drafting lost {part['drafting_lost']}, "
