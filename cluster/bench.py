@@ -1540,7 +1540,9 @@ def trace_line(summary: dict) -> str:
         part = summary.get(kind)
         if not part:
             continue
-        text = f"{kind} {part['steps']} x {part['ms']:.2f} ms" + (f" ({part['mixed']} mixed)" if part.get("mixed") else "")
+        text = f"{kind} {part['steps']} x {part['ms']:.2f} ms"
+        if part.get("mixed"):
+            text += f" ({part['mixed']} mixed)"
         if kind.startswith("decided"):
             text += (f" (predicted {part['predicted_ms']:.2f}, whole blocks {part['whole_predicted_ms']:.2f}; "
                      f"{part['budget']:.0f} of {part['offered']:.0f} drafts; drafting lost {part['drafting_lost']}, "

@@ -484,7 +484,8 @@ def run_check_config(args: argparse.Namespace) -> int:
     engine = config.engine if isinstance(config, ServeArgs) else config
     target = resolved["engine"] if isinstance(config, ServeArgs) else resolved
     if engine.speculative_config is not None:
-        target["speculative_config"]["draft_is_embedded_in_target"] = engine.speculative_config.draft_is_embedded_in_target
+        embedded = engine.speculative_config.draft_is_embedded_in_target
+        target["speculative_config"]["draft_is_embedded_in_target"] = embedded
     print(json.dumps(resolved, indent=2))
     return 0
 

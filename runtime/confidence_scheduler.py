@@ -77,8 +77,8 @@ tokens fed)``. The scheduler, in either of two step layouts:
    once). A step judged not to pay is refitted at once too, with its own outcome, and where some cap pays on
    the refitted survivals the hold it began ends (``_pays_after_refit``: a judgement made on a fit of other
    requests costs a step, not a hold). Run 59 (an H200, a 2.7B pair): at 256 requests the tuned schedule drafts
-   nothing, and under mixed prefill + decode load the confidence-scheduled engine, drafting every step, served 0.70 of its tokens/s. The
-   choice reads confidences of drafts already proposed and the step count, never the tokens being verified.
+   nothing, and under mixed prefill + decode load the confidence-scheduled engine, drafting every step, served 0.70
+   of its tokens/s. The choice reads confidences of drafts already proposed and the step count, never the tokens being verified.
 
 The first step (no earlier confidences) verifies whole blocks. The host work is a few numpy operations over the
 batch's ``S x K`` confidences (numpy, not torch: a CPU torch op costs several microseconds of dispatch, and at
