@@ -99,7 +99,7 @@ def test_regenerate_refuses_bad_prompts_and_flags(qwen3_target, tmp_path, capsys
     (["bench", "--model-shape", "tiny", "--concurrency", "1,0"], "--concurrency wants integers >= 1"),
     (["bench", "--model", "m"], "--model needs --speculative-model"),
     (["bench", "--model-shape", "tiny", "--steps", "0"], "argument --steps: wants an integer >= 1, got '0'"),
-    (["bench", "--model-shape", "tiny", "--mixed-rate", "nan"], "argument --mixed-rate: wants a number > 0"),
+    (["bench", "--model-shape", "tiny", "--mixed-rate", "nan"], "argument --mixed-rate: wants a number >= 0"),
     (["bench", "--model-shape", "tiny", "--mixed-requests", "0"], "argument --mixed-requests: wants an integer >= 1"),
     (["bench", "--model-shape", "tiny", "--kv-cache-gib", "0"], "argument --kv-cache-gib: wants a number > 0"),
     (["bench", "--model-shape", "tiny", "--e2e-prompts", "-1"], "argument --e2e-prompts: wants an integer >= 0"),
