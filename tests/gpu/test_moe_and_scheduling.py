@@ -296,3 +296,27 @@ def test_drafting_holds_decode_plainly_on_the_graphed_path(tmp_path, wide_target
             assert stats["drafting_holds"] >= 1 and stats["drafting_off_steps"] >= 16
             assert llm.engine.executor.worker.graphs.steps_run_ahead >= 10
     assert runs["on"] == runs["off"]
+
+
+def test_holds_the_refit_reverses_end_on_the_graphed_path(tmp_path, wide_target, make_drafter):
+    """Every judgement that drafting does not pay reversed by the refit after its step (forced): each hold ends at
+    once on the graphed path that launches steps ahead, and the tokens equal scheduling off."""
+    from tests.runtime.test_confidence_scheduling import flat_table, with_plain
+
+    drafter = make_drafter(wide_target, 4)
+    table = tmp_path / "plain-cheap.json"
+    with_plain(flat_table(1.0, base=50.0), 1.0).save(table)
+    runs = {}
+    for name, spec in (("off", {}), ("on", {"enable_confidence_scheduling": True,
+                                            "confidence_cost_table_path": str(table)})):
+        llm = LLM(str(wide_target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter), **spec),
+                  **ENGINE)
+        if name == "on":
+            llm.engine.confidence._pays_after_refit = lambda confidence, history: True
+        runs[name] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        if name == "on":
+            stats = llm.get_metrics()["confidence_scheduling"]
+            assert stats["drafting_holds"] >= 1 and stats["drafting_judgements_reversed"] == stats["drafting_holds"]
+            # (a hold costs the step it began at, or with a decision made a step ahead the next one too, not 16)
+            assert stats["drafting_off_steps"] <= 2 * stats["drafting_holds"]
+    assert runs["on"] == runs["off"]
