@@ -1121,6 +1121,8 @@ def run(args) -> dict:
                            confidence_drafting_holds=stats["drafting_holds"],
                            # of the judgements that began them, those the refit after their step reversed
                            confidence_drafting_judgements_reversed=stats["drafting_judgements_reversed"],
+                           # and the holds a mixed step began that the first decode step after them ended
+                           confidence_drafting_mixed_holds_ended=stats["drafting_mixed_holds_ended"],
                            # timed steps not launched ahead (priced and learned with the serial excess)
                            confidence_serial_steps=stats["serial_steps"],
                            # the timed steps one by one (what each chose, predicted and measured), and by kind

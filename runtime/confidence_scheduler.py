@@ -76,7 +76,8 @@ tokens fed)``. The scheduler, in either of two step layouts:
    again to look (its blocks verified whole; the hold's next judgement waits for the look's outcome, refitted at
    once). A step judged not to pay is refitted at once too, with its own outcome, and where some cap pays on
    the refitted survivals the hold it began ends (``_pays_after_refit``: a judgement made on a fit of other
-   requests costs a step, not a hold). Run 59 (an H200, a 2.7B pair): at 256 requests the tuned schedule drafts
+   requests costs a step, not a hold). A hold a mixed step's judgement began (prompt chunks beside the verifies,
+   whose cost they set) ends at the first decode step after it: decode steps are judged on their own. Run 59 (an H200, a 2.7B pair): at 256 requests the tuned schedule drafts
    nothing, and under mixed prefill + decode load the confidence-scheduled engine, drafting every step, served 0.70
    of its tokens/s. The choice reads confidences of drafts already proposed and the step count, never the tokens being verified.
 
@@ -1115,26 +1116,36 @@ class DraftingHold:
     verifies the block drafted before the hold began: a packed step's decision is made a step ahead, a mixed one's
     while the step computes) neither restarts nor doubles the hold: it is the evidence the hold began on (counted
     twice, a first hold begun so lasted 33 steps, not 16, and the next one 64: run 88 at 256 requests ran 25 of its
-    30 timed steps plain while drafting paid 1.4x)."""
+    30 timed steps plain while drafting paid 1.4x). A hold begun by the judgement of a mixed step (prompt chunks
+    beside the verifies: ``record(..., mixed=True)``) is a judgement of mixed steps, whose cost the chunks set: the
+    first step that feeds none and admits nobody (``end_mixed``) ends it, and decode steps are judged on their own
+    (run 88's 256 requests: their hold began while the last prompts were prefilled, and held the decode steps after
+    them, where drafting paid 1.4x); its length (the next hold's) is kept. A judgement of a decode step made while
+    such a hold is on makes it a hold of every step."""
 
     def __init__(self, first: int = HOLD_FIRST, most: int = HOLD_MOST):
         self.first, self.most = first, most
         self.until: dict[int, int] = {}  # bucket -> the first step it drafts again
         self.hold: dict[int, int] = {}  # bucket -> the next hold's length
         self.looked: dict[int, bool] = {}  # bucket -> the look after its last hold was judged already
+        self.mixed: dict[int, int] = {}  # bucket -> the step its hold began at, for a hold a mixed step's judgement began
         self.holds = 0  # holds begun
+        self.mixed_ended = 0  # holds a mixed step began that a decode step ended (end_mixed)
 
     def off(self, bucket: int, step: int) -> bool:
         """Whether the engine drafts nothing at ``step`` for a batch in ``bucket``."""
         return step < self.until.get(bucket, -1)
 
-    def record(self, bucket: int, step: int, pays: bool) -> None:
+    def record(self, bucket: int, step: int, pays: bool, mixed: bool = False) -> None:
+        """A judgement at ``step`` of a batch in ``bucket`` (``mixed``: of a step that fed prompt chunks too)."""
         if pays:
-            for state in (self.until, self.hold, self.looked):
+            for state in (self.until, self.hold, self.looked, self.mixed):
                 state.pop(bucket, None)
             return
         if bucket in self.until:
             if step < self.until[bucket]:
+                if not mixed:  # a decode step's judgement too: the hold holds every step
+                    self.mixed.pop(bucket, None)
                 return  # held already, on this evidence
             if not self.looked.get(bucket, False):
                 self.looked[bucket] = True  # the look's own judgement: its outcome is not learned yet
@@ -1143,7 +1154,22 @@ class DraftingHold:
         self.until[bucket] = step + hold
         self.hold[bucket] = min(2 * hold, self.most)
         self.looked[bucket] = False
+        if mixed:
+            self.mixed[bucket] = step
+        else:
+            self.mixed.pop(bucket, None)
         self.holds += 1
+
+    def end_mixed(self, step: int) -> int:
+        """A step that feeds no prompt chunk and admits nobody (a decode step) at ``step``: the holds mixed steps'
+        judgements began at earlier steps end, at every batch size (a batch grows as its prompts come in: the
+        hold began at the size before; each one's length kept for the next) -> how many did."""
+        ended = [bucket for bucket, began in self.mixed.items() if began < step and self.off(bucket, step)]
+        for bucket in ended:
+            for state in (self.until, self.looked, self.mixed):
+                state.pop(bucket, None)
+        self.mixed_ended += len(ended)
+        return len(ended)
 
 
 def top_drafts(survival: np.ndarray, proposed: np.ndarray, budget: int) -> np.ndarray:
@@ -1297,6 +1323,8 @@ class ConfidenceStats:
                 # point 6: steps that drafted nothing since drafting did not pay, and the holds that began
                 "drafting_off_steps": self.drafting_off_steps, "drafting_holds": scheduler.hold.holds,
                 "drafting_judgements_reversed": scheduler.reversals,
+                # holds a mixed step's judgement began that the first decode step after them ended
+                "drafting_mixed_holds_ended": scheduler.hold.mixed_ended,
                 "serial_steps": self.serial_steps,
                 # (None: no plain steps profiled, the drafting never stops)
                 "plain_cost_table_observations": scheduler.costs.plain.observations

@@ -379,6 +379,10 @@ class Engine:
                 self.confidence.serial = serial  # (the next step is priced as running as this one does)
                 self._allot_verify_lengths(group, kind)
             scheduled = self.scheduler.schedule(group, admit, kind)
+            if self.confidence is not None and admit and scheduled and not self.scheduler.may_admit() \
+                    and not any(e.feeds_prompt for e in scheduled):
+                # a decode step, not launched ahead: a hold a mixed step's judgement began ends (DraftingHold)
+                self.confidence.hold.end_mixed(self._step_index)
             if self._grammar_backend is not None:
                 self._mask_grammars(scheduled)
             next_verify_len, next_packed = self._next_verify(scheduled) if self.has_drafter and scheduled else (0, None)
@@ -569,7 +573,7 @@ class Engine:
             num, bucket, step = len(seqs), self.confidence.bucket(len(self.scheduler.running)), self._step_index
             lengths = self.confidence.allot_deferred(
                 [s.draft_confidence for s in seqs], others, other_tokens, context, [s.verify_history for s in seqs],
-                self._host_work, then=lambda: self._record_decision(num, bucket, step))
+                self._host_work, then=lambda: self._record_decision(num, bucket, step, mixed=True))
             for seq, length in zip(seqs, lengths):
                 seq.trim_drafts(length)
             self._deferred = True
@@ -580,15 +584,17 @@ class Engine:
             if self.confidence.last.budget < self.confidence.last.offered:  # (else every block stays whole)
                 for seq, length in zip(seqs, lengths):
                     seq.trim_drafts(length)
-        self._record_decision(len(seqs), self.confidence.bucket(len(self.scheduler.running)), self._step_index)
+        self._record_decision(len(seqs), self.confidence.bucket(len(self.scheduler.running)), self._step_index,
+                              mixed)
 
-    def _record_decision(self, requests: int, bucket: int, step: int) -> None:
-        """The scheduler's last decision (``requests`` deciding, at step ``step`` of a batch in ``bucket``) into the
-        metrics, and its judgement of drafting into the hold (from ``step`` on: a decision made at once holds this
-        step's drafting, ``draft_len``; a deferred one, made while this step computes, the next step's)."""
+    def _record_decision(self, requests: int, bucket: int, step: int, mixed: bool = False) -> None:
+        """The scheduler's last decision (``requests`` deciding, at step ``step`` of a batch in ``bucket``; ``mixed``:
+        priced as a mixed step, prompt chunks beside its verifies) into the metrics, and its judgement of drafting
+        into the hold (from ``step`` on: a decision made at once holds this step's drafting, ``draft_len``; a
+        deferred one, made while this step computes, the next step's)."""
         self.confidence_stats.record_decision(self.confidence.last, requests)
         if self.confidence.drafting_pays is not None:
-            self.confidence.hold.record(bucket, step, self.confidence.drafting_pays)
+            self.confidence.hold.record(bucket, step, self.confidence.drafting_pays, mixed)
             self._judged_bucket = bucket
 
     def _packed_plan(self, scheduled: list[ScheduledRequest]) -> PackedPlan | None:

@@ -48,6 +48,11 @@ class ScheduledRequest:
     def end_position(self) -> int:
         return self.start_position + len(self.token_ids)
 
+    @property
+    def feeds_prompt(self) -> bool:
+        """A prompt chunk (a prefill), not a decode or a verify (a last chunk of one token reads as a decode)."""
+        return self.num_drafts == 0 and (len(self.token_ids) > 1 or not self.sample)
+
 
 @dataclass(frozen=True, slots=True)
 class PackedPlan:

@@ -83,6 +83,9 @@ class EngineCollector:
                     ("confidence_drafting_judgements_reversed", "Of the judgements that began a drafting hold, "
                      "those the survival refit after their step reversed (the hold ended at once; since startup).",
                      scheduling["drafting_judgements_reversed"]),
+                    ("confidence_drafting_mixed_holds_ended", "Drafting holds a mixed step's judgement began (prompt "
+                     "chunks beside the verifies) that the first decode step after them ended (since startup).",
+                     scheduling["drafting_mixed_holds_ended"]),
                     ("confidence_serial_steps", "Steps the replica could have launched ahead of the step before "
                      "and did not (after a prefill, sampled batches): priced with the host's step work on top "
                      "(since startup or the last metrics reset).", scheduling["serial_steps"])):

@@ -31,6 +31,8 @@ def test_the_scheduler_gauges_are_exported(near_bigram_target, make_drafter):
     assert f"dspark:confidence_drafting_holds {float(stats['drafting_holds'])}" in text
     reversed_ = float(stats["drafting_judgements_reversed"])
     assert f"dspark:confidence_drafting_judgements_reversed {reversed_}" in text
+    ended = float(stats["drafting_mixed_holds_ended"])
+    assert f"dspark:confidence_drafting_mixed_holds_ended {ended}" in text
     assert f"dspark:confidence_serial_steps {float(stats['serial_steps'])}" in text  # (0: a CPU runs nothing ahead)
     # the drafting judgement: the plain step the last decision priced (its startup profile timed plain steps)
     assert last["plain_step_ms"] > 0 and f"dspark:confidence_plain_step_seconds {last['plain_step_ms'] / 1e3}" in text

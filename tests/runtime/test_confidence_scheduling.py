@@ -1379,6 +1379,52 @@ def test_a_judgement_made_during_a_hold_neither_restarts_nor_doubles_it():
     assert not hold.off(256, 14)
 
 
+def test_a_hold_a_mixed_steps_judgement_began_ends_at_the_first_decode_step():
+    """A mixed step's judgement (prompt chunks beside the verifies) holds mixed steps; the first decode step after
+    it ends the hold (its length kept), unless a decode step's judgement joined it; a hold a decode step began is
+    not ended so; nor one begun at this very step."""
+    hold = DraftingHold(first=4, most=64)
+    hold.record(32, 10, pays=False, mixed=True)  # (a batch of 32 growing to 64 as its prompts come in)
+    assert hold.off(32, 11) and hold.end_mixed(10) == 0  # (the step it began at)
+    assert hold.end_mixed(12) == 1 and not hold.off(32, 12) and hold.mixed_ended == 1
+    hold.record(32, 20, pays=False, mixed=True)  # the next mixed hold: twice as long
+    assert hold.until[32] == 28
+    hold.record(32, 21, pays=False)  # a decode step's judgement while it is on: every step held
+    assert hold.end_mixed(22) == 0 and hold.off(32, 27)
+    hold.record(32, 40, pays=False)  # (the look's own judgement)
+    hold.record(32, 41, pays=False)  # a decode step's hold: decode steps do not end it
+    assert hold.end_mixed(42) == 0 and hold.off(32, 42) and hold.mixed_ended == 1
+
+
+def test_decode_steps_draft_again_once_the_prompts_beside_them_are_in(
+        tmp_path, near_bigram_target, confident_drafter):
+    """Judgements that mixed steps do not pay (forced; decode steps pay): arrivals prefilled beside the decodes
+    begin holds, and the first decode step after each ends it; the engine drafts on, its tokens the target's."""
+    llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True)
+    eng = llm.engine
+    scheduler, judge = eng.confidence, eng.confidence._judge_drafting
+
+    def mixed_steps_lose(num, expected, predicted_ms, none_ms, other_requests=0, other_tokens=0, context=0):
+        judge(num, expected, predicted_ms, none_ms, other_requests, other_tokens, context)
+        scheduler.drafting_pays = other_tokens == 0 or other_requests == 0
+
+    scheduler._judge_drafting = mixed_steps_lose
+    scheduler._pays_after_refit = lambda confidence, history: False
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS * 2
+    ids, outputs, steps = [eng.add_request(prompts[0], greedy)], {}, 0
+    while eng.has_unfinished():
+        if len(ids) < len(prompts) and steps % 6 == 3:  # arrivals while the others decode
+            ids.append(eng.add_request(prompts[len(ids)], greedy))
+        for out in eng.step():
+            outputs[out.request_id] = out.token_ids
+        steps += 1
+    assert [outputs[i] for i in ids] == builders.hf_greedy(near_bigram_target, prompts, 40)
+    stats = llm.get_metrics()["confidence_scheduling"]
+    assert stats["drafting_holds"] >= 2 and stats["drafting_mixed_holds_ended"] == stats["drafting_holds"]
+    assert stats["drafting_off_steps"] <= 2 * stats["drafting_holds"]  # (16 a hold, were they kept)
+
+
 def test_a_refit_that_reverses_a_judgement_that_drafting_does_not_pay_says_so():
     """Run 88's four requests after one that rejected every draft: judged on that request's fit, drafting did not
     pay; the refit after the step, with their own verifies (all accepted), says drafting pays at the prices the
