@@ -276,10 +276,10 @@ def test_decode_steps_that_draft_nothing_keep_the_drafters_context_in_their_grap
     assert same >= 0.9 * len(drafts["eager"]), (same, len(drafts["eager"]))  # bf16 near-ties may part a few
 
 
-def test_drafting_holds_decode_plainly_on_the_graphed_path(tmp_path, wide_target, make_drafter):
-    """A cost table whose plain steps are far cheaper than any drafting step: the confidence-scheduled engine holds
-    the drafting off (plain decode steps replayed with the drafter's context graph, launched ahead), looks again
-    after each hold, and its tokens equal scheduling off."""
+def plain_cheap_runs(tmp_path, wide_target, make_drafter, reverse: bool = False):
+    """The tokens with scheduling off and on under a cost table whose plain steps are far cheaper than any drafting
+    step (``reverse``: every judgement that drafting does not pay reversed by the refit after it, forced) -> (the
+    two runs' tokens, the scheduled engine)."""
     from tests.runtime.test_confidence_scheduling import flat_table, with_plain
 
     drafter = make_drafter(wide_target, 4)
@@ -290,33 +290,29 @@ def test_drafting_holds_decode_plainly_on_the_graphed_path(tmp_path, wide_target
                                             "confidence_cost_table_path": str(table)})):
         llm = LLM(str(wide_target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter), **spec),
                   **ENGINE)
+        if name == "on" and reverse:
+            llm.engine.confidence._pays_after_refit = lambda confidence, history: True
         runs[name] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        if name == "on":
-            stats = llm.get_metrics()["confidence_scheduling"]
-            assert stats["drafting_holds"] >= 1 and stats["drafting_off_steps"] >= 16
-            assert llm.engine.executor.worker.graphs.steps_run_ahead >= 10
+    return runs, llm
+
+
+def test_drafting_holds_decode_plainly_on_the_graphed_path(tmp_path, wide_target, make_drafter):
+    """A cost table whose plain steps are far cheaper than any drafting step: the confidence-scheduled engine holds
+    the drafting off (plain decode steps replayed with the drafter's context graph, launched ahead), looks again
+    after each hold, and its tokens equal scheduling off."""
+    runs, llm = plain_cheap_runs(tmp_path, wide_target, make_drafter)
+    stats = llm.get_metrics()["confidence_scheduling"]
+    assert stats["drafting_holds"] >= 1 and stats["drafting_off_steps"] >= 16
+    assert llm.engine.executor.worker.graphs.steps_run_ahead >= 10
     assert runs["on"] == runs["off"]
 
 
 def test_holds_the_refit_reverses_end_on_the_graphed_path(tmp_path, wide_target, make_drafter):
     """Every judgement that drafting does not pay reversed by the refit after its step (forced): each hold ends at
     once on the graphed path that launches steps ahead, and the tokens equal scheduling off."""
-    from tests.runtime.test_confidence_scheduling import flat_table, with_plain
-
-    drafter = make_drafter(wide_target, 4)
-    table = tmp_path / "plain-cheap.json"
-    with_plain(flat_table(1.0, base=50.0), 1.0).save(table)
-    runs = {}
-    for name, spec in (("off", {}), ("on", {"enable_confidence_scheduling": True,
-                                            "confidence_cost_table_path": str(table)})):
-        llm = LLM(str(wide_target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter), **spec),
-                  **ENGINE)
-        if name == "on":
-            llm.engine.confidence._pays_after_refit = lambda confidence, history: True
-        runs[name] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        if name == "on":
-            stats = llm.get_metrics()["confidence_scheduling"]
-            assert stats["drafting_holds"] >= 1 and stats["drafting_judgements_reversed"] == stats["drafting_holds"]
-            # (a hold costs the step it began at, or with a decision made a step ahead the next one too, not 16)
-            assert stats["drafting_off_steps"] <= 2 * stats["drafting_holds"]
+    runs, llm = plain_cheap_runs(tmp_path, wide_target, make_drafter, reverse=True)
+    stats = llm.get_metrics()["confidence_scheduling"]
+    assert stats["drafting_holds"] >= 1 and stats["drafting_judgements_reversed"] == stats["drafting_holds"]
+    # (a hold costs the step it began at, or with a decision made a step ahead the next one too, not 16)
+    assert stats["drafting_off_steps"] <= 2 * stats["drafting_holds"]
     assert runs["on"] == runs["off"]
