@@ -1205,7 +1205,7 @@ TRACE_STEPS = 4096  # the step trace keeps the newest this many steps (Confidenc
 # step drafting was judged against and the verdict, and whether the decision made the next step verify whole blocks
 TRACE_FIELDS = ("step", "requests", "held", "serial", "ms", "budget", "offered", "expected_tokens",
                 "committed_tokens", "predicted_ms", "whole_predicted_ms", "plain_ms", "drafting_pays", "explores",
-                "other_tokens")
+                "prompt_tokens")
 
 
 @dataclass
@@ -1267,12 +1267,12 @@ class ConfidenceStats:
 
     def record_step(self, ms: float, decided: bool = True, serial: bool = False, requests: int = 0,
                     held: bool = False, committed: int | None = None, decision: Decision | None = None,
-                    other_tokens: int = 0) -> None:
+                    prompt_tokens: int = 0) -> None:
         """A timed step; ``decided``: the scheduler chose its verify budget (its prediction is comparable);
         ``serial``: not launched ahead by an engine that runs ahead. For the trace: the ``requests`` it scheduled,
         whether a drafting hold kept it from drafting (``held``), for a decided step the tokens its deciding
         requests ``committed`` and the ``decision`` (``ConfidenceScheduler.last``) that chose its verifies, and
-        the tokens it fed besides decodes and verifies (``other_tokens``: prompt chunks; a mixed step's)."""
+        the prompt chunks' tokens it fed beside its decodes and verifies (``prompt_tokens``: a mixed step's)."""
         self.steps += 1
         self.serial_steps += serial
         self.measured_ms += ms
@@ -1286,7 +1286,7 @@ class ConfidenceStats:
             (chosen.budget, chosen.offered, round(chosen.expected_tokens, 3), committed,
              round(chosen.predicted_ms, 4), round(chosen.whole_predicted_ms, 4),
              None if chosen.plain_ms is None else round(chosen.plain_ms, 4), chosen.drafting_pays, chosen.explores)
-            if chosen is not None else (None,) * 9) + (other_tokens,))
+            if chosen is not None else (None,) * 9) + (prompt_tokens,))
 
     def trace_since(self, step: int = 0, until: int | None = None) -> dict:
         """The trace's steps numbered above ``step`` and up to ``until`` (``steps`` counts read before and after a
@@ -1341,7 +1341,7 @@ def trace_summary(rows: list) -> dict:
     ones, the mean predicted ms of the step and of whole blocks and the mean drafts verified / proposed: ``decided``
     (launched ahead) and ``decided_serial`` (not: priced with the serial excess, ``ConfidenceScheduler.serial``),
     ``held`` (undecided and held: a plain step), ``other`` (ramps, prefill-only steps, a look's first step...); per
-    kind also how many were ``mixed`` (fed prompt chunks: ``other_tokens``)."""
+    kind also how many were ``mixed`` (fed prompt chunks: ``prompt_tokens``)."""
     at = {name: i for i, name in enumerate(TRACE_FIELDS)}
     kinds: dict[str, list] = {}
     for row in rows:
@@ -1357,7 +1357,7 @@ def trace_summary(rows: list) -> dict:
             return round(sum(values) / len(values), 4) if values else None
 
         # (the steps that fed prompt chunks too: mixed, priced and timed apart from pure decode or verify steps)
-        summary[kind] = {"steps": len(members), "ms": mean("ms"), "mixed": sum(r[at["other_tokens"]] > 0
+        summary[kind] = {"steps": len(members), "ms": mean("ms"), "mixed": sum(r[at["prompt_tokens"]] > 0
                                                                                for r in members)}
         if kind.startswith("decided"):
             summary[kind].update(predicted_ms=mean("predicted_ms"), whole_predicted_ms=mean("whole_predicted_ms"),

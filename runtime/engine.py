@@ -679,21 +679,20 @@ class Engine:
         commit left it: its learning settles a deferred decision) go to the step trace (``ConfidenceStats.trace``).
         Called after the step, or (a deferred decision's step) as a task of the executor's host work."""
         fed = [len(e.token_ids) for e in scheduled]
+        prompt_tokens = sum(f for f, e in zip(fed, scheduled) if e.feeds_prompt)  # (prompt chunks: the trace's)
         if not drafted:
-            # (prompt chunks: what a plain step fed besides its one-token decodes; the trace shows them)
-            other_tokens = sum(f for f, e in zip(fed, scheduled) if f != 1 or not e.sample)
             if not decided and not serial and all(f == 1 for f in fed) and all(e.sample for e in scheduled):
                 plain = self.confidence.costs.plain
                 if plain is not None:
                     rows = len(scheduled) if self.confidence.layout == "ragged" else \
                         self.confidence.graph_rows(len(scheduled))
                     plain.observe(rows, rows, seconds, sum(e.start_position for e in scheduled))
-            elif not decided and 0 < other_tokens < sum(fed):  # prompt chunks beside plain decodes: what a mixed
+            elif not decided and 0 < prompt_tokens < sum(fed):  # prompt chunks beside plain decodes: what a mixed
                 # step's plain alternative costs
                 self.confidence.observe_plain_mixed_step(len(scheduled), seconds,
-                                                         sum(e.start_position for e in scheduled), other_tokens)
+                                                         sum(e.start_position for e in scheduled), prompt_tokens)
             self.confidence_stats.record_step(1e3 * seconds, decided, serial, len(scheduled), held, committed,
-                                              decision, other_tokens)
+                                              decision, prompt_tokens)
             return
         requests, tokens, q_len = len(scheduled), sum(fed), None
         if packed_columns is not None:  # a packed graph: an anchor and `columns` drafts a request
@@ -710,7 +709,7 @@ class Engine:
         self.confidence.observe_step(requests, tokens, seconds, sum(e.start_position for e in scheduled), other_tokens,
                                      serial)
         self.confidence_stats.record_step(1e3 * seconds, decided, serial, len(scheduled), held, committed,
-                                          decision, other_tokens)
+                                          decision, prompt_tokens)
 
     def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:
         outputs, drafted, accepted = [], 0, 0

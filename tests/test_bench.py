@@ -304,7 +304,7 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
         untimed = row["confidence_trace_untimed"]
         assert untimed["steps"] and untimed["steps"][-1][0] < trace["steps"][0][0]
         assert sum(kind["steps"] for kind in untimed["summary"].values()) == len(untimed["steps"])
-        assert untimed["steps"][0][untimed["fields"].index("other_tokens")] > 0  # the prefill: its prompt tokens
+        assert untimed["steps"][0][untimed["fields"].index("prompt_tokens")] > 0  # the prefill: its prompt tokens
         for s in steps:
             assert s["budget"] is None or (0 <= s["budget"] <= s["offered"] and s["predicted_ms"] > 0)
         assert len(row["confidence_survival_skill_per_position"]) == 3  # this concurrency's (reset between them)

@@ -1239,7 +1239,7 @@ def test_the_step_trace_keeps_each_steps_decision_beside_its_time_and_sums_it_by
     7.91, was a mean over both kinds)."""
     scheduler = ConfidenceScheduler(4, flat_table(0.01), layout="padded")
     stats = ConfidenceStats()
-    stats.record_step(20.0, decided=False, requests=2, other_tokens=30)  # a prefill step of the ramp
+    stats.record_step(20.0, decided=False, requests=2, prompt_tokens=30)  # a prefill step of the ramp
     for serial, ms in ((False, 8.0), (True, 11.0), (False, 9.0)):
         scheduler.allot([[0.9, 0.8, 0.7, 0.6]] * 2)
         stats.record_decision(scheduler.last, 2)
@@ -1257,7 +1257,7 @@ def test_the_step_trace_keeps_each_steps_decision_beside_its_time_and_sums_it_by
     assert summary["decided_serial"]["steps"] == 1 and summary["decided_serial"]["ms"] == 11.0
     assert summary["held"] == {"steps": 1, "ms": 4.0, "mixed": 0}
     assert summary["other"] == {"steps": 1, "ms": 20.0, "mixed": 1}  # (it fed prompt chunks)
-    assert stats.trace[0][TRACE_FIELDS.index("other_tokens")] == 30 and summary["decided"]["mixed"] == 0
+    assert stats.trace[0][TRACE_FIELDS.index("prompt_tokens")] == 30 and summary["decided"]["mixed"] == 0
     assert summary["decided"]["committed_tokens"] == 5 and summary["decided"]["explores"] == 0
     # a snapshot (as the bench takes one before a run) starts its own trace; the engine's keeps the newest steps
     import dataclasses
