@@ -143,6 +143,7 @@ def simulate(table: StepCostTable, batch: int, k: int, hard_fraction: float, per
     for cap in range(1, k + 1):
         tokens = sum(batch + np.cumprod(accepted, axis=1)[:, :cap].sum() for _, accepted in draws)
         fixed[cap] = float(tokens / (steps * step_ms[cap]))
+
     def fresh(costs: StepCostTable) -> ConfidenceScheduler:
         scheduler = ConfidenceScheduler(k, costs, temperatures, layout="packed")
         return stale(scheduler, np.random.default_rng(seed + 1), k, head_noise, stale_steps)

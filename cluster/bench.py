@@ -1318,20 +1318,22 @@ def run(args) -> dict:
         return kept
 
     kept = {}  # with --tune-schedule in alternating rounds: the sweep's engines, alive for the tuned ones' rounds
-    if args.schedule and alternate:  # a schedule tuned before: no first phase, the sweep's engines measured beside
-        pass  # the schedule's, below
-    elif alternate:  # every engine of the sweep alive at once, in alternating rounds
+    if not alternate:
+        for kind, speculative, layout in engines:
+            sweep(kind, speculative, layout)
+    elif not args.schedule:  # every engine of the sweep alive at once, in alternating rounds (with --schedule, a
+        # schedule tuned before: no first phase, the sweep's engines measured beside the schedule's below)
         # (with --tune-schedule the second phase measures every engine's mixed workload again, beside the tuned
         # ones: this phase's would be replaced unread, ~1.5 minutes of run 85's ten)
         kept = paired(engines, with_e2e=True, keep=frozenset(kind for kind, _, _ in engines)
                       if args.tune_schedule else frozenset(), with_mixed=not args.tune_schedule)
-    else:
-        for kind, speculative, layout in engines:
-            sweep(kind, speculative, layout)
     if args.tune_schedule or args.schedule:
-        record["tuned_schedule"] = tuned = tune(args, engine_class, target, spec, common, rows, vocab, shape,
-                                                sweep_prompts, kept.get("dspark")) if args.tune_schedule else {
-            "schedule": read_schedule(args.schedule, args.max_draft_len), "from": args.schedule}
+        if args.schedule:
+            tuned = {"schedule": read_schedule(args.schedule, args.max_draft_len), "from": args.schedule}
+        else:
+            tuned = tune(args, engine_class, target, spec, common, rows, vocab, shape, sweep_prompts,
+                         kept.get("dspark"))
+        record["tuned_schedule"] = tuned
         capped = {"draft_len_schedule": tuned["schedule"]}
         after = [("tuned", {**spec, **capped}, {})]  # the tuned schedule as an engine
         record["schedules"]["tuned"] = "tuned"

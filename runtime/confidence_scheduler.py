@@ -77,9 +77,10 @@ tokens fed)``. The scheduler, in either of two step layouts:
    once). A step judged not to pay is refitted at once too, with its own outcome, and where some cap pays on
    the refitted survivals the hold it began ends (``_pays_after_refit``: a judgement made on a fit of other
    requests costs a step, not a hold). A hold a mixed step's judgement began (prompt chunks beside the verifies,
-   whose cost they set) ends at the first decode step after it: decode steps are judged on their own. Run 59 (an H200, a 2.7B pair): at 256 requests the tuned schedule drafts
-   nothing, and under mixed prefill + decode load the confidence-scheduled engine, drafting every step, served 0.70
-   of its tokens/s. The choice reads confidences of drafts already proposed and the step count, never the tokens being verified.
+   whose cost they set) ends at the first decode step after it: decode steps are judged on their own. Run 59 (an
+   H200, a 2.7B pair): at 256 requests the tuned schedule drafts nothing, and under mixed prefill + decode load
+   the confidence-scheduled engine, drafting every step, served 0.70 of its tokens/s. The choice reads
+   confidences of drafts already proposed and the step count, never the tokens being verified.
 
 The first step (no earlier confidences) verifies whole blocks. The host work is a few numpy operations over the
 batch's ``S x K`` confidences (numpy, not torch: a CPU torch op costs several microseconds of dispatch, and at
@@ -869,7 +870,7 @@ class ConfidenceScheduler:
         (``_pays_after_refit``; ``drafting_pays`` is then True): the engine ends the drafting hold it began."""
         self.settle()
         if self._pending is None:
-            return
+            return False
         confidence, allotted, history = self._pending
         self._pending = None
         if len(verified) != len(confidence) or len(accepted) != len(confidence):
@@ -889,11 +890,11 @@ class ConfidenceScheduler:
         cap ``q`` (each request verifying its first ``q`` drafts of the step just learned, confidences [S, K'] and
         classes; packing or ranking picks drafts at least as good, so this is the least it gives), chosen as a
         decision chooses (``_best``), commits as much per predicted ms, at that step's prices (its requests, what
-        else it fed, its context), as plain decoding of them. A judgement is made on the fit as it stood, which folds evidence every
-        ``FOLD_EVERY`` steps: after a change of load it can be a fit of other requests (run 88 on an H200:
-        concurrency 1's one request rejected every draft; the four requests after it accepted 5.2 tokens a
-        request a step, and the first judgement, on a fit of that one request, held drafting off for 16 of their
-        steps); the hold it reverses costs a step, not ``HOLD_FIRST``. Chosen by the decision's own rule (its
+        else it fed, its context), as plain decoding of them. A judgement is made on the fit as it stood, which
+        folds evidence every ``FOLD_EVERY`` steps: after a change of load it can be a fit of other requests (run 88
+        on an H200: concurrency 1's one request rejected every draft; the four requests after it accepted 5.2
+        tokens a request a step, and the first judgement, on a fit of that one request, held drafting off for 16 of
+        their steps); the hold it reverses costs a step, not ``HOLD_FIRST``. Chosen by the decision's own rule (its
         ``min_gain`` margins), the next judgement, on the same fit and prices, pays too, so a reversal is not undone
         by the evidence it was made on (a hold begun and reversed every step)."""
         if self._judged is None:
@@ -1119,16 +1120,16 @@ class DraftingHold:
     30 timed steps plain while drafting paid 1.4x). A hold begun by the judgement of a mixed step (prompt chunks
     beside the verifies: ``record(..., mixed=True)``) is a judgement of mixed steps, whose cost the chunks set: the
     first step that feeds none and admits nobody (``end_mixed``) ends it, and decode steps are judged on their own
-    (run 88's 256 requests: their hold began while the last prompts were prefilled, and held the decode steps after
-    them, where drafting paid 1.4x); its length (the next hold's) is kept. A judgement of a decode step made while
-    such a hold is on makes it a hold of every step."""
+    (run 88's 256 requests: their hold most likely began while the last prompts were prefilled, the decode steps'
+    judgements favouring drafting, and held the decode steps after them, where drafting paid 1.4x); its length (the
+    next hold's) is kept. A judgement of a decode step made while such a hold is on makes it a hold of every step."""
 
     def __init__(self, first: int = HOLD_FIRST, most: int = HOLD_MOST):
         self.first, self.most = first, most
         self.until: dict[int, int] = {}  # bucket -> the first step it drafts again
         self.hold: dict[int, int] = {}  # bucket -> the next hold's length
         self.looked: dict[int, bool] = {}  # bucket -> the look after its last hold was judged already
-        self.mixed: dict[int, int] = {}  # bucket -> the step its hold began at, for a hold a mixed step's judgement began
+        self.mixed: dict[int, int] = {}  # bucket -> the step its hold began at (a hold a mixed step's judgement began)
         self.holds = 0  # holds begun
         self.mixed_ended = 0  # holds a mixed step began that a decode step ended (end_mixed)
 
@@ -1199,10 +1200,11 @@ def read_calibration(source: str | Path | dict, what: str) -> list[float]:
 
 TRACE_STEPS = 4096  # the step trace keeps the newest this many steps (ConfidenceStats.trace)
 # one step of the trace: its number (ConfidenceStats.steps once it was counted), the requests it scheduled, whether
-# a drafting hold kept it from drafting a next block (a decided step too, where the hold begins), whether it ran serially (not launched ahead by an engine that runs ahead),
-# its measured ms; then, for a step the scheduler decided (else None): the drafts it verified and the drafts proposed
-# over the batch, the committed tokens expected and got, the predicted ms of the step and of whole blocks, the plain
-# step drafting was judged against and the verdict, and whether the decision made the next step verify whole blocks
+# a drafting hold kept it from drafting a next block (a decided step too, where the hold begins), whether it ran
+# serially (not launched ahead by an engine that runs ahead), its measured ms; then, for a step the scheduler decided
+# (else None): the drafts it verified and the drafts proposed over the batch, the committed tokens expected and got,
+# the predicted ms of the step and of whole blocks, the plain step drafting was judged against and the verdict, and
+# whether the decision made the next step verify whole blocks; last, for every step, its prompt chunks' tokens
 TRACE_FIELDS = ("step", "requests", "held", "serial", "ms", "budget", "offered", "expected_tokens",
                 "committed_tokens", "predicted_ms", "whole_predicted_ms", "plain_ms", "drafting_pays", "explores",
                 "prompt_tokens")

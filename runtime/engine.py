@@ -379,8 +379,8 @@ class Engine:
                 self.confidence.serial = serial  # (the next step is priced as running as this one does)
                 self._allot_verify_lengths(group, kind)
             scheduled = self.scheduler.schedule(group, admit, kind)
-            if self.confidence is not None and admit and scheduled and not self.scheduler.may_admit() \
-                    and not any(e.feeds_prompt for e in scheduled):
+            if self.confidence is not None and self.confidence.hold.mixed and admit and scheduled \
+                    and not self.scheduler.may_admit() and not any(e.feeds_prompt for e in scheduled):
                 # a decode step, not launched ahead: a hold a mixed step's judgement began ends (DraftingHold)
                 self.confidence.hold.end_mixed(self._step_index)
             if self._grammar_backend is not None:
@@ -679,9 +679,13 @@ class Engine:
         commit left it: its learning settles a deferred decision) go to the step trace (``ConfidenceStats.trace``).
         Called after the step, or (a deferred decision's step) as a task of the executor's host work."""
         fed = [len(e.token_ids) for e in scheduled]
-        prompt_tokens = sum(f for f, e in zip(fed, scheduled) if e.feeds_prompt)  # (prompt chunks: the trace's)
+        # the prompt chunks' tokens (the trace's): none in a step of plain decodes, nor beside verifies that fed
+        # nothing else (other_tokens)
+        plain_decodes = not drafted and all(f == 1 for f in fed) and all(e.sample for e in scheduled)
+        prompt_tokens = 0 if plain_decodes or (drafted and not other_tokens) else \
+            sum(f for f, e in zip(fed, scheduled) if e.feeds_prompt)
         if not drafted:
-            if not decided and not serial and all(f == 1 for f in fed) and all(e.sample for e in scheduled):
+            if not decided and not serial and plain_decodes:
                 plain = self.confidence.costs.plain
                 if plain is not None:
                     rows = len(scheduled) if self.confidence.layout == "ragged" else \
