@@ -582,7 +582,7 @@ def scheduled_since(before, after) -> dict:
     drafts verified and proposed per deciding request, the tokens it expected them to commit and they committed
     (and what it expected of whole blocks), the decided steps' predicted and measured ms (their means), and the
     drafting judgement's plain step (its predicted ms, the share of judgements where drafting paid; None: none
-    judged)."""
+    judged) and the packed layout's decided steps that verified whole blocks instead (``unpacked_steps``)."""
     decisions, requests = after.decisions - before.decisions, max(after.requests - before.requests, 1)
     decided = max(after.decided_steps - before.decided_steps, 1)
     judged = after.judged - before.judged
@@ -595,7 +595,8 @@ def scheduled_since(before, after) -> dict:
             "predicted_step_ms": (after.predicted_ms - before.predicted_ms) / max(decisions, 1),
             "measured_decided_step_ms": (after.decided_ms - before.decided_ms) / decided,
             "judged_plain_step_ms": (after.judged_plain_ms - before.judged_plain_ms) / judged if judged else None,
-            "drafting_paid_share": (after.judged_paid - before.judged_paid) / judged if judged else None}
+            "drafting_paid_share": (after.judged_paid - before.judged_paid) / judged if judged else None,
+            "unpacked_steps": after.unpacked_steps - before.unpacked_steps}
 
 
 def agreement(first: list[list[int]], second: list[list[int]]) -> dict:
@@ -1537,8 +1538,8 @@ def read_schedule(path: str, max_draft_len: int) -> dict[int, int]:
 
 def trace_line(summary: dict) -> str:
     """A confidence trace's summary (``runtime.confidence_scheduler.trace_summary``) on one line: per kind its steps
-    and mean ms (and how many fed prompt chunks), for decided ones against the predicted ms and the drafts verified
-    of those proposed."""
+    and mean ms (and how many fed prompt chunks), for decided ones against the predicted ms and the drafts allotted
+    of those proposed, and how many the steps verified."""
     parts = []
     for kind in ("decided", "decided_serial", "held", "other"):
         part = summary.get(kind)
@@ -1548,9 +1549,11 @@ def trace_line(summary: dict) -> str:
         if part.get("mixed"):
             text += f" ({part['mixed']} mixed)"
         if kind.startswith("decided"):
+            verified = part.get("verified")
             text += (f" (predicted {part['predicted_ms']:.2f}, whole blocks {part['whole_predicted_ms']:.2f}; "
-                     f"{part['budget']:.0f} of {part['offered']:.0f} drafts; drafting lost {part['drafting_lost']}, "
-                     f"explored {part['explores']})")
+                     f"{part['budget']:.0f} of {part['offered']:.0f} drafts"
+                     + (f", {verified:.0f} verified" if verified is not None else "")
+                     + f"; drafting lost {part['drafting_lost']}, explored {part['explores']})")
         parts.append(text)
     return "; ".join(parts) or "none"
 
@@ -1646,7 +1649,9 @@ def summary(record: dict) -> str:
                          f"steps predicted {chose['predicted_step_ms']:.2f} ms, measured "
                          f"{chose['measured_decided_step_ms']:.2f}"
                          + (f"; drafting judged against plain steps priced {plain:.2f} ms, paid in "
-                            f"{chose['drafting_paid_share']:.0%}" if plain is not None else ""))
+                            f"{chose['drafting_paid_share']:.0%}" if plain is not None else "")
+                         + (f"; {chose['unpacked_steps']} decided steps unpacked (whole blocks)"
+                            if chose.get("unpacked_steps") else ""))
         # where a step's time went
         for kind, run in record.get("mixed_workload", {}).items():
             if "step_ms" in run:

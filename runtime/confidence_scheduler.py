@@ -1204,10 +1204,12 @@ TRACE_STEPS = 4096  # the step trace keeps the newest this many steps (Confidenc
 # serially (not launched ahead by an engine that runs ahead), its measured ms; then, for a step the scheduler decided
 # (else None): the drafts it verified and the drafts proposed over the batch, the committed tokens expected and got,
 # the predicted ms of the step and of whole blocks, the plain step drafting was judged against and the verdict, and
-# whether the decision made the next step verify whole blocks; last, for every step, its prompt chunks' tokens
+# whether the decision made the next step verify whole blocks; then, for every step, its prompt chunks' tokens; last,
+# for a decided step, the drafts its deciding requests verified (the budget as the step spent it: a packed step's
+# device choice, a step that could not be packed every draft fed)
 TRACE_FIELDS = ("step", "requests", "held", "serial", "ms", "budget", "offered", "expected_tokens",
                 "committed_tokens", "predicted_ms", "whole_predicted_ms", "plain_ms", "drafting_pays", "explores",
-                "prompt_tokens")
+                "prompt_tokens", "verified")
 
 
 @dataclass
@@ -1262,19 +1264,23 @@ class ConfidenceStats:
                      "predicted_step_ms": decision.predicted_ms, "expected_tokens": decision.expected_tokens,
                      "plain_step_ms": decision.plain_ms, "drafting_pays": decision.drafting_pays}
 
-    def record_outcome(self, committed: int) -> None:
+    def record_outcome(self, committed: int, verified: int | None = None) -> None:
+        """The last decision's step committed ``committed`` tokens over its deciding requests, which verified
+        ``verified`` drafts (None: not known)."""
         self.committed_tokens += committed
         if self.last:
             self.last["committed_tokens"] = committed
+            self.last["verified_drafts"] = verified
 
     def record_step(self, ms: float, decided: bool = True, serial: bool = False, requests: int = 0,
                     held: bool = False, committed: int | None = None, decision: Decision | None = None,
-                    prompt_tokens: int = 0) -> None:
+                    prompt_tokens: int = 0, verified: int | None = None) -> None:
         """A timed step; ``decided``: the scheduler chose its verify budget (its prediction is comparable);
         ``serial``: not launched ahead by an engine that runs ahead. For the trace: the ``requests`` it scheduled,
         whether a drafting hold kept it from drafting (``held``), for a decided step the tokens its deciding
-        requests ``committed`` and the ``decision`` (``ConfidenceScheduler.last``) that chose its verifies, and
-        the prompt chunks' tokens it fed beside its decodes and verifies (``prompt_tokens``: a mixed step's)."""
+        requests ``committed``, the ``decision`` (``ConfidenceScheduler.last``) that chose its verifies and the
+        drafts they ``verified``, and the prompt chunks' tokens it fed beside its decodes and verifies
+        (``prompt_tokens``: a mixed step's)."""
         self.steps += 1
         self.serial_steps += serial
         self.measured_ms += ms
@@ -1288,7 +1294,7 @@ class ConfidenceStats:
             (chosen.budget, chosen.offered, round(chosen.expected_tokens, 3), committed,
              round(chosen.predicted_ms, 4), round(chosen.whole_predicted_ms, 4),
              None if chosen.plain_ms is None else round(chosen.plain_ms, 4), chosen.drafting_pays, chosen.explores)
-            if chosen is not None else (None,) * 9) + (prompt_tokens,))
+            if chosen is not None else (None,) * 9) + (prompt_tokens, verified if chosen is not None else None))
 
     def trace_since(self, step: int = 0, until: int | None = None) -> dict:
         """The trace's steps numbered above ``step`` and up to ``until`` (``steps`` counts read before and after a
@@ -1340,7 +1346,8 @@ class ConfidenceStats:
 
 def trace_summary(rows: list) -> dict:
     """Trace steps (``TRACE_FIELDS`` lists) by kind -> per kind its steps, their mean measured ms and, for decided
-    ones, the mean predicted ms of the step and of whole blocks and the mean drafts verified / proposed: ``decided``
+    ones, the mean predicted ms of the step and of whole blocks and the mean drafts allotted (``budget``), proposed
+    and verified (None for rows recorded before that field): ``decided``
     (launched ahead) and ``decided_serial`` (not: priced with the serial excess, ``ConfidenceScheduler.serial``),
     ``held`` (undecided and held: a plain step), ``other`` (ramps, prefill-only steps, a look's first step...); per
     kind also how many were ``mixed`` (fed prompt chunks: ``prompt_tokens``)."""
@@ -1363,7 +1370,7 @@ def trace_summary(rows: list) -> dict:
                                                                                for r in members)}
         if kind.startswith("decided"):
             summary[kind].update(predicted_ms=mean("predicted_ms"), whole_predicted_ms=mean("whole_predicted_ms"),
-                                 budget=mean("budget"), offered=mean("offered"),
+                                 budget=mean("budget"), offered=mean("offered"), verified=mean("verified"),
                                  expected_tokens=mean("expected_tokens"), committed_tokens=mean("committed_tokens"),
                                  explores=sum(bool(r[at["explores"]]) for r in members),
                                  drafting_paid=sum(r[at["drafting_pays"]] is True for r in members),

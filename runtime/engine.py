@@ -415,7 +415,8 @@ class Engine:
                     self._packed.columns if self._packed is not None else None, self._other_fed[1], held,
                     # (the commit settled the decision, then recorded its outcome)
                     self.confidence_stats.last.get("committed_tokens") if decided else None,
-                    self.confidence.last if decided else None)
+                    self.confidence.last if decided else None,
+                    self.confidence_stats.last.get("verified_drafts") if decided else None)
             if self._deferred:  # the step's decision was deferred (a mixed step): so is learning its time
                 self._host_work.add(functools.partial(self._learn_step_time, *step))
             else:
@@ -599,27 +600,30 @@ class Engine:
 
     def _packed_plan(self, scheduled: list[ScheduledRequest]) -> PackedPlan | None:
         """The packed layout: this step's packed verify, when it is exactly the requests the scheduler decided for
-        (or the profile forced), each verifying a full greedy block of one length; else None, and the step verifies
-        whole blocks (a sampled request, a block cut at a token limit, a step the scheduler did not schedule as
-        decided: ``ConfidenceStats.unpacked_steps``; a step expected to feed a prefill chunk is decided under the
-        padded cap instead, ``_allot_verify_lengths``). Columns of whole blocks (or none) are a uniform step's."""
+        (or the profile forced), each verifying a greedy block (of up to K drafts: one cut at its token limit, even
+        to none, is padded with drafts that propose nothing); else None, and the step verifies whole blocks (a sampled request,
+        a step the scheduler did not schedule as decided: ``ConfidenceStats.unpacked_steps``; a step expected to
+        feed a prefill chunk is decided under the padded cap instead, ``_allot_verify_lengths``). Columns of whole
+        blocks (or none) are a uniform step's."""
         columns = self._packed_columns
         if not columns or not self._decided:
             return None
         if len(scheduled) != len(self._decided) or {e.request_id for e in scheduled} != set(self._decided):
             self.confidence_stats.unpacked_steps += 1
             return None
-        k = scheduled[0].num_drafts
+        k = max(entry.num_drafts for entry in scheduled)
         if columns >= k:  # whole blocks: a uniform step's graph serves it
             return None
         confidences = []
         for entry in scheduled:
-            confidence = self.sequences[entry.request_id].draft_confidence
-            if entry.num_drafts != k or k == 0 or len(entry.token_ids) != k + 1 or not entry.sample \
-                    or not greedy_only(entry) or confidence is None or len(confidence) != k:
+            confidence, n = self.sequences[entry.request_id].draft_confidence, entry.num_drafts
+            if len(entry.token_ids) != n + 1 or not entry.sample or not greedy_only(entry) \
+                    or (n and (confidence is None or len(confidence) < n)):
                 self.confidence_stats.unpacked_steps += 1
                 return None
-            confidences.append(list(confidence))
+            # a block cut shorter (at its token limit, to nothing at its last token) is padded with drafts that
+            # propose nothing (confidence 0)
+            confidences.append((list(confidence[:n]) if n else []) + [0.0] * (k - n))
         return PackedPlan(columns * len(scheduled), columns, confidences, *self._packed_ranking(k),
                           self._histories(scheduled))
 
@@ -651,7 +655,7 @@ class Engine:
     def _learn_step_time(self, scheduled: list[ScheduledRequest], seconds: float, decided: bool,
                          drafted: bool = True, serial: bool = False, packed_columns: int | None = None,
                          other_tokens: int = 0, held: bool = False, committed: int | None = None,
-                         decision: Decision | None = None) -> None:
+                         decision: Decision | None = None, verified: int | None = None) -> None:
         """The step's wall time, schedule to commit (what the startup profile times: ``runtime.step_profile``), into
         the cost table at the rows the model computed: a graphed verify step at its graph's cell (the batch bucket
         x Q, padding requests included: run 55's steps of 60 and 72 requests, timed as the 64 and 96 graphs they
@@ -675,8 +679,9 @@ class Engine:
         than whole blocks and saved 2%), and no plain step. ``packed_columns``: the columns of the step's packed verify
         (None: not packed); ``other_tokens``: what it fed besides the decided verifies (``_other_fed``, before its
         commit). ``held`` (a drafting hold kept the step from drafting), ``committed`` (the tokens its deciding
-        requests committed) and ``decision`` (the one that chose its verifies, ``ConfidenceScheduler.last`` as the
-        commit left it: its learning settles a deferred decision) go to the step trace (``ConfidenceStats.trace``).
+        requests committed), ``decision`` (the one that chose its verifies, ``ConfidenceScheduler.last`` as the
+        commit left it: its learning settles a deferred decision) and ``verified`` (the drafts those requests
+        verified) go to the step trace (``ConfidenceStats.trace``).
         Called after the step, or (a deferred decision's step) as a task of the executor's host work."""
         fed = [len(e.token_ids) for e in scheduled]
         # the prompt chunks' tokens (the trace's): none in a step of plain decodes, nor beside verifies that fed
@@ -696,7 +701,7 @@ class Engine:
                 self.confidence.observe_plain_mixed_step(len(scheduled), seconds,
                                                          sum(e.start_position for e in scheduled), prompt_tokens)
             self.confidence_stats.record_step(1e3 * seconds, decided, serial, len(scheduled), held, committed,
-                                              decision, prompt_tokens)
+                                              decision, prompt_tokens, verified)
             return
         requests, tokens, q_len = len(scheduled), sum(fed), None
         if packed_columns is not None:  # a packed graph: an anchor and `columns` drafts a request
@@ -713,7 +718,7 @@ class Engine:
         self.confidence.observe_step(requests, tokens, seconds, sum(e.start_position for e in scheduled), other_tokens,
                                      serial)
         self.confidence_stats.record_step(1e3 * seconds, decided, serial, len(scheduled), held, committed,
-                                          decision, prompt_tokens)
+                                          decision, prompt_tokens, verified)
 
     def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:
         outputs, drafted, accepted = [], 0, 0
@@ -769,7 +774,7 @@ class Engine:
                     verified[i] = entry.num_drafts if result.num_verified is None else result.num_verified
                     accepted[i] = result.num_accepted
         self.confidence.settle()  # (a deferred decision recorded before its outcome: the metrics pair them)
-        self.confidence_stats.record_outcome(committed)
+        self.confidence_stats.record_outcome(committed, sum(v for v in verified if v > 0))
         if self.confidence.learn(verified, accepted):  # refitted, the judgement that drafting did not pay reversed
             self.confidence.hold.record(self._judged_bucket, self._step_index, True)
         self._decided = []

@@ -34,8 +34,8 @@ from runtime.parallel import SINGLE, ParallelContext
 from runtime.profiling import region
 from runtime.sampler import RowParams, apply_penalties, filtered_probs, occurrence_counts
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
-from runtime.step_tensors import (StepTensors, build_step_tensors, greedy_only, padded_page_table, plain_greedy,
-                                  sampled_entries, uses_rejection)
+from runtime.step_tensors import (StepTensors, build_step_tensors, build_uniform_step_tensors, greedy_only,
+                                  padded_page_table, plain_greedy, sampled_entries, uses_rejection)
 from runtime.transfer import HostWork, PinnedReadBack, to_device
 from runtime.verify import accept_by_rejection, commit_by_match, gather_rows, greedy_verdicts, residual_distribution
 
@@ -206,7 +206,8 @@ class ModelRunner:
             raise RuntimeError("a packed verify step runs on one rank (tensor parallelism verifies whole blocks)")
         reqs, plan = batch.requests, batch.packed
         drafting = self.has_drafter and batch.maintain_draft_context
-        dev, num, q_len = self.device, len(reqs), reqs[0].num_drafts + 1
+        # blocks of different lengths (one cut at its token limit) are fed padded to the longest: a [S, Q] grid
+        dev, num, q_len = self.device, len(reqs), max(r.num_drafts for r in reqs) + 1
         graphed = self.graphs is not None and self.graphs.packs(num, plan.columns)  # a packed graph of this bucket
         appended = False
         if graphed:  # (it takes the packed step launched ahead, if this is it)
@@ -222,7 +223,11 @@ class ModelRunner:
             if self.graphs is not None:
                 self.graphs.drop_ahead()
             with region("dspark.forward"):
-                t = build_step_tensors(reqs, self.page_size, dev, self.kernels, self.geometry)
+                if all(r.num_drafts + 1 == q_len for r in reqs):
+                    t = build_step_tensors(reqs, self.page_size, dev, self.kernels, self.geometry)
+                else:  # the graph's layout, its padding rows on the scratch page (the one past the allocator's)
+                    t = build_uniform_step_tensors(reqs, q_len, self.page_size, self.caches[0][0].shape[0] - 1, dev,
+                                                   self.kernels, self.geometry)
                 survival = survivals(torch.tensor(plan.confidences, dtype=torch.float32, device=dev),
                                      torch.tensor(plan.slope, dtype=torch.float32, device=dev),
                                      torch.tensor(plan.bias, dtype=torch.float32, device=dev),
@@ -275,7 +280,7 @@ class ModelRunner:
                 self.host_work.run()
                 host = self._rows_read.wait().tolist()
                 results = self._results(reqs, entries, verified, proposal, host=host)
-                self._note_verified(results, host, verified_counts)
+                self._note_verified(results, entries, host, verified_counts)
             if launched:  # what each request feeds next: its last committed token, then n drafts of the new block
                 k = proposal.tokens.shape[1]
                 self.graphs.set_ahead_tokens([
@@ -294,7 +299,7 @@ class ModelRunner:
             # a faulted request's pages, and the graphs' scratch page its padding rows may have filled with NaN, are
             # zeroed on every rank before the next step: the engine names them in that step's scrub list
             results = self._results(reqs, entries, verified, proposal, logprobs, host=host)
-            self._note_verified(results, host, verified_counts)
+            self._note_verified(results, entries, host, verified_counts)
             return results
 
     def _read_back_rows(self, verified: Verified, proposal: Proposal | None,
@@ -304,12 +309,14 @@ class ModelRunner:
         return rows if verified_counts is None else torch.cat([rows, verified_counts[:, None].to(rows.dtype)], dim=1)
 
     @staticmethod
-    def _note_verified(results: list[RequestStepResult], host: list[list[int]] | None,
-                       verified_counts: torch.Tensor | None) -> None:
-        """A packed step: each result says how many of its drafts the device verified (the rows' last column)."""
+    def _note_verified(results: list[RequestStepResult], entries: list[ScheduledRequest],
+                       host: list[list[int]] | None, verified_counts: torch.Tensor | None) -> None:
+        """A packed step: each result says how many of its drafts the device verified (the rows' last column), at
+        most the drafts it fed (a block shorter than the step's longest is padded with rows that propose nothing,
+        which the device's selection may take once every proposed draft is in: ``runtime.packed_verify``)."""
         if verified_counts is not None:
-            for result, row in zip(results, host):
-                result.num_verified = row[-1]
+            for result, entry, row in zip(results, entries, host):
+                result.num_verified = min(row[-1], entry.num_drafts)
 
     @staticmethod
     def _block_confidence(proposal: Proposal) -> torch.Tensor:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.graph_layout import graph_inputs
 from runtime.kernels import AttentionGeometry, HostLayout, KernelBackend, PagedAttentionMeta
 from runtime.step_io import ScheduledRequest
 from runtime.transfer import to_device
@@ -54,6 +55,27 @@ def build_step_tensors(reqs: list[ScheduledRequest], page_size: int, device: tor
                               host=HostLayout(lens, [r.end_position for r in reqs], [r.page_ids for r in reqs]))
     input_ids = to_device([t for r in reqs for t in r.token_ids], device)
     return StepTensors(input_ids, positions, slots, kernels.plan_attention(meta), page_table, qsl[1:])
+
+
+def build_uniform_step_tensors(reqs: list[ScheduledRequest], q_len: int, page_size: int, scratch_page: int,
+                               device: torch.device, kernels: KernelBackend,
+                               geometry: AttentionGeometry | None = None) -> StepTensors:
+    """An eager step in a graph's uniform layout (``runtime.graph_layout.graph_inputs``, no padding requests): each
+    request feeds ``q_len`` rows, a shorter one's padding (token 0 at its last position) writing ``scratch_page``, so
+    a step of blocks of different lengths is a [B, q_len] grid (a packed verify's layout). Padding rows repeat the
+    last real position: ``runtime.verify.block_verdicts`` never counts them as drafts. ``page_table`` is the
+    requests' own pages (what the drafter reads); ``row_ends`` each request's last grid row + 1."""
+    num = len(reqs)
+    inputs, layout = graph_inputs(reqs, num, q_len, page_size, scratch_page)  # [3, B*Q]
+    ids, positions, slots = torch.from_numpy(inputs).to(device, non_blocking=True)
+    width = max(len(p) for p in layout.page_ids)
+    table = to_device([p + [scratch_page] * (width - len(p)) for p in layout.page_ids], device)  # [B, pages]
+    meta = PagedAttentionMeta(query_start_loc=to_device([q_len * b for b in range(num + 1)], device),
+                              seq_lens=to_device(layout.kv_lens, device), page_table=table, max_query_len=q_len,
+                              max_seq_len=max(layout.kv_lens), causal=True, num_tokens=num * q_len,
+                              page_size=page_size, geometry=geometry, host=layout)
+    return StepTensors(ids, positions, slots, kernels.plan_attention(meta), padded_page_table(reqs, device),
+                       [(b + 1) * q_len for b in range(num)])
 
 
 def sampled_entries(reqs: list[ScheduledRequest]) -> list[int]:

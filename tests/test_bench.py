@@ -267,6 +267,7 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     # the drafting judgement's plain step (the engine profiled plain steps at startup): priced, paid or not
     assert chose["judged_plain_step_ms"] is None if not chose["decisions"] else chose["judged_plain_step_ms"] > 0
     assert chose["drafting_paid_share"] is None or 0.0 <= chose["drafting_paid_share"] <= 1.0
+    assert 0 <= chose["unpacked_steps"] <= chose["decisions"]
     assert "scheduled" not in record["mixed_workload"]["tuned"]
     mixed_trace = record["mixed_workload"]["confidence"]["confidence_trace"]  # the run's steps, one by one
     assert 0 < len(mixed_trace["steps"]) <= record["mixed_workload"]["confidence"]["steps"]

@@ -189,6 +189,41 @@ def test_packed_verify_graphs_keep_greedy_outputs(tmp_path, wide_target, make_dr
     assert any(len(set(counts)) > 1 for _, counts in verified)  # ragged: requests verified different counts
 
 
+def test_packed_graphs_serve_steps_with_blocks_cut_at_their_token_limits(tmp_path, wide_target, make_drafter):
+    """Requests of different token limits on the graphed packed layout: a step in which some blocks are cut at
+    their token limit (to none at the last token) replays the packed graph all the same, the short blocks padded
+    with drafts that propose nothing; no step is unpacked, no request verifies more drafts than it fed, and the
+    tokens equal scheduling off."""
+    from tests.runtime.test_confidence_scheduling import flat_table
+
+    drafter = make_drafter(wide_target, 4, oracle=True)
+    table = tmp_path / "dear.json"
+    flat_table(0.6).save(table)
+    prompts = [[3 + i, 17, 33 + i, 2] for i in range(20)]
+    params = [SamplingParams(max_tokens=21 + 3 * (i % 7), temperature=0.0, ignore_eos=True) for i in range(20)]
+    runs = {}
+    for name, spec in (("off", {}), ("on", {"enable_confidence_scheduling": True,
+                                            "confidence_cost_table_path": str(table)})):
+        config = DSparkDecodingConfig(speculative_model=str(drafter), **spec)
+        llm = LLM(str(wide_target), speculative_config=config, **{**ENGINE, "max_num_seqs": 32})
+        if name == "on":
+            steps, execute = [], llm.engine.executor.execute
+
+            def spy(batch, execute=execute, steps=steps):
+                results = execute(batch)
+                if batch.packed is not None:
+                    steps.append([(r.num_drafts, res.num_verified) for r, res in zip(batch.requests, results)])
+                return results
+
+            llm.engine.executor.execute = spy
+        runs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert runs["on"] == runs["off"]
+    assert any(len({drafts for drafts, _ in step}) > 1 for step in steps)  # a packed step with a cut block
+    assert all(verified <= drafts for step in steps for drafts, verified in step)
+    assert llm.get_metrics()["confidence_scheduling"]["unpacked_steps"] == 0
+    assert llm.rank_info()[0]["graph_packed_replays"] > 0
+
+
 def test_packed_verify_graphs_of_shorter_blocks_keep_greedy_outputs(tmp_path, wide_target, make_drafter):
     """A packed step drafts one past the longest share a request took at its columns
     (``ConfidenceScheduler.packed_draft_len``): held at one column here, the blocks are drafted shorter than K, the

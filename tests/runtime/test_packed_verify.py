@@ -12,7 +12,7 @@ from runtime.confidence_scheduler import ConfidenceScheduler, history_classes, n
 from runtime.packed_verify import (history_after, pack_index, packed_verify, select_lengths, survivals,
                                    verify_positions)
 from runtime.step_io import ScheduledRequest
-from runtime.step_tensors import build_step_tensors
+from runtime.step_tensors import build_step_tensors, build_uniform_step_tensors
 from runtime.verify import accept_by_match
 from tests.runtime.test_confidence_scheduling import flat_table
 
@@ -137,6 +137,43 @@ def test_a_packed_verify_equals_verifying_each_requests_share_alone(near_bigram_
     for (kp, vp), (kc, vc) in zip(after_packed, caches):  # the same keys and values written at the fed slots
         assert torch.allclose(kp.view(-1, *kp.shape[2:])[slots], kc.view(-1, *kc.shape[2:])[slots], atol=1e-5)
         assert torch.allclose(vp.view(-1, *vp.shape[2:])[slots], vc.view(-1, *vc.shape[2:])[slots], atol=1e-5)
+
+
+def test_a_block_cut_short_in_a_packed_step_never_accepts_its_padding(near_bigram_target):
+    """A packed step of K = 4 blocks where one request's block was cut to 2 drafts (its token limit): fed in the
+    graphs' uniform layout (``build_uniform_step_tensors``), its padding rows repeat its last position and write the
+    scratch page. Even with padding tokens that are the target's own continuation and a budget of every slot (the
+    selection takes the padding too), it accepts its 2 drafts and no more, and its pages past them are untouched."""
+    k, page_size, num_pages = 4, 4, 64
+    llm = LLM(str(near_bigram_target), dtype="float32", device="cpu", num_pages=num_pages, page_size=page_size,
+              max_num_seqs=4)
+    runner = llm.engine.executor.worker.engine_part
+    target, caches, kernels = runner.target, runner.caches, runner.kernels
+    assert caches[0][0].shape[0] == num_pages + 1  # the scratch page, one past the allocator's
+    params = SamplingParams(max_tokens=k + 2, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 17, 33, 2, 90], [100, 3, 7, 7, 41, 9]]
+    greedy = [o.token_ids for o in llm.generate(prompts, params)]
+    pages = [list(range(1 + 8 * b, 9 + 8 * b)) for b in range(len(prompts))]
+    prefill = [ScheduledRequest(str(b), p, 0, pages[b], 0, True, params, b) for b, p in enumerate(prompts)]
+    t = build_step_tensors(prefill, page_size, torch.device("cpu"), kernels)
+    target(t.input_ids, t.positions, caches, t.meta, t.slots)
+    before = [kc.clone() for kc, _ in caches]
+    cut = 2
+    reqs = [ScheduledRequest("0", greedy[0][:cut + 1], len(prompts[0]), pages[0], cut, True, params, 0),
+            ScheduledRequest("1", greedy[1][:k + 1], len(prompts[1]), pages[1], k, True, params, 1)]
+    u = build_uniform_step_tensors(reqs, k + 1, page_size, num_pages, torch.device("cpu"), kernels)
+    ids = u.input_ids.clone()
+    ids[cut + 1:k + 1] = torch.tensor(greedy[0][cut + 1:k + 1])  # padding that would match, were it counted
+    assert u.positions[:k + 1].tolist() == [5, 6, 7, 7, 7] and (u.slots[cut + 1:k + 1] // page_size == num_pages).all()
+    survival = torch.tensor([[0.9, 0.9, 0.0, 0.0], [0.9, 0.8, 0.7, 0.6]], dtype=torch.float64)
+    packed = packed_verify(target, caches, u.meta, ids, u.positions, u.slots, survival, 2 * k,
+                           target.compute_top_argmax)
+    assert packed.lengths.tolist() == [k, k]  # the budget took the padding slots too
+    assert packed.block_verdict[:, k + 1].tolist() == [cut, k]  # every real draft accepted, no padding
+    assert packed.block_verdict[0, :cut + 1].tolist() == greedy[0][1:cut + 2]
+    past = [pages[0][p // page_size] * page_size + p % page_size for p in range(len(prompts[0]) + cut + 1, 16)]
+    for (kc, _), kb in zip(caches, before):  # request 0's slots past its block: not written
+        assert torch.equal(kc.view(-1, *kc.shape[2:])[past], kb.view(-1, *kb.shape[2:])[past])
 
 
 def test_the_packed_budget_lags_a_step_and_prices_the_global_top_drafts():
@@ -307,6 +344,49 @@ def test_small_steps_of_the_packed_layout_are_padded(tmp_path, near_bigram_targe
     # or one the engine could not pack (a block cut at its token limit, a request joining), and says so
     padded_by_choice = sum(1 for (kind, num), w in zip(kinds, whole) if num >= 3 and kind == "padded" and w)
     assert big.count("padded") - padded_by_choice == llm.get_metrics()["confidence_scheduling"]["unpacked_steps"]
+
+
+def test_a_step_with_blocks_cut_at_their_token_limits_is_still_packed(tmp_path, near_bigram_target, make_drafter):
+    """Requests of different token limits: near its limit a request's block is cut shorter (to none at its last
+    token) while the others' stay whole. Such a step is packed all the same (the short blocks padded with drafts that
+    propose nothing: before, it verified whole blocks, so in a mixed workload, where some request nears its limit
+    almost every step, the budget was spent on nothing), each request verifies at most the drafts it fed, and greedy
+    outputs are transformers'."""
+    from configs import DSparkDecodingConfig
+    from tests import builders
+    from tests.runtime.test_confidence_scheduling import ENGINE
+
+    path = tmp_path / "table.json"
+    flat_table(0.6).save(path)
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4, oracle=True)),
+                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
+    llm = LLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
+    engine = llm.engine
+    engine.confidence.layout, engine.confidence.packed_from = "packed", 2
+    steps, execute = [], engine.executor.execute
+
+    def spy(batch):
+        results = execute(batch)
+        if batch.packed is not None:
+            steps.append([(r.num_drafts, res.num_verified) for r, res in zip(batch.requests, results)])
+        return results
+
+    engine.executor.execute = spy
+    prompts = [[5, 17, 33], [100, 3], [7] * 5, [20, 21], [9, 8, 7, 6]]
+    lengths = [29, 41, 34, 46, 37]  # each nears its limit at a different step
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outputs = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs == [builders.hf_greedy(near_bigram_target, [p], n)[0] for p, n in zip(prompts, lengths)]
+    ragged = [step for step in steps if len({drafts for drafts, _ in step}) > 1]
+    assert ragged, "no packed step mixed a block cut at its token limit with longer ones"
+    assert all(verified <= drafts for step in steps for drafts, verified in step)
+    assert llm.get_metrics()["confidence_scheduling"]["unpacked_steps"] == 0
+    # the trace says what each decided step verified: never more than its budget (the trim was spent)
+    trace = engine.confidence_stats.trace_since()
+    at = {name: i for i, name in enumerate(trace["fields"])}
+    decided = [row for row in trace["steps"] if row[at["budget"]] is not None]
+    assert decided and all(row[at["verified"]] <= row[at["budget"]] for row in decided)
+    assert any(row[at["verified"]] < row[at["offered"]] for row in decided)
 
 
 def test_a_step_an_arrival_joins_verifies_under_the_cap_and_is_not_packed(tmp_path, near_bigram_target, make_drafter):
