@@ -14,7 +14,8 @@
 #   bash benchmarks/trained_pair.sh profile WORK OUT cProfile of AR, DSpark and confidence-scheduled steps at 1 and
 #                                                    4 requests on the pair -> OUT/host-profile-b{1,4}.json
 #                                                    (benchmarks/host_profile.py)
-#   bash benchmarks/trained_pair.sh train WORK OUT [TARGET_S RUN_S [HIDDEN LAYERS [TARGET_BATCH [DRAFTER_S [PROMPTS]]]]]
+#   bash benchmarks/trained_pair.sh train WORK OUT [TARGET_S RUN_S [HIDDEN LAYERS [TARGET_BATCH [DRAFTER_S [PROMPTS
+#                                                    [TARGET_STEPS DRAFTER_STEPS]]]]]]
 #                                                    prepare the host, then the GPU recipe's target (150 s),
 #                                                    self-distillation and DSpark drafter (the rest of ~9 minutes)
 #                                                    -> OUT/gpu-recipe.json, WORK/{target,dspark,heldout-prompts.jsonl}
@@ -40,7 +41,15 @@
 #                                                    runs no mixed workload (its rows are replaced unread), and
 #                                                    the sweep's rows are saved before the mixed workload starts;
 #                                                    PROMPTS, the distillation's, default 1536: 74-97 s of a
-#                                                    3072 x 24 target's train, half as many ~half the time)
+#                                                    3072 x 24 target's train, half as many ~half the time;
+#                                                    TARGET_STEPS and DRAFTER_STEPS, default 6000 and 20000, so
+#                                                    that the time caps stop each: the same recipe then made
+#                                                    pairs far apart (runs 88 and 93, `60 400 3072 24 20 35`:
+#                                                    104 and 108 target steps, 80 and 90 drafter steps, 0.71 /
+#                                                    0.29 / 0.24 ... and 0.92 / 0.76 / 0.76 ... at 64 requests);
+#                                                    with steps below the caps (the target's ~1.7 a second at
+#                                                    3072 x 24 and 20 sequences, the drafter's ~2.2) a pair is
+#                                                    the same pair again, up to the GPU's nondeterminism)
 #   bash benchmarks/trained_pair.sh bench WORK OUT [BENCH FLAGS]
 #                                                    dspark bench on that pair over the held-out prompts: the
 #                                                    concurrency sweep, the tuned draft_len_schedule, the end-to-end
@@ -104,10 +113,11 @@ out=${3:?give an output folder (snapshot: a name)}
 export PYTHONUNBUFFERED=1
 train() {  # target seconds, the recipe's wall-time budget (the drafter trains for what is left), target width, layers,
            # the target's sequences per step, the drafter's own cap in seconds (a weaker drafter on purpose), the
-           # distillation's prompts (1536 took 74-97 s of a 3072 x 24 target's train)
+           # distillation's prompts (1536 took 74-97 s of a 3072 x 24 target's train), the target's and the
+           # drafter's steps (each learning rate anneals over its steps; a time cap reached first stops it)
   python3 benchmarks/gpu_recipe.py --work "$work" --out "$out/gpu-recipe.json" --stages target,distill,dspark \
     --target-seconds "$1" --drafter-seconds "$6" --run-seconds "$2" --target-hidden "$3" --target-layers "$4" \
-    --target-batch "$5" --distill-prompts "$7"
+    --target-batch "$5" --distill-prompts "$7" --target-steps "$8" --drafter-steps "$9"
 }
 bench() {  # [BENCH FLAGS]; the drafter and the output folder from $drafter and $dest (default: WORK/dspark, OUT);
            # the schedule tuned (kept in WORK too, for `again`), or with $given the one tuned before
@@ -130,11 +140,12 @@ profile() {  # where the host time of a step goes at 1 and 4 requests, AR, DSpar
   done
 }
 case "$step" in
-  train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" "${8:-48}" "${9:-100000}" "${10:-1536}" ;;
+  train) train "${4:-150}" "${5:-510}" "${6:-512}" "${7:-8}" "${8:-48}" "${9:-100000}" "${10:-1536}" "${11:-6000}" \
+               "${12:-20000}" ;;
   bench) shift 3; bench --profile --profile-batches 1,64 "$@" ;;
   measure) shift 3; bench "$@" ;;
   again) shift 3; given="$work/dspark-tuned-schedule.json" bench "$@" ;;
-  quick) shift 3; train 60 300 3072 24 20 100000 1536
+  quick) shift 3; train 60 300 3072 24 20 100000 1536 6000 20000
          bench --concurrency 1,4,64 --e2e-prompts 0 --rounds 1 "$@" ;;
   check) shift 3; bench --concurrency 1,4,64,256 --e2e-prompts 32 --mixed-prefill-apart "$@"
          if [ -d "$work/dspark-early" ]; then
@@ -145,7 +156,7 @@ case "$step" in
             rm -rf "$work/dspark-$name" && cp -r "$work/dspark" "$work/dspark-$name"
             echo "trained_pair.sh: $work/dspark-$name kept" >&2 ;;
   profile) profile ;;
-  all) train 100 300 "${4:-512}" "${5:-8}" 48 100000 1536
+  all) train 100 300 "${4:-512}" "${5:-8}" 48 100000 1536 6000 20000
        profile || echo "trained_pair.sh: the host profile failed (bench goes on)" >&2
        bench --profile --profile-batches 1,64 ;;
   *) echo "usage: $0 train|bench|measure|again|profile|check|quick|snapshot|all WORK OUT|NAME" >&2; exit 2 ;;

@@ -341,7 +341,7 @@ def test_small_steps_of_the_packed_layout_are_padded(tmp_path, near_bigram_targe
     big = [kind for kind, num in kinds if num >= 3]
     assert "packed" in big and {kind for kind, num in kinds if num < 3} == {"padded"}
     # a big step that verified whole blocks was one whose budget was whole blocks (a uniform step's graph serves it)
-    # or one the engine could not pack (a block cut at its token limit, a request joining), and says so
+    # or one the engine could not pack (a request joining, a step other than the one decided for), and says so
     padded_by_choice = sum(1 for (kind, num), w in zip(kinds, whole) if num >= 3 and kind == "padded" and w)
     assert big.count("padded") - padded_by_choice == llm.get_metrics()["confidence_scheduling"]["unpacked_steps"]
 
