@@ -107,6 +107,15 @@ def test_an_moe_target_graphs_its_steps_on_each_graph_safe_backend(wide_moe_targ
     assert sum(same) >= 0.6 * sum(len(x) for x in plain), same  # bf16 near-ties may part
 
 
+def scheduling_off_and_on(target, drafter, table, max_num_seqs: int = 32):
+    """("off", LLM) with confidence scheduling off, then ("on", LLM) with it on under the cost table ``table``: the
+    pair of engines a graphed-path test compares token for token."""
+    for name, spec in (("off", {}), ("on", {"enable_confidence_scheduling": True,
+                                            "confidence_cost_table_path": str(table)})):
+        config = DSparkDecodingConfig(speculative_model=str(drafter), **spec)
+        yield name, LLM(str(target), speculative_config=config, **{**ENGINE, "max_num_seqs": max_num_seqs})
+
+
 @pytest.fixture(scope="module")
 def wide_target(checkpoints):
     return builders.save_target(checkpoints / "wide-qwen3-sched", "qwen3", seed=11, residual_scale=0.6,
@@ -156,10 +165,7 @@ def test_packed_verify_graphs_keep_greedy_outputs(tmp_path, wide_target, make_dr
     prompts = [[3 + i, 17, 33 + i, 2] for i in range(20)]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     runs = {}
-    for name, spec in (("off", {}), ("on", {"enable_confidence_scheduling": True,
-                                            "confidence_cost_table_path": str(table)})):
-        config = DSparkDecodingConfig(speculative_model=str(drafter), **spec)
-        llm = LLM(str(wide_target), speculative_config=config, **{**ENGINE, "max_num_seqs": 32})
+    for name, llm in scheduling_off_and_on(wide_target, drafter, table):
         if name == "on":
             info = llm.rank_info()[0]
             assert info["graph_packed_columns"] == [1, 2, 3] and info["graph_packed_from"] == 9
@@ -202,10 +208,7 @@ def test_packed_graphs_serve_steps_with_blocks_cut_at_their_token_limits(tmp_pat
     prompts = [[3 + i, 17, 33 + i, 2] for i in range(20)]
     params = [SamplingParams(max_tokens=21 + 3 * (i % 7), temperature=0.0, ignore_eos=True) for i in range(20)]
     runs = {}
-    for name, spec in (("off", {}), ("on", {"enable_confidence_scheduling": True,
-                                            "confidence_cost_table_path": str(table)})):
-        config = DSparkDecodingConfig(speculative_model=str(drafter), **spec)
-        llm = LLM(str(wide_target), speculative_config=config, **{**ENGINE, "max_num_seqs": 32})
+    for name, llm in scheduling_off_and_on(wide_target, drafter, table):
         if name == "on":
             steps, execute = [], llm.engine.executor.execute
 
@@ -236,10 +239,7 @@ def test_packed_verify_graphs_of_shorter_blocks_keep_greedy_outputs(tmp_path, wi
     prompts = [[3 + i, 17, 33 + i, 2] for i in range(20)]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     runs, fed = {}, []
-    for name, spec in (("off", {}), ("on", {"enable_confidence_scheduling": True,
-                                            "confidence_cost_table_path": str(table)})):
-        config = DSparkDecodingConfig(speculative_model=str(drafter), **spec)
-        llm = LLM(str(wide_target), speculative_config=config, **{**ENGINE, "max_num_seqs": 32})
+    for name, llm in scheduling_off_and_on(wide_target, drafter, table):
         if name == "on":
             assert llm.engine.confidence.layout == "packed"
             llm.engine.confidence._best = lambda expected, predicted: 1  # one column (and a cap of one)
@@ -321,10 +321,7 @@ def plain_cheap_runs(tmp_path, wide_target, make_drafter, reverse: bool = False)
     table = tmp_path / "plain-cheap.json"
     with_plain(flat_table(1.0, base=50.0), 1.0).save(table)
     runs = {}
-    for name, spec in (("off", {}), ("on", {"enable_confidence_scheduling": True,
-                                            "confidence_cost_table_path": str(table)})):
-        llm = LLM(str(wide_target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter), **spec),
-                  **ENGINE)
+    for name, llm in scheduling_off_and_on(wide_target, drafter, table, max_num_seqs=ENGINE["max_num_seqs"]):
         if name == "on" and reverse:
             llm.engine.confidence._pays_after_refit = lambda confidence, history: True
         runs[name] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]

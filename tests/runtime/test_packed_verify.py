@@ -24,6 +24,24 @@ def falling_rows(rng, batch: int, k: int) -> np.ndarray:
     return rows
 
 
+def packed_llm(tmp_path, target, make_drafter, packed_from: int | None = None) -> LLM:
+    """A CPU engine (its steps eager) with confidence scheduling's packed layout forced (``packed_from``: the fewest
+    requests it packs, as a graphed engine's packed graphs' smallest bucket; else every step), its drafter an oracle
+    of K = 4, its steps priced by a table dear enough that about two columns of four pay."""
+    from configs import DSparkDecodingConfig
+    from tests.runtime.test_confidence_scheduling import ENGINE
+
+    path = tmp_path / "table.json"
+    flat_table(0.6).save(path)
+    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(target, 4, oracle=True)),
+                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
+    llm = LLM(str(target), speculative_config=spec, **ENGINE)
+    llm.engine.confidence.layout = "packed"
+    if packed_from is not None:
+        llm.engine.confidence.packed_from = packed_from
+    return llm
+
+
 def test_the_selection_is_the_host_schedulers_global_top_drafts():
     rng = np.random.default_rng(0)
     for _ in range(50):
@@ -201,16 +219,10 @@ def test_the_packed_layout_keeps_greedy_outputs_and_learns_what_the_device_verif
     """The packed layout, forced on a CPU engine (its steps eager): the blocks stay whole, the budget decides how
     many drafts the step verifies and the device which (here from confidences that differ by request), never the
     tokens: greedy outputs are transformers'. The correction learns from the counts the device verified."""
-    from configs import DSparkDecodingConfig
     from tests import builders
-    from tests.runtime.test_confidence_scheduling import ENGINE, PROMPTS
+    from tests.runtime.test_confidence_scheduling import PROMPTS
 
-    path = tmp_path / "table.json"
-    flat_table(0.6).save(path)  # dear enough that about two columns of four pay
-    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4, oracle=True)),
-                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
-    llm = LLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
-    llm.engine.confidence.layout = "packed"
+    llm = packed_llm(tmp_path, near_bigram_target, make_drafter)
     plan_of = llm.engine._packed_plan
 
     def spread(scheduled):  # the random drafter is as confident for every request: make odd requests doubt
@@ -234,17 +246,11 @@ def test_a_packed_step_drafts_only_what_its_columns_let_a_request_take_and_keeps
     """The packed layout, forced on a CPU engine, its decisions held at one column: each block is drafted one past
     the longest share a request took of the last one (``packed_draft_len``), so the packed steps verify blocks
     shorter than K, and greedy outputs are still transformers'."""
-    from configs import DSparkDecodingConfig
     from tests import builders
-    from tests.runtime.test_confidence_scheduling import ENGINE, PROMPTS
+    from tests.runtime.test_confidence_scheduling import PROMPTS
 
-    path = tmp_path / "table.json"
-    flat_table(0.6).save(path)
-    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4, oracle=True)),
-                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
-    llm = LLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
+    llm = packed_llm(tmp_path, near_bigram_target, make_drafter)
     scheduler = llm.engine.confidence
-    scheduler.layout = "packed"
     scheduler._best = lambda expected, predicted: 1  # one column (and a cap of one) every decision
     fed = []
     execute = llm.engine.executor.execute
@@ -268,17 +274,10 @@ def test_packed_steps_of_any_drafted_length_beside_arrivals_and_sampled_requests
     its end of sequence, which it was told to ignore)."""
     import random
 
-    from configs import DSparkDecodingConfig
     from tests import builders
-    from tests.runtime.test_confidence_scheduling import ENGINE
 
-    path = tmp_path / "table.json"
-    flat_table(0.6).save(path)
-    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4, oracle=True)),
-                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
-    engine = LLM(str(near_bigram_target), speculative_config=spec, **ENGINE).engine
+    engine = packed_llm(tmp_path, near_bigram_target, make_drafter, packed_from=2).engine
     rng = random.Random(3)
-    engine.confidence.layout, engine.confidence.packed_from = "packed", 2
     engine.confidence._best = lambda expected, predicted: rng.randrange(len(predicted))
     fed, execute = [], engine.executor.execute
 
@@ -313,16 +312,9 @@ def test_packed_steps_of_any_drafted_length_beside_arrivals_and_sampled_requests
 def test_small_steps_of_the_packed_layout_are_padded(tmp_path, near_bigram_target, make_drafter):
     """A graphed engine packs only the steps its packed graphs' buckets serve (``packed_from`` requests on); the
     smaller ones verify under the padded layout's cap. Both kinds in one run keep greedy outputs."""
-    from configs import DSparkDecodingConfig
     from tests import builders
-    from tests.runtime.test_confidence_scheduling import ENGINE
 
-    path = tmp_path / "table.json"
-    flat_table(0.6).save(path)
-    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4, oracle=True)),
-                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
-    llm = LLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
-    llm.engine.confidence.layout, llm.engine.confidence.packed_from = "packed", 3
+    llm = packed_llm(tmp_path, near_bigram_target, make_drafter, packed_from=3)
     kinds, whole = [], []
     execute = llm.engine.executor.execute
 
@@ -352,17 +344,10 @@ def test_a_step_with_blocks_cut_at_their_token_limits_is_still_packed(tmp_path, 
     propose nothing: before, it verified whole blocks, so in a mixed workload, where some request nears its limit
     almost every step, the budget was spent on nothing), each request verifies at most the drafts it fed, and greedy
     outputs are transformers'."""
-    from configs import DSparkDecodingConfig
     from tests import builders
-    from tests.runtime.test_confidence_scheduling import ENGINE
 
-    path = tmp_path / "table.json"
-    flat_table(0.6).save(path)
-    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4, oracle=True)),
-                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
-    llm = LLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
+    llm = packed_llm(tmp_path, near_bigram_target, make_drafter, packed_from=2)
     engine = llm.engine
-    engine.confidence.layout, engine.confidence.packed_from = "packed", 2
     steps, execute = [], engine.executor.execute
 
     def spy(batch):
@@ -393,17 +378,10 @@ def test_a_step_an_arrival_joins_verifies_under_the_cap_and_is_not_packed(tmp_pa
     """The packed layout decides a step that will feed a prefill chunk beside the verifies (an arrival, a request
     still prefilling) under the padded layout's cap: such a step cannot be packed, and before it verified whole
     blocks whatever the budget said (an unpacked step). Greedy outputs stay transformers'."""
-    from configs import DSparkDecodingConfig
     from tests import builders
-    from tests.runtime.test_confidence_scheduling import ENGINE
 
-    path = tmp_path / "table.json"
-    flat_table(0.6).save(path)
-    spec = DSparkDecodingConfig(speculative_model=str(make_drafter(near_bigram_target, 4, oracle=True)),
-                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
-    llm = LLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
+    llm = packed_llm(tmp_path, near_bigram_target, make_drafter, packed_from=2)
     eng = llm.engine
-    eng.confidence.layout, eng.confidence.packed_from = "packed", 2
     steps = []
     execute = eng.executor.execute
 
