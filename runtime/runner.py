@@ -11,6 +11,7 @@ logit gathers, the broadcast of draft features) and return nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
@@ -207,7 +208,8 @@ class ModelRunner:
         reqs, plan = batch.requests, batch.packed
         drafting = self.has_drafter and batch.maintain_draft_context
         # blocks of different lengths (one cut at its token limit) are fed padded to the longest: a [S, Q] grid
-        dev, num, q_len = self.device, len(reqs), max(r.num_drafts for r in reqs) + 1
+        longest = max(r.num_drafts for r in reqs)
+        dev, num, q_len = self.device, len(reqs), longest + 1
         graphed = self.graphs is not None and self.graphs.packs(num, plan.columns)  # a packed graph of this bucket
         appended = False
         if graphed:  # (it takes the packed step launched ahead, if this is it)
@@ -236,9 +238,18 @@ class ModelRunner:
                                     plan.budget, self.target.compute_top_argmax)
         if drafting and self.is_leader and not appended:
             with region("dspark.context"):
-                self.channel.send_context(out.captured, t)
+                captured, fed = out.captured, t
+                if any(len(r.token_ids) != q_len for r in reqs):  # the grid's padding: the drafter gets the fed
+                    # rows alone, as it lays a step out itself (a separate drafter: ``DraftServer``)
+                    real = to_device([b * q_len + j for b, r in enumerate(reqs) for j in range(len(r.token_ids))],
+                                     dev)  # [sum fed]
+                    captured, fed = captured[real], dataclasses.replace(t, input_ids=t.input_ids[real],
+                                                                        positions=t.positions[real],
+                                                                        slots=t.slots[real])
+                self.channel.send_context(captured, fed)
         rows = out.block_verdict  # [S, Q + 2]: committed candidates, accepted, fault flag
-        verified = Verified(rows[:, :q_len], rows[:, q_len], rows[:, q_len + 1], None, rows)
+        # the committed candidates up to the longest block fed (what a separate drafter receives them as)
+        verified = Verified(rows[:, :longest + 1], rows[:, q_len], rows[:, q_len + 1], None, rows)
         return self._draft_and_finish(batch, reqs, reqs, verified, t.page_table, graphed, out.lengths)
 
     def _draft_and_finish(self, batch: ScheduledBatch, reqs: list[ScheduledRequest], entries: list[ScheduledRequest],
