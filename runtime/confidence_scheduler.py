@@ -1206,8 +1206,7 @@ TRACE_STEPS = 4096  # the step trace keeps the newest this many steps (Confidenc
 # the predicted ms of the step and of whole blocks, the plain step drafting was judged against and the verdict, and
 # whether the decision made the next step verify whole blocks; then, for every step, its prompt chunks' tokens; last,
 # for a decided step, the drafts its deciding requests verified (the budget as the step spent it: a packed step's
-# device choice, a step that could not be packed every draft fed; a deferred decision's step, ``allot_deferred``,
-# verified under the cap chosen a step before, while its budget and predictions are the decision made as it ran)
+# device choice, a step that could not be packed every draft fed)
 TRACE_FIELDS = ("step", "requests", "held", "serial", "ms", "budget", "offered", "expected_tokens",
                 "committed_tokens", "predicted_ms", "whole_predicted_ms", "plain_ms", "drafting_pays", "explores",
                 "prompt_tokens", "verified")
