@@ -200,9 +200,10 @@ class ModelRunner:
         return out
 
     def _execute_packed(self, batch: ScheduledBatch) -> list[RequestStepResult]:
-        """A packed verify step (``runtime.packed_verify``; every request a full greedy block, ``batch.packed``):
-        the blocks are fed as a uniform step, the ``budget`` drafts of highest survival over the step verified, the
-        target run on those rows only; each result says how many of its drafts were verified."""
+        """A packed verify step (``runtime.packed_verify``; every request a greedy block, ``batch.packed``): the
+        blocks are fed as a uniform step (shorter ones padded to the longest), the ``budget`` drafts of highest
+        survival over the step verified, the target run on those rows only; each result says how many of its drafts
+        were verified."""
         if self.parallel.is_parallel:
             raise RuntimeError("a packed verify step runs on one rank (tensor parallelism verifies whole blocks)")
         reqs, plan = batch.requests, batch.packed

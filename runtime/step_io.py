@@ -58,11 +58,13 @@ class ScheduledRequest:
 class PackedPlan:
     """A packed verify step (``runtime.packed_verify``, confidence scheduling's packed layout): how many drafts it
     verifies over its requests, and what the device ranks them by. Every request of the step feeds a greedy block
-    of the same length (K, or shorter where the scheduler drafted less: ``ConfidenceScheduler.packed_draft_len``)."""
+    of up to K drafts (shorter where the scheduler drafted less, ``ConfidenceScheduler.packed_draft_len``, or cut at
+    its token limit); the step is laid out as a grid of the longest, shorter blocks padded with drafts that propose
+    nothing (confidence 0)."""
 
     budget: int  # drafts verified over the step (the scheduler's columns x requests)
     columns: int  # the scheduler's columns (a packed graph of them feeds its batch bucket x (columns + 1) rows)
-    confidences: list[list[float]]  # [S][K'] each request's drafts' confidences, in batch order (K' <= K)
+    confidences: list[list[float]]  # [S][K'] each request's drafts' confidences, in batch order, 0-padded (K' <= K)
     slope: list[float]  # [K] the survival fit's slope of each position (runtime.confidence_scheduler)
     bias: list[list[float]]  # [H][K] and its bias, per verify-history class and position
     history: list[int]  # [S] each request's verify-history class (runtime.confidence_scheduler.next_history)
@@ -109,6 +111,7 @@ class RequestStepResult:
     error: str | None = None  # a fault of this request alone (non-finite logits in its rows): it fails, others go on
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for them
     next_draft_confidence: list[float] | None = None  # the confidence head's c_k of each next_draft_ids entry
-    num_verified: int | None = None  # a packed verify step: the drafts the device chose to verify (else all fed)
+    # a packed verify step: the drafts of its block the device chose to verify, at most those fed (else all fed)
+    num_verified: int | None = None
     # the prompt logprobs of the entry's prompt_rows, one per target token (when it had them)
     prompt_logprobs: list[TokenLogprob] | None = None
