@@ -1017,7 +1017,8 @@ class ConfidenceScheduler:
         num = len(confidences)
         sizes = [len(c) for c in confidences]
         offered = sum(sizes)
-        if num == 0 or offered == 0:
+        if num == 0 or offered == 0:  # (blocks cut to nothing at their token limits)
+            self.step_columns = 0
             return 0
         k = max(sizes)
         history = history_rows(history, num, len(self.correction.history_names))

@@ -547,6 +547,7 @@ class Engine:
             others, other_tokens, other_context = len(plain), len(plain), sum(s.num_computed for s in plain)
         context = other_context + sum(s.num_computed for s in seqs)
         self._decided = [s.request_id for s in seqs]
+        confidences = [self._feedable_confidence(s) for s in seqs]  # [S][<= K] what the step can feed of each block
         # a step that will feed more than these verifies (a request still prefilling, an arrival to admit) is mixed:
         # it cannot be a packed step, so it verifies under the padded layout's cap (priced as a mixed step). A queue
         # the full batch leaves no room for does not make it mixed: under a steady load, where requests always wait,
@@ -562,7 +563,7 @@ class Engine:
         mixed = len(seqs) < len(members) or admitting
         if self._packs_steps_of(len(seqs)) and not mixed:
             # blocks stay whole: the device picks which drafts
-            self.confidence.allot_packed([s.draft_confidence for s in seqs], others, other_tokens, context,
+            self.confidence.allot_packed(confidences, others, other_tokens, context,
                                          [s.verify_history for s in seqs])
             self._packed_columns = self.confidence.step_columns
             if self._packed_columns == 0:  # no draft pays: every request verifies none (its anchor only)
@@ -573,20 +574,28 @@ class Engine:
             # so only the cap chosen earlier is applied now, the rest of the decision runs while it computes
             num, bucket, step = len(seqs), self.confidence.bucket(len(self.scheduler.running)), self._step_index
             lengths = self.confidence.allot_deferred(
-                [s.draft_confidence for s in seqs], others, other_tokens, context, [s.verify_history for s in seqs],
+                confidences, others, other_tokens, context, [s.verify_history for s in seqs],
                 self._host_work, then=lambda: self._record_decision(num, bucket, step, mixed=True))
             for seq, length in zip(seqs, lengths):
                 seq.trim_drafts(length)
             self._deferred = True
             return
         else:
-            lengths = self.confidence.allot([s.draft_confidence for s in seqs], others, other_tokens, context,
+            lengths = self.confidence.allot(confidences, others, other_tokens, context,
                                             [s.verify_history for s in seqs])
             if self.confidence.last.budget < self.confidence.last.offered:  # (else every block stays whole)
                 for seq, length in zip(seqs, lengths):
                     seq.trim_drafts(length)
         self._record_decision(len(seqs), self.confidence.bucket(len(self.scheduler.running)), self._step_index,
                               mixed)
+
+    def _feedable_confidence(self, seq: Sequence) -> list[float]:
+        """``seq``'s drafts' confidences as far as its limits let the next step feed them: the scheduler cuts a block
+        at the request's ``max_tokens`` and the model's length (``Scheduler._plan``; a step's token budget may cut
+        more), so a decision prices and expects what will be verified, not a block's drafts past its end."""
+        room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+        confidence = seq.draft_confidence
+        return confidence if len(confidence) <= room else confidence[:max(room, 0)]
 
     def _record_decision(self, requests: int, bucket: int, step: int, mixed: bool = False) -> None:
         """The scheduler's last decision (``requests`` deciding, at step ``step`` of a batch in ``bucket``; ``mixed``:

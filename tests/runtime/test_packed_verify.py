@@ -348,12 +348,14 @@ def test_a_step_with_blocks_cut_at_their_token_limits_is_still_packed(tmp_path, 
 
     llm = packed_llm(tmp_path, near_bigram_target, make_drafter, packed_from=2)
     engine = llm.engine
-    steps, execute = [], engine.executor.execute
+    steps, fed, execute = [], [], engine.executor.execute
 
     def spy(batch):
         results = execute(batch)
         if batch.packed is not None:
             steps.append([(r.num_drafts, res.num_verified) for r, res in zip(batch.requests, results)])
+        if any(r.num_drafts for r in batch.requests):
+            fed.append(sum(r.num_drafts for r in batch.requests))
         return results
 
     engine.executor.execute = spy
@@ -372,6 +374,8 @@ def test_a_step_with_blocks_cut_at_their_token_limits_is_still_packed(tmp_path, 
     decided = [row for row in trace["steps"] if row[at["budget"]] is not None]
     assert decided and all(row[at["verified"]] <= row[at["budget"]] for row in decided)
     assert any(row[at["verified"]] < row[at["offered"]] for row in decided)
+    # each decision was offered what its step could feed: blocks cut at their token limits, not their drafts past it
+    assert [row[at["offered"]] for row in decided] == fed
 
 
 def test_a_step_an_arrival_joins_verifies_under_the_cap_and_is_not_packed(tmp_path, near_bigram_target, make_drafter):
