@@ -610,10 +610,10 @@ class Engine:
     def _packed_plan(self, scheduled: list[ScheduledRequest]) -> PackedPlan | None:
         """The packed layout: this step's packed verify, when it is exactly the requests the scheduler decided for
         (or the profile forced), each verifying a greedy block (of up to K drafts: one cut at its token limit, even
-        to none, is padded with drafts that propose nothing); else None, and the step verifies whole blocks (a sampled request,
-        a step the scheduler did not schedule as decided: ``ConfidenceStats.unpacked_steps``; a step expected to
-        feed a prefill chunk is decided under the padded cap instead, ``_allot_verify_lengths``). Columns of whole
-        blocks (or none) are a uniform step's."""
+        to none, is padded with drafts that propose nothing); else None, and the step verifies whole blocks (a
+        sampled request, a step the scheduler did not schedule as decided: ``ConfidenceStats.unpacked_steps``; a
+        step expected to feed a prefill chunk is decided under the padded cap instead, ``_allot_verify_lengths``).
+        Columns of whole blocks (or none) are a uniform step's."""
         columns = self._packed_columns
         if not columns or not self._decided:
             return None
