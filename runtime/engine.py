@@ -590,11 +590,10 @@ class Engine:
                               mixed)
 
     def _feedable_confidence(self, seq: Sequence) -> list[float]:
-        """``seq``'s drafts' confidences as far as its limits let the next step feed them: the scheduler cuts a block
-        at the request's ``max_tokens`` and the model's length (``Scheduler._plan``; a step's token budget may cut
-        more), so a decision prices and expects what will be verified, not a block's drafts past its end."""
-        room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
-        confidence = seq.draft_confidence
+        """``seq``'s drafts' confidences as far as its limits let the next step feed them (``Scheduler.draft_room``:
+        the scheduler cuts a block there), so a decision prices and expects what will be verified, not a block's
+        drafts past its end."""
+        room, confidence = self.scheduler.draft_room(seq), seq.draft_confidence
         return confidence if len(confidence) <= room else confidence[:max(room, 0)]
 
     def _record_decision(self, requests: int, bucket: int, step: int, mixed: bool = False) -> None:

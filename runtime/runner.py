@@ -251,7 +251,11 @@ class ModelRunner:
         rows = out.block_verdict  # [S, Q + 2]: committed candidates, accepted, fault flag
         # the committed candidates up to the longest block fed (what a separate drafter receives them as)
         verified = Verified(rows[:, :longest + 1], rows[:, q_len], rows[:, q_len + 1], None, rows)
-        return self._draft_and_finish(batch, reqs, reqs, verified, t.page_table, graphed, out.lengths)
+        counts = out.lengths  # [S] drafts each request verified, at most those it fed: where a block is shorter than
+        # the grid, the selection may take its padding once every proposed draft is in (``runtime.packed_verify``)
+        if any(r.num_drafts != q_len - 1 for r in reqs):  # (read back, and a step launched ahead ranks by them)
+            counts = torch.minimum(counts, to_device([r.num_drafts for r in reqs], dev))
+        return self._draft_and_finish(batch, reqs, reqs, verified, t.page_table, graphed, counts)
 
     def _draft_and_finish(self, batch: ScheduledBatch, reqs: list[ScheduledRequest], entries: list[ScheduledRequest],
                           verified: Verified, table: torch.Tensor | None, graphed: bool,
@@ -292,7 +296,7 @@ class ModelRunner:
                 self.host_work.run()
                 host = self._rows_read.wait().tolist()
                 results = self._results(reqs, entries, verified, proposal, host=host)
-                self._note_verified(results, entries, host, verified_counts)
+                self._note_verified(results, host, verified_counts)
             if launched:  # what each request feeds next: its last committed token, then n drafts of the new block
                 k = proposal.tokens.shape[1]
                 self.graphs.set_ahead_tokens([
@@ -311,7 +315,7 @@ class ModelRunner:
             # a faulted request's pages, and the graphs' scratch page its padding rows may have filled with NaN, are
             # zeroed on every rank before the next step: the engine names them in that step's scrub list
             results = self._results(reqs, entries, verified, proposal, logprobs, host=host)
-            self._note_verified(results, entries, host, verified_counts)
+            self._note_verified(results, host, verified_counts)
             return results
 
     def _read_back_rows(self, verified: Verified, proposal: Proposal | None,
@@ -321,14 +325,12 @@ class ModelRunner:
         return rows if verified_counts is None else torch.cat([rows, verified_counts[:, None].to(rows.dtype)], dim=1)
 
     @staticmethod
-    def _note_verified(results: list[RequestStepResult], entries: list[ScheduledRequest],
-                       host: list[list[int]] | None, verified_counts: torch.Tensor | None) -> None:
-        """A packed step: each result says how many of its drafts the device verified (the rows' last column), at
-        most the drafts it fed (a block shorter than the step's longest is padded with rows that propose nothing,
-        which the device's selection may take once every proposed draft is in: ``runtime.packed_verify``)."""
+    def _note_verified(results: list[RequestStepResult], host: list[list[int]] | None,
+                       verified_counts: torch.Tensor | None) -> None:
+        """A packed step: each result says how many of its drafts the device verified (the rows' last column)."""
         if verified_counts is not None:
-            for result, entry, row in zip(results, entries, host):
-                result.num_verified = min(row[-1], entry.num_drafts)
+            for result, row in zip(results, host):
+                result.num_verified = row[-1]
 
     @staticmethod
     def _block_confidence(proposal: Proposal) -> torch.Tensor:

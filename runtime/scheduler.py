@@ -217,15 +217,19 @@ class Scheduler:
                 sizes[seq.group] += 1
         return sizes
 
+    def draft_room(self, seq: Sequence) -> int:
+        """The most drafts a decoding ``seq``'s limits let a step verify: its committed tokens plus the drafts and
+        the one token the target adds stay within ``max_tokens`` and the model's length (a step's token budget may
+        cut more, ``_plan``); may be below 0."""
+        return min(self.limits.max_model_len - seq.num_tokens, seq.params.max_tokens - len(seq.output_token_ids)) - 1
+
     def _plan(self, seq: Sequence, budget: int) -> tuple[list[int], int, bool]:
         """What ``seq`` feeds this step within ``budget``: (tokens, drafts among them, whether it samples)."""
         num_tokens = seq.num_tokens
         if seq.num_computed == num_tokens - 1:  # decoding (Sequence.is_decoding)
             drafts = seq.draft_ids
             if drafts:
-                room = min(budget - 1, self.limits.max_model_len - num_tokens - 1,
-                           seq.params.max_tokens - len(seq.output_token_ids) - 1)
-                drafts = drafts[:max(room, 0)]
+                drafts = drafts[:max(min(budget - 1, self.draft_room(seq)), 0)]
             return [seq.last_token, *drafts], len(drafts), True
         end = min(num_tokens, seq.num_computed + budget)
         return seq.token_slice(seq.num_computed, end), 0, end == num_tokens
