@@ -230,6 +230,8 @@ def main() -> None:
                         "drafter (--gpus sets it for its children, one drafter per GPU)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, to check the script runs")
     args = parser.parse_args()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # (run 99 trained a pair for ~4 minutes and then
+    # lost its record to an OUT subfolder nobody had made)
     if args.smoke:
         ENGINE.update(dtype="float32", device="cpu", kv_cache_memory=1 << 28)
     wanted = set(args.stages.split(","))
