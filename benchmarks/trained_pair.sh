@@ -46,7 +46,9 @@
 #                                                    that the time caps stop each: the same recipe then made
 #                                                    pairs far apart (runs 88 and 93, `60 400 3072 24 20 35`:
 #                                                    104 and 108 target steps, 80 and 90 drafter steps, 0.71 /
-#                                                    0.29 / 0.24 ... and 0.92 / 0.76 / 0.76 ... at 64 requests);
+#                                                    0.29 / 0.24 ... and 0.92 / 0.76 / 0.76 ... at 64 requests;
+#                                                    run 99's 0.76 / 0.42 / 0.41 ..., the pair that met every
+#                                                    criterion of the confidence issue in run 101);
 #                                                    with steps below the caps (the target's ~1.7 a second at
 #                                                    3072 x 24 and 20 sequences, the drafter's ~2.2) a pair is
 #                                                    the same pair again, up to the GPU's nondeterminism)
