@@ -210,6 +210,7 @@ class ModelRunner:
         drafting = self.has_drafter and batch.maintain_draft_context
         # blocks of different lengths (one cut at its token limit) are fed padded to the longest: a [S, Q] grid
         longest = max(r.num_drafts for r in reqs)
+        ragged = any(r.num_drafts != longest for r in reqs)  # (each request feeds its last token and its drafts)
         dev, num, q_len = self.device, len(reqs), longest + 1
         graphed = self.graphs is not None and self.graphs.packs(num, plan.columns)  # a packed graph of this bucket
         appended = False
@@ -226,7 +227,7 @@ class ModelRunner:
             if self.graphs is not None:
                 self.graphs.drop_ahead()
             with region("dspark.forward"):
-                if all(r.num_drafts + 1 == q_len for r in reqs):
+                if not ragged:
                     t = build_step_tensors(reqs, self.page_size, dev, self.kernels, self.geometry)
                 else:  # the graph's layout, its padding rows on the scratch page (the one past the allocator's)
                     t = build_uniform_step_tensors(reqs, q_len, self.page_size, self.caches[0][0].shape[0] - 1, dev,
@@ -240,7 +241,7 @@ class ModelRunner:
         if drafting and self.is_leader and not appended:
             with region("dspark.context"):
                 captured, fed = out.captured, t
-                if any(len(r.token_ids) != q_len for r in reqs):  # the grid's padding: the drafter gets the fed
+                if ragged:  # the grid's padding: the drafter gets the fed
                     # rows alone, as it lays a step out itself (a separate drafter: ``DraftServer``)
                     real = to_device([b * q_len + j for b, r in enumerate(reqs) for j in range(len(r.token_ids))],
                                      dev)  # [sum fed]
@@ -253,7 +254,7 @@ class ModelRunner:
         verified = Verified(rows[:, :longest + 1], rows[:, q_len], rows[:, q_len + 1], None, rows)
         counts = out.lengths  # [S] drafts each request verified, at most those it fed: where a block is shorter than
         # the grid, the selection may take its padding once every proposed draft is in (``runtime.packed_verify``)
-        if any(r.num_drafts != q_len - 1 for r in reqs):  # (read back, and a step launched ahead ranks by them)
+        if ragged:  # (read back, and a step launched ahead ranks by them)
             counts = torch.minimum(counts, to_device([r.num_drafts for r in reqs], dev))
         return self._draft_and_finish(batch, reqs, reqs, verified, t.page_table, graphed, counts)
 
