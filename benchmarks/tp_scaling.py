@@ -7,7 +7,9 @@ ratios the cluster fast path is judged by:
   tp{N}_vs_tp1_ar_step          a TP=N replica's autoregressive step over the TP=1 replica's (goal at batch 1:
                                 <= 0.60 for N=2, <= 0.35 for N=4)
   ray_tp1_vs_single_process_*   the Ray TP=1 replica's AR and DSpark steps over the single-process engine's
-                                (goal <= 1.05: what the process boundary and dispatch cost)
+                                (goal <= 1.05: what the process boundary and dispatch cost), from the ray-tp1
+                                layout's own bench, which measures the two side by side on one GPU in alternating
+                                rounds (--beside-single-process: the paired median; ``_from`` says so)
   separate_*                    from the separate-drafter layout's own bench (it measures the colocated replica in
                                 the same process): step_vs_colocated, throughput_vs_colocated, throughput_vs_serial
 Each layout's full bench record is kept under ``layouts``. Layouts needing more GPUs than the host has are
@@ -34,7 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def layouts(tp_sizes: list[int], separate: bool, gpus: int) -> list[tuple[str, list[str], int]]:
     """(name, extra bench flags, GPUs needed) of every layout of the run, in order."""
     out = [("single-process", [], 1)]
-    out += [(f"ray-tp{n}", ["--tensor-parallel-size", str(n)], n) for n in tp_sizes]
+    # the TP=1 replica beside the one-process engine on its GPU, in alternating rounds (the paired ratio below)
+    out += [(f"ray-tp{n}", ["--tensor-parallel-size", str(n), *(["--beside-single-process"] if n == 1 else [])], n)
+            for n in tp_sizes]
     if separate:
         out.append(("ray-tp1-separate", ["--tensor-parallel-size", "1", "--drafter", "separate",
                                           "--pipeline-drafter"], 2))
@@ -62,8 +66,13 @@ def ratios(records: dict[str, dict], tp_sizes: list[int]) -> dict:
             if n != 1:
                 point[f"tp{n}_vs_tp1_ar_step"] = ratio(f"ray-tp{n}", "ray-tp1", "ar_step_ms", c)
                 point[f"tp{n}_vs_tp1_dspark_step"] = ratio(f"ray-tp{n}", "ray-tp1", "dspark_step_ms", c)
-        point["ray_tp1_vs_single_process_ar_step"] = ratio("ray-tp1", "single-process", "ar_step_ms", c)
-        point["ray_tp1_vs_single_process_dspark_step"] = ratio("ray-tp1", "single-process", "dspark_step_ms", c)
+        paired = rows.get("ray-tp1", {}).get(c, {})
+        for kind in ("ar", "dspark"):  # measured beside each other in the TP=1 layout's rounds, else across layouts
+            beside = paired.get(f"ray_vs_single_process_{kind}_step_paired")
+            point[f"ray_tp1_vs_single_process_{kind}_step"] = round(beside, 4) if beside else ratio(
+                "ray-tp1", "single-process", f"{kind}_step_ms", c)
+        point["ray_tp1_vs_single_process_from"] = "alternating rounds in the ray-tp1 layout" if any(
+            f"ray_vs_single_process_{kind}_step_paired" in paired for kind in ("ar", "dspark")) else "separate layouts"
         separate = rows.get("ray-tp1-separate", {}).get(c, {})
         for field in ("step_vs_colocated", "throughput_vs_colocated", "throughput_vs_serial"):
             if field in separate:

@@ -38,7 +38,10 @@ are identical (bf16 verify batches reorder sums, so near-ties may part).
 (``tensor_parallel_size``, ``drafter``; the separate layout also measures the colocated replica:
 ``throughput_vs_colocated``; with ``--pipeline-drafter`` also the separate drafter without the pipeline:
 ``throughput_vs_serial``); a replica's models live on its actors, so its record has step times, tokens/s and
-acceptance but no roofline, graph replays or host breakdown.
+acceptance but no roofline, graph replays or host breakdown. ``--beside-single-process`` measures the AR and DSpark
+replicas each beside the same engine in this process on the same GPU, in alternating rounds (``single_ar_*``,
+``single_dspark_*``): ``ray_vs_single_process_{ar,dspark}_step`` (and ``_paired``, the median of the per-round
+ratios) is what the process boundary and the step's dispatch cost, free of the host's drift between separate runs.
 ``--profile`` profiles every engine's batch-1 decode steps (``--profile-batches``: other batch sizes too, each once
 every request has its first token; a replica's on every rank: ``*_profile_batch1.ranks``) after all the figures are
 taken, on the engine built again: a process the
@@ -778,6 +781,8 @@ def end_to_end_prompts(args, prompts: list[list[int]] | None, vocab: int, count:
 
 CONFIDENCE_MAX = "confidence-max"  # --confidence-draft-len both: the engine drafting up to max_draft_len
 PAIRED_ROUNDS = 3  # default alternating rounds per concurrency when engines are measured side by side (--rounds)
+SINGLE = "single_"  # --beside-single-process: the one-process twin of a replica engine KIND is SINGLE + KIND
+BESIDE_SINGLE_PROCESS = ("ar", "dspark")  # the replica engines measured beside their twins
 
 
 def alternating_rounds(llms: dict, run, rounds: int = PAIRED_ROUNDS) -> Iterator[tuple[str, dict]]:
@@ -820,6 +825,18 @@ def paired_ratio(rounds: list[float], against: list[float]) -> float | None:
     ratios = sorted(a / b for a, b in zip(rounds, against))
     middle = len(ratios) // 2
     return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+
+
+def against_single_process(row: dict, kind: str) -> dict:
+    """``--beside-single-process``: a replica engine's step over the same engine's in one process, both measured in
+    alternating rounds on the same GPU: ``ray_vs_single_process_KIND_step`` from the median rounds, and
+    ``..._paired``, the median of the per-round ratios (round i's two figures back to back, the host's drift between
+    rounds cancelling). Every step commits the same tokens in both (the same requests and drafter), so the inverse of
+    the tokens/s ratio is the step-time ratio."""
+    single = f"{SINGLE}{kind}"
+    paired = paired_ratio(row.get(f"{single}_tokens_per_s_rounds", []), row.get(f"{kind}_tokens_per_s_rounds", []))
+    return {f"ray_vs_single_process_{kind}_step": row[f"{kind}_step_ms"] / row[f"{single}_step_ms"],
+            f"ray_vs_single_process_{kind}_step_paired": paired}
 
 
 def schedule_cap(schedule: dict | None, batch: int, max_draft_len: int) -> int:
@@ -995,7 +1012,9 @@ def run(args) -> dict:
         from cluster.llm import LLM as ReplicaLLM
 
         def engine_class(model, speculative_config=None, drafter=args.drafter, pipeline=args.pipeline_drafter,
-                         **kwargs):
+                         single_process=False, **kwargs):
+            if single_process:  # --beside-single-process: the same engine in this process, beside the replica's
+                return LLM(model, speculative_config=speculative_config, **kwargs)
             place = drafter if speculative_config is not None else "colocated"  # AR: no drafter to place
             return ReplicaLLM(model, speculative_config, tensor_parallel_size=tp, drafter=place,
                               pipeline_drafter=bool(pipeline) and place == "separate",
@@ -1035,6 +1054,9 @@ def run(args) -> dict:
     # a replica's engines one after another (two replicas would need twice the GPUs), as with --sequential
     alternate = not replica and not args.sequential
     record["measurement"] = "alternating rounds" if alternate else "sequential"
+    if args.beside_single_process:
+        record["measurement"] = ("sequential; the AR and DSpark replicas each beside the same engine in one process "
+                                 "(single_*), in alternating rounds")
     record["rounds"] = args.rounds  # also the paired tuned / confidence engines' under --sequential
     mixed_rounds = args.mixed_rounds or args.rounds  # the mixed workload's, in alternating rounds
     if args.mixed_rate and alternate:
@@ -1321,7 +1343,11 @@ def run(args) -> dict:
     kept = {}  # with --tune-schedule in alternating rounds: the sweep's engines, alive for the tuned ones' rounds
     if not alternate:
         for kind, speculative, layout in engines:
-            sweep(kind, speculative, layout)
+            if args.beside_single_process and kind in BESIDE_SINGLE_PROCESS:  # paired with its one-process twin
+                paired([(kind, speculative, layout), (SINGLE + kind, speculative, {"single_process": True})],
+                       with_e2e=True)
+            else:
+                sweep(kind, speculative, layout)
     elif not args.schedule:  # every engine of the sweep alive at once, in alternating rounds (with --schedule, a
         # schedule tuned before: no first phase, the sweep's engines measured beside the schedule's below)
         # (with --tune-schedule the second phase measures every engine's mixed workload again, beside the tuned
@@ -1391,6 +1417,9 @@ def run(args) -> dict:
         if "colocated_tokens_per_s" in row:  # a separate drafter against the same replica with it colocated
             row["throughput_vs_colocated"] = row["dspark_tokens_per_s"] / row["colocated_tokens_per_s"]
             row["step_vs_colocated"] = row["dspark_step_ms"] / row["colocated_step_ms"]
+        for kind in BESIDE_SINGLE_PROCESS:  # a replica engine against its one-process twin, measured in the same run
+            if f"{SINGLE}{kind}_step_ms" in row:
+                row.update(against_single_process(row, kind))
         if "serial_tokens_per_s" in row:  # pipelined against the same separate drafter without the pipeline
             row["throughput_vs_serial"] = row["dspark_tokens_per_s"] / row["serial_tokens_per_s"]
         if "verify_step_ms" in row and "ar_forward_ms" in row:  # device time against device time
@@ -1563,6 +1592,9 @@ def summary(record: dict) -> str:
     separate = any("throughput_vs_colocated" in r for r in record["runs"])
     layout = f"  {record.get('replica', 'single-process')} TP={record.get('tensor_parallel_size', 1)}, drafter " \
              f"{record.get('drafter', 'colocated')}"
+    def cell(value, width: int, digits: int = 2) -> str:  # a figure an older record lacks: "-"
+        return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
     lines = [f"{record['hardware']}  {record['model']} ({record['kind']})" +
              (f"  copy bandwidth {bandwidth:.0f} GB/s" if bandwidth else "") + layout,
              f"{'conc':>5} {'AR ms':>8} {'roofline':>8} {'DSpark ms':>10} {'ratio':>6} {'AR tok/s':>9} "
@@ -1573,13 +1605,16 @@ def summary(record: dict) -> str:
                      f"{r['dspark_step_ms']:>10.2f} {r['dspark_step_vs_ar']:>6.2f} {r['ar_tokens_per_s']:>9.1f} "
                      f"{r['dspark_tokens_per_s']:>9.1f} {r['speedup']:>8.2f}" +
                      (f" {r['throughput_vs_colocated']:>8.2f}" if "throughput_vs_colocated" in r else ""))
+    for r in record["runs"]:
+        if "ray_vs_single_process_ar_step" in r:  # --beside-single-process
+            lines.append(f"{r['concurrency']:>5} replica / one process, step: AR {r['ray_vs_single_process_ar_step']:.3f}"
+                         f" (paired {cell(r['ray_vs_single_process_ar_step_paired'], 0, 3)}), DSpark "
+                         f"{r['ray_vs_single_process_dspark_step']:.3f} (paired "
+                         f"{cell(r['ray_vs_single_process_dspark_step_paired'], 0, 3)})")
     e2e = record.get("end_to_end")
     if e2e:
         lines.append(f"end to end, {e2e['prompts']} prompts x {e2e['max_tokens']} tokens at concurrency 1: speedup "
                      f"{e2e['speedup']:.2f}, identical greedy outputs {e2e['identical_fraction']:.2f}")
-    def cell(value, width: int, digits: int = 2) -> str:  # a figure an older record lacks: "-"
-        return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
-
     confident = [r for r in record["runs"] if "confidence_vs_tuned" in r]
     if confident:  # the confidence scheduler against the tuned schedule, and what it chose from which predictions
         lines.append(f"{'conc':>5} {'conf/tuned':>10} {'paired':>7} {'budget':>7} {'drafted':>7} {'pred ms':>8} "
@@ -1782,6 +1817,10 @@ def add_parser(commands) -> None:
     bench.add_argument("--tensor-parallel-size", type=integer(1), help="run every engine as a Ray replica "
                        "(cluster.LLM) of this many target shards, one GPU each; the record says tensor_parallel_size "
                        "and drafter (default: one process, runtime.LLM, with its CUDA graphs and host breakdowns)")
+    bench.add_argument("--beside-single-process", action="store_true", help="with --tensor-parallel-size: measure "
+                       "the AR and DSpark replicas each beside the same engine in this process on the same GPU, in "
+                       "alternating rounds (single_ar_*, single_dspark_*; ray_vs_single_process_{ar,dspark}_step and "
+                       "its _paired median of per-round ratios: what the process boundary and the dispatch cost)")
     bench.add_argument("--ray-address", help="with --tensor-parallel-size: the Ray cluster the replicas join "
                        "(default: a running one, else a new local one; 'local' always starts a new one)")
     bench.add_argument("--drafter", default="colocated", choices=["colocated", "separate"], help="where a "
@@ -1892,6 +1931,10 @@ def main(args) -> int:
     if args.projected_tau is not None and not 1.0 <= args.projected_tau <= args.max_draft_len + 1:
         print(f"dspark bench: --projected-tau must be in [1, max_draft_len + 1 = {args.max_draft_len + 1}], got "
               f"{args.projected_tau}", file=sys.stderr)
+        return 2
+    if args.beside_single_process and args.tensor_parallel_size is None:
+        print("dspark bench: --beside-single-process needs --tensor-parallel-size (it pairs a replica with one "
+              "process)", file=sys.stderr)
         return 2
     if args.pipeline_drafter and args.drafter != "separate":
         print("dspark bench: --pipeline-drafter needs --drafter separate", file=sys.stderr)

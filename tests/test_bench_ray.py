@@ -34,3 +34,35 @@ def test_the_sweep_runs_through_a_ray_replica_with_a_separate_drafter(tmp_path):
         assert row["throughput_vs_serial"] == row["dspark_tokens_per_s"] / row["serial_tokens_per_s"]
         assert "roofline_fraction" not in row and "verify_step_ms" not in row
     assert "ray TP=1, drafter separate" in proc.stderr
+
+
+@pytest.mark.ray
+def test_a_replica_is_measured_beside_its_one_process_twin_in_alternating_rounds(tmp_path):
+    """``dspark bench --tensor-parallel-size 1 --beside-single-process`` on the CPU: the AR and DSpark replicas are
+    each measured beside the same engine in the driver's process, in alternating rounds, and the record carries the
+    twins' rows and the replica-over-one-process step ratios (from the median rounds and per round)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "bench.json"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
+                           "--tensor-parallel-size", "1", "--beside-single-process", "--concurrency", "2",
+                           "--rounds", "3", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2", "--warmup",
+                           "1", "--kv-cache-gib", "0.05", "--ray-address", "local", "--out", str(out)], cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["replica"] == "ray" and record["measurement"].startswith("sequential; the AR and DSpark replicas")
+    assert [info["role"] for info in record["single_ar_rank_info"]] == ["target"]
+    (row,) = record["runs"]
+    for kind in ("ar", "dspark"):
+        assert len(row[f"{kind}_tokens_per_s_rounds"]) == len(row[f"single_{kind}_tokens_per_s_rounds"]) == 3
+        assert row[f"ray_vs_single_process_{kind}_step"] == row[f"{kind}_step_ms"] / row[f"single_{kind}_step_ms"]
+        per_round = sorted(s / r for s, r in zip(row[f"single_{kind}_tokens_per_s_rounds"],
+                                                 row[f"{kind}_tokens_per_s_rounds"]))
+        assert row[f"ray_vs_single_process_{kind}_step_paired"] == per_round[1]
+    assert "replica / one process, step: AR" in proc.stderr
+

@@ -101,10 +101,18 @@ def test_tp_scaling_ratios_pair_each_layout_with_its_reference_and_skip_what_the
         "ray-tp1-separate": {"runs": [{"concurrency": 1, "step_vs_colocated": 1.02,
                                        "throughput_vs_colocated": 0.98}]},
     }
+    assert "--beside-single-process" in dict((n, f) for n, f, _ in tp_scaling.layouts([1, 2], True, 2))["ray-tp1"]
     got = tp_scaling.ratios(records, [1, 2, 4])[1]
     assert got == {"tp2_vs_tp1_ar_step": 0.6, "tp2_vs_tp1_dspark_step": round(4.4 / 6.6, 4),
                    "ray_tp1_vs_single_process_ar_step": 1.1, "ray_tp1_vs_single_process_dspark_step": 1.1,
+                   "ray_tp1_vs_single_process_from": "separate layouts",
                    "separate_step_vs_colocated": 1.02, "separate_throughput_vs_colocated": 0.98}
+    # the TP=1 layout measured beside one process in alternating rounds: its paired ratios win over the layouts'
+    records["ray-tp1"]["runs"][0].update(ray_vs_single_process_ar_step_paired=1.03,
+                                         ray_vs_single_process_dspark_step_paired=1.04)
+    got = tp_scaling.ratios(records, [1, 2, 4])[1]
+    assert (got["ray_tp1_vs_single_process_ar_step"], got["ray_tp1_vs_single_process_dspark_step"]) == (1.03, 1.04)
+    assert got["ray_tp1_vs_single_process_from"] == "alternating rounds in the ray-tp1 layout"
 
 
 def test_schedule_bounds_price_the_best_cap_and_the_oracle_from_the_table(tmp_path):

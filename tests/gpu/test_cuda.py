@@ -1,5 +1,6 @@
 """On CUDA: the engine matches its CPU output; TP=2 over NCCL and a separate drafter on a second GPU match
-the single-GPU output (fp32, random-weight models). Skipped without a GPU (two for the Ray tests)."""
+the single-GPU output (fp32, random-weight models); a graphed TP=1 replica matches one process. Skipped without a
+GPU (without Ray for the replica tests, and two GPUs for the TP=2 and separate ones)."""
 
 import pytest
 import torch
@@ -35,13 +36,18 @@ def test_cuda_matches_cpu(near_bigram_target, make_drafter, rejection):
 
 
 @pytest.fixture(scope="module")
-def ray_gpus():
+def ray_local():
+    """A Ray cluster of this test module's own on this host's GPUs."""
     ray = pytest.importorskip("ray")
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def ray_gpus(ray_local):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
 
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, drafter="colocated"),
@@ -90,6 +96,30 @@ def test_tp2_cuda_graphs_equal_the_eager_replica(ray_gpus, wide_target, make_dra
                 assert all(i["graph_replays"] > 0 for i in llm.rank_info())
     assert runs[False][0] == runs[True][0]
     assert sum(a == b for a, b in zip(runs[False][1], runs[True][1])) >= 2  # bf16 near-ties may part a sample
+
+
+def test_a_graphed_tp1_replica_runs_ahead_and_equals_one_process(ray_local, wide_target, make_drafter):
+    """A TP=1 replica with its drafter colocated, on one GPU, FlashInfer graphs in bf16: the worker launches steady
+    steps ahead of the driver's commit (``RayExecutor.runs_ahead``) as one process does, and its tokens equal the
+    one-process engine's (the same kernels on the same batches), greedy and seeded."""
+    pytest.importorskip("flashinfer")
+    from cluster import LLM as ClusterLLM
+
+    drafter = spec(make_drafter(wide_target, 4, oracle=True))
+    engine = dict(dtype="bfloat16", device="cuda", num_pages=256, page_size=16, kernel_backend="flashinfer",
+                  max_num_seqs=8)
+    single = LLM(str(wide_target), speculative_config=drafter, **engine)
+    expected = ([o.token_ids for o in single.generate(PROMPTS, GREEDY)],
+                [o.token_ids for o in single.generate(PROMPTS, SEEDED)])
+    del single
+    with ClusterLLM(str(wide_target), speculative_config=drafter, tensor_parallel_size=1, **engine) as llm:
+        assert llm.engine.executor.runs_ahead
+        got = ([o.token_ids for o in llm.generate(PROMPTS, GREEDY)],
+               [o.token_ids for o in llm.generate(PROMPTS, SEEDED)])
+        (info,) = llm.rank_info()
+        assert info["cuda_graphs"] and info["steps_run_ahead"] > 0
+    assert got[0] == expected[0]
+    assert sum(a == b for a, b in zip(got[1], expected[1])) >= 2  # (as the TP=2 test: a near-tie may part a sample)
 
 
 def test_a_pinned_read_back_waits_for_its_copy_alone():
