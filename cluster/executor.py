@@ -11,7 +11,8 @@ machinery rather than a hand-made transport. What travels is the batch's delta i
 batches dominated at large batch sizes (``benchmarks/dispatch.py``). Tensors move between actors over
 torch.distributed only. Other calls (load, info, health) stay ordinary actor tasks. The batch carries the engine's
 run-ahead mark and the next verify's length, so a single-rank replica's worker plans the next step while the
-drafter drafts and launches it ahead as one process does (``runs_ahead``).
+drafter drafts and launches it ahead as one process does (``verifies_ahead``), and every rank of a replica without a
+drafter launches steady decode steps ahead (``runs_ahead``).
 
 Idle parking: an armed compiled graph's actors wait for the next step in Ray's channel read, which spins (a
 ``sched_yield`` loop: a whole CPU core per actor, and the same on the driver while it waits for a step), also while
@@ -48,13 +49,22 @@ log = logging.getLogger(__name__)
 logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.WARNING)
 
 
-def runs_ahead(plans_ahead: bool, tensor_parallel_size: int, roles: list[str]) -> bool:
-    """Whether the engine may mark steps to run ahead (``ScheduledBatch.run_ahead``) on this replica: its one target
-    rank runs CUDA graphs that plan ahead, and the drafter (if any) is colocated in that rank's process: the
-    worker then launches the next steady step before this one's results travel back to the driver, so the GPU
-    works while the step's round trip (``benchmarks/dispatch.py``: ~0.16 ms at one request) and the engine's commit
-    run, as in one process. Tensor-parallel ranks and a separate drafter's layout never launch ahead (their runners
-    do not), and marking steps for them would only make arrivals wait a step."""
+def runs_ahead(plans_ahead: bool, tensor_parallel_size: int, roles: list[str], speculative: bool) -> bool:
+    """Whether the engine may mark steady greedy decode steps to run ahead (``ScheduledBatch.run_ahead``) on this
+    replica: every target rank runs CUDA graphs that plan ahead and no separate drafter takes part. Each rank then
+    launches the next decode step before this one's results travel back to the driver, so the GPUs work while the
+    step's round trip (``benchmarks/dispatch.py``: ~0.16 ms at one request) and the engine's commit run, as in one
+    process. Tensor-parallel ranks do so only without a drafter: every rank decides alike from the same batch and the
+    same verdicts (gathered inside the graph), so the collectives of the steps they launch pair up, but a colocated
+    drafter's context lives on rank 0 alone, and its steps take the general path (``ModelRunner._decodes_greedy``).
+    Marking steps no rank launches ahead would only make arrivals wait a step."""
+    return plans_ahead and "drafter" not in roles and (tensor_parallel_size == 1 or not speculative)
+
+
+def verifies_ahead(plans_ahead: bool, tensor_parallel_size: int, roles: list[str]) -> bool:
+    """Whether the engine may mark steady greedy verify steps to run ahead: the next block's verify launched right
+    behind its draft (``GraphedTargetForward.launch_verify_ahead``), which needs the block on the device of every
+    target rank: only a single rank with its drafter colocated."""
     return plans_ahead and tensor_parallel_size == 1 and "drafter" not in roles
 
 
@@ -96,7 +106,9 @@ class RayExecutor:
             self.num_pages = replica_pages(engine, self._call_all("load"))
             self._call_all("allocate", self.num_pages)
             self.plans_ahead = plans_ahead(self._call_all("info"))  # the engine then allots pages a token ahead
-            self.runs_ahead = runs_ahead(self.plans_ahead, parallel.tensor_parallel_size, self.plan.roles)
+            self.runs_ahead = runs_ahead(self.plans_ahead, parallel.tensor_parallel_size, self.plan.roles,
+                                         speculative)
+            self.verifies_ahead = verifies_ahead(self.plans_ahead, parallel.tensor_parallel_size, self.plan.roles)
             self.step_graph = self._compile_step()
         except BaseException:
             self.shutdown()

@@ -85,6 +85,8 @@ class Engine:
         # drafter the next greedy verify of the blocks drafted now, whole or at confidence scheduling's cap
         # (ScheduledBatch.next_verify_len; GraphedTargetForward.launch_verify_ahead)
         self._runs_ahead = getattr(self.executor, "runs_ahead", False)
+        # (a tensor-parallel replica launches decode steps ahead, not verifies: Executor.verifies_ahead)
+        self._verifies_ahead = getattr(self.executor, "verifies_ahead", self._runs_ahead)
         self._arm = getattr(self.executor, "arm", None)  # (Executor: optional) readies it before a step is timed
         self._ran_ahead = False  # the step just scheduled may be launched ahead of its turn
         self.stops = StopCriteria(self._eos_token_ids(), self.tokenizer, self.max_model_len)
@@ -386,9 +388,8 @@ class Engine:
             if self._grammar_backend is not None:
                 self._mask_grammars(scheduled)
             next_verify_len, next_packed = self._next_verify(scheduled) if self.has_drafter and scheduled else (0, None)
-            self._ran_ahead = self._runs_ahead and (self._steady_verify(scheduled, next_verify_len)
-                                                    if self.has_drafter and next_verify_len
-                                                    else self._steady_decode(scheduled))
+            self._ran_ahead = (self._verifies_ahead and self._steady_verify(scheduled, next_verify_len)) \
+                if self.has_drafter and next_verify_len else (self._runs_ahead and self._steady_decode(scheduled))
             self._packed = self._packed_plan(scheduled)
         released, scrub = self.scheduler.take_released()
         batch = ScheduledBatch(requests=scheduled, num_next_drafts=self.draft_len(),

@@ -19,7 +19,10 @@ class Executor(Protocol):
     where its runner waits for the step's read-back; the cluster's: between dispatching a step and collecting it).
     One without it leaves the engine's deferrable work where it arises. An executor may also offer ``stats()``: a dict
     of its own counters, which ``Engine.get_metrics`` reports beside the engine's; and ``arm()``, which the engine
-    calls first thing in every step, before it times the step (a parked Ray replica compiles its step graph there)."""
+    calls first thing in every step, before it times the step (a parked Ray replica compiles its step graph there);
+    and ``runs_ahead`` / ``verifies_ahead`` (default False / as ``runs_ahead``): whether its workers launch a steady
+    greedy decode / verify step before the step ahead of it is read back, when the engine marks the batch so
+    (``ScheduledBatch.run_ahead``)."""
 
     num_pages: int
 
@@ -60,7 +63,7 @@ class LocalExecutor:
         # the graphs plan a decode step's attention ahead (the engine allots pages a token ahead for it), and launch a
         # steady greedy decode step ahead of its turn when the engine says so (ScheduledBatch.run_ahead)
         self.plans_ahead = plans_ahead([self.worker.info()])
-        self.runs_ahead = self.plans_ahead
+        self.runs_ahead = self.verifies_ahead = self.plans_ahead
         self.host_work = self.worker.engine_part.host_work  # run where the runner waits for a step's read-back
 
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:

@@ -341,14 +341,18 @@ class ModelRunner:
         return proposal.block[:, k + 1:2 * k + 1].to(torch.float32) / CONFIDENCE_SCALE
 
     def _decodes_greedy(self, batch: ScheduledBatch) -> bool:
-        """Whether ``batch`` is a plain greedy decode step a one-token graph serves on this single rank (no drafts
-        to make, no faulted pages to scrub first; a drafter's context, if kept, appended by a captured context
-        graph): ``GraphedTargetForward.decode_greedy`` runs it (and may launch the next one ahead)."""
+        """Whether ``batch`` is a plain greedy decode step a one-token graph serves (no drafts to make, no faulted
+        pages to scrub first; a drafter's context, if kept, appended by a captured context graph):
+        ``GraphedTargetForward.decode_greedy`` runs it (and may launch the next one ahead). Under tensor parallelism
+        every rank must choose alike from the batch alone, since the steps they replay and launch ahead carry
+        collectives that pair up across ranks: a step keeping a drafter's context (rank 0's alone) takes the general
+        path there."""
         reqs = batch.requests
-        return self.graphs is not None and not self.parallel.is_parallel and not batch.scrub_page_ids \
-            and not batch.num_next_drafts and len(reqs) <= self.graphs.buckets[-1] \
-            and all(len(r.token_ids) == 1 and r.sample and plain_greedy(r) for r in reqs) \
-            and not (self.has_drafter and batch.maintain_draft_context and not self.graphs.appends_context(len(reqs)))
+        if self.graphs is None or batch.scrub_page_ids or batch.num_next_drafts or len(reqs) > self.graphs.buckets[-1] \
+                or not all(len(r.token_ids) == 1 and r.sample and plain_greedy(r) for r in reqs):
+            return False
+        return not (batch.maintain_draft_context and (
+            self.parallel.is_parallel or (self.has_drafter and not self.graphs.appends_context(len(reqs)))))
 
     def _greedy_verdicts(self, entries: list[ScheduledRequest], hidden: torch.Tensor, row_ends: list[int],
                          batch_index: list[int], graphed: GraphOutputs | None) -> torch.Tensor:

@@ -52,13 +52,20 @@ def test_the_run_ahead_mark_and_the_next_verify_length_reach_the_actors():
     assert got == plain and not got.run_ahead and got.next_verify_len == 0
 
 
-def test_only_a_single_rank_replica_without_a_separate_drafter_runs_steps_ahead():
-    from cluster.executor import runs_ahead
+def test_which_replicas_run_decode_and_verify_steps_ahead():
+    """Decode steps: every graphed layout without a separate drafter, tensor-parallel ranks only without a drafter
+    (its context is rank 0's alone); verify steps: a single rank with its drafter colocated."""
+    from cluster.executor import runs_ahead, verifies_ahead
 
-    assert runs_ahead(True, 1, ["target"])  # colocated drafter or none: one process, as in runtime.LLM
-    assert not runs_ahead(False, 1, ["target"])  # no graphs (CPU): nothing is launched ahead
-    assert not runs_ahead(True, 2, ["target", "target"])
-    assert not runs_ahead(True, 1, ["target", "drafter"])
+    assert runs_ahead(True, 1, ["target"], True)  # colocated drafter or none: one process, as in runtime.LLM
+    assert runs_ahead(True, 1, ["target"], False) and verifies_ahead(True, 1, ["target"])
+    assert not runs_ahead(False, 1, ["target"], False)  # no graphs (CPU): nothing is launched ahead
+    assert not verifies_ahead(False, 1, ["target"])
+    assert runs_ahead(True, 2, ["target", "target"], False)  # TP without a drafter: every rank decodes ahead
+    assert not runs_ahead(True, 2, ["target", "target"], True)
+    assert not verifies_ahead(True, 2, ["target", "target"])
+    assert not runs_ahead(True, 1, ["target", "drafter"], True)
+    assert not verifies_ahead(True, 1, ["target", "drafter"])
 
 
 def test_a_failed_step_resets_both_ends_and_a_mismatch_is_loud():

@@ -98,6 +98,28 @@ def test_tp2_cuda_graphs_equal_the_eager_replica(ray_gpus, wide_target, make_dra
     assert sum(a == b for a, b in zip(runs[False][1], runs[True][1])) >= 2  # bf16 near-ties may part a sample
 
 
+def test_tp2_greedy_decoding_runs_ahead_on_every_rank_and_equals_the_eager_replica(ray_gpus, wide_target):
+    """An autoregressive TP=2 replica on CUDA graphs: both ranks launch each steady decode step ahead of the driver's
+    commit alike (the same steps from the same batches and gathered verdicts, so their all-reduces pair up), and
+    its greedy tokens equal the eager replica's."""
+    pytest.importorskip("flashinfer")
+    from cluster import LLM as ClusterLLM
+
+    engine = dict(dtype="bfloat16", device="cuda", num_pages=256, page_size=16, kernel_backend="flashinfer",
+                  max_num_seqs=8, tensor_parallel_size=2)
+    runs = {}
+    for eager in (False, True):
+        with ClusterLLM(str(wide_target), enforce_eager=eager, **engine) as llm:
+            assert llm.engine.executor.runs_ahead == (not eager) and not llm.engine.executor.verifies_ahead
+            runs[eager] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+            if not eager:
+                info = llm.rank_info()
+                ahead = [i["steps_run_ahead"] for i in info]
+                assert ahead[0] > 0 and ahead[0] == ahead[1], ahead
+                assert info[0]["graph_replays"] == info[1]["graph_replays"]
+    assert runs[False] == runs[True]
+
+
 def test_a_graphed_tp1_replica_runs_ahead_and_equals_one_process(ray_local, wide_target, make_drafter):
     """A TP=1 replica with its drafter colocated, on one GPU, FlashInfer graphs in bf16: the worker launches steady
     steps ahead of the driver's commit (``RayExecutor.runs_ahead``) as one process does, and its tokens equal the

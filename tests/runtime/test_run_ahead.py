@@ -163,6 +163,32 @@ def _forward(batch: int, page_size: int = 4):
     return forward, g, planned
 
 
+def _runner(rank: int, world: int, appends_context: bool):
+    """A ``ModelRunner``'s step-path choice only (``_decodes_greedy``): graphs of one bucket of 4, a drafter (every
+    rank of a replica has its spec; its context graph, if any, is rank 0's)."""
+    from runtime.parallel import ParallelContext
+    from runtime.runner import ModelRunner
+
+    runner = object.__new__(ModelRunner)
+    runner.parallel, runner.has_drafter = ParallelContext(rank=rank, world_size=world), True
+    runner.graphs = type("Graphs", (), {"buckets": [4], "appends_context": lambda self, n: appends_context})()
+    return runner
+
+
+def test_tensor_parallel_ranks_choose_the_decode_path_alike_from_the_batch_alone():
+    """The steps a rank replays or launches ahead carry collectives that pair up across ranks: under tensor
+    parallelism rank 0 (with the drafter's context graph) and rank 1 (without) both take the graphed greedy decode
+    path without a drafter's context to keep, and both the general path while it is kept; one rank alone keeps its
+    own rule (the context graph decides)."""
+    step = [_decode("a", 40, 7, [5, 6, 7]), _decode("b", 41, 6, [8, 9, 10])]
+    for maintain in (False, True):
+        batch = ScheduledBatch(step, 0, maintain, [], [])
+        assert [_runner(rank, 2, rank == 0)._decodes_greedy(batch) for rank in (0, 1)] == [not maintain] * 2
+    kept = ScheduledBatch(step, 0, True, [], [])
+    assert _runner(0, 1, True)._decodes_greedy(kept) and not _runner(0, 1, False)._decodes_greedy(kept)
+    assert not _runner(0, 2, True)._decodes_greedy(ScheduledBatch(step, 3, False, [], []))  # drafts to make
+
+
 def _decode(rid: str, token: int, position: int, pages: list[int]):
     from runtime.step_io import ScheduledRequest
 
@@ -525,6 +551,20 @@ def test_decode_steps_run_ahead_while_a_schedule_drafts_nothing_and_stop_when_it
             assert [r.request_id for r in nxt.requests] == [r.request_id for r in b.requests]
             assert all(len(r.token_ids) == 1 and not r.num_drafts for r in nxt.requests)
     assert any(b.num_next_drafts == 4 for b in ex.batches[ex.batches.index(decode[-1]) + 1:])
+
+
+class DecodeAheadExecutor(DraftingExecutor):
+    """Launches decode steps ahead, never verifies (a tensor-parallel replica: ``Executor.verifies_ahead``)."""
+
+    verifies_ahead = False
+
+
+def test_an_executor_that_launches_only_decode_steps_ahead_gets_no_verify_marked(tmp_path):
+    eng, ex = spark_engine(tmp_path, schedule={1: 4}, executor_class=DecodeAheadExecutor)
+    serve(eng, (list(range(10, 30)), greedy(12)), (list(range(40, 45)), greedy(6)))
+    verify = [b for b in ex.batches if any(r.num_drafts for r in b.requests)]
+    assert verify and not any(b.run_ahead for b in verify)
+    assert any(b.run_ahead for b in ex.batches if not b.num_next_drafts)  # the decode steps while it drafts nothing
 
 
 def test_decode_steps_do_not_run_ahead_while_the_drafter_drafts(tmp_path):
