@@ -5,7 +5,8 @@ Each layout is one ``dspark bench`` (its own process, so every layout starts on 
 the same concurrencies, steps and kernels; this script then puts their step times into one record with the
 ratios the cluster fast path is judged by:
   tp{N}_vs_tp1_ar_step          a TP=N replica's autoregressive step over the TP=1 replica's (goal at batch 1:
-                                <= 0.60 for N=2, <= 0.35 for N=4)
+                                <= 0.60 for N=2, <= 0.35 for N=4); tp{N}_oneshot_* the same with the one-shot
+                                all-reduce (--allreduce-strategy ONESHOT; --no-oneshot leaves it out)
   ray_tp1_vs_single_process_*   the Ray TP=1 replica's AR and DSpark steps over the single-process engine's
                                 (goal <= 1.05: what the process boundary and dispatch cost), from the ray-tp1
                                 layout's own bench, which measures the two side by side on one GPU in alternating
@@ -16,7 +17,7 @@ Each layout's full bench record is kept under ``layouts``. Layouts needing more 
 skipped and said so in the record.
 
 usage: python3 benchmarks/tp_scaling.py --out FILE.json [--model-shape qwen3-8b] [--tensor-parallel-sizes 1,2]
-       [--concurrency 1,64] [--steps 30] [--no-separate] [--kv-cache-gib 16] [--profile] [--sequential]
+       [--concurrency 1,64] [--steps 30] [--no-separate] [--no-oneshot] [--layouts A,B] [--kv-cache-gib 16] [--profile] [--sequential]
 """
 
 from __future__ import annotations
@@ -33,12 +34,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def layouts(tp_sizes: list[int], separate: bool, gpus: int) -> list[tuple[str, list[str], int]]:
-    """(name, extra bench flags, GPUs needed) of every layout of the run, in order."""
+def layouts(tp_sizes: list[int], separate: bool, gpus: int, oneshot: bool = True) -> list[tuple[str, list[str], int]]:
+    """(name, extra bench flags, GPUs needed) of every layout of the run, in order: above one rank each TP size
+    with NCCL's all-reduce and (``oneshot``) with the one-shot one (``ray-tp{N}-oneshot``)."""
     out = [("single-process", [], 1)]
-    # the TP=1 replica beside the one-process engine on its GPU, in alternating rounds (the paired ratio below)
-    out += [(f"ray-tp{n}", ["--tensor-parallel-size", str(n), *(["--beside-single-process"] if n == 1 else [])], n)
-            for n in tp_sizes]
+    for n in tp_sizes:
+        # the TP=1 replica beside the one-process engine on its GPU, in alternating rounds (the paired ratio below)
+        out.append((f"ray-tp{n}", ["--tensor-parallel-size", str(n), *(["--beside-single-process"] if n == 1 else [])],
+                    n))
+        if n > 1 and oneshot:
+            out.append((f"ray-tp{n}-oneshot", ["--tensor-parallel-size", str(n), "--allreduce-strategy", "ONESHOT"],
+                        n))
     if separate:
         out.append(("ray-tp1-separate", ["--tensor-parallel-size", "1", "--drafter", "separate",
                                           "--pipeline-drafter"], 2))
@@ -64,8 +70,10 @@ def ratios(records: dict[str, dict], tp_sizes: list[int]) -> dict:
         point: dict = {}
         for n in tp_sizes:
             if n != 1:
-                point[f"tp{n}_vs_tp1_ar_step"] = ratio(f"ray-tp{n}", "ray-tp1", "ar_step_ms", c)
-                point[f"tp{n}_vs_tp1_dspark_step"] = ratio(f"ray-tp{n}", "ray-tp1", "dspark_step_ms", c)
+                for name in (f"tp{n}", f"tp{n}_oneshot"):
+                    layout = "ray-" + name.replace("_", "-")
+                    point[f"{name}_vs_tp1_ar_step"] = ratio(layout, "ray-tp1", "ar_step_ms", c)
+                    point[f"{name}_vs_tp1_dspark_step"] = ratio(layout, "ray-tp1", "dspark_step_ms", c)
         paired = rows.get("ray-tp1", {}).get(c, {})
         for kind in ("ar", "dspark"):  # measured beside each other in the TP=1 layout's rounds, else across layouts
             beside = paired.get(f"ray_vs_single_process_{kind}_step_paired")
@@ -91,6 +99,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per point (default 30)")
     parser.add_argument("--kv-cache-gib", type=float, default=16, help="KV cache per engine (default 16)")
     parser.add_argument("--no-separate", action="store_true", help="leave out the separate-drafter layout")
+    parser.add_argument("--layouts", help="comma-separated layout names to run, of those the other flags give "
+                        "(default: all; e.g. ray-tp1,ray-tp2-oneshot to fit one device command)")
+    parser.add_argument("--no-oneshot", action="store_true", help="leave out the TP layouts with the one-shot "
+                        "all-reduce (allreduce_strategy ONESHOT; by default each TP size above 1 runs with it too)")
     parser.add_argument("--sequential", action="store_true", help="dspark bench --sequential in every layout: the "
                         "single-process layout's engines one at a time (a target too large for two on one GPU, "
                         "e.g. qwen3-30b-a3b; a replica's always are)")
@@ -106,6 +118,13 @@ def main() -> int:
     import torch
 
     gpus = torch.cuda.device_count()
+    planned = layouts(tp_sizes, not args.no_separate, gpus, not args.no_oneshot)
+    if args.layouts:
+        wanted = args.layouts.split(",")
+        unknown = sorted(set(wanted) - {name for name, _, _ in planned})
+        if unknown:
+            parser.error(f"--layouts: no layout {unknown} in this run; its layouts: {[n for n, _, _ in planned]}")
+        planned = [layout for layout in planned if layout[0] in wanted]
     if gpus < 1:
         print("tp_scaling.py: needs a GPU", file=sys.stderr)
         return 2
@@ -123,7 +142,7 @@ def main() -> int:
         return record
 
     with tempfile.TemporaryDirectory(prefix="dspark-tp-") as tmp:
-        for name, flags, need in layouts(tp_sizes, not args.no_separate, gpus):
+        for name, flags, need in planned:
             if flags is None:
                 skipped[name] = f"needs {need} GPUs, the host has {gpus}"
                 continue

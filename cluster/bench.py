@@ -1018,7 +1018,7 @@ def run(args) -> dict:
             place = drafter if speculative_config is not None else "colocated"  # AR: no drafter to place
             return ReplicaLLM(model, speculative_config, tensor_parallel_size=tp, drafter=place,
                               pipeline_drafter=bool(pipeline) and place == "separate",
-                              ray_address=args.ray_address, **kwargs)
+                              allreduce_strategy=args.allreduce_strategy, ray_address=args.ray_address, **kwargs)
     else:
         engine_class = LLM
     spec = {"speculative_model": str(drafter), "max_draft_len": args.max_draft_len,
@@ -1031,6 +1031,7 @@ def run(args) -> dict:
               "host": platform.node(), "torch": torch.__version__, "model": args.model_shape or str(target),
               "kind": "random-shape" if shape else "trained", "tensor_parallel_size": tp,
               "drafter": args.drafter, "pipeline_drafter": bool(args.pipeline_drafter) and args.drafter == "separate",
+              "allreduce_strategy": args.allreduce_strategy if replica else None,
               "replica": "ray" if replica else "single-process",
               "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
               "step_outputs": "delta",  # the sweep's requests' output_kind (as the server streams; since 2026-12-01)
@@ -1817,6 +1818,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--tensor-parallel-size", type=integer(1), help="run every engine as a Ray replica "
                        "(cluster.LLM) of this many target shards, one GPU each; the record says tensor_parallel_size "
                        "and drafter (default: one process, runtime.LLM, with its CUDA graphs and host breakdowns)")
+    bench.add_argument("--allreduce-strategy", choices=["NCCL", "ONESHOT", "AUTO"], default="NCCL", help="with "
+                       "--tensor-parallel-size: how the target ranks sum (parallel.allreduce_strategy; default NCCL); "
+                       "each rank's choice is in *_rank_info")
     bench.add_argument("--beside-single-process", action="store_true", help="with --tensor-parallel-size: measure "
                        "the AR and DSpark replicas each beside the same engine in this process on the same GPU, in "
                        "alternating rounds (single_ar_*, single_dspark_*; ray_vs_single_process_{ar,dspark}_step and "
@@ -1931,6 +1935,10 @@ def main(args) -> int:
     if args.projected_tau is not None and not 1.0 <= args.projected_tau <= args.max_draft_len + 1:
         print(f"dspark bench: --projected-tau must be in [1, max_draft_len + 1 = {args.max_draft_len + 1}], got "
               f"{args.projected_tau}", file=sys.stderr)
+        return 2
+    if args.allreduce_strategy != "NCCL" and (args.tensor_parallel_size or 1) < 2:
+        print(f"dspark bench: --allreduce-strategy {args.allreduce_strategy} needs --tensor-parallel-size 2 or more "
+              "(one rank sums nothing)", file=sys.stderr)
         return 2
     if args.beside_single_process and args.tensor_parallel_size is None:
         print("dspark bench: --beside-single-process needs --tensor-parallel-size (it pairs a replica with one "

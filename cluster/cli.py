@@ -37,7 +37,7 @@ MODEL_FLAGS = {
     "speculative_revision": ("speculative", "revision"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"), "drafter": ("parallel", "drafter"),
     "pipeline_drafter": ("parallel", "pipeline_drafter"),
-    "idle_park_s": ("parallel", "idle_park_s"),
+    "idle_park_s": ("parallel", "idle_park_s"), "allreduce_strategy": ("parallel", "allreduce_strategy"),
     "ray_address": ("parallel", "ray_address"),
 }
 APP_NAME = "dspark"  # the Serve application `dspark serve` deploys
@@ -67,6 +67,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-drafter", action="store_true", default=None,
                    help="with --drafter separate: two request groups take turns, the drafter drafting one while "
                    "the target verifies the other (pays with many requests; exact-match verification only)")
+    p.add_argument("--allreduce-strategy", choices=["NCCL", "ONESHOT", "AUTO"], help="how tensor-parallel ranks "
+                   "sum: NCCL (default), ONESHOT (one kernel over PyTorch symmetric memory, CUDA ranks on one host), "
+                   "AUTO (ONESHOT where every rank can run it, else NCCL)")
     p.add_argument("--idle-park-s", type=number_or_never(0, above=True), metavar="SECONDS|never",
                    help="seconds without a step after which a Ray replica parks its step graph (its actors stop "
                    "spinning a core each; the next step compiles it again); never: keep it armed (default 2)")

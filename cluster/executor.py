@@ -79,6 +79,9 @@ class RayExecutor:
         self.use_gpus = engine.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
         if engine.device.startswith("cuda") and not self.use_gpus:
             raise ValueError(f"device={engine.device!r} but the Ray cluster has no GPUs")
+        if parallel.allreduce_strategy == "ONESHOT" and not self.use_gpus:
+            raise ValueError("parallel.allreduce_strategy='ONESHOT' runs on CUDA devices and this replica runs on "
+                             "CPUs; allowed there: 'NCCL' (gloo's all-reduce) or 'AUTO'")
         speculative = engine.speculative_config is not None
         self.plan = plan_placement(parallel, speculative, self.use_gpus, groups.cluster_nodes())
         self.owns_group = parallel.placement_group == "own"
@@ -170,7 +173,7 @@ class RayExecutor:
             backend = parallel.distributed_backend
             backend = backend if backend != "auto" else ("nccl" if self.use_gpus else "gloo")
             address = ray.get(self.actors[0].rendezvous.remote(), timeout=parallel.init_timeout_s)
-            self._call_all("join", address, backend, parallel.init_timeout_s)
+            self._call_all("join", address, backend, parallel.init_timeout_s, parallel.allreduce_strategy)
 
     def _call_all(self, method: str, *args, timeout_s: float | None = None):
         """Call ``method`` on every actor at once; an error raised inside an actor is re-raised naming its

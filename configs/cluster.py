@@ -35,6 +35,13 @@ class ParallelConfig(BaseModel):
         "them; build_app sets this).")
     distributed_backend: Literal["auto", "nccl", "gloo"] = Field(
         default="auto", description="torch.distributed backend: auto is nccl on GPUs, gloo on CPUs.")
+    allreduce_strategy: Literal["NCCL", "ONESHOT", "AUTO"] = Field(
+        default="NCCL", description="How the tensor-parallel ranks sum their partial results (TensorRT-LLM's field "
+        "and names): NCCL, torch.distributed's all-reduce on the replica's process group (gloo on a CPU replica), "
+        "captured in the CUDA graphs; ONESHOT, one kernel over PyTorch symmetric memory in which every rank reads "
+        "its peers' partial rows over NVLink (latency-bound messages up to 8 MiB, longer ones through NCCL; CUDA "
+        "ranks on one host; an error naming the rank where it cannot run); AUTO, ONESHOT where every rank can run "
+        "it, else NCCL (rank_info() says which and why).")
     init_timeout_s: Annotated[float, Field(gt=0)] = Field(
         default=300.0, description="Seconds to wait for placement, process-group setup and weight loading.")
     step_timeout_s: Annotated[float, Field(gt=0)] = Field(
@@ -62,7 +69,20 @@ class ReplicaConfig(BaseModel):
         if self.parallel.drafter == "separate" and self.engine.speculative_config is None:
             raise ValueError("parallel.drafter='separate' needs a speculative_config (there is no drafter to place)")
         check_pipelined_drafter(self.parallel, self.engine)
+        check_allreduce_strategy(self.parallel, self.engine)
         return self
+
+
+def check_allreduce_strategy(parallel: ParallelConfig, engine: LLMConfig) -> None:
+    """``allreduce_strategy='ONESHOT'`` needs ranks to sum over (tensor_parallel_size > 1) and CUDA devices."""
+    if parallel.allreduce_strategy != "ONESHOT":
+        return
+    if parallel.tensor_parallel_size == 1:
+        raise ValueError("parallel.allreduce_strategy='ONESHOT' needs tensor_parallel_size > 1 (one rank sums "
+                         "nothing); allowed here: 'NCCL' or 'AUTO'")
+    if engine.device == "cpu":
+        raise ValueError("parallel.allreduce_strategy='ONESHOT' runs on CUDA devices, engine.device is 'cpu'; "
+                         "allowed on CPUs: 'NCCL' (gloo's all-reduce) or 'AUTO'")
 
 
 def check_pipelined_drafter(parallel: ParallelConfig, engine: LLMConfig) -> None:

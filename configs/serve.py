@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from configs.cluster import ParallelConfig, check_pipelined_drafter
+from configs.cluster import ParallelConfig, check_allreduce_strategy, check_pipelined_drafter
 from configs.engine import LLMConfig
 from configs.hub_ids import is_hub_id
 
@@ -89,6 +89,7 @@ class ServeArgs(BaseModel):
         if self.parallel.drafter == "separate" and self.engine.speculative_config is None:
             raise ValueError("parallel.drafter='separate' needs engine.speculative_config")
         check_pipelined_drafter(self.parallel, self.engine)
+        check_allreduce_strategy(self.parallel, self.engine)
         return self
 
     @property

@@ -28,14 +28,21 @@ class ParallelContext:
     rank: int
     world_size: int
     group: object | None = None  # torch.distributed ProcessGroup of the TP ranks (None when world_size == 1)
+    # the one-shot all-reduce the ranks agreed on (runtime.all_reduce.choose_reducer), None: NCCL's
+    reducer: object | None = None
 
     @property
     def is_parallel(self) -> bool:
         return self.world_size > 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_parallel:
-            dist.all_reduce(x, group=self.group)
+        """The sum of ``x`` over the TP ranks: ``x`` itself, summed in place (NCCL's all-reduce), or a new tensor
+        (the one-shot reducer, for the messages it serves): use the result."""
+        if not self.is_parallel:
+            return x
+        if self.reducer is not None and self.reducer.serves(x):
+            return self.reducer(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def gather_stack(self, x: torch.Tensor) -> torch.Tensor:

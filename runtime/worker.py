@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from configs import LLMConfig
+from runtime.all_reduce import choose_reducer
 from runtime.devices import check_draft_attention_backend, kv_budget_bytes, resolve_device, resolve_dtype, \
     resolve_kernel_backend, resolve_moe_backend
 from runtime.draft_channel import LocalDraftChannel, RemoteDraftChannel
@@ -77,6 +78,7 @@ class Worker:
         self.piecewise: PiecewiseTargetForward | None = None  # the steps no whole-step graph serves (one GPU)
         self.step_profiler = StepProfiler()  # idle until the driver starts a profile of this rank's steps
         self.parallel: ParallelContext = SINGLE
+        self.allreduce: str | None = None  # how the TP ranks sum (join), None on one rank
         self.target = self.drafter = self.vocab = self.draft_w2 = None
         self.engine_part: ModelRunner | DraftServer | None = None
         self.moe_backend = self.draft_moe_backend = None
@@ -84,13 +86,15 @@ class Worker:
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
-    def join(self, init_method: str, backend: str, timeout_s: float) -> None:
-        """Join the replica's process group (world = TP ranks + a separate drafter) and its TP subgroup."""
+    def join(self, init_method: str, backend: str, timeout_s: float, allreduce_strategy: str = "NCCL") -> None:
+        """Join the replica's process group (world = TP ranks + a separate drafter) and its TP subgroup; the TP ranks
+        then choose together how they sum (``runtime.all_reduce.choose_reducer``: NCCL, ONESHOT or AUTO)."""
         init_distributed(backend, init_method, self.plan.world_size, self.plan.global_rank, timeout_s)
         group = dist.new_group(list(range(self.plan.tp_size)))
-        if self.plan.role == "target":
-            self.parallel = ParallelContext(self.plan.tp_rank, self.plan.tp_size,
-                                            group if self.plan.tp_size > 1 else None)
+        if self.plan.role == "target" and self.plan.tp_size > 1:
+            reducer, self.allreduce = choose_reducer(allreduce_strategy, group, self.device, self.dtype,
+                                                     f"target rank {self.plan.tp_rank}")
+            self.parallel = ParallelContext(self.plan.tp_rank, self.plan.tp_size, group, reducer)
 
     def load(self) -> int:
         """Load this process's weights; returns the KV pages its memory budget holds."""
@@ -270,6 +274,7 @@ class Worker:
         return {"rank": self.plan.global_rank, "role": self.plan.role, "tp_rank": self.plan.tp_rank,
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "moe_backend": self.moe_backend, "draft_moe_backend": self.draft_moe_backend,
+                "allreduce": self.allreduce,
                 "kernel_backend": self.kernel_backend, "cuda_graphs": self.graphs is not None,
                 "graph_capture_s": round(self.graphs.capture_seconds, 2) if self.graphs is not None else None,
                 "graph_capture_mib": round(self.graphs.capture_bytes / 2**20, 1) if self.graphs is not None else None,

@@ -172,6 +172,10 @@ def test_bench_refuses_a_transformers_peer_on_a_replica(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--profile-batches 8 exceeds the largest --concurrency 4" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
+                           "--tensor-parallel-size", "1", "--allreduce-strategy", "ONESHOT"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--allreduce-strategy ONESHOT needs --tensor-parallel-size 2" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--beside-single-process"], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--beside-single-process needs --tensor-parallel-size" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",

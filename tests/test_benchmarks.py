@@ -93,17 +93,24 @@ def test_tp_scaling_ratios_pair_each_layout_with_its_reference_and_skip_what_the
 
     names = [(name, need, flags is None) for name, flags, need in tp_scaling.layouts([1, 2, 4], True, gpus=2)]
     assert names == [("single-process", 1, False), ("ray-tp1", 1, False), ("ray-tp2", 2, False),
-                     ("ray-tp1-separate", 2, False), ("ray-tp4", 4, True)]
+                     ("ray-tp2-oneshot", 2, False), ("ray-tp1-separate", 2, False), ("ray-tp4", 4, True),
+                     ("ray-tp4-oneshot", 4, True)]
+    assert [name for name, _, _ in tp_scaling.layouts([1, 2], False, gpus=2, oneshot=False)] == \
+        ["single-process", "ray-tp1", "ray-tp2"]
+    assert dict((n, f) for n, f, _ in tp_scaling.layouts([1, 2], False, 2))["ray-tp2-oneshot"][-2:] == \
+        ["--allreduce-strategy", "ONESHOT"]
     records = {
         "single-process": {"runs": [{"concurrency": 1, "ar_step_ms": 5.0, "dspark_step_ms": 6.0}]},
         "ray-tp1": {"runs": [{"concurrency": 1, "ar_step_ms": 5.5, "dspark_step_ms": 6.6}]},
         "ray-tp2": {"runs": [{"concurrency": 1, "ar_step_ms": 3.3, "dspark_step_ms": 4.4}]},
+        "ray-tp2-oneshot": {"runs": [{"concurrency": 1, "ar_step_ms": 2.75, "dspark_step_ms": 3.3}]},
         "ray-tp1-separate": {"runs": [{"concurrency": 1, "step_vs_colocated": 1.02,
                                        "throughput_vs_colocated": 0.98}]},
     }
     assert "--beside-single-process" in dict((n, f) for n, f, _ in tp_scaling.layouts([1, 2], True, 2))["ray-tp1"]
     got = tp_scaling.ratios(records, [1, 2, 4])[1]
     assert got == {"tp2_vs_tp1_ar_step": 0.6, "tp2_vs_tp1_dspark_step": round(4.4 / 6.6, 4),
+                   "tp2_oneshot_vs_tp1_ar_step": 0.5, "tp2_oneshot_vs_tp1_dspark_step": 0.5,
                    "ray_tp1_vs_single_process_ar_step": 1.1, "ray_tp1_vs_single_process_dspark_step": 1.1,
                    "ray_tp1_vs_single_process_from": "separate layouts",
                    "separate_step_vs_colocated": 1.02, "separate_throughput_vs_colocated": 0.98}

@@ -26,8 +26,8 @@ class _WorkerActor:
             port = s.getsockname()[1]
         return f"tcp://{_node_ip()}:{port}"
 
-    def join(self, init_method: str, backend: str, timeout_s: float) -> None:
-        self.worker.join(init_method, backend, timeout_s)
+    def join(self, init_method: str, backend: str, timeout_s: float, allreduce_strategy: str = "NCCL") -> None:
+        self.worker.join(init_method, backend, timeout_s, allreduce_strategy)
 
     def load(self) -> int:
         return self.worker.load()

@@ -102,12 +102,15 @@ def test_tp2_moe_target_equals_transformers_and_every_rank_reports_its_backend(r
 
     spec = DSparkDecodingConfig(speculative_model=str(make_drafter(moe_target, 4)))
     with LLM(str(moe_target), speculative_config=spec, tensor_parallel_size=2, moe_backend=backend,
-             **ENGINE) as llm:
+             allreduce_strategy="AUTO", **ENGINE) as llm:
         outputs = llm.generate(PROMPTS, PARAM_SETS["greedy"])
         assert [o.token_ids for o in outputs] == builders.hf_greedy(moe_target, PROMPTS, 16)
         info = llm.rank_info()
         assert [(i["tp_rank"], i["moe_backend"], i["draft_moe_backend"]) for i in info] == [
             (0, backend, "none"), (1, backend, "none")]
+        # AUTO on CPU ranks: gloo's all-reduce on both, and why
+        assert [i["allreduce"] for i in info] == ["NCCL (AUTO: ONESHOT cannot run: it needs CUDA devices, this "
+                                                  "rank runs on cpu)"] * 2
         assert llm.get_metrics()["num_drafts"] > 0
     free_cpus_return()
 
@@ -205,6 +208,8 @@ def test_a_backend_a_rank_cannot_run_names_the_rank(ray_cluster, near_bigram_tar
     with pytest.raises(ValueError, match=r"rank \d \(target\): moe_backend='CUTLASS': the model has no MoE layers"):
         LLM(str(near_bigram_target), speculative_config={"speculative_model": str(drafter)}, tensor_parallel_size=2,
             moe_backend="CUTLASS", **ENGINE)
+    with pytest.raises(ValueError, match=r"allreduce_strategy='ONESHOT' runs on CUDA devices"):
+        LLM(str(near_bigram_target), tensor_parallel_size=2, allreduce_strategy="ONESHOT", **ENGINE)
     free_cpus_return()
 
 

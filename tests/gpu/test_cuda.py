@@ -120,6 +120,26 @@ def test_tp2_greedy_decoding_runs_ahead_on_every_rank_and_equals_the_eager_repli
     assert runs[False] == runs[True]
 
 
+def test_tp2_one_shot_all_reduce_gives_the_nccl_replicas_tokens(ray_gpus, wide_target, make_drafter):
+    """allreduce_strategy='ONESHOT': both ranks sum through PyTorch symmetric memory inside their graphs (decode,
+    verify and prefill steps), and the replica's greedy tokens equal NCCL's (two bf16 partials sum alike either
+    way); each rank says what it chose."""
+    pytest.importorskip("flashinfer")
+    from cluster import LLM as ClusterLLM
+
+    drafter = spec(make_drafter(wide_target, 4, oracle=True))
+    engine = dict(dtype="bfloat16", device="cuda", num_pages=256, page_size=16, kernel_backend="flashinfer",
+                  max_num_seqs=8, tensor_parallel_size=2)
+    runs = {}
+    for strategy in ("NCCL", "ONESHOT"):
+        for speculative in (None, drafter):
+            with ClusterLLM(str(wide_target), speculative_config=speculative, allreduce_strategy=strategy,
+                            **engine) as llm:
+                assert [i["allreduce"] for i in llm.rank_info()] == [strategy] * 2
+                runs[strategy, speculative is None] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert runs["ONESHOT", True] == runs["NCCL", True] and runs["ONESHOT", False] == runs["NCCL", False]
+
+
 def test_a_graphed_tp1_replica_runs_ahead_and_equals_one_process(ray_local, wide_target, make_drafter):
     """A TP=1 replica with its drafter colocated, on one GPU, FlashInfer graphs in bf16: the worker launches steady
     steps ahead of the driver's commit (``RayExecutor.runs_ahead``) as one process does, and its tokens equal the

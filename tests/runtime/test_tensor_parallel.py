@@ -147,3 +147,60 @@ def test_vocab_parallel_argmax_equals_the_gathered_logits_max():
                                                                              index))
         assert torch.equal(index, gathered_index) and torch.equal(index[rows], want.indices[rows])
         assert torch.allclose(top[rows], gathered_top[rows]) and top[3].isnan() and gathered_top[3].isnan()
+
+
+class _MarkingReducer:
+    """Serves tensors of at most 4 elements and marks its sums (x 100), so a test tells the two paths apart."""
+
+    def serves(self, x: torch.Tensor) -> bool:
+        return x.numel() <= 4
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 100
+
+
+def _choose_rank(rank: int, world: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    from runtime.all_reduce import choose_reducer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        group, cpu, where = dist.group.WORLD, torch.device("cpu"), f"target rank {rank}"
+        chosen = [choose_reducer(strategy, group, cpu, torch.float32, where)[1] for strategy in ("NCCL", "AUTO")]
+        try:
+            choose_reducer("ONESHOT", group, cpu, torch.float32, where)
+            refused = None
+        except RuntimeError as exc:
+            refused = str(exc)
+        ctx = ParallelContext(rank, world, group, _MarkingReducer())
+        small, large = ctx.all_reduce(torch.ones(4)), ctx.all_reduce(torch.ones(8))
+        queue.put((rank, chosen, refused, small.tolist(), large.tolist()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_ranks_choose_how_they_sum_together_and_a_one_shot_reducer_takes_the_messages_it_serves():
+    """``runtime.all_reduce.choose_reducer`` over gloo (two CPU ranks): NCCL is the process group's all-reduce;
+    AUTO takes it on every rank and says why; ONESHOT is an error naming the rank. ``ParallelContext.all_reduce``
+    sends the messages a reducer serves through it, the rest through the process group."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_choose_rank, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for rank, chosen, refused, small, large in results:
+        assert chosen == ["NCCL", "NCCL (AUTO: ONESHOT cannot run: it needs CUDA devices, this rank runs on cpu)"]
+        assert refused == f"target rank {rank}: allreduce_strategy='ONESHOT' cannot run: it needs CUDA devices, " \
+                          "this rank runs on cpu"
+        assert small == [100.0] * 4 and large == [2.0] * 8
