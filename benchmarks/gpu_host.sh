@@ -4,6 +4,7 @@
 #   eval "$(bash benchmarks/gpu_host.sh install)"   install the carried wheel folders (.whl-ray, .whl-fi; made by
 #                                                   scripts/gpu-wheels.sh) into ~/.cache/dspark-site, unpack a
 #                                                   carried FlashInfer JIT cache (.fi-cache/*.part-*), print PYTHONPATH
+#                                                   and the hosts' NVLink-multicast-off variables
 #   bash benchmarks/gpu_host.sh save-cache DIR      pack ~/.cache/flashinfer into 15 MiB pieces under DIR (bring them
 #                                                   back as .fi-cache/ so the next run skips the JIT compiles)
 set -euo pipefail
@@ -20,6 +21,9 @@ case "${1:-install}" in
       mkdir -p ~/.cache && cat .fi-cache/*.part-* | tar xzf - -C ~/.cache
     fi
     echo "export PYTHONPATH=$site:$PWD\${PYTHONPATH:+:\$PYTHONPATH}"
+    # the lent hosts' rule (.library/device/KINDS.md): NVLink multicast stays off in NCCL, PyTorch and NVSHMEM, also in
+    # the processes our runs start (Ray's workers inherit the driver's environment)
+    echo "export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"
     ;;
   save-cache)
     dest=${2:?give a folder}

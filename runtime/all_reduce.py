@@ -19,6 +19,7 @@ rank and says why (``Worker.info()["allreduce"]``).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import warnings
 
@@ -35,6 +36,9 @@ class OneShotAllReduce:
     """Sums a tensor over the group in one kernel, out of place, through this rank's symmetric buffer."""
 
     def __init__(self, group, device: torch.device, dtype: torch.dtype, max_bytes: int = ONESHOT_MAX_BYTES):
+        # the one-shot kernel reads peers over NVLink's unicast mappings: no multicast object is made for its buffer
+        # (the shared GPU hosts must never create one; elsewhere it would only cost memory). torch reads this once.
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
 
         if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):

@@ -176,3 +176,43 @@ def test_a_pinned_read_back_waits_for_its_copy_alone():
     assert read.wait().tolist() == [[0, 1, 2], [3, 4, 5]]
     read.queue(torch.ones(3, 5, dtype=torch.int64, device="cuda"))
     assert read.wait().tolist() == [[1] * 5] * 3
+
+
+ONE_RANK_ONESHOT = """
+import datetime, socket, sys
+import torch, torch.distributed as dist
+from runtime.all_reduce import choose_reducer
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=60))
+group = dist.new_group([0])
+reducer, chosen = choose_reducer("ONESHOT", group, torch.device("cuda"), torch.bfloat16, "target rank 0")
+x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+assert chosen == "ONESHOT" and reducer.serves(x) and not reducer.serves(x.float())
+eager = reducer(x)
+graph, static = torch.cuda.CUDAGraph(), x.clone()
+torch.cuda.synchronize()
+with torch.cuda.graph(graph):
+    out = reducer(static)
+static.mul_(2)
+graph.replay()
+torch.cuda.synchronize()
+assert torch.equal(eager, x) and torch.equal(out, 2 * x), (eager - x).abs().max()
+dist.destroy_process_group()
+print("one-shot ok")
+"""
+
+
+def test_the_one_shot_reducer_runs_eagerly_and_in_a_cuda_graph_on_this_torch():
+    """``runtime.all_reduce.OneShotAllReduce`` on a group of one rank (one GPU suffices): the ranks' choice, the
+    symmetric buffer's rendezvous and the operator on this host's torch, eager and replayed in a CUDA graph (a
+    group of one sums to its own rows). The sums across two GPUs: the TP=2 test above."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", ONE_RANK_ONESHOT], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and "one-shot ok" in done.stdout, done.stderr[-3000:]
