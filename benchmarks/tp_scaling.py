@@ -17,7 +17,7 @@ Each layout's full bench record is kept under ``layouts``. Layouts needing more 
 skipped and said so in the record.
 
 usage: python3 benchmarks/tp_scaling.py --out FILE.json [--model-shape qwen3-8b] [--tensor-parallel-sizes 1,2]
-       [--concurrency 1,64] [--steps 30] [--no-separate] [--no-oneshot] [--layouts A,B] [--kv-cache-gib 16] [--profile] [--sequential]
+       [--concurrency 1,64] [--steps 30] [--draft-layers 1] [--no-separate] [--no-oneshot] [--layouts A,B] [--kv-cache-gib 16] [--profile] [--sequential]
 """
 
 from __future__ import annotations
@@ -98,6 +98,9 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,64", help="dspark bench --concurrency (default 1,64)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per point (default 30)")
     parser.add_argument("--kv-cache-gib", type=float, default=16, help="KV cache per engine (default 16)")
+    parser.add_argument("--draft-layers", type=int, default=1, help="dspark bench --draft-layers: the random "
+                        "drafter's depth (default 1; DeepSpec's Qwen3 DSpark drafter has 5, which is what a separate "
+                        "drafter's GPU can take off the target's)")
     parser.add_argument("--no-separate", action="store_true", help="leave out the separate-drafter layout")
     parser.add_argument("--layouts", help="comma-separated layout names to run, of those the other flags give "
                         "(default: all; e.g. ray-tp1,ray-tp2-oneshot to fit one device command)")
@@ -149,7 +152,7 @@ def main() -> int:
             out = Path(tmp) / f"{name}.json"
             cmd = [sys.executable, "-m", "cluster.cli", "bench", "--model-shape", args.model_shape,
                    "--concurrency", args.concurrency, "--steps", str(args.steps), "--kv-cache-gib",
-                   str(args.kv_cache_gib), *flags, *(["--profile"] if args.profile else []),
+                   str(args.kv_cache_gib), "--draft-layers", str(args.draft_layers), *flags, *(["--profile"] if args.profile else []),
                    *(["--sequential"] if args.sequential else []), "--out", str(out)]
             commands[name] = "dspark " + shlex.join(cmd[3:])
             print(f"tp_scaling.py: {name}: {commands[name]}", file=sys.stderr, flush=True)
