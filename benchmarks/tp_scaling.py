@@ -13,11 +13,13 @@ ratios the cluster fast path is judged by:
                                 rounds (--beside-single-process: the paired median; ``_from`` says so)
   separate_*                    from the separate-drafter layout's own bench (it measures the colocated replica in
                                 the same process): step_vs_colocated, throughput_vs_colocated, throughput_vs_serial
-Each layout's full bench record is kept under ``layouts``. Layouts needing more GPUs than the host has are
+``agreement`` (with ``--e2e-prompts N``): per TP layout, how its greedy outputs of N prompts agree with one
+process's in bf16 (the share identical, where each first differs). Each layout's full bench record is kept under
+``layouts``. Layouts needing more GPUs than the host has are
 skipped and said so in the record.
 
 usage: python3 benchmarks/tp_scaling.py --out FILE.json [--model-shape qwen3-8b] [--tensor-parallel-sizes 1,2]
-       [--concurrency 1,64] [--steps 30] [--draft-layers 1] [--no-separate] [--no-oneshot] [--layouts A,B] [--kv-cache-gib 16] [--profile] [--sequential]
+       [--concurrency 1,64] [--steps 30] [--draft-layers 1] [--e2e-prompts N] [--no-separate] [--no-oneshot] [--layouts A,B] [--kv-cache-gib 16] [--profile] [--sequential]
 """
 
 from __future__ import annotations
@@ -34,17 +36,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def layouts(tp_sizes: list[int], separate: bool, gpus: int, oneshot: bool = True) -> list[tuple[str, list[str], int]]:
+def layouts(tp_sizes: list[int], separate: bool, gpus: int, oneshot: bool = True,
+            e2e_prompts: int = 0) -> list[tuple[str, list[str], int]]:
     """(name, extra bench flags, GPUs needed) of every layout of the run, in order: above one rank each TP size
-    with NCCL's all-reduce and (``oneshot``) with the one-shot one (``ray-tp{N}-oneshot``)."""
+    with NCCL's all-reduce and (``oneshot``) with the one-shot one (``ray-tp{N}-oneshot``). ``e2e_prompts``: every
+    TP layout also decodes that many prompts beside one process (their greedy outputs' agreement)."""
     out = [("single-process", [], 1)]
+    agree = ["--beside-single-process", "--e2e-prompts", str(e2e_prompts)] if e2e_prompts else []
     for n in tp_sizes:
         # the TP=1 replica beside the one-process engine on its GPU, in alternating rounds (the paired ratio below)
-        out.append((f"ray-tp{n}", ["--tensor-parallel-size", str(n), *(["--beside-single-process"] if n == 1 else [])],
-                    n))
+        beside = agree or (["--beside-single-process"] if n == 1 else [])
+        out.append((f"ray-tp{n}", ["--tensor-parallel-size", str(n), *beside], n))
         if n > 1 and oneshot:
-            out.append((f"ray-tp{n}-oneshot", ["--tensor-parallel-size", str(n), "--allreduce-strategy", "ONESHOT"],
-                        n))
+            out.append((f"ray-tp{n}-oneshot", ["--tensor-parallel-size", str(n), "--allreduce-strategy", "ONESHOT",
+                                               *agree], n))
     if separate:
         out.append(("ray-tp1-separate", ["--tensor-parallel-size", "1", "--drafter", "separate",
                                           "--pipeline-drafter"], 2))
@@ -102,6 +107,9 @@ def main() -> int:
                         "drafter's depth (default 1; DeepSpec's Qwen3 DSpark drafter has 5, which is what a separate "
                         "drafter's GPU can take off the target's)")
     parser.add_argument("--no-separate", action="store_true", help="leave out the separate-drafter layout")
+    parser.add_argument("--e2e-prompts", type=int, default=0, help="every TP layout also decodes N prompts "
+                        "greedily beside the one-process engine (bf16: the share of identical outputs and where "
+                        "each first differs, under agreement)")
     parser.add_argument("--layouts", help="comma-separated layout names to run, of those the other flags give "
                         "(default: all; e.g. ray-tp1,ray-tp2-oneshot to fit one device command)")
     parser.add_argument("--no-oneshot", action="store_true", help="leave out the TP layouts with the one-shot "
@@ -121,7 +129,7 @@ def main() -> int:
     import torch
 
     gpus = torch.cuda.device_count()
-    planned = layouts(tp_sizes, not args.no_separate, gpus, not args.no_oneshot)
+    planned = layouts(tp_sizes, not args.no_separate, gpus, not args.no_oneshot, args.e2e_prompts)
     if args.layouts:
         wanted = args.layouts.split(",")
         unknown = sorted(set(wanted) - {name for name, _, _ in planned})
@@ -140,7 +148,9 @@ def main() -> int:
                   "command": "python3 benchmarks/tp_scaling.py " + shlex.join(sys.argv[1:]),
                   "hardware": f"{gpus}x {torch.cuda.get_device_name(0)}", "model": args.model_shape,
                   "kind": "random-shape", "layout_commands": commands, "skipped": skipped,
-                  "ratios": ratios(records, tp_sizes), "layouts": records}
+                  "ratios": ratios(records, tp_sizes), "agreement": {
+                      name: rec["end_to_end"]["replica_vs_single_process"] for name, rec in records.items()
+                      if "replica_vs_single_process" in rec.get("end_to_end", {})}, "layouts": records}
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
         return record
 

@@ -41,7 +41,9 @@ are identical (bf16 verify batches reorder sums, so near-ties may part).
 acceptance but no roofline, graph replays or host breakdown. ``--beside-single-process`` measures the AR and DSpark
 replicas each beside the same engine in this process on the same GPU, in alternating rounds (``single_ar_*``,
 ``single_dspark_*``): ``ray_vs_single_process_{ar,dspark}_step`` (and ``_paired``, the median of the per-round
-ratios) is what the process boundary and the step's dispatch cost, free of the host's drift between separate runs.
+ratios) is what the process boundary and the step's dispatch cost, free of the host's drift between separate runs;
+with ``--e2e-prompts`` also how the replica's greedy outputs agree with one process's
+(``end_to_end.replica_vs_single_process``: the share identical, where each first differs).
 ``--profile`` profiles every engine's batch-1 decode steps (``--profile-batches``: other batch sizes too, each once
 every request has its first token; a replica's on every rank: ``*_profile_batch1.ranks``) after all the figures are
 taken, on the engine built again: a process the
@@ -1439,6 +1441,11 @@ def run(args) -> dict:
             "ar_tokens_per_s": ar["tokens"] / ar["seconds"], "dspark_tokens_per_s": ds["tokens"] / ds["seconds"],
             "speedup": speedup, "mean_acceptance_length": tau, "speedup_allowed_by_steps": expected,
             "efficiency": speedup / expected if expected else None, **agreement(ar["outputs"], ds["outputs"])}
+        if all(SINGLE + kind in e2e for kind in BESIDE_SINGLE_PROCESS):  # --beside-single-process: the same prompts
+            # through the replica and through one process, greedy: in bf16 a layout's sums (TP's all-reduces) may
+            # part a near-tie, so the share identical and where each first differs (fp32 equality: tests/gpu)
+            record["end_to_end"]["replica_vs_single_process"] = {
+                kind: agreement(e2e[kind]["outputs"], e2e[SINGLE + kind]["outputs"]) for kind in BESIDE_SINGLE_PROCESS}
     if args.projected_tau is not None:
         for row in rows.values():
             row["projected_speedup"] = args.projected_tau * row["ar_step_ms"] / row["dspark_step_ms"]

@@ -50,6 +50,7 @@ def test_a_replica_is_measured_beside_its_one_process_twin_in_alternating_rounds
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--tensor-parallel-size", "1", "--beside-single-process", "--concurrency", "2",
+                           "--e2e-prompts", "2", "--e2e-tokens", "6",
                            "--rounds", "3", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2", "--warmup",
                            "1", "--kv-cache-gib", "0.05", "--ray-address", "local", "--out", str(out)], cwd=root,
                           capture_output=True, text=True, timeout=600)
@@ -65,4 +66,7 @@ def test_a_replica_is_measured_beside_its_one_process_twin_in_alternating_rounds
                                                  row[f"{kind}_tokens_per_s_rounds"]))
         assert row[f"ray_vs_single_process_{kind}_step_paired"] == per_round[1]
     assert "replica / one process, step: AR" in proc.stderr
+    # fp32 on the CPU: the replica's greedy outputs are one process's, token for token
+    agree = record["end_to_end"]["replica_vs_single_process"]
+    assert agree == {kind: {"identical_fraction": 1.0, "first_difference": [None, None]} for kind in ("ar", "dspark")}
 

@@ -99,6 +99,9 @@ def test_tp_scaling_ratios_pair_each_layout_with_its_reference_and_skip_what_the
         ["single-process", "ray-tp1", "ray-tp2"]
     assert dict((n, f) for n, f, _ in tp_scaling.layouts([1, 2], False, 2))["ray-tp2-oneshot"][-2:] == \
         ["--allreduce-strategy", "ONESHOT"]
+    agreeing = dict((n, f) for n, f, _ in tp_scaling.layouts([1, 2], False, 2, e2e_prompts=8))
+    assert all(agreeing[name][-3:] == ["--beside-single-process", "--e2e-prompts", "8"]
+               for name in ("ray-tp1", "ray-tp2", "ray-tp2-oneshot"))
     records = {
         "single-process": {"runs": [{"concurrency": 1, "ar_step_ms": 5.0, "dspark_step_ms": 6.0}]},
         "ray-tp1": {"runs": [{"concurrency": 1, "ar_step_ms": 5.5, "dspark_step_ms": 6.6}]},
@@ -246,3 +249,15 @@ def test_the_record_folder_is_made_before_any_stage_runs(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="--stages"):
         recipe.main()
     assert out.parent.is_dir()
+
+
+def test_the_device_scripts_parse_and_refuse_an_unknown_step(tmp_path):
+    """Every benchmarks/*.sh is valid bash; the step scripts name their steps when given one they do not have (before
+    they install or run anything)."""
+    import subprocess
+
+    for script in sorted((ROOT / "benchmarks").glob("*.sh")):
+        assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0, script.name
+    done = subprocess.run(["bash", "benchmarks/cluster_fast_path.sh", "bogus", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "usage:" in done.stderr and not any(tmp_path.iterdir())
