@@ -12,8 +12,9 @@
 #                                                       (bf16 agreement) and a profile of batch-1 steps on each rank
 #                                                                                              -> OUT/tp-agree.json
 #   bash benchmarks/cluster_fast_path.sh separate OUT   the pipelined separate drafter against the colocated replica
-#                                                       (measured in the same bench) at 64 and 128 requests with
-#                                                       DeepSpec's 5-layer drafter depth (goal >= 1.15x throughput)
+#                                                       (measured in the same bench) at 1, 64 and 128 requests with
+#                                                       DeepSpec's 5-layer drafter depth (goals: step <= 1.05x at 1,
+#                                                       throughput >= 1.15x from 64), a batch-1 profile on each rank
 #                                                                                              -> OUT/separate.json
 #   bash benchmarks/cluster_fast_path.sh tests OUT      tests/gpu, the 2-GPU replica tests among them -> OUT/tests.txt
 #   bash benchmarks/cluster_fast_path.sh nodes OUT      the two-node rehearsal on one host (TP=2, a shard a node)
@@ -35,7 +36,7 @@ case "$step" in
         --layouts ray-tp1,ray-tp2,ray-tp2-oneshot --out "$out/tp.json" ;;
   agree) python3 benchmarks/tp_scaling.py --tensor-parallel-sizes 2 --concurrency 1 --steps 10 --no-separate \
            --e2e-prompts 8 --profile --layouts ray-tp2,ray-tp2-oneshot --out "$out/tp-agree.json" ;;
-  separate) python3 benchmarks/tp_scaling.py --tensor-parallel-sizes 1 --concurrency 64,128 --draft-layers 5 \
-              --kv-cache-gib 24 --layouts ray-tp1-separate --out "$out/separate.json" ;;
+  separate) python3 benchmarks/tp_scaling.py --tensor-parallel-sizes 1 --concurrency 1,64,128 --draft-layers 5 \
+              --kv-cache-gib 24 --profile --layouts ray-tp1-separate --out "$out/separate.json" ;;
   tests) python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/tests.txt" | tail -15 ;;
 esac
