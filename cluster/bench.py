@@ -1018,9 +1018,12 @@ def run(args) -> dict:
             if single_process:  # --beside-single-process: the same engine in this process, beside the replica's
                 return LLM(model, speculative_config=speculative_config, **kwargs)
             place = drafter if speculative_config is not None else "colocated"  # AR: no drafter to place
+            pipelined = bool(pipeline) and place == "separate"
             return ReplicaLLM(model, speculative_config, tensor_parallel_size=tp, drafter=place,
-                              pipeline_drafter=bool(pipeline) and place == "separate",
-                              allreduce_strategy=args.allreduce_strategy, ray_address=args.ray_address, **kwargs)
+                              pipeline_drafter=pipelined, allreduce_strategy=args.allreduce_strategy,
+                              ray_address=args.ray_address, **({"pipeline_drafter_min_batch": args.pipeline_min_batch}
+                                                               if pipelined and args.pipeline_min_batch else {}),
+                              **kwargs)
     else:
         engine_class = LLM
     spec = {"speculative_model": str(drafter), "max_draft_len": args.max_draft_len,
@@ -1033,6 +1036,8 @@ def run(args) -> dict:
               "host": platform.node(), "torch": torch.__version__, "model": args.model_shape or str(target),
               "kind": "random-shape" if shape else "trained", "tensor_parallel_size": tp,
               "drafter": args.drafter, "pipeline_drafter": bool(args.pipeline_drafter) and args.drafter == "separate",
+              "pipeline_min_batch": (args.pipeline_min_batch or _default_pipeline_min_batch())
+              if args.pipeline_drafter else None,
               "allreduce_strategy": args.allreduce_strategy if replica else None,
               "replica": "ray" if replica else "single-process",
               "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
@@ -1461,6 +1466,12 @@ def run(args) -> dict:
     return record
 
 
+def _default_pipeline_min_batch() -> int:
+    from configs.cluster import ParallelConfig
+
+    return ParallelConfig.model_fields["pipeline_drafter_min_batch"].default
+
+
 def save_partial(args, record: dict, rows: dict) -> None:
     """Write what is measured so far to ``--out`` (marked ``partial``), so a run cut short keeps its figures; the
     finished record replaces it."""
@@ -1841,6 +1852,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--pipeline-drafter", action="store_true", help="with --drafter separate: the separate "
                        "drafter drafts one request group while the target verifies the other (pipeline_drafter); "
                        "the run also measures the separate drafter without the pipeline (throughput_vs_serial)")
+    bench.add_argument("--pipeline-min-batch", type=integer(1), metavar="N", help="with --pipeline-drafter: "
+                       "parallel.pipeline_drafter_min_batch, the requests from which steps are pipelined (default "
+                       "64; 1: always)")
     bench.add_argument("--hf-tokens", type=integer(0), default=0, help="also time transformers generate for N "
                        "tokens at batch 1, eager and compiled with a static cache (peers)")
     bench.add_argument("--projected-tau", type=float, help="a trained pair's mean acceptance length: adds "
@@ -1950,6 +1964,10 @@ def main(args) -> int:
     if args.beside_single_process and args.tensor_parallel_size is None:
         print("dspark bench: --beside-single-process needs --tensor-parallel-size (it pairs a replica with one "
               "process)", file=sys.stderr)
+        return 2
+    if args.pipeline_min_batch is not None and not args.pipeline_drafter:
+        print("dspark bench: --pipeline-min-batch needs --pipeline-drafter (it says when the pipeline runs)",
+              file=sys.stderr)
         return 2
     if args.pipeline_drafter and args.drafter != "separate":
         print("dspark bench: --pipeline-drafter needs --drafter separate", file=sys.stderr)

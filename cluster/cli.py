@@ -37,6 +37,7 @@ MODEL_FLAGS = {
     "speculative_revision": ("speculative", "revision"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"), "drafter": ("parallel", "drafter"),
     "pipeline_drafter": ("parallel", "pipeline_drafter"),
+    "pipeline_drafter_min_batch": ("parallel", "pipeline_drafter_min_batch"),
     "idle_park_s": ("parallel", "idle_park_s"), "allreduce_strategy": ("parallel", "allreduce_strategy"),
     "ray_address": ("parallel", "ray_address"),
 }
@@ -67,6 +68,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-drafter", action="store_true", default=None,
                    help="with --drafter separate: two request groups take turns, the drafter drafting one while "
                    "the target verifies the other (pays with many requests; exact-match verification only)")
+    p.add_argument("--pipeline-drafter-min-batch", type=int, metavar="N", help="with --pipeline-drafter: pipeline "
+                   "while at least N requests run or wait; below, draft each step's requests in the same step "
+                   "(default 64)")
     p.add_argument("--allreduce-strategy", choices=["NCCL", "ONESHOT", "AUTO"], help="how tensor-parallel ranks "
                    "sum: NCCL (default), ONESHOT (one kernel over PyTorch symmetric memory, CUDA ranks on one host), "
                    "AUTO (ONESHOT where every rank can run it, else NCCL)")

@@ -66,7 +66,7 @@ class BatchEncoder:
             self.pages_sent[r.request_id] = len(r.page_ids)
         return (wire, batch.num_next_drafts, batch.maintain_draft_context, batch.released_request_ids,
                 batch.scrub_page_ids, reset, batch.run_ahead, batch.next_verify_len, batch.packed,
-                batch.next_packed)
+                batch.next_packed, batch.pipelined)
 
 
 class BatchDecoder:
@@ -78,7 +78,7 @@ class BatchDecoder:
 
     def decode(self, wire: bytes) -> ScheduledBatch:
         requests, num_next_drafts, maintain, released, scrub, reset, run_ahead, next_verify_len, packed, \
-            next_packed = pickle.loads(wire)
+            next_packed, pipelined = pickle.loads(wire)
         if reset:
             self.pages.clear()
             self.params.clear()
@@ -102,7 +102,8 @@ class BatchDecoder:
             out.append(ScheduledRequest(request_id, tokens, start, pages, drafts, sample, params, seed, history,
                                         prompt_rows, banned, mask, bans))
         return ScheduledBatch(out, num_next_drafts, maintain, released, scrub, run_ahead=run_ahead,
-                              next_verify_len=next_verify_len, packed=packed, next_packed=next_packed)
+                              next_verify_len=next_verify_len, packed=packed, next_packed=next_packed,
+                              pipelined=pipelined)
 
 
 def encode_results(results: list[RequestStepResult]) -> bytes:

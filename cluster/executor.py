@@ -85,9 +85,10 @@ class RayExecutor:
         speculative = engine.speculative_config is not None
         self.plan = plan_placement(parallel, speculative, self.use_gpus, groups.cluster_nodes())
         self.owns_group = parallel.placement_group == "own"
-        # the engine alternates two request groups; the drafter's blocks of the previous step's group come back
-        # with each step (take_late_drafts)
+        # the engine alternates two request groups while at least pipeline_drafter_min_batch requests run; the
+        # drafter's blocks of the previous step's group come back with each step (take_late_drafts)
         self.pipelined_drafting = speculative and parallel.drafter == "separate" and parallel.pipeline_drafter
+        self.pipeline_min_batch = parallel.pipeline_drafter_min_batch
         self._late_drafts: dict = {}
         if self.owns_group:
             self.group, self.first_bundle = groups.create(self.plan, f"dspark-{uuid.uuid4().hex[:8]}",
@@ -163,8 +164,7 @@ class RayExecutor:
         # Inside an actor Ray exposes exactly its own GPU (or none) as the visible device.
         engine = engine.model_copy(update={"device": "cuda" if self.use_gpus else "cpu"})
         for rank, role in enumerate(self.plan.roles):
-            plan = WorkerPlan(role=role, tp_rank=rank if role == "target" else 0, tp_size=tp, drafter=drafter_mode,
-                              pipelined=self.pipelined_drafting)
+            plan = WorkerPlan(role=role, tp_rank=rank if role == "target" else 0, tp_size=tp, drafter=drafter_mode)
             cls = TargetShard if role == "target" else Drafter
             strategy = PlacementGroupSchedulingStrategy(
                 self.group, placement_group_bundle_index=self.first_bundle + self.plan.rank_to_bundle[rank])
@@ -198,9 +198,11 @@ class RayExecutor:
             raise
         step = decode_results(results[0])
         if self.plan.roles[-1] == "drafter":
-            drafts = decode_any(results[-1])  # request id -> (block, its confidences or None)
-            if self.pipelined_drafting:  # the previous step's group: not in this batch
-                self._late_drafts = drafts
+            # request id -> (block, its confidences or None): of the group a pipelined step before kept (not in this
+            # batch), and of this batch's requests (a step that is not pipelined)
+            late, drafts = decode_any(results[-1])
+            self._late_drafts = late
+            if batch.pipelined:
                 return step
             step = [dataclasses.replace(r, next_draft_ids=drafts.get(r.request_id, ([], None))[0],
                                         next_draft_confidence=drafts.get(r.request_id, ([], None))[1]) for r in step]

@@ -25,6 +25,13 @@ class ParallelConfig(BaseModel):
         "the drafter drafting one group's next blocks while the target verifies the other's, so neither GPU waits "
         "for the other. Each request then advances every other step: it pays where verifying half the batch costs "
         "about half the time (many requests). Exact-match verification only (use_rejection_sampling=False).")
+    pipeline_drafter_min_batch: Annotated[int, Field(ge=1)] = Field(
+        default=64, description="With pipeline_drafter: the pipeline runs while at least this many requests are "
+        "running or waiting; below, the separate drafter drafts each step's requests in the same step (serially, "
+        "every request advancing every step), since two half batches then cost about what the whole one does "
+        "(a verify of few requests still reads every weight): on the Qwen3-8B shape the pipeline's bound over the "
+        "colocated replica is 1.00 at 64 requests with a 1-layer drafter, 1.06 at 64 and 1.21 at 128 with 5 "
+        "(benchmarks/results/2026-12-04-split-verify-costs-*). A switch costs one group's drafts for one step.")
     placement_strategy: PlacementStrategy | None = Field(
         default=None, description="Ray placement-group strategy; None: STRICT_PACK when the replica fits one node, "
         "PACK across nodes otherwise.")
@@ -88,6 +95,9 @@ def check_allreduce_strategy(parallel: ParallelConfig, engine: LLMConfig) -> Non
 def check_pipelined_drafter(parallel: ParallelConfig, engine: LLMConfig) -> None:
     """``pipeline_drafter`` needs a separate drafter and exact-match verification; errors name the fields."""
     if not parallel.pipeline_drafter:
+        if "pipeline_drafter_min_batch" in parallel.model_fields_set:
+            raise ValueError("parallel.pipeline_drafter_min_batch is read with pipeline_drafter=True only; set "
+                             "pipeline_drafter=True (with drafter='separate') or leave it out")
         return
     if parallel.drafter != "separate":
         raise ValueError(f"parallel.pipeline_drafter=True needs parallel.drafter='separate', got "

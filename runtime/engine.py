@@ -118,10 +118,12 @@ class Engine:
         self._step_index = 0  # the step being scheduled (confidence scheduling's drafting holds count in steps)
         # when a list: every verify appends (the verified drafts' confidences, accepted count) (calibration)
         self.verification_log: list[tuple[list[float], int]] | None = None
-        # pipelined drafting (a separate drafter, cluster.RayExecutor): steps alternate two request groups and each
-        # step's results bring the drafter's blocks for the previous step's group
+        # pipelined drafting (a separate drafter, cluster.RayExecutor): while at least pipeline_min_batch requests
+        # run or wait, steps alternate two request groups and each step's results bring the drafter's blocks for the
+        # previous step's group; fewer, and each step's requests get their blocks in the same step
         self.pipelined = bool(getattr(self.executor, "pipelined_drafting", False))
-        self._turn = 0  # the group the next step serves
+        self.pipeline_min_batch = int(getattr(self.executor, "pipeline_min_batch", 1))
+        self._turn = 0  # the group the next pipelined step serves
         self._host_work = None  # the executor's HostWork where confidence scheduling defers its learning there
         self._deferred = False  # the step's decision was deferred (allot_deferred)
         self._judged_bucket = 0  # the batch bucket of the last judgement of drafting (its hold's, _record_decision)
@@ -362,7 +364,9 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         group = None
-        if self.pipelined:
+        pipelined = self.pipelined and self._pipeline_pays()
+        if pipelined:
+            self.scheduler.join_groups()  # (requests admitted while the steps were not pipelined)
             group, self._turn = self._turn, 1 - self._turn
         if self._arm is not None:
             self._arm()
@@ -395,7 +399,8 @@ class Engine:
         batch = ScheduledBatch(requests=scheduled, num_next_drafts=self.draft_len(),
                                maintain_draft_context=self.has_drafter and not self.gate.closed,
                                released_request_ids=released, scrub_page_ids=scrub, run_ahead=self._ran_ahead,
-                               next_verify_len=next_verify_len, packed=self._packed, next_packed=next_packed)
+                               next_verify_len=next_verify_len, packed=self._packed, next_packed=next_packed,
+                               pipelined=pipelined)
         with region("dspark.execute"):
             results = self.executor.execute(batch)
         learn = self.confidence is not None and bool(scheduled)
@@ -521,6 +526,11 @@ class Engine:
                     or entry.end_position + (n + 1) + 1 >= self.max_model_len:
                 return False
         return True
+
+    def _pipeline_pays(self) -> bool:
+        """Whether this step is pipelined: enough requests run or wait (``pipeline_drafter_min_batch``) that two half
+        batches verify in about the time of the whole (below, a half batch still reads every weight)."""
+        return len(self.scheduler.running) + len(self.scheduler.waiting) >= self.pipeline_min_batch
 
     def _take_late_drafts(self) -> None:
         """Pipelined drafting: the blocks drafted this step for the group the previous step verified. A request

@@ -207,11 +207,21 @@ class Scheduler:
             budget -= len(tokens)
         return scheduled
 
+    def join_groups(self) -> None:
+        """Pipelined drafting resumes: every running request without a group (admitted while the steps were not
+        pipelined) joins the smaller group, in arrival order."""
+        sizes = self._group_sizes()
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.group is None:
+                seq.group = 0 if sizes[0] <= sizes[1] else 1
+                sizes[seq.group] += 1
+
     def _group_sizes(self) -> list[int]:
         """Requests of each group, running or waiting with a group."""
         sizes = [0, 0]
         for seq in self.running:
-            sizes[seq.group or 0] += 1
+            if seq.group is not None:
+                sizes[seq.group] += 1
         for seq in self.waiting:
             if seq.group is not None:
                 sizes[seq.group] += 1

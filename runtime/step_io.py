@@ -100,6 +100,9 @@ class ScheduledBatch:
     packed: PackedPlan | None = None  # a packed verify step: each request verifies the drafts the device picks
     # the next step is expected to be a packed verify of full blocks of next_verify_len drafts (its plan, its launch)
     next_packed: PackedAhead | None = None
+    # pipelined drafting (a separate drafter): this step serves one request group, and its requests' next blocks are
+    # drafted during the next step (beside the other group's verify); False: drafted in this step
+    pipelined: bool = False
 
 
 @dataclass(slots=True)  # not frozen: built per request every step, and a frozen __init__ costs 5x

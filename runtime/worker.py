@@ -48,7 +48,6 @@ class WorkerPlan:
     tp_rank: int
     tp_size: int
     drafter: str | None  # "colocated", "separate", or None without speculation
-    pipelined: bool = False  # a separate drafter drafting one request group while the target verifies the other
 
     @property
     def world_size(self) -> int:
@@ -162,7 +161,7 @@ class Worker:
                                                   self.pages_per_seq, num_pages)
         if self.plan.role == "drafter":
             self.engine_part = DraftServer(draft_runner, self.drafter.fc.in_features, page_size, self.dtype,
-                                           self.device, pipelined=self.plan.pipelined)
+                                           self.device)
             return
         channel = None
         if self.plan.tp_rank == 0 and self.spec is not None:

@@ -165,6 +165,10 @@ def test_bench_refuses_a_transformers_peer_on_a_replica(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 2 and "--hf-tokens times transformers on one GPU" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
+                           "--drafter", "separate", "--pipeline-min-batch", "8"], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--pipeline-min-batch needs --pipeline-drafter" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--pipeline-drafter"], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--pipeline-drafter needs --drafter separate" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",

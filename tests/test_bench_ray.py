@@ -18,7 +18,7 @@ def test_the_sweep_runs_through_a_ray_replica_with_a_separate_drafter(tmp_path):
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--tensor-parallel-size", "1", "--drafter", "separate", "--pipeline-drafter",
-                           "--concurrency", "1,2",
+                           "--pipeline-min-batch", "1", "--concurrency", "1,2",
                            "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2", "--warmup", "1",
                            "--kv-cache-gib", "0.05", "--ray-address", "local", "--out", str(out)], cwd=root,
                           capture_output=True, text=True, timeout=600)
@@ -26,6 +26,7 @@ def test_the_sweep_runs_through_a_ray_replica_with_a_separate_drafter(tmp_path):
     record = json.loads(out.read_text())
     assert record["replica"] == "ray" and record["tensor_parallel_size"] == 1 and record["drafter"] == "separate"
     assert record["pipeline_drafter"] is True and record["measurement"] == "sequential"  # two replicas: 2x GPUs
+    assert record["pipeline_min_batch"] == 1
     assert "partial" not in record and record["hardware"] == "cpu" and record["copy_bandwidth_gbs"] is None
     assert sorted(info["role"] for info in record["dspark_rank_info"]) == ["drafter", "target"]
     for row in record["runs"]:

@@ -243,7 +243,7 @@ def test_a_pipelined_separate_drafter_matches_the_single_process_engine(ray_clus
     local = LocalLLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
     prompts = PROMPTS + [[9, 8, 7, 6], [44]]
     with LLM(str(near_bigram_target), speculative_config=spec, drafter="separate", pipeline_drafter=True,
-             **ENGINE) as llm:
+             pipeline_drafter_min_batch=1, **ENGINE) as llm:
         assert llm.engine.pipelined
         scheduler, served = llm.engine.scheduler, []
         schedule = scheduler.schedule
@@ -298,9 +298,38 @@ def test_a_pipelined_drafter_under_preemption_keeps_every_output(ray_cluster, ne
     expected = [o.token_ids for o in LocalLLM(str(near_bigram_target), speculative_config=spec,
                                                **engine).generate(prompts, params)]
     with LLM(str(near_bigram_target), speculative_config=spec, drafter="separate", pipeline_drafter=True,
-             **engine) as llm:
+             pipeline_drafter_min_batch=1, **engine) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
         assert llm.get_metrics()["num_preemptions"] > 0
+    free_cpus_return()
+
+
+def test_a_pipelined_drafter_pipelines_only_while_enough_requests_run(ray_cluster, near_bigram_target, drafter):
+    """pipeline_drafter_min_batch=4 over five prompts of different lengths: the steps are pipelined while four or
+    more requests run or wait and drafted in the same step once fewer remain (a lone request advances every step),
+    switching both ways as requests finish and arrive; every output is still the single-process engine's."""
+    spec = DSparkDecodingConfig(speculative_model=str(drafter))
+    prompts = PROMPTS + [[9, 8, 7, 6], [44, 45, 46]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 30, 12, 24, 18)]
+    local = LocalLLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
+    with LLM(str(near_bigram_target), speculative_config=spec, drafter="separate", pipeline_drafter=True,
+             pipeline_drafter_min_batch=4, **ENGINE) as llm:
+        executor, steps = llm.engine.executor, []
+        execute = executor.execute
+
+        def spy(batch):
+            steps.append((batch.pipelined, len(batch.requests)))
+            return execute(batch)
+
+        executor.execute = spy
+        for _ in range(2):  # the second round starts pipelined again after the first ended serial
+            assert [o.token_ids for o in llm.generate(prompts, params)] == \
+                [o.token_ids for o in local.generate(prompts, params)]
+        lone = [pipelined for pipelined, n in steps if n == 1]
+        assert lone and not any(lone)  # the last request alone: every step its own, drafted in the same step
+        switches = sum(a != b for (a, _), (b, _) in zip(steps, steps[1:]))
+        assert any(p for p, _ in steps) and switches >= 3, steps
+        assert llm.get_metrics()["num_drafts"] > 0
     free_cpus_return()
 
 

@@ -12,6 +12,12 @@ def engine(rejection: bool = False) -> LLMConfig:
 
 def test_a_pipelined_drafter_needs_a_separate_drafter_and_exact_match_verification():
     ReplicaConfig(engine=engine(), parallel=ParallelConfig(drafter="separate", pipeline_drafter=True))
+    ReplicaConfig(engine=engine(), parallel=ParallelConfig(drafter="separate", pipeline_drafter=True,
+                                                           pipeline_drafter_min_batch=8))
+    with pytest.raises(ValueError, match=r"pipeline_drafter_min_batch is read with pipeline_drafter=True only"):
+        ReplicaConfig(engine=engine(), parallel=ParallelConfig(drafter="separate", pipeline_drafter_min_batch=8))
+    with pytest.raises(ValueError, match="pipeline_drafter_min_batch"):
+        ParallelConfig(pipeline_drafter_min_batch=0)
     with pytest.raises(ValueError, match=r"pipeline_drafter=True needs parallel.drafter='separate', got 'colocated'"):
         ReplicaConfig(engine=engine(), parallel=ParallelConfig(pipeline_drafter=True))
     with pytest.raises(ValueError, match="use_rejection_sampling=False"):
