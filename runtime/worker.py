@@ -80,6 +80,7 @@ class Worker:
         self.allreduce: str | None = None  # how the TP ranks sum (join), None on one rank
         self.target = self.drafter = self.vocab = self.draft_w2 = None
         self.engine_part: ModelRunner | DraftServer | None = None
+        self.draft_runner: DraftRunner | None = None  # this process's drafter (colocated or separate), once allocated
         self.moe_backend = self.draft_moe_backend = None
         self.small_gemms: SmallGemmReport | None = None
 
@@ -136,8 +137,9 @@ class Worker:
         if self.kernel_backend == "flashinfer":  # few-row GEMMs: cuBLAS or Triton, whichever measures faster here;
             # the graphs' many-row GEMMs padded where cuBLAS measures faster on more rows
             models = [m for m in (self.target, self.drafter, self.vocab) if m is not None]
+            graphed = self.uses_cuda_graphs or self.drafter_uses_cuda_graphs
             self.small_gemms = install_small_gemms(models, self.device, self.dtype,
-                                                   self.graph_gemm_rows() if self.uses_cuda_graphs else ())
+                                                   self.graph_gemm_rows() if graphed else ())
         per_page = bytes_per_page(layers, self.config.page_size, self.dtype)
         return max(kv_budget_bytes(self.config, self.device) // per_page, 0)
 
@@ -156,9 +158,10 @@ class Worker:
             caches = allocate_caches(self.drafter.layers, num_pages + 1, page_size, self.dtype, self.device)
             draft_runner = DraftRunner(self.drafter, embed, lm_head, caches, self.kernels,
                                        self.spec.use_rejection_sampling, self.spec.confidence_threshold, self.device)
-            if self.uses_cuda_graphs:
+            if self.uses_cuda_graphs or self.drafter_uses_cuda_graphs:
                 draft_runner.graphs = DraftGraphs(draft_runner, self.draft_lengths, self.config.max_num_seqs,
                                                   self.pages_per_seq, num_pages)
+        self.draft_runner = draft_runner
         if self.plan.role == "drafter":
             self.engine_part = DraftServer(draft_runner, self.drafter.fc.in_features, page_size, self.dtype,
                                            self.device)
@@ -247,13 +250,21 @@ class Worker:
         """Graphs need the flashinfer kernels (host-planned attention), a GPU, an MoE backend a graph can capture
         (VANILLA reads expert choices back to the host), and under tensor parallelism NCCL (its all-reduces and
         the LM head's max/argmax gather are captured inside the graphs; every rank captures and replays the same
-        graphs in the same order; validated on two H200s by tests/gpu/test_cuda.py). A separate drafter's process
-        runs eagerly. On one GPU the steps no whole-step graph serves replay piecewise graphs
+        graphs in the same order; validated on two H200s by tests/gpu/test_cuda.py). A separate drafter's process:
+        ``drafter_uses_cuda_graphs``. On one GPU the steps no whole-step graph serves replay piecewise graphs
         (``LLMConfig.piecewise_cuda_graphs``, ``runtime.piecewise``); under tensor parallelism they run eagerly."""
         collectives_ok = self.plan.tp_size == 1 or dist.get_backend(self.parallel.group) == "nccl"
         return (self.plan.role == "target" and self.kernel_backend == "flashinfer" and not self.config.enforce_eager
                 and self.device.type == "cuda" and collectives_ok
                 and all(b in (None, "none") or b in GRAPH_SAFE for b in (self.moe_backend, self.draft_moe_backend)))
+
+    @property
+    def drafter_uses_cuda_graphs(self) -> bool:
+        """A separate drafter's process replays its block drafts as CUDA graphs (``runtime.draft_graphs``: greedy
+        blocks; sampled ones run eagerly, as everywhere) on the target's terms: the flashinfer kernels, a GPU, a
+        graph-safe MoE backend. Its context append stays eager (the captured states arrive over NCCL first)."""
+        return (self.plan.role == "drafter" and self.kernel_backend == "flashinfer" and not self.config.enforce_eager
+                and self.device.type == "cuda" and self.draft_moe_backend in (None, "none", *GRAPH_SAFE))
 
     def execute(self, batch: ScheduledBatch):
         self.step_profiler.before_step()
@@ -300,7 +311,7 @@ class Worker:
                 # steps no whole-step graph serves, replayed piece by piece around eager attention (one GPU)
                 "piecewise_graphs": self.piecewise.as_dict() if self.piecewise is not None else None,
                 "small_gemms": self.small_gemms.as_dict() if self.small_gemms is not None else None,
-                "draft_graphs": self.graphs is not None and self.plan.holds_drafter and self.spec is not None,
+                "draft_graphs": self.draft_runner is not None and self.draft_runner.graphs is not None,
                 "holds_drafter": self.plan.holds_drafter and self.spec is not None,
                 "draft_confidence_head": bool(self.drafter is not None and self.drafter.confidence_head is not None),
                 "draft_flavour": None if self.spec is None else

@@ -593,3 +593,31 @@ def test_the_workers_rope_tables_give_the_rows_a_forward_would_compute(wide_targ
         assert cos.shape[0] == rows and cos.dtype == BF16
         got, want = model.rotary(positions, BF16), model.rotary._compute(positions, BF16)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_separate_drafters_process_graphs_its_block_drafts(wide_target, make_drafter):
+    """The worker of a separate drafter (``role="drafter"``, no process group needed for this) captures its block
+    drafts as CUDA graphs (``Worker.drafter_uses_cuda_graphs``): over a context appended eagerly, as the draft server
+    appends the states it receives, a graphed block of two requests equals the eager one."""
+    from configs import LLMConfig
+    from runtime.worker import Worker, WorkerPlan
+
+    config = LLMConfig(model=str(wide_target), speculative_config=DSparkDecodingConfig(
+        speculative_model=str(make_drafter(wide_target, 4))), device="cuda", max_model_len=256, **ENGINE)
+    worker = Worker(config, WorkerPlan(role="drafter", tp_rank=0, tp_size=1, drafter="separate"))
+    worker.load()
+    worker.allocate(64)
+    runner = worker.draft_runner
+    assert worker.drafter_uses_cuda_graphs and worker.info()["draft_graphs"] and runner.graphs.serves(2, 4)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    width = runner.drafter.fc.in_features  # the captured target layers' states, concatenated
+    positions = torch.arange(5, device="cuda").repeat(2)  # two requests of five context tokens, pages 0 and 1
+    slots = torch.cat([torch.arange(5, device="cuda"), 16 + torch.arange(5, device="cuda")])
+    runner.append_context(torch.randn(10, width, generator=gen, device="cuda", dtype=torch.bfloat16), positions, slots)
+    anchors = torch.tensor([7, 300], device="cuda")
+    anchor_pos = torch.tensor([5, 5], device="cuda")
+    table = torch.tensor([[0], [1]], device="cuda")
+    graphed = runner.graphs.run(anchors, anchor_pos, table, 4)
+    graphed_tokens, graphed_block = graphed.tokens.clone(), graphed.block.clone()
+    eager = runner.draft_block(anchors, anchor_pos, table, 4)
+    assert torch.equal(graphed_tokens, eager.tokens) and torch.equal(graphed_block, eager.block)
