@@ -9,8 +9,9 @@
 #                                                       all-reduce: tp2*_vs_tp1_ar_step (goal <= 0.60 at 1 request)
 #                                                                                              -> OUT/tp.json
 #   bash benchmarks/cluster_fast_path.sh agree OUT      TP=2 (NCCL, ONESHOT) beside one process with 8 greedy prompts
-#                                                       (bf16 agreement) and a profile of batch-1 steps on each rank
-#                                                                                              -> OUT/tp-agree.json
+#                                                       (bf16 agreement)                       -> OUT/tp-agree.json
+#   bash benchmarks/cluster_fast_path.sh profile OUT    TP=2 (NCCL, ONESHOT): a torch profile of batch-1 steps on each
+#                                                       rank (where the step's time goes)     -> OUT/tp-profile.json
 #   bash benchmarks/cluster_fast_path.sh separate OUT   the pipelined separate drafter against the colocated replica
 #                                                       (measured in the same bench) at 1, 64 and 128 requests with
 #                                                       DeepSpec's 5-layer drafter depth (goals: step <= 1.05x at 1,
@@ -19,10 +20,10 @@
 #   bash benchmarks/cluster_fast_path.sh tests OUT      tests/gpu, the 2-GPU replica tests among them -> OUT/tests.txt
 #   bash benchmarks/cluster_fast_path.sh nodes OUT      the two-node rehearsal on one host (TP=2, a shard a node)
 set -euo pipefail
-step=${1:?give a step: prepare, tp, agree, separate, tests or nodes}; out=${2:?give an output folder}
+step=${1:?give a step: prepare, tp, agree, profile, separate, tests or nodes}; out=${2:?give an output folder}
 case "$step" in
-  prepare|tp|agree|separate|tests|nodes) ;;
-  *) echo "usage: $0 prepare|tp|agree|separate|tests|nodes OUT" >&2; exit 2 ;;
+  prepare|tp|agree|profile|separate|tests|nodes) ;;
+  *) echo "usage: $0 prepare|tp|agree|profile|separate|tests|nodes OUT" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 case "$step" in
@@ -35,7 +36,9 @@ case "$step" in
   tp) python3 benchmarks/tp_scaling.py --tensor-parallel-sizes 1,2 --concurrency 1,64 --no-separate \
         --layouts ray-tp1,ray-tp2,ray-tp2-oneshot --out "$out/tp.json" ;;
   agree) python3 benchmarks/tp_scaling.py --tensor-parallel-sizes 2 --concurrency 1 --steps 10 --no-separate \
-           --e2e-prompts 8 --profile --layouts ray-tp2,ray-tp2-oneshot --out "$out/tp-agree.json" ;;
+           --e2e-prompts 8 --layouts ray-tp2,ray-tp2-oneshot --out "$out/tp-agree.json" ;;
+  profile) python3 benchmarks/tp_scaling.py --tensor-parallel-sizes 2 --concurrency 1 --steps 10 --no-separate \
+             --profile --layouts ray-tp2,ray-tp2-oneshot --out "$out/tp-profile.json" ;;
   separate) python3 benchmarks/tp_scaling.py --tensor-parallel-sizes 1 --concurrency 1,64,128 --draft-layers 5 \
               --kv-cache-gib 24 --profile --layouts ray-tp1-separate --out "$out/separate.json" ;;
   tests) python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/tests.txt" | tail -15 ;;
