@@ -135,8 +135,9 @@ class RayExecutor:
         while not self._closing.wait(idle_s / 4):
             with self._graph_lock:
                 if self.step_graph is not None and time.monotonic() - self._last_step >= idle_s:
-                    self._teardown_graph()
+                    # counted first: a reader that sees the replica parked (stats(), unlocked) sees this park too
                     self.parks += 1
+                    self._teardown_graph()
                     log.debug("dspark: replica idle for %.1f s: step graph parked", idle_s)
 
     def _teardown_graph(self) -> None:
