@@ -255,6 +255,7 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     traced = engine.confidence_stats.steps  # a confidence-scheduled engine's step trace, from here
     graphs = getattr(local_worker(llm), "graphs", None)
     ahead_before = graphs.steps_run_ahead if graphs is not None else 0
+    pipelined_before = engine.pipelined_steps
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -267,6 +268,9 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
         if engine.confidence is not None else {}
     # the timed steps launched before the engine scheduled them (decode or verify run-ahead), of one process's graphs
     ahead = {"steps_run_ahead_fraction": (graphs.steps_run_ahead - ahead_before) / steps} if graphs is not None else {}
+    # a pipelined separate drafter: the timed steps that were pipelined (pipeline_drafter_min_batch decides)
+    pipelined = {"pipelined_step_fraction": (engine.pipelined_steps - pipelined_before) / steps} \
+        if engine.pipelined else {}
     committed = sum(len(engine.sequences[i].output_token_ids) for i in ids) - before
     metrics = engine.metrics.as_dict()
     drafts = metrics["num_drafts"] - metrics_before["num_drafts"]
@@ -281,7 +285,7 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     return {"step_ms": 1e3 * elapsed / steps, "tokens_per_s": committed / elapsed, "ttft_ms": 1e3 * ttft,
             "tpot_ms": 1e3 * elapsed * batch / committed, "mean_acceptance_length": (1 + accepted / drafts)
             if drafts else None, "acceptance_per_position": per_pos if drafts else None, "context": context,
-            **ahead, **device, **host, **routing, **trace}
+            **ahead, **pipelined, **device, **host, **routing, **trace}
 
 
 def end_to_end(llms: dict, prompts: list[list[int]], max_tokens: int) -> dict[str, dict]:
@@ -1112,6 +1116,8 @@ def run(args) -> dict:
                         for name in ("step_ms", "tokens_per_s", "ttft_ms", "tpot_ms")})
         rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("host_")})
         rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("moe_")})
+        if "pipelined_step_fraction" in timing:
+            rows[c][f"{kind}_pipelined_step_fraction"] = timing["pipelined_step_fraction"]
         if kind == "ar" and bandwidth and "weight_bytes" in record:
             woken = timing.get("moe_experts_woken", 0.0) * record["expert_bytes"]  # MoE: the experts read
             floor = (record["weight_bytes"] + woken + kv_bytes(llm, c, timing["context"])) / bandwidth

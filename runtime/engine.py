@@ -124,6 +124,7 @@ class Engine:
         self.pipelined = bool(getattr(self.executor, "pipelined_drafting", False))
         self.pipeline_min_batch = int(getattr(self.executor, "pipeline_min_batch", 1))
         self._turn = 0  # the group the next pipelined step serves
+        self.pipelined_steps = 0  # steps that were pipelined (get_metrics)
         self._host_work = None  # the executor's HostWork where confidence scheduling defers its learning there
         self._deferred = False  # the step's decision was deferred (allot_deferred)
         self._judged_bucket = 0  # the batch bucket of the last judgement of drafting (its hold's, _record_decision)
@@ -368,6 +369,7 @@ class Engine:
         if pipelined:
             self.scheduler.join_groups()  # (requests admitted while the steps were not pipelined)
             group, self._turn = self._turn, 1 - self._turn
+            self.pipelined_steps += 1
         if self._arm is not None:
             self._arm()
         began = time.perf_counter()
@@ -901,4 +903,5 @@ class Engine:
                 "prefix_cache_hits": self.pages.num_hit_tokens, "num_kv_pages_cached": self.pages.num_cached,
                 **({"confidence_scheduling": self.confidence_stats.as_dict(self.confidence)}
                    if self.confidence is not None else {}),
+                **({"pipelined_steps": self.pipelined_steps} if self.pipelined else {}),
                 **(self.executor.stats() if hasattr(self.executor, "stats") else {})}

@@ -27,6 +27,9 @@ def test_the_sweep_runs_through_a_ray_replica_with_a_separate_drafter(tmp_path):
     assert record["replica"] == "ray" and record["tensor_parallel_size"] == 1 and record["drafter"] == "separate"
     assert record["pipeline_drafter"] is True and record["measurement"] == "sequential"  # two replicas: 2x GPUs
     assert record["pipeline_min_batch"] == 1
+    # min batch 1: every timed step of the pipelined engine was pipelined, none of the serial one's
+    assert all(row["dspark_pipelined_step_fraction"] == 1.0 for row in record["runs"])
+    assert all("serial_pipelined_step_fraction" not in row for row in record["runs"])
     assert "partial" not in record and record["hardware"] == "cpu" and record["copy_bandwidth_gbs"] is None
     assert sorted(info["role"] for info in record["dspark_rank_info"]) == ["drafter", "target"]
     for row in record["runs"]:

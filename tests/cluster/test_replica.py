@@ -330,6 +330,7 @@ def test_a_pipelined_drafter_pipelines_only_while_enough_requests_run(ray_cluste
         switches = sum(a != b for (a, _), (b, _) in zip(steps, steps[1:]))
         assert any(p for p, _ in steps) and switches >= 3, steps
         assert llm.get_metrics()["num_drafts"] > 0
+        assert llm.get_metrics()["pipelined_steps"] == sum(p for p, _ in steps)
     free_cpus_return()
 
 
