@@ -51,6 +51,10 @@ class EngineCollector:
                                       "after idle_park_s without a step.", value=m["replica_idle_parks"])
             yield GaugeMetricFamily(f"{PREFIX}:replica_parked", "1 while the replica's step graph is parked (idle).",
                                     value=float(m["replica_parked"]))
+        if "pipelined_steps" in m:  # a pipelined separate drafter (parallel.pipeline_drafter)
+            yield CounterMetricFamily(f"{PREFIX}:pipelined_steps", "Steps a pipelined separate drafter ran pipelined "
+                                      "(while pipeline_drafter_min_batch requests ran or waited).",
+                                      value=m["pipelined_steps"])
         scheduling = m.get("confidence_scheduling")
         if scheduling is not None:  # enable_confidence_scheduling
             last = scheduling["last"]

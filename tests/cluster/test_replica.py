@@ -331,6 +331,13 @@ def test_a_pipelined_drafter_pipelines_only_while_enough_requests_run(ray_cluste
         assert any(p for p, _ in steps) and switches >= 3, steps
         assert llm.get_metrics()["num_drafts"] > 0
         assert llm.get_metrics()["pipelined_steps"] == sum(p for p, _ in steps)
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from cluster.serve.metrics import EngineCollector
+
+        registry = CollectorRegistry()
+        registry.register(EngineCollector(lambda: llm.engine, llm.rank_info()))
+        assert f"dspark:pipelined_steps_total {float(sum(p for p, _ in steps))}" in generate_latest(registry).decode()
     free_cpus_return()
 
 
