@@ -24,7 +24,8 @@
 #                                                       engine, the step-time cost of crossing  -> OUT/two-node-check.json
 # SIZES: comma-separated tensor parallel sizes (default: 1,2,4 and 8 where the host has 8 GPUs).
 set -euo pipefail
-step=${1:?give a step: prepare, dense, oneshot, moe, sweep or nodes}; out=${2:?give an output folder}
+step=${1:?give a step: prepare, dense, oneshot, moe, sweep or nodes}
+out=${2:?give an output folder}
 mkdir -p "$out"
 case "$step" in
   prepare) bash benchmarks/gpu_host.sh install >/dev/null; exit 0 ;;
@@ -37,9 +38,9 @@ case "$step" in
   dense) python3 benchmarks/tp_scaling.py --model-shape qwen3-8b --tensor-parallel-sizes "${3:-$default_sizes}" \
            --concurrency 1,64 --profile --no-oneshot --out "$out/tp-scaling-8b.json" ;;
   oneshot) sizes=${3:-$default_sizes}
-           python3 benchmarks/tp_scaling.py --model-shape qwen3-8b --tensor-parallel-sizes "$sizes" --concurrency 1,64 \
-             --no-separate --layouts "ray-tp1,$(echo "$sizes" | tr ',' '\n' | grep -v '^1$' | sed 's/.*/ray-tp&-oneshot/' \
-             | paste -sd,)" --out "$out/tp-scaling-8b-oneshot.json" ;;
+           oneshot=$(echo "$sizes" | tr ',' '\n' | grep -v '^1$' | sed 's/.*/ray-tp&-oneshot/' | paste -sd,)
+           python3 benchmarks/tp_scaling.py --model-shape qwen3-8b --tensor-parallel-sizes "$sizes" \
+             --concurrency 1,64 --no-separate --layouts "ray-tp1,$oneshot" --out "$out/tp-scaling-8b-oneshot.json" ;;
   moe) python3 benchmarks/tp_scaling.py --model-shape qwen3-30b-a3b --tensor-parallel-sizes "${3:-$default_sizes}" \
          --concurrency 1,64 --sequential --no-oneshot --out "$out/tp-scaling-moe.json" ;;
   sweep) tp=${3:?give the tensor parallel size}; drafter=${4:-colocated}

@@ -19,7 +19,8 @@ process's in bf16 (the share identical, where each first differs). Each layout's
 skipped and said so in the record.
 
 usage: python3 benchmarks/tp_scaling.py --out FILE.json [--model-shape qwen3-8b] [--tensor-parallel-sizes 1,2]
-       [--concurrency 1,64] [--steps 30] [--draft-layers 1] [--e2e-prompts N] [--no-separate] [--no-oneshot] [--layouts A,B] [--kv-cache-gib 16] [--profile] [--sequential]
+       [--concurrency 1,64] [--steps 30] [--draft-layers 1] [--e2e-prompts N] [--no-separate] [--no-oneshot]
+       [--layouts A,B] [--kv-cache-gib 16] [--profile] [--sequential]
 """
 
 from __future__ import annotations
@@ -80,12 +81,12 @@ def ratios(records: dict[str, dict], tp_sizes: list[int]) -> dict:
                     point[f"{name}_vs_tp1_ar_step"] = ratio(layout, "ray-tp1", "ar_step_ms", c)
                     point[f"{name}_vs_tp1_dspark_step"] = ratio(layout, "ray-tp1", "dspark_step_ms", c)
         paired = rows.get("ray-tp1", {}).get(c, {})
-        for kind in ("ar", "dspark"):  # measured beside each other in the TP=1 layout's rounds, else across layouts
-            beside = paired.get(f"ray_vs_single_process_{kind}_step_paired")
-            point[f"ray_tp1_vs_single_process_{kind}_step"] = round(beside, 4) if beside else ratio(
+        beside = {kind: paired.get(f"ray_vs_single_process_{kind}_step_paired") for kind in ("ar", "dspark")}
+        for kind, value in beside.items():  # measured beside each other in the TP=1 layout's rounds, else across
+            point[f"ray_tp1_vs_single_process_{kind}_step"] = round(value, 4) if value else ratio(
                 "ray-tp1", "single-process", f"{kind}_step_ms", c)
-        point["ray_tp1_vs_single_process_from"] = "alternating rounds in the ray-tp1 layout" if any(
-            f"ray_vs_single_process_{kind}_step_paired" in paired for kind in ("ar", "dspark")) else "separate layouts"
+        point["ray_tp1_vs_single_process_from"] = "alternating rounds in the ray-tp1 layout" \
+            if any(beside.values()) else "separate layouts"
         separate = rows.get("ray-tp1-separate", {}).get(c, {})
         for field in ("step_vs_colocated", "throughput_vs_colocated", "throughput_vs_serial"):
             if field in separate:
@@ -162,8 +163,9 @@ def main() -> int:
             out = Path(tmp) / f"{name}.json"
             cmd = [sys.executable, "-m", "cluster.cli", "bench", "--model-shape", args.model_shape,
                    "--concurrency", args.concurrency, "--steps", str(args.steps), "--kv-cache-gib",
-                   str(args.kv_cache_gib), "--draft-layers", str(args.draft_layers), *flags, *(["--profile"] if args.profile else []),
-                   *(["--sequential"] if args.sequential else []), "--out", str(out)]
+                   str(args.kv_cache_gib), "--draft-layers", str(args.draft_layers), *flags,
+                   *(["--profile"] if args.profile else []), *(["--sequential"] if args.sequential else []),
+                   "--out", str(out)]
             commands[name] = "dspark " + shlex.join(cmd[3:])
             print(f"tp_scaling.py: {name}: {commands[name]}", file=sys.stderr, flush=True)
             done = subprocess.run(cmd, cwd=ROOT)

@@ -1632,7 +1632,8 @@ def summary(record: dict) -> str:
                      (f" {r['throughput_vs_colocated']:>8.2f}" if "throughput_vs_colocated" in r else ""))
     for r in record["runs"]:
         if "ray_vs_single_process_ar_step" in r:  # --beside-single-process
-            lines.append(f"{r['concurrency']:>5} replica / one process, step: AR {r['ray_vs_single_process_ar_step']:.3f}"
+            lines.append(f"{r['concurrency']:>5} replica / one process, step: AR "
+                         f"{r['ray_vs_single_process_ar_step']:.3f}"
                          f" (paired {cell(r['ray_vs_single_process_ar_step_paired'], 0, 3)}), DSpark "
                          f"{r['ray_vs_single_process_dspark_step']:.3f} (paired "
                          f"{cell(r['ray_vs_single_process_dspark_step_paired'], 0, 3)})")

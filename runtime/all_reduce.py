@@ -33,7 +33,8 @@ ALIGNMENT_BYTES = 16  # the kernel moves 16-byte vectors
 
 
 class OneShotAllReduce:
-    """Sums a tensor over the group in one kernel, out of place, through this rank's symmetric buffer."""
+    """Sums a tensor over the group in one kernel, out of place, through this rank's symmetric buffer. Built by
+    ``choose_reducer``, once every rank found the operator and the devices it needs (``_local_problem``)."""
 
     def __init__(self, group, device: torch.device, dtype: torch.dtype, max_bytes: int = ONESHOT_MAX_BYTES):
         # the one-shot kernel reads peers over NVLink's unicast mappings: no multicast object is made for its buffer
@@ -41,8 +42,6 @@ class OneShotAllReduce:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
 
-        if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
-            raise RuntimeError(f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy operator")
         self.group_name, self.dtype = group.group_name, dtype
         enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
         if enabled is not None and not enabled(self.group_name):  # (older torch needs it; newer ones warn it is moot)
@@ -96,8 +95,9 @@ def choose_reducer(strategy: str, group, device: torch.device, dtype: torch.dtyp
 def _local_problem(device: torch.device, group) -> str | None:
     if device.type != "cuda":
         return f"it needs CUDA devices, this rank runs on {device}"
-    if dist.get_backend(group) != "nccl":
-        return f"it needs the nccl process group, this one is {dist.get_backend(group)}"
+    backend = dist.get_backend(group)
+    if backend != "nccl":
+        return f"it needs the nccl process group, this one is {backend}"
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError as exc:
