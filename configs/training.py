@@ -52,6 +52,12 @@ class DrafterTrainConfig(BaseModel):
     seed: int = Field(default=0, description="Seed of initialization, data order and anchors.")
     log_every: Annotated[int, Field(gt=0)] = Field(default=50, description="Steps between log lines.")
     save_every: Annotated[int, Field(gt=0)] = Field(default=500, description="Steps between checkpoints.")
+    target_cache: str | None = Field(
+        default=None, description="Folder for the target's states of every training example (captured layers and "
+        "final hidden, bfloat16, about (m+1) x hidden x 2 bytes a token): filled by one pass of the target before the "
+        "first step, reused by later runs on the same examples, layers and target; each step then reads the batch's "
+        "states instead of running the target (for CPUs, where the target's forward dominates a step). None: the "
+        "target runs on every batch.")
     calibration_data: str | None = Field(
         default=None, description="Held-out JSONL prompts (prompt, messages or prompt_ids rows): after training, "
         "the drafter drafts greedily on them through the engine and a confidence temperature per position is "

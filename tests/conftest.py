@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 # OpenMP's threads (torch's intra-op pool) spin after each parallel region before they sleep; the suite runs its two
-# workers' torch threads, the demo build's and the Ray actors' on two cores, where those spins took the cores from
+# workers' torch threads and the Ray actors' on two cores, where those spins took the cores from
 # the threads with work: two 2-thread training runs side by side took 3.9x their time alone, 1.9x with passive
 # waiting (alone 1.25x: the product keeps OpenMP's default). Set before torch loads here, inherited by every process
 # the tests start (xdist workers, subprocesses, Ray clusters and their actors).
@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from tests import builders  # noqa: E402
 
-# Ray Serve kills an HTTP proxy not ready within 5 s; on the suite's two busy cores (the demo build's threads
+# Ray Serve kills an HTTP proxy not ready within 5 s; on the suite's two busy cores (a training test's threads
 # beside a Ray test) one was killed before it ran and serve.start failed. The clusters the tests start, and the
 # `dspark serve` processes they spawn, inherit this environment.
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
@@ -52,9 +52,9 @@ def pytest_collection_modifyitems(config, items):
     # tests marked last run at the end of their worker's share (the Ray unit's: by then the other worker has finished
     # and idles): four gloo ranks of a TP=4 replica on two cores took 109-132 s each beside the other worker's tests,
     # ~10 s alone (the suite 13.8 min against ~11)
-    # and the test marked first (the full demo build, ~6 minutes of one core alone) heads the collection: xdist
-    # hands the Ray unit (the largest scope) to one worker and the next scope to the other, so the build runs beside
-    # the Ray unit from the start (collected in its place, it started 3.5 minutes in and ended the suite alone)
+    # and the test marked first (the real demo model end to end, the longest single test) heads the collection:
+    # xdist hands the Ray unit (the largest scope) to one worker and the next scope to the other, so it runs beside
+    # the Ray unit from the start rather than ending the suite alone
     items.sort(key=lambda item: ("last" in item.keywords, "first" not in item.keywords))  # stable otherwise
     if torch.cuda.is_available():
         return

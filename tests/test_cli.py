@@ -91,8 +91,8 @@ def test_regenerate_refuses_bad_prompts_and_flags(qwen3_target, tmp_path, capsys
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["serve", "--model", "/nonexistent"], "--model: '/nonexistent' is neither a local directory nor a Hugging"),
-    (["generate", "hi", "--model", "/nonexistent"], "--model: '/nonexistent' is neither a local directory"),
+    (["serve", "--model", "/nonexistent"], "--model: '/nonexistent' is neither a local directory or file, a known name"),
+    (["generate", "hi", "--model", "/nonexistent"], "--model: '/nonexistent' is neither a local directory or file"),
     (["train-drafter", "--target", "t", "--data", "d", "--out", "o", "--block-size", "0"], "block_size"),
     (["train-target", "--out", "o", "--vocab-size", "10"], "vocab_size"),
     (["train-target", "--out", "o", "--num-workers", "0"], "argument --num-workers: wants an integer >= 1"),
@@ -105,19 +105,22 @@ def test_regenerate_refuses_bad_prompts_and_flags(qwen3_target, tmp_path, capsys
     (["bench", "--model-shape", "tiny", "--e2e-prompts", "-1"], "argument --e2e-prompts: wants an integer >= 0"),
     (["serve", "--port", "70000"], "argument --port: wants an integer in [1, 65535], got '70000'"),
     (["serve", "--drain-timeout", "-1"], "argument --drain-timeout: wants a number >= 0, got '-1'"),
-    # without --model the demo pair is built first (minutes): every other value is checked before that
+    # without --model the demo pair (smollm2 and its drafter): every other value is checked before it is loaded
     (["serve", "--max-num-seqs", "0"], "engine.max_num_seqs"),
     (["serve", "--num-replicas", "0"], "deployment.num_replicas"),
     (["generate", "hi", "--max-tokens", "0"], "SamplingParams.max_tokens"),
     (["generate", "hi", "--temperature", "-1"], "SamplingParams.temperature"),
+    (["serve", "smollm2", "--model", "other"], "the model is given twice: MODEL 'smollm2' and --model 'other'"),
+    (["serve", "/nonexistent.gguf"], "--model: '/nonexistent.gguf' is neither a local directory or file"),
     (["regenerate", "--target", "/nonexistent", "--out", "o.jsonl"],
      "--target: /nonexistent is not a Hugging Face checkpoint directory (no config.json)"),
 ])
 def test_bad_serve_and_generate_input(capsys, monkeypatch, argv, needle):
-    def no_demo():
-        raise AssertionError("a bad flag must fail before the demo pair is built")
+    def no_resolution(*args):
+        raise AssertionError("a bad flag must fail before any checkpoint is resolved")
 
-    monkeypatch.setattr("cluster.cli.demo_pair", no_demo)
+    if "--model" not in argv and not any(a.endswith(".gguf") for a in argv):
+        monkeypatch.setattr("runtime.hub.resolve_hub_ids", no_resolution)
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse refuses a flag's value before any handler runs

@@ -71,10 +71,12 @@ def tokenize(rows: list[dict], tokenizer, max_len: int, eos_token_id: int | None
     return examples
 
 
-def batches(examples: list[Example], batch_size: int, seed: int, pad_id: int):
-    """Endless shuffled batches: (input_ids [N, L], loss_mask [N, L], attention_mask [N, L]), all int64, L the
-    longest example of the batch. The examples are packed into compact tensors once (and the lists dropped), so
-    a batch is a gather, not per-example Python: it is built on the host every training step."""
+def batches(examples: list[Example], batch_size: int, seed: int, pad_id: int, pool: int = 32):
+    """Endless shuffled batches: (input_ids [N, L], loss_mask [N, L], attention_mask [N, L], rows [N]), all int64,
+    L the longest example of the batch, rows the examples' indices. Each pass shuffles the examples, sorts every
+    ``pool`` batches' worth by length and shuffles those batches, so a batch holds examples of similar length (little
+    padding) in random order. The examples are packed into compact tensors once (and the lists dropped), so a batch is
+    a gather, not per-example Python: it is built on the host every training step."""
     count, width = len(examples), max(len(e.token_ids) for e in examples)
     lengths = torch.tensor([len(e.token_ids) for e in examples])  # [E]
     all_ids = torch.full((count, width), pad_id, dtype=torch.int32)  # [E, W]
@@ -87,8 +89,13 @@ def batches(examples: list[Example], batch_size: int, seed: int, pad_id: int):
     order = list(range(count))
     while True:
         rng.shuffle(order)
-        for start in range(0, count - batch_size + 1, batch_size):
-            rows = torch.tensor(order[start:start + batch_size])  # [N]
+        groups = []
+        for lo in range(0, count - batch_size + 1, batch_size * pool):
+            chunk = sorted(order[lo:lo + batch_size * pool], key=lambda i: int(lengths[i]))
+            groups += [chunk[s:s + batch_size] for s in range(0, len(chunk) - batch_size + 1, batch_size)]
+        rng.shuffle(groups)
+        for group in groups:
+            rows = torch.tensor(group)  # [N]
             length = int(lengths[rows].max())
             attn = (torch.arange(length) < lengths[rows, None]).long()  # [N, L]
-            yield all_ids[rows, :length].long(), all_loss[rows, :length].long(), attn
+            yield all_ids[rows, :length].long(), all_loss[rows, :length].long(), attn, rows

@@ -1,7 +1,8 @@
 """``train_drafter``: the DeepSpec recipe on a frozen target.
 
 Per step: the target (transformers, frozen) runs the batch once, giving the captured layer outputs
-and its own distributions; random anchors on supervised tokens open blocks ``[anchor, MASK...]``;
+and its final hidden states, whose LM-head outputs at the labelled positions are its distributions (or both come
+from a cache the target filled once: ``target_cache``); random anchors on supervised tokens open blocks ``[anchor, MASK...]``;
 the drafter predicts every block in one pass (embedding and LM head are the target's, frozen); the
 Markov head is teacher-forced; the loss is DeepSpec's. Checkpoints (drafter + optimizer + step) are
 written every ``save_every`` steps, at ``max_seconds`` and at the end; a rerun resumes from them.
@@ -34,6 +35,7 @@ from runtime.training.forward import block_hidden, confidence_logits, teacher_fo
 from runtime.training.loss import LossWeights, dspark_loss
 from runtime.training.precision import autocast
 from runtime.training.schedule import warmup_cosine
+from runtime.training.target_states import CachedTarget, LiveTarget, open_state_cache
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
@@ -88,6 +90,7 @@ class Run:
     """Everything one training run holds."""
 
     target: torch.nn.Module
+    states: LiveTarget | CachedTarget  # the target's captured and final states of a batch
     drafter: DSparkDrafter
     config: dict  # the drafter's config.json
     optimizer: torch.optim.Optimizer
@@ -99,10 +102,13 @@ class Run:
 
 def prepare(cfg: DrafterTrainConfig, rank: int) -> Run:
     """Load the frozen target, build (or resume) the drafter and its optimizer, and the data stream."""
+    from runtime.hub import resolve_checkpoint
+
     device = resolve_device(cfg.device)
-    target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=DTYPES[cfg.target_dtype]).to(device).eval()
+    target_dir = resolve_checkpoint(cfg.target, "target")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target_dtype]).to(device).eval()
     target.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
     tconf = target.config.to_dict()
     layer_ids = cfg.target_layer_ids or default_layer_ids(tconf["num_hidden_layers"])
     validate_capture_layers(layer_ids, tconf["num_hidden_layers"])
@@ -119,8 +125,12 @@ def prepare(cfg: DrafterTrainConfig, rank: int) -> Run:
     if not examples:
         raise ValueError(f"data: {cfg.data} gave no sequence with two supervised tokens")
     seed = cfg.seed + step + 7919 * rank  # a resumed run, and each data-parallel rank, draws new batches
+    states = LiveTarget(target, layer_ids)
+    if cfg.target_cache is not None:
+        states = open_state_cache(states, examples, Path(cfg.target_cache), target_dir, device,
+                                  next(drafter.parameters()).dtype, progress=rank == 0)
     data = batches(examples, min(cfg.batch_size, len(examples)), seed, tokenizer.pad_token_id or 0)
-    return Run(target, drafter, config, optimizer, scheduler, step, data,
+    return Run(target, states, drafter, config, optimizer, scheduler, step, data,
                torch.Generator(device="cpu").manual_seed(seed))
 
 
@@ -137,12 +147,13 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
     start, stats, step_stats = time.monotonic(), {}, {}
     bar = tqdm(total=cfg.steps, initial=run.step, desc="train-drafter", disable=not progress or rank != 0)
     while run.step < cfg.steps:
-        ids, loss_mask, attn = next(run.data)  # on the host
+        ids, loss_mask, attn, rows = next(run.data)  # on the host
         anchors, keep = sample_anchors(loss_mask * attn, cfg.num_anchors, run.generator)  # host RNG, no device sync
         ids, loss_mask, attn, anchors, keep = (t.to(device) for t in (ids, loss_mask, attn, anchors, keep))
         with autocast(cfg.autocast, device):
-            loss, step_stats = drafter_step(run.target, run.drafter, ids, loss_mask, attn, anchors, keep, cfg,
-                                            run.config, weights)
+            captured, final = run.states(ids, attn, rows)
+            loss, step_stats = drafter_step(run.target, run.drafter, ids, loss_mask, attn, anchors, keep, captured,
+                                            final, cfg, run.config, weights)
         run.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         average_gradients(run.drafter, world)
@@ -184,17 +195,16 @@ def calibrate(cfg: DrafterTrainConfig, device: torch.device) -> dict:
                              dtype=cfg.target_dtype)
 
 
-def drafter_step(target, drafter: DSparkDrafter, ids, loss_mask, attn, anchors, keep, cfg: DrafterTrainConfig,
-                 config: dict, weights: LossWeights):
-    """One forward: the frozen target, then every block of the batch through the drafter -> (loss, stats).
+def drafter_step(target, drafter: DSparkDrafter, ids, loss_mask, attn, anchors, keep, captured, final,
+                 cfg: DrafterTrainConfig, config: dict, weights: LossWeights):
+    """Every block of the batch through the drafter -> (loss, stats).
 
-    ids, loss_mask, attn [N, L]; anchors, keep [N, A] from ``sample_anchors`` (all on the drafter's device).
+    ids, loss_mask, attn [N, L]; anchors, keep [N, A] from ``sample_anchors``; captured [N, L, m*d] and final
+    [N, L, d], the frozen target's states of the batch (``LiveTarget``/``CachedTarget``); all on the drafter's device.
+    The target's distributions are its LM head on ``final`` at the labelled positions only.
     """
     n, length = ids.shape
-    block, layer_ids = cfg.block_size, config["target_layer_ids"]
-    with torch.no_grad():
-        out = target(input_ids=ids, attention_mask=attn, output_hidden_states=True)
-        captured = torch.cat([out.hidden_states[layer + 1] for layer in layer_ids], dim=-1)
+    block = cfg.block_size
     block_ids, block_pos = block_inputs(ids, anchors, keep, block, config["mask_token_id"])
     labels, target_index, mask = block_labels(ids, loss_mask * attn, anchors, keep, block)
     embeds = target.get_input_embeddings()(block_ids).to(next(drafter.parameters()).dtype)
@@ -205,7 +215,9 @@ def drafter_step(target, drafter: DSparkDrafter, ids, loss_mask, attn, anchors, 
     base = target.lm_head(hidden4.to(target.lm_head.weight.dtype)).float()
     prev = torch.cat([block_ids.view(n, a, block)[:, :, :1], labels[:, :, :-1]], dim=2)
     draft_logits = teacher_forced_logits(drafter, base, prev, hidden4)
-    target_logits = out.logits[torch.arange(n, device=ids.device)[:, None, None], target_index.clamp_min(0)]
+    with torch.no_grad():
+        at = final[torch.arange(n, device=ids.device)[:, None, None], target_index.clamp_min(0)]  # [N, A, B, d]
+        target_logits = target.lm_head(at.to(target.lm_head.weight.dtype)).float()
     return dspark_loss(draft_logits, target_logits, labels, mask, confidence_logits(drafter, hidden4, prev), weights)
 
 

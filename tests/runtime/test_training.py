@@ -66,8 +66,9 @@ def test_batches_pad_each_example_and_visit_every_example_once_per_epoch():
     stream = batches(examples, batch_size=3, seed=0, pad_id=99)
     seen = []
     for _ in range(2):  # one epoch: 6 examples in batches of 3
-        ids, loss, attn = next(stream)
+        ids, loss, attn, rows = next(stream)
         assert ids.dtype == loss.dtype == attn.dtype == torch.long
+        assert [examples[i].token_ids[0] for i in rows.tolist()] == ids[:, 0].tolist()
         assert ids.shape[1] == int(attn.sum(1).max())  # as wide as the longest example of the batch
         for row_ids, row_loss, row_attn in zip(ids.tolist(), loss.tolist(), attn.tolist()):
             example = examples[row_ids[0] // 10]
@@ -255,3 +256,47 @@ def test_train_drafter_calibrates_on_held_out_prompts(near_bigram_target, distil
     spec = DSparkDecodingConfig(speculative_model=str(out), enable_confidence_scheduling=True)
     llm = LLM(str(near_bigram_target), speculative_config=spec, **ENGINE)  # the scheduler reads them
     assert llm.engine.confidence.temperatures.tolist() == pytest.approx(temperatures)
+
+
+def test_cached_target_states_train_as_the_live_target_does(near_bigram_target, distilled, tmp_path):
+    """One pass of the target fills the cache; a run reading it matches a run with the target live (to bfloat16
+    rounding of the cached states), and a cache of other examples is rebuilt rather than misread."""
+    import json
+
+    cache = tmp_path / "states"
+    live = train_drafter(config(near_bigram_target, distilled, tmp_path / "live", steps=8), progress=False)
+    cached = train_drafter(config(near_bigram_target, distilled, tmp_path / "cached", steps=8,
+                                  target_cache=str(cache)), progress=False)
+    assert (cache / "index.json").is_file() and (cache / "captured.npy").is_file()
+    assert cached["loss"] == pytest.approx(live["loss"], rel=0.03)
+    key = json.loads((cache / "index.json").read_text())["key"]
+    fewer = tmp_path / "fewer.jsonl"
+    fewer.write_text("\n".join(distilled.read_text().splitlines()[:40]) + "\n")
+    train_drafter(config(near_bigram_target, fewer, tmp_path / "other", steps=2, target_cache=str(cache)),
+                  progress=False)
+    assert json.loads((cache / "index.json").read_text())["key"] != key
+
+
+def test_self_distillation_answers_each_prompt_once_per_sampling(near_bigram_target, tmp_path):
+    import json
+
+    from runtime.training.prompt_sets import read_turns, template_math_problems
+    from runtime.training.self_distill import Sampling, answer_prompts
+
+    turns = tmp_path / "turns.jsonl"
+    turns.write_text('{"turns": ["def add(a, b):"]}\n{"turns": ["for i in range(10):", "and again"]}\n')
+    assert read_turns(turns) == [["def add(a, b):"], ["for i in range(10):", "and again"]]
+    (tmp_path / "bad.jsonl").write_text('{"turns": []}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: each row needs 'turns'"):
+        read_turns(tmp_path / "bad.jsonl")
+    problems = template_math_problems(5, seed=1)
+    assert len(problems) == 5 and problems == template_math_problems(5, seed=1) and "{" not in "".join(problems)
+    llm = LLM(str(near_bigram_target), **ENGINE)
+    rows = [{"source": "s", "messages": [{"role": "user", "content": t[0]}]} for t in read_turns(turns)]
+    rows.append({"source": "long", "messages": [{"role": "user", "content": "print(1) " * 200}]})
+    counts = answer_prompts(llm, rows, [Sampling(0.0), Sampling(0.8, 0.9)], max_tokens=6, max_prompt_tokens=64,
+                            out=tmp_path / "answers.jsonl", seed=3)
+    assert counts["rows"] == 4 and counts["prompts"] == 2 and counts["skipped_long_prompts"] == 1
+    written = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert [r["temperature"] for r in written] == [0.0, 0.0, 0.8, 0.8]
+    assert written[0]["prompt_ids"] == written[2]["prompt_ids"] and all(len(r["response_ids"]) <= 6 for r in written)

@@ -1,0 +1,185 @@
+"""End to end on real prompts: output tokens/s and TPOT of our autoregressive decoding, our DSpark and transformers
+``generate``, side by side, at each concurrency.
+
+Prompts are the evaluation sets' first turns (GSM8K, MT-Bench, HumanEval, MBPP, taken in turn) through the target's
+chat template; every request stops at EOS or ``--max-tokens``, as a user's would (no ignore_eos, no random ids). At
+concurrency c the engine keeps c requests in flight (a finished one is replaced by the next prompt) until
+``--requests`` have finished; tokens/s is output tokens over that wall time; TPOT per request is (last token time -
+first token time) / (tokens - 1), reported as the median. Our two engines run the same prompts in alternating rounds
+(``--rounds``; the order flips each round), so their ratio is paired; transformers runs each prompt batch of c
+(left-padded, greedy, its default dynamic cache, or ``--hf-compile``: a static cache and torch.compile as its
+documentation recommends) once.
+
+usage: python benchmarks/e2e_bench.py --drafter smollm2-dspark --out benchmarks/results/e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DATASETS = ("gsm8k", "mt-bench", "humaneval", "mbpp")
+
+
+def real_prompts(tokenizer, count: int) -> list[list[int]]:
+    """``count`` first turns of the evaluation sets, taken from each set in turn, as chat-template token ids."""
+    from runtime.chat import chat_token_ids
+    from runtime.training.prompt_sets import read_turns
+
+    sets = [read_turns(ROOT / "benchmarks" / "data" / "eval" / f"{n}.jsonl") for n in DATASETS]
+    prompts = []
+    for i in range(count):
+        turns = sets[i % len(sets)][(i // len(sets)) % len(sets[i % len(sets)])]
+        prompts.append(chat_token_ids(tokenizer, [{"role": "user", "content": turns[0]}]))
+    return prompts
+
+
+def closed_loop(engine, prompts: list[list[int]], concurrency: int, params) -> dict:
+    """Keep ``concurrency`` requests in flight until every prompt has finished; tokens/s and per-request TPOT."""
+    import dataclasses
+
+    params = dataclasses.replace(params, output_kind="delta")
+    pending = list(range(len(prompts)))[::-1]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    running = 0
+    start = time.perf_counter()
+    while pending or running:
+        while pending and running < concurrency:
+            engine.add_request(prompts[pending.pop()], params)
+            running += 1
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.token_ids:
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                counts[out.request_id] = counts.get(out.request_id, 0) + len(out.token_ids)
+            if out.finished:
+                running -= 1
+    seconds = time.perf_counter() - start
+    tokens = sum(counts.values())
+    tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in counts if counts[r] > 1]
+    return {"tokens_per_s": tokens / seconds, "output_tokens": tokens, "seconds": seconds,
+            "tpot_ms_median": 1000 * statistics.median(tpot) if tpot else None}
+
+
+def hf_generate(model, tokenizer, prompts: list[list[int]], concurrency: int, max_tokens: int, compile_: bool) -> dict:
+    """transformers ``generate`` over batches of ``concurrency`` prompts (left-padded, greedy, stop at EOS)."""
+    import torch
+
+    eos = tokenizer.eos_token_id
+    extra = {"cache_implementation": "static", "compile_config": None} if compile_ else {}
+    if compile_:
+        from transformers import CompileConfig
+
+        extra["compile_config"] = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    tokens, tpots = 0, []
+    start = time.perf_counter()
+    for lo in range(0, len(prompts), concurrency):
+        batch = prompts[lo:lo + concurrency]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[eos] * (width - len(p)) + p for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                             pad_token_id=eos, eos_token_id=eos, **extra)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        new = out[:, width:]
+        lengths = [int((row == eos).nonzero()[0]) + 1 if (row == eos).any() else len(row) for row in new]
+        tokens += sum(lengths)
+        tpots.append(1000 * elapsed / new.shape[1])  # every row waits for the batch's longest
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": tokens / seconds, "output_tokens": tokens, "seconds": seconds,
+            "tpot_ms_median": statistics.median(tpots)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--concurrency", default="1,4,16,64,256")
+    parser.add_argument("--requests", type=int, help="requests per concurrency (default max(2c, 16))")
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--max-draft-len", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of our two engines (default 2)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--kv-cache-gib", type=float, default=16)
+    parser.add_argument("--hf", action="store_true", help="also time transformers generate on the same prompts")
+    parser.add_argument("--hf-compile", action="store_true", help="transformers with a static cache and torch.compile")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from runtime import LLM, SamplingParams
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    engine = dict(device=args.device, max_num_seqs=max(levels), kv_cache_memory=int(args.kv_cache_gib * 2**30),
+                  max_model_len=4096)
+    ar = LLM(args.model, **engine)
+    spec = LLM(args.model, speculative_config={"speculative_model": args.drafter, "max_draft_len": args.max_draft_len},
+               **engine)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    warm = real_prompts(ar.tokenizer, max(levels))
+    for llm in (ar, spec):  # graphs captured, kernels compiled, caches warm
+        closed_loop(llm.engine, warm, max(levels), SamplingParams(max_tokens=32, temperature=0))
+    hf_model = None
+    if args.hf or args.hf_compile:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(ar.config.model, dtype=torch.bfloat16 if
+                                                        torch.cuda.is_available() else torch.float32)
+        hf_model = hf_model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    rows = []
+    for c in levels:
+        prompts = real_prompts(ar.tokenizer, args.requests or max(2 * c, 16))
+        rounds = []
+        for r in range(args.rounds):
+            order = [("ar", ar), ("dspark", spec)][:: 1 if r % 2 == 0 else -1]
+            before = spec.get_metrics()
+            result = {name: closed_loop(llm.engine, prompts, c, params) for name, llm in order}
+            after = spec.get_metrics()
+            drafts = after["num_drafts"] - before["num_drafts"]
+            result["tau"] = 1 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / max(drafts, 1)
+            result["ratio"] = result["dspark"]["tokens_per_s"] / result["ar"]["tokens_per_s"]
+            rounds.append(result)
+        row = {"concurrency": c, "requests": len(prompts),
+               "ar_tokens_per_s": statistics.median(x["ar"]["tokens_per_s"] for x in rounds),
+               "dspark_tokens_per_s": statistics.median(x["dspark"]["tokens_per_s"] for x in rounds),
+               "dspark_over_ar_paired": statistics.median(x["ratio"] for x in rounds),
+               "ar_tpot_ms": statistics.median(x["ar"]["tpot_ms_median"] for x in rounds),
+               "dspark_tpot_ms": statistics.median(x["dspark"]["tpot_ms_median"] for x in rounds),
+               "tau": statistics.median(x["tau"] for x in rounds), "rounds": rounds}
+        if hf_model is not None:
+            hf = hf_generate(hf_model, ar.tokenizer, prompts, c, args.max_tokens, args.hf_compile)
+            row.update(hf_tokens_per_s=hf["tokens_per_s"], hf_tpot_ms=hf["tpot_ms_median"],
+                       ar_over_hf=row["ar_tokens_per_s"] / hf["tokens_per_s"], hf=hf)
+        rows.append(row)
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k not in
+                          ("rounds", "hf")}), flush=True)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and args.device != "cpu" else "CPU"
+    record = {"kind": "e2e", "model": args.model, "drafter": args.drafter, "max_draft_len": args.max_draft_len,
+              "max_tokens": args.max_tokens, "hardware": device, "date": datetime.date.today().isoformat(),
+              "command": "python benchmarks/e2e_bench.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+              "hf_peer": "static cache + torch.compile" if args.hf_compile else "dynamic cache, eager",
+              "engine_rank_info": ar.rank_info(), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

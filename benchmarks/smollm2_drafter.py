@@ -1,0 +1,244 @@
+"""The recipe of ``smollm2-dspark``: a DSpark drafter for SmolLM2-135M-Instruct, trained by self-distillation.
+
+One command reproduces the shipped checkpoint, on a GPU or on a CPU (``--scale``; auto picks by the device):
+  1. prompts: the training prompt sets of ``benchmarks/data/train`` (arena-hard-v2, livecodebench, SWE-bench Lite;
+     never the evaluation sets of ``benchmarks/data/eval``), arithmetic word problems filled from templates, and
+     math problems, Python exercises and assistant questions the target writes itself on random topics
+  2. answers: the target answers every prompt through the engine (its chat template, non-thinking as DeepSpec
+     regenerates answers): greedily, and on the GPU scale also sampled (temperature 0.7, top-p 0.8). Prompt chunks
+     get steps of their own (enable_mixed_prefill off): the torch attention kernels pad every row of a step to its
+     longest query, so a prompt chunk beside hundreds of decoding requests would multiply the work
+  3. train: each variant with ``dspark train-drafter``'s trainer on the same answers and budget: DSpark drafters
+     (vanilla Markov head, confidence head, DeepSpec's loss) of 1 and 3 layers and DFlash-style baselines (no
+     Markov head, no confidence head, cross-entropy only), capture layers [1, 8, 14, 21, 27], block 7, MASK
+     <empty_output> (id 16). The CPU scale caches the target's states once (``target_cache``) and trains less.
+  4. export (``--export DIR``): the chosen variant in bfloat16, DeepSpec layout (what ``smollm2-dspark`` names)
+Stages already done in ``--work`` are skipped (``--stages`` picks some), so a run can be split over several calls.
+
+usage: python benchmarks/smollm2_drafter.py --work /tmp/smollm2 [--scale auto|gpu|cpu] [--variants dspark-1,...]
+       [--export runtime/pretrained/smollm2-dspark --export-variant dspark-1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TRAIN_SETS = ("arena-hard-v2", "livecodebench", "swe-bench")
+LAYER_IDS = [1, 8, 14, 21, 27]  # five of SmolLM2's 30 layers, evenly spaced from 1 to L - 3 (z-lab's rule)
+MASK_TOKEN_ID = 16  # <empty_output>, a special token chat never uses
+BLOCK = 7
+ANSWER_CHUNK = 4096  # prompts answered per chunk of the answers stage
+MARKOV_RANK = 64  # the shipped drafter must stay under 25 MB in bfloat16: the head is 2 x 49,152 x rank
+VARIANTS = {
+    "dspark-1": dict(num_draft_layers=1, markov_rank=MARKOV_RANK, confidence_head=True),
+    "dspark-3": dict(num_draft_layers=3, markov_rank=MARKOV_RANK, confidence_head=True),
+    "dflash-1": dict(num_draft_layers=1, markov_rank=0, confidence_head=False, ce_weight=1.0, l1_weight=0.0),
+    "dflash-3": dict(num_draft_layers=3, markov_rank=0, confidence_head=False, ce_weight=1.0, l1_weight=0.0),
+}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How much each stage does."""
+
+    template_math: int
+    written: dict[str, int]  # prompts the target writes, per kind
+    samplings: list[tuple[float, float]]  # (temperature, top_p) per answer of a prompt
+    max_tokens: int
+    max_prompt_tokens: int
+    engine: dict
+    epochs: float
+    train: dict = field(default_factory=dict)
+    train_prompts: int | None = None  # a random subset of the training sets' prompts (None: all)
+
+
+SCALES = {
+    "gpu": Scale(template_math=5000, written={"math": 1500, "code": 1500, "chat": 1500},
+                 samplings=[(0.0, 1.0), (0.7, 0.8)], max_tokens=512, max_prompt_tokens=1536,
+                 engine=dict(dtype="bfloat16", device="cuda", max_num_seqs=512, kv_cache_memory=48 << 30,
+                             max_num_batched_tokens=16384, max_model_len=2048, enable_mixed_prefill=False),
+                 epochs=3.0, train=dict(batch_size=32, max_len=2048, num_anchors=64, lr=6e-4, dtype="float32",
+                                        target_dtype="bfloat16", autocast="bfloat16", device="cuda")),
+    # about an hour on two cores: the torch kernels' prefill and the target's forward dominate (~900 tokens/s)
+    "cpu": Scale(template_math=400, written={"math": 100, "code": 100, "chat": 100}, samplings=[(0.0, 1.0)],
+                 max_tokens=192, max_prompt_tokens=384, train_prompts=800,
+                 engine=dict(dtype="float32", device="cpu", max_num_seqs=96, kv_cache_memory=6 << 30,
+                             max_num_batched_tokens=4096, max_model_len=1024, enable_mixed_prefill=False),
+                 epochs=2.0, train=dict(batch_size=4, max_len=1024, num_anchors=32, lr=6e-4, dtype="float32",
+                                        target_dtype="float32", device="cpu")),
+}
+
+
+def conversations(scale: Scale, llm, seed: int) -> list[dict]:
+    """Stage 1: every prompt as ``{"source", "messages"}``."""
+    from runtime.training.prompt_sets import read_turns, template_math_problems
+    from runtime.training.self_distill import write_prompts
+
+    rows = []
+    for name in TRAIN_SETS:
+        for turns in read_turns(ROOT / "benchmarks" / "data" / "train" / f"{name}.jsonl"):
+            rows.append({"source": name, "messages": [{"role": "user", "content": turns[0]}]})
+    if scale.train_prompts is not None:
+        rows = random.Random(seed).sample(rows, min(scale.train_prompts, len(rows)))
+    for text in template_math_problems(scale.template_math, seed):
+        rows.append({"source": "template-math", "messages": [{"role": "user", "content": text}]})
+    for k, (kind, count) in enumerate(scale.written.items()):
+        for text in write_prompts(llm, kind, count, seed + 1000 * (k + 1)):
+            rows.append({"source": f"written-{kind}", "messages": [{"role": "user", "content": text}]})
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def stage(work: Path, name: str, wanted: set[str], run) -> dict:
+    """Run ``run()`` unless ``WORK/stage-NAME.json`` records it done (or the stage is not wanted); its record. A
+    result with ``"finished": False`` (a time box ran out) is not recorded: the next run resumes the stage."""
+    record = work / f"stage-{name}.json"
+    if record.is_file():
+        return json.loads(record.read_text())
+    if name.split(":")[0] not in wanted:
+        return {}
+    start = time.monotonic()
+    result = {**run(), "seconds": round(time.monotonic() - start, 1)}
+    if result.get("finished", True):
+        record.write_text(json.dumps(result, indent=2))
+    print(json.dumps({name: result}), flush=True)
+    return result
+
+
+def train_variant(name: str, scale: Scale, work: Path, rows: int, seed: int, seconds: float | None) -> dict:
+    """Train (or resume) one variant for ``scale.epochs`` over the answers, stopping after ``seconds`` if given."""
+    from configs.training import DrafterTrainConfig
+    from runtime.training.drafter_trainer import train_drafter
+
+    steps = max(1, math.ceil(scale.epochs * rows / scale.train["batch_size"]))
+    cache = {"target_cache": str(work / "target-states")} if scale.train["device"] == "cpu" else {}
+    cfg = DrafterTrainConfig(target="smollm2", data=str(work / "answers.jsonl"), out=str(work / name),
+                             block_size=BLOCK, target_layer_ids=LAYER_IDS, mask_token_id=MASK_TOKEN_ID, steps=steps,
+                             seed=seed, log_every=100, save_every=max(steps // 4, 100), max_seconds=seconds, **cache,
+                             **scale.train, **VARIANTS[name])
+    stats = train_drafter(cfg)
+    return {"config": cfg.model_dump(), "finished": stats["step"] >= steps,
+            **{k: stats[k] for k in ("step", "loss", "accept_len")}}
+
+
+SHIPPED_BYTES = 25 << 20  # the most a drafter committed to the repository may weigh
+
+
+def export(work: Path, variant: str, dest: Path, max_bytes: int | None = SHIPPED_BYTES) -> dict:
+    """The trained variant in bfloat16 into ``dest`` (config.json, model.safetensors); refuses more than
+    ``max_bytes``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = work / variant
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(source / "model.safetensors")).items()}
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    if max_bytes is not None and size > max_bytes:
+        raise SystemExit(f"export: {variant} is {size / 2**20:.1f} MiB in bfloat16, over the {max_bytes / 2**20:g} "
+                         "MiB a shipped drafter may weigh")
+    dest.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return {"variant": variant, "bytes": size, "dest": str(dest)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--work", required=True, help="folder for every stage's output (rerun to resume)")
+    parser.add_argument("--scale", choices=["auto", *SCALES], default="auto", help="gpu or cpu sizes (default: "
+                        "gpu where CUDA is available)")
+    parser.add_argument("--stages", default="prompts,answers,train", help="stages to run (default all but export)")
+    parser.add_argument("--variants", default="dspark-1,dflash-1,dspark-3",
+                        help=f"drafters to train, of {', '.join(VARIANTS)}")
+    parser.add_argument("--export", type=Path, help="write the --export-variant drafter here in bfloat16")
+    parser.add_argument("--export-variant", default="dspark-1", choices=list(VARIANTS))
+    parser.add_argument("--train-seconds", type=float, help="stop each variant's training after this long (it "
+                        "resumes on the next run with the same --work)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import logging
+
+    import torch
+
+    from runtime.llm import LLM
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from runtime.training.self_distill import Sampling, answer_prompts
+
+    scale_name = args.scale if args.scale != "auto" else ("gpu" if torch.cuda.is_available() else "cpu")
+    scale = SCALES[scale_name]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    wanted = set(args.stages.split(","))
+    llm = None
+
+    def engine():
+        nonlocal llm
+        llm = llm or LLM("smollm2", **scale.engine)
+        return llm
+
+    def make_prompts():
+        rows = conversations(scale, engine(), args.seed)
+        with (work / "prompts.jsonl").open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        counts: dict[str, int] = {}
+        for r in rows:
+            counts[r["source"]] = counts.get(r["source"], 0) + 1
+        return {"scale": scale_name, "prompts": len(rows), "by_source": counts}
+
+    def make_answers():
+        """In chunks of ``ANSWER_CHUNK`` prompts, each its own file, so an interrupted stage keeps what it wrote."""
+        rows = [json.loads(line) for line in (work / "prompts.jsonl").read_text().split("\n") if line]
+        samplings = [Sampling(t, p) for t, p in scale.samplings]
+        totals: dict[str, int] = {}
+        chunks = []
+        for c, lo in enumerate(range(0, len(rows), ANSWER_CHUNK)):
+            part = work / f"answers-{c:03d}.jsonl"
+            done = work / f"answers-{c:03d}.json"
+            if not done.is_file():
+                counts = answer_prompts(engine(), rows[lo:lo + ANSWER_CHUNK], samplings, scale.max_tokens,
+                                        scale.max_prompt_tokens, part, args.seed + lo * len(samplings), progress=True)
+                done.write_text(json.dumps(counts))
+            for k, v in json.loads(done.read_text()).items():
+                totals[k] = totals.get(k, 0) + v
+            chunks.append(part)
+        with (work / "answers.jsonl").open("w") as f:
+            for part in chunks:
+                f.write(part.read_text())
+        return {"scale": asdict(scale), **totals}
+
+    records = {"prompts": stage(work, "prompts", wanted, make_prompts)}
+    records["answers"] = stage(work, "answers", wanted, make_answers)
+    del llm  # the engine's KV pages go before training
+    llm = None
+    if "train" in wanted:
+        rows = sum(1 for _ in (work / "answers.jsonl").open())
+        for name in variants:
+            records[name] = stage(work, f"train:{name}", wanted, lambda n=name: train_variant(
+                n, scale, work, rows, args.seed, args.train_seconds))
+    if args.export is not None:
+        records["export"] = export(work, args.export_variant, args.export)
+    (work / "recipe.json").write_text(json.dumps(records, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

