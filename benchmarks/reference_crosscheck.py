@@ -30,7 +30,7 @@ def reference_generate(hf, drafter, prompt: list[int], max_tokens: int, eos: int
     import torch
 
     from runtime.training.blocks import attention_mask, block_inputs
-    from runtime.training.forward import block_hidden
+    from runtime.training.forward import block_hidden, greedy_block
 
     spec, block = drafter.spec, drafter.spec.block_size
     seq = list(prompt)
@@ -46,16 +46,7 @@ def reference_generate(hf, drafter, prompt: list[int], max_tokens: int, eos: int
             block_ids, block_pos = block_inputs(ids, anchors, keep, block, spec.mask_token_id)
             hidden = block_hidden(drafter, hf.get_input_embeddings()(block_ids), block_pos, captured,
                                   attention_mask(anchors, keep, len(seq), block))[0]  # [K, d]
-            head, prev = drafter.markov_head, torch.tensor([seq[anchor]])
-            state = head.initial_state(1, hidden) if head is not None else None
-            drafts = []
-            for k in range(block):
-                z = hf.lm_head(hidden[k:k + 1]).float()
-                if head is not None:
-                    low_rank, state = head.low_rank(prev, hidden[k:k + 1], state)
-                    z = z + head.markov_w2(low_rank).float()
-                prev = z.argmax(dim=-1)
-                drafts.append(int(prev))
+            drafts = greedy_block(drafter, hf.lm_head, hidden, torch.tensor([seq[anchor]]))
             target = hf(input_ids=torch.tensor([seq + drafts])).logits[0, anchor:].argmax(-1).tolist()  # [K+1]
             accepted = 0
             while accepted < block and drafts[accepted] == target[accepted]:

@@ -176,7 +176,12 @@ def hf_greedy(target_dir: Path, prompts: list[list[int]], max_new_tokens: int) -
     """transformers generate(do_sample=False), one prompt at a time, fp32 CPU."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir)).float().eval()
+    return greedy_generate(AutoModelForCausalLM.from_pretrained(str(target_dir)).float().eval(), prompts,
+                           max_new_tokens)
+
+
+def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """``model.generate(do_sample=False)`` of a loaded transformers model, one prompt at a time."""
     outs = []
     with torch.no_grad():
         for prompt in prompts:

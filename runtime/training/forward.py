@@ -64,3 +64,20 @@ def confidence_logits(drafter: DSparkDrafter, hidden: torch.Tensor, prev_ids: to
     if drafter.spec.confidence_head_with_markov:
         features = torch.cat([hidden, drafter.markov_head.prev_embeddings(prev_ids).to(hidden.dtype)], dim=-1)
     return drafter.confidence_head.proj(features).squeeze(-1).float()
+
+
+def greedy_block(drafter: DSparkDrafter, lm_head, hidden: torch.Tensor, prev: torch.Tensor) -> list[int]:
+    """A block's drafts decoded greedily one position at a time, the way DeepSpec's evaluator does: position k's
+    logits are the target's head over ``hidden[k]`` plus the Markov head's correction given the draft before it
+    (``prev``, [1], at first the anchor token). ``hidden``: [K, d], the block's hidden states of one request."""
+    head = drafter.markov_head
+    state = head.initial_state(1, hidden) if head is not None else None
+    drafts = []
+    for k in range(hidden.shape[0]):
+        z = lm_head(hidden[k:k + 1]).float()  # [1, V]
+        if head is not None:
+            low_rank, state = head.low_rank(prev, hidden[k:k + 1], state)
+            z = z + head.markov_w2(low_rank).float()
+        prev = z.argmax(dim=-1)
+        drafts.append(int(prev))
+    return drafts

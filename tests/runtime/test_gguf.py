@@ -13,6 +13,7 @@ import torch
 from runtime import LLM, SamplingParams
 from runtime.gguf_checkpoint import GGUFError, converted_dir
 from runtime.hub import resolve_checkpoint
+from tests import builders
 from tests.builders import CHAT_TEMPLATE, hf_greedy, save_target
 
 gguf = pytest.importorskip("gguf")
@@ -101,14 +102,7 @@ def hf_gguf_greedy(path: Path, prompts, max_new_tokens: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(prompt):].tolist())
-    return outs
+    return builders.greedy_generate(model, prompts, max_new_tokens)
 
 
 def test_a_float32_gguf_serves_the_original_models_greedy_tokens(llama_dir, tmp_path, cache):

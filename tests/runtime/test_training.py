@@ -10,6 +10,7 @@ from configs.training import DrafterTrainConfig
 from runtime.llm import LLM
 from runtime.training.blocks import attention_mask, block_inputs, block_labels, sample_anchors
 from runtime.training.distill import evaluate
+from runtime.training.forward import greedy_block
 from runtime.training.drafter_trainer import default_layer_ids, train_drafter
 from tests.runtime.conftest import TRAINING_ENGINE
 
@@ -187,16 +188,7 @@ def test_serving_drafter_proposes_the_training_forwards_block(qwen3_target, make
             hidden = block_hidden(drafter, hf.get_input_embeddings()(block_ids), block_pos, captured,
                                   attention_mask(anchors, keep, length, block))[0]  # [K, d]
             torch.testing.assert_close(hidden, engine_hidden, atol=1e-4, rtol=1e-4)
-            head, prev, state = drafter.markov_head, ids[0, anchor_pos:anchor_pos + 1], None
-            state = head.initial_state(1, hidden) if head is not None else None
-            tokens = []
-            for k in range(block):
-                z = hf.lm_head(hidden[k:k + 1]).float()
-                if head is not None:
-                    low_rank, state = head.low_rank(prev, hidden[k:k + 1], state)
-                    z = z + head.markov_w2(low_rank).float()
-                prev = z.argmax(dim=-1)
-                tokens.append(int(prev))
+            tokens = greedy_block(drafter, hf.lm_head, hidden, ids[0, anchor_pos:anchor_pos + 1])
             assert tokens == engine_tokens, f"anchor {anchor_pos}"
 
 
