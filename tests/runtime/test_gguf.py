@@ -13,8 +13,7 @@ import torch
 from runtime import LLM, SamplingParams
 from runtime.gguf_checkpoint import GGUFError, converted_dir
 from runtime.hub import resolve_checkpoint
-from tests import builders
-from tests.builders import CHAT_TEMPLATE, hf_greedy, save_target
+from tests.builders import CHAT_TEMPLATE, greedy_generate, hf_greedy, save_target
 
 gguf = pytest.importorskip("gguf")
 ENGINE = dict(dtype="float32", device="cpu", num_pages=64, page_size=16)
@@ -102,7 +101,7 @@ def hf_gguf_greedy(path: Path, prompts, max_new_tokens: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    return builders.greedy_generate(model, prompts, max_new_tokens)
+    return greedy_generate(model, prompts, max_new_tokens)
 
 
 def test_a_float32_gguf_serves_the_original_models_greedy_tokens(llama_dir, tmp_path, cache):

@@ -10,8 +10,8 @@ from configs.training import DrafterTrainConfig
 from runtime.llm import LLM
 from runtime.training.blocks import attention_mask, block_inputs, block_labels, sample_anchors
 from runtime.training.distill import evaluate
-from runtime.training.forward import greedy_block
 from runtime.training.drafter_trainer import default_layer_ids, train_drafter
+from runtime.training.forward import greedy_block
 from tests.runtime.conftest import TRAINING_ENGINE
 
 ENGINE = TRAINING_ENGINE
