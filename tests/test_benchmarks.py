@@ -167,8 +167,10 @@ def test_confidence_host_path_benchmark_smoke(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "confidence_host_path.py"), "--batches", "4",
                     "--steps", "12", "--out", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=300)
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["batch"] == 4 and row["on_path_ms"] > 0 and row["confidence"]["_allot_verify_lengths"] > 0
-    assert row["off_path_ms"] > 0 and "fold_in_commit" not in row["confidence"]  # 12 steps: a fold came due
+    # on_path_ms is a difference of two engines' timings: its sign is noise on a busy host, so only its presence
+    assert row["batch"] == 4 and isinstance(row["on_path_ms"], float) and row["confidence"]["_allot_verify_lengths"] > 0
+    # 12 steps: a fold came due, and it ran in the device's wait (the executor's host work), not in the commit
+    assert row["confidence"]["fold@wait"] > 0 and "fold_in_commit" not in row["confidence"]
 
 
 def test_fan_out_children_share_the_hosts_threads(tmp_path, monkeypatch):
