@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         engine["kv_cache_memory"] = int(args.kv_cache_gib * 2**30)
     records = []
     for drafter in args.drafter:
-        spec = {"speculative_model": drafter, "max_draft_len": args.max_draft_len, "use_rejection_sampling": True}
+        # every block verified whole: tau at max_draft_len (the guard would drop blocks where drafting does not pay)
+        spec = {"speculative_model": drafter, "max_draft_len": args.max_draft_len, "use_rejection_sampling": True,
+                "speculation_guard": False}
         llm = LLM(args.model, speculative_config=spec, **engine)
         datasets: dict[str, dict] = {n: {"prompts": len(rows)} for n, rows in data.items()}
         for temperature in temperatures:

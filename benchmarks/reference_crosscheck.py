@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.kernels import get_backend
     from runtime.loader import load_drafter
 
-    llm = LLM(args.model, speculative_config={"speculative_model": args.drafter}, dtype="float32", device="cpu",
+    llm = LLM(args.model, speculative_config={"speculative_model": args.drafter, "speculation_guard": False},
+              dtype="float32", device="cpu",
               num_pages=1024, page_size=16, max_num_seqs=1)
     hf = AutoModelForCausalLM.from_pretrained(llm.config.model, dtype=torch.float32).eval()
     spec = DSparkDecodingConfig(**llm.config.speculative_config.model_dump(exclude_unset=True))

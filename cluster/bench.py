@@ -1031,7 +1031,7 @@ def run(args) -> dict:
     else:
         engine_class = LLM
     spec = {"speculative_model": str(drafter), "max_draft_len": args.max_draft_len,
-            **({"load_format": "dummy"} if shape else {})}
+            "speculation_guard": args.speculation_guard, **({"load_format": "dummy"} if shape else {})}
     rows = {c: {"concurrency": c} for c in args.concurrency}
     command = "dspark bench " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" \
         else shlex.join(sys.argv)
@@ -1043,7 +1043,7 @@ def run(args) -> dict:
               "pipeline_min_batch": (args.pipeline_min_batch or _default_pipeline_min_batch())
               if args.pipeline_drafter else None,
               "allreduce_strategy": args.allreduce_strategy if replica else None,
-              "replica": "ray" if replica else "single-process",
+              "replica": "ray" if replica else "single-process", "speculation_guard": args.speculation_guard,
               "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
               "step_outputs": "delta",  # the sweep's requests' output_kind (as the server streams; since 2026-12-01)
               "runs": []}
@@ -1817,6 +1817,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                        help="the engines' piecewise graphs of the steps no whole-step graph serves (default on; "
                        "LLMConfig.piecewise_cuda_graphs)")
+    bench.add_argument("--speculation-guard", action=argparse.BooleanOptionalAction, default=True,
+                       help="the DSpark engines' speculation guard (default on, the engine's default: drafting only "
+                       "where it pays, learned online); --no-speculation-guard measures the schedules as set")
     bench.add_argument("--confidence-scheduling", action="store_true", help="also sweep DSpark with "
                        "enable_confidence_scheduling (its step-time table profiled at startup, in the record): "
                        "confidence_tokens_per_s beside the fixed schedule's dspark_tokens_per_s; with "

@@ -158,6 +158,15 @@ class DSparkDecodingConfig(BaseModel):
         "margin: drafting is held off at a batch size only where the best verify is believed slower than plain "
         "decoding.)")
 
+    speculation_guard: bool = Field(
+        default=True, description="Extension. Speculate only where it pays, learned online: a request whose drafts "
+        "stop paying for their verify stops verifying them (probed again after 8, 16, ... 512 steps), and a batch "
+        "where drafting pays for nobody runs plain decode steps (the whole batch probed likewise); prices come from "
+        "the engine's own step times. Lossless: whole blocks are dropped before their verify, from past acceptance "
+        "only. A seeded sampled request always verifies its blocks (its tokens must not depend on the batch). Works "
+        "with or without a confidence head; off while drafting is pipelined. Turn it off to measure a fixed draft "
+        "length.")
+
     _draft_is_embedded: bool = PrivateAttr(default=False)
     _probed: bool = PrivateAttr(default=False)
 

@@ -36,6 +36,7 @@ from runtime.profiling import region
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerLimits
 from runtime.sequence import Sequence, Status
+from runtime.spec_guard import SpeculationGuard
 from runtime.step_costs import StepCostTable
 from runtime.step_io import PackedAhead, PackedPlan, RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.step_profile import profile_step_costs
@@ -130,6 +131,10 @@ class Engine:
         self._judged_bucket = 0  # the batch bucket of the last judgement of drafting (its hold's, _record_decision)
         self._grammar_backend: GrammarBackend | None = None  # structured outputs' compiler (_grammars)
         self._structured: set[str] = set()  # ids of structured requests, pruned to live ones each step (_mask_grammars)
+        # whether speculating pays, per request and per batch (runtime.spec_guard); not while drafting is pipelined
+        # (two groups alternate steps: each step drafts the other group's blocks)
+        self.guard = SpeculationGuard(int(self.spec.max_draft_len or 0)) \
+            if self.spec is not None and self.spec.speculation_guard and not self.pipelined else None
         if self.spec is not None and self.spec.enable_confidence_scheduling:
             self.confidence = self._confidence_scheduler()
             host_work = getattr(self.executor, "host_work", None)  # (Executor: optional)
@@ -332,6 +337,8 @@ class Engine:
             return 0
         if self.forced_draft_len is not None:
             return self.forced_draft_len
+        if self.guard is not None and not self.guard.drafts(step):
+            return 0
         running = len(self.scheduler.running)
         k = self.spec.draft_len_for_batch_size(running)
         if k and held and self.confidence is not None \
@@ -381,12 +388,21 @@ class Engine:
             # an engine that launches steps ahead, this one not launched ahead: its time holds the host's step work
             serial = self._runs_ahead and not self._ran_ahead
             kind = self.scheduler.next_step_kind(group, admit)  # (prefill apart: prefill or decode; else mixed)
+            guarded = self.guard is not None and self.forced_verify_len is None and self.forced_draft_len is None
+            if guarded and not self._ran_ahead:
+                self._guard_verifiers()
             if self.forced_verify_len is not None:
                 self._force_verify_lengths()
             elif self.confidence is not None:
                 self.confidence.serial = serial  # (the next step is priced as running as this one does)
                 self._allot_verify_lengths(group, kind)
             scheduled = self.scheduler.schedule(group, admit, kind)
+            if guarded and self.scheduler.running:  # this step's drafting, and whose blocks the next step verifies
+                running = self.scheduler.running
+                self.guard.plan(self._step_index, [s.request_id for s in running],
+                                ahead=self._ran_ahead and not any(e.num_drafts for e in scheduled),
+                                pinned=frozenset(s.request_id for s in running
+                                                 if s.params.seed is not None and not s.params.greedy))
             if self.confidence is not None and self.confidence.hold.mixed and admit and scheduled \
                     and not self.scheduler.may_admit() and not any(e.feeds_prompt for e in scheduled):
                 # a decode step, not launched ahead: a hold a mixed step's judgement began ends (DraftingHold)
@@ -417,6 +433,9 @@ class Engine:
             outputs = self._commit_step(scheduled, results)
             if self.pipelined:
                 self._take_late_drafts()
+        if guarded and scheduled and not any(e.feeds_prompt for e in scheduled):
+            self.guard.observe_step(len(scheduled), drafted, sum(e.num_drafts for e in scheduled),
+                                    time.perf_counter() - began)
         if learn:
             seconds = time.perf_counter() - began
             step = (scheduled, seconds, decided, drafted, serial,
@@ -514,7 +533,8 @@ class Engine:
         requests always wait), and drafting is not pipelined. An end of sequence, a stop string, a fault or a
         closing acceptance gate can still end it: the worker then drops the step."""
         if not scheduled or n == 0 or self.scheduler.may_admit() or self.pipelined or self.gate.closed \
-                or len(scheduled) != len(self.scheduler.running):
+                or len(scheduled) != len(self.scheduler.running) or (self.guard is not None
+                                                                     and not self.guard.verifies_all()):
             return False
         k = scheduled[0].num_drafts
         if k == 0 or len(scheduled) * (n + 1) > self.config.max_num_batched_tokens:
@@ -601,6 +621,16 @@ class Engine:
                     seq.trim_drafts(length)
         self._record_decision(len(seqs), self.confidence.bucket(len(self.scheduler.running)), self._step_index,
                               mixed)
+
+    def _guard_verifiers(self) -> None:
+        """The speculation guard's choice (its last plan): drop the blocks of the requests it left out before they
+        are verified (each decodes one token this step instead)."""
+        if self.guard.verifies_all():
+            return
+        for seq in self.scheduler.running:
+            if seq.draft_ids and not self.guard.verifies(seq.request_id):
+                seq.trim_drafts(0)
+                self.guard.stats.trimmed_blocks += 1
 
     def _feedable_confidence(self, seq: Sequence) -> list[float]:
         """``seq``'s drafts' confidences as far as its limits let the next step feed them (``Scheduler.draft_room``:
@@ -752,6 +782,9 @@ class Engine:
                 if result.error is not None:
                     raise RequestFault(result.error)
                 kept = self._commit(seq, entry, result)
+                if self.guard is not None and entry.sample and entry.num_drafts:
+                    self.guard.observe_verify(seq.request_id, entry.num_drafts if result.num_verified is None
+                                              else result.num_verified, result.num_accepted)
                 if self.confidence is not None and entry.sample and entry.num_drafts:  # (the device's rule too)
                     verified = entry.num_drafts if result.num_verified is None else result.num_verified
                     seq.verify_history = next_history(seq.verify_history, verified, result.num_accepted,
@@ -904,4 +937,5 @@ class Engine:
                 **({"confidence_scheduling": self.confidence_stats.as_dict(self.confidence)}
                    if self.confidence is not None else {}),
                 **({"pipelined_steps": self.pipelined_steps} if self.pipelined else {}),
+                **({"speculation_guard": self.guard.as_dict()} if self.guard is not None else {}),
                 **(self.executor.stats() if hasattr(self.executor, "stats") else {})}

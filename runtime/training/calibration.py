@@ -71,7 +71,8 @@ def calibrate_drafter(target: str, drafter: str, prompts: list[list[int]], max_d
     from runtime.llm import LLM
     from runtime.sampling_params import SamplingParams
 
-    spec = DSparkDecodingConfig(speculative_model=drafter, max_draft_len=max_draft_len)
+    # every block verified whole (no speculation guard): each position's verifications are what is fitted
+    spec = DSparkDecodingConfig(speculative_model=drafter, max_draft_len=max_draft_len, speculation_guard=False)
     llm = LLM(target, speculative_config=spec, **engine)
     llm.engine.verification_log = []
     llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))

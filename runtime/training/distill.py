@@ -100,7 +100,8 @@ def evaluate(target: str, drafter: str, prompts: list[list[int]], max_draft_len:
              max_tokens: int, check_parity: bool = False, **engine) -> dict:
     """Acceptance of ``drafter`` on ``prompts``: tau and per-position rates; with ``check_parity`` (greedy),
     whether speculative output equals plain output token for token."""
-    spec = DSparkDecodingConfig(speculative_model=drafter, max_draft_len=max_draft_len)
+    # every block verified whole (no speculation guard): acceptance at max_draft_len
+    spec = DSparkDecodingConfig(speculative_model=drafter, max_draft_len=max_draft_len, speculation_guard=False)
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True)
               for i in range(len(prompts))]
     llm = LLM(target, speculative_config=spec, **engine)

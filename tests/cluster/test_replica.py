@@ -43,7 +43,8 @@ def free_cpus_return(total=4.0):
 @pytest.mark.parametrize("mode", ["colocated", "separate"])
 @pytest.mark.parametrize("rejection", [False, True], ids=["exact-match", "rejection"])
 def test_tp2_matches_the_single_process_engine(ray_cluster, near_bigram_target, drafter, mode, rejection):
-    spec = DSparkDecodingConfig(speculative_model=str(drafter), use_rejection_sampling=rejection)
+    spec = DSparkDecodingConfig(speculative_model=str(drafter), use_rejection_sampling=rejection,
+                                speculation_guard=False)  # (the metrics compared: the guard learns from timings)
     local = LocalLLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
     with LLM(str(near_bigram_target), speculative_config=spec, tensor_parallel_size=2, drafter=mode,
              **ENGINE) as llm:
@@ -239,7 +240,7 @@ def test_a_pipelined_separate_drafter_matches_the_single_process_engine(ray_clus
     """Two request groups taking turns, the drafter drafting one while the target verifies the other: every
     request's tokens and the speculative counters are the serial engine's (the same blocks from the same
     context, one step later); more prompts than one group so that both groups run."""
-    spec = DSparkDecodingConfig(speculative_model=str(drafter))
+    spec = DSparkDecodingConfig(speculative_model=str(drafter), speculation_guard=False)  # (pipelined: no guard)
     local = LocalLLM(str(near_bigram_target), speculative_config=spec, **ENGINE)
     prompts = PROMPTS + [[9, 8, 7, 6], [44]]
     with LLM(str(near_bigram_target), speculative_config=spec, drafter="separate", pipeline_drafter=True,

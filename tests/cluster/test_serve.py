@@ -33,7 +33,7 @@ def free_port() -> int:
 
 def engine_args(target, drafter, **extra):
     return {"model": str(target), "dtype": "float32", "device": "cpu", "num_pages": 512, "page_size": 4,
-            "max_model_len": 256, "speculative_config": {"speculative_model": str(drafter)}, **extra}
+            "max_model_len": 256, "speculative_config": {"speculative_model": str(drafter), "speculation_guard": False}, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,9 @@ def server(near_bigram_target, make_drafter, tmp_path_factory):
         stop_cluster(saved)
         raise
     base = f"http://127.0.0.1:{port}"
-    local = LocalLLM(str(near_bigram_target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter)),
+    # (the speculation guard off in both: the tests compare their draft counts, which the guard learns from timings)
+    local = LocalLLM(str(near_bigram_target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter),
+                                                                                      speculation_guard=False),
                      dtype="float32", device="cpu", num_pages=512, page_size=4, max_model_len=256)
     yield {"base": base, "client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0),
            "local": local, "hub": hub}

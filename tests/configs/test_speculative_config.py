@@ -23,6 +23,7 @@ EXTENSIONS = {"confidence_threshold": None, "revision": None}
 # TensorRT-LLM 1.4's confidence-scheduling fields (not on the reference page, named as TRT-LLM names them)
 EXTENSIONS.update(enable_confidence_scheduling=False, confidence_cost_table_path=None,
                   confidence_calibration_path=None, confidence_min_predicted_gain=0.04)
+EXTENSIONS.update(speculation_guard=True)
 
 
 def make(**kw):

@@ -448,6 +448,8 @@ def confident_drafter(near_bigram_target, make_drafter):
 
 
 def engine(target, drafter, **spec) -> LLM:
+    """The scheduler's own decisions: the speculation guard off unless asked (it would drop blocks by timings)."""
+    spec = {"speculation_guard": False, **spec}
     return LLM(str(target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter), **spec),
                **ENGINE)
 
@@ -547,7 +549,7 @@ def test_a_full_batch_with_a_queue_is_decided_as_a_packed_step(tmp_path, near_bi
     flat_table(0.001).save(path)
     llm = LLM(str(near_bigram_target), speculative_config=DSparkDecodingConfig(
         speculative_model=str(confident_drafter), enable_confidence_scheduling=True,
-        confidence_cost_table_path=str(path)), **{**ENGINE, "max_num_seqs": 2})
+        confidence_cost_table_path=str(path), speculation_guard=False), **{**ENGINE, "max_num_seqs": 2})
     eng, chosen = llm.engine, []
     eng._packs_steps_of = lambda num: True
     scheduler = eng.confidence
@@ -688,7 +690,7 @@ def test_with_prefill_apart_every_decision_is_a_pure_verify_step(tmp_path, near_
     flat_table(0.001).save(path)
     llm = LLM(str(near_bigram_target), speculative_config=DSparkDecodingConfig(
         speculative_model=str(confident_drafter), enable_confidence_scheduling=True,
-        confidence_cost_table_path=str(path)), **{**ENGINE, "enable_mixed_prefill": False,
+        confidence_cost_table_path=str(path), speculation_guard=False), **{**ENGINE, "enable_mixed_prefill": False,
                                                   "max_num_batched_tokens": 16})
     eng, chosen = llm.engine, []
     eng._packs_steps_of = lambda num: True
@@ -735,7 +737,8 @@ def test_sampled_outputs_keep_the_target_distribution_with_scheduling_on(tmp_pat
     flat_table(0.02).save(path)  # a token costs a little: the budget lands between none and all
     drafter = make_drafter(near_bigram_target, 2, "vanilla", oracle=True, oracle_scale=3.0)
     spec = DSparkDecodingConfig(speculative_model=str(drafter), use_rejection_sampling=True,
-                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
+                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path),
+                                speculation_guard=False)
     llm = LLM(str(near_bigram_target), speculative_config=spec, dtype="float32", device="cpu", num_pages=4096,
               page_size=4, max_num_seqs=512, max_num_batched_tokens=4096)
     name = "top-k=5"

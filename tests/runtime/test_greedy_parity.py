@@ -100,7 +100,8 @@ def test_oracle_drafter_is_accepted_at_every_position(bigram_target, make_drafte
 
 def test_oracle_acceptance_length_is_k_plus_one(bigram_target, make_drafter):
     block, max_tokens = 5, 1 + 6 * 6
-    llm = make_llm(bigram_target, make_drafter(bigram_target, block, "gated", oracle=True))
+    llm = make_llm(bigram_target, make_drafter(bigram_target, block, "gated", oracle=True),
+                   spec={"speculation_guard": False})  # (every block verified: no plain step timed)
     llm.generate([[11, 12]], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     m = llm.get_metrics()
     assert m["mean_acceptance_length"] == block + 1

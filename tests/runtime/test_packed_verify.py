@@ -34,7 +34,8 @@ def packed_llm(tmp_path, target, make_drafter, packed_from: int | None = None) -
     path = tmp_path / "table.json"
     flat_table(0.6).save(path)
     spec = DSparkDecodingConfig(speculative_model=str(make_drafter(target, 4, oracle=True)),
-                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path))
+                                enable_confidence_scheduling=True, confidence_cost_table_path=str(path),
+                                speculation_guard=False)
     llm = LLM(str(target), speculative_config=spec, **ENGINE)
     llm.engine.confidence.layout = "packed"
     if packed_from is not None:

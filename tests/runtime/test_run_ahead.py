@@ -514,8 +514,9 @@ def spark_engine(tmp_path, block: int = 4, confidence: bool = False, schedule: d
         tokens = [1, 64, 512]
         StepCostTable([1, 64], tokens, [[2.0 + 0.5 * t for t in tokens]] * 2).save(tmp_path / "costs.json")
         spec = {"enable_confidence_scheduling": True, "confidence_cost_table_path": str(tmp_path / "costs.json")}
+    # the launch-ahead mechanics of a fixed schedule: the speculation guard off (it would learn the fake timings)
     config = LLMConfig(model=str(target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter),
-                                                                                  **spec),
+                                                                                  speculation_guard=False, **spec),
                        num_pages=256, page_size=16, max_num_seqs=8, device="cpu", dtype="float32")
     executor = executor_class(config.num_pages, timed=confidence)
     eng = Engine(config, executor)

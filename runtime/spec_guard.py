@@ -1,0 +1,340 @@
+"""The speculation guard: drafting only where it pays, per request and per batch, learned online.
+
+Speculation costs twice: the drafter's forward at every drafting step (the whole batch's), and the target's work on
+every verified draft. It pays a request only through the drafts that request gets accepted. The guard learns both
+sides while the engine serves and decides, step by step:
+
+- **which requests verify**: each request's expected accepted drafts a verify (``gain``: an exponential average of
+  what its own verifications accepted, starting from the population's), ranked; the batch verifies the top ``m``
+  requests' blocks where that maximizes expected committed tokens per second, the others verify none (their verify
+  width drops to 1: a plain decode of one token);
+- **whether the batch drafts at all**: when the best ``m`` is 0 (nobody's drafts pay for their verify and the
+  drafter's forward), the step drafts nothing and the next one is the plain decode step.
+
+The prices come from the engine's own steps, per batch bucket (powers of two): a plain step's time (``plain_s``) and
+a drafting step's time as a function of its verified drafts (``drafting_s + verify_s x drafts``, a ridge fit that
+forgets old steps). Where a price is missing the guard drafts (the engine was given a drafter) and, now and then,
+runs two plain steps in a row to time one (``exploration``).
+
+Learning needs observations, and a request or a batch that stopped drafting shows none. So it is probed again at a
+bounded cost: a request left out verifies its block at its next probe (after 8 steps, then 16, 32, ... 512 while it
+keeps not paying), a batch that stopped drafting drafts one step for everyone after 8 steps, then 16, ... 512
+(``probe_first`` .. ``probe_max``), and requests that arrived since and never verified have theirs verified on the
+same doubling schedule; each interval starts over once drafting pays again. A step's time enters the prices at
+most at 4x what was learned (a host's pause is no price), and the first of each kind at a bucket not at all.
+
+A seeded sampled request is pinned: its blocks are always verified and the batch drafts while it runs (which
+steps verify drafts changes a sampled request's tokens, and a seed promises the same tokens whatever else runs).
+
+Invariants: the guard only ever drops whole blocks before they are verified (a request verifies its block or none)
+and decides from past acceptance, never from the drafts in hand, so greedy output is token for token the same and
+sampled output keeps the target's distribution. ``plan`` at step ``t`` decides step ``t``'s drafting and which
+requests verify the blocks drafted there (at step ``t + 1``); ``drafts(t + 1)`` predicts the next plan's drafting
+(an engine that launches a plain decode step ahead on a False prediction plans that step with ``ahead``: plain).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GuardTuning:
+    """The guard's constants."""
+
+    gain_weight: float = 0.25  # weight of a request's newest verify in its gain (accepted drafts a verify)
+    population_weight: float = 0.02  # weight of any request's verify in the population's gain (a new request's)
+    forget: float = 0.97  # per drafting step, the weight left to older steps in a bucket's cost fit
+    ridge: float = 1e-3  # the fit's pull of the per-draft cost toward the last estimate (seconds^2 scale-free)
+    margin: float = 0.03  # drafting is chosen only where it beats plain decoding by this fraction
+    probe_first: int = 8  # steps before a left-out request (or a plain batch) is probed again
+    probe_max: int = 512  # the longest such interval (it doubles each probe that did not pay)
+    explore_every: int = 256  # drafting steps between two plain steps timed at a bucket (first: after 4)
+
+
+OUTLIER = 4.0  # a step's time is taken as at most this many times the price learned so far
+
+
+@dataclass
+class _RequestState:
+    gain: float  # expected accepted drafts a verify
+    verifies: int = 0  # its verifications seen
+    probe_interval: int = 0  # steps between its probes while it does not pay (0: never probed)
+    next_probe: int = 0  # the step of its next probe (while left out)
+
+
+@dataclass
+class _BucketCosts:
+    """A batch bucket's step prices (seconds): plain steps' mean, drafting steps' ridge fit on verified drafts."""
+
+    plain_s: float | None = None
+    plain_steps: int = 0  # fitted (plain_seen: observed)
+    plain_seen: int = 0
+    drafting_seen: int = 0
+    # sufficient statistics of the drafting steps' fit y = a + b x (x: verified drafts), exponentially forgotten
+    sw: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    drafting_steps: int = 0
+    since_exploration: int = 0
+    explorations: int = 0
+    probe_interval: int = 0  # steps between batch probes while the bucket decodes plain (0: not yet)
+    next_probe: int = 0
+    arrival_interval: int = 0  # steps between probes of new requests while the bucket decodes plain
+    next_arrival_probe: int = 0
+
+    def observe_plain(self, seconds: float) -> None:
+        """A plain step's time: the first at this bucket is left out (a first step at a shape pays warm-ups), the
+        others averaged, each at most 4x the average so far (a pause of the host is not a price)."""
+        self.plain_seen += 1
+        if self.plain_seen == 1:
+            return
+        self.plain_steps += 1
+        weight = max(1.0 / self.plain_steps, 0.1)
+        if self.plain_s is None:
+            self.plain_s = seconds
+        else:
+            self.plain_s += weight * (min(seconds, OUTLIER * self.plain_s) - self.plain_s)
+
+    def observe_drafting(self, drafts: int, seconds: float, forget: float, ridge: float) -> None:
+        """A drafting step's time, fitted on its verified drafts: the first at this bucket left out, the others at
+        most 4x the fit's price."""
+        self.since_exploration += 1
+        self.drafting_seen += 1
+        if self.drafting_seen == 1:
+            return
+        self.drafting_steps += 1
+        fit = self.drafting_fit(ridge)
+        if fit is not None and self.drafting_steps > 2:
+            seconds = min(seconds, OUTLIER * (fit[0] + fit[1] * drafts))
+        self.sw, self.sx, self.sy = forget * self.sw + 1, forget * self.sx + drafts, forget * self.sy + seconds
+        self.sxx, self.sxy = forget * self.sxx + drafts * drafts, forget * self.sxy + drafts * seconds
+
+    def drafting_fit(self, ridge: float) -> tuple[float, float] | None:
+        """(seconds of a drafting step verifying nothing, seconds a verified draft), or None before any drafting
+        step. The slope's ridge pulls it toward 0 where the drafts verified barely varied (every step whole
+        blocks: then only the mean of such steps is known, and the plan prices every ``m`` near it)."""
+        if self.sw == 0:
+            return None
+        mx, my = self.sx / self.sw, self.sy / self.sw
+        var = self.sxx / self.sw - mx * mx
+        cov = self.sxy / self.sw - mx * my
+        scale = max(mx * mx, 1.0)
+        slope = max(cov / (var + ridge * scale), 0.0)
+        return max(my - slope * mx, 0.0), slope
+
+
+@dataclass
+class GuardPlan:
+    """One step's decision: whether it drafts, and whose blocks the next step verifies (``None``: everyone's)."""
+
+    step: int
+    drafts: bool
+    verifiers: frozenset[str] | None
+    reason: str  # "pays", "probe", "explore", "unpriced", "plain"
+
+
+@dataclass
+class GuardStats:
+    plain_steps: int = 0  # plans that drafted nothing
+    drafting_steps: int = 0
+    batch_probes: int = 0
+    request_probes: int = 0
+    explorations: int = 0
+    trimmed_blocks: int = 0  # blocks dropped before their verify (their requests decoded a token instead)
+    last: dict = field(default_factory=dict)
+
+
+def bucket_of(batch: int) -> int:
+    """The power of two at or above ``batch`` (the guard's price tables are per bucket)."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+class SpeculationGuard:
+    """Decides per step whether the batch drafts and whose drafts are verified (see the module docstring)."""
+
+    def __init__(self, max_draft_len: int, tuning: GuardTuning | None = None):
+        self.max_draft_len = int(max_draft_len)
+        self.tuning = tuning or GuardTuning()
+        self.population_gain: float | None = None  # accepted drafts a verify over every request seen
+        self.verified_share = 1.0  # drafts a verifying request verified, over its block (confidence trims it)
+        self.requests: dict[str, _RequestState] = {}
+        self.buckets: dict[int, _BucketCosts] = {}
+        self.plan_now: GuardPlan | None = None
+        self.stats = GuardStats()
+        self._explore_left = 0  # plain plans left of an exploration (two in a row: the second step is clean)
+        self._bucket = 0  # the bucket of the last plan
+
+    # ---- learning ---------------------------------------------------------------------------------
+
+    def observe_verify(self, request_id: str, verified: int, accepted: int) -> None:
+        """A request verified ``verified`` drafts and ``accepted`` of them were accepted."""
+        if verified <= 0:
+            return
+        tuning = self.tuning
+        pop = self.population_gain
+        self.population_gain = accepted if pop is None else pop + tuning.population_weight * (accepted - pop)
+        self.verified_share += 0.05 * (min(verified / max(self.max_draft_len, 1), 1.0) - self.verified_share)
+        state = self.requests.get(request_id)
+        if state is None:
+            state = self.requests[request_id] = _RequestState(gain=float(accepted))
+        else:
+            state.gain += (tuning.gain_weight if state.verifies else 1.0) * (accepted - state.gain)
+        state.verifies += 1
+
+    def observe_step(self, batch: int, drafted: bool, verified_drafts: int, seconds: float) -> None:
+        """A pure decode step's wall time (no prompt fed): ``batch`` requests, whether it drafted, the drafts it
+        verified. A plain step (drafted nothing, verified nothing) times the plain price; a drafting step the
+        drafting fit; a step that only verified (the one after drafting stopped) neither."""
+        costs = self.buckets.setdefault(bucket_of(batch), _BucketCosts())
+        if drafted:
+            costs.observe_drafting(verified_drafts, seconds, self.tuning.forget, self.tuning.ridge)
+        elif verified_drafts == 0:
+            costs.observe_plain(seconds)
+
+    # ---- deciding ---------------------------------------------------------------------------------
+
+    def gain(self, request_id: str) -> float:
+        """Expected accepted drafts when ``request_id`` verifies a block (its own average, else the population's;
+        before any verify at all, a whole block: the drafter is presumed to work until it shows otherwise)."""
+        state = self.requests.get(request_id)
+        if state is not None and state.verifies:
+            return state.gain
+        return self.population_gain if self.population_gain is not None else float(self.max_draft_len)
+
+    def drafts(self, step: int) -> bool:
+        """Whether step ``step`` drafts: the plan made at it, or (the next step, before its plan) a prediction: an
+        exploration's second step decodes plain, a plain batch until its probe is due, a drafting batch drafts.
+        (An engine that launches the next plain decode ahead on a False prediction plans it with ``ahead``.)"""
+        plan = self.plan_now
+        if plan is None:
+            return True
+        if plan.step == step:
+            return plan.drafts
+        if self._explore_left:
+            return False
+        if plan.drafts:
+            return True
+        costs = self.buckets.get(self._bucket)
+        return costs is None or step >= costs.next_probe
+
+    def verifies(self, request_id: str) -> bool:
+        """Whether ``request_id``'s block drafted at the last plan is verified (else it is dropped unverified)."""
+        plan = self.plan_now
+        return plan is None or plan.verifiers is None or request_id in plan.verifiers
+
+    def verifies_all(self) -> bool:
+        """Whether every block drafted at the last plan is verified (a launch-ahead verify needs it)."""
+        plan = self.plan_now
+        return plan is None or plan.verifiers is None
+
+    def plan(self, step: int, request_ids: list[str], ahead: bool = False,
+             pinned: frozenset[str] = frozenset()) -> GuardPlan:
+        """Decide step ``step`` (``request_ids``: the running requests): whether it drafts, and whose blocks the
+        next step verifies. ``ahead``: the step was launched ahead as a plain decode (it cannot draft). ``pinned``:
+        requests whose blocks are always verified and for which the batch always drafts (a seeded sampled request:
+        its tokens depend on which steps verified drafts, so they must not depend on the rest of the batch or on
+        step times)."""
+        tuning = self.tuning
+        batch = len(request_ids)
+        self._bucket = bucket_of(batch)
+        costs = self.buckets.setdefault(self._bucket, _BucketCosts())
+        if len(self.requests) > 2 * batch + 64:  # forget requests that left (an O(batch) prune, rarely)
+            live = set(request_ids)
+            self.requests = {r: s for r, s in self.requests.items() if r in live}
+        if ahead:
+            self._explore_left = max(self._explore_left - 1, 0)
+            return self._record(GuardPlan(step, False, frozenset(), "ahead"))
+        if not pinned and (self._explore_left or self._exploration_due(costs)):
+            if self._explore_left == 0:  # two plain steps: the second verifies nothing either, a clean plain step
+                self._explore_left, costs.since_exploration = 2, 0
+                costs.explorations += 1
+                self.stats.explorations += 1
+            self._explore_left -= 1
+            return self._record(GuardPlan(step, False, frozenset(), "explore"))
+        fit = costs.drafting_fit(tuning.ridge)
+        if costs.plain_s is None or fit is None:
+            return self._record(GuardPlan(step, True, None, "unpriced"))
+        gains = sorted(((self.gain(r), r) for r in request_ids), reverse=True)  # [batch] best first
+        base, per_draft = fit
+        drafts_each = self.max_draft_len * self.verified_share
+        best_m, best_rate, tokens = 0, batch / costs.plain_s * (1 + tuning.margin), float(batch)
+        for m, (gain, _) in enumerate(gains, start=1):
+            tokens += gain
+            rate = tokens / (base + per_draft * drafts_each * m)
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+        if best_m == 0 and pinned:
+            return self._record(GuardPlan(step, True, None if len(pinned) == batch else frozenset(pinned), "pinned"))
+        if best_m == 0:
+            arrivals = [r for _, r in gains if self._unseen(r)]
+            if arrivals and step >= costs.next_arrival_probe:  # requests never verified: theirs, now and then
+                costs.arrival_interval = min(max(2 * costs.arrival_interval, tuning.probe_first), tuning.probe_max)
+                costs.next_arrival_probe = step + costs.arrival_interval
+                self.stats.request_probes += len(arrivals)
+                return self._record(GuardPlan(step, True, None if len(arrivals) == batch else frozenset(arrivals),
+                                              "probe"))
+            if costs.probe_interval == 0:  # drafting just stopped paying here: the first probe after probe_first
+                costs.probe_interval, costs.next_probe = tuning.probe_first, step + tuning.probe_first
+            elif step >= costs.next_probe:  # the whole batch verifies one block, then waits twice as long
+                costs.probe_interval = min(2 * costs.probe_interval, tuning.probe_max)
+                costs.next_probe = step + costs.probe_interval
+                self.stats.batch_probes += 1
+                return self._record(GuardPlan(step, True, None, "probe"))
+            return self._record(GuardPlan(step, False, frozenset(), "plain"))
+        costs.probe_interval, costs.next_probe, costs.arrival_interval, costs.next_arrival_probe = 0, 0, 0, 0
+        chosen = set(pinned)
+        for _, request_id in gains[:best_m]:
+            chosen.add(request_id)
+            state = self.requests.get(request_id)
+            if state is not None:
+                state.probe_interval = 0
+        for _, request_id in gains[best_m:]:  # left out: probed after probe_first steps, then twice as long
+            state = self.requests.setdefault(request_id, _RequestState(gain=self.gain(request_id)))
+            if state.probe_interval == 0:
+                state.probe_interval, state.next_probe = tuning.probe_first, step + tuning.probe_first
+            elif step >= state.next_probe:
+                chosen.add(request_id)
+                self.stats.request_probes += 1
+                state.probe_interval = min(2 * state.probe_interval, tuning.probe_max)
+                state.next_probe = step + state.probe_interval
+        return self._record(GuardPlan(step, True, None if len(chosen) == batch else frozenset(chosen), "pays"))
+
+    def _unseen(self, request_id: str) -> bool:
+        state = self.requests.get(request_id)
+        return state is None or state.verifies == 0
+
+    def _exploration_due(self, costs: _BucketCosts) -> bool:
+        """Time a plain step at this bucket: none timed yet (after 4 drafting steps), or ``explore_every``
+        drafting steps since the last."""
+        if costs.plain_steps == 0:  # (again every 4 drafting steps until one is timed: the first is left out)
+            return costs.drafting_seen >= 4 and costs.since_exploration >= 4
+        return costs.since_exploration >= self.tuning.explore_every
+
+    def _record(self, plan: GuardPlan) -> GuardPlan:
+        self.plan_now = plan
+        if plan.drafts:
+            self.stats.drafting_steps += 1
+        else:
+            self.stats.plain_steps += 1
+        return plan
+
+    def as_dict(self) -> dict:
+        """The guard's counters and prices (``Engine.get_metrics()["speculation_guard"]``)."""
+        buckets = {}
+        for bucket, costs in sorted(self.buckets.items()):
+            fit = costs.drafting_fit(self.tuning.ridge)
+            buckets[bucket] = {
+                "plain_ms": None if costs.plain_s is None else round(1e3 * costs.plain_s, 4),
+                "drafting_ms": None if fit is None else round(1e3 * fit[0], 4),
+                "ms_per_verified_draft": None if fit is None else round(1e3 * fit[1], 5),
+                "plain_steps": costs.plain_steps, "drafting_steps": costs.drafting_steps}
+        stats = self.stats
+        return {"plain_steps": stats.plain_steps, "drafting_steps": stats.drafting_steps,
+                "batch_probes": stats.batch_probes, "request_probes": stats.request_probes,
+                "explorations": stats.explorations, "trimmed_blocks": stats.trimmed_blocks,
+                "population_gain": None if self.population_gain is None else round(self.population_gain, 4),
+                "last_plan": None if self.plan_now is None else self.plan_now.reason, "buckets": buckets}
+

@@ -1,0 +1,188 @@
+"""The speculation guard (runtime.spec_guard): its decisions on given prices and acceptance, and in the engine:
+greedy output unchanged, a drafter that never pays mostly off, one that pays mostly on."""
+
+import pytest
+
+from configs import DSparkDecodingConfig
+from runtime import LLM, SamplingParams
+from runtime.spec_guard import GuardTuning, SpeculationGuard, bucket_of
+from tests.builders import hf_greedy
+
+K = 4
+
+
+def priced(guard: SpeculationGuard, batch: int, plain: float = 1.0, drafting: float = 1.3, per_draft: float = 0.01):
+    """Teach ``guard`` a bucket's prices: plain steps of ``plain`` s, drafting steps of ``drafting`` s plus
+    ``per_draft`` s a verified draft (whole blocks and none)."""
+    for drafts in (0, batch * K) * 4:
+        guard.observe_step(batch, True, drafts, drafting + per_draft * drafts)
+    for _ in range(4):
+        guard.observe_step(batch, False, 0, plain)
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
+
+
+def test_unpriced_it_drafts_then_times_two_plain_steps_until_one_is_priced():
+    guard = SpeculationGuard(K)
+    reasons = [guard.plan(step, ["a"]).reason for step in range(4)]
+    assert reasons == ["unpriced"] * 4
+    for _ in range(4):
+        guard.observe_step(1, True, K, 1.2)
+    for first in (4, 10):  # the first plain step at a bucket is left out (warm-ups): a second exploration
+        assert guard.plan(first, ["a"]).reason == "explore" and guard.drafts(first + 1) is False  # (a launch-ahead)
+        assert guard.plan(first + 1, ["a"]).reason == "explore"
+        guard.observe_step(1, False, 0, 1.0)
+        if first == 4:
+            assert guard.buckets[1].plain_s is None and guard.drafts(first + 2) is True
+            for step in range(first + 2, first + 6):
+                assert guard.plan(step, ["a"]).reason == "unpriced"
+                guard.observe_step(1, True, K, 1.2)
+    assert guard.buckets[1].plain_s == 1.0
+
+
+def test_a_pause_of_the_host_is_no_price():
+    guard = SpeculationGuard(K)
+    priced(guard, 1)
+    guard.observe_step(1, False, 0, 100.0)
+    guard.observe_step(1, True, K, 100.0)
+    assert guard.buckets[1].plain_s == 1.0 + 0.25 * 3.0  # taken as 4 s (4x), weighed 1/4 (its 4th fitted step)
+    base, per_draft = guard.buckets[1].drafting_fit(1e-3)
+    assert base + per_draft * K < 1.3 + 0.01 * K + 1.0
+
+
+def test_a_drafter_that_never_pays_stops_and_the_batch_is_probed_ever_more_rarely():
+    guard = SpeculationGuard(K, GuardTuning(probe_first=8, probe_max=64))
+    priced(guard, 4)
+    ids = ["a", "b", "c", "d"]
+    for request_id in ids:
+        guard.observe_verify(request_id, K, 0)
+    drafting = []
+    for step in range(400):
+        plan = guard.plan(step, ids)
+        if plan.drafts:
+            drafting.append(step)
+            assert plan.reason == "probe" and plan.verifiers is None  # the whole batch verifies one block
+            for request_id in ids:
+                guard.observe_verify(request_id, K, 0)
+        else:
+            assert guard.drafts(step) is False
+    gaps = [b - a for a, b in zip(drafting, drafting[1:])]
+    assert drafting[0] == 8 and gaps[:3] == [16, 32, 64] and set(gaps[3:]) == {64}
+
+
+def test_in_a_plain_batch_a_new_request_is_probed_on_a_doubling_schedule():
+    guard = SpeculationGuard(K, GuardTuning(probe_first=8, probe_max=32))
+    priced(guard, 4)
+    ids = ["a", "b", "c"]
+    for request_id in ids:
+        guard.observe_verify(request_id, K, 0)
+    probes = []
+    for step in range(120):
+        arrival = f"new{step // 30}"  # a new request every 30 steps, never accepting
+        plan = guard.plan(step, ids + [arrival])
+        if plan.drafts and plan.reason == "probe" and plan.verifiers == frozenset({arrival}):
+            probes.append(step)
+            guard.observe_verify(arrival, K, 0)
+    assert probes and all(b - a >= 8 for a, b in zip(probes, probes[1:]))  # bounded: at most one in 8 steps
+    assert len(probes) <= 5
+
+
+def test_a_mixed_batch_verifies_the_good_requests_and_probes_the_others():
+    guard = SpeculationGuard(K, GuardTuning(probe_first=8, probe_max=512))
+    priced(guard, 8, plain=1.0, drafting=1.1, per_draft=0.02)
+    good, bad = [f"g{i}" for i in range(4)], [f"b{i}" for i in range(4)]
+    for request_id in good:
+        guard.observe_verify(request_id, K, K)
+    for request_id in bad:
+        guard.observe_verify(request_id, K, 0)
+    probes = {request_id: [] for request_id in bad}
+    for step in range(200):
+        plan = guard.plan(step, good + bad)
+        verifiers = set(good + bad) if plan.verifiers is None else plan.verifiers  # (None: every request)
+        assert plan.drafts and plan.reason == "pays" and set(good) <= verifiers
+        for request_id in verifiers & set(bad):
+            probes[request_id].append(step)
+            guard.observe_verify(request_id, K, 0)
+        for request_id in good:
+            guard.observe_verify(request_id, K, K)
+    assert all(steps == [8, 24, 56, 120] for steps in probes.values()), probes
+
+
+def test_a_request_that_pays_again_after_its_probe_is_verified_again():
+    guard = SpeculationGuard(K, GuardTuning(probe_first=4))
+    priced(guard, 2, plain=1.0, drafting=1.05, per_draft=0.05)
+    guard.observe_verify("good", K, K)
+    guard.observe_verify("late", K, 0)
+    verified = []
+    for step in range(20):
+        plan = guard.plan(step, ["good", "late"])
+        if "late" in (plan.verifiers if plan.verifiers is not None else {"good", "late"}):
+            verified.append(step)
+            guard.observe_verify("late", K, K)  # its drafts are accepted now
+    assert verified[0] == 4 and verified[1:] == list(range(5, 20))  # probed once, then chosen on its gain
+
+
+def test_a_plan_for_a_step_launched_ahead_is_plain():
+    guard = SpeculationGuard(K)
+    plan = guard.plan(0, ["a"], ahead=True)
+    assert not plan.drafts and plan.reason == "ahead"
+
+
+# ---- in the engine --------------------------------------------------------------------------------
+
+
+def synthetic_prices(llm: LLM, plain: float = 1.0, drafting: float = 1.5, per_draft: float = 0.01) -> None:
+    """Replace the step times the engine's guard learns by fixed prices (wall times of a CPU test vary)."""
+    guard = llm.engine.guard
+    observe = guard.observe_step
+
+    def fixed(batch, drafted, verified_drafts, seconds):
+        observe(batch, drafted, verified_drafts, (drafting + per_draft * verified_drafts) if drafted else plain)
+
+    guard.observe_step = fixed
+
+
+def prompts(n: int, length: int = 6) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 60 + 3 for j in range(length)] for i in range(n)]
+
+
+@pytest.mark.parametrize("oracle", [False, True], ids=["untrained", "oracle"])
+def test_greedy_output_is_transformers_and_the_guard_follows_what_pays(near_bigram_target, make_drafter, oracle):
+    drafter = make_drafter(near_bigram_target, K + 1, oracle=oracle)
+    llm = LLM(str(near_bigram_target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter)),
+              dtype="float32", device="cpu", num_pages=512, page_size=4)
+    synthetic_prices(llm)
+    batch = prompts(4)
+    outputs = llm.generate(batch, SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_greedy(near_bigram_target, batch, 96)
+    guard = llm.get_metrics()["speculation_guard"]
+    if oracle:  # nearly every draft accepted: the batch keeps drafting, the plain steps are explorations
+        assert guard["drafting_steps"] > 3 * guard["plain_steps"], guard
+    else:  # an untrained drafter: after its first verifies, plain steps, probed now and then
+        assert guard["plain_steps"] > 2 * guard["drafting_steps"], guard
+        assert guard["batch_probes"] >= 1
+
+
+def test_the_guard_off_keeps_every_block(near_bigram_target, make_drafter):
+    drafter = make_drafter(near_bigram_target, K + 1)
+    llm = LLM(str(near_bigram_target), dtype="float32", device="cpu", num_pages=512, page_size=4,
+              speculative_config=DSparkDecodingConfig(speculative_model=str(drafter), speculation_guard=False))
+    outputs = llm.generate(prompts(2), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)
+    assert "speculation_guard" not in llm.get_metrics()
+    # every step after the first token verifies a whole block
+    assert all(o.num_draft_tokens >= K * (40 // (K + 1) - 1) for o in outputs)
+
+
+def test_with_confidence_scheduling_greedy_output_is_unchanged(near_bigram_target, make_drafter):
+    drafter = make_drafter(near_bigram_target, K + 1)
+    llm = LLM(str(near_bigram_target), dtype="float32", device="cpu", num_pages=512, page_size=4,
+              speculative_config=DSparkDecodingConfig(speculative_model=str(drafter),
+                                                      enable_confidence_scheduling=True))
+    synthetic_prices(llm)
+    batch = prompts(3)
+    outputs = llm.generate(batch, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_greedy(near_bigram_target, batch, 64)
+    assert llm.get_metrics()["speculation_guard"]["plain_steps"] > 0
