@@ -104,8 +104,19 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    "'local' always starts a new one, e.g. for a second server on this machine)")
 
 
+def installed_version() -> str:
+    """The installed package's version ("unknown" when run from a source tree that was never installed)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("dspark")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding on Ray.")
+    parser.add_argument("--version", action="version", version=f"dspark {installed_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     serve = commands.add_parser("serve", help="serve an OpenAI-compatible API with Ray Serve (blocks)",

@@ -33,7 +33,12 @@ class Overloaded(RuntimeError):
 
 
 class RequestFailed(RuntimeError):
-    """This request alone failed inside a step (``RequestOutput.error`` says why); the others went on."""
+    """This request alone failed inside a step (``RequestOutput.error`` says why, ``code`` its
+    ``RequestOutput.error_code``); the others went on."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class StepFailed(RuntimeError):
@@ -140,7 +145,8 @@ class AsyncEngine:
                 stream = self._streams.get(out.request_id)
                 if stream is None:
                     continue
-                if not stream.push(out if out.error is None else RequestFailed(out.error)):  # caller's loop closed
+                failed = None if out.error is None else RequestFailed(out.error, out.error_code)
+                if not stream.push(out if failed is None else failed):  # caller's loop closed
                     del self._streams[out.request_id]
                     self.engine.abort(out.request_id)
                 elif out.finished:

@@ -52,7 +52,20 @@ HOST_WORK_SHARE = 0.15
 
 
 class RequestFault(RuntimeError):
-    """A failure that belongs to one request (non-finite logits in its rows, its text): only it fails."""
+    """A failure that belongs to one request (non-finite logits in its rows, its text): only it fails. ``code``:
+    "unsatisfiable_constraints" where the request's own constraints left no token to choose (the client's error)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+def constraints_of(params: SamplingParams) -> list[str]:
+    """The request's options that can leave a row without any token to choose."""
+    named = [("allowed_token_ids", params.allowed_token_ids is not None),
+             ("structured_outputs", params.structured_outputs is not None), ("bad_words", bool(params.bad_words)),
+             ("min_tokens", params.min_tokens > 0)]
+    return [name for name, used in named if used]
 
 
 class Engine:
@@ -286,6 +299,9 @@ class Engine:
         if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
             raise ValueError(f"SamplingParams.allowed_token_ids must be in 0..{vocab - 1} (this model's vocabulary), "
                              f"got {max(params.allowed_token_ids)}")
+        if any(token >= vocab for token in params.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be in 0..{vocab - 1} (this model's vocabulary), "
+                             f"got {max(params.stop_token_ids)}")
         if any(token >= vocab for token, _ in params.logit_bias):
             raise ValueError(f"SamplingParams.logit_bias token ids must be in 0..{vocab - 1} (this model's "
                              f"vocabulary), got {max(token for token, _ in params.logit_bias)}")
@@ -780,6 +796,11 @@ class Engine:
                 self.verification_log.append((seq.draft_confidence[:entry.num_drafts], result.num_accepted))
             try:
                 if result.error is not None:
+                    constraints = constraints_of(seq.params)
+                    if constraints:  # every token masked: (-inf logits everywhere) the request asked the impossible
+                        raise RequestFault(f"no token satisfies this request's constraints together ("
+                                           f"{', '.join(constraints)}) after {len(seq.output_token_ids)} generated "
+                                           "tokens", code="unsatisfiable_constraints")
                     raise RequestFault(result.error)
                 kept = self._commit(seq, entry, result)
                 if self.guard is not None and entry.sample and entry.num_drafts:
@@ -869,6 +890,7 @@ class Engine:
     def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
         """End ``seq`` with finish_reason "error" (its pages are freed); the others in the step are untouched."""
         message = str(exc) if isinstance(exc, RequestFault) else f"{type(exc).__name__}: {exc}"
+        code = exc.code if isinstance(exc, RequestFault) else None
         log.warning("dspark: request %s failed alone: %s", seq.request_id, message)
         self.scheduler.finish(seq, "error", scrub=True)
         # and the graphs' scratch page (the one past the allocator's, on every rank: each holds its own slice of it),
@@ -878,7 +900,7 @@ class Engine:
         committed = [] if seq.params.output_kind == "delta" else list(seq.output_token_ids)  # deltas sent the rest
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
                              token_ids=committed, text="", finish_reason="error", new_token_ids=[],
-                             error=message, num_draft_tokens=seq.num_draft_tokens,
+                             error=message, error_code=code, num_draft_tokens=seq.num_draft_tokens,
                              num_accepted_tokens=seq.num_accepted_tokens, index=seq.index,
                              first_token_time=seq.first_token_time)
 

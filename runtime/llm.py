@@ -180,3 +180,14 @@ class LLM:
 
     def rank_info(self) -> list[dict]:
         return rank_info(self.engine)
+
+    def shutdown(self) -> None:
+        """Abort whatever is in flight and release the models' memory (the engine's executor); idempotent."""
+        self.engine.abort_all()
+        self.engine.executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

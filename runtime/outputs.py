@@ -18,6 +18,17 @@ class TokenLogprob:
     rank: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """vLLM's ``CompletionOutput``: one sample of a prompt (``RequestOutput.outputs``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
 @dataclass(slots=True)  # not frozen: built per request every step, and a frozen __init__ costs 5x
 class RequestOutput:
     request_id: str
@@ -27,6 +38,9 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length", "error" (see ``error``), or None while running
     new_token_ids: list[int]  # committed by the step that produced this output
     error: str | None = None  # why this request alone failed (finish_reason "error"); other requests go on
+    # what kind of failure: "unsatisfiable_constraints" (its own constraints left no token: the client's error), or
+    # None (the engine's)
+    error_code: str | None = None
     num_draft_tokens: int = 0  # drafts of this request the target verified so far
     num_accepted_tokens: int = 0  # of those, the ones it accepted (each saved one target step)
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
@@ -40,3 +54,9 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape: ``outputs[0].text`` and ``.token_ids`` are this sample's (each of a prompt's ``n`` samples
+        is an output of its own here, ``index`` telling which)."""
+        return [CompletionOutput(self.index, self.text, self.token_ids, self.finish_reason, self.logprobs)]

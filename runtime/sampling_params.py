@@ -11,6 +11,8 @@ MAX_LOGPROBS = 20  # most alternatives ``logprobs`` may ask for per token (OpenA
 MAX_N = 128  # most samples ``n`` may ask for per prompt (OpenAI's bound; servers configure a lower one)
 MAX_LOGIT_BIAS = 1024  # most tokens ``logit_bias`` may bias per request
 MAX_BAD_WORDS = 128  # most words ``bad_words`` may ban per request
+MAX_STOP = 128  # most ``stop`` strings (each checked against every step's text) and ``stop_token_ids`` per request
+MAX_STOP_CHARS = 1024  # the longest ``stop`` string
 MAX_CHOICES = 1024  # most strings ``StructuredOutputs.choice`` may choose among
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule): 1/T would overflow the logits
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # vLLM's RequestOutputKind, lower-cased
@@ -143,11 +145,15 @@ class SamplingParams:
              "in [0.01, 100]"),
             ("presence_penalty", _number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("frequency_penalty", _number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
-            ("seed", self.seed is None or _integer(self.seed), "an integer or None"),
-            ("stop", all(isinstance(s, str) and s and _encodable(s) for s in self.stop),
-             "non-empty strings of valid Unicode (no lone surrogates)"),
-            ("stop_token_ids", all(_integer(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids),
-             f"token ids in 0..{MAX_INT32}"),
+            ("seed", self.seed is None or (_integer(self.seed) and -MAX_INT32 - 1 <= self.seed <= MAX_INT32),
+             f"None or an integer in {-MAX_INT32 - 1}..{MAX_INT32}"),
+            ("stop", len(self.stop) <= MAX_STOP and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS
+                                                        and _encodable(s) for s in self.stop),
+             f"at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters of valid Unicode (no lone "
+             "surrogates)"),
+            ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP
+             and all(_integer(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids),
+             f"at most {MAX_STOP} token ids in 0..{MAX_INT32}"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "a boolean"),
             ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "a boolean"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "a boolean"),

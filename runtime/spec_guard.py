@@ -4,8 +4,8 @@ Speculation costs twice: the drafter's forward at every drafting step (the whole
 every verified draft. It pays a request only through the drafts that request gets accepted. The guard learns both
 sides while the engine serves and decides, step by step:
 
-- **which requests verify**: each request's expected accepted drafts a verify (``gain``: an exponential average of
-  what its own verifications accepted, starting from the population's), ranked; the batch verifies the top ``m``
+- **which requests verify**: each request's expected accepted drafts a verify (``gain``: its recent verifications'
+  mean, shrunk toward the population's), ranked; the batch verifies the top ``m``
   requests' blocks where that maximizes expected committed tokens per second, the others verify none (their verify
   width drops to 1: a plain decode of one token);
 - **whether the batch drafts at all**: when the best ``m`` is 0 (nobody's drafts pay for their verify and the
@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 class GuardTuning:
     """The guard's constants."""
 
-    gain_weight: float = 0.25  # weight of a request's newest verify in its gain (accepted drafts a verify)
+    memory: float = 0.8  # per verify, the weight left to a request's older verifies in its gain
+    prior_verifies: float = 1.5  # the population's gain counts as this many of a request's own verifies
     population_weight: float = 0.02  # weight of any request's verify in the population's gain (a new request's)
     forget: float = 0.97  # per drafting step, the weight left to older steps in a bucket's cost fit
     ridge: float = 1e-3  # the fit's pull of the per-draft cost toward the last estimate (seconds^2 scale-free)
@@ -57,7 +58,8 @@ OUTLIER = 4.0  # a step's time is taken as at most this many times the price lea
 
 @dataclass
 class _RequestState:
-    gain: float  # expected accepted drafts a verify
+    accepted: float = 0.0  # its verifies' accepted drafts, older ones weighed down (GuardTuning.memory)
+    weight: float = 0.0  # those verifies' weight
     verifies: int = 0  # its verifications seen
     probe_interval: int = 0  # steps between its probes while it does not pay (0: never probed)
     next_probe: int = 0  # the step of its next probe (while left out)
@@ -177,11 +179,9 @@ class SpeculationGuard:
         pop = self.population_gain
         self.population_gain = accepted if pop is None else pop + tuning.population_weight * (accepted - pop)
         self.verified_share += 0.05 * (min(verified / max(self.max_draft_len, 1), 1.0) - self.verified_share)
-        state = self.requests.get(request_id)
-        if state is None:
-            state = self.requests[request_id] = _RequestState(gain=float(accepted))
-        else:
-            state.gain += (tuning.gain_weight if state.verifies else 1.0) * (accepted - state.gain)
+        state = self.requests.setdefault(request_id, _RequestState())
+        state.accepted = tuning.memory * state.accepted + accepted
+        state.weight = tuning.memory * state.weight + 1.0
         state.verifies += 1
 
     def observe_step(self, batch: int, drafted: bool, verified_drafts: int, seconds: float) -> None:
@@ -197,12 +197,16 @@ class SpeculationGuard:
     # ---- deciding ---------------------------------------------------------------------------------
 
     def gain(self, request_id: str) -> float:
-        """Expected accepted drafts when ``request_id`` verifies a block (its own average, else the population's;
-        before any verify at all, a whole block: the drafter is presumed to work until it shows otherwise)."""
+        """Expected accepted drafts when ``request_id`` verifies a block: its own recent verifies' mean, shrunk toward
+        the population's (worth ``prior_verifies`` verifies: one unlucky block does not drop a request the drafter
+        serves well, nor one lucky block keep one it does not); before any verify at all, a whole block (the
+        drafter is presumed to work until it shows otherwise)."""
+        prior = self.population_gain if self.population_gain is not None else float(self.max_draft_len)
         state = self.requests.get(request_id)
-        if state is not None and state.verifies:
-            return state.gain
-        return self.population_gain if self.population_gain is not None else float(self.max_draft_len)
+        if state is None or not state.verifies:
+            return prior
+        n = self.tuning.prior_verifies
+        return (n * prior + state.accepted) / (n + state.weight)
 
     def drafts(self, step: int) -> bool:
         """Whether step ``step`` drafts: the plan made at it, or (the next step, before its plan) a prediction: an
@@ -292,7 +296,7 @@ class SpeculationGuard:
             if state is not None:
                 state.probe_interval = 0
         for _, request_id in gains[best_m:]:  # left out: probed after probe_first steps, then twice as long
-            state = self.requests.setdefault(request_id, _RequestState(gain=self.gain(request_id)))
+            state = self.requests.setdefault(request_id, _RequestState())
             if state.probe_interval == 0:
                 state.probe_interval, state.next_probe = tuning.probe_first, step + tuning.probe_first
             elif step >= state.next_probe:

@@ -19,6 +19,15 @@ def test_help_lists_the_commands(capsys):
     assert "check-config" in capsys.readouterr().out
 
 
+def test_version(capsys):
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"dspark {importlib.metadata.version('dspark')}"
+
+
 def test_check_config_prints_the_resolved_example(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert main(["check-config", "examples/dspark.yaml"]) == 0

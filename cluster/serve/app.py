@@ -12,6 +12,7 @@ import dataclasses
 import hmac
 import importlib.metadata
 import json
+import os
 import re
 import threading
 import time
@@ -34,7 +35,7 @@ from cluster.serve.text import TextStream
 from cluster.serve.tool_parsers import PARSER_KINDS
 from configs import ReplicaConfig, ServeArgs, validate
 from runtime.async_engine import AsyncEngine, Overloaded, RequestFailed, StepFailed
-from runtime.chat import chat_token_ids, template_options_error
+from runtime.chat import chat_template_of, chat_token_ids, template_options_error
 from runtime.llm import best_samples, sample_params
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
@@ -53,8 +54,29 @@ class ApiError(Exception):
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(protocol.error_body(err.status, err.message, err.param, err.code), status_code=err.status,
-                        headers=err.headers)
+    return JSONResponse(protocol.error_body(err.status, redact(err.message), err.param, err.code),
+                        status_code=err.status, headers=err.headers)
+
+
+def redact(message: str) -> str:
+    """``message`` without the server's directories (``app.state.private_paths``: the model's, the drafter's, the
+    caches'): a library's error about a request may name a file it read, and clients learn nothing of the host."""
+    for path, name in getattr(app.state, "private_paths", ()):
+        message = message.replace(path, name)
+    return message
+
+
+def private_paths(engine_config) -> list[tuple[str, str]]:
+    """(directory, what an error shows instead), longest first (a cache inside a model directory goes first)."""
+    spec = engine_config.speculative_config
+    named = [(engine_config.model, "<model>"), (spec.speculative_model if spec is not None else None, "<drafter>"),
+             (os.environ.get("HF_HOME"), "<cache>"), (os.environ.get("HF_HUB_CACHE"), "<cache>")]
+    out = set()
+    for path, name in named:
+        if path and os.path.isabs(os.path.expanduser(str(path))) and len(str(path)) > 1:
+            for form in {str(path), os.path.realpath(os.path.expanduser(str(path)))}:
+                out.add((form.rstrip("/"), name))
+    return sorted(out, key=lambda item: -len(item[0]))
 
 
 @app.exception_handler(ApiError)
@@ -62,7 +84,7 @@ async def _api_error(request: Request, err: ApiError) -> JSONResponse:
     return error_response(err)
 
 
-UNION_BRANCHES = re.compile(r"^(str|int|float|bool|list|dict|none)$|\[")  # pydantic's tags of union members
+UNION_BRANCHES = re.compile(r"^(constrained-)?(str|int|float|bool|list|dict|none)$|\[")  # pydantic's union tags
 
 
 def error_param(loc) -> str | None:
@@ -82,6 +104,8 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
 def failure(exc: BaseException) -> ApiError:
     """The OpenAI-shaped error for a request that failed after admission: 500 when it failed alone, 503 when the
     replica failed (every request in flight failed and the replica is rebuilt)."""
+    if isinstance(exc, RequestFailed) and exc.code == "unsatisfiable_constraints":  # the client's own options
+        return ApiError(400, str(exc), code=exc.code)
     if isinstance(exc, RequestFailed):
         return ApiError(500, f"this request failed: {exc}", code="request_failed")
     if isinstance(exc, (ReplicaFailure, StepFailed)):
@@ -121,13 +145,24 @@ def bearer_matches(header: str | None, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
+OPEN_ROUTES = frozenset({"/health", "/metrics"})  # what a balancer and a scraper read: no key
+
+
+def route_of(request: Request) -> str:
+    """The request's path within the app (without the prefix the application is served under)."""
+    path, prefix = request.url.path, request.scope.get("root_path", "")
+    return path[len(prefix):] or "/" if prefix and path.startswith(prefix) else path
+
+
 @app.middleware("http")
 async def _authenticate(request: Request, call_next):
-    """Every /v1 route checks the API key before anything reads the body: an unauthenticated client learns
-    nothing about the schema from validation errors."""
+    """Every route but ``OPEN_ROUTES`` checks the API key (when one is set) before anything reads the body: an
+    unauthenticated client learns nothing about the schema from validation errors, nor reaches the tokenizer, the
+    chat template or the API's documentation."""
     key = getattr(app.state, "api_key", None)
     api = "/v1/" in request.url.path + "/"
-    if api and key is not None and not bearer_matches(request.headers.get("authorization"), key):
+    if key is not None and route_of(request) not in OPEN_ROUTES \
+            and not bearer_matches(request.headers.get("authorization"), key):
         return error_response(ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                                        code="invalid_api_key"))
     if api and request.method == "POST" and getattr(app.state, "draining", False):
@@ -155,6 +190,7 @@ class DSparkServer:
         self.args = args
         app.state.api_key = args.api_key  # one deployment per Serve replica process
         self.llm = ReplicaLLM.from_config(ReplicaConfig(engine=args.engine, parallel=args.parallel))
+        app.state.private_paths = private_paths(self.llm.engine.config)
         self.engine = AsyncEngine(lambda: self.llm.engine, self.llm.rebuild, args.deployment.max_waiting_requests,
                                   probe=lambda: self.llm.health(timeout_s=HEALTH_PROBE_TIMEOUT_S))
         self.metrics = ServerMetrics(lambda: self.llm.engine, self.llm.rank_info())
@@ -256,8 +292,12 @@ class DSparkServer:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """200 with every actor's rank, role, device and pid; 503 while the replica rebuilds, after a rebuild
-        failed, or when an actor is dead or silent (the engine thread then rebuilds it within seconds)."""
+        """200 with every actor's rank, role, device and pid; 503 while the server drains (so balancers stop
+        routing to it), while the replica rebuilds, after a rebuild failed, or when an actor is dead or silent (the
+        engine thread then rebuilds it within seconds)."""
+        if getattr(app.state, "draining", False):
+            return error_response(ApiError(503, "draining: the server is shutting down and admits no new requests",
+                                           code="draining", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)}))
         if self.engine.recovering:
             return error_response(ApiError(503, "unhealthy: the replica is rebuilding", code="rebuilding",
                                            headers={"Retry-After": "5"}))
@@ -319,7 +359,7 @@ class DSparkServer:
                     check_unicode(message[key], f"messages.{i}.{key}")
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         refused = template_options_error(body.add_generation_prompt, body.continue_final_message,
-                                         body.chat_template_kwargs)
+                                         body.chat_template_kwargs, chat_template_of(self.tokenizer))
         if refused is not None:
             raise ApiError(400, f"{refused[0]}: {refused[1]}", refused[0])
         try:
@@ -524,7 +564,7 @@ class DSparkServer:
                     yield text
         except Exception as exc:  # an error event and [DONE]: a stream never just stops
             err = failure(exc)
-            yield sse(protocol.error_body(err.status, err.message, err.param, err.code))
+            yield sse(protocol.error_body(err.status, redact(err.message), err.param, err.code))
             yield "data: [DONE]\n\n"
             return
         finally:  # a client that disconnected aborts its requests (frees their pages) right away

@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from runtime.outputs import TokenLogprob
-from runtime.sampling_params import (MAX_BAD_WORDS, MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, SamplingParams,
-                                     StructuredOutputs)
+from runtime.sampling_params import (MAX_BAD_WORDS, MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP,
+                                     MAX_STOP_CHARS, SamplingParams, StructuredOutputs)
 
 
 class StreamOptions(BaseModel):
@@ -107,8 +107,10 @@ class SamplingFields(BaseModel):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)] \
+        | Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP)] \
+        | None = None
+    seed: Annotated[int, Field(ge=-MAX_INT32 - 1, le=MAX_INT32)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     user: str | None = None
@@ -116,7 +118,7 @@ class SamplingFields(BaseModel):
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     repetition_penalty: Annotated[float, Field(ge=0.01, le=100)] = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(max_length=MAX_STOP)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=MAX_INT32)] = 0  # vLLM's: no stop before this many tokens
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's

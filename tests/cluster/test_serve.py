@@ -489,6 +489,10 @@ def test_vllms_chat_template_options(server):
                                           tools=[WEATHER])
     for extra, param in (({"continue_final_message": True}, "continue_final_message"),
                          ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                         # tokenizer options are not template variables (they would cut the prompt silently)
+                         ({"chat_template_kwargs": {"truncation": True, "max_length": 1}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"tokenizer_kwargs": {"add_special_tokens": "zz"}}},
+                          "chat_template_kwargs"),
                          ({"chat_template_kwargs": "x"}, "chat_template_kwargs")):
         r = httpx.post(base, json={"model": "tiny", "messages": started, **extra}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
@@ -638,6 +642,10 @@ def test_bad_requests_get_openai_errors(server, payload, status, param):
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stream": "yes"}, "stream"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": ""}, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": ["", "x"]}, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [f"s{i}" for i in range(200)]}, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": "y" * 5000}, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "seed": 10**30}, "seed"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("/v1/completions", {"model": "tiny", "prompt": [5, -1]}, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "x\ud800y"}, "prompt"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x\ud800y"}]},
@@ -712,6 +720,20 @@ def test_authentication_comes_first_and_accepts_any_bearer_case(server):
         r = post(server, "/small/v1/completions", bad_body, {"authorization": f"{scheme} sesame"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     assert httpx.get(f"{server['base']}/small/v1/models", headers={"authorization": "bearer sesame"}).status_code == 200
+
+
+def test_with_a_key_only_health_and_metrics_are_open(server):
+    """The tokenizer routes (a big body is work), the chat template, the version and the API's documentation need
+    the key too; the probes a balancer and a scraper send do not."""
+    base, auth = f"{server['base']}/small", {"authorization": "Bearer sesame"}
+    for method, route, body in (("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [5]}),
+                                ("GET", "/tokenizer_info", None), ("GET", "/version", None), ("GET", "/docs", None),
+                                ("GET", "/redoc", None), ("GET", "/openapi.json", None)):
+        r = httpx.request(method, base + route, json=body, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (route, r.text)
+        assert httpx.request(method, base + route, json=body, headers=auth, timeout=60).status_code == 200, route
+    assert httpx.get(f"{base}/health", timeout=60).status_code == 200
+    assert httpx.get(f"{base}/metrics", timeout=60).status_code == 200
 
 
 def test_api_key_and_overload(server):
@@ -1023,3 +1045,16 @@ def test_the_tokenizer_endpoints_answer_as_vllms_for_lm_eval(server):
     assert httpx.post(f"{base}/tokenize", json={"model": "other", "prompt": "x"}, timeout=30).status_code == 404
     neither = httpx.post(f"{base}/tokenize", json={"add_special_tokens": True}, timeout=30)
     assert neither.status_code == 400
+
+
+def test_contradictory_constraints_are_the_clients_400_streamed_or_not(server):
+    """``allowed_token_ids`` [5] with ``min_tokens`` banning stop token 5 leaves no token to choose: a 400 naming
+    the constraints, in OpenAI's shape, never a 500 about the model's logits."""
+    body = {"model": "tiny", "prompt": "x = 1", "max_tokens": 8, "temperature": 0, "allowed_token_ids": [5],
+            "stop_token_ids": [5], "min_tokens": 4}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsatisfiable_constraints", r.text
+    assert "allowed_token_ids, min_tokens" in r.json()["error"]["message"]
+    # streamed: the failure comes before the first token, so before the stream starts: the same 400
+    r = post(server, "/v1/completions", {**body, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsatisfiable_constraints", r.text

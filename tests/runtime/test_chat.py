@@ -29,6 +29,9 @@ def test_chat_is_generate_on_the_templated_conversations(near_bigram_target):
         with pytest.raises(ValueError, match="messages: one conversation"):
             llm.chat(bad, GREEDY)
     quiet = llm.chat(two, GREEDY, chat_template_kwargs={"enable_thinking": False})[0]  # a template variable
+    with pytest.raises(ValueError, match=r"\['max_length', 'truncation'\] are not variables of this model's chat "
+                       r"template; it reads \['enable_thinking'\]"):
+        llm.chat(two, GREEDY, chat_template_kwargs={"truncation": True, "max_length": 1})
     assert quiet.prompt_token_ids == template_ids(llm.tokenizer, two, enable_thinking=False) != outs[1].prompt_token_ids
     started = one + [{"role": "assistant", "content": "The answer is"}]
     continued = llm.chat(started, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]

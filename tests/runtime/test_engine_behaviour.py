@@ -317,3 +317,28 @@ def test_prefill_apart_never_mixes_a_step_and_keeps_greedy_outputs(near_bigram_t
     assert not any(a == b == "prefill" and skipped for a, b, skipped in zip(kinds, kinds[1:], passed_over[1:]))
     assert any(passed_over)  # (some did wait one)
     assert [outputs[i] for i in ids] == builders.hf_greedy(near_bigram_target, prompts, 10)
+
+
+def test_vllm_shaped_outputs_and_a_with_block_that_shuts_down(qwen3_target):
+    """``outputs[0].text`` / ``.token_ids`` as vLLM's ``RequestOutput`` has them, beside the flat fields; ``with``
+    shuts the engine down (what was in flight aborted) and ``shutdown()`` may be called again."""
+    with make_llm(qwen3_target) as llm:
+        out = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+        (sample,) = out.outputs
+        assert (sample.index, sample.text, sample.token_ids, sample.finish_reason) == \
+            (0, out.text, out.token_ids, "length")
+        llm.engine.add_request([5, 6], SamplingParams(max_tokens=50))
+    assert not llm.engine.has_unfinished()
+    llm.shutdown()
+
+
+def test_constraints_that_leave_no_token_fail_the_request_as_the_clients_error(qwen3_target):
+    """``allowed_token_ids`` [5] while ``min_tokens`` bans stop token 5: no token is left; the request fails alone
+    with a message naming its constraints (not "non-finite logits"), the others finish."""
+    llm = make_llm(qwen3_target)
+    impossible = SamplingParams(max_tokens=8, temperature=0, allowed_token_ids=[5], stop_token_ids=[5], min_tokens=4)
+    fine = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    failed, other = llm.generate([PROMPT, PROMPT], [impossible, fine])
+    assert failed.finish_reason == "error" and failed.error_code == "unsatisfiable_constraints"
+    assert "allowed_token_ids, min_tokens" in failed.error and "non-finite" not in failed.error
+    assert other.finish_reason == "length" and len(other.token_ids) == 8
