@@ -17,14 +17,14 @@ drafter's context, so that a probe or a return to drafting finds it whole).
 Each engine serves a steady load (``SteadyLoad``): ``c`` greedy requests of ``--tokens`` tokens (end of sequence
 ignored), each replaced by a new one of its class when it finishes. Each (kind, concurrency) runs an untimed warmup
 of ``--seconds`` per engine (allocations; the guard learns, as a long-lived serving engine has), then ``--rounds``
-rounds, each the three engines back to back for ``--seconds`` each. Ratios are per round (paired), reported as the
-median with the rounds' range.
+rounds, each the four engines back to back for ``--seconds`` each, each round in another order. Ratios are per
+round (paired), reported as the median with the rounds' range.
 
 On a CPU this measures the decisions, not a GPU's step costs: a tiny model's steps are mostly host time, so the
 drafting step's relative cost differs from a GPU's. Absolute tokens/s count only from a GPU run (``--device cuda``).
 
 usage: python3 benchmarks/speculation_guard.py --out FILE.json [--kinds untrained,weak,good,mixed]
-           [--concurrency 1,4,16,64] [--tokens 64] [--rounds 3] [--seconds 2] [--device cpu]
+           [--concurrency 1,4,16,64] [--tokens 64] [--rounds 6] [--seconds 1] [--device cpu]
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ def main() -> None:
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=2.0, help="wall time of each engine's run in a round")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--seconds", type=float, default=1.0, help="wall time of each engine's run in a round")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     kinds = args.kinds.split(",")
@@ -166,9 +166,10 @@ def main() -> None:
             for load in loads.values():  # warmup: allocations, and the guard learns (a serving engine is long-lived)
                 load.run(args.seconds)
             rounds = {name: [] for name in engines}
-            for _ in range(args.rounds):
-                for name, load in loads.items():
-                    rounds[name].append(load.run(args.seconds))
+            names = list(loads)
+            for r in range(args.rounds):  # each round in another order (a host's drift favours no engine)
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    rounds[name].append(loads[name].run(args.seconds))
             for load in loads.values():
                 load.close()
             guarded = [g / a for g, a in zip(rounds["guarded"], rounds["ar"])]

@@ -42,9 +42,11 @@ MODEL_FLAGS = {
     "ray_address": ("parallel", "ray_address"),
 }
 APP_NAME = "dspark"  # the Serve application `dspark serve` deploys
+STOP_GRACE_S = 3.0  # after the drain: how long replicas get to send the requests they still hold their error
 SERVER_KEY = "server"  # where it records its port and route on the Ray cluster (namespace "dspark")
 SERVE_FLAGS = {"served_model_name": (None, "served_model_name"), "api_key": (None, "api_key"),
-               "num_replicas": ("deployment", "num_replicas"), "tool_call_parser": (None, "tool_call_parser")}
+               "num_replicas": ("deployment", "num_replicas"), "tool_call_parser": (None, "tool_call_parser"),
+               "max_body_bytes": (None, "max_body_bytes"), "stall_timeout_s": (None, "stall_timeout_s")}
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -135,10 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "llama3_json (an answer of JSON calls: Llama 3.1-3.3); without it such a request is a 400 "
                        "(named and required tool choices need no parser)")
     keys = serve.add_mutually_exclusive_group()
-    keys.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes (visible in ps: prefer "
-                      "--api-key-file or the DSPARK_API_KEY environment variable)")
+    keys.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on every route but /health and /metrics "
+                      "(visible in ps: prefer --api-key-file or the DSPARK_API_KEY environment variable)")
     keys.add_argument("--api-key-file", help="read the API key from this file (first line)")
     serve.add_argument("--num-replicas", type=int, help="Serve replicas, each a whole dspark replica (default 1)")
+    serve.add_argument("--max-body-bytes", type=integer(1024), help="the largest request body taken, a larger one a "
+                       "413 before it is read (default 16 MiB, or 128 bytes a token of max_model_len where more)")
+    serve.add_argument("--stall-timeout-s", type=number(0, above=True), help="/health answers 503 (stalled) while the engine has "
+                       "not finished a step for this long (default 10)")
     serve.add_argument("--drain-timeout", type=number(0), default=30.0, help="seconds Ctrl-C/SIGTERM lets requests in "
                        "flight finish before Serve stops (default 30; a second signal stops at once)")
     serve.add_argument("--replace", action="store_true", help="redeploy over a dspark app already running on the "
@@ -418,6 +424,13 @@ def run_serve(args: argparse.Namespace) -> int:
         if signals.acquire(timeout=drain.POLL_S):
             print("dspark: second signal: stopping now", file=sys.stderr)
             break
+    left = drain.total_in_flight(APP_NAME)
+    if left:  # each replica ends what it holds with an error its client receives, then Serve goes
+        print(f"dspark: ending {left} request(s) still in flight with a 'shutting_down' error", file=sys.stderr)
+        drain.request_stop(APP_NAME)
+        stop_by = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < stop_by and drain.total_in_flight(APP_NAME) > 0:
+            time.sleep(drain.POLL_S / 2)
     serve.shutdown()
     drain.clear(APP_NAME)
     return 0

@@ -72,9 +72,15 @@ class ServeArgs(BaseModel):
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Serve options.")
     served_model_name: str | None = Field(default=None, description="The model name clients send; default: the "
                                           "model directory's name.")
-    api_key: str | None = Field(default=None, description="If set, every /v1 route requires 'Authorization: "
-                                "Bearer <api_key>' (checked before the body is read; the scheme is case-insensitive, "
-                                "the key compared in constant time).")
+    api_key: str | None = Field(default=None, description="If set, every route but /health and /metrics requires "
+                                "'Authorization: Bearer <api_key>' (checked before the body is read; the scheme is "
+                                "case-insensitive, the key compared in constant time).")
+    max_body_bytes: Annotated[int, Field(ge=1024)] | None = Field(
+        default=None, description="The largest request body taken (a larger one gets a 413 before it is read); "
+        "None: 16 MiB, or 128 bytes a token of max_model_len where that is more.")
+    stall_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=10.0, description="/health answers 503 (code stalled) while the engine has not finished a step "
+        "for this long (a hung device or a step that never ends), so Serve and balancers see it.")
     route_prefix: str = Field(default="/", description="Where the app is mounted.")
     max_n: Annotated[int, Field(ge=1, le=128)] = Field(default=16, description="Most samples one request may ask "
                                                       "for (n); more is a 400 naming n.")

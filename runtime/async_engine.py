@@ -45,6 +45,10 @@ class StepFailed(RuntimeError):
     """A whole step failed (an actor died, a device or collective error): every request in flight failed."""
 
 
+class Stopping(RuntimeError):
+    """The server is stopping and this request had not finished when its drain time ended (``stop_all``)."""
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue
@@ -76,6 +80,7 @@ class AsyncEngine:
         self._pending_lock = threading.Lock()
         self._ids = itertools.count()
         self._stopped = threading.Event()
+        self._beat = time.monotonic()  # when the engine thread last came round its loop (a step ended, or idle)
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
         freeze_long_lived("the serving engine")  # startup is done: full collections skip what it built
         self._thread.start()
@@ -120,6 +125,11 @@ class AsyncEngine:
             if not finished:  # the caller went away: free the request's pages
                 self._commands.put(("abort", request_id))
 
+    def stop_all(self, reason: str) -> None:
+        """End every request in flight (queued ones too) with ``Stopping(reason)``: their callers answer it (an error
+        event and [DONE] for a stream, a 503 otherwise) instead of being cut when the process goes."""
+        self._commands.put(("stop_all", reason))
+
     def shutdown(self) -> None:
         self._stopped.set()
         self._commands.put(("stop",))
@@ -128,8 +138,14 @@ class AsyncEngine:
 
     # ---- the engine thread --------------------------------------------------------------------
 
+    def stalled_s(self) -> float:
+        """Seconds since the engine thread last came round its loop: a step longer than this is still running (or
+        hung); idle, it comes round every ``IDLE_WAIT_S``."""
+        return time.monotonic() - self._beat
+
     def _run(self) -> None:
         while not self._stopped.is_set():
+            self._beat = time.monotonic()
             self._drain(block=not self.engine.has_unfinished())
             if self._stopped.is_set():
                 continue
@@ -178,6 +194,12 @@ class AsyncEngine:
         elif kind == "abort":
             self._streams.pop(command[1], None)
             self.engine.abort(command[1])
+        elif kind == "stop_all":
+            self.engine.abort_all()
+            error = Stopping(command[1])
+            for stream in self._streams.values():
+                stream.push(error)
+            self._streams.clear()
 
     def _probe_when_due(self) -> None:
         if self.probe is None or time.monotonic() - self._last_probe < self.probe_interval_s:

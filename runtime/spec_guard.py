@@ -45,7 +45,8 @@ class GuardTuning:
     memory: float = 0.8  # per verify, the weight left to a request's older verifies in its gain
     prior_verifies: float = 1.5  # the population's gain counts as this many of a request's own verifies
     population_weight: float = 0.02  # weight of any request's verify in the population's gain (a new request's)
-    forget: float = 0.97  # per drafting step, the weight left to older steps in a bucket's cost fit
+    forget: float = 0.97  # per step, the weight left to older drafting steps in a bucket's cost fit
+    plain_weight: float = 0.1  # per step, the weight a plain step's time takes from the older ones
     ridge: float = 1e-3  # the fit's pull of the per-draft cost toward the last estimate (seconds^2 scale-free)
     margin: float = 0.03  # drafting is chosen only where it beats plain decoding by this fraction
     probe_first: int = 8  # steps before a left-out request (or a plain batch) is probed again
@@ -86,23 +87,29 @@ class _BucketCosts:
     next_probe: int = 0
     arrival_interval: int = 0  # steps between probes of new requests while the bucket decodes plain
     next_arrival_probe: int = 0
+    plain_at: int = 0  # the step of the last plain observation (drafting_at: drafting)
+    drafting_at: int = 0
 
-    def observe_plain(self, seconds: float) -> None:
+    def observe_plain(self, seconds: float, step: int, forget: float) -> None:
         """A plain step's time: the first at this bucket is left out (a first step at a shape pays warm-ups), the
-        others averaged, each at most 4x the average so far (a pause of the host is not a price)."""
+        others averaged, each at most 4x the average so far (a pause of the host is not a price); the older ones
+        weigh ``forget`` less for every step that passed since the last (a price timed long ago, when the host
+        was busier or the contexts shorter, gives way to a new one)."""
         self.plain_seen += 1
         if self.plain_seen == 1:
             return
         self.plain_steps += 1
-        weight = max(1.0 / self.plain_steps, 0.1)
+        weight = max(1.0 / self.plain_steps, 1.0 - forget ** max(step - self.plain_at, 1))
+        self.plain_at = step
         if self.plain_s is None:
             self.plain_s = seconds
         else:
             self.plain_s += weight * (min(seconds, OUTLIER * self.plain_s) - self.plain_s)
 
-    def observe_drafting(self, drafts: int, seconds: float, forget: float, ridge: float) -> None:
+    def observe_drafting(self, drafts: int, seconds: float, step: int, forget: float, ridge: float) -> None:
         """A drafting step's time, fitted on its verified drafts: the first at this bucket left out, the others at
-        most 4x the fit's price."""
+        most 4x the fit's price; the fit forgets ``forget`` for every step since the last drafting step (drafting
+        every step: a step's weight decays 3% a step; a probe after 64 plain steps weighs the old fit 14%)."""
         self.since_exploration += 1
         self.drafting_seen += 1
         if self.drafting_seen == 1:
@@ -111,8 +118,10 @@ class _BucketCosts:
         fit = self.drafting_fit(ridge)
         if fit is not None and self.drafting_steps > 2:
             seconds = min(seconds, OUTLIER * (fit[0] + fit[1] * drafts))
-        self.sw, self.sx, self.sy = forget * self.sw + 1, forget * self.sx + drafts, forget * self.sy + seconds
-        self.sxx, self.sxy = forget * self.sxx + drafts * drafts, forget * self.sxy + drafts * seconds
+        decay = forget ** max(step - self.drafting_at, 1)
+        self.drafting_at = step
+        self.sw, self.sx, self.sy = decay * self.sw + 1, decay * self.sx + drafts, decay * self.sy + seconds
+        self.sxx, self.sxy = decay * self.sxx + drafts * drafts, decay * self.sxy + drafts * seconds
 
     def drafting_fit(self, ridge: float) -> tuple[float, float] | None:
         """(seconds of a drafting step verifying nothing, seconds a verified draft), or None before any drafting
@@ -189,10 +198,11 @@ class SpeculationGuard:
         verified. A plain step (drafted nothing, verified nothing) times the plain price; a drafting step the
         drafting fit; a step that only verified (the one after drafting stopped) neither."""
         costs = self.buckets.setdefault(bucket_of(batch), _BucketCosts())
+        step = self.plan_now.step if self.plan_now is not None else 0
         if drafted:
-            costs.observe_drafting(verified_drafts, seconds, self.tuning.forget, self.tuning.ridge)
+            costs.observe_drafting(verified_drafts, seconds, step, self.tuning.forget, self.tuning.ridge)
         elif verified_drafts == 0:
-            costs.observe_plain(seconds)
+            costs.observe_plain(seconds, step, 1.0 - self.tuning.plain_weight)
 
     # ---- deciding ---------------------------------------------------------------------------------
 

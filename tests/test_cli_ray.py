@@ -61,7 +61,7 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
     address = ray.get_runtime_context().gcs_address
     proc = dspark("serve", "--model", str(near_bigram_target), "--speculative-model", str(drafter), "--host",
                   "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", *MODEL_FLAGS, "--max-model-len",
-                  "256", "--ray-address", address, start_new_session=True)
+                  "4096", "--ray-address", address, "--drain-timeout", "4", start_new_session=True)
     lines, ready = [], threading.Event()
 
     def drain():
@@ -85,15 +85,26 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
         assert f"already listens on port {port} for the dspark app 'dspark' at route '/'" in err
         assert "--ray-address local" in err
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200  # the first one is intact
-        # Ctrl-C drains: requests in flight finish, new ones get 503 + Retry-After, then the process exits 0
-        results = []
+        # Ctrl-C drains: requests in flight finish, new ones get 503 + Retry-After; what the drain time (4 s) cannot
+        # finish ends with an error its client receives; then the process exits 0, within the drain time + 5 s
+        results, endless, stream_lines = [], [], []
         long = {"model": "tiny", "prompt": "x", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
         workers = [threading.Thread(target=lambda: results.append(httpx.post(
             f"http://127.0.0.1:{port}/v1/completions", json=long, timeout=120))) for _ in range(6)]
+        too_long = {**long, "max_tokens": 4000, "temperature": 1.0}  # (sampled: the oracle's drafts often fail)
+
+        def stream():
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={**too_long, "stream": True},
+                              timeout=120) as s:
+                stream_lines.extend(line for line in s.iter_lines() if line)
+
+        workers += [threading.Thread(target=lambda: endless.append(httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions", json=too_long, timeout=120))), threading.Thread(target=stream)]
         for w in workers:
             w.start()
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
         refused, deadline = None, time.monotonic() + 20
         while refused is None and time.monotonic() < deadline:
             r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "y"}, timeout=60)
@@ -104,7 +115,11 @@ def test_serve_answers_then_stops_on_sigint(near_bigram_target, make_drafter):
         assert refused.json()["error"]["code"] == "draining"
         assert [r.status_code for r in results] == [200] * 6
         assert all(r.json()["usage"]["completion_tokens"] == 100 for r in results)
+        (cut,) = endless
+        assert cut.status_code == 503 and cut.json()["error"]["code"] == "shutting_down", cut.text
+        assert stream_lines[-1] == "data: [DONE]" and "shutting_down" in stream_lines[-2], stream_lines[-3:]
         assert proc.wait(timeout=90) == 0
+        assert time.monotonic() - signalled < 4 + 5 + 3  # (3 s: this 2-core machine's slack)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -34,7 +34,7 @@ from cluster.serve.metrics import ServerMetrics
 from cluster.serve.text import TextStream
 from cluster.serve.tool_parsers import PARSER_KINDS
 from configs import ReplicaConfig, ServeArgs, validate
-from runtime.async_engine import AsyncEngine, Overloaded, RequestFailed, StepFailed
+from runtime.async_engine import AsyncEngine, Overloaded, RequestFailed, StepFailed, Stopping
 from runtime.chat import chat_template_of, chat_token_ids, template_options_error
 from runtime.llm import best_samples, sample_params
 from runtime.outputs import RequestOutput
@@ -108,6 +108,8 @@ def failure(exc: BaseException) -> ApiError:
         return ApiError(400, str(exc), code=exc.code)
     if isinstance(exc, RequestFailed):
         return ApiError(500, f"this request failed: {exc}", code="request_failed")
+    if isinstance(exc, Stopping):
+        return ApiError(503, str(exc), code="shutting_down", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
     if isinstance(exc, (ReplicaFailure, StepFailed)):
         return ApiError(503, f"the replica failed: {exc}", code="replica_failure")
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
@@ -146,6 +148,68 @@ def bearer_matches(header: str | None, key: str) -> bool:
 
 
 OPEN_ROUTES = frozenset({"/health", "/metrics"})  # what a balancer and a scraper read: no key
+
+
+def default_body_limit(max_model_len: int) -> int:
+    """The largest request body a server takes by default: 16 MiB, or more for a long context (a prompt of
+    max_model_len tokens as JSON, ~64 bytes a token with escapes, twice over for messages and tools)."""
+    return max(16 << 20, 128 * max_model_len)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``app.state.max_body_bytes`` gets a 413 (OpenAI's error shape) before the
+    route reads it, by its Content-Length or, for a chunked body, as soon as the bytes received pass the limit."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    async def __call__(self, scope, receive, send):
+        limit = getattr(app.state, "max_body_bytes", None)
+        if scope["type"] != "http" or limit is None:
+            return await self.inner(scope, receive, send)
+        declared = dict(scope.get("headers", ())).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await self._refuse(scope, receive, send, limit)
+        received, over = 0, False
+
+        async def counted():
+            nonlocal received, over
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:  # the route's body parsing fails on this; its answer becomes the 413
+                    over = True
+                    raise BodyTooLarge
+            return message
+
+        refused = False
+
+        async def answered(message):
+            nonlocal refused
+            if not over:
+                await send(message)
+            elif not refused:
+                refused = True
+                await self._refuse(scope, receive, send, limit)
+
+        try:
+            await self.inner(scope, counted, answered)
+        except BodyTooLarge:
+            if not refused:
+                await self._refuse(scope, receive, send, limit)
+
+    @staticmethod
+    async def _refuse(scope, receive, send, limit: int) -> None:
+        response = error_response(ApiError(413, f"the request body is larger than this server takes ({limit} bytes, "
+                                           "max_body_bytes)", code="request_too_large"))
+        await response(scope, receive, send)
+
+
+app.add_middleware(BodyLimit)
 
 
 def route_of(request: Request) -> str:
@@ -195,6 +259,10 @@ class DSparkServer:
                                   probe=lambda: self.llm.health(timeout_s=HEALTH_PROBE_TIMEOUT_S))
         self.metrics = ServerMetrics(lambda: self.llm.engine, self.llm.rank_info())
         self.tokenizer = self.llm.tokenizer
+        # the most characters one token decodes to (a bound that makes a text's length a lower bound of its tokens)
+        self._longest_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1) \
+            if self.tokenizer is not None else 1
+        app.state.max_body_bytes = args.max_body_bytes or default_body_limit(self.llm.engine.max_model_len)
         app.state.draining = False
         self._watcher = threading.Thread(target=self._watch_drain, name="dspark-drain", daemon=True)
         self._watcher.start()
@@ -203,8 +271,12 @@ class DSparkServer:
         """Poll the app's drain flag; report what this replica still holds (see ``cluster.serve.drain``)."""
         context = serve.get_replica_context()
         app_name, replica = context.app_name, str(context.replica_id.unique_id)
+        stopped = False
         while not self.engine.stopped:
             app.state.draining = drain.is_draining(app_name)
+            if app.state.draining and not stopped and drain.is_stopping(app_name):
+                stopped = True
+                self.engine.stop_all("the server is stopping and its drain time ended before this request finished")
             drain.report(app_name, replica, self.engine.num_in_flight)
             time.sleep(drain.POLL_S)
 
@@ -235,9 +307,9 @@ class DSparkServer:
         if body.model is not None:
             self._check_model(body.model)
         if body.messages is not None:
-            ids = self._chat_prompt(body)
+            ids = await asyncio.to_thread(self._chat_prompt, body)
         else:
-            ids = self._encode(body.prompt, body.add_special_tokens)
+            ids = await asyncio.to_thread(self._encode, body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.llm.engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -265,7 +337,8 @@ class DSparkServer:
     async def completions(self, body: protocol.CompletionRequest, request: Request):
         self._check_model(body.model)
         sent = body.prompts()
-        prompts = [p if isinstance(p, list) else self._encode(p) for p in sent]
+        # tokenized off the event loop: a long prompt delays only itself, not every stream this replica serves
+        prompts = [p if isinstance(p, list) else await asyncio.to_thread(self._encode, p) for p in sent]
         # echo: each prompt as sent (token ids: their text)
         echoes = [p if isinstance(p, str) else self._prompt_text(ids) for p, ids in zip(sent, prompts)] \
             if body.echo else None
@@ -284,7 +357,7 @@ class DSparkServer:
                            "tell the model's calls from its text, and this server has none (dspark serve "
                            '--tool-call-parser hermes or llama3_json); pass tool_choice "required", "none" or '
                            '{"type": "function", "function": {"name": ...}}', "tool_choice")
-        prompt = self._chat_prompt(body)
+        prompt = await asyncio.to_thread(self._chat_prompt, body)
         defaults, room = self.llm.engine.sampling_defaults, max(self.llm.engine.max_model_len - len(prompt), 1)
         # unset: the model's max_new_tokens if it sets one (within the context left), else the context left
         budget = body.token_budget(min(defaults.get("max_tokens", room), room))
@@ -293,8 +366,9 @@ class DSparkServer:
     @app.get("/health")
     async def health(self) -> JSONResponse:
         """200 with every actor's rank, role, device and pid; 503 while the server drains (so balancers stop
-        routing to it), while the replica rebuilds, after a rebuild failed, or when an actor is dead or silent (the
-        engine thread then rebuilds it within seconds)."""
+        routing to it), while the replica rebuilds, after a rebuild failed, while the engine has not finished a
+        step for ``stall_timeout_s`` (hung), or when an actor is dead or silent (the engine thread then rebuilds it
+        within seconds)."""
         if getattr(app.state, "draining", False):
             return error_response(ApiError(503, "draining: the server is shutting down and admits no new requests",
                                            code="draining", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)}))
@@ -304,6 +378,10 @@ class DSparkServer:
         if self.engine.recovery_failed is not None:
             return error_response(ApiError(503, f"unhealthy: rebuilding the replica failed: "
                                            f"{self.engine.recovery_failed}", code="unhealthy"))
+        stalled = self.engine.stalled_s()
+        if stalled > self.args.stall_timeout_s:
+            return error_response(ApiError(503, f"unhealthy: the engine has not finished a step in {stalled:.1f} s "
+                                           f"(stall_timeout_s {self.args.stall_timeout_s:g})", code="stalled"))
         try:
             ranks = await asyncio.to_thread(self.llm.health, HEALTH_PROBE_TIMEOUT_S)
         except (ReplicaFailure, RuntimeError) as exc:
@@ -342,16 +420,29 @@ class DSparkServer:
         return self.tokenizer
 
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids (in a worker thread); a text too long for the context by its length alone is refused
+        before it is tokenized."""
         self._tokenizer("prompt")
+        self._check_length(len(text), "prompt")
         check_unicode(text, "prompt")
         try:
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         except Exception as exc:  # the tokenizer refused this text: the request's fault, nobody else's
             raise ApiError(400, f"the tokenizer cannot encode this prompt: {exc}", "prompt") from None
 
+    def _check_length(self, chars: int, param: str) -> None:
+        """A 400 (context_length_exceeded) for a text of ``chars`` characters that cannot fit the context whatever it
+        says: every token is at most ``_longest_token`` characters, so it is at least chars / that many tokens."""
+        least = chars // self._longest_token
+        if least > self.llm.engine.max_model_len:
+            raise ApiError(400, f"{param}: {chars} characters are at least {least} tokens, more than this model's "
+                           f"context (max_model_len {self.llm.engine.max_model_len})", param,
+                           "context_length_exceeded")
+
     def _chat_prompt(self, body) -> list[int]:
         """``body.messages`` through the chat template with the request's template options and tools (a chat
-        request's or /tokenize's: both have them); a 400 naming what it cannot render."""
+        request's or /tokenize's: both have them); a 400 naming what it cannot render. (In a worker thread.)"""
+        self._check_length(sum(len(m.content) for m in body.messages if isinstance(m.content, str)), "messages")
         messages = [m.for_template() for m in body.messages]
         for i, message in enumerate(messages):
             for key in ("content", "name"):

@@ -3,7 +3,9 @@
 ``dspark serve`` on SIGINT/SIGTERM sets the app's drain flag; every Serve replica of the app polls it (with its
 own in-flight count, ``report``) twice a second, answers new /v1 requests with 503 + Retry-After once it is set,
 and lets the requests it holds finish. The CLI waits until the replicas report nothing in flight (or the drain
-timeout, or a second signal) and only then shuts Serve down, so no client is cut by the proxy going first.
+timeout, or a second signal); then it sets the stop flag, on which every replica ends what it still holds with an
+error its clients receive (a stream's error event and ``[DONE]``, a 503), and only then shuts Serve down, so no
+client is cut by the proxy going first.
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ def request_drain(app: str) -> None:
 
 def is_draining(app: str) -> bool:
     return internal_kv._internal_kv_exists(_key(app, "draining"), namespace=NAMESPACE)
+
+
+def request_stop(app: str) -> None:
+    """The drain time is over: every replica ends what it still holds with an error its clients receive."""
+    internal_kv._internal_kv_put(_key(app, "stopping"), b"1", overwrite=True, namespace=NAMESPACE)
+
+
+def is_stopping(app: str) -> bool:
+    return internal_kv._internal_kv_exists(_key(app, "stopping"), namespace=NAMESPACE)
 
 
 def report(app: str, replica: str, in_flight: int) -> None:

@@ -50,7 +50,7 @@ def server(near_bigram_target, make_drafter, tmp_path_factory):
         serve.run(build_app({"engine": engine_args(near_bigram_target, drafter), "served_model_name": "tiny",
                              "tool_call_parser": "hermes"}), name="main", route_prefix="/")
         serve.run(build_app({"engine": engine_args(near_bigram_target, drafter, max_num_seqs=1),
-                             "served_model_name": "tiny", "api_key": "sesame",
+                             "served_model_name": "tiny", "api_key": "sesame", "max_body_bytes": 65536,
                              "deployment": {"max_waiting_requests": 1}}), name="small", route_prefix="/small")
     except BaseException:  # a failed start must not leave its cluster to every later test's ray.init
         stop_cluster(saved)
@@ -732,8 +732,9 @@ def test_with_a_key_only_health_and_metrics_are_open(server):
         r = httpx.request(method, base + route, json=body, timeout=60)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (route, r.text)
         assert httpx.request(method, base + route, json=body, headers=auth, timeout=60).status_code == 200, route
-    assert httpx.get(f"{base}/health", timeout=60).status_code == 200
-    assert httpx.get(f"{base}/metrics", timeout=60).status_code == 200
+    for route in ("/health", "/metrics"):
+        r = httpx.get(base + route, timeout=60)
+        assert r.status_code == 200, (route, r.text)
 
 
 def test_api_key_and_overload(server):
@@ -1058,3 +1059,24 @@ def test_contradictory_constraints_are_the_clients_400_streamed_or_not(server):
     # streamed: the failure comes before the first token, so before the stream starts: the same 400
     r = post(server, "/v1/completions", {**body, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsatisfiable_constraints", r.text
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read_and_a_hopeless_prompt_a_400_before_it_is_tokenized(server):
+    auth = {"authorization": "Bearer sesame"}
+    big = {"model": "tiny", "prompt": "x" * 100_000, "max_tokens": 1}
+    r = post(server, "/small/v1/completions", big, auth)  # (the small app takes 64 KiB)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(10):
+            yield b"x" * 10_000
+        yield b'"}'
+
+    r = httpx.post(f"{server['base']}/small/v1/completions", content=chunks(), timeout=60,
+                   headers={**auth, "content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    began = time.monotonic()
+    r = post(server, "/v1/completions", big)  # the main app takes it, and refuses it by its length alone
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "characters are at least" in r.json()["error"]["message"] and time.monotonic() - began < 5

@@ -92,3 +92,37 @@ def test_a_serving_engine_keeps_the_collector_off_its_startup_objects(llm):
     finally:
         engine.shutdown()
     assert gc.get_freeze_count() == 0
+
+
+def test_a_frozen_step_shows_as_a_stall_and_ends_when_the_step_does(llm):
+    """``stalled_s`` (what /health compares with stall_timeout_s) grows while a step hangs; idle or stepping it
+    stays near zero."""
+    import threading
+
+    engine = AsyncEngine(lambda: llm.engine)
+    real_step, release = llm.engine.step, threading.Event()
+
+    def frozen_step():
+        release.wait(timeout=30)
+        return real_step()
+
+    try:
+        time.sleep(0.3)
+        assert engine.stalled_s() < 0.25  # idle: the thread comes round every IDLE_WAIT_S
+        llm.engine.step = frozen_step
+
+        async def run():
+            task = asyncio.ensure_future(collect(engine, [5, 6, 7], SamplingParams(max_tokens=3, temperature=0)))
+            await asyncio.sleep(1.0)
+            stalled = engine.stalled_s()
+            release.set()
+            return stalled, await task
+
+        stalled, outs = asyncio.run(run())
+        assert stalled > 0.8 and outs[-1].finished
+        time.sleep(0.2)
+        assert engine.stalled_s() < 0.25
+    finally:
+        release.set()
+        llm.engine.step = real_step
+        engine.shutdown()
