@@ -102,8 +102,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    "grouped GEMM runs, else VANILLA); one a rank cannot run is an error naming the rank and why")
     p.add_argument("--speculative-moe-backend", choices=typing.get_args(MoeBackend), help="the drafter's MoE "
                    "layers' backend (default: inherit --moe-backend; a dense drafter has none)")
-    p.add_argument("--ray-address", help="Ray cluster to join (default: a running one, else a new local one; "
-                   "'local' always starts a new one, e.g. for a second server on this machine)")
+    p.add_argument("--ray-address", help="Ray cluster to join: an address, or 'auto' (the one running on this "
+                   "machine); default: $RAY_ADDRESS if set, else a new local cluster of this command's own")
 
 
 def installed_version() -> str:
@@ -143,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-replicas", type=int, help="Serve replicas, each a whole dspark replica (default 1)")
     serve.add_argument("--max-body-bytes", type=integer(1024), help="the largest request body taken, a larger one a "
                        "413 before it is read (default 16 MiB, or 128 bytes a token of max_model_len where more)")
-    serve.add_argument("--stall-timeout-s", type=number(0, above=True), help="/health answers 503 (stalled) while the engine has "
-                       "not finished a step for this long (default 10)")
+    serve.add_argument("--stall-timeout-s", type=number(0, above=True), help="/health answers 503 (stalled) while "
+                       "the engine has not finished a step for this long (default 10)")
     serve.add_argument("--drain-timeout", type=number(0), default=30.0, help="seconds Ctrl-C/SIGTERM lets requests in "
                        "flight finish before Serve stops (default 30; a second signal stops at once)")
     serve.add_argument("--replace", action="store_true", help="redeploy over a dspark app already running on the "
@@ -342,7 +342,12 @@ def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
     name = parsed.served_model_name or (model if is_hub_id(model) else None) or \
         (Path(model).stem if model.lower().endswith(".gguf") else None)
     flags = {"model": "--model", "tokenizer": "--tokenizer", "speculative_model": "--speculative-model"}
-    return parsed.model_copy(update={"engine": resolve_hub_ids(parsed.engine, flags), "served_model_name": name})
+    # a command starts a Ray cluster of its own unless told one to join (--ray-address, the config's
+    # parallel.ray_address, or Ray's RAY_ADDRESS): a cluster that happens to run on the machine is never joined
+    address = parsed.parallel.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+    parallel = parsed.parallel.model_copy(update={"ray_address": address})
+    return parsed.model_copy(update={"engine": resolve_hub_ids(parsed.engine, flags), "served_model_name": name,
+                                     "parallel": parallel})
 
 
 def with_demo(data: dict, engine: dict, speculative: dict, sections: dict, target: str | None = None,
@@ -495,7 +500,18 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_check_config(args: argparse.Namespace) -> int:
+    from runtime.named_models import named_checkpoint
+
     data = read_mapping(args.config)
+    # known names (smollm2, smollm2-dspark) as the files they name, so the drafter's fields resolve from its
+    # checkpoint as they will when serving (a GGUF target is not converted here)
+    engine_data = data.get("engine") if isinstance(data.get("engine"), dict) else data
+    if isinstance(engine_data.get("model"), str):
+        engine_data["model"] = named_checkpoint(engine_data["model"], "model") or engine_data["model"]
+    spec_data = engine_data.get("speculative_config")
+    if isinstance(spec_data, dict) and isinstance(spec_data.get("speculative_model"), str):
+        spec_data["speculative_model"] = named_checkpoint(spec_data["speculative_model"], "speculative_model") \
+            or spec_data["speculative_model"]
     config = validate(ServeArgs if "engine" in data else LLMConfig, data, args.config)
     resolved = config.model_dump(mode="json")
     engine = config.engine if isinstance(config, ServeArgs) else config

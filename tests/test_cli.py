@@ -28,13 +28,17 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"dspark {importlib.metadata.version('dspark')}"
 
 
-def test_check_config_prints_the_resolved_example(capsys, monkeypatch):
+def test_check_config_prints_the_resolved_examples(capsys, monkeypatch):
+    """Both examples validate as shipped; the drafter named smollm2-dspark fills its fields from the checkpoint."""
     monkeypatch.chdir(ROOT)
     assert main(["check-config", "examples/dspark.yaml"]) == 0
     resolved = json.loads(capsys.readouterr().out)
     spec = resolved["speculative_config"]
-    assert spec["max_draft_len"] == 4 and spec["mask_token_id"] == 511 and spec["target_layer_ids"] == [0, 2]
-    assert spec["draft_is_embedded_in_target"] is False
+    assert spec["max_draft_len"] == 7 and spec["mask_token_id"] == 16 and spec["target_layer_ids"] == [1, 8, 14, 21, 27]
+    assert spec["draft_is_embedded_in_target"] is False and spec["speculative_model"].endswith("smollm2-dspark")
+    assert main(["check-config", "examples/serve.yaml"]) == 0
+    served = json.loads(capsys.readouterr().out)
+    assert served["deployment"]["max_waiting_requests"] == 32 and served["parallel"]["ray_address"] == "local"
 
 
 def test_bad_config_exits_2_naming_the_field(tmp_path, capsys):

@@ -45,3 +45,24 @@ def test_smollm2_by_name_with_its_drafter_is_exact_and_answers_in_english(cache)
     reference = hf_greedy(resolve_checkpoint("smollm2", "model"), prompts, 48)
     # transformers does not stop at EOS here (no generation_config); compare up to the engine's stop
     assert [o.token_ids for o in outs] == [ref[:len(o.token_ids)] for o, ref in zip(outs, reference)]
+
+
+@pytest.mark.slow
+def test_the_readmes_python_examples_run_as_written(cache, tmp_path):
+    """Every ```python block of the README runs in a fresh interpreter (the demo pair by name), except the Ray one
+    (``from cluster import``: it would start or join a Ray cluster beside this suite's)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), re.S)
+    runnable = [b for b in blocks if "from cluster import" not in b]
+    assert len(runnable) >= 2
+    for i, block in enumerate(runnable):
+        script = tmp_path / f"example_{i}.py"
+        script.write_text(block)
+        proc = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"README example {i}:\n{block}\n{proc.stderr[-3000:]}"
+        assert proc.stdout.strip(), block

@@ -33,7 +33,8 @@ def free_port() -> int:
 
 def engine_args(target, drafter, **extra):
     return {"model": str(target), "dtype": "float32", "device": "cpu", "num_pages": 512, "page_size": 4,
-            "max_model_len": 256, "speculative_config": {"speculative_model": str(drafter), "speculation_guard": False}, **extra}
+            "max_model_len": 256, "speculative_config": {"speculative_model": str(drafter), "speculation_guard": False},
+            **extra}
 
 
 @pytest.fixture(scope="module")
