@@ -35,7 +35,7 @@ requests verify the blocks drafted there (at step ``t + 1``); ``drafts(t + 1)`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,6 @@ class GuardStats:
     request_probes: int = 0
     explorations: int = 0
     trimmed_blocks: int = 0  # blocks dropped before their verify (their requests decoded a token instead)
-    last: dict = field(default_factory=dict)
 
 
 def bucket_of(batch: int) -> int:
