@@ -6,9 +6,12 @@ chat template; every request stops at EOS or ``--max-tokens``, as a user's would
 concurrency c the engine keeps c requests in flight (a finished one is replaced by the next prompt) until
 ``--requests`` have finished; tokens/s is output tokens over that wall time; TPOT per request is (last token time -
 first token time) / (tokens - 1), reported as the median. Our two engines run the same prompts in alternating rounds
-(``--rounds``; the order flips each round), so their ratio is paired; transformers runs each prompt batch of c
-(left-padded, greedy, its default dynamic cache, or ``--hf-compile``: a static cache and torch.compile as its
-documentation recommends) once.
+(``--rounds``; the order flips each round), so their ratio is paired; transformers (``--hf eager``: its default
+dynamic cache; ``--hf compile``: a static cache and ``CompileConfig(fullgraph=True, mode="reduce-overhead")`` as its
+documentation recommends, compiled by an untimed warm-up call at each batch size) runs batches of c of the same
+prompts (left-padded, greedy) once, at the ``--hf-concurrency`` levels, over the first ``--hf-requests`` prompts
+(its decoding is slow: its tokens/s is over fewer prompts than ours). The record is rewritten after every level, so a
+run cut short keeps what it measured.
 
 usage: python benchmarks/e2e_bench.py --drafter smollm2-dspark --out benchmarks/results/e2e.json
 """
@@ -74,15 +77,23 @@ def closed_loop(engine, prompts: list[list[int]], concurrency: int, params) -> d
 
 
 def hf_generate(model, tokenizer, prompts: list[list[int]], concurrency: int, max_tokens: int, compile_: bool) -> dict:
-    """transformers ``generate`` over batches of ``concurrency`` prompts (left-padded, greedy, stop at EOS)."""
+    """transformers ``generate`` over batches of ``concurrency`` prompts (left-padded, greedy, stop at EOS); with
+    ``compile_`` a static cache and torch.compile, compiled by an untimed call on the first batch."""
     import torch
 
     eos = tokenizer.eos_token_id
-    extra = {"cache_implementation": "static", "compile_config": None} if compile_ else {}
+    extra = {}
     if compile_:
         from transformers import CompileConfig
 
-        extra["compile_config"] = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        extra = {"cache_implementation": "static",
+                 "compile_config": CompileConfig(fullgraph=True, mode="reduce-overhead")}
+        warm = prompts[:concurrency]
+        width = max(len(p) for p in warm)
+        ids = torch.tensor([[eos] * (width - len(p)) + p for p in warm], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in warm], device=model.device)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=eos,
+                       eos_token_id=eos, **extra)
     tokens, tpots = 0, []
     start = time.perf_counter()
     for lo in range(0, len(prompts), concurrency):
@@ -117,8 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of our two engines (default 2)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--kv-cache-gib", type=float, default=16)
-    parser.add_argument("--hf", action="store_true", help="also time transformers generate on the same prompts")
-    parser.add_argument("--hf-compile", action="store_true", help="transformers with a static cache and torch.compile")
+    parser.add_argument("--hf", choices=("none", "eager", "compile"), default="none",
+                        help="also time transformers generate: eager (dynamic cache) or compile (static cache + "
+                        "torch.compile); default none")
+    parser.add_argument("--hf-concurrency", help="levels at which transformers runs (default every level)")
+    parser.add_argument("--hf-requests", type=int, default=8, help="prompts transformers answers at each level "
+                        "(at least c; default 8)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -136,14 +151,23 @@ def main(argv: list[str] | None = None) -> int:
     warm = real_prompts(ar.tokenizer, max(levels))
     for llm in (ar, spec):  # graphs captured, kernels compiled, caches warm
         closed_loop(llm.engine, warm, max(levels), SamplingParams(max_tokens=32, temperature=0))
+    hf_levels = set(levels) if args.hf_concurrency is None else {int(c) for c in args.hf_concurrency.split(",")}
     hf_model = None
-    if args.hf or args.hf_compile:
+    if args.hf != "none":
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(ar.config.model, dtype=torch.bfloat16 if
                                                         torch.cuda.is_available() else torch.float32)
         hf_model = hf_model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and args.device != "cpu" else "CPU"
     rows = []
+    record = {"kind": "e2e", "model": args.model, "drafter": args.drafter, "max_draft_len": args.max_draft_len,
+              "max_tokens": args.max_tokens, "hardware": device, "date": datetime.date.today().isoformat(),
+              "command": "python benchmarks/e2e_bench.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+              "hf_peer": {"none": None, "eager": "dynamic cache, eager",
+                          "compile": "static cache + torch.compile (reduce-overhead, fullgraph)"}[args.hf],
+              "engine_rank_info": ar.rank_info(), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for c in levels:
         prompts = real_prompts(ar.tokenizer, args.requests or max(2 * c, 16))
         rounds = []
@@ -163,21 +187,15 @@ def main(argv: list[str] | None = None) -> int:
                "ar_tpot_ms": statistics.median(x["ar"]["tpot_ms_median"] for x in rounds),
                "dspark_tpot_ms": statistics.median(x["dspark"]["tpot_ms_median"] for x in rounds),
                "tau": statistics.median(x["tau"] for x in rounds), "rounds": rounds}
-        if hf_model is not None:
-            hf = hf_generate(hf_model, ar.tokenizer, prompts, c, args.max_tokens, args.hf_compile)
+        if hf_model is not None and c in hf_levels:
+            hf = hf_generate(hf_model, ar.tokenizer, prompts[:max(c, args.hf_requests)], c, args.max_tokens,
+                             args.hf == "compile")
             row.update(hf_tokens_per_s=hf["tokens_per_s"], hf_tpot_ms=hf["tpot_ms_median"],
                        ar_over_hf=row["ar_tokens_per_s"] / hf["tokens_per_s"], hf=hf)
         rows.append(row)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k not in
                           ("rounds", "hf")}), flush=True)
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and args.device != "cpu" else "CPU"
-    record = {"kind": "e2e", "model": args.model, "drafter": args.drafter, "max_draft_len": args.max_draft_len,
-              "max_tokens": args.max_tokens, "hardware": device, "date": datetime.date.today().isoformat(),
-              "command": "python benchmarks/e2e_bench.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-              "hf_peer": "static cache + torch.compile" if args.hf_compile else "dynamic cache, eager",
-              "engine_rank_info": ar.rank_info(), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
 

@@ -37,7 +37,7 @@ TRAIN_SETS = ("arena-hard-v2", "livecodebench", "swe-bench")
 LAYER_IDS = [1, 8, 14, 21, 27]  # five of SmolLM2's 30 layers, evenly spaced from 1 to L - 3 (z-lab's rule)
 MASK_TOKEN_ID = 16  # <empty_output>, a special token chat never uses
 BLOCK = 7
-ANSWER_CHUNK = 4096  # prompts answered per chunk of the answers stage
+ANSWER_CHUNK = 1024  # prompts answered per chunk of the answers stage (the unit a time box or a rerun resumes at)
 MARKOV_RANK = 64  # the shipped drafter must stay under 25 MB in bfloat16: the head is 2 x 49,152 x rank
 VARIANTS = {
     "dspark-1": dict(num_draft_layers=1, markov_rank=MARKOV_RANK, confidence_head=True),
@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"drafters to train, of {', '.join(VARIANTS)}")
     parser.add_argument("--export", type=Path, help="write the --export-variant drafter here in bfloat16")
     parser.add_argument("--export-variant", default="dspark-1", choices=list(VARIANTS))
+    parser.add_argument("--answer-seconds", type=float, help="start no new chunk of answers after this long: "
+                        "training uses the chunks done, and a rerun with the same --work answers the rest")
     parser.add_argument("--train-seconds", type=float, help="stop each variant's training after this long (it "
                         "resumes on the next run with the same --work)")
     parser.add_argument("--seed", type=int, default=0)
@@ -213,9 +215,15 @@ def main(argv: list[str] | None = None) -> int:
         samplings = [Sampling(t, p) for t, p in scale.samplings]
         totals: dict[str, int] = {}
         chunks = []
+        start = time.monotonic()
+        finished = True
         for c, lo in enumerate(range(0, len(rows), ANSWER_CHUNK)):
             part = work / f"answers-{c:03d}.jsonl"
             done = work / f"answers-{c:03d}.json"
+            if not done.is_file() and args.answer_seconds is not None and \
+                    time.monotonic() - start > args.answer_seconds:
+                finished = False
+                continue
             if not done.is_file():
                 counts = answer_prompts(engine(), rows[lo:lo + ANSWER_CHUNK], samplings, scale.max_tokens,
                                         scale.max_prompt_tokens, part, args.seed + lo * len(samplings), progress=True)
@@ -226,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         with (work / "answers.jsonl").open("w") as f:
             for part in chunks:
                 f.write(part.read_text())
-        return {"scale": asdict(scale), **totals}
+        return {"scale": asdict(scale), **totals, "chunks": len(chunks), "finished": finished}
 
     records = {"prompts": stage(work, "prompts", wanted, make_prompts)}
     records["answers"] = stage(work, "answers", wanted, make_answers)

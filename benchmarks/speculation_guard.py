@@ -149,9 +149,16 @@ def main() -> None:
     bad = [x for x in range(3, builders.VOCAB - 1) if named[x] != largest]
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     engine = {"dtype": dtype, "device": args.device, "max_num_seqs": max(concurrency),
-              "max_model_len": 16 + args.tokens + 2 * BLOCK}
+              "max_model_len": 16 + args.tokens + 2 * BLOCK, "kv_cache_memory": 1 << 30}
     ar = LLM(str(target), **engine)
     rows = []
+    hardware = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    record = {"benchmark": "speculation_guard", "date": str(date.today()), "hardware": hardware,
+              "host": platform.node(), "torch": torch.__version__, "command": "python3 " + shlex.join(sys.argv),
+              "max_draft_len": BLOCK, "tokens": args.tokens, "rounds": args.rounds, "seconds": args.seconds,
+              "target": "pure bigram (tests.builders, residual 0)",
+              "engine": {k: ar.rank_info()[0][k] for k in ("device", "dtype", "kernel_backend", "cuda_graphs")},
+              "rows": rows}
     for kind in kinds:
         drafter = build(root, kind, target, table, set(good))
         spec = {"speculative_model": str(drafter), "max_draft_len": BLOCK}
@@ -191,14 +198,9 @@ def main() -> None:
             print(json.dumps({k: row[k] for k in ("drafter_kind", "concurrency", "dspark_vs_ar", "fixed_vs_ar",
                                                   "undrafted_vs_ar")}),
                   flush=True)
+            Path(args.out).write_text(json.dumps(record, indent=1) + "\n")  # (a run cut short keeps its rows)
         for name in ("guarded", "fixed", "undrafted"):
             engines[name].engine.executor.shutdown()
-    hardware = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
-    record = {"benchmark": "speculation_guard", "date": str(date.today()), "hardware": hardware,
-              "host": platform.node(), "torch": torch.__version__, "command": "python3 " + shlex.join(sys.argv),
-              "max_draft_len": BLOCK, "tokens": args.tokens, "rounds": args.rounds, "seconds": args.seconds,
-              "target": "pure bigram (tests.builders, residual 0)", "rows": rows}
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":
