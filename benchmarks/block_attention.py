@@ -1,7 +1,7 @@
 """The drafter's block attention (``triton_ops.block_attention``) on the Qwen3-8B shape (32 query heads, 8 key/value
 heads, head_dim 128, bf16, page size 16, a block of 7 draft slots): device time of one call per layer, 5 layers in
 one CUDA graph over their own caches, replayed with a cold L2. Variants (tile keys, tiles per context split, most
-splits): tiles of 16 in one program per kv head (the kernel as of run 34, where one call took 62 us at one
+splits): tiles of 16 in one program per kv head (the kernel as of one run, where one call took 62 us at one
 request over 548 keys), tiles of 128 in one program (2026-12-01's first change), and tiles of 128 with a context
 split per 16, 8 or 4 tiles of each request's own context (at most 8; the default: 16). Each variant's output is
 checked against the first's.

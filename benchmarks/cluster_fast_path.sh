@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The cluster fast path's figures (issue 13) on the 2-GPU host, one step per device command (each fits the 10-minute
+# The cluster fast path's figures on the 2-GPU host, one step per host command (each fits the 10-minute
 # limit), from the checkout root. The two wheel folders together pass the 64 MiB carry: run `prepare` with .whl-ray
 # carried, then, within the machine's ~30 s keep-alive, each step with .whl-fi and .fi-cache carried (each installs
 # what it carries into the same site folder, benchmarks/gpu_host.sh):

@@ -1,7 +1,7 @@
 """Is an engine's step time a property of its draft length, or of the engine build? Each draft length built alone,
 twice, in a shuffled order.
 
-Trained-pair run 28 found the tuning engines' step times far from smooth in the draft length (at 4 requests: k = 1,
+A trained-pair run found the tuning engines' step times far from smooth in the draft length (at 4 requests: k = 1,
 3, 7 about 1.0 ms, k = 2, 4, 5, 6 about 1.45 ms) and the tuned engine, K = 7 like the fixed one, 1.8x slower than
 it, its host phases all slower alike. This builds a random-weight target of the trained pair's shape (512 wide, 8
 layers, vocab 4096; a one-layer drafter of block 7, drafting k through a ``draft_len_schedule`` as the bench's
@@ -11,11 +11,11 @@ timer: the step, the graphed forward and draft alone on the device, and the host
 nothing, so every step verifies a full block of k: a slow length shows on every build of it, a slow build on one.
 
 A draft length of 0 builds the DSpark engine with a schedule that drafts nothing at this batch: its drafter idles,
-its context kept by every step (run 59, a trained 3072 x 24 pair on an H200: such a tuned engine at 256 requests
+its context kept by every step (a trained 3072 x 24 pair on an H200: such a tuned engine at 256 requests
 stepped in 10.9 ms against the autoregressive engine's 6.9, its steps neither graphed as plain decodes nor launched
 ahead; since then its decode graph appends the context and runs ahead, and ``draft_len`` 0 should step as fast).
 ``--hidden``/``--layers``: a wider target of the GPU recipe's proportions (head_dim 64, two query heads per key/value
-head, MLP 3x wide), e.g. 3072 24 for run 59's.
+head, MLP 3x wide), e.g. 3072 24 for the 2.7B pair's.
 
 usage: python3 benchmarks/draft_len_steps.py [--draft-lens 1,2,3,4,5,6,7] [--repeats 2] [--batch 4]
                                              [--hidden 512 --layers 8] [--out FILE]

@@ -3,7 +3,7 @@ multiple of 64 rows (the rows a verify graph feeds: batch bucket x tokens a requ
 rows padded up to the next multiple of ``--pad-to`` (the pad copy included), under each of torch's BLAS libraries,
 and with a zero bias (torch hands a bias-fused GEMM to cuBLASLt's epilogue kernels, another kernel family).
 
-Run 58 (``2026-12-02-packed-verify-cost-3072x24-h200-run58.json``) found the 2.7B trained pair's verify at 64
+One run found the 2.7B trained pair's verify at 64
 requests dearer at 7 tokens a request than at 8 (7.95 against 6.63 ms) and at 5 than at 6: 448 and 320 rows to every
 GEMM against 512 and 384. This says which shapes, at which rows, and whether padding or the other BLAS library
 removes it (``runtime.small_gemm`` would then choose it, measured, as it chooses its skinny GEMMs).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On an offline GPU host, from the checkout root (the same steps as shared/gpu-host/install.sh, committed here so
+# On an offline GPU host, from the checkout root (the wheel folders' install steps, committed here so
 # every GPU figure is reproducible from this repository):
 #   eval "$(bash benchmarks/gpu_host.sh install)"   install the carried wheel folders (.whl-ray, .whl-fi; made by
 #                                                   scripts/gpu-wheels.sh) into ~/.cache/dspark-site, unpack a
@@ -21,7 +21,7 @@ case "${1:-install}" in
       mkdir -p ~/.cache && cat .fi-cache/*.part-* | tar xzf - -C ~/.cache
     fi
     echo "export PYTHONPATH=$site:$PWD\${PYTHONPATH:+:\$PYTHONPATH}"
-    # the lent hosts' rule (.library/device/KINDS.md): NVLink multicast stays off in NCCL, PyTorch and NVSHMEM, also in
+    # the hosts' rule: NVLink multicast stays off in NCCL, PyTorch and NVSHMEM, also in
     # the processes our runs start (Ray's workers inherit the driver's environment)
     echo "export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"
     ;;

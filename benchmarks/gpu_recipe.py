@@ -210,7 +210,7 @@ def main() -> None:
     parser.add_argument("--target-lr", type=float, default=2e-3, help="the target's peak learning rate")
     parser.add_argument("--target-batch", type=int, default=48, help="the target's sequences (of 512 tokens) per "
                         "step; 48 fits an H200 up to 2048 wide and 16 layers (~0.8B); 3072 x 24 (~2.7B) ran out "
-                        "of its 140 GB at 48 (run 54): give it ~20")
+                        "of its 140 GB at 48: give it ~20")
     parser.add_argument("--drafter-seconds", type=float, default=75, help="training time per drafter per run")
     parser.add_argument("--drafter-steps", type=int, default=20000, help="total steps a drafter trains to")
     parser.add_argument("--drafter-batch", type=int, default=64, help="sequences per drafter step")
@@ -230,7 +230,7 @@ def main() -> None:
                         "drafter (--gpus sets it for its children, one drafter per GPU)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, to check the script runs")
     args = parser.parse_args()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # (run 99 trained a pair for ~4 minutes and then
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # (one run trained a pair for ~4 minutes and then
     # lost its record to an OUT subfolder nobody had made)
     if args.smoke:
         ENGINE.update(dtype="float32", device="cpu", kv_cache_memory=1 << 28)

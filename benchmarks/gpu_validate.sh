@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device command that checks what CPU-only sessions built for the GPU, on one H200 (carry .whl-fi and .fi-cache;
+# One host command that checks on the GPU what was built and tested on CPUs, on one H200 (carry .whl-fi and .fi-cache;
 # ~7 minutes, inside the 10-minute limit):
 #   bash benchmarks/gpu_validate.sh OUT
 # 1. tests/gpu (the graphed paths: in-graph verification, the packed read-back, prefill graphs, run-ahead of decode
@@ -7,7 +7,7 @@
 # 2. the residual add and RMSNorm fused into the q/k/v and gate/up GEMMs (where the engine measured that faster)
 #    against the separate norm kernels, two Qwen3-8B-shape engines side by side at 1, 4 and 16 requests
 #    (benchmarks/plan_ahead.py --toggle prenorm) -> OUT/prenorm.json; each engine's GEMM calibration in the
-#    record says whether the fused prologues (norm, SiLU-and-mul) won anywhere (run 41: 3-5x slower, never);
+#    record says whether the fused prologues (norm, SiLU-and-mul) won anywhere (3-5x slower, never);
 # 3. the Qwen3-8B-shape bench (AR roofline, DSpark / AR, transformers peers) -> OUT/bench-8b.json;
 # then the FlashInfer JIT cache packed into OUT (bring it back as .fi-cache/). A failing step is reported and the
 # next one still runs; the exit status is the first failure's. (Earlier experiments (the read-back, decode and

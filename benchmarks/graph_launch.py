@@ -75,7 +75,7 @@ def relaunch(nodes: int = 1000, repeats: int = 20) -> dict:
     against launching another graph of the same kernels behind it: does the driver make the host wait?"""
     x = torch.ones(4096, device="cuda")
     # each graph records its event: the events must outlive the graphs (a destroyed event recorded by a replay is
-    # undefined behaviour: run 2026-12-01 on 2x H200 segfaulted here when they were temporaries)
+    # undefined behaviour: a run on 2x H200 (2026-12-01) segfaulted here when they were temporaries)
     events = [torch.cuda.Event(external=True) for _ in range(2)]
     first, other = capture(nodes, x, events[0]), capture(nodes, x, events[1])
     first.replay()

@@ -1,6 +1,6 @@
 """Does prefetching a GEMM's weight into L2 during a window that leaves HBM idle make the GEMM cheaper?
 
-The Qwen3-8B shape's decode layer at batch 1 (H200, run 25's profile): four weight-streaming GEMMs take ~4 us a
+The Qwen3-8B shape's decode layer at batch 1 (H200, one run's profile): four weight-streaming GEMMs take ~4 us a
 launch more than their bytes at the copy bandwidth (o 12 us for 7.9, qkv 15.5 for 11.8, down 28.3 for 23.6), and
 between them kernels that read almost nothing run ~19 us a layer (attention 11.4, norms, RoPE, SiLU) with HBM
 idle. ``prefetch_rows`` (below: ``cp.async.bulk.prefetch.L2``, sm_90+, a hint that changes no value) queues bulk
@@ -115,7 +115,7 @@ def main() -> None:
 
     from runtime.kernels.skinny_gemm import SkinnyConfig, skinny_matmul
 
-    skinny = SkinnyConfig(32, 256, 1, 4, 4)  # what runtime.small_gemm chose for o and down in run 29
+    skinny = SkinnyConfig(32, 256, 1, 4, 4)  # what runtime.small_gemm chose for o and down in one run
     gemms = {"o_proj": "skinny", "qkv_proj": "cublas", "gate_up_proj": "cublas", "down_proj": "skinny"}
     bandwidth = copy_bandwidth("cuda") / 1e9
     cycles = spin_cycles_per_us()

@@ -7,7 +7,7 @@ Each step has ``--batch`` requests, each proposing K drafts. A request is "hard"
 jittered by N(0, 0.05); the confidence head reports sigmoid(logit(p) + N(0, ``--head-noise``)), calibrated by the
 temperatures given (a drafter's ``confidence_temperatures``; default 1). Outcomes are drawn from p. A request keeps
 its kind (hard or easy) from one step to the next with probability ``--persistence`` (else it is drawn again): 0,
-every step independent; near 1, a request stays in a stretch its drafter predicts well or badly (run 54 on an H200:
+every step independent; near 1, a request stays in a stretch its drafter predicts well or badly (one run on an H200:
 the requests that survived two drafts survived them all).
 
 Engines, each over the same sequence of steps:
@@ -16,7 +16,7 @@ Engines, each over the same sequence of steps:
 - the packed scheduler: the columns chosen from the previous step, the device's selection (the top survivals over
   the step, corrected per verify-history class) verified, the correction learning the verified and accepted counts,
   each request's class following ``next_history``, as the engine does; a step of 0 < c < K columns costs the
-  table's batch x (c + 1) cell plus ``--packed-overhead-ms`` (run 50: ~0.3 ms);
+  table's batch x (c + 1) cell plus ``--packed-overhead-ms`` (~0.3 ms);
 - the same scheduler told no history (every request of class ``none``: the correction per position alone);
 - with ``--plain-ms`` (a plain decode step at this batch, e.g. the AR engine's measured step): plain decoding (what a
   tuned schedule that drafts nothing there serves), and the packed scheduler judging its best choice against it
@@ -26,7 +26,7 @@ Engines, each over the same sequence of steps:
   it reverses ends (``ConfidenceScheduler.learn``), as in the engine; beside it, the same with those holds kept
   (``*_kept``, the engine before 2be9a17);
 - with ``--stale-steps N``: every scheduler first learns N steps of one confident request rejecting every draft (a
-  fit of other requests, as run 88's concurrency 1 before its 4 and 256).
+  fit of other requests, as one run's concurrency 1 before its 4 and 256).
 Reports committed tokens per millisecond of each, and the packed scheduler against the best fixed cap (and with
 ``--plain-ms``, ``packed_with_holds_vs_best``: against the best of plain decoding and every fixed cap).
 
@@ -123,7 +123,7 @@ def run_packed(scheduler: ConfidenceScheduler, draws: list, step_ms: np.ndarray,
 def stale(scheduler: ConfidenceScheduler, rng: np.random.Generator, k: int, head_noise: float,
           steps: int) -> ConfidenceScheduler:
     """``--stale-steps``: the scheduler first learns ``steps`` steps of one request whose head is confident (as an
-    easy request's) and whose every draft is rejected (run 88: concurrency 1's one request before the four of
+    easy request's) and whose every draft is rejected (concurrency 1's one request before the four of
     concurrency 4), at its own batch size (its holds apart); its fit then believes confident drafts fail."""
     history = HISTORY_NONE
     for _ in range(steps):

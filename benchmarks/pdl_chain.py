@@ -1,7 +1,7 @@
 """Does programmatic dependent launch (PDL) shorten a decode layer's chain of small kernels and weight-streaming GEMVs?
 
 The Qwen3-8B shape's batch-1 decode step spends ~2.5-4 us a launch beyond their bytes in each of a layer's four GEMMs
-(a single-wave weight stream's ramp and tail: o_proj 12.0 us for 7.9, down 28.3 for 23.7 in run 30) between
+(a single-wave weight stream's ramp and tail: o_proj 12.0 us for 7.9, down 28.3 for 23.7 in one run) between
 kernels that read almost nothing. With PDL (sm_90+) a kernel launched with the programmatic-serialization attribute
 may start while the kernel before it finishes: it waits (``griddepcontrol.wait``) only before it reads what that
 kernel wrote, and a kernel that signals early (``griddepcontrol.launch_dependents``) lets the next one launch

@@ -1,8 +1,8 @@
 """The q/k norm + RoPE + KV-write kernel (``triton_ops.rope_and_cache``) at the rows a step feeds, one layout against
 another in one run: heads a program (``ROPE_HEADS``) and warps (``ROPE_WARPS``). ``--layouts 1x4,16`` times the
 layout before 25931b2 (one program per (token, head), Triton's default 4 warps) beside the one after (16 heads a
-program, warps by size). Run 82's profile of the 2.7B trained pair's 64 x 8 verify graph found the one-head layout at
-52-60 us a layer (``2026-12-03-packed-verify-cost-3072x24-profile-h200-run82.json``).
+program, warps by size). One run's profile of the 2.7B trained pair's 64 x 8 verify graph found the one-head layout at
+52-60 us a layer.
 
 Each figure: the median device time of a CUDA graph of one call (``runtime.kernels.timing.graph_device_us``, L2
 flushed before each replay), q/k/v strided views of one fused projection's output, keys written to scattered slots.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 4- and 8-GPU runs (issue 18), one step per device command (each fits the 10-minute limit), from the checkout
+# The 4- and 8-GPU runs, one step per host command (each fits the 10-minute limit), from the checkout
 # root. The two wheel folders together pass the 64 MiB carry: run `prepare` with .whl-ray carried, then, within the
 # machine's ~30 s keep-alive, each step with .whl-fi (and .fi-cache) carried (every step installs what it carries
 # into the same site folder, benchmarks/gpu_host.sh):

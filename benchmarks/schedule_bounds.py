@@ -1,6 +1,6 @@
 """What any verify schedule could gain over whole blocks, from a trained-pair bench record and its step-time table.
 
-Issue 16 asks the confidence scheduler for 1.10x the tuned schedule at 64 requests and above. This bounds what is
+The goal asks the confidence scheduler for 1.10x the tuned schedule at 64 requests and above. This bounds what is
 there to gain, per concurrency of the record, from the measured acceptance per position (the fixed K engine's, which
 verifies whole blocks) and a step-time table (``--profile-steps``: the startup profile; or a record's
 ``confidence_cost_table_served`` saved as a file): ``padded_best`` (the best single cap) and ``oracle_ragged`` (a

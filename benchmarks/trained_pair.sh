@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The trained-pair figures of the GPU fast path on one H200. The pair lives in WORK on the GPU host (too large to
-# bring back), so either one device command runs `all` (a shorter training, then the bench), or two commands follow
+# bring back), so either one host command runs `all` (a shorter training, then the bench), or two commands follow
 # each other within the machine's keep-alive (~30 s, easy to miss). Since the bench measures its engines in
 # alternating rounds (three per point, the tuning candidates against the DSpark engine too) it takes ~2-3x longer
-# than before (run 28: 140 s): `train WORK OUT 50 220` (~165 s) then `bench` in one command may pass the 10-minute
+# than before (140 s): `train WORK OUT 50 220` (~165 s) then `bench` in one command may pass the 10-minute
 # limit; split the two steps, or give the bench fewer rounds (`bench WORK OUT --rounds 1`):
 #   bash benchmarks/trained_pair.sh all WORK OUT [HIDDEN LAYERS]
 #                                                    train with target 100 s and a 300 s recipe budget, profile,
@@ -20,22 +20,22 @@
 #                                                    self-distillation and DSpark drafter (the rest of ~9 minutes)
 #                                                    -> OUT/gpu-recipe.json, WORK/{target,dspark,heldout-prompts.jsonl}
 #                                                    (TARGET_BATCH: sequences per target step, default 48; a 2.7B
-#                                                    target, `60 300 3072 24 20`, ~285 s: runs 54-55, whose 64 x 8
-#                                                    verify is compute-bound, so trimming can pay; run 59's drafter
+#                                                    target, `60 300 3072 24 20`, ~285 s: earlier runs, whose 64 x 8
+#                                                    verify is compute-bound, so trimming can pay; one run's drafter
 #                                                    got only 46 s of those 300 (distillation took 86): `60 480 3072
 #                                                    24 20` gives it ~220 s in ~440 s, alone in its command;
-#                                                    the recipe keeps 90 s for its eval: run 76's `45 240 3072 24
+#                                                    the recipe keeps 90 s for its eval: one run's `45 240 3072 24
 #                                                    20` spent 179 s on target and distillation and refused, naming
 #                                                    --run-seconds; the same WORK then `45 150` found both done and
 #                                                    trained the drafter 95 s; DRAFTER_S caps the drafter's
-#                                                    own training: run 80's `60 122` on a WORK whose target and
+#                                                    own training: one run's `60 122` on a WORK whose target and
 #                                                    distillation were done gave it 65 s and a pair as strong
-#                                                    as any (6.0 tokens a step at 64 requests), where issue 16's
-#                                                    >= 1.10 needs one with something to trim; run 85's `60 400
+#                                                    as any (6.0 tokens a step at 64 requests), where the
+#                                                    >= 1.10 needs one with something to trim; one run's `60 400
 #                                                    3072 24 20 15` was too weak: 28 drafter steps, requests
 #                                                    accepting all or nothing, the tuned schedule speculating at
-#                                                    one request only; run 54's 35 s drafter accepted 0.79 / 0.61
-#                                                    / 0.58 ... at 64 requests, oracle 1.18x: `... 20 35`. Run 85's
+#                                                    one request only; one run's 35 s drafter accepted 0.79 / 0.61
+#                                                    / 0.58 ... at 64 requests, oracle 1.18x: `... 20 35`. One run's
 #                                                    train (255 s) and measure did not fit one command (cut in
 #                                                    the mixed workload at 600 s); the measure's first phase now
 #                                                    runs no mixed workload (its rows are replaced unread), and
@@ -44,11 +44,11 @@
 #                                                    3072 x 24 target's train, half as many ~half the time;
 #                                                    TARGET_STEPS and DRAFTER_STEPS, default 6000 and 20000, so
 #                                                    that the time caps stop each: the same recipe then made
-#                                                    pairs far apart (runs 88 and 93, `60 400 3072 24 20 35`:
+#                                                    pairs far apart (`60 400 3072 24 20 35`:
 #                                                    104 and 108 target steps, 80 and 90 drafter steps, 0.71 /
 #                                                    0.29 / 0.24 ... and 0.92 / 0.76 / 0.76 ... at 64 requests;
-#                                                    run 99's 0.76 / 0.42 / 0.41 ..., the pair that met every
-#                                                    criterion of the confidence issue in run 101);
+#                                                    one run's 0.76 / 0.42 / 0.41 ..., the pair that met every
+#                                                    of the confidence scheduler's goals in one run);
 #                                                    with steps below the caps (the target's ~1.7 a second at
 #                                                    3072 x 24 and 20 sequences, the drafter's ~2.2) a pair is
 #                                                    the same pair again, up to the GPU's nondeterminism)
@@ -72,7 +72,7 @@
 #                                                    engine's profiled steps cost ~10-20 s of a command's 10 minutes)
 #   bash benchmarks/trained_pair.sh check WORK OUT [BENCH FLAGS]
 #                                                    the confidence scheduler's check (~7-8 minutes a pair): the
-#                                                    bench at the concurrencies issue 16 is judged at (1, 4, 64,
+#                                                    bench at the concurrencies the goal is judged at (1, 4, 64,
 #                                                    256), 32 end-to-end prompts, the mixed workload also with
 #                                                    prefill apart, no torch profiles (later flags win), on the
 #                                                    pair of a `train WORK OUT 60 430 2048 16` run just before it
@@ -80,18 +80,18 @@
 #                                                    keep-alive) -> OUT/bench.json; and, if a `snapshot WORK early`
 #                                                    kept an earlier drafter, on that pair too (without the end-to-end
 #                                                    prompts, ~3.5 minutes) -> OUT/early/bench.json.
-#                                                    Training and bench do not fit one 10-minute command: run 48 tried
-#                                                    (a 240 s recipe) and its drafter got 24 s, tau 1.9; run 49's got
-#                                                    412 s, tau 6.8; run 51's 229 s, tau 5.2.
+#                                                    Training and bench do not fit one 10-minute command: one run tried
+#                                                    (a 240 s recipe) and its drafter got 24 s, tau 1.9; another's got
+#                                                    412 s, tau 6.8; a third's 229 s, tau 5.2.
 #   bash benchmarks/trained_pair.sh quick WORK OUT [BENCH FLAGS]
-#                                                    train and check in one command, for a session whose device time
+#                                                    train and check in one command, where the host's time
 #                                                    allows no second command (or a machine taken back between two):
 #                                                    `train WORK OUT 60 300 3072 24 20` (~265 s, a drafter trained
 #                                                    ~45 s: it accepts less, where a schedule has something to gain),
 #                                                    then the bench at 1, 4 and 64 requests in one round (rounds
 #                                                    must be odd; three do not fit), no end-to-end prompts, no
 #                                                    prefill-apart workload -> OUT/gpu-recipe.json, OUT/bench.json
-#                                                    (run 69: the train 258 s, then `check` with these flags, which
+#                                                    (the train 258 s, then `check` with these flags, which
 #                                                    adds prefill apart, 408 s: together near the 10-minute limit,
 #                                                    not yet run whole as one command)
 #   bash benchmarks/trained_pair.sh snapshot WORK NAME
@@ -104,8 +104,8 @@
 #                                                    ~180 s more), then `check WORK OUT`: three commands, each within
 #                                                    the keep-alive of the one before.
 # The mixed workload arrives at 400 requests/s (1536 of 128 tokens, ~4 s of arrivals): faster than the engines
-# finish them, so its tokens/s is the engines' under mixed prefill + decode load (run 28's 100/s measured the arrival
-# rate: every engine kept up, 11.4-11.8K tokens/s, and the comparison said nothing but TPOT; run 47's 512 requests,
+# finish them, so its tokens/s is the engines' under mixed prefill + decode load (one run's 100/s measured the arrival
+# rate: every engine kept up, 11.4-11.8K tokens/s, and the comparison said nothing but TPOT; one run's 512 requests,
 # ~1.3 s, spread its rounds by +-10%, too short to resolve the 1% the confidence scheduler is held to).
 # Both steps run from the checkout root with .whl-fi (and .fi-cache, if any) carried; see benchmarks/gpu_host.sh.
 set -euo pipefail

@@ -262,7 +262,7 @@ def time_steps(llm, batch: int, prompt_len: int, steps: int, warmup: int, vocab:
     sync(llm)
     elapsed = time.perf_counter() - start
     # what a confidence-scheduled engine chose and measured at each timed step (ConfidenceStats.trace_since), and
-    # at the untimed ones before them: a drafting hold the window starts in began there (run 88)
+    # at the untimed ones before them: a drafting hold the window starts in began there
     trace = {"confidence_trace": engine.confidence_stats.trace_since(traced, engine.confidence_stats.steps),
              "confidence_trace_untimed": engine.confidence_stats.trace_since(submitted_step, traced)} \
         if engine.confidence is not None else {}
@@ -446,7 +446,7 @@ def _mixed_run(engine, prompts: list[list[int]], arrivals: list[float], params,
     garbage collector's pauses (collections per generation and their milliseconds), and on a CUDA device the caching
     allocator's cudaMalloc / cudaFree calls and retries (every engine of a bench is alive on one device: near its
     memory's end a retry frees the cache and synchronizes): a run on one host can take 12 or 23 ms a step for the
-    same work (run 72), and these say whether its host paused, drifted or its allocator struggled."""
+    same work, and these say whether its host paused, drifted or its allocator struggled."""
     pauses, allocator = GcPauses(), AllocatorEvents()
     start = time.perf_counter()
     submitted, first_token, finished, steps, mixed, pending = {}, {}, {}, 0, 0, 0
@@ -966,7 +966,7 @@ def mixed_noise_floor(record: dict, rows: list[dict], max_batch: int) -> dict:
     """Under the mixed workload, where the tuned schedule drafts ``max_draft_len`` at every batch size up to
     ``max_batch`` (the workload's batch; ``rows`` the sweep's, for the block length), the tuned and fixed engines are
     one configuration built twice: their ratio (``mixed_tuned_vs_dspark``, ``_paired``) is what the workload's rounds
-    cannot resolve (run 66 at 64 requests: 0.69, paired 0.85; its eager mixed steps took 13.7 or 19.9 ms for the
+    cannot resolve (one run at 64 requests: 0.69, paired 0.85; its eager mixed steps took 13.7 or 19.9 ms for the
     same work, round to round). {} where the two differ."""
     runs, tuned = record.get("mixed_workload", {}), record.get("tuned_schedule")
     rows = [row for row in rows if row.get("acceptance_per_position")]
@@ -1061,8 +1061,8 @@ def run(args) -> dict:
     confidence_after_tuning = args.confidence_scheduling and bool(args.tune_schedule or args.schedule)
     if args.confidence_scheduling and not confidence_after_tuning:
         engines.append(("confidence", {**spec, "enable_confidence_scheduling": True}, {}))
-    # single-process engines are measured side by side in alternating rounds (the host's speed drifts: on the lent
-    # H200 hosts by up to 1.6x over tens of seconds, benchmarks/results/2026-12-01-draft-len-steps-pinned-h200.json);
+    # single-process engines are measured side by side in alternating rounds (a host's speed drifts: on the H200
+    # hosts measured by up to 1.6x over tens of seconds, benchmarks/draft_len_steps.py);
     # a replica's engines one after another (two replicas would need twice the GPUs), as with --sequential
     alternate = not replica and not args.sequential
     record["measurement"] = "alternating rounds" if alternate else "sequential"
@@ -1095,7 +1095,7 @@ def run(args) -> dict:
         # untimed: first-call costs stay out of TTFT. On the sweep's prompts where it has them: a confidence-scheduled
         # engine learns from these steps (its survival fit, its drafting holds), and random tokens, which no drafter
         # predicts, teach a fit where nothing survives, which can start a hold (16 plain steps) that outlasts the
-        # warm-up: the likely cause of run 85's one-request sweep running a third of its steps plain while it
+        # warm-up: the likely cause of one run's one-request sweep running a third of its steps plain while it
         # accepted every draft it verified (its step trace was not recorded yet)
         time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0, prompts=sweep_prompts)
         freeze_long_lived(f"bench engine {kind}")  # as a server does once started (runtime.heap)
@@ -1365,7 +1365,7 @@ def run(args) -> dict:
     elif not args.schedule:  # every engine of the sweep alive at once, in alternating rounds (with --schedule, a
         # schedule tuned before: no first phase, the sweep's engines measured beside the schedule's below)
         # (with --tune-schedule the second phase measures every engine's mixed workload again, beside the tuned
-        # ones: this phase's would be replaced unread, ~1.5 minutes of run 85's ten)
+        # ones: this phase's would be replaced unread, ~1.5 minutes of one run's ten)
         kept = paired(engines, with_e2e=True, keep=frozenset(kind for kind, _, _ in engines)
                       if args.tune_schedule else frozenset(), with_mixed=not args.tune_schedule)
     if args.tune_schedule or args.schedule:
@@ -1920,7 +1920,7 @@ def add_parser(commands) -> None:
                        f"(and per tuning candidate) when engines are measured side by side; the median round is "
                        f"kept (default {PAIRED_ROUNDS}; odd)")
     bench.add_argument("--mixed-rounds", type=integer(1), help="alternating rounds of the mixed workload (default: "
-                       "--rounds; odd): its rounds spread far more than the sweep's (run 72: the same engine 7.2K to "
+                       "--rounds; odd): its rounds spread far more than the sweep's (the same engine 7.2K to "
                        "12.3K tokens/s), so it may need more of them than the sweep does")
     bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 decode steps of "
                        "each engine (AR, DSpark, and the tuned and confidence-scheduled ones where swept): kernels "

@@ -6,7 +6,7 @@ per step, measured on a trained pair or, for random-weight shapes, projected fro
 acceptance (``1 + a_1 + ... + a_k``, ``a_i`` the share of blocks whose first i drafts were accepted).
 
 A length other than ``max_draft_len`` (the untuned engine's) is chosen at a concurrency only where it measures more
-than ``MARGIN`` (2%) faster: candidates are timed in rounds a few percent apart, and a closer win is noise (run 37
+than ``MARGIN`` (2%) faster: candidates are timed in rounds a few percent apart, and a closer win is noise (one run
 chose 5 drafts at 256 requests on a 0.5% margin, and in the sweep that schedule lost 6% to 7 drafts).
 
 The schedule is written in the engine's own format (``DSparkDecodingConfig.draft_len_schedule``: keys are

@@ -73,7 +73,7 @@ def scheduled_draft_len(schedule: dict[int, int], batch_size: int) -> int:
 
 
 class DSparkDecodingConfig(BaseModel):
-    """Configuration for DSpark speculative decoding (see ``shared/reference/DSparkDecodingConfig.txt``)."""
+    """Configuration for DSpark speculative decoding: TensorRT-LLM's ``DSparkDecodingConfig`` API, field by field."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 

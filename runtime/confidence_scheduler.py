@@ -42,26 +42,26 @@ tokens fed)``. The scheduler, in either of two step layouts:
 4. the survivals are fitted online to what the engine's own verifications accepted (``SurvivalCorrection``: per
    position a logistic regression of each reached draft's acceptance on its confidence's logit and its request's
    verify-history class, with the offline calibration as its prior): a temperature fitted offline on other text
-   leaves a bias the scheduler pays for (runs 37 and 42 on an H200: the late drafts' survivals predicted 10-25%
+   leaves a bias the scheduler pays for (earlier runs on an H200: the late drafts' survivals predicted 10-25%
    low, so it trimmed drafts that would have paid, 0.89-0.96 of the tuned schedule's throughput at 16-256
    requests). The fit reads only steps already committed, so, like the lag of point 2, it never looks at the
    tokens being verified. A draft position is only learned where it is reached, so every ``EXPLORE_EVERY``-th
    decision below whole blocks verifies whole blocks (~3% of steps): a cap that under-predicted survivals put
    below the drafts that pay would otherwise never see the evidence that lifts it. Whole blocks, not one draft
    more: where the cost curve has a step past the cap (a GEMM tile, a graph bucket) one more column does not pay
-   on its own while the whole block does, and run 47 (256 requests, one draft more) left the positions two past
+   on its own while the whole block does, and one run (256 requests, one draft more) left the positions two past
    the cap at their under-predicted survivals, capped at 3.7 of 7 drafts for 0.90 of the whole blocks'
    throughput. The step counter, not the tokens, decides when.
 5. a request's **verify history** is what its last verify with drafts did (``history_classes``: none yet, rejected
    the draft after j accepted ones, accepted all n it verified; ``next_history``), and the fit has a bias per class
    and position (the class says where the request stopped, or how far it got: "accepted all" of a verify trimmed to
-   one draft says nothing of its second draft, and run 55's requests that rejected did so at the second).
+   one draft says nothing of its second draft, and one run's requests that rejected did so at the second).
    Acceptance is correlated from step to step within a request (a request in a stretch the drafter predicts well
-   stays in it), and a confidence head trained briefly does not see it: run 54 (a 2.7B target, its drafter trained
+   stays in it), and a confidence head trained briefly does not see it: one run (a 2.7B target, its drafter trained
    35 s) accepted 0.79 / 0.61 / 0.58 / 0.58 / ... at 64 requests (the requests that survive two drafts survive them
    all), where an oracle verifying only the drafts that will be accepted gains 1.18x and the scheduler of the time
    (a survived-over-predicted ratio per position), its survivals alike for every request (Brier skill -0.05 at
-   position 0), verified whole blocks; run 55 with the fit: skill 0.36-0.44 past position 0. The class is the
+   position 0), verified whole blocks; one run with the fit: skill 0.36-0.44 past position 0. The class is the
    previous step's outcome, committed before this step's block is verified, so it keeps the selection lossless as
    the lag of point 2 does; a packed step launched ahead computes it on the device from the step before's verdicts
    (``GraphedTargetForward.launch_verify_ahead``, ``runtime.packed_verify.history_after``).
@@ -77,7 +77,7 @@ tokens fed)``. The scheduler, in either of two step layouts:
    once). A step judged not to pay is refitted at once too, with its own outcome, and where some cap pays on
    the refitted survivals the hold it began ends (``_pays_after_refit``: a judgement made on a fit of other
    requests costs a step, not a hold). A hold a mixed step's judgement began (prompt chunks beside the verifies,
-   whose cost they set) ends at the first decode step after it: decode steps are judged on their own. Run 59 (an
+   whose cost they set) ends at the first decode step after it: decode steps are judged on their own. One run (an
    H200, a 2.7B pair): at 256 requests the tuned schedule drafts nothing, and under mixed prefill + decode load
    the confidence-scheduled engine, drafting every step, served 0.70 of its tokens/s. The choice reads
    confidences of drafts already proposed and the step count, never the tokens being verified.
@@ -234,9 +234,9 @@ class SurvivalCorrection:
     prefix accepted) and whether each was accepted: the last ``FIT_WINDOW`` of them, a ridge prior of precision
     ``FIT_PRIOR`` at the offline calibration (``a_k = 1 / T_k``, no bias: with no evidence the survivals are STS's),
     redone by ``NEWTON_STEPS`` Newton steps once ``FIT_EVERY`` new drafts were reached. Where the head tells drafts
-    apart the slope keeps that; where it does not (a drafter trained briefly: run 54) the slope falls and each
+    apart the slope keeps that; where it does not (a drafter trained briefly: one run) the slope falls and each
     class's bias carries what the requests' histories tell; a bias of the whole position is what the ratio
-    correction of runs 37-53 learned (the offline temperature, fitted on other text, left the late drafts' survivals
+    correction of earlier runs learned (the offline temperature, fitted on other text, left the late drafts' survivals
     10-25% low, and the scheduler trimmed drafts that would have paid). A multiplicative ratio could not separate
     requests whose survivals spread over orders of magnitude (a temperature of 0.1 pushes them to 0 or 1): a ratio
     of 3 on 1e-6 is still nothing, where a fitted slope of 0.2 brings them to the class's rate.
@@ -255,7 +255,7 @@ class SurvivalCorrection:
     The ridge is light (``FIT_PRIOR``: the weight of one draft per parameter): a Gaussian prior on the logit weighs
     most in the tails, and at 4 (the weight of a few drafts) a request whose drafter accepted nothing was still
     believed to keep 7% of its first drafts after 80 rejections (1.17 tokens a step expected where 1.0 came), so
-    drafting still looked as if it paid against plain decoding (run 64 at one request: 0.97 of the tuned
+    drafting still looked as if it paid against plain decoding (one run at one request: 0.97 of the tuned
     throughput); at 1, 4% after 24 steps, and the engine stops drafting there (``DraftingHold``)."""
 
     def __init__(self, max_draft_len: int, inverse_temperatures: np.ndarray | None = None):
@@ -407,7 +407,7 @@ class SurvivalCorrection:
         self._folds += 1
         # the first fit at the first fold with evidence, then again whenever the evidence grew by REFIT_GROWTH: a
         # small batch would otherwise believe the calibration, then its first few drafts' fit, for REFIT_FOLDS x
-        # FOLD_EVERY steps (64 at one request; runs 62 and 64's drafters accepted nothing there, and the engine
+        # FOLD_EVERY steps (64 at one request; those runs' drafters accepted nothing there, and the engine
         # kept drafting for 0.93-0.97 of the tuned throughput). Refits grow geometric, then every REFIT_FOLDS folds.
         if self._new >= FIT_EVERY or (self._new and (self._folds >= REFIT_FOLDS or not self.learned
                                                      or self._new >= REFIT_GROWTH * int(self._filled.sum()))):
@@ -469,7 +469,7 @@ class SurvivalCorrection:
         optimum), up to ``DAMPED_STEPS`` steps a refit.
         A full Newton step from saturated probabilities (a head whose logits spread over tens, read at a slope of 10:
         a calibration temperature of 0.1) has a Hessian near the ridge alone and jumps to the parameters' limits:
-        run 59 at 256 requests fitted position 0 at slope 30 and bias 30 (``FIT_LIMIT``), believed a survival of 0.85
+        one run at 256 requests fitted position 0 at slope 30 and bias 30 (``FIT_LIMIT``), believed a survival of 0.85
         where 0.57 survived (Brier skill -0.34) and verified drafts that did not pay.
         A generator: it yields after taking its copy, within each Newton step and before each loss it evaluates
         (slices of ~0.1-0.4 ms of numpy on a 2-core host; a whole refit 1.3 ms typically, up to 4.3 while steps are
@@ -614,8 +614,8 @@ class ConfidenceScheduler:
         # steps that feed something besides the verifies (prefill chunks, decodes without drafts) run eagerly or
         # pad differently and cost more: they are priced as the verify steps' table plus a learned excess
         # (``MixedStepCosts``) and teach only that excess (one table for both let a ramp's mixed steps teach the
-        # whole-block cell at 256 requests 15 ms where a graphed whole-block step took 11.7: run 51 trimmed to 5.8
-        # of 7 drafts and lost 14%; a table of their own priced run 63's mixed steps 35% low)
+        # whole-block cell at 256 requests 15 ms where a graphed whole-block step took 11.7: one run trimmed to 5.8
+        # of 7 drafts and lost 14%; a table of their own priced one run's mixed steps 35% low)
         self.mixed_costs = MixedStepCosts(costs)
         # plain steps that feed prompt chunks beside their decodes (a drafting hold's mixed steps, nothing drafted):
         # the plain table plus an excess of their own, learned from those steps; what a mixed step's drafting is
@@ -722,7 +722,7 @@ class ConfidenceScheduler:
         """Point 6 of the module doc: ``drafting_pays`` from the best choice's ``expected`` committed tokens in
         ``predicted_ms`` against plain decoding, ``num`` tokens in a plain step of the same requests (``_plain_ms``).
         No ``min_gain`` margin: a trim is undone next step, a hold lasts 16 to 512 steps, so drafting stops only where
-        it is believed to lose (simulated on run 59's costs at 256 requests, 60% hard requests: with the 4% margin
+        it is believed to lose (simulated on one run's costs at 256 requests, 60% hard requests: with the 4% margin
         the holds served 1.007 of the best of plain decoding and fixed caps, without it 1.071, alike elsewhere)."""
         plain = self.costs.plain
         if plain is None or not plain.measured:
@@ -742,14 +742,14 @@ class ConfidenceScheduler:
         learned from plain mixed steps (``plain_mixed``, once ``PLAIN_MIXED_MIN`` were served: a drafting hold's), or
         before that the plain excess of ``MixedStepCosts.plain_excess_ms``: the mixed excess was learned from
         drafting steps, whose
-        requests fed K + 1 rows each, and read whole beside a plain step it priced run 76's plain alternative at
-        10.4 ms where plain mixed steps took 3.9 (and run 73's, 12.6-15.1 against 10.9: drafting kept looking as if
+        requests fed K + 1 rows each, and read whole beside a plain step it priced one run's plain alternative at
+        10.4 ms where plain mixed steps took 3.9 (and one run's, 12.6-15.1 against 10.9: drafting kept looking as if
         it paid in mixed steps where it lost, 0.88 of the tuned engine's plain decoding). The drafter's cost is the
         two tables' difference at the step's own context, each read there by its own context slope (so where the
         verify-nothing cell is the one ``none_ms`` read, the plain alternative is the plain table's step at this
         context): read at no context (the verify table's cell less its learned slope times its profiled context, the
         plain table's, no slope learned, its steps being the holds', as profiled) the difference priced plain
-        decoding the verify slope times the step's whole context dearer than its cell (run 88, 256 requests: 10.1
+        decoding the verify slope times the step's whole context dearer than its cell (256 requests: 10.1
         ms, 6.4 + 1.1e-4 ms x 32K context tokens, where the held plain steps took 6.1)."""
         plain = self.costs.plain
         if other_tokens:
@@ -835,7 +835,7 @@ class ConfidenceScheduler:
         become current: the block drafted during this step follows the cap as it stood
         (``Engine.drafts_follow_cap``), a step behind. For steps that are neither packed nor launched ahead (a
         mixed step: prefill chunks beside the verifies), whose host work between steps the device waits for
-        (~0.4 ms a decision at 64 requests on an H200 host, run 75)."""
+        (~0.4 ms a decision at 64 requests on an H200 host, one run)."""
         if self.layout == "ragged":  # its lengths rank this step's survivals: nothing decides it before they exist
             raise ValueError("confidence scheduling: a ragged decision cannot be deferred (its lengths rank the "
                              "step's own survivals)")
@@ -891,7 +891,7 @@ class ConfidenceScheduler:
         classes; packing or ranking picks drafts at least as good, so this is the least it gives), chosen as a
         decision chooses (``_best``), commits as much per predicted ms, at that step's prices (its requests, what
         else it fed, its context), as plain decoding of them. A judgement is made on the fit as it stood, which
-        folds evidence every ``FOLD_EVERY`` steps: after a change of load it can be a fit of other requests (run 88
+        folds evidence every ``FOLD_EVERY`` steps: after a change of load it can be a fit of other requests (one run
         on an H200: concurrency 1's one request rejected every draft; the four requests after it accepted 5.2
         tokens a request a step, and the first judgement, on a fit of that one request, held drafting off for 16 of
         their steps); the hold it reverses costs a step, not ``HOLD_FIRST``. Chosen by the decision's own rule (its
@@ -1093,9 +1093,9 @@ def packed_draft_len(survival: np.ndarray, sizes: list[int], columns: int, max_d
     past the block proposes nothing (confidence 0, survival 0): the device never picks one while ``columns`` is
     shorter than the block, which it is (the longest share is at least the mean, ``columns``). So the block grows
     by one a step while some request takes all of it, and shrinks as soon as none does: on a pair whose acceptance
-    falls along the block (run 69: 0.55 / 0.17 / 0.15 ... at 64 requests) the packed steps stop drafting the
+    falls along the block (0.55 / 0.17 / 0.15 ... at 64 requests) the packed steps stop drafting the
     positions no verify reaches, which cost the drafter as much as the ones it does (a block of 7 at 64 requests:
-    0.9 ms of the drafter's, run 72, beside a 6.7-ms trimmed step)."""
+    0.9 ms of the drafter's, one run, beside a 6.7-ms trimmed step)."""
     num, k = survival.shape
     if columns >= max_draft_len or num == 0 or k == 0:
         return None
@@ -1117,11 +1117,11 @@ class DraftingHold:
     judged not to pay), decides. A judgement that drafting does not pay made while the hold is on (the step that
     verifies the block drafted before the hold began: a packed step's decision is made a step ahead, a mixed one's
     while the step computes) neither restarts nor doubles the hold: it is the evidence the hold began on (counted
-    twice, a first hold begun so lasted 33 steps, not 16, and the next one 64: run 88 at 256 requests ran 25 of its
+    twice, a first hold begun so lasted 33 steps, not 16, and the next one 64: one run at 256 requests ran 25 of its
     30 timed steps plain while drafting paid 1.4x). A hold begun by the judgement of a mixed step (prompt chunks
     beside the verifies: ``record(..., mixed=True)``) is a judgement of mixed steps, whose cost the chunks set: the
     first step that feeds none and admits nobody (``end_mixed``) ends it, and decode steps are judged on their own
-    (run 88's 256 requests: their hold most likely began while the last prompts were prefilled, the decode steps'
+    (one run's 256 requests: their hold most likely began while the last prompts were prefilled, the decode steps'
     judgements favouring drafting, and held the decode steps after them, where drafting paid 1.4x); its length (the
     next hold's) is kept. A judgement of a decode step made while such a hold is on makes it a hold of every step."""
 

@@ -39,7 +39,7 @@ def kv_budget_bytes(config: LLMConfig, device: torch.device) -> int:
 # Backends of the reference's list (configs.speculative.MoeBackend) this build has no expert kernel for: why.
 MOE_BACKENDS_ELSEWHERE = {
     "CUTLASS": ("FlashInfer's CUTLASS fused MoE is not wired into this build: its sm90 module is built with nvcc on "
-                "first use (every TensorRT-LLM MoE GEMM instantiation), longer than our GPU hosts allow; use TRITON or "
+                "first use (every TensorRT-LLM MoE GEMM instantiation: tens of minutes); use TRITON or "
                 "DENSEGEMM"),
     "CUTEDSL": "CuTe DSL grouped GEMMs are TensorRT-LLM's, for Blackwell (SM100) with NVFP4 experts",
     "CUTEDSL_FC12": "CuTe DSL grouped GEMMs are TensorRT-LLM's, for Blackwell (SM100) with NVFP4 experts",

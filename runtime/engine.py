@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 # the share of its last step's wall time the host may spend on deferred work (``runtime.transfer.HostWork``) while
 # the device computes the step launched ahead: the rest is the engine's own commit, schedule and launch (about a
-# third of a 3-ms step at one to four requests, run 63's profiles)
+# third of a 3-ms step at one to four requests, one run's profiles)
 HOST_WORK_SHARE = 0.15
 
 
@@ -371,7 +371,7 @@ class Engine:
         """Whether a step of ``num`` requests drafts only what the next step can verify, one draft more: a padded
         graphed step (confidence scheduling's padded layout, or a packed one's steps below its packed graphs) verifies
         at most the cap already chosen for it (``ConfidenceScheduler.cap``, from an earlier step's confidences), so
-        drafts past it are never verified, while the drafter's block costs more the longer it is (run 69 on an H200,
+        drafts past it are never verified, while the drafter's block costs more the longer it is (one run on an H200,
         4 requests: drafting 7 and verifying none 3.10 ms a step, a plain step 2.31, the tuned schedule's K = 2 step
         2.76); the one draft past the cap keeps that position's confidence in view, so the next cap can rise by a
         column a step, and a decision that explores verifies (and so drafts) whole blocks. A packed step drafts as
@@ -532,7 +532,7 @@ class Engine:
         profiling, before the scheduler exists, slope 0: every draft at position j survives 0.5^(j+1), so a budget
         of c columns is c drafts of every request (the step's shape is what the profile times, and a request then
         commits at most c + 1 tokens a step: ranked by confidence, a request the drafter is sure of took every
-        draft of its block, committed past the profile's token bound and finished mid-profile, runs 56-57)."""
+        draft of its block, committed past the profile's token bound and finished mid-profile, earlier runs)."""
         if self.confidence is not None:
             return self.confidence.ranking(k)
         return [0.0] * k, [[0.0] * k for _ in history_classes(int(self.spec.max_draft_len))]
@@ -603,7 +603,7 @@ class Engine:
         # most steps admit nobody, and they are packed
         admitting = kind == "mixed" and self.scheduler.may_admit() and not self._ran_ahead  # (admit, in step)
         if admitting:
-            # the arrivals it admits are priced too: their prefill is most of a mixed step's cost (run 66, 64
+            # the arrivals it admits are priced too: their prefill is most of a mixed step's cost (64
             # requests: such steps were priced as the verifies alone, 7.9 ms, and took 21; the scheduler saw a trim
             # as saving ~3x the share of the step it did, and cut 7 drafts to 5.4)
             budget = self.config.max_num_batched_tokens - other_tokens - sum(1 + len(s.draft_ids) for s in seqs)
@@ -725,12 +725,12 @@ class Engine:
                          decision: Decision | None = None, verified: int | None = None) -> None:
         """The step's wall time, schedule to commit (what the startup profile times: ``runtime.step_profile``), into
         the cost table at the rows the model computed: a graphed verify step at its graph's cell (the batch bucket
-        x Q, padding requests included: run 55's steps of 60 and 72 requests, timed as the 64 and 96 graphs they
+        x Q, padding requests included: one run's steps of 60 and 72 requests, timed as the 64 and 96 graphs they
         replayed, sat in the 64 row at 480 and 576 tokens, 11.6 and 15.7 ms, and through the row's non-decreasing
         bound of the time priced whole blocks at 64 requests at 9.9 ms where they took 8.8). The whole step, not
         the executor's part alone: the host's per-step work is paid at every verify length, and a table whose served
         cells lacked it while the profiled ones held it would make the lengths the scheduler chose look cheaper than
-        the ones it did not (run 31: trims to 4.6 of 7 drafts at 256 requests, predicted to pay, lost 14%). With the
+        the ones it did not (trims to 4.6 of 7 drafts at 256 requests, predicted to pay, lost 14%). With the
         context the step's requests attended over (the KV tokens before what each fed), which its time grows with.
         ``decided``: the scheduler chose this step's verifies (its metrics set the time beside the prediction).
         A step that drafted nothing (``drafted`` False) is no cell of these tables (they price drafting steps): a
@@ -741,7 +741,7 @@ class Engine:
         besides the device's (a verify step after a prefill, every step of a sampled batch; at 256 requests on an
         H200 ~4 ms of a 30-ms step): it teaches the excess of ``MixedStepCosts`` as a mixed step does, not the
         cells the startup profile timed launched ahead
-        (run 65: the whole-block cell at 256 requests ended at 35.4 ms where the fixed engine's whole-block steps
+        (the whole-block cell at 256 requests ended at 35.4 ms where the fixed engine's whole-block steps
         took 30.3, about the host's step work there apart, ~4.4 ms; trims to 6 of 7 columns looked 17% cheaper
         than whole blocks and saved 2%), and no plain step. ``packed_columns``: the columns of the step's packed verify
         (None: not packed); ``other_tokens``: what it fed besides the decided verifies (``_other_fed``, before its

@@ -19,7 +19,7 @@ arithmetic (weight 0), so a NaN in the scratch page would spread: the runner zer
 request faulted. Prefill chunks longer than a verify block are graphed too at small batches (``PREFILL_Q_LENS``,
 captured for the buckets whose batch x Q stays within ``PREFILL_GRAPH_TOKENS``): a request's first token then
 costs a replay, not an eager forward that launches every kernel from the host (9.3 ms for a 64-token prompt on a
-0.8B target at one request on an H200, run 31; ~13% of a 128-token DSpark request's time). Other steps (longer
+0.8B target at one request on an H200, one run; ~13% of a 128-token DSpark request's time). Other steps (longer
 prefill chunks, larger batches of them, mixes too ragged to pad) run eagerly.
 
 Engines plan ahead (``plan_ahead``): right after a one-token step is launched, FlashInfer is
@@ -53,7 +53,7 @@ ahead (``launch_verify_ahead`` with ``packed``: the confidences copied on the de
 as the host reads them back) like a uniform verify; ``run_packed`` takes it when the engine schedules exactly it at
 those columns, and a uniform step never takes a packed one (nor the reverse).
 
-A verify step's device time is not monotone in its tokens (the GEMMs' tiling: run 58, a 2.7B target at 64 requests,
+A verify step's device time is not monotone in its tokens (the GEMMs' tiling: one run, a 2.7B target at 64 requests,
 7 tokens a request 7.95 ms against 6.63 for 8), so on a single rank the verify graphs are timed once captured, and
 a step of Q tokens a request replays a longer graph where that one is faster (``served_by``, ``served_length``;
 padded as any shorter request is, launched and planned ahead at that length).
@@ -280,7 +280,7 @@ class GraphedTargetForward:
     def _faster_lengths(self) -> dict[tuple[int, int], int]:
         """Time each verify graph (2 to K + 1 tokens a request) at the buckets from ``PACKED_MIN_BATCH`` and map a
         length to a longer one whose graph replays at least ``FASTER_BY`` faster. A verify step's time is not
-        monotone in its tokens: the GEMMs' tiling makes some row counts dearer than larger ones (run 58, an H200, a
+        monotone in its tokens: the GEMMs' tiling makes some row counts dearer than larger ones (an H200, a
         2.7B target at 64 requests: 7 tokens a request 7.95 ms, 8 tokens 6.63; 5 tokens 6.10, 6 tokens 5.56); a
         step of 7 then feeds its blocks padded to 8 (``graph_inputs``: padding rows are dropped), for its results
         unchanged. Each graph replays its capture-time inputs (padding rows on the scratch page: the GEMM-bound

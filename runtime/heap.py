@@ -6,8 +6,8 @@ objects of the tiny demo engine on a CPU host, a pause inside whichever step it 
 collection whenever the survivors since the last one reach a quarter of the long-lived objects, which a server
 committing tokens for hundreds of requests reaches every few hundred steps: a few percent of throughput and a
 latency spike each time. (A 30-step timing window that holds one such pause reads tens of percent slower than its
-neighbours: the likely cause of the bench's non-monotone step times per draft length in trained-pair run 21,
-smoother in run 22 with the freeze, on a noisier machine: not a controlled measurement.)
+neighbours: the likely cause of the bench's non-monotone step times per draft length in a trained-pair run,
+smoother in one run with the freeze, on a noisier machine: not a controlled measurement.)
 
 ``freeze_long_lived`` collects once, then moves every object alive into the collector's permanent generation
 (``gc.freeze``), so later collections walk only what the serving loop made since. The long-running drivers call

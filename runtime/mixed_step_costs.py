@@ -4,13 +4,13 @@ A **mixed** step feeds something besides the verifies the confidence scheduler c
 without drafts. It rarely fits a CUDA graph (a prefill chunk beside padded verifies would pad every request to the
 chunk's length), so it runs eagerly, and it costs more than a graphed verify step of the same batch and tokens by
 an amount the verify length hardly moves: the eager kernels' launches, the chunk's own attention and planning. On
-an H200 (run 63: a 2.7B target, 64 requests) the mixed steps took 10-17 ms where the verify steps' cells at the same
+an H200 (a 2.7B target, 64 requests) the mixed steps took 10-17 ms where the verify steps' cells at the same
 sizes said 5-8.
 
 Before, mixed steps learned a (batch, tokens) table of their own with the verify steps' profile as its prior: only
 the nearest cell learned, the row's lower envelope read the learned dear cells at the unlearned cheap ones beyond
 them, and the table's context slope took the difference between mixed and verify cells for context (0.00078 ms a
-context token, the whole of a 5-ms cell): run 63's mixed steps were predicted 8.19 ms and measured 12.61, so the
+context token, the whole of a 5-ms cell): one run's mixed steps were predicted 8.19 ms and measured 12.61, so the
 scheduler saw a trim as saving ~35% more of the step than it did, trimmed to 5.5 of 7 drafts, and served 0.81 of
 the tuned schedule's tokens/s.
 
@@ -75,7 +75,7 @@ class MixedStepCosts:
         ``other_tokens`` (the drafting judgement's alternative, ``ConfidenceScheduler._plain_ms``): the fit's level
         and its other tokens' part as they are, its per-request part read as per verify row (it was learned from
         steps whose requests fed ``rows_per_request`` rows each: the eager attention of those rows is most of it),
-        so a plain step's one row a request pays 1 / rows_per_request of it. Run 76 (an H200, 57 requests, 8 rows a
+        so a plain step's one row a request pays 1 / rows_per_request of it. One run (an H200, 57 requests, 8 rows a
         request): the drafting mixed steps' excess ~4 ms, nearly all per request, priced the plain alternative
         10.4 ms where the AR engine's mixed steps took 3.9."""
         return self.excess_ms(batch / self.rows_per_request, other_tokens)

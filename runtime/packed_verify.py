@@ -3,7 +3,7 @@ device from this block's confidences, and the target runs on those rows only.
 
 Why: a CUDA graph pads every request of a step to one length, so a step costs its batch x (longest + 1) tokens
 whatever the others verify, and the best single cap is whole blocks at high load on the trained pairs measured
-(``benchmarks/schedule_bounds.py``: runs 47 and 49 at 256 requests, 1.00x; an oracle that fed each request only the
+(``benchmarks/schedule_bounds.py``: earlier runs at 256 requests, 1.00x; an oracle that fed each request only the
 drafts it accepts, 1.19x and 1.05x). A per-request choice needs the GEMMs to run on the verified rows alone, as
 TensorRT-LLM's ragged mode and the DSpark paper's production scheduler (section 5.3) do.
 

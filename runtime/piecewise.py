@@ -4,7 +4,7 @@ A step that mixes prefill chunks with decoding requests (``LLMConfig.enable_mixe
 a mix too ragged to pad into a uniform graph has a layout no graph captured in advance can plan: FlashInfer's
 attention needs the step's query lengths on the host. Run eagerly, such a step launches every kernel of every layer
 from Python (~10 a layer): on an H200 a 2.7B target's mixed steps at 64 requests took 12-23 ms for the ~8 ms of
-device work a graphed verify of the same requests takes (runs 66 and 72), host-bound and as noisy as the host.
+device work a graphed verify of the same requests takes, host-bound and as noisy as the host.
 
 So the forward is cut at each layer's attention, as vLLM's piecewise graphs cut it: everything between two
 attentions (the output projection, the residual adds and norms, the MLP, the next layer's q/k/v projection, q/k norm,

@@ -11,7 +11,7 @@ prefix) and the step-time table the engine schedules by (``StepCostTable``), two
   tokens a request for ``tau`` committed), against whole blocks. No scheduler reaches it; one that ranks drafts by
   confidence (per request, ragged) recovers the part its confidences tell apart.
 
-Both are computed, not measured: a table's cells are noisy, so read them to a few percent. Issue 16's target
+Both are computed, not measured: a table's cells are noisy, so read them to a few percent. The goal's target
 (1.10x the tuned schedule at 64 requests and above) is out of every schedule's reach where ``oracle_ragged`` is
 below it (a pair whose requests accept alike, or a step whose cost barely grows with its tokens).
 """

@@ -18,7 +18,7 @@ requests: while prompts are to be computed (a running request's next chunk, an a
 is a **prefill step** (those alone), else a **decode step** (the decoding requests alone, each its anchor and
 drafts); while requests decode, a prefill step is followed by a decode step, so decoding advances at least every
 other step. Each kind fits a CUDA graph (decode and verify graphs at every batch bucket, prefill graphs up to
-``PREFILL_GRAPH_TOKENS``), where a mixed step pads poorly and runs eagerly (run 66, a 2.7B target at 64 requests:
+``PREFILL_GRAPH_TOKENS``), where a mixed step pads poorly and runs eagerly (a 2.7B target at 64 requests:
 13.7-19.9 ms against 8.2 for the graphed verify step of the same requests).
 """
 

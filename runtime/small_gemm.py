@@ -22,7 +22,7 @@ differently in the last bit. Weights with a bias, MoE experts (their own kernels
 either way) keep cuBLAS.
 
 Many rows: cuBLAS's time is not monotone in the row count. On an H200 the 2.7B trained pair's verify at 64 requests
-took 7.95 ms at 7 tokens a request against 6.63 at 8 (run 58): 448 and 320 rows to every GEMM dearer than 512 and
+took 7.95 ms at 7 tokens a request against 6.63 at 8: 448 and 320 rows to every GEMM dearer than 512 and
 384 (``benchmarks/gemm_rows.py`` times each shape at every multiple of 64 rows). So for the row counts the worker's
 graphs feed (``rows`` of ``install_small_gemms``: past one tile of ``PAD_ROWS_TO``, not a multiple of it), each
 shape is also timed with its rows padded up to the next multiple of ``PAD_ROWS_TO`` (zero rows, the pad copy

@@ -6,16 +6,16 @@ between them); outside the measured range it extrapolates the nearest row's last
 **lower envelope** in tokens: each cell as the cheapest of itself and every cell of more tokens (a step can always
 feed more: a verify of fewer drafts never needs to cost more than the cheapest longer one). GPU step times are not
 monotone in the tokens fed: on the H200, a 2.7B target at 64 requests verified 7 tokens a request in 9.3-10.4 ms and 8
-in 8.1-8.6 ms, 5 tokens slower than 6 likewise (runs 54-56: the startup profiles and the fixed-K tuning alike; a
-kernel's tiling), and the least-squares non-decreasing fit read before (runs 24-55) pooled such a cell with the whole
-block, pricing whole blocks 11% too dear (run 55: 9.47 ms against 8.77 measured, so trims that did not pay looked as
+in 8.1-8.6 ms, 5 tokens slower than 6 likewise (the startup profiles and the fixed-K tuning alike; a
+kernel's tiling), and the least-squares non-decreasing fit read before pooled such a cell with the whole
+block, pricing whole blocks 11% too dear (9.47 ms against 8.77 measured, so trims that did not pay looked as
 if they did). Under the envelope a dearer cell of fewer tokens is never chosen (it gives fewer tokens for no less
 time); a cell measured too dear by noise is read at its longer neighbour, and one measured too cheap is a trim the
 scheduler makes, serves, and so learns at its real cost. Every step the engine serves is an observation: the grid
 cell nearest to it moves toward the measured time (an exponential moving average), so the table follows the
 hardware and the load it actually sees, mixed prefill + decode steps included; a cell the scheduler never visits
 keeps what the startup profile measured, and where serving lowered a longer cell the envelope reads it no dearer
-(run 37's profile timed the shorter verify lengths 1.5-3 ms too slow, and serving corrected only the full-block
+(one run's profile timed the shorter verify lengths 1.5-3 ms too slow, and serving corrected only the full-block
 cell).
 Served steps are gathered and learned ``OBSERVE_EVERY`` at a time (``flush``; ``to_json`` flushes first), and a
 prediction is cached until a cell changes: the scheduler asks for the same few vectors every step, and a table
@@ -29,7 +29,7 @@ learns one slope, milliseconds per context token (``ms_per_context_token``), fro
 least-squares fit of how far a step's time sat from its cell's mean against how far its context did (pooled over
 cells, older steps fading, never below 0, 0 until ``SLOPE_MIN_STEPS`` steps moved their context). A prediction reads
 every cell as if measured at the asked context (``cell - slope x (cell context - context)``; the row's envelope is
-taken over those). Without it, cells measured at different contexts were compared as if alike: in run 49 (an H200, 256
+taken over those). Without it, cells measured at different contexts were compared as if alike: in one run (an H200, 256
 requests) the startup profile, its steps at under ~100 tokens of context a request, read 10.1 ms for 6 tokens a request
 and 12.7 ms for 8, where the tuning measured 11.8 and 13.9 at the sweep's 101-354; the cells the scheduler served
 moved to the serving contexts while the others kept the profile's, its predicted steps were 7% under the

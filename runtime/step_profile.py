@@ -8,7 +8,7 @@ L drafts only L + 1 (a padded step, ``Engine.drafts_follow_cap``) the profile's 
 columns drafts one past the longest share a request took (``Engine.drafts_follow_columns``), at least L + 1, which
 the profile's (every request taking L, its ranking flat) drafts: a cell priced for the shortest block a served step
 drafts is chosen, served and so learned at its cost, where one priced whole blocks would never be (a dear cell is
-never served: on run 69's pair such cells held the drafting off at 64 requests); run 37's profile trimmed the
+never served: on one run's pair such cells held the drafting off at 64 requests); one run's profile trimmed the
 blocks behind its back, so every timed step of a shorter length dropped a verify launched ahead at the full block and
 ran it again, 1.5-3 ms too slow) and the median step time of both passes is the table's (batch, batch * (L + 1))
 cell, measured at the mean context (KV tokens) its timed steps attended over. Then the same requests decode
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 PROFILE_PROMPT_TOKENS = 16
 # every length is timed in two passes, shortest first then longest first, and read as the median of both: the
 # contexts grow through the profile, and whatever drifts with them (or with the clocks) falls alike on every length
-# instead of on the longest (runs 54 and 55 timed each length in one run of 3 steps, shortest first, and read
+# instead of on the longest (earlier runs timed each length in one run of 3 steps, shortest first, and read
 # 7 of 8 tokens a request at 64 requests 1.2x and 1.2x dearer than the whole block timed after it)
 PASSES = 2
 PLAIN_UNTIMED = 2  # plain steps untimed after the verifies: the last verify, and the first step launched ahead

@@ -3,7 +3,7 @@
 #   .whl-ray/  Ray 2.60 + Serve + pydantic          (runs through cluster.LLM or the Serve app)
 #   .whl-fi/   FlashInfer 0.7.4 + tvm-ffi + pydantic + xgrammar (single-GPU runs: tests/gpu, dspark bench; xgrammar
 #              for structured outputs: its cp312 wheel, the hosts' Python, with the hosts' triton and tvm-ffi's)
-# usage: scripts/gpu-wheels.sh SHARED_GPU_HOST_DIR   (the folder holding make-wheels.sh, e.g. ../shared/gpu-host)
+# usage: scripts/gpu-wheels.sh DIR   (DIR: the folder holding make-wheels.sh, the slimmed-wheel builder)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 bash "${1:?give the gpu-host folder}/make-wheels.sh" "$root"

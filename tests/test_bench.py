@@ -518,7 +518,7 @@ def test_a_paired_ratio_is_the_median_of_the_rounds_ratios():
 
 
 def test_the_mixed_noise_floor_is_reported_only_where_tuned_and_fixed_are_one_engine():
-    """Run 66's figures: at 64 requests the tuned schedule drafts 7 everywhere, so tuned / fixed is the floor; with
+    """One run's figures: at 64 requests the tuned schedule drafts 7 everywhere, so tuned / fixed is the floor; with
     256 in the workload (the schedule drafts 4 there) they are two engines, and nothing is reported."""
     rows = [{"concurrency": 64, "acceptance_per_position": [0.9] * 7}]
     mixed = {"dspark": {"tokens_per_s": 21541.9, "tokens_per_s_rounds": [14361.8, 21542.2, 21541.9]},
@@ -635,7 +635,7 @@ def test_sequential_measures_each_engine_alone(tmp_path):
 
 def test_a_profile_takes_decode_steps_after_every_prefill_chunk(tmp_path, monkeypatch):
     """``profile_step`` profiles decode steps only: with more prompt tokens than one step's budget the prefill takes
-    several steps, and none of them may fall inside the profile (run 30's batch-64 profiles were prefill steps)."""
+    several steps, and none of them may fall inside the profile (one run's batch-64 profiles were prefill steps)."""
     import contextlib
 
     import torch.profiler

@@ -243,7 +243,7 @@ def test_packed_schedule_sim_holds_the_drafting_off_only_where_plain_decoding_be
 
 
 def test_the_record_folder_is_made_before_any_stage_runs(tmp_path, monkeypatch):
-    """Run 99 trained a pair for ~4 minutes and lost its record: --out named a folder nobody had made."""
+    """One run trained a pair for ~4 minutes and lost its record: --out named a folder nobody had made."""
     recipe = load_recipe()
     out = tmp_path / "not" / "yet" / "gpu-recipe.json"
     monkeypatch.setattr("sys.argv", ["gpu_recipe.py", "--work", str(tmp_path / "w"), "--out", str(out),

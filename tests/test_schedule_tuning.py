@@ -16,7 +16,7 @@ def test_projected_tau_adds_the_first_k_acceptance_rates():
 
 
 def test_the_fastest_length_per_concurrency_becomes_a_schedule_the_engine_accepts():
-    # step times shaped like run 7 on an H200: verify cost grows with batch x (k + 1) tokens
+    # step times shaped like one run on an H200: verify cost grows with batch x (k + 1) tokens
     step_ms = {1: {0: 5.5, 1: 6.0, 3: 6.2, 7: 6.7}, 4: {0: 5.7, 1: 6.2, 3: 6.5, 7: 7.1},
                16: {0: 6.1, 1: 6.9, 3: 7.6, 7: 8.6}, 64: {0: 7.8, 1: 9.6, 3: 12.5, 7: 19.2},
                256: {0: 17.1, 1: 30.0, 3: 45.0, 7: 84.0}}
@@ -35,11 +35,11 @@ def test_the_fastest_length_per_concurrency_becomes_a_schedule_the_engine_accept
 
 
 def test_another_length_must_beat_max_draft_len_by_the_margin_and_a_schedule_must_start_at_max_draft_len():
-    """Run 37 at 256 requests: 5 drafts measured 0.5% faster than 7 in the tuning rounds and lost 6% in the sweep.
+    """One run at 256 requests: 5 drafts measured 0.5% faster than 7 in the tuning rounds and lost 6% in the sweep.
     Within 2% the untuned length stays; beyond it the fastest wins (ties among the others: the shorter)."""
-    run37 = [Candidate(256, 0, 4.170, 1.0), Candidate(256, 5, 10.967, 4.151), Candidate(256, 7, 13.947, 5.252)]
-    assert best_draft_lengths(run37)[256].draft_len == 7
-    assert best_draft_lengths(run37, margin=0.0)[256].draft_len == 5
+    measured = [Candidate(256, 0, 4.170, 1.0), Candidate(256, 5, 10.967, 4.151), Candidate(256, 7, 13.947, 5.252)]
+    assert best_draft_lengths(measured)[256].draft_len == 7
+    assert best_draft_lengths(measured, margin=0.0)[256].draft_len == 5
     best = best_draft_lengths([Candidate(1, 0, 5.0, 1.0), Candidate(1, 3, 10.0, 2.0)])
     assert best[1].draft_len == 3  # a tie: the longest stays
     best = best_draft_lengths([Candidate(1, 0, 4.8, 1.0), Candidate(1, 1, 7.2, 1.5), Candidate(1, 3, 10.0, 2.0)])
@@ -50,7 +50,7 @@ def test_another_length_must_beat_max_draft_len_by_the_margin_and_a_schedule_mus
 
 
 def test_the_accepted_schedule_starts_at_max_draft_len_and_says_what_that_costs():
-    """Run 21's finding: one request decodes fastest without drafts, busier steps with 5 of 7. The engine accepts
+    """One run's finding: one request decodes fastest without drafts, busier steps with 5 of 7. The engine accepts
     only a schedule starting at max_draft_len, so that is the tuned engine (and the confidence scheduler's cap),
     with the finding recorded, rather than no tuned engine at all."""
     candidates = [Candidate(1, 0, 0.69, 1.0), Candidate(1, 7, 1.50, 1.83), Candidate(64, 0, 1.69, 1.0),
@@ -74,7 +74,7 @@ def test_the_written_fragment_is_a_serve_config(tmp_path, qwen3_target, make_dra
     from cluster.cli import MODEL_FLAGS, SERVE_FLAGS, build_parser, serve_args
 
     fragment = tmp_path / "tuned.json"
-    record = json.loads((Path(__file__).parents[1] / "benchmarks/results/2026-11-30-tuned-schedule-qwen3-8b-h200.json")
+    record = json.loads((Path(__file__).parent / "data" / "tuned-schedule-qwen3-8b.json")
                         .read_text())
     spec = record["engine"]["speculative_config"]
     spec.update(max_draft_len=3, draft_len_schedule={"16": 3, "64": 1})  # the test drafter's block is 3

@@ -49,16 +49,17 @@ def test_smollm2_by_name_with_its_drafter_is_exact_and_answers_in_english(cache)
 
 @pytest.mark.slow
 def test_the_readmes_python_examples_run_as_written(cache, tmp_path):
-    """Every ```python block of the README runs in a fresh interpreter (the demo pair by name), except the Ray one
-    (``from cluster import``: it would start or join a Ray cluster beside this suite's)."""
+    """Every ```python block of the README and of docs/ runs in a fresh interpreter (the demo pair by name), except
+    the Ray ones (``from cluster import``: they would start or join a Ray cluster beside this suite's)."""
     import re
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), re.S)
-    runnable = [b for b in blocks if "from cluster import" not in b]
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    blocks = [b for page in pages for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
+    runnable = list(dict.fromkeys(b for b in blocks if "from cluster import" not in b))  # (each block once)
     assert len(runnable) >= 2
     for i, block in enumerate(runnable):
         script = tmp_path / f"example_{i}.py"

@@ -8,7 +8,7 @@ order: no atomics, so every config is deterministic, and a row's result never de
 padded freely). Two operand prologues save the kernel before it: the SiLU-and-mul of an MLP's down projection
 (``skinny_matmul(..., swiglu=True)``) and the residual add and RMSNorm before q/k/v or gate/up
 (``skinny_norm_matmul``: each program first reduces its rows whole for their statistics, then normalizes every
-slice it loads), both rounding as the separate kernels store, their operands loaded one iteration ahead (run 41
+slice it loads), both rounding as the separate kernels store, their operands loaded one iteration ahead (one run
 measured both prologues 3-5x slower than the separate kernels with the loads in the iteration that used them).
 Which config, if any, beats cuBLAS (or the separate kernels) for a weight shape and row count is measured on the
 device (``runtime.small_gemm``), not assumed. It launches with programmatic dependent launch on sm_90

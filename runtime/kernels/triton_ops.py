@@ -84,7 +84,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 # heads a q/k norm + RoPE program takes (one token's): one program per (token, head) was ~50k programs of 32-64
-# elements at 512 tokens, 52 us a layer of the 3072 x 24 target's 64 x 8 verify (run 82's profile: 19% of the step)
+# elements at 512 tokens, 52 us a layer of the 3072 x 24 target's 64 x 8 verify (one run's profile: 19% of the step)
 ROPE_HEADS = 16
 ROPE_WARPS = None  # warps a program; None: one per 256 elements of its [HEADS, HALF] halves, 1 to 4
 

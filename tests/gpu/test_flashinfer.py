@@ -101,7 +101,7 @@ def test_paged_attention_matches_the_reference(fi):
 
 def test_the_eager_wrapper_plans_in_and_out_of_inference_mode():
     """A backend whose eager wrapper an engine's forward made (inside inference mode: its buffers are inference
-    tensors) plans again outside it: run 78 saw FlashInfer's plan refuse the in-place write, after the small-GEMM
+    tensors) plans again outside it: one run saw FlashInfer's plan refuse the in-place write, after the small-GEMM
     tests' engines had used the process's backend first."""
     from runtime.kernels.flashinfer_backend import FlashInferBackend
 

@@ -175,7 +175,7 @@ def test_min_gain_and_calibration(tmp_path):
 
 @pytest.mark.parametrize("layout", ["padded", "ragged"])
 def test_the_survivals_learn_what_the_target_accepts(layout):
-    """Confidences that under-predict the late drafts (as runs 37 and 42 measured on a trained pair): the raw
+    """Confidences that under-predict the late drafts (as earlier runs measured on a trained pair): the raw
     survivals trim to 3 of 4 drafts, where the target's true survivals pay for whole blocks. The online correction
     learns each position's ratio from the steps committed (the first three's lift the cap; the whole blocks then
     show it position 4), and the scheduler settles on whole blocks, its expected tokens now what the target
@@ -327,11 +327,11 @@ def test_one_request_is_fitted_at_its_first_fold_then_as_its_evidence_grows():
 
 
 def test_a_drafter_that_accepts_nothing_is_believed_so_and_drafting_stops():
-    """Run 64 at one request (a drafter trained 18 s, calibrated at temperature 10: every confidence read as ~0.55):
+    """One run at one request (a drafter trained 18 s, calibrated at temperature 10: every confidence read as ~0.55):
     it accepted nothing, the engine drafted on for 0.97 of the tuned throughput, the fit's first refits left the
     first draft believed at 0.21 (the slope's bound clipped away most of each Newton step) and the ridge held it at
     0.07 after 80 rejections, so drafting looked as if it paid. The plain steps here are 12% cheaper than drafting
-    ones (run 63's batch-1 row): within a few folds drafting stops."""
+    ones (one run's batch-1 row): within a few folds drafting stops."""
     tokens = [1, 2, 3, 4, 5, 6, 7, 8]
     table = StepCostTable([1], tokens, [[2.92, 2.72, 2.68, 2.70, 2.74, 2.74, 2.73, 2.73]])
     table.plain = StepCostTable([1], [1], [[2.41]])
@@ -393,7 +393,7 @@ def serve_packed(scheduler: ConfidenceScheduler, good: np.ndarray, steps: int, u
 
 
 def test_the_fit_tells_requests_apart_by_their_verify_history():
-    """A head that says the same of every draft (a drafter trained briefly: run 54) cannot tell a request in a
+    """A head that says the same of every draft (a drafter trained briefly: one run) cannot tell a request in a
     stretch it predicts well from one it does not; the request's last verify can. Without it the scheduler can only
     give every request the same share; with it, the fit learns each class's survival (the slope falls to what the
     head tells: nothing) and the packed step gives whole blocks to the good requests and little to the others, for
@@ -657,7 +657,7 @@ def test_a_mixed_step_decides_its_rest_while_the_device_computes(tmp_path, monke
 
 def test_a_step_that_admits_an_arrival_is_priced_with_its_prompt(tmp_path, near_bigram_target, confident_drafter):
     """An arrival joins the next step with its whole prompt: the decision made before that step prices it beside the
-    verifies (run 66: such steps were priced as the verifies alone, 7.9 ms where they took 21), where the requests
+    verifies (such steps were priced as the verifies alone, 7.9 ms where they took 21), where the requests
     already running feed nothing else."""
     path = tmp_path / "table.json"
     flat_table(0.001).save(path)
@@ -750,13 +750,13 @@ def test_sampled_outputs_keep_the_target_distribution_with_scheduling_on(tmp_pat
 
 
 def test_a_row_is_read_as_its_lower_envelope():
-    """GPU step times are not monotone in the tokens fed (run 56, a 2.7B target at 64 requests: 7 tokens a request
+    """GPU step times are not monotone in the tokens fed (a 2.7B target at 64 requests: 7 tokens a request
     9.3 ms, 8 tokens 8.1). A row reads each cell as the cheapest of itself and every longer cell: a dearer shorter
     cell is priced as the longer one, so the scheduler never chooses it, and the whole block keeps its own price
     (the least-squares non-decreasing fit read before pooled 10.36 and 8.55 ms into 9.46: whole blocks 11% too
-    dear, run 55). A spike is ignored; a dip is a trim the scheduler makes, serves, and so learns at its cost."""
+    dear, one run). A spike is ignored; a dip is a trim the scheduler makes, serves, and so learns at its cost."""
     tokens = [64 * q for q in range(1, 9)]
-    row = [5.5, 5.9, 6.6, 6.7, 8.7, 8.1, 10.4, 8.6]  # run 55's profiled 64-request row, 1..8 tokens a request
+    row = [5.5, 5.9, 6.6, 6.7, 8.7, 8.1, 10.4, 8.6]  # one run's profiled 64-request row, 1..8 tokens a request
     table = StepCostTable([64], tokens, [row])
     predicted = table.predict_ms_many(64, np.asarray(tokens))
     assert predicted.tolist() == pytest.approx([5.5, 5.9, 6.6, 6.7, 8.1, 8.1, 8.6, 8.6])
@@ -765,7 +765,7 @@ def test_a_row_is_read_as_its_lower_envelope():
     likely = [[0.95, 0.9, 0.9, 0.9, 0.9, 0.8, 0.8]] * 64
     scheduler.allot_packed(likely)
     assert scheduler.columns == 7  # whole blocks at their own 8.6 ms, never 6 columns at the same price
-    # run 21's host-bound batch-1 row with a dip at 4 tokens: the scheduler trims to it, and the served steps
+    # one run's host-bound batch-1 row with a dip at 4 tokens: the scheduler trims to it, and the served steps
     # teach the cell its real cost until whole blocks are chosen again
     dip = StepCostTable([1], list(range(1, 9)), [[1.49, 1.65, 1.70, 1.10, 1.68, 1.68, 1.72, 1.73]])
     assert dip.predict_ms_many(1, np.arange(1, 9)).tolist() == pytest.approx([1.10] * 4 + [1.68, 1.68, 1.72, 1.73])
@@ -810,7 +810,7 @@ def test_a_packed_step_drafts_one_past_the_longest_share_a_request_took_at_the_c
 def test_graphed_steps_are_priced_at_the_graph_they_replay(layout, requests):
     """A graphed step of n requests replays the graph of the smallest batch bucket holding them, its padding rows
     computed too: it is priced at that bucket's row and rows x (Q + 1) tokens (the cells the engine learns it in),
-    never at n's nearest row. Run 55's steps of 60 and 72 requests sat in the 64 row and priced its whole blocks
+    never at n's nearest row. One run's steps of 60 and 72 requests sat in the 64 row and priced its whole blocks
     ~13% too dear. A mixed step (a prefill chunk beside) stays at its own sizes."""
     k, bucket = 4, 4 if requests == 3 else 64
     batches = [1, 2, 4, 8, 16, 32, 64]
@@ -841,7 +841,7 @@ def test_the_table_learns_whole_steps_as_the_startup_profile_times_them(tmp_path
                                                                          confident_drafter, monkeypatch):
     """A served step is observed schedule to commit, as ``runtime.step_profile`` times a step: host work outside the
     executor (here a commit made 30 ms slower) is in the observed time. Observing the executor alone made the cells the
-    scheduler served look cheaper than the profiled ones it did not serve, so it kept trimming (run 31)."""
+    scheduler served look cheaper than the profiled ones it did not serve, so it kept trimming."""
     import time as time_module
 
     path = tmp_path / "table.json"
@@ -866,7 +866,7 @@ def test_the_table_learns_whole_steps_as_the_startup_profile_times_them(tmp_path
 
 def test_steps_that_feed_more_than_verifies_learn_the_mixed_excess(tmp_path, near_bigram_target, confident_drafter):
     """The prefill steps and the steps mixing a prefill chunk with verifies teach the mixed steps' excess
-    (``MixedStepCosts``), never the verify steps' table, which only the steps of verifies alone teach: in run 51 one
+    (``MixedStepCosts``), never the verify steps' table, which only the steps of verifies alone teach: in one run one
     table let the ramp's mixed steps (eager, dearer) teach the whole-block cell at 256 requests 15 ms where a graphed
     whole-block step took 11.7, and the scheduler trimmed to 5.8 of 7 drafts for 0.86 of the tuned throughput. A
     mixed step is priced as the verify table's cell of its sizes plus that excess."""
@@ -929,7 +929,7 @@ def test_the_mixed_excess_fits_what_mixed_steps_cost_beyond_the_verify_table():
 def test_a_plain_mixed_step_pays_the_per_request_excess_per_verify_row():
     """The mixed excess is learned from drafting steps whose requests fed K + 1 rows each; a plain step of the same
     requests feeds one row a request, so the drafting judgement prices its alternative as the plain table plus the
-    excess with its per-request part divided by the rows it was learned at (run 76: read whole, the plain
+    excess with its per-request part divided by the rows it was learned at (read whole, the plain
     alternative of 57 requests cost 10.4 ms where plain mixed steps took 3.9). A weak block in a mixed step then
     does not pay where the old reading (the verify-nothing step less the drafter) said it did; a strong one still
     does; a step of verifies alone is judged as before."""
@@ -974,7 +974,7 @@ def test_a_plain_mixed_step_pays_the_per_request_excess_per_verify_row():
 
 
 def test_a_mixed_step_dominated_by_its_prefill_keeps_whole_blocks():
-    """Run 63 (an H200, 64 requests under mixed load): verify steps cost 5-8 ms, mixed ones 12-13. Priced as verify
+    """One run (an H200, 64 requests under mixed load): verify steps cost 5-8 ms, mixed ones 12-13. Priced as verify
     steps, trimming two drafts saves ~20% of the step and pays; priced with the excess the mixed steps showed, it
     saves ~10% of a dear step for ~20% of the tokens, and the scheduler keeps whole blocks."""
     k, num, other = 7, 64, 96
@@ -995,12 +995,12 @@ def test_a_mixed_step_dominated_by_its_prefill_keeps_whole_blocks():
 
 def test_a_served_step_moves_its_own_cell_and_the_envelope_reads_the_rest():
     """A served step moves only its own cell; the row's lower envelope then prices every shorter cell no dearer
-    than it. Run 37's startup profile timed the shorter verify lengths 1.5-3 ms too slow; serving visited only the
+    than it. One run's startup profile timed the shorter verify lengths 1.5-3 ms too slow; serving visited only the
     full-block cell, and the untouched cells must not go on saying that trimming saves nothing. A raised cell says
-    nothing of the longer ones (run 55: steps of 60 requests raised a cell of the 64-request row, and the bound read
+    nothing of the longer ones (steps of 60 requests raised a cell of the 64-request row, and the bound read
     before carried it to the whole block)."""
     tokens = [1, 2, 3, 4, 5, 6, 7, 8]
-    profiled = [4.97, 5.01, 4.66, 4.72, 4.63, 4.41, 3.22, 3.25]  # run 37's batch-1 row
+    profiled = [4.97, 5.01, 4.66, 4.72, 4.63, 4.41, 3.22, 3.25]  # one run's batch-1 row
     table = StepCostTable([1, 4], tokens, [profiled, [2.0] * 8])
     for _ in range(60):  # the served full-block steps take 1.78 ms
         table.observe(1, 8, 0.00178)
@@ -1031,7 +1031,7 @@ def served(table: StepCostTable, batch: int, tokens: int, contexts, cost) -> Non
 
 def test_the_table_learns_what_a_context_token_costs_and_reads_every_cell_at_the_asked_context(tmp_path):
     """A step's time grows with the KV tokens its requests attend over; a cell remembers the context it was measured
-    at, and the slope learned from the served steps reads every cell at the context asked. Run 49: a startup
+    at, and the slope learned from the served steps reads every cell at the context asked. One run: a startup
     profile at under ~100 tokens of context a request beside cells served at 101-354, compared as if alike: predicted
     steps 7% under the measured, 5.7 of 7 drafts verified for 0.97 of whole blocks' throughput."""
     tokens = [4, 8, 12, 16, 20, 24, 28, 32]
@@ -1068,7 +1068,7 @@ def test_the_plain_alternative_is_the_plain_step_at_the_steps_context_not_the_ve
     """The drafter's cost, taken off the verify-nothing step to price plain decoding, is the two tables' difference
     at the step's own context: with a verify slope learned (0.01 ms a context token) and the plain table's steps
     profiled (no slope of its own), the plain alternative at 3000 context tokens is the plain step (4 ms), not 4 +
-    0.01 x 3000 (run 88, 256 requests: plain decoding priced 10.1 ms where the held plain steps took 6.1)."""
+    0.01 x 3000 (256 requests: plain decoding priced 10.1 ms where the held plain steps took 6.1)."""
     tokens = [1, 2, 3, 4, 5]
 
     def cost(t, context):
@@ -1222,7 +1222,7 @@ def test_every_decision_records_the_survival_it_believed_at_each_position(layout
 
 def test_the_measured_step_time_beside_the_prediction_is_the_decided_steps_alone():
     """``mean_predicted_step_ms`` is the mean over the steps the scheduler decided; its measured counterpart is
-    over the same steps (``mean_measured_decided_step_ms``), not over every timed step: run 55's ramps made the
+    over the same steps (``mean_measured_decided_step_ms``), not over every timed step: one run's ramps made the
     all-steps mean 9.04 ms against 7.83 for the steady steps it predicted 7.94 for."""
     scheduler = ConfidenceScheduler(4, flat_table(0.01), layout="packed")
     stats = ConfidenceStats()
@@ -1238,7 +1238,7 @@ def test_the_measured_step_time_beside_the_prediction_is_the_decided_steps_alone
 def test_the_step_trace_keeps_each_steps_decision_beside_its_time_and_sums_it_by_kind():
     """``ConfidenceStats.trace``: one entry per timed step (the newest ``TRACE_STEPS``), the decision's figures on
     decided steps only; ``trace_since`` takes a window by step number; the summary splits decided steps launched
-    ahead from serial ones, and held steps from the rest (run 80's whole-block price, 8.46 ms against the table's
+    ahead from serial ones, and held steps from the rest (one run's whole-block price, 8.46 ms against the table's
     7.91, was a mean over both kinds)."""
     scheduler = ConfidenceScheduler(4, flat_table(0.01), layout="padded")
     stats = ConfidenceStats()
@@ -1431,7 +1431,7 @@ def test_decode_steps_draft_again_once_the_prompts_beside_them_are_in(
 
 
 def test_a_refit_that_reverses_a_judgement_that_drafting_does_not_pay_says_so():
-    """Run 88's four requests after one that rejected every draft: judged on that request's fit, drafting did not
+    """One run's four requests after one that rejected every draft: judged on that request's fit, drafting did not
     pay; the refit after the step, with their own verifies (all accepted), says drafting pays at the prices the
     judgement set (a whole block 30 ms, plain decoding 12 ms a step of four): ``learn`` returns True, and the next
     judgement, on their classes' evidence, pays. Requests that reject as the fit believed reverse nothing."""
@@ -1544,7 +1544,7 @@ def test_a_holds_plain_steps_beside_prompt_chunks_teach_the_plain_alternative_of
 def test_the_survival_fit_does_not_diverge_from_saturated_probabilities():
     """A calibration temperature of 0.1 (slope 10) on a head whose logits spread over tens: at the prior every
     probability is 0 or 1, and a full Newton step (its Hessian near the ridge alone) jumped to the parameters'
-    limits (run 59 at 256 requests: position 0 at slope 30, bias 30; survivals believed 0.85 where 0.57 survived).
+    limits (one run at 256 requests: position 0 at slope 30, bias 30; survivals believed 0.85 where 0.57 survived).
     The damped steps lower the loss: drafts accepted at 30% whatever their confidence fit a slope near 0 and
     their rate."""
     rng = np.random.default_rng(0)

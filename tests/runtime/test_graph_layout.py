@@ -208,12 +208,12 @@ def test_which_graph_a_step_replays_prefill_chunks_included():
 
 
 def test_a_length_goes_to_a_longer_graph_only_where_it_replays_faster():
-    """Run 58's verify graphs at 64 requests (an H200, a 2.7B target): 5 and 7 tokens a request replay slower than
+    """One run's verify graphs at 64 requests (an H200, a 2.7B target): 5 and 7 tokens a request replay slower than
     6 and 8. Each goes to the fastest longer graph, past a margin; none where no longer graph is faster enough."""
     from runtime.graph_layout import faster_lengths
 
-    run58 = {2: 3.50, 3: 4.22, 4: 4.30, 5: 6.10, 6: 5.56, 7: 7.95, 8: 6.63}
-    times = {(64, q): ms for q, ms in run58.items()} | {(16, q): 1.0 + 0.01 * q for q in run58}
+    measured = {2: 3.50, 3: 4.22, 4: 4.30, 5: 6.10, 6: 5.56, 7: 7.95, 8: 6.63}
+    times = {(64, q): ms for q, ms in measured.items()} | {(16, q): 1.0 + 0.01 * q for q in measured}
     assert faster_lengths(times, 0.03) == {(64, 5): 6, (64, 7): 8}
     assert faster_lengths(times, 0.15) == {(64, 7): 8}  # 5.56 is 9% under 6.10: within a 15% margin
     assert faster_lengths({(64, 3): 2.0, (64, 4): 1.5, (64, 8): 1.2}, 0.03) == {(64, 3): 8, (64, 4): 8}

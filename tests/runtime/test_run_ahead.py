@@ -715,7 +715,7 @@ class AcceptingExecutor(PackingExecutor):
 
 def test_the_step_profile_never_lets_a_request_finish_even_when_every_draft_is_accepted(tmp_path):
     """The profile's requests are sized to what its steps can commit (``runtime.step_profile``); a request that
-    finished mid-profile was a KeyError at startup (runs 56-57: packed steps ranked by confidence gave the surest
+    finished mid-profile was a KeyError at startup (packed steps ranked by confidence gave the surest
     request every draft of its block at any budget). While profiling, a packed step of c columns verifies c drafts
     of every request, and the requests drafted first verify none while the rest prefill."""
     from runtime.step_profile import profile_step_costs
@@ -763,7 +763,7 @@ def test_packed_verifies_run_ahead_at_the_columns_already_chosen(tmp_path):
     assert {h for _, nxt in ahead for h in nxt.packed.history} == {2}  # rejected_at_1
 
 def test_a_verify_served_by_a_faster_longer_graph_is_launched_ahead_padded_and_taken():
-    """Where the graph of a longer verify replays faster (run 58: 7 tokens a request at 64 requests 7.95 ms, 8
+    """Where the graph of a longer verify replays faster (7 tokens a request at 64 requests 7.95 ms, 8
     tokens 6.63), a step of the shorter blocks feeds them padded to it (``served_by``): launched ahead into that
     graph, each request's anchor and drafts followed by a padding row at its last position, and taken when the
     engine schedules the blocks as launched."""
@@ -802,7 +802,7 @@ def test_a_verify_launched_ahead_at_a_confidence_cap_replays_the_shorter_graph()
 def test_the_step_profile_plans_and_launches_each_verify_length_as_served(tmp_path):
     """The confidence scheduler's startup profile forces each verify length through the engine
     (``forced_verify_len``), so the engine plans and launches the next step ahead at that length, as it does at a
-    confidence-scheduled cap. Run 37's profile trimmed the blocks behind the engine's back: every step of a length
+    confidence-scheduled cap. One run's profile trimmed the blocks behind the engine's back: every step of a length
     short of the block dropped a verify launched ahead at the full block and ran it again (1.5-3 ms a step too slow
     on the GPU, and the scheduler never trimmed). Now only the first step of a new length (untimed) finds the step
     before it launched at the old one."""
