@@ -40,6 +40,6 @@ case "$step" in
   profile) python3 benchmarks/tp_scaling.py --tensor-parallel-sizes 2 --concurrency 1 --steps 10 --no-separate \
              --profile --layouts ray-tp2,ray-tp2-oneshot --out "$out/tp-profile.json" ;;
   separate) python3 benchmarks/tp_scaling.py --tensor-parallel-sizes 1 --concurrency 1,64,128 --draft-layers 5 \
-              --kv-cache-gib 24 --profile --layouts ray-tp1-separate --out "$out/separate.json" ;;
+              --kv-cache-memory 24GiB --profile --layouts ray-tp1-separate --out "$out/separate.json" ;;
   tests) python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/tests.txt" | tail -15 ;;
 esac

@@ -28,6 +28,6 @@ step tests-gpu python3 -m pytest -q tests/gpu -p no:cacheprovider
 step prenorm python3 benchmarks/plan_ahead.py --toggle prenorm --concurrency 1,4,16 --steps 30 \
   --out "$out/prenorm.json"
 step bench-8b python3 -m cluster.cli bench --model-shape qwen3-8b --concurrency 1,4,16,64 --steps 30 \
-  --kv-cache-gib 16 --hf-tokens 24 --out "$out/bench-8b.json"
+  --kv-cache-memory 16GiB --hf-tokens 24 --out "$out/bench-8b.json"
 bash benchmarks/gpu_host.sh save-cache "$out" >/dev/null 2>&1 || true
 exit "$status"

@@ -14,5 +14,5 @@ export PYTHONUNBUFFERED=1
 python3 benchmarks/moe_layer.py --out "$out/moe-layer.json"
 for backend in TRITON DENSEGEMM; do
   python3 -m cluster.cli bench --model-shape qwen3-30b-a3b --moe-backend "$backend" --draft-layers 1 \
-    --concurrency 1,16 --prompt-len 512 --steps 20 --kv-cache-gib 16 --sequential --out "$out/bench-30b-a3b-$backend.json"
+    --concurrency 1,16 --prompt-len 512 --steps 20 --kv-cache-memory 16GiB --sequential --out "$out/bench-30b-a3b-$backend.json"
 done

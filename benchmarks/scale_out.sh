@@ -45,7 +45,7 @@ case "$step" in
          --concurrency 1,64 --sequential --no-oneshot --out "$out/tp-scaling-moe.json" ;;
   sweep) tp=${3:?give the tensor parallel size}; drafter=${4:-colocated}
          python3 -m cluster.cli bench --model-shape qwen3-8b --tensor-parallel-size "$tp" --drafter "$drafter" \
-           --concurrency 1,4,16,64,256 --steps 30 --kv-cache-gib 16 --out "$out/sweep-tp$tp.json" ;;
+           --concurrency 1,4,16,64,256 --steps 30 --kv-cache-memory 16GiB --out "$out/sweep-tp$tp.json" ;;
   nodes) bash benchmarks/two_node_rehearsal.sh "$out" cuda "${3:-4}" ;;
   *) echo "usage: $0 prepare|dense|oneshot|moe|sweep|nodes OUT ..." >&2; exit 2 ;;
 esac

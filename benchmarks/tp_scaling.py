@@ -162,8 +162,8 @@ def main() -> int:
                 continue
             out = Path(tmp) / f"{name}.json"
             cmd = [sys.executable, "-m", "cluster.cli", "bench", "--model-shape", args.model_shape,
-                   "--concurrency", args.concurrency, "--steps", str(args.steps), "--kv-cache-gib",
-                   str(args.kv_cache_gib), "--draft-layers", str(args.draft_layers), *flags,
+                   "--concurrency", args.concurrency, "--steps", str(args.steps), "--kv-cache-memory",
+                   f"{args.kv_cache_gib:g}GiB", "--draft-layers", str(args.draft_layers), *flags,
                    *(["--profile"] if args.profile else []), *(["--sequential"] if args.sequential else []),
                    "--out", str(out)]
             commands[name] = "dspark " + shlex.join(cmd[3:])

@@ -130,7 +130,7 @@ bench() {  # [BENCH FLAGS]; the drafter and the output folder from $drafter and 
     mkdir -p "$to"
     python3 -m cluster.cli bench --model "$work/target" --speculative-model "$model" \
       --prompts "$work/heldout-prompts.jsonl" --prompt-len 64 --concurrency 1,4,16,64,256 --steps 30 \
-      --kv-cache-gib 16 "${schedule[@]}" --e2e-prompts 64 --e2e-tokens 128 \
+      --kv-cache-memory 16GiB "${schedule[@]}" --e2e-prompts 64 --e2e-tokens 128 \
       --confidence-scheduling --profile-steps "$to/step-costs.json" --mixed-rate 400 --mixed-requests 1536 \
       "$@" --out "$to/bench.json"
     [ -n "${given:-}" ] || cp "$tuned" "$to/tuned-schedule.json"

@@ -74,7 +74,7 @@ from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
 
-from cluster.arg_types import integer, number
+from cluster.arg_types import SIZE_FORMS, device_name, gib, integer, memory_size, moe_backend, number
 from cluster.bench_plot import plot, require_matplotlib
 
 MODEL_SHAPES = {
@@ -993,6 +993,8 @@ def run(args) -> dict:
     from runtime import LLM
     from runtime.heap import freeze_long_lived, unfreeze_long_lived
 
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
     replica = args.tensor_parallel_size is not None or args.drafter == "separate"
     tp = args.tensor_parallel_size or 1
@@ -1012,7 +1014,7 @@ def run(args) -> dict:
                   kernel_backend=args.kernel_backend, enforce_eager=args.enforce_eager, moe_backend=args.moe_backend,
                   piecewise_cuda_graphs=args.piecewise_cuda_graphs,
                   max_num_seqs=max(args.concurrency), max_model_len=args.prompt_len + 2048,
-                  kv_cache_memory=int(args.kv_cache_gib * 2**30), max_num_batched_tokens=max(2048, args.prompt_len * 2),
+                  kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=max(2048, args.prompt_len * 2),
                   load_format="dummy" if shape else "auto")
     if replica:  # through cluster.LLM: the target's shards (and a separate drafter) on Ray actors
         from cluster.llm import LLM as ReplicaLLM
@@ -1025,8 +1027,8 @@ def run(args) -> dict:
             pipelined = bool(pipeline) and place == "separate"
             return ReplicaLLM(model, speculative_config, tensor_parallel_size=tp, drafter=place,
                               pipeline_drafter=pipelined, allreduce_strategy=args.allreduce_strategy,
-                              ray_address=args.ray_address, **({"pipeline_drafter_min_batch": args.pipeline_min_batch}
-                                                               if pipelined and args.pipeline_min_batch else {}),
+                              ray_address=args.ray_address, **({"pipeline_drafter_min_batch": args.pipeline_drafter_min_batch}
+                                                               if pipelined and args.pipeline_drafter_min_batch else {}),
                               **kwargs)
     else:
         engine_class = LLM
@@ -1040,7 +1042,7 @@ def run(args) -> dict:
               "host": platform.node(), "torch": torch.__version__, "model": args.model_shape or str(target),
               "kind": "random-shape" if shape else "trained", "tensor_parallel_size": tp,
               "drafter": args.drafter, "pipeline_drafter": bool(args.pipeline_drafter) and args.drafter == "separate",
-              "pipeline_min_batch": (args.pipeline_min_batch or _default_pipeline_min_batch())
+              "pipeline_min_batch": (args.pipeline_drafter_min_batch or _default_pipeline_min_batch())
               if args.pipeline_drafter else None,
               "allreduce_strategy": args.allreduce_strategy if replica else None,
               "replica": "ray" if replica else "single-process", "speculation_guard": args.speculation_guard,
@@ -1305,7 +1307,7 @@ def run(args) -> dict:
         except torch.cuda.OutOfMemoryError as exc:
             raise SystemExit(f"dspark bench: the {kind} engine does not fit beside the engines it is measured "
                              f"against ({exc}); pass --sequential to measure each engine alone, one after "
-                             "another, or lower --kv-cache-gib") from None
+                             "another, or lower --kv-cache-memory") from None
 
     def paired(engines_: list[tuple[str, dict | None, dict]], with_e2e: bool = False,
                keep: frozenset = frozenset(), alive: dict | None = None, with_mixed: bool = True) -> dict:
@@ -1833,16 +1835,18 @@ def add_parser(commands) -> None:
                        "the tuned schedule drafts fewer it may still verify a whole block for a request whose "
                        "drafts it trusts); either way it is compared with the tuned schedule; both: the two "
                        "engines in the same rounds, the second's figures as confidence-max_* (one engine more alive "
-                       "at once: a smaller --kv-cache-gib may be needed)")
+                       "at once: a smaller --kv-cache-memory may be needed)")
     bench.add_argument("--profile-steps", metavar="FILE", help="with --confidence-scheduling: also write the "
                        "profiled step-time table to FILE (a confidence_cost_table_path)")
-    bench.add_argument("--moe-backend", default="AUTO", choices=["AUTO", "VANILLA", "DENSEGEMM", "TRITON"],
+    bench.add_argument("--moe-backend", default="AUTO", type=moe_backend, metavar="{AUTO,VANILLA,DENSEGEMM,TRITON}",
                        help="expert kernels of an MoE target (default AUTO; recorded as moe_backend)")
-    bench.add_argument("--kv-cache-gib", type=number(0, above=True), default=40,
-                       help="KV cache per engine (default 40 GiB)")
-    bench.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (default; the figures), or "
-                       "cpu: float32 torch kernels, a run of the plumbing whose times mean nothing (no roofline, "
-                       "peers or profiles)")
+    budget = bench.add_mutually_exclusive_group()
+    budget.add_argument("--kv-cache-memory", type=memory_size, metavar="SIZE", default=40 << 30,
+                        help=f"KV cache per engine: {SIZE_FORMS} (default 40GiB)")
+    budget.add_argument("--kv-cache-gib", type=gib, dest="kv_cache_memory", help=argparse.SUPPRESS)  # older spelling
+    bench.add_argument("--device", default="cuda", type=device_name, help="cuda (default; the figures), cuda:N, "
+                       "auto, or cpu: float32 torch kernels, a run of the plumbing whose times mean nothing (no "
+                       "roofline, peers or profiles)")
     bench.add_argument("--tensor-parallel-size", type=integer(1), help="run every engine as a Ray replica "
                        "(cluster.LLM) of this many target shards, one GPU each; the record says tensor_parallel_size "
                        "and drafter (default: one process, runtime.LLM, with its CUDA graphs and host breakdowns)")
@@ -1862,9 +1866,11 @@ def add_parser(commands) -> None:
     bench.add_argument("--pipeline-drafter", action="store_true", help="with --drafter separate: the separate "
                        "drafter drafts one request group while the target verifies the other (pipeline_drafter); "
                        "the run also measures the separate drafter without the pipeline (throughput_vs_serial)")
-    bench.add_argument("--pipeline-min-batch", type=integer(1), metavar="N", help="with --pipeline-drafter: "
+    bench.add_argument("--pipeline-drafter-min-batch", type=integer(1), metavar="N", help="with --pipeline-drafter: "
                        "parallel.pipeline_drafter_min_batch, the requests from which steps are pipelined (default "
                        "64; 1: always)")
+    bench.add_argument("--pipeline-min-batch", type=integer(1), dest="pipeline_drafter_min_batch",
+                       help=argparse.SUPPRESS)  # (the older spelling)
     bench.add_argument("--hf-tokens", type=integer(0), default=0, help="also time transformers generate for N "
                        "tokens at batch 1, eager and compiled with a static cache (peers)")
     bench.add_argument("--projected-tau", type=float, help="a trained pair's mean acceptance length: adds "
@@ -1975,8 +1981,8 @@ def main(args) -> int:
         print("dspark bench: --beside-single-process needs --tensor-parallel-size (it pairs a replica with one "
               "process)", file=sys.stderr)
         return 2
-    if args.pipeline_min_batch is not None and not args.pipeline_drafter:
-        print("dspark bench: --pipeline-min-batch needs --pipeline-drafter (it says when the pipeline runs)",
+    if args.pipeline_drafter_min_batch is not None and not args.pipeline_drafter:
+        print("dspark bench: --pipeline-drafter-min-batch needs --pipeline-drafter (it says when the pipeline runs)",
               file=sys.stderr)
         return 2
     if args.pipeline_drafter and args.drafter != "separate":

@@ -16,17 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from cluster import bench, bench_plot
-from cluster.arg_types import NEVER, integer, number, number_or_never
+from cluster.arg_types import NEVER, SIZE_FORMS, device_name, fraction, integer, memory_size, moe_backend, number, \
+    number_or_never
 from configs import ConfigError, LLMConfig, ParallelConfig, ReplicaConfig, ServeArgs, validate
 from configs.training import DrafterTrainConfig, TargetTrainConfig
 from configs.files import read_mapping
-from configs.speculative import MoeBackend
 
 # flag -> (section, field) of ServeArgs; section None is top level
 MODEL_FLAGS = {
     "model": ("engine", "model"), "tokenizer": ("engine", "tokenizer"), "dtype": ("engine", "dtype"),
     "device": ("engine", "device"), "max_model_len": ("engine", "max_model_len"),
     "max_num_seqs": ("engine", "max_num_seqs"), "kv_cache_memory": ("engine", "kv_cache_memory"),
+    "gpu_memory_utilization": ("engine", "gpu_memory_utilization"),
     "enable_mixed_prefill": ("engine", "enable_mixed_prefill"),
     "piecewise_cuda_graphs": ("engine", "piecewise_cuda_graphs"),
     "generation_config": ("engine", "generation_config"),
@@ -47,6 +48,20 @@ SERVER_KEY = "server"  # where it records its port and route on the Ray cluster 
 SERVE_FLAGS = {"served_model_name": (None, "served_model_name"), "api_key": (None, "api_key"),
                "num_replicas": ("deployment", "num_replicas"), "tool_call_parser": (None, "tool_call_parser"),
                "max_body_bytes": (None, "max_body_bytes"), "stall_timeout_s": (None, "stall_timeout_s")}
+
+
+DEVICE_HELP = "auto (default: cuda where available, else cpu), cpu, cuda, cuda:N"
+MOE_METAVAR = "{AUTO,VANILLA,DENSEGEMM,TRITON}"
+
+
+def add_kv_budget_flags(p: argparse.ArgumentParser) -> None:
+    """The KV budget, one way to say it in every subcommand that builds an engine."""
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--kv-cache-memory", type=memory_size, metavar="SIZE", help=f"memory for KV pages per "
+                        f"process: {SIZE_FORMS} (default: 90%% of free GPU memory, 1 GiB on a CPU)")
+    budget.add_argument("--gpu-memory-utilization", type=fraction, metavar="FRACTION", help="vLLM's: the fraction "
+                        "of the GPU's memory this process may use in all; KV pages get what the loaded weights leave "
+                        "(CUDA only)")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -82,14 +97,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds without a step after which a Ray replica parks its step graph (its actors stop "
                    "spinning a core each; the next step compiles it again); never: keep it armed (default 2)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="default auto (bf16 on GPU)")
-    p.add_argument("--device", help="auto (default), cpu, cuda")
+    p.add_argument("--device", type=device_name, help=DEVICE_HELP)
     p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, help="requests decoding at once (default 64)")
     p.add_argument("--generation-config", choices=["auto", "none"],
                    help="default sampling parameters: auto (default, as vLLM) takes what the model's "
                    "generation_config.json sets for every request that leaves them unset; none keeps the engine's "
                    "own (temperature 1, no filters)")
-    p.add_argument("--kv-cache-memory", type=int, help="bytes for KV pages per process")
+    add_kv_budget_flags(p)
     p.add_argument("--enable-mixed-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="let a step feed prompt chunks beside decoding requests (default); --no-enable-mixed-prefill: "
                    "prefill steps and decode steps apart, each replaying a CUDA graph (outputs unchanged)")
@@ -97,10 +112,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="replay steps no whole-step CUDA graph serves (prompt chunks beside decodes) as graphs cut at "
                    "each layer's attention (default, one GPU); --no-piecewise-cuda-graphs: run them eagerly "
                    "(outputs unchanged)")
-    p.add_argument("--moe-backend", choices=typing.get_args(MoeBackend), help="expert kernels of an MoE target's "
+    p.add_argument("--moe-backend", type=moe_backend, metavar=MOE_METAVAR, help="expert kernels of an MoE target's "
                    "MoE layers, resolved on each rank (default AUTO: TRITON on CUDA, else DENSEGEMM where torch's "
                    "grouped GEMM runs, else VANILLA); one a rank cannot run is an error naming the rank and why")
-    p.add_argument("--speculative-moe-backend", choices=typing.get_args(MoeBackend), help="the drafter's MoE "
+    p.add_argument("--speculative-moe-backend", type=moe_backend, metavar=MOE_METAVAR, help="the drafter's MoE "
                    "layers' backend (default: inherit --moe-backend; a dense drafter has none)")
     p.add_argument("--ray-address", help="Ray cluster to join: an address, or 'auto' (the one running on this "
                    "machine); default: $RAY_ADDRESS if set, else a new local cluster of this command's own")
@@ -209,9 +224,9 @@ def add_training_commands(commands) -> None:
     regen.add_argument("--tensor-parallel-size", type=int, default=1, help="target shards, one GPU each (default 1)")
     regen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                        help="default auto (bf16 on GPU)")
-    regen.add_argument("--device", default="auto", help="auto (default), cpu, cuda")
+    regen.add_argument("--device", type=device_name, default="auto", help=DEVICE_HELP)
     regen.add_argument("--max-num-seqs", type=int, help="requests decoding at once (default 64)")
-    regen.add_argument("--kv-cache-memory", type=int, help="bytes for KV pages per process")
+    add_kv_budget_flags(regen)
     regen.set_defaults(handler=run_regenerate)
 
     bench.add_parser(commands)
@@ -280,7 +295,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
         raise ValueError("--sources and --prompt-tokens cut code prompts; they do not go with --prompts")
     SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)  # refused before loading
     settings = {"model": args.target, "dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
-                "kv_cache_memory": args.kv_cache_memory}
+                "kv_cache_memory": args.kv_cache_memory, "gpu_memory_utilization": args.gpu_memory_utilization}
     engine = validate(LLMConfig, {k: v for k, v in settings.items() if v is not None}, "regenerate")
     parallel = validate(ParallelConfig, {"tensor_parallel_size": args.tensor_parallel_size}, "regenerate")
     load_hf_config(engine.model, "--target")  # a missing or broken checkpoint, named

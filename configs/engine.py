@@ -42,6 +42,10 @@ class LLMConfig(BaseModel):
     kv_cache_memory: Annotated[int, Field(gt=0)] | None = Field(
         default=None, description="Bytes per process for KV pages (target and drafter-context layers share one "
         "page table); exclusive with num_pages. Default: 1 GiB on CPU, 90% of free memory on CUDA.")
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = Field(
+        default=None, description="vLLM's: the fraction of the GPU's total memory this process may use in all; the KV "
+        "pages get what it leaves once the weights are loaded (fraction x total - memory in use). CUDA devices only; "
+        "exclusive with num_pages and kv_cache_memory.")
     max_num_seqs: Annotated[int, Field(gt=0)] = Field(default=64, description="Requests decoding at once.")
     max_num_batched_tokens: Annotated[int, Field(gt=0)] = Field(
         default=2048, description="Target tokens per step (prefill chunks + K+1 per decoding request).")
@@ -99,8 +103,12 @@ class LLMConfig(BaseModel):
 
     @model_validator(mode="after")
     def validate_budgets(self) -> LLMConfig:
-        if self.num_pages is not None and self.kv_cache_memory is not None:
-            raise ValueError("num_pages and kv_cache_memory are mutually exclusive: give one KV budget")
+        budgets = [name for name in ("num_pages", "kv_cache_memory", "gpu_memory_utilization")
+                   if getattr(self, name) is not None]
+        if len(budgets) > 1:
+            raise ValueError(f"{' and '.join(budgets)} are mutually exclusive: give one KV budget")
+        if self.gpu_memory_utilization is not None and self.device == "cpu":
+            raise ValueError("gpu_memory_utilization needs a CUDA device (device is cpu); give kv_cache_memory")
         spec = self.speculative_config
         if spec is not None and spec.speculative_model is None:
             raise ValueError("speculative_config.speculative_model must name the drafter checkpoint")

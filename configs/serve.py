@@ -81,6 +81,10 @@ class ServeArgs(BaseModel):
     stall_timeout_s: Annotated[float, Field(gt=0)] = Field(
         default=10.0, description="/health answers 503 (code stalled) while the engine has not finished a step "
         "for this long (a hung device or a step that never ends), so Serve and balancers see it.")
+    grammar_compile_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=10.0, description="A structured request's grammar (response_format, structured_outputs, tools with "
+        "tool_choice required) is compiled off the engine's thread and must compile within this, else the request "
+        "gets a 400 naming this limit; other requests never wait for it.")
     route_prefix: str = Field(default="/", description="Where the app is mounted.")
     max_n: Annotated[int, Field(ge=1, le=128)] = Field(default=16, description="Most samples one request may ask "
                                                       "for (n); more is a 400 naming n.")

@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from runtime.engine import Engine
@@ -26,6 +27,8 @@ from runtime.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
+GRAMMAR_TIMEOUT_S = 10.0  # a structured request's grammar must compile within this (ServeArgs.grammar_compile_timeout_s)
+GRAMMAR_WORKERS = 2  # grammars compiled at once, off the engine's thread
 
 
 class Overloaded(RuntimeError):
@@ -65,11 +68,16 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, engine_of: Callable[[], Engine], recover: Callable[[BaseException], None] | None = None,
-                 max_waiting: int = 1024, probe: Callable[[], object] | None = None, probe_interval_s: float = 2.0):
+                 max_waiting: int = 1024, probe: Callable[[], object] | None = None, probe_interval_s: float = 2.0,
+                 grammar_timeout_s: float = GRAMMAR_TIMEOUT_S):
         """``engine_of()`` returns the current engine (the cluster layer replaces it when it rebuilds). ``probe``,
         called by the engine thread every ``probe_interval_s`` while no request runs, raises when the models are
-        lost (a dead actor): that is recovered at once, as a failed step would be, without waiting for traffic."""
+        lost (a dead actor): that is recovered at once, as a failed step would be, without waiting for traffic.
+        A structured request's grammar is compiled on a small pool of its own, never on the engine's thread: one
+        that takes longer than ``grammar_timeout_s`` fails its request (``ValueError`` naming the limit)."""
         self.engine_of, self.recover, self.max_waiting = engine_of, recover, max_waiting
+        self.grammar_timeout_s = grammar_timeout_s
+        self._grammar_pool = ThreadPoolExecutor(max_workers=GRAMMAR_WORKERS, thread_name_prefix="dspark-grammar")
         self.probe, self.probe_interval_s = probe, probe_interval_s
         self.recovering = False  # True while ``recover`` rebuilds the models (health checks answer 503)
         self.recovery_failed: BaseException | None = None  # the last rebuild's error, until one succeeds
@@ -106,10 +114,11 @@ class AsyncEngine:
         self.engine.validate_request(prompt_token_ids, params)
         if self.engine.num_waiting + self._pending_adds >= self.max_waiting:
             raise Overloaded(f"{self.max_waiting} requests are already waiting")
+        grammar = await self._compile_grammar(params) if params.structured_outputs is not None else None
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
         with self._pending_lock:
             self._pending_adds += 1
-        self._commands.put(("add", request_id, list(prompt_token_ids), params, stream, follows, index))
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, stream, follows, index, grammar))
         finished = False
         try:
             while True:
@@ -125,12 +134,24 @@ class AsyncEngine:
             if not finished:  # the caller went away: free the request's pages
                 self._commands.put(("abort", request_id))
 
+    async def _compile_grammar(self, params: SamplingParams):
+        """``params``' grammar compiled on the grammar pool, within ``grammar_timeout_s`` (a compile that outlasts it
+        finishes on its worker, unawaited; the pool's few workers bound how many such run at once)."""
+        work = asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.compile_grammar, params)
+        try:
+            return await asyncio.wait_for(work, self.grammar_timeout_s)
+        except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
+            raise ValueError(f"SamplingParams.structured_outputs: its grammar did not compile within "
+                             f"{self.grammar_timeout_s:g} s (the server's grammar_compile_timeout_s); ask for a "
+                             "simpler schema, regex or grammar") from None
+
     def stop_all(self, reason: str) -> None:
         """End every request in flight (queued ones too) with ``Stopping(reason)``: their callers answer it (an error
         event and [DONE] for a stream, a 503 otherwise) instead of being cut when the process goes."""
         self._commands.put(("stop_all", reason))
 
     def shutdown(self) -> None:
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self._stopped.set()
         self._commands.put(("stop",))
         self._thread.join(timeout=30)
@@ -183,11 +204,11 @@ class AsyncEngine:
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, stream, follows, index = command
+            _, request_id, prompt, params, stream, follows, index, grammar = command
             with self._pending_lock:
                 self._pending_adds -= 1
             try:
-                self.engine.add_request(prompt, params, request_id, follows, index)
+                self.engine.add_request(prompt, params, request_id, follows, index, grammar)
                 self._streams[request_id] = stream
             except ValueError as exc:
                 stream.push(exc)

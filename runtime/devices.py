@@ -27,14 +27,29 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def kv_budget_bytes(config: LLMConfig, device: torch.device) -> int:
-    """Bytes this process may give to KV pages: the config's, else 90% of free CUDA memory, else 1 GiB."""
+    """Bytes this process may give to KV pages (called once the weights are loaded): the config's
+    ``kv_cache_memory``; else what ``gpu_memory_utilization`` of the device's total leaves beside the memory already
+    in use; else 90% of free CUDA memory, else 1 GiB."""
     if config.kv_cache_memory is not None:
         return config.kv_cache_memory
+    if config.gpu_memory_utilization is not None:
+        if device.type != "cuda":
+            raise ValueError(f"gpu_memory_utilization needs a CUDA device, this process's is {device}; give "
+                             "kv_cache_memory")
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(config.gpu_memory_utilization * total) - (total - free)
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization {config.gpu_memory_utilization:g} leaves no memory for KV "
+                             f"pages: {device} already uses {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB "
+                             "with the weights loaded; raise it, or give kv_cache_memory")
+        return budget
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * CUDA_KV_FRACTION)
     return CPU_KV_DEFAULT_BYTES
 
+
+MOE_BACKENDS_RUN = ("AUTO", "VANILLA", "DENSEGEMM", "TRITON")  # the expert kernels this build has
 
 # Backends of the reference's list (configs.speculative.MoeBackend) this build has no expert kernel for: why.
 MOE_BACKENDS_ELSEWHERE = {

@@ -14,6 +14,7 @@ import functools
 import itertools
 import logging
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -143,6 +144,7 @@ class Engine:
         self._deferred = False  # the step's decision was deferred (allot_deferred)
         self._judged_bucket = 0  # the batch bucket of the last judgement of drafting (its hold's, _record_decision)
         self._grammar_backend: GrammarBackend | None = None  # structured outputs' compiler (_grammars)
+        self._grammar_lock = threading.Lock()  # (compile_grammar runs on other threads too)
         self._structured: set[str] = set()  # ids of structured requests, pruned to live ones each step (_mask_grammars)
         # whether speculating pays, per request and per batch (runtime.spec_guard); not while drafting is pipelined
         # (two groups alternate steps: each step drafts the other group's blocks)
@@ -210,10 +212,12 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    follows: str | None = None, index: int = 0) -> str:
+                    follows: str | None = None, index: int = 0, grammar=None) -> str:
         """Validate and queue a request; raises ``ValueError`` naming the problem. ``follows``: the id of another
         sample of the same prompt; this one waits in the queue until that one computed the prompt, then starts
-        from its cached pages (prefix caching) instead of computing the prompt again. ``index``: the sample's."""
+        from its cached pages (prefix caching) instead of computing the prompt again. ``index``: the sample's.
+        ``grammar``: ``compile_grammar(params)`` made beforehand (off this thread); without it a structured request's
+        grammar is compiled here."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -226,7 +230,7 @@ class Engine:
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first token has no logprob: nothing precedes it
         if params.structured_outputs is not None:  # (a schema xgrammar refuses: ValueError, nothing queued)
-            seq.grammar = self._grammars().matcher(params.structured_outputs)
+            seq.grammar = self._grammars().matcher(params.structured_outputs, grammar)
             self._structured.add(request_id)
         if params.bad_words:  # (a word the tokenizer cannot make ids of this model from: ValueError, nothing queued)
             seq.bad_words = token_sequences(self.tokenizer, params.bad_words, self.vocab_size)
@@ -237,11 +241,19 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
+    def compile_grammar(self, params: SamplingParams):
+        """The compiled grammar of a structured request, for ``add_request(grammar=...)``; callable from any thread
+        (a server compiles off the engine's thread, so that a grammar slow to compile delays only its request);
+        ``ValueError`` naming the field for one xgrammar refuses."""
+        return self._grammars().compile(params.structured_outputs)
+
     def _grammars(self) -> GrammarBackend:
         """The grammar compiler of structured outputs, built on first use (xgrammar is optional)."""
-        if self._grammar_backend is None:
-            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, sorted(self.stops.eos_token_ids))
-        return self._grammar_backend
+        with self._grammar_lock:
+            if self._grammar_backend is None:
+                self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size,
+                                                       sorted(self.stops.eos_token_ids))
+            return self._grammar_backend
 
     def _mask_grammars(self, scheduled: list[ScheduledRequest]) -> None:
         """Each structured request's token masks for the rows it commits this step (``runtime.grammar``). Once no

@@ -42,9 +42,15 @@ class GrammarBackend:
         self.compiler = xgrammar.GrammarCompiler(self.info)
         self.words = (vocab_size + 31) // 32  # int32 words of a row's mask
 
-    def matcher(self, wanted: StructuredOutputs):
-        """A fresh matcher for ``wanted``; ``ValueError`` naming the field for a schema, regex or grammar xgrammar
-        refuses (a choice is an EBNF alternation of its strings). The JSON is
+    def matcher(self, wanted: StructuredOutputs, compiled=None):
+        """A fresh matcher for ``wanted`` (from ``compiled``, its ``compile``, where given: a matcher is cheap, the
+        compile is not)."""
+        return self.xgr.GrammarMatcher(compiled if compiled is not None else self.compile(wanted))
+
+    def compile(self, wanted: StructuredOutputs):
+        """``wanted`` compiled against the tokenizer (xgrammar caches them per source; safe from any thread);
+        ``ValueError`` naming the field for a schema, regex or grammar xgrammar refuses (a choice is an EBNF
+        alternation of its strings). The JSON is
         laid out as ``json.dumps`` does (", " and ": " between items, no other whitespace): a grammar that allows any
         whitespace lets a model that likes spaces fill ``max_tokens`` with them (vLLM's ``disable_any_whitespace``)."""
         if wanted.regex is not None:
@@ -58,7 +64,7 @@ class GrammarBackend:
             what, compile_ = "json", functools.partial(self.compiler.compile_json_schema, any_whitespace=False)
             source = json.dumps({"type": "object"}) if wanted.json_object else wanted.json
         try:
-            return self.xgr.GrammarMatcher(compile_(source))
+            return compile_(source)
         except Exception as exc:  # xgrammar's own error types: an unsupported or invalid schema, regex or grammar
             raise ValueError(f"SamplingParams.structured_outputs.{what}: xgrammar cannot compile it: "
                              f"{str(exc)[:500]}") from None

@@ -14,6 +14,7 @@ MAX_BAD_WORDS = 128  # most words ``bad_words`` may ban per request
 MAX_STOP = 128  # most ``stop`` strings (each checked against every step's text) and ``stop_token_ids`` per request
 MAX_STOP_CHARS = 1024  # the longest ``stop`` string
 MAX_CHOICES = 1024  # most strings ``StructuredOutputs.choice`` may choose among
+MAX_STRUCTURED_CHARS = 65_536  # a schema, regex or grammar, or all of a choice's strings: what a grammar is built from
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule): 1/T would overflow the logits
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # vLLM's RequestOutputKind, lower-cased
 
@@ -46,6 +47,12 @@ class StructuredOutputs:
         if self.choice is not None and not (0 < len(self.choice) <= MAX_CHOICES and all(
                 isinstance(c, str) and c and _encodable(c) for c in self.choice)):
             raise ValueError(f"SamplingParams.structured_outputs.choice must be 1..{MAX_CHOICES} non-empty strings")
+        size = sum(len(v) for v in (self.json, self.regex, self.grammar) if isinstance(v, str)) + \
+            sum(len(c) for c in self.choice or () if isinstance(c, str))
+        if size > MAX_STRUCTURED_CHARS:
+            field = next(n for n in ("json", "regex", "grammar", "choice") if getattr(self, n) is not None)
+            raise ValueError(f"SamplingParams.structured_outputs.{field} is {size:,} characters; at most "
+                             f"{MAX_STRUCTURED_CHARS:,} compile into a grammar")
         if self.json is not None:
             try:
                 schema = json.loads(self.json) if isinstance(self.json, str) else None

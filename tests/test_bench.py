@@ -165,9 +165,9 @@ def test_bench_refuses_a_transformers_peer_on_a_replica(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 2 and "--hf-tokens times transformers on one GPU" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
-                           "--drafter", "separate", "--pipeline-min-batch", "8"], cwd=root, capture_output=True,
+                           "--drafter", "separate", "--pipeline-drafter-min-batch", "8"], cwd=root, capture_output=True,
                           text=True, timeout=120)
-    assert proc.returncode == 2 and "--pipeline-min-batch needs --pipeline-drafter" in proc.stderr
+    assert proc.returncode == 2 and "--pipeline-drafter-min-batch needs --pipeline-drafter" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--pipeline-drafter"], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--pipeline-drafter needs --drafter separate" in proc.stderr
@@ -221,7 +221,7 @@ def test_the_whole_single_process_bench_runs_on_the_cpu(tmp_path):
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny-moe", "--device", "cpu",
                            "--concurrency", "1,2", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2",
-                           "--warmup", "1", "--kv-cache-gib", "0.05", "--confidence-scheduling", "--tune-schedule",
+                           "--warmup", "1", "--kv-cache-memory", "50MiB", "--confidence-scheduling", "--tune-schedule",
                            str(schedule), "--no-speculation-guard",  # the schedules as set (on this CPU the guard
                            # may find that drafting never pays)
                            "--acceptance-per-position", "0.99,0.99,0.99", "--e2e-prompts", "2",
@@ -362,7 +362,7 @@ def test_both_confidence_engines_are_measured_in_the_same_rounds_beside_the_tune
     out, schedule = tmp_path / "bench.json", tmp_path / "schedule.json"
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--concurrency", "1,2", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2",
-                           "--warmup", "1", "--rounds", "1", "--kv-cache-gib", "0.05", "--confidence-scheduling",
+                           "--warmup", "1", "--rounds", "1", "--kv-cache-memory", "50MiB", "--confidence-scheduling",
                            "--tune-schedule", str(schedule), "--confidence-draft-len", "both",
                            "--acceptance-per-position", "0.99,0.5,0.1", "--mixed-rate", "200", "--mixed-requests",
                            "4", "--e2e-prompts", "0", "--e2e-tokens", "8", "--out", str(out)],
@@ -395,7 +395,7 @@ def test_a_schedule_tuned_before_is_measured_in_one_phase_beside_the_sweep(tmp_p
     schedule.write_text(json.dumps({"engine": {"speculative_config": {"draft_len_schedule": {"1": 3, "2": 1}}}}))
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--concurrency", "1,2", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2",
-                           "--warmup", "1", "--rounds", "1", "--kv-cache-gib", "0.05", "--confidence-scheduling",
+                           "--warmup", "1", "--rounds", "1", "--kv-cache-memory", "50MiB", "--confidence-scheduling",
                            "--schedule", str(schedule), "--confidence-draft-len", "max", "--mixed-rate", "200",
                            "--mixed-requests", "4", "--e2e-prompts", "0", "--e2e-tokens", "8", "--out", str(out)],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
@@ -437,7 +437,7 @@ def test_tuning_a_sweep_of_one_request_keeps_max_draft_len(tmp_path):
     out, schedule = tmp_path / "bench.json", tmp_path / "schedule.json"
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--concurrency", "1", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2",
-                           "--warmup", "1", "--rounds", "1", "--kv-cache-gib", "0.05", "--tune-schedule", str(schedule),
+                           "--warmup", "1", "--rounds", "1", "--kv-cache-memory", "50MiB", "--tune-schedule", str(schedule),
                            "--acceptance-per-position", "0.99,0.5,0.1", "--e2e-prompts", "0", "--mixed-rate", "100",
                            "--mixed-rate", "0", "--out", str(out)],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
@@ -458,7 +458,7 @@ def test_the_confidence_engine_can_draft_max_draft_len_beside_the_tuned_schedule
     out, schedule = tmp_path / "bench.json", tmp_path / "schedule.json"
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--concurrency", "1,2", "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2",
-                           "--warmup", "1", "--rounds", "1", "--kv-cache-gib", "0.05", "--confidence-scheduling",
+                           "--warmup", "1", "--rounds", "1", "--kv-cache-memory", "50MiB", "--confidence-scheduling",
                            "--tune-schedule", str(schedule), "--confidence-draft-len", "max",
                            "--acceptance-per-position", "0.99,0.5,0.1", "--out", str(out)],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
@@ -620,7 +620,7 @@ def test_sequential_measures_each_engine_alone(tmp_path):
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--concurrency", "1,2", "--max-draft-len", "2", "--prompt-len", "8", "--steps", "2",
-                           "--warmup", "1", "--kv-cache-gib", "0.05", "--sequential", "--tune-schedule", str(schedule),
+                           "--warmup", "1", "--kv-cache-memory", "50MiB", "--sequential", "--tune-schedule", str(schedule),
                            "--acceptance-per-position", "0.99,0.99", "--e2e-prompts", "2", "--e2e-tokens", "4",
                            "--confidence-scheduling", "--out", str(out)], cwd=root, capture_output=True, text=True,
                           timeout=600)

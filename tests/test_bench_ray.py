@@ -18,7 +18,7 @@ def test_the_sweep_runs_through_a_ray_replica_with_a_separate_drafter(tmp_path):
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
                            "--tensor-parallel-size", "1", "--drafter", "separate", "--pipeline-drafter",
-                           "--pipeline-min-batch", "1", "--concurrency", "1,2",
+                           "--pipeline-drafter-min-batch", "1", "--concurrency", "1,2",
                            "--max-draft-len", "3", "--prompt-len", "8", "--steps", "2", "--warmup", "1",
                            "--kv-cache-gib", "0.05", "--ray-address", "local", "--out", str(out)], cwd=root,
                           capture_output=True, text=True, timeout=600)

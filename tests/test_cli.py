@@ -114,7 +114,18 @@ def test_regenerate_refuses_bad_prompts_and_flags(qwen3_target, tmp_path, capsys
     (["bench", "--model-shape", "tiny", "--steps", "0"], "argument --steps: wants an integer >= 1, got '0'"),
     (["bench", "--model-shape", "tiny", "--mixed-rate", "nan"], "argument --mixed-rate: wants a number >= 0"),
     (["bench", "--model-shape", "tiny", "--mixed-requests", "0"], "argument --mixed-requests: wants an integer >= 1"),
+    (["bench", "--model-shape", "tiny", "--kv-cache-memory", "0"], "argument --kv-cache-memory: wants a size of at "
+     "least 1 byte"),
+    (["bench", "--model-shape", "tiny", "--kv-cache-memory", "lots"], "wants bytes, or a number with a unit"),
     (["bench", "--model-shape", "tiny", "--kv-cache-gib", "0"], "argument --kv-cache-gib: wants a number > 0"),
+    (["bench", "--model-shape", "tiny", "--device", "gpu"], "argument --device: wants one of auto, cpu, cuda, cuda:N"),
+    (["serve", "--moe-backend", "CUTLASS"], "argument --moe-backend: CUTLASS: FlashInfer's CUTLASS fused MoE is not "
+     "wired"),
+    (["bench", "--model-shape", "tiny", "--moe-backend", "FAST"], "wants one of AUTO, VANILLA, DENSEGEMM, TRITON"),
+    (["serve", "--gpu-memory-utilization", "1.5"], "argument --gpu-memory-utilization: wants a fraction in (0, 1]"),
+    (["serve", "--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1GiB"], "not allowed with argument"),
+    (["serve", "--gpu-memory-utilization", "0.5", "--device", "cpu"], "gpu_memory_utilization needs a CUDA device"),
+    (["serve", "--device", "tpu"], "argument --device: wants one of auto, cpu, cuda, cuda:N"),
     (["bench", "--model-shape", "tiny", "--e2e-prompts", "-1"], "argument --e2e-prompts: wants an integer >= 0"),
     (["serve", "--port", "70000"], "argument --port: wants an integer in [1, 65535], got '70000'"),
     (["serve", "--drain-timeout", "-1"], "argument --drain-timeout: wants a number >= 0, got '-1'"),
@@ -223,3 +234,20 @@ def test_idle_parking_is_a_serve_flag(qwen3_target, capsys):
         with pytest.raises(SystemExit):
             parallel("--idle-park-s", bad)
         assert "argument --idle-park-s: wants a number > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,size", [("1073741824", 1 << 30), ("16GiB", 16 << 30), ("512MiB", 512 << 20),
+                                       ("0.5GB", 500_000_000), ("50MiB", 50 << 20), ("2g", 2_000_000_000)])
+def test_memory_sizes_take_bytes_or_a_unit(text, size):
+    from cluster.arg_types import memory_size
+
+    assert memory_size(text) == size
+
+
+def test_the_memory_flags_reach_the_engine_config():
+    from cluster.cli import MODEL_FLAGS, SERVE_FLAGS, build_parser, serve_args
+
+    args = build_parser().parse_args(["serve", "--kv-cache-memory", "2GiB", "--device", "cpu"])
+    assert serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS}).engine.kv_cache_memory == 2 << 30
+    args = build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.8"])
+    assert serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS}).engine.gpu_memory_utilization == 0.8

@@ -256,7 +256,8 @@ class DSparkServer:
         self.llm = ReplicaLLM.from_config(ReplicaConfig(engine=args.engine, parallel=args.parallel))
         app.state.private_paths = private_paths(self.llm.engine.config)
         self.engine = AsyncEngine(lambda: self.llm.engine, self.llm.rebuild, args.deployment.max_waiting_requests,
-                                  probe=lambda: self.llm.health(timeout_s=HEALTH_PROBE_TIMEOUT_S))
+                                  probe=lambda: self.llm.health(timeout_s=HEALTH_PROBE_TIMEOUT_S),
+                                  grammar_timeout_s=args.grammar_compile_timeout_s)
         self.metrics = ServerMetrics(lambda: self.llm.engine, self.llm.rank_info())
         self.tokenizer = self.llm.tokenizer
         # the most characters one token decodes to (a bound that makes a text's length a lower bound of its tokens)
@@ -346,6 +347,8 @@ class DSparkServer:
         # max_tokens unset: the model's max_new_tokens if it sets one, else OpenAI's 16
         budget = defaults["max_tokens"] if "max_tokens" in defaults and "max_tokens" not in body.model_fields_set \
             else body.max_tokens
+        if "max_tokens" in body.model_fields_set:
+            self._check_budget(prompts, budget, "max_tokens")
         return await self._respond(body, prompts, sampling_params(body, budget, defaults), "prompt", chat=False,
                                    echoes=echoes)
 
@@ -361,6 +364,9 @@ class DSparkServer:
         defaults, room = self.llm.engine.sampling_defaults, max(self.llm.engine.max_model_len - len(prompt), 1)
         # unset: the model's max_new_tokens if it sets one (within the context left), else the context left
         budget = body.token_budget(min(defaults.get("max_tokens", room), room))
+        asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens" if body.max_tokens else None
+        if asked is not None:
+            self._check_budget([prompt], budget, asked)
         return await self._respond(body, [prompt], sampling_params(body, budget, defaults), "messages", chat=True)
 
     @app.get("/health")
@@ -429,6 +435,16 @@ class DSparkServer:
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         except Exception as exc:  # the tokenizer refused this text: the request's fault, nobody else's
             raise ApiError(400, f"the tokenizer cannot encode this prompt: {exc}", "prompt") from None
+
+    def _check_budget(self, prompts: list[list[int]], budget: int, param: str) -> None:
+        """A 400 (context_length_exceeded, as OpenAI and vLLM answer) where a prompt and the tokens the client asked
+        for exceed the context: the engine would otherwise stop at the context's end, short of what was asked."""
+        longest = max(len(p) for p in prompts)
+        limit = self.llm.engine.max_model_len
+        if longest < limit < longest + budget:  # (a prompt that alone fills the context: its own 400 names it)
+            raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request asks for "
+                           f"{longest + budget} ({longest} in the prompt, {budget} to generate): set {param} to at "
+                           f"most {max(limit - longest, 0)}", param, "context_length_exceeded")
 
     def _check_length(self, chars: int, param: str) -> None:
         """A 400 (context_length_exceeded) for a text of ``chars`` characters that cannot fit the context whatever it

@@ -1081,3 +1081,18 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read_and_a_hopeless_prompt_
     r = post(server, "/v1/completions", big)  # the main app takes it, and refuses it by its length alone
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert "characters are at least" in r.json()["error"]["message"] and time.monotonic() - began < 5
+
+
+def test_asking_for_more_tokens_than_the_context_leaves_is_a_400_not_a_silent_cut(server):
+    """max_tokens past the context (256 here) is the client's error, as OpenAI and vLLM answer it; unset, the budget
+    is what the context leaves."""
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "def fib(n):", "max_tokens": 300})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    assert "maximum context length is 256 tokens" in error["message"] and "set max_tokens to at most" in error["message"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}
+    r = post(server, "/v1/chat/completions", chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    del chat["max_completion_tokens"]
+    r = post(server, "/v1/chat/completions", {**chat, "temperature": 0})
+    assert r.status_code == 200, r.text

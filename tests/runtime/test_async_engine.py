@@ -126,3 +126,40 @@ def test_a_frozen_step_shows_as_a_stall_and_ends_when_the_step_does(llm):
         release.set()
         llm.engine.step = real_step
         engine.shutdown()
+
+
+def test_a_grammar_slow_to_compile_delays_only_its_own_request(llm, monkeypatch):
+    """A structured request's grammar compiles off the engine's thread: a plain request runs meanwhile, and the
+    compile that outlasts ``grammar_timeout_s`` fails its own request with a message naming the limit."""
+    import threading
+
+    from runtime.sampling_params import StructuredOutputs
+
+    began = threading.Event()
+
+    def slow_compile(params):
+        began.set()
+        time.sleep(3)
+        raise AssertionError("the request should have timed out before its grammar compiled")
+
+    monkeypatch.setattr(llm.engine, "compile_grammar", slow_compile)
+    engine = AsyncEngine(lambda: llm.engine, grammar_timeout_s=1.0)
+    structured = SamplingParams(max_tokens=4, temperature=0, structured_outputs=StructuredOutputs(regex="a+"))
+
+    async def run():
+        slow = asyncio.ensure_future(collect(engine, [5, 6, 7], structured))
+        while not began.is_set():
+            await asyncio.sleep(0.01)
+        start = time.monotonic()
+        plain = await collect(engine, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
+        plain_s = time.monotonic() - start
+        with pytest.raises(ValueError, match=r"did not compile within 1 s .*grammar_compile_timeout_s"):
+            await slow
+        return plain, plain_s
+
+    try:
+        plain, plain_s = asyncio.run(run())
+        assert plain[-1].finished and len(plain[-1].token_ids) == 8 and plain_s < 1.0
+        assert not llm.engine.has_unfinished()
+    finally:
+        engine.shutdown()

@@ -103,3 +103,25 @@ def test_without_xgrammar_a_structured_request_is_refused_naming_what_to_install
     with pytest.raises(ValueError, match=r"SamplingParams.structured_outputs needs xgrammar.*dspark\[structured\]"):
         llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputs(json_object=True)))
     assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].token_ids  # other requests are served
+
+
+def test_a_grammar_compiled_beforehand_decodes_as_one_compiled_in_place(near_bigram_target):
+    """``Engine.compile_grammar`` (what a server runs off the engine's thread) then ``add_request(grammar=...)``
+    gives the tokens of a request whose grammar the engine compiles itself."""
+    pytest.importorskip("xgrammar")
+    llm = LLM(str(near_bigram_target), **ENGINE)
+    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputs(json=json.dumps(SCHEMA)))
+    inline = llm.generate([PROMPTS[0]], params)[0].token_ids
+    engine = llm.engine
+    request = engine.add_request(PROMPTS[0], params, grammar=engine.compile_grammar(params))
+    tokens = []
+    while engine.has_unfinished():
+        tokens = next((o.token_ids for o in engine.step() if o.request_id == request), tokens)
+    assert tokens == inline
+
+
+@pytest.mark.parametrize("field,value", [("regex", "a" * 70_000), ("choice", ["b" * 40_000, "c" * 40_000]),
+                                         ("grammar", "root ::= " + '"x" | ' * 20_000 + '"y"')])
+def test_a_structured_output_too_large_to_compile_is_refused_naming_the_limit(field, value):
+    with pytest.raises(ValueError, match=rf"structured_outputs\.{field} is [\d,]+ characters; at most 65,536"):
+        StructuredOutputs(**{field: value})
