@@ -23,13 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import LLMConfig  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
+from runtime.executor import ExecutorBase  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.step_io import RequestStepResult, ScheduledBatch  # noqa: E402
 
 VOCAB = 50_000
 
 
-class CannedExecutor:
+class CannedExecutor(ExecutorBase):
     """Answers every step at once: each sampled request commits ``accepted`` drafts plus one token and gets a
     block of ``draft_len`` next drafts."""
 

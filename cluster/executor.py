@@ -38,7 +38,7 @@ from cluster.dispatch import BatchEncoder, decode_any, decode_results
 from cluster.placement import groups
 from cluster.placement.plan import plan_placement
 from configs import ReplicaConfig
-from runtime.executor import plans_ahead, replica_pages
+from runtime.executor import ExecutorBase, plans_ahead, replica_pages
 from runtime.step_io import RequestStepResult, ScheduledBatch
 from runtime.transfer import HostWork
 from runtime.worker import WorkerPlan
@@ -72,7 +72,7 @@ class ReplicaFailure(RuntimeError):
     """An actor of the replica died or hung; in-flight requests are lost and the replica must be rebuilt."""
 
 
-class RayExecutor:
+class RayExecutor(ExecutorBase):
     def __init__(self, config: ReplicaConfig):
         self.config = config
         parallel, engine = config.parallel, config.engine

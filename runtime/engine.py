@@ -16,6 +16,7 @@ import logging
 import random
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoTokenizer, GenerationConfig
@@ -69,6 +70,20 @@ def constraints_of(params: SamplingParams) -> list[str]:
     return [name for name, used in named if used]
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One step as planned (``Engine._plan_step``), kept to learn from once it ran."""
+
+    scheduled: list[ScheduledRequest]
+    batch: ScheduledBatch  # what the executor runs
+    serial: bool  # an engine that launches steps ahead ran this one in its turn (its time holds the host's work)
+    guarded: bool  # the speculation guard planned it (no forced length)
+
+    @property
+    def drafted(self) -> bool:
+        return self.batch.num_next_drafts > 0
+
+
 class Engine:
     """The driver side of serving: owns requests and scheduling; the executor owns the models.
 
@@ -90,7 +105,7 @@ class Engine:
         self.pages = PageAllocator(self.executor.num_pages, config.page_size, caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.enable_mixed_prefill), self.pages)
-        if getattr(self.executor, "plans_ahead", False):
+        if self.executor.plans_ahead:
             # the next decode step's pages are known when this one is launched (its attention is planned while the
             # GPU runs this step): a token ahead, or with a drafter a whole block (the next verify starts at most
             # max_draft_len + 1 positions on and spans as many)
@@ -99,10 +114,9 @@ class Engine:
         # (ScheduledBatch.run_ahead): a steady greedy decode step (GraphedTargetForward.decode_greedy), or with a
         # drafter the next greedy verify of the blocks drafted now, whole or at confidence scheduling's cap
         # (ScheduledBatch.next_verify_len; GraphedTargetForward.launch_verify_ahead)
-        self._runs_ahead = getattr(self.executor, "runs_ahead", False)
+        self._runs_ahead = self.executor.runs_ahead
         # (a tensor-parallel replica launches decode steps ahead, not verifies: Executor.verifies_ahead)
-        self._verifies_ahead = getattr(self.executor, "verifies_ahead", self._runs_ahead)
-        self._arm = getattr(self.executor, "arm", None)  # (Executor: optional) readies it before a step is timed
+        self._verifies_ahead = self.executor.verifies_ahead
         self._ran_ahead = False  # the step just scheduled may be launched ahead of its turn
         self.stops = StopCriteria(self._eos_token_ids(), self.tokenizer, self.max_model_len)
         self.scheduler.eos_token_ids = self.stops.eos_token_ids
@@ -136,8 +150,8 @@ class Engine:
         # pipelined drafting (a separate drafter, cluster.RayExecutor): while at least pipeline_min_batch requests
         # run or wait, steps alternate two request groups and each step's results bring the drafter's blocks for the
         # previous step's group; fewer, and each step's requests get their blocks in the same step
-        self.pipelined = bool(getattr(self.executor, "pipelined_drafting", False))
-        self.pipeline_min_batch = int(getattr(self.executor, "pipeline_min_batch", 1))
+        self.pipelined = bool(self.executor.pipelined_drafting)
+        self.pipeline_min_batch = int(self.executor.pipeline_min_batch)
         self._turn = 0  # the group the next pipelined step serves
         self.pipelined_steps = 0  # steps that were pipelined (get_metrics)
         self._host_work = None  # the executor's HostWork where confidence scheduling defers its learning there
@@ -152,7 +166,7 @@ class Engine:
             if self.spec is not None and self.spec.speculation_guard and not self.pipelined else None
         if self.spec is not None and self.spec.enable_confidence_scheduling:
             self.confidence = self._confidence_scheduler()
-            host_work = getattr(self.executor, "host_work", None)  # (Executor: optional)
+            host_work = self.executor.host_work
             if host_work is not None:  # the survival fit learns while the device computes the next step
                 self.confidence.defer_learning(host_work)
                 self._host_work = host_work  # (its budget follows the steps: step)
@@ -399,87 +413,109 @@ class Engine:
         return self._packs_steps_of(num)
 
     def step(self) -> list[RequestOutput]:
-        group = None
-        pipelined = self.pipelined and self._pipeline_pays()
-        if pipelined:
-            self.scheduler.join_groups()  # (requests admitted while the steps were not pipelined)
-            group, self._turn = self._turn, 1 - self._turn
-            self.pipelined_steps += 1
-        if self._arm is not None:
-            self._arm()
+        """One step: schedule the requests and plan their speculation, execute, commit what the target verified,
+        learn from the step's time and outcome."""
+        group, pipelined = self._take_turn()
+        self.executor.arm()  # (before the step is timed)
         began = time.perf_counter()
+        with region("dspark.schedule"):
+            plan = self._plan_step(group, pipelined)
+        with region("dspark.execute"):
+            results = self.executor.execute(plan.batch)
+        decided, held = self._before_commit(plan)
+        with region("dspark.commit"):
+            outputs = self._commit_step(plan.scheduled, results)
+            if self.pipelined:
+                self._take_late_drafts()
+        self._learn_step(plan, decided, held, time.perf_counter() - began)
+        self._step_index += 1
+        return outputs
+
+    def _take_turn(self) -> tuple[int | None, bool]:
+        """(the request group this step serves, whether it is pipelined): with a pipelined drafter the two groups
+        take turns while the pipeline pays; otherwise every running request (None)."""
+        if not (self.pipelined and self._pipeline_pays()):
+            return None, False
+        self.scheduler.join_groups()  # (requests admitted while the steps were not pipelined)
+        group, self._turn = self._turn, 1 - self._turn
+        self.pipelined_steps += 1
+        return group, True
+
+    def _plan_step(self, group: int | None, pipelined: bool) -> StepPlan:
+        """Schedule the step and plan its speculation: which blocks are verified (the speculation guard, confidence
+        scheduling or a forced length), whether it drafts, the grammar masks, the next step's verify and whether that
+        one is launched ahead."""
         self._decided, self._packed_columns = [], 0  # this step's choice, made now (if any)
         self._deferred = False  # whether its rest runs while the device computes (allot_deferred)
-        with region("dspark.schedule"):
-            # a step the worker may have launched ahead is the running requests' decode: arrivals join the next
-            admit = not self._ran_ahead
-            # an engine that launches steps ahead, this one not launched ahead: its time holds the host's step work
-            serial = self._runs_ahead and not self._ran_ahead
-            kind = self.scheduler.next_step_kind(group, admit)  # (prefill apart: prefill or decode; else mixed)
-            guarded = self.guard is not None and self.forced_verify_len is None and self.forced_draft_len is None
-            if guarded and not self._ran_ahead:
-                self._guard_verifiers()
-            if self.forced_verify_len is not None:
-                self._force_verify_lengths()
-            elif self.confidence is not None:
-                self.confidence.serial = serial  # (the next step is priced as running as this one does)
-                self._allot_verify_lengths(group, kind)
-            scheduled = self.scheduler.schedule(group, admit, kind)
-            if guarded and self.scheduler.running:  # this step's drafting, and whose blocks the next step verifies
-                running = self.scheduler.running
-                self.guard.plan(self._step_index, [s.request_id for s in running],
-                                ahead=self._ran_ahead and not any(e.num_drafts for e in scheduled),
-                                pinned=frozenset(s.request_id for s in running
-                                                 if s.params.seed is not None and not s.params.greedy))
-            if self.confidence is not None and self.confidence.hold.mixed and admit and scheduled \
-                    and not self.scheduler.may_admit() and not any(e.feeds_prompt for e in scheduled):
-                # a decode step, not launched ahead: a hold a mixed step's judgement began ends (DraftingHold)
-                self.confidence.hold.end_mixed(self._step_index)
-            if self._grammar_backend is not None:
-                self._mask_grammars(scheduled)
-            next_verify_len, next_packed = self._next_verify(scheduled) if self.has_drafter and scheduled else (0, None)
-            self._ran_ahead = (self._verifies_ahead and self._steady_verify(scheduled, next_verify_len)) \
-                if self.has_drafter and next_verify_len else (self._runs_ahead and self._steady_decode(scheduled))
-            self._packed = self._packed_plan(scheduled)
+        # a step the worker may have launched ahead is the running requests' decode: arrivals join the next
+        admit = not self._ran_ahead
+        # an engine that launches steps ahead, this one not launched ahead: its time holds the host's step work
+        serial = self._runs_ahead and not self._ran_ahead
+        kind = self.scheduler.next_step_kind(group, admit)  # (prefill apart: prefill or decode; else mixed)
+        guarded = self.guard is not None and self.forced_verify_len is None and self.forced_draft_len is None
+        if guarded and not self._ran_ahead:
+            self._guard_verifiers()
+        if self.forced_verify_len is not None:
+            self._force_verify_lengths()
+        elif self.confidence is not None:
+            self.confidence.serial = serial  # (the next step is priced as running as this one does)
+            self._allot_verify_lengths(group, kind)
+        scheduled = self.scheduler.schedule(group, admit, kind)
+        if guarded and self.scheduler.running:  # this step's drafting, and whose blocks the next step verifies
+            running = self.scheduler.running
+            self.guard.plan(self._step_index, [s.request_id for s in running],
+                            ahead=self._ran_ahead and not any(e.num_drafts for e in scheduled),
+                            pinned=frozenset(s.request_id for s in running
+                                             if s.params.seed is not None and not s.params.greedy))
+        if self.confidence is not None and self.confidence.hold.mixed and admit and scheduled \
+                and not self.scheduler.may_admit() and not any(e.feeds_prompt for e in scheduled):
+            # a decode step, not launched ahead: a hold a mixed step's judgement began ends (DraftingHold)
+            self.confidence.hold.end_mixed(self._step_index)
+        if self._grammar_backend is not None:
+            self._mask_grammars(scheduled)
+        next_verify_len, next_packed = self._next_verify(scheduled) if self.has_drafter and scheduled else (0, None)
+        self._ran_ahead = (self._verifies_ahead and self._steady_verify(scheduled, next_verify_len)) \
+            if self.has_drafter and next_verify_len else (self._runs_ahead and self._steady_decode(scheduled))
+        self._packed = self._packed_plan(scheduled)
         released, scrub = self.scheduler.take_released()
         batch = ScheduledBatch(requests=scheduled, num_next_drafts=self.draft_len(),
                                maintain_draft_context=self.has_drafter and not self.gate.closed,
                                released_request_ids=released, scrub_page_ids=scrub, run_ahead=self._ran_ahead,
                                next_verify_len=next_verify_len, packed=self._packed, next_packed=next_packed,
                                pipelined=pipelined)
-        with region("dspark.execute"):
-            results = self.executor.execute(batch)
-        learn = self.confidence is not None and bool(scheduled)
-        decided = bool(self._decided)  # (the commit clears it)
-        drafted = batch.num_next_drafts > 0
-        held = not drafted and self._drafting_held()
+        return StepPlan(scheduled, batch, serial, guarded)
+
+    def _before_commit(self, plan: StepPlan) -> tuple[bool, bool]:
+        """What the commit clears or changes, kept for learning: (whether the scheduler decided this step's verify
+        lengths, whether a drafting hold kept it from drafting)."""
+        decided = bool(self._decided)
+        held = not plan.drafted and self._drafting_held()
         if held:
             self.confidence_stats.drafting_off_steps += 1
-        if learn:
-            self._note_other_fed(scheduled, drafted)
-        with region("dspark.commit"):
-            outputs = self._commit_step(scheduled, results)
-            if self.pipelined:
-                self._take_late_drafts()
-        if guarded and scheduled and not any(e.feeds_prompt for e in scheduled):
-            self.guard.observe_step(len(scheduled), drafted, sum(e.num_drafts for e in scheduled),
-                                    time.perf_counter() - began)
-        if learn:
-            seconds = time.perf_counter() - began
-            step = (scheduled, seconds, decided, drafted, serial,
-                    self._packed.columns if self._packed is not None else None, self._other_fed[1], held,
-                    # (the commit settled the decision, then recorded its outcome)
-                    self.confidence_stats.last.get("committed_tokens") if decided else None,
-                    self.confidence.last if decided else None,
-                    self.confidence_stats.last.get("verified_drafts") if decided else None)
-            if self._deferred:  # the step's decision was deferred (a mixed step): so is learning its time
-                self._host_work.add(functools.partial(self._learn_step_time, *step))
-            else:
-                self._learn_step_time(*step)
-            if self._host_work is not None:  # the next step's deferred work: what its device time leaves the host
-                self._host_work.budget_s = HOST_WORK_SHARE * seconds
-        self._step_index += 1
-        return outputs
+        if self.confidence is not None and plan.scheduled:
+            self._note_other_fed(plan.scheduled, plan.drafted)
+        return decided, held
+
+    def _learn_step(self, plan: StepPlan, decided: bool, held: bool, seconds: float) -> None:
+        """The step's time and outcome into the speculation policy: the guard's prices (pure decode steps) and the
+        confidence scheduler's step-time model (deferred with its decision, on a mixed step)."""
+        scheduled = plan.scheduled
+        if plan.guarded and scheduled and not any(e.feeds_prompt for e in scheduled):
+            self.guard.observe_step(len(scheduled), plan.drafted, sum(e.num_drafts for e in scheduled), seconds)
+        if self.confidence is None or not scheduled:
+            return
+        step = (scheduled, seconds, decided, plan.drafted, plan.serial,
+                self._packed.columns if self._packed is not None else None, self._other_fed[1], held,
+                # (the commit settled the decision, then recorded its outcome)
+                self.confidence_stats.last.get("committed_tokens") if decided else None,
+                self.confidence.last if decided else None,
+                self.confidence_stats.last.get("verified_drafts") if decided else None)
+        if self._deferred:  # the step's decision was deferred (a mixed step): so is learning its time
+            self._host_work.add(functools.partial(self._learn_step_time, *step))
+        else:
+            self._learn_step_time(*step)
+        if self._host_work is not None:  # the next step's deferred work: what its device time leaves the host
+            self._host_work.budget_s = HOST_WORK_SHARE * seconds
 
     def _steady_decode(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether the step after ``scheduled`` is expected to be the same requests decoding one token more: every
@@ -972,4 +1008,4 @@ class Engine:
                    if self.confidence is not None else {}),
                 **({"pipelined_steps": self.pipelined_steps} if self.pipelined else {}),
                 **({"speculation_guard": self.guard.as_dict()} if self.guard is not None else {}),
-                **(self.executor.stats() if hasattr(self.executor, "stats") else {})}
+                **self.executor.stats()}

@@ -10,27 +10,58 @@ from typing import Protocol
 
 from configs import LLMConfig
 from runtime.step_io import RequestStepResult, ScheduledBatch
+from runtime.transfer import HostWork
 from runtime.worker import Worker, WorkerPlan
 
 
 class Executor(Protocol):
-    """What runs the engine's steps. An executor may also offer ``host_work`` (``runtime.transfer.HostWork``): host
-    tasks the engine queues between steps, run while the next step's device work is in flight (the local executor:
-    where its runner waits for the step's read-back; the cluster's: between dispatching a step and collecting it).
-    One without it leaves the engine's deferrable work where it arises. An executor may also offer ``stats()``: a dict
-    of its own counters, which ``Engine.get_metrics`` reports beside the engine's; and ``arm()``, which the engine
-    calls first thing in every step, before it times the step (a parked Ray replica compiles its step graph there);
-    and ``runs_ahead`` / ``verifies_ahead`` (default False / as ``runs_ahead``): whether its workers launch a steady
-    greedy decode / verify step before the step ahead of it is read back, when the engine marks the batch so
-    (``ScheduledBatch.run_ahead``)."""
+    """What runs the engine's steps: every member the engine reads (``ExecutorBase`` gives the optional ones their
+    defaults)."""
 
-    num_pages: int
+    num_pages: int  # KV pages of every process of the replica
+    plans_ahead: bool  # its workers plan a decode step's attention ahead (the engine allots pages a token ahead)
+    runs_ahead: bool  # they launch a steady greedy decode step before the one ahead of it is read back
+    verifies_ahead: bool  # and the next greedy verify of the blocks drafted now (ScheduledBatch.next_verify_len)
+    pipelined_drafting: bool  # a separate drafter drafts one request group while the target verifies the other
+    pipeline_min_batch: int  # the requests from which those steps are pipelined
+    host_work: HostWork | None  # host tasks the engine defers, run while the next step's device work is in flight
 
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]: ...
+
+    def arm(self) -> None:
+        """Called first thing in every step, before it is timed (a parked Ray replica compiles its step graph)."""
+
+    def take_late_drafts(self) -> dict[str, tuple[list[int], list[float] | None]]:
+        """Pipelined drafting: the blocks the drafter made last step for the other group (request id -> drafts,
+        confidences)."""
+
+    def stats(self) -> dict:
+        """Its own counters, which ``Engine.get_metrics`` reports beside the engine's."""
 
     def describe(self) -> list[dict]: ...
 
     def shutdown(self) -> None: ...
+
+
+class ExecutorBase:
+    """The defaults of an executor's optional members: no planning or launching ahead, no pipelined drafter, no
+    deferred host work (the engine's deferrable work then runs where it arises), nothing to arm, no counters."""
+
+    plans_ahead = False
+    runs_ahead = False
+    verifies_ahead = False
+    pipelined_drafting = False
+    pipeline_min_batch = 1
+    host_work: HostWork | None = None
+
+    def arm(self) -> None:
+        pass
+
+    def take_late_drafts(self) -> dict[str, tuple[list[int], list[float] | None]]:
+        return {}
+
+    def stats(self) -> dict:
+        return {}
 
 
 def replica_pages(config: LLMConfig, capacities: list[int]) -> int:
@@ -52,7 +83,7 @@ def plans_ahead(infos: list[dict]) -> bool:
     return bool(targets) and all(info.get("plan_ahead") for info in targets)
 
 
-class LocalExecutor:
+class LocalExecutor(ExecutorBase):
     """The target and the drafter in this process, on one device (TP 1, drafter colocated)."""
 
     def __init__(self, config: LLMConfig):

@@ -17,13 +17,14 @@ from runtime.confidence_scheduler import next_history
 from runtime.engine import Engine
 from runtime.sampling_params import SamplingParams
 from runtime.step_io import RequestStepResult, ScheduledBatch
+from runtime.executor import ExecutorBase
 from runtime.transfer import HostWork
 
 
-class RecordingExecutor:
+class RecordingExecutor(ExecutorBase):
     """Answers at once (token 7 for every sampled request) and records every batch; it can run steps ahead."""
 
-    runs_ahead = True
+    runs_ahead = verifies_ahead = True
 
     def __init__(self, num_pages: int):
         self.num_pages = num_pages
