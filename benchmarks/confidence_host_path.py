@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import DSparkDecodingConfig  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
-from runtime.step_costs import StepCostTable  # noqa: E402
+from runtime.spec.step_costs import StepCostTable  # noqa: E402
 from tests import builders  # noqa: E402
 
 BLOCK = 8  # drafts K = 7

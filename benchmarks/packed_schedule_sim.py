@@ -46,8 +46,10 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.confidence_scheduler import HISTORY_NONE, ConfidenceScheduler, next_history
-from runtime.step_costs import StepCostTable
+from runtime.spec.confidence import ConfidenceScheduler
+
+from runtime.spec.history import HISTORY_NONE, next_history
+from runtime.spec.step_costs import StepCostTable
 
 
 def synthetic_step(rng: np.random.Generator, batch: int, k: int, hard: np.ndarray,

@@ -102,7 +102,7 @@ def main() -> int:
     from cluster.bench import local_worker, replay_ms
     from configs import DSparkDecodingConfig
     from runtime import LLM
-    from runtime.step_costs import StepCostTable
+    from runtime.spec.step_costs import StepCostTable
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.schedule_bounds import schedule_bounds  # noqa: E402
-from runtime.step_costs import StepCostTable  # noqa: E402
+from runtime.spec.step_costs import StepCostTable  # noqa: E402
 
 
 def bounds(run: dict, table: StepCostTable) -> dict:

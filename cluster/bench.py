@@ -19,7 +19,7 @@ on the same target, eager and compiled (static cache).
 an engine whose verify lengths the confidence scheduler chooses (``confidence_*`` fields; its startup profile is
 ``confidence_cost_table``, ``--profile-steps FILE`` saves it, and ``confidence_cost_table_served`` is the table as
 the sweep left it, ``confidence_mixed_step_costs_served`` the mixed steps' excess over it
-(``runtime.mixed_step_costs``), from the sweep's ramps and prefills): within the tuned schedule when both are given (the schedule caps the block it
+(``runtime.spec.mixed_step_costs``), from the sweep's ramps and prefills): within the tuned schedule when both are given (the schedule caps the block it
 drafts; ``--confidence-draft-len max``: up to max_draft_len, as its scheduler chooses, beside the tuned schedule; ``both``: the two in the same rounds, the second's figures as ``confidence-max_*``; ``confidence_vs_tuned`` compares the two engines measured in this run, the median rounds' tokens/s, and
 ``confidence_vs_tuned_paired`` the median of the per-round ratios, each round's two figures taken back to back, so
 the host's drift between rounds cancels), else within ``max_draft_len``. Beside them: what any schedule could gain
@@ -866,7 +866,7 @@ def confidence_bounds(row: dict, record: dict) -> dict:
     if not acceptance or not table:
         return {}
     from runtime.schedule_bounds import schedule_bounds
-    from runtime.step_costs import StepCostTable
+    from runtime.spec.step_costs import StepCostTable
 
     batch, k = int(row["concurrency"]), len(acceptance)
     tuned = record.get("tuned_schedule")
@@ -1105,7 +1105,7 @@ def run(args) -> dict:
 
     def reset_stats(kind: str, llm) -> None:
         if kind in ("confidence", CONFIDENCE_MAX):  # its figures per concurrency
-            from runtime.confidence_scheduler import ConfidenceStats
+            from runtime.spec.stats import ConfidenceStats
 
             llm.engine.confidence_stats = ConfidenceStats()
             llm.engine.confidence.correction.reset_skill()
@@ -1593,7 +1593,7 @@ def read_schedule(path: str, max_draft_len: int) -> dict[int, int]:
 
 
 def trace_line(summary: dict) -> str:
-    """A confidence trace's summary (``runtime.confidence_scheduler.trace_summary``) on one line: per kind its steps
+    """A confidence trace's summary (``runtime.spec.stats.trace_summary``) on one line: per kind its steps
     and mean ms (and how many fed prompt chunks), for decided ones against the predicted ms and the drafts allotted
     of those proposed, and how many the steps verified."""
     parts = []

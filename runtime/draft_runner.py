@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from runtime.confidence_scheduler import confidence_as_ints
 from runtime.kernels import KernelBackend, PagedAttentionMeta
 from runtime.kv_cache import scrub_pages
 from runtime.models.drafter import DSparkDrafter
 from runtime.noise import Stream, exponentials
+from runtime.spec.wire import confidence_as_ints
 from runtime.step_io import ScheduledRequest
 from runtime.step_tensors import uses_rejection
 from runtime.transfer import to_device

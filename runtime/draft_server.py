@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from runtime.confidence_scheduler import confidence_from_ints
 from runtime.draft_channel import DraftFeatures, send_features
 from runtime.draft_runner import DraftRunner
+from runtime.spec.wire import confidence_from_ints
 from runtime.step_io import ScheduledBatch
 from runtime.step_tensors import build_step_tensors, sampled_entries, uses_rejection
 from runtime.transfer import to_device

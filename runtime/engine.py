@@ -24,8 +24,6 @@ from transformers import AutoTokenizer, GenerationConfig
 from configs import LLMConfig
 from configs.checkpoint import read_model_config
 from runtime.bad_words import token_sequences
-from runtime.confidence_scheduler import (ConfidenceScheduler, ConfidenceStats, Decision, history_classes,
-                                          next_history, read_calibration)
 from runtime.executor import Executor, LocalExecutor
 from runtime.generation_defaults import model_sampling_defaults
 from runtime.grammar import GrammarBackend
@@ -38,8 +36,12 @@ from runtime.profiling import region
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerLimits
 from runtime.sequence import Sequence, Status
-from runtime.spec_guard import SpeculationGuard
-from runtime.step_costs import StepCostTable
+from runtime.spec.confidence import ConfidenceScheduler, Decision
+from runtime.spec.guard import SpeculationGuard
+from runtime.spec.history import history_classes, next_history
+from runtime.spec.stats import ConfidenceStats
+from runtime.spec.step_costs import StepCostTable
+from runtime.spec.survival import read_calibration
 from runtime.step_io import PackedAhead, PackedPlan, RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.step_profile import profile_step_costs
 from runtime.step_tensors import greedy_only, plain_greedy
@@ -160,7 +162,7 @@ class Engine:
         self._grammar_backend: GrammarBackend | None = None  # structured outputs' compiler (_grammars)
         self._grammar_lock = threading.Lock()  # (compile_grammar runs on other threads too)
         self._structured: set[str] = set()  # ids of structured requests, pruned to live ones each step (_mask_grammars)
-        # whether speculating pays, per request and per batch (runtime.spec_guard); not while drafting is pipelined
+        # whether speculating pays, per request and per batch (runtime.spec.guard); not while drafting is pipelined
         # (two groups alternate steps: each step drafts the other group's blocks)
         self.guard = SpeculationGuard(int(self.spec.max_draft_len or 0)) \
             if self.spec is not None and self.spec.speculation_guard and not self.pipelined else None

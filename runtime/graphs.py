@@ -80,7 +80,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.confidence_scheduler import history_classes
 from runtime.graph_layout import (LaunchedDecode, LaunchedVerify, batch_buckets, bucket_of, faster_lengths,
                                   graph_inputs, graphed_q_len, next_anchor_position, next_decode_layout,
                                   next_verify_layout)
@@ -88,6 +87,7 @@ from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta
 from runtime.kv_cache import KVCaches
 from runtime.models.target import TargetModel
 from runtime.packed_verify import history_after, packed_verify, survivals
+from runtime.spec.history import history_classes
 from runtime.step_io import PackedAhead, ScheduledRequest
 from runtime.step_tensors import StepTensors, padded_page_table
 from runtime.transfer import HostWork, PinnedReadBack

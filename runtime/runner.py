@@ -19,11 +19,9 @@ import torch
 from torch import nn
 
 from configs import DSparkDecodingConfig
-from runtime.confidence_scheduler import CONFIDENCE_SCALE, confidence_from_ints
 from runtime.draft_channel import DraftChannel, Proposal, receive_features, send_features
 from runtime.grammar import unpack_masks
 from runtime.graphs import GraphedTargetForward, GraphOutputs
-from runtime.piecewise import PiecewiseTargetForward
 from runtime.kernels import AttentionGeometry, KernelBackend
 from runtime.kv_cache import KVCaches, scrub_pages
 from runtime.logprobs import LogprobSource
@@ -32,8 +30,10 @@ from runtime.noise import Stream, exponentials, uniform
 from runtime.outputs import TokenLogprob
 from runtime.packed_verify import packed_verify, survivals
 from runtime.parallel import SINGLE, ParallelContext
+from runtime.piecewise import PiecewiseTargetForward
 from runtime.profiling import region
 from runtime.sampler import RowParams, apply_penalties, filtered_probs, occurrence_counts
+from runtime.spec.wire import CONFIDENCE_SCALE, confidence_from_ints
 from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.step_tensors import (StepTensors, build_step_tensors, build_uniform_step_tensors, greedy_only,
                                   padded_page_table, plain_greedy, sampled_entries, uses_rejection)

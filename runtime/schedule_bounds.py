@@ -18,7 +18,7 @@ below it (a pair whose requests accept alike, or a step whose cost barely grows 
 
 from __future__ import annotations
 
-from runtime.step_costs import StepCostTable
+from runtime.spec.step_costs import StepCostTable
 
 
 def schedule_bounds(batch: int, acceptance: list[float], table: StepCostTable) -> dict:

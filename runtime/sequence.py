@@ -34,7 +34,7 @@ class Sequence:
     page_ids: list[int] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)
     draft_confidence: list[float] | None = None  # the confidence head's c_k of each draft_ids entry
-    # what its last verify with drafts did (runtime.confidence_scheduler.next_history): the confidence scheduler's
+    # what its last verify with drafts did (runtime.spec.history.next_history): the confidence scheduler's
     # survival fit has a bias per class
     verify_history: int = 0  # HISTORY_NONE
     finish_reason: str | None = None

@@ -65,9 +65,9 @@ class PackedPlan:
     budget: int  # drafts verified over the step (the scheduler's columns x requests)
     columns: int  # the scheduler's columns (a packed graph of them feeds its batch bucket x (columns + 1) rows)
     confidences: list[list[float]]  # [S][K'] each request's drafts' confidences, in batch order, 0-padded (K' <= K)
-    slope: list[float]  # [K] the survival fit's slope of each position (runtime.confidence_scheduler)
+    slope: list[float]  # [K] the survival fit's slope of each position (runtime.spec.confidence)
     bias: list[list[float]]  # [H][K] and its bias, per verify-history class and position
-    history: list[int]  # [S] each request's verify-history class (runtime.confidence_scheduler.next_history)
+    history: list[int]  # [S] each request's verify-history class (runtime.spec.history.next_history)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ import torch
 from runtime.graph_layout import batch_buckets
 from runtime.metrics import AcceptanceGate, SpecMetrics
 from runtime.sampling_params import SamplingParams
-from runtime.step_costs import StepCostTable
+from runtime.spec.step_costs import StepCostTable
 
 log = logging.getLogger(__name__)
 PROFILE_PROMPT_TOKENS = 16

@@ -491,7 +491,7 @@ def test_confidence_bounds_price_the_tuned_cap_on_the_startup_table():
     """The bounds take the fixed engine's acceptance up to the block the confidence engine drafts (the tuned
     schedule's length at that concurrency, or max_draft_len) and compare with the tuned length's whole blocks."""
     from runtime.schedule_bounds import schedule_bounds
-    from runtime.step_costs import StepCostTable
+    from runtime.spec.step_costs import StepCostTable
 
     tokens = [64 * (q + 1) for q in range(4)]
     table = StepCostTable([64], tokens, [[10.0 + 0.01 * t for t in tokens]])

@@ -131,7 +131,7 @@ def test_schedule_bounds_price_the_best_cap_and_the_oracle_from_the_table(tmp_pa
     spec = importlib.util.spec_from_file_location("schedule_bounds", ROOT / "benchmarks" / "schedule_bounds.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from runtime.step_costs import StepCostTable
+    from runtime.spec.step_costs import StepCostTable
 
     tokens = [64 * (q + 1) for q in range(4)]
     table = StepCostTable([64], tokens, [[10.0 + 0.01 * t for t in tokens]])
@@ -201,7 +201,7 @@ def test_packed_schedule_sim_stays_whole_where_everything_is_accepted_and_packs_
     """benchmarks/packed_schedule_sim.py over a table where a step costs 2 ms + 0.005 per token at 64 requests: with
     every request easy, whole blocks are best and the scheduler keeps them (1.00x); with most hard, it packs fewer
     columns and beats the best fixed cap."""
-    from runtime.step_costs import StepCostTable
+    from runtime.spec.step_costs import StepCostTable
 
     tokens = [64 * (q + 1) for q in range(8)]
     costs = tmp_path / "costs.json"
@@ -220,7 +220,7 @@ def test_packed_schedule_sim_holds_the_drafting_off_only_where_plain_decoding_be
     """``--plain-ms``: against plain steps of 1.5 ms (a step of verifies costs 2.3 ms or more) the drafting pays when
     every request is easy (85 tokens a ms against 43: nothing held) and not when all are hard (the best fixed cap 36
     a ms: held, and as fast as plain decoding within a few percent)."""
-    from runtime.step_costs import StepCostTable
+    from runtime.spec.step_costs import StepCostTable
 
     tokens = [64 * (q + 1) for q in range(8)]
     costs = tmp_path / "costs.json"

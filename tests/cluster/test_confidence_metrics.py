@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from cluster.serve.metrics import EngineCollector
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.confidence_scheduler import history_classes
+from runtime.spec.history import history_classes
 
 
 def test_the_scheduler_gauges_are_exported(near_bigram_target, make_drafter):

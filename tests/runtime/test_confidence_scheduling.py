@@ -10,16 +10,17 @@ import torch
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.confidence_scheduler import (EXPLORE_EVERY, FIT_WINDOW, FOLD_DEFERRED_MOST, FOLD_EVERY, HISTORY_NONE,
-                                          HOLD_FIRST, PLAIN_MIXED_MIN, REFIT_FOLDS, TRACE_FIELDS, TRACE_STEPS,
-                                          ConfidenceScheduler, ConfidenceStats, DraftingHold,
-                                          SurvivalCorrection, SurvivalSkill, history_classes, next_history,
-                                          packed_draft_len, read_calibration, top_drafts)
-from runtime.mixed_step_costs import MixedStepCosts
 from runtime.pages import PageAllocator
 from runtime.scheduler import Scheduler, SchedulerLimits
 from runtime.sequence import Sequence
-from runtime.step_costs import StepCostTable
+from runtime.spec.confidence import EXPLORE_EVERY, PLAIN_MIXED_MIN, ConfidenceScheduler, packed_draft_len, top_drafts
+from runtime.spec.history import HISTORY_NONE, history_classes, next_history
+from runtime.spec.hold import HOLD_FIRST, DraftingHold
+from runtime.spec.mixed_step_costs import MixedStepCosts
+from runtime.spec.stats import TRACE_FIELDS, TRACE_STEPS, ConfidenceStats
+from runtime.spec.step_costs import StepCostTable
+from runtime.spec.survival import (FIT_WINDOW, FOLD_DEFERRED_MOST, FOLD_EVERY, REFIT_FOLDS, SurvivalCorrection,
+                                   SurvivalSkill, read_calibration)
 from runtime.transfer import HostWork
 from tests import builders
 from tests.runtime.test_sampling_distribution import FILTERS, N, empirical_tv, exact_joint, tv_bound
@@ -1148,7 +1149,7 @@ def test_a_small_step_decides_in_plain_python_exactly_as_numpy(monkeypatch, cali
     arithmetic); over random steps (blocks cut short, confidences of 0, mixed-in prefill, a context, a learned
     survival fit and context slope, exploration, requests of every verify-history class) it chooses the same lengths
     and caps (or budgets), predicts the same tokens and time, and learns the same fit as the numpy path."""
-    from runtime import confidence_scheduler
+    from runtime.spec import confidence as confidence_scheduler
 
     k = 5
     rng = np.random.default_rng(0)

@@ -162,7 +162,7 @@ def test_the_read_back_parses_graph_packed_rows_as_it_parses_eager_ones():
     """A verify graph's verdict rows go to the host as they lie (committed in Q columns, accepted, fault) beside the
     drafter's packed block (drafts, length, confidences as c * 2^24): each request's committed tokens, next drafts
     and confidences equal those of the eager path's separate tensors, and a faulted request commits nothing."""
-    from runtime.confidence_scheduler import confidence_as_ints
+    from runtime.spec.wire import confidence_as_ints
     from runtime.draft_channel import Proposal
     from runtime.runner import ModelRunner, Verified
 

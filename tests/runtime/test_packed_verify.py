@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.confidence_scheduler import ConfidenceScheduler, history_classes, next_history, top_drafts
 from runtime.packed_verify import (history_after, pack_index, packed_verify, select_lengths, survivals,
                                    verify_positions)
+from runtime.spec.confidence import ConfidenceScheduler, top_drafts
+from runtime.spec.history import history_classes, next_history
 from runtime.step_io import ScheduledRequest
 from runtime.step_tensors import build_step_tensors, build_uniform_step_tensors
 from runtime.verify import accept_by_match

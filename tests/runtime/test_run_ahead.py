@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from configs import LLMConfig
-from runtime.confidence_scheduler import next_history
 from runtime.engine import Engine
-from runtime.sampling_params import SamplingParams
-from runtime.step_io import RequestStepResult, ScheduledBatch
 from runtime.executor import ExecutorBase
+from runtime.sampling_params import SamplingParams
+from runtime.spec.history import next_history
+from runtime.step_io import RequestStepResult, ScheduledBatch
 from runtime.transfer import HostWork
 
 
@@ -504,7 +504,7 @@ def spark_engine(tmp_path, block: int = 4, confidence: bool = False, schedule: d
     step costing 2 ms plus 0.5 ms a token fed (the executor sleeps as much): of drafts of confidence 0.9, 0.1, ...
     only the first pays; ``schedule``: its ``draft_len_schedule``."""
     from configs import DSparkDecodingConfig
-    from runtime.step_costs import StepCostTable
+    from runtime.spec.step_costs import StepCostTable
     from tests import builders
 
     target = builders.save_target(tmp_path / "target", "qwen3", seed=0)

@@ -1,11 +1,11 @@
-"""The speculation guard (runtime.spec_guard): its decisions on given prices and acceptance, and in the engine:
+"""The speculation guard (runtime.spec.guard): its decisions on given prices and acceptance, and in the engine:
 greedy output unchanged, a drafter that never pays mostly off, one that pays mostly on."""
 
 import pytest
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.spec_guard import GuardTuning, SpeculationGuard, bucket_of
+from runtime.spec.guard import GuardTuning, SpeculationGuard, bucket_of
 from tests.builders import hf_greedy
 
 K = 4

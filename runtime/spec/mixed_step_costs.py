@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.step_costs import OBSERVE_EVERY, StepCostTable
+from runtime.spec.step_costs import OBSERVE_EVERY, StepCostTable
 
 DECAY = 0.99  # per mixed step served: the fit weighs the last ~100
 # the ridge toward no excess, in (scaled) steps of evidence: light on the level (one step's residual says it), more
