@@ -8,7 +8,7 @@ of the engine's methods the scheduler adds to a step is timed (``timed``): the d
 (``_commit_step``, both engines; the confidence engine's holds ``_learn_acceptance``), the survival fit's folds and
 refits (``SurvivalCorrection._fold``: ``fold``) and a deferred decision's rest (``ConfidenceScheduler.settle``:
 ``rest``), each under its own name where it ran on the path between a step's read-back and the next launch, and as
-``NAME@wait`` where it ran as the executor's host work (``runtime.transfer.HostWork``: where the runner waits for the
+``NAME@wait`` where it ran as the executor's host work (``runtime.worker.transfer.HostWork``: where the runner waits for the
 device). ``path_ms``: each engine's step less its executor's ``execute`` (the host work between read-back and
 launch, the decision included); ``on_path_ms``: the confidence engine's ``path_ms`` less the fixed engine's (what
 scheduling adds to that path); ``off_path_ms``: its host work in the device's wait. The scheduler prices steps by a

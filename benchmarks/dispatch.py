@@ -32,8 +32,8 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.dispatch import BatchDecoder, BatchEncoder, decode_results, encode_results  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
-from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest  # noqa: E402
+from runtime.sampling.sampling_params import SamplingParams  # noqa: E402
+from runtime.scheduling.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest  # noqa: E402
 
 
 def batch_of(num: int) -> ScheduledBatch:

@@ -35,7 +35,7 @@ DATASETS = ("gsm8k", "mt-bench", "humaneval", "mbpp")
 
 def real_prompts(tokenizer, count: int) -> list[list[int]]:
     """``count`` first turns of the evaluation sets, taken from each set in turn, as chat-template token ids."""
-    from runtime.chat import chat_token_ids
+    from runtime.engine.chat import chat_token_ids
     from runtime.training.prompt_sets import read_turns
 
     sets = [read_turns(ROOT / "benchmarks" / "data" / "eval" / f"{n}.jsonl") for n in DATASETS]

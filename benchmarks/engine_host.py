@@ -22,10 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import LLMConfig  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
-from runtime.executor import ExecutorBase  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
-from runtime.step_io import RequestStepResult, ScheduledBatch  # noqa: E402
+from runtime.engine.core import Engine  # noqa: E402
+from runtime.engine.executor import ExecutorBase  # noqa: E402
+from runtime.sampling.sampling_params import SamplingParams  # noqa: E402
+from runtime.scheduling.step_io import RequestStepResult, ScheduledBatch  # noqa: E402
 
 VOCAB = 50_000
 

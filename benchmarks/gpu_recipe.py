@@ -40,7 +40,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.training import DrafterTrainConfig, TargetTrainConfig  # noqa: E402
-from runtime.llm import LLM  # noqa: E402
+from runtime.engine.llm import LLM  # noqa: E402
 from runtime.training.data_parallel import STATS_FILE  # noqa: E402
 from runtime.training.distill import code_prompts, evaluate, regenerate  # noqa: E402
 from runtime.training.drafter_trainer import train_drafter  # noqa: E402

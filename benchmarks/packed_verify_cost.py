@@ -1,4 +1,4 @@
-"""What a packed verify step costs the device (``runtime.packed_verify``), beside the uniform verify graphs it
+"""What a packed verify step costs the device (``runtime.worker.packed_verify``), beside the uniform verify graphs it
 competes with: does running the target on ``B x (c + 1)`` packed rows cost what a uniform step of ``c + 1`` tokens a
 request costs, or does the packing (the survivals, the step-wide top-k, the gather and scatter around attention,
 which still runs in the full blocks' layout) eat what it saves?
@@ -147,7 +147,7 @@ def main() -> int:
               "graph_packed_columns": info.get("graph_packed_columns"),
               "graph_packed_from": info.get("graph_packed_from"),
               "graphs": {k: v for k, v in info.items() if k.startswith("graph")},
-              # per weight shape, the skinny GEMMs chosen and the graph row counts padded (runtime.small_gemm)
+              # per weight shape, the skinny GEMMs chosen and the graph row counts padded (runtime.worker.small_gemm)
               "small_gemms": info.get("small_gemms"), "rows": rows, "profile": profiled}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0

@@ -66,7 +66,7 @@ def engine_generate(llm, prompt: list[int], max_tokens: int) -> tuple[list[int],
     import dataclasses
 
     from runtime import SamplingParams
-    from runtime.metrics import SpecMetrics
+    from runtime.engine.metrics import SpecMetrics
 
     lengths: list[int] = []
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from configs import DSparkDecodingConfig
     from runtime import LLM
     from runtime.kernels import get_backend
-    from runtime.loader import load_drafter
+    from runtime.models.loader import load_drafter
 
     llm = LLM(args.model, speculative_config={"speculative_model": args.drafter, "speculation_guard": False},
               dtype="float32", device="cpu",

@@ -4,7 +4,7 @@ The goal asks the confidence scheduler for 1.10x the tuned schedule at 64 reques
 there to gain, per concurrency of the record, from the measured acceptance per position (the fixed K engine's, which
 verifies whole blocks) and a step-time table (``--profile-steps``: the startup profile; or a record's
 ``confidence_cost_table_served`` saved as a file): ``padded_best`` (the best single cap) and ``oracle_ragged`` (a
-schedule that knew which drafts will be accepted), as ``runtime.schedule_bounds`` defines them. ``dspark bench``
+schedule that knew which drafts will be accepted), as ``runtime.spec.schedule_bounds`` defines them. ``dspark bench``
 records the same bounds in each run (``confidence_oracle_bound``, ``confidence_padded_bound``); this prices an
 older record, or one against another table.
 
@@ -20,12 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.schedule_bounds import schedule_bounds  # noqa: E402
+from runtime.spec.schedule_bounds import schedule_bounds  # noqa: E402
 from runtime.spec.step_costs import StepCostTable  # noqa: E402
 
 
 def bounds(run: dict, table: StepCostTable) -> dict:
-    """One concurrency's row of a bench record -> its bounds (``runtime.schedule_bounds``), rounded to 3 places."""
+    """One concurrency's row of a bench record -> its bounds (``runtime.spec.schedule_bounds``), rounded to 3 places."""
     row = schedule_bounds(int(run["concurrency"]), list(run["acceptance_per_position"]), table)
     return {key: round(value, 3) if isinstance(value, float) else value for key, value in row.items()}
 

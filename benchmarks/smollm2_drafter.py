@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from runtime.llm import LLM
+    from runtime.engine.llm import LLM
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from runtime.training.self_distill import Sampling, answer_prompts

@@ -102,7 +102,7 @@ def device_name(text: str) -> str:
 def moe_backend(text: str) -> str:
     """A MoE backend this build runs (AUTO, VANILLA, DENSEGEMM, TRITON); another name of the reference's list is
     refused with the reason it does not run here."""
-    from runtime.devices import MOE_BACKENDS_ELSEWHERE, MOE_BACKENDS_RUN
+    from runtime.worker.devices import MOE_BACKENDS_ELSEWHERE, MOE_BACKENDS_RUN
 
     if text in MOE_BACKENDS_RUN:
         return text

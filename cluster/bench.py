@@ -24,7 +24,7 @@ drafts; ``--confidence-draft-len max``: up to max_draft_len, as its scheduler ch
 ``confidence_vs_tuned_paired`` the median of the per-round ratios, each round's two figures taken back to back, so
 the host's drift between rounds cancels), else within ``max_draft_len``. Beside them: what any schedule could gain
 there over whole blocks, priced on the startup table from the fixed engine's acceptance (``confidence_oracle_bound``,
-``confidence_padded_bound``: ``runtime.schedule_bounds``), what the scheduler's own model promised at the steps it
+``confidence_padded_bound``: ``runtime.spec.schedule_bounds``), what the scheduler's own model promised at the steps it
 decided (``confidence_predicted_gain``), and the tuned engine against the fixed one
 (``tuned_vs_dspark_paired``): where the two ran the same draft length (``tuned_same_as_fixed``) they are one
 configuration built twice, and that ratio is the run's noise floor. ``confidence_drafting_off_steps``: the timed steps
@@ -334,10 +334,10 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     alternating rounds also keep each round's, ``rounds_spread``).
     ``mixed_prefill`` False: the engine's scheduler keeps prefill apart for
     this run (``LLMConfig.enable_mixed_prefill``), as built afterwards. ``piecewise`` False: the steps no whole-step
-    graph serves run eagerly for this run, not through the engine's piecewise graphs (``runtime.piecewise``; a
+    graph serves run eagerly for this run, not through the engine's piecewise graphs (``runtime.worker.piecewise``; a
     single-process engine's). ``piecewise_steps``: the steps its piecewise graphs served in the run. ``profile``
     (skip, steps): a torch profile of the run's steps from its ``skip``-th on, ``steps`` of them
-    (``runtime.profiling.summarize``, in the record's ``profile``; the run's own figures then include its cost)."""
+    (``runtime.engine.profiling.summarize``, in the record's ``profile``; the run's own figures then include its cost)."""
     import random
 
     from runtime import SamplingParams
@@ -397,7 +397,7 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
 
 
 def piecewise_runner(engine):
-    """The model runner of a single-process engine whose target has piecewise graphs (``runtime.piecewise``), else
+    """The model runner of a single-process engine whose target has piecewise graphs (``runtime.worker.piecewise``), else
     None (an engine on Ray actors, eager, or without them)."""
     worker = getattr(engine.executor, "worker", None)
     runner = getattr(worker, "engine_part", None)
@@ -406,7 +406,7 @@ def piecewise_runner(engine):
 
 class StepWindowProfile:
     """A torch profile of ``steps`` consecutive steps of a loop, from its ``skip``-th step on: ``before(i)`` ahead of
-    step i, ``after(i)`` behind it; ``summary`` the profile's (``runtime.profiling.summarize``), None until the window
+    step i, ``after(i)`` behind it; ``summary`` the profile's (``runtime.engine.profiling.summarize``), None until the window
     closed (a loop shorter than ``skip + steps`` closes it early, at its ``last`` step)."""
 
     def __init__(self, skip: int, steps: int):
@@ -429,7 +429,7 @@ class StepWindowProfile:
         if self._profiled == self.steps or last:
             import torch
 
-            from runtime.profiling import summarize
+            from runtime.engine.profiling import summarize
 
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -618,8 +618,8 @@ def agreement(first: list[list[int]], second: list[list[int]]) -> dict:
 
 def replay_ms(graph, repeats: int = 20) -> float:
     """Device time of one replay of ``graph`` (a ``torch.cuda.CUDAGraph``), the median of ``repeats``
-    (``runtime.graphs.replay_ms``; imported here when called: this module loads without torch)."""
-    from runtime.graphs import replay_ms as device_replay_ms
+    (``runtime.worker.graphs.replay_ms``; imported here when called: this module loads without torch)."""
+    from runtime.worker.graphs import replay_ms as device_replay_ms
 
     return device_replay_ms(graph, repeats)
 
@@ -676,7 +676,7 @@ def device_times(llm, batch: int, tokens_per_request: int) -> dict:
     worker = local_worker(llm)
     if worker is None or worker.graphs is None:
         return {}
-    from runtime.graph_layout import bucket_of
+    from runtime.worker.graph_layout import bucket_of
 
     graphs = worker.graphs
     bucket = bucket_of(graphs.buckets, batch)
@@ -740,13 +740,13 @@ def step_profiler():
 
 def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None = None) -> dict:
     """torch.profiler over 5 decode steps of ``batch`` fresh requests, once each has its first token
-    (``runtime.profiling.summarize``: CUDA kernels launched per step, GPU busy and idle time per step, host time per
+    (``runtime.engine.profiling.summarize``: CUDA kernels launched per step, GPU busy and idle time per step, host time per
     region, the top kernels); ``trace``: also the timeline as a Chrome trace (gzip) there. A Ray replica's engine is
     profiled on every rank (``ranks``, one summary each: the driver only dispatches)."""
     import torch
 
     from runtime import SamplingParams
-    from runtime.profiling import summarize
+    from runtime.engine.profiling import summarize
 
     engine = llm.engine
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
@@ -857,7 +857,7 @@ def schedule_cap(schedule: dict | None, batch: int, max_draft_len: int) -> int:
 
 def confidence_bounds(row: dict, record: dict) -> dict:
     """What any schedule could gain at this row's concurrency, priced on the confidence engine's startup table from
-    the fixed engine's acceptance per position (``runtime.schedule_bounds``), against whole blocks of the tuned
+    the fixed engine's acceptance per position (``runtime.spec.schedule_bounds``), against whole blocks of the tuned
     schedule's length there (max_draft_len without tuning): ``confidence_oracle_bound`` (verifying just the drafts
     that will be accepted, of the block the confidence engine drafts: the tuned length, or max_draft_len under
     ``--confidence-draft-len max``) and ``confidence_padded_bound`` (the best single cap, ``_cap``); {} without the
@@ -865,7 +865,7 @@ def confidence_bounds(row: dict, record: dict) -> dict:
     acceptance, table = row.get("acceptance_per_position"), record.get("confidence_cost_table")
     if not acceptance or not table:
         return {}
-    from runtime.schedule_bounds import schedule_bounds
+    from runtime.spec.schedule_bounds import schedule_bounds
     from runtime.spec.step_costs import StepCostTable
 
     batch, k = int(row["concurrency"]), len(acceptance)
@@ -991,7 +991,7 @@ def run(args) -> dict:
     from tqdm.auto import tqdm
 
     from runtime import LLM
-    from runtime.heap import freeze_long_lived, unfreeze_long_lived
+    from runtime.engine.heap import freeze_long_lived, unfreeze_long_lived
 
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -1100,7 +1100,7 @@ def run(args) -> dict:
         # warm-up: the likely cause of one run's one-request sweep running a third of its steps plain while it
         # accepted every draft it verified (its step trace was not recorded yet)
         time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0, prompts=sweep_prompts)
-        freeze_long_lived(f"bench engine {kind}")  # as a server does once started (runtime.heap)
+        freeze_long_lived(f"bench engine {kind}")  # as a server does once started (runtime.engine.heap)
         return llm
 
     def reset_stats(kind: str, llm) -> None:
@@ -1500,7 +1500,7 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
     import torch
 
     from cluster.schedule_tuning import Candidate, accepted_schedule, best_draft_lengths, projected_tau
-    from runtime.heap import freeze_long_lived, unfreeze_long_lived
+    from runtime.engine.heap import freeze_long_lived, unfreeze_long_lived
 
     top = args.max_draft_len
     accept = args.acceptance_per_position

@@ -19,8 +19,8 @@ from cluster import bench, bench_plot
 from cluster.arg_types import NEVER, SIZE_FORMS, device_name, fraction, integer, memory_size, moe_backend, number, \
     number_or_never
 from configs import ConfigError, LLMConfig, ParallelConfig, ReplicaConfig, ServeArgs, validate
-from configs.training import DrafterTrainConfig, TargetTrainConfig
 from configs.files import read_mapping
+from configs.training import DrafterTrainConfig, TargetTrainConfig
 
 # flag -> (section, field) of ServeArgs; section None is top level
 MODEL_FLAGS = {
@@ -287,7 +287,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from runtime import SamplingParams
-    from runtime.loader import load_hf_config
+    from runtime.models.loader import load_hf_config
     from runtime.training.distill import code_prompts, dataset_prompts, regenerate
     from runtime.training.target_trainer import source_files
 
@@ -306,7 +306,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
         prompts = code_prompts(source_files(args.sources, 8 << 20), tokenizer, args.num_prompts or 512,
                                args.prompt_tokens or 32, 0)
     if parallel.tensor_parallel_size == 1:
-        from runtime.llm import LLM as LocalLLM
+        from runtime.engine.llm import LLM as LocalLLM
 
         rows = regenerate(LocalLLM(**engine.model_dump(exclude_unset=True)), prompts, args.out, args.max_tokens,
                           args.temperature, args.seed)
@@ -348,7 +348,7 @@ def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
     else:
         data = with_demo(data, engine, speculative, sections)
     parsed = validate(ServeArgs, data, source)
-    from runtime.hub import is_hub_id, resolve_hub_ids
+    from runtime.models.hub import is_hub_id, resolve_hub_ids
 
     # Hub ids, known names and GGUF files resolve once, here on the head node: the app and its actors receive local
     # paths; clients keep calling the model by its id or name (vLLM's default served name), or a GGUF file by its
@@ -401,7 +401,7 @@ def api_key_from(args: argparse.Namespace) -> str | None:
 
 def preflight(parsed: ServeArgs) -> None:
     """Check the checkpoints' metadata (JSON only) before starting anything, so a wrong path fails at once."""
-    from runtime.loader import drafter_spec, load_hf_config
+    from runtime.models.loader import drafter_spec, load_hf_config
 
     load_hf_config(parsed.engine.model, "--model")
     if parsed.engine.speculative_config is not None:
@@ -515,7 +515,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_check_config(args: argparse.Namespace) -> int:
-    from runtime.named_models import named_checkpoint
+    from runtime.models.named_models import named_checkpoint
 
     data = read_mapping(args.config)
     # known names (smollm2, smollm2-dspark) as the files they name, so the drafter's fields resolve from its

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import pickle
 
-from runtime.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
+from runtime.scheduling.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
 
 WIRE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 

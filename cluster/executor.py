@@ -38,10 +38,10 @@ from cluster.dispatch import BatchEncoder, decode_any, decode_results
 from cluster.placement import groups
 from cluster.placement.plan import plan_placement
 from configs import ReplicaConfig
-from runtime.executor import ExecutorBase, plans_ahead, replica_pages
-from runtime.step_io import RequestStepResult, ScheduledBatch
-from runtime.transfer import HostWork
-from runtime.worker import WorkerPlan
+from runtime.engine.executor import ExecutorBase, plans_ahead, replica_pages
+from runtime.scheduling.step_io import RequestStepResult, ScheduledBatch
+from runtime.worker.transfer import HostWork
+from runtime.worker.worker import WorkerPlan
 
 
 log = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ class RayExecutor(ExecutorBase):
         return self._call_all("info")
 
     def start_profile(self, steps: int, trace: str | None = None) -> None:
-        """Every rank profiles its next ``steps`` steps (``runtime.profiling.StepProfiler``); ``trace`` (a path
+        """Every rank profiles its next ``steps`` steps (``runtime.engine.profiling.StepProfiler``); ``trace`` (a path
         ending .json.gz): each rank also writes its timeline there on its own host, named by rank."""
         refs = [actor.start_profile.remote(steps, _rank_trace(trace, rank)) for rank, actor in enumerate(self.actors)]
         ray.get(refs, timeout=self.config.parallel.init_timeout_s)

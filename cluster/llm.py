@@ -10,11 +10,11 @@ import ray
 from cluster.executor import RayExecutor, ReplicaFailure
 from configs import DSparkDecodingConfig, ReplicaConfig, validate
 from configs.cluster import ParallelConfig
-from runtime import llm as runtime_llm
-from runtime.engine import Engine
-from runtime.hub import resolve_hub_ids
-from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.engine import llm as runtime_llm
+from runtime.engine.core import Engine
+from runtime.engine.outputs import RequestOutput
+from runtime.models.hub import resolve_hub_ids
+from runtime.sampling.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 PARALLEL_FIELDS = set(ParallelConfig.model_fields)
@@ -126,7 +126,7 @@ class LLM:
 
     def rank_info(self) -> list[dict]:
         """One dict per actor: rank, role, node, device, moe_backend, ... (with confidence scheduling, target rank
-        0's also holds the engine's step-time table, ``runtime.llm.rank_info``)."""
+        0's also holds the engine's step-time table, ``runtime.engine.llm.rank_info``)."""
         return runtime_llm.rank_info(self.engine)
 
     def shutdown(self) -> None:

@@ -4,9 +4,9 @@
 configures a request.
 """
 
-from runtime.engine import Engine
-from runtime.llm import LLM
-from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams, StructuredOutputs
+from runtime.engine.core import Engine
+from runtime.engine.llm import LLM
+from runtime.engine.outputs import RequestOutput
+from runtime.sampling.sampling_params import SamplingParams, StructuredOutputs
 
 __all__ = ["LLM", "Engine", "RequestOutput", "SamplingParams", "StructuredOutputs"]

@@ -490,7 +490,7 @@ def test_a_schedule_cap_reads_a_draft_len_schedule_as_the_engine_does():
 def test_confidence_bounds_price_the_tuned_cap_on_the_startup_table():
     """The bounds take the fixed engine's acceptance up to the block the confidence engine drafts (the tuned
     schedule's length at that concurrency, or max_draft_len) and compare with the tuned length's whole blocks."""
-    from runtime.schedule_bounds import schedule_bounds
+    from runtime.spec.schedule_bounds import schedule_bounds
     from runtime.spec.step_costs import StepCostTable
 
     tokens = [64 * (q + 1) for q in range(4)]
@@ -597,7 +597,7 @@ def test_the_summary_reads_each_variants_ratios():
 
 
 def test_gpu_gaps_sum_the_time_no_device_activity_covers():
-    from runtime.profiling import gpu_gaps
+    from runtime.engine.profiling import gpu_gaps
 
     # two steps: a graph's kernels overlapping, a copy, then 30 us of nothing before the next step's kernel
     spans = [(0, 10, "gemm"), (5, 12, "norm"), (12, 15, "memcpy"), (45, 60, "gemm"), (70, 71, "argmax")]
@@ -662,7 +662,7 @@ def test_a_profile_takes_decode_steps_after_every_prefill_chunk(tmp_path, monkey
         return step()
 
     monkeypatch.setattr(torch.profiler, "profile", fake_profile)
-    monkeypatch.setattr("runtime.profiling.summarize", lambda prof, n, trace: {"steps": n})
+    monkeypatch.setattr("runtime.engine.profiling.summarize", lambda prof, n, trace: {"steps": n})
     monkeypatch.setattr(engine, "step", recording_step)
     assert profile_step(llm, 8, 40, 500) == {"steps": 5}  # 8 prompts of 40 tokens: 5 steps of 64 to prefill
     assert sum(prefilling for _, prefilling in steps) >= 5

@@ -144,7 +144,7 @@ def test_bad_serve_and_generate_input(capsys, monkeypatch, argv, needle):
         raise AssertionError("a bad flag must fail before any checkpoint is resolved")
 
     if "--model" not in argv and not any(a.endswith(".gguf") for a in argv):
-        monkeypatch.setattr("runtime.hub.resolve_hub_ids", no_resolution)
+        monkeypatch.setattr("runtime.models.hub.resolve_hub_ids", no_resolution)
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse refuses a flag's value before any handler runs

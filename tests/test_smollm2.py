@@ -8,7 +8,7 @@ import importlib.metadata
 import pytest
 
 from runtime import LLM, SamplingParams
-from runtime.hub import resolve_checkpoint
+from runtime.models.hub import resolve_checkpoint
 from tests.builders import hf_greedy
 
 try:

@@ -1,6 +1,6 @@
 """Ray actors of a replica: ``TargetShard`` (one TP rank) and ``Drafter`` (a separate drafter).
 
-They construct a ``runtime.worker.Worker`` and forward to it; no algorithm lives here.
+They construct a ``runtime.worker.worker.Worker`` and forward to it; no algorithm lives here.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import socket
 
 from cluster.dispatch import BatchDecoder, encode_any, encode_results
 from configs import LLMConfig
-from runtime.heap import freeze_long_lived, unfreeze_long_lived
-from runtime.worker import Worker, WorkerPlan
+from runtime.engine.heap import freeze_long_lived, unfreeze_long_lived
+from runtime.worker.worker import Worker, WorkerPlan
 
 
 class _WorkerActor:

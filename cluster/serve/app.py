@@ -34,11 +34,11 @@ from cluster.serve.metrics import ServerMetrics
 from cluster.serve.text import TextStream
 from cluster.serve.tool_parsers import PARSER_KINDS
 from configs import ReplicaConfig, ServeArgs, validate
-from runtime.async_engine import AsyncEngine, Overloaded, RequestFailed, StepFailed, Stopping
-from runtime.chat import chat_template_of, chat_token_ids, template_options_error
-from runtime.llm import best_samples, sample_params
-from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.engine.async_engine import AsyncEngine, Overloaded, RequestFailed, StepFailed, Stopping
+from runtime.engine.chat import chat_template_of, chat_token_ids, template_options_error
+from runtime.engine.llm import best_samples, sample_params
+from runtime.engine.outputs import RequestOutput
+from runtime.sampling.sampling_params import SamplingParams
 
 app = FastAPI(title="dspark", description="DSpark speculative decoding, OpenAI-compatible API")
 SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-from runtime.engine import Engine
+from runtime.engine.core import Engine
 
 PREFIX = "dspark"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from runtime.outputs import TokenLogprob
-from runtime.sampling_params import (MAX_BAD_WORDS, MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP,
+from runtime.engine.outputs import TokenLogprob
+from runtime.sampling.sampling_params import (MAX_BAD_WORDS, MAX_INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP,
                                      MAX_STOP_CHARS, SamplingParams, StructuredOutputs)
 
 
@@ -132,7 +132,7 @@ class SamplingFields(BaseModel):
     guided_grammar: str | None = None
     # vLLM's: only these tokens may be drawn
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(min_length=1)] | None = None
-    # vLLM's: words the output must not contain (runtime.bad_words)
+    # vLLM's: words the output must not contain (runtime.sampling.bad_words)
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
     # vLLM's: each prompt token's logprob, rank and this many most likely alternatives (``prompt_logprobs_body``)
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.outputs import RequestOutput
+from runtime.engine.outputs import RequestOutput
 
 REPLACEMENT = "\ufffd"
 

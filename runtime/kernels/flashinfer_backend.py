@@ -94,7 +94,7 @@ class FlashInferPlan:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the planned forward's queries q [T, Hq, D] -> [T, Hq, D] (into ``out`` when given: the
-        prefill wrapper only, as piecewise graphs read a fixed address, ``runtime.piecewise``)."""
+        prefill wrapper only, as piecewise graphs read a fixed address, ``runtime.worker.piecewise``)."""
         if isinstance(self.wrapper, DecodeGraphWrapper):
             if out is not None:
                 raise ValueError("a decode graph wrapper's attention returns its own output; out is for eager plans")

@@ -99,7 +99,7 @@ class KernelBackend(Protocol):
         """``qk_norm_rope`` then ``write_kv`` of the rotated k and of v at ``slots``; returns the rotated q [T, Hq,
         D], or with ``q_index`` [T] (distinct rows) a [q_rows, Hq, D] tensor holding row t's q at row
         ``q_index[t]`` and zeros elsewhere (a packed verify's queries in the uniform layout attention is planned
-        for, ``runtime.packed_verify``)."""
+        for, ``runtime.worker.packed_verify``)."""
 
     def sample_exponential_race(self, probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
         """Categorical sample per row of probs [R, V] given Exp(1) noise [R, V]: argmax(p / E)."""

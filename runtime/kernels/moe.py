@@ -18,7 +18,7 @@ model's (``runtime.models.moe``); backends differ only in how they run the exper
   folded into the down projection), and a sum over the k choices (``runtime.kernels.triton_moe``; CUDA only,
   graph safe).
 
-Which backends a device can run, and what ``AUTO`` resolves to, is ``runtime.devices.resolve_moe_backend``.
+Which backends a device can run, and what ``AUTO`` resolves to, is ``runtime.worker.devices.resolve_moe_backend``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from torch import nn
 
 from runtime.kernels import KernelBackend, PagedAttentionMeta, torch_ref
 from runtime.models.moe import SparseMoeBlock
-from runtime.small_gemm import norm_stream, prenorm_linear
+from runtime.worker.small_gemm import norm_stream, prenorm_linear
 
 
 class RMSNorm(nn.Module):
@@ -141,7 +141,7 @@ class AttentionInputs:
     slots: torch.Tensor | None = None  # [T] cache slots for this forward's K/V (target forwards)
     block_size: int | None = None  # draft blocks: T = B * block_size queries whose own K/V stay out of the
     # cache and are seen, bidirectionally, as extra keys by every query of the same block
-    # packed verification (runtime.packed_verify): the forward's T rows are a subset of a uniform layout of
+    # packed verification (runtime.worker.packed_verify): the forward's T rows are a subset of a uniform layout of
     # ``padded_rows`` rows (what ``meta`` is planned for); ``unpack`` [T] is each row's place in it
     unpack: torch.Tensor | None = None
     padded_rows: int = 0

@@ -9,13 +9,13 @@ tokens fed)``. The scheduler, in either of two step layouts:
 1. **ragged** (eager kernels: a step costs the tokens it feeds): it ranks every proposed draft of the batch by
    survival (ties: earlier position, then earlier request), so any budget of B drafts is a prefix of each
    request's block (survival never grows along a block), and verifies the top ``B`` (the paper's global top-k);
-   **padded** (CUDA graphs, ``runtime.graphs``: every request of a step is padded to the step's longest verify,
+   **padded** (CUDA graphs, ``runtime.worker.graphs``: every request of a step is padded to the step's longest verify,
    so the step costs its batch x (longest + 1) tokens whatever the others verify): it verifies
    ``min(proposed, Q)`` drafts of every request under one cap ``Q`` (the tier search over the cost curve's
    steps: under padding, a draft below the cap is free and one above it costs a whole column), and since the cap
    is chosen before the block it applies to is drafted, the engine drafts only ``Q + 1`` of it
    (``Engine.drafts_follow_cap``: the drafts past the cap would never be verified, and the one past it keeps that
-   position's confidence in view; the startup profile times each cap so); **packed** (``runtime.packed_verify``,
+   position's confidence in view; the startup profile times each cap so); **packed** (``runtime.worker.packed_verify``,
    steps of ``packed_from`` requests or more): the device picks the top ``S x columns`` drafts of the step's blocks,
    and the engine drafts one past the longest share a request took of this step's block at the columns chosen for
    the next (``packed_draft_len``);
@@ -64,7 +64,7 @@ tokens fed)``. The scheduler, in either of two step layouts:
    position 0), verified whole blocks; one run with the fit: skill 0.36-0.44 past position 0. The class is the
    previous step's outcome, committed before this step's block is verified, so it keeps the selection lossless as
    the lag of point 2 does; a packed step launched ahead computes it on the device from the step before's verdicts
-   (``GraphedTargetForward.launch_verify_ahead``, ``runtime.packed_verify.history_after``).
+   (``GraphedTargetForward.launch_verify_ahead``, ``runtime.worker.packed_verify.history_after``).
 
 6. **drafting at all**: a step that verifies nothing still drafts the next block (the drafter's forward, at 256
    requests on a 2.7B target ~35% of a plain decode step), so verifying nothing is no match for plain decoding, and
@@ -101,12 +101,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.graph_layout import bucket_of
 from runtime.spec.history import HISTORY_NONE, history_list, history_rows
 from runtime.spec.hold import DraftingHold
 from runtime.spec.mixed_step_costs import MixedStepCosts
 from runtime.spec.step_costs import StepCostTable
 from runtime.spec.survival import SurvivalCorrection
+from runtime.worker.graph_layout import bucket_of
 
 
 EXPLORE_EVERY = 32  # every this many decisions below whole blocks, the next step verifies whole blocks
@@ -201,7 +201,7 @@ class ConfidenceScheduler:
         self._unsettled = None  # a deferred decision's rest, until it ran (allot_deferred, settle)
 
     def defer_learning(self, host_work) -> None:
-        """Fold the survival fit's evidence (and refit) in tasks queued on ``host_work`` (``runtime.transfer.HostWork``:
+        """Fold the survival fit's evidence (and refit) in tasks queued on ``host_work`` (``runtime.worker.transfer.HostWork``:
         run while the device computes a step) instead of in ``learn``, which the engine calls between steps."""
         self.correction.defer_to = host_work
 
@@ -373,7 +373,7 @@ class ConfidenceScheduler:
         """``allot``'s padded decision with what does not decide this step deferred: each request verifies
         ``min(proposed, cap)`` drafts at once (the cap an earlier step chose: what ``allot`` returns), and the rest
         of ``allot`` (this step's survivals, its ``last`` Decision, the next cap, whether drafting pays), then
-        ``then()``, runs as a task on ``host_work`` (``runtime.transfer.HostWork``: while the device computes this
+        ``then()``, runs as a task on ``host_work`` (``runtime.worker.transfer.HostWork``: while the device computes this
         step), or, if that has not run it, when the next decision or ``learn`` calls ``settle``. The same choices
         as ``allot`` made at once, in the same order; what moves is when ``last``, ``cap`` and ``drafting_pays``
         become current: the block drafted during this step follows the cap as it stood
@@ -549,7 +549,7 @@ class ConfidenceScheduler:
 
     def allot_packed(self, confidences: list[list[float]], other_requests: int = 0, other_tokens: int = 0,
                      context: int = 0, history: list[int] | None = None) -> int:
-        """The packed layout (``runtime.packed_verify``): each request's proposed drafts' confidences (in block
+        """The packed layout (``runtime.worker.packed_verify``): each request's proposed drafts' confidences (in block
         order) -> the drafts this step verifies over the batch, ``columns`` x requests (at most what was proposed),
         with ``columns`` chosen from an earlier step; which drafts, the device picks from this block's confidences
         (the top survivals over the step). The next ``columns`` from this step's survivals: the c maximizing

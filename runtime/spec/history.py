@@ -22,7 +22,7 @@ def next_history(history: int, verified: int, accepted: int, max_draft_len: int)
     """A request's class after a verify of ``verified`` drafts of which it accepted ``accepted`` (-1: unknown):
     unchanged where it verified none (or the outcome is unknown); ``rejected_at_{accepted}`` where it rejected one,
     else ``accepted_{verified}``. The device applies the same rule to a packed step it launches ahead
-    (``runtime.packed_verify.history_after``)."""
+    (``runtime.worker.packed_verify.history_after``)."""
     if verified <= 0 or accepted < 0:
         return history
     if accepted < verified:

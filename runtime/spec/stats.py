@@ -45,7 +45,7 @@ class ConfidenceStats:
     judged_plain_ms: float = 0.0  # the plain alternative's predicted ms, summed over them
     judged_paid: int = 0  # of them, those where drafting paid
     committed_tokens: int = 0  # tokens the verifying requests committed (accepted drafts + one each), summed
-    unpacked_steps: int = 0  # packed layout: decided steps that verified whole blocks instead (runtime.engine)
+    unpacked_steps: int = 0  # packed layout: decided steps that verified whole blocks instead (runtime.engine.core)
     drafting_off_steps: int = 0  # steps that drafted nothing because drafting did not pay (DraftingHold)
     serial_steps: int = 0  # timed steps an engine that runs ahead did not launch ahead (priced with the excess)
     last: dict = field(default_factory=dict)

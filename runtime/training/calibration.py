@@ -68,8 +68,8 @@ def calibrate_drafter(target: str, drafter: str, prompts: list[list[int]], max_d
     (``fit_temperatures``), the temperatures written into the drafter's config.json as
     ``confidence_temperatures`` -> the fit's record."""
     from configs import DSparkDecodingConfig
-    from runtime.llm import LLM
-    from runtime.sampling_params import SamplingParams
+    from runtime.engine.llm import LLM
+    from runtime.sampling.sampling_params import SamplingParams
 
     # every block verified whole (no speculation guard): each position's verifications are what is fitted
     spec = DSparkDecodingConfig(speculative_model=drafter, max_draft_len=max_draft_len, speculation_guard=False)

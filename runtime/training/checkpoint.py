@@ -1,4 +1,4 @@
-"""Writing a trained drafter in the DeepSpec layout (what ``runtime.loader`` reads back)."""
+"""Writing a trained drafter in the DeepSpec layout (what ``runtime.models.loader`` reads back)."""
 
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ import random
 from pathlib import Path
 
 from configs import DSparkDecodingConfig
-from runtime.chat import chat_token_ids
-from runtime.llm import LLM
-from runtime.sampling_params import SamplingParams
+from runtime.engine.chat import chat_token_ids
+from runtime.engine.llm import LLM
+from runtime.sampling.sampling_params import SamplingParams
 
 
 def code_prompts(files: list[Path], tokenizer, count: int, prompt_tokens: int, seed: int) -> list[list[int]]:

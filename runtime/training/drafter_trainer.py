@@ -23,19 +23,19 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 from configs.training import DrafterTrainConfig
-from runtime.devices import resolve_device
 from runtime.kernels import get_backend
 from runtime.models.drafter import DrafterSpec, DSparkDrafter
 from runtime.models.target import validate_capture_layers
 from runtime.training.blocks import attention_mask, block_inputs, block_labels, sample_anchors
 from runtime.training.checkpoint import draft_config, save_drafter
-from runtime.training.data_parallel import STATS_FILE, average_gradients, everyone_agrees, rank_and_world
 from runtime.training.data import batches, read_rows, tokenize
+from runtime.training.data_parallel import STATS_FILE, average_gradients, everyone_agrees, rank_and_world
 from runtime.training.forward import block_hidden, confidence_logits, teacher_forced_logits
 from runtime.training.loss import LossWeights, dspark_loss
 from runtime.training.precision import autocast
 from runtime.training.schedule import warmup_cosine
 from runtime.training.target_states import CachedTarget, LiveTarget, open_state_cache
+from runtime.worker.devices import resolve_device
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
@@ -102,7 +102,7 @@ class Run:
 
 def prepare(cfg: DrafterTrainConfig, rank: int) -> Run:
     """Load the frozen target, build (or resume) the drafter and its optimizer, and the data stream."""
-    from runtime.hub import resolve_checkpoint
+    from runtime.models.hub import resolve_checkpoint
 
     device = resolve_device(cfg.device)
     target_dir = resolve_checkpoint(cfg.target, "target")

@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.chat import chat_token_ids
-from runtime.sampling_params import SamplingParams
+from runtime.engine.chat import chat_token_ids
+from runtime.sampling.sampling_params import SamplingParams
 from runtime.training.prompt_sets import usable_prompt, write_requests
 
 

@@ -19,11 +19,11 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from configs.training import TargetTrainConfig
-from runtime.devices import resolve_device
 from runtime.training.data_parallel import (STATS_FILE, agreed_max, average_gradients, barrier,
                                             rank_and_world)
 from runtime.training.precision import autocast
 from runtime.training.schedule import warmup_cosine
+from runtime.worker.devices import resolve_device
 
 log = logging.getLogger(__name__)
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<mask>"]

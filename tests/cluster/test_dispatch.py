@@ -5,8 +5,8 @@ import pickle
 import pytest
 
 from cluster.dispatch import BatchDecoder, BatchEncoder, decode_any, decode_results, encode_any, encode_results
-from runtime.sampling_params import SamplingParams
-from runtime.step_io import PackedAhead, RequestStepResult, ScheduledBatch, ScheduledRequest
+from runtime.sampling.sampling_params import SamplingParams
+from runtime.scheduling.step_io import PackedAhead, RequestStepResult, ScheduledBatch, ScheduledRequest
 
 
 def request(rid, pages, tokens=(1, 2), start=4, seed=7, params=None):
@@ -95,7 +95,7 @@ def test_the_engines_host_work_runs_while_the_actors_compute_and_its_error_stays
     import types
 
     import cluster.executor as executor_module
-    from runtime.transfer import HostWork
+    from runtime.worker.transfer import HostWork
 
     order = []
     executor = object.__new__(executor_module.RayExecutor)

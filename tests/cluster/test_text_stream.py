@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from cluster.serve.text import TextStream
-from runtime.outputs import RequestOutput
+from runtime.engine.outputs import RequestOutput
 from tests import builders
 
 

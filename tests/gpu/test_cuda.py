@@ -165,9 +165,9 @@ def test_a_graphed_tp1_replica_runs_ahead_and_equals_one_process(ray_local, wide
 
 
 def test_a_pinned_read_back_waits_for_its_copy_alone():
-    """``runtime.transfer.PinnedReadBack``: the rows land on the host as they were when queued, though the tensor
+    """``runtime.worker.transfer.PinnedReadBack``: the rows land on the host as they were when queued, though the tensor
     is overwritten by work queued after (a step launched ahead); the buffer grows for a larger copy."""
-    from runtime.transfer import PinnedReadBack
+    from runtime.worker.transfer import PinnedReadBack
 
     read = PinnedReadBack(4)
     rows = torch.arange(6, device="cuda").view(2, 3)
@@ -181,7 +181,7 @@ def test_a_pinned_read_back_waits_for_its_copy_alone():
 ONE_RANK_ONESHOT = """
 import datetime, socket, sys
 import torch, torch.distributed as dist
-from runtime.all_reduce import choose_reducer
+from runtime.worker.all_reduce import choose_reducer
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
 torch.cuda.set_device(0)
@@ -206,7 +206,7 @@ print("one-shot ok")
 
 
 def test_the_one_shot_reducer_runs_eagerly_and_in_a_cuda_graph_on_this_torch():
-    """``runtime.all_reduce.OneShotAllReduce`` on a group of one rank (one GPU suffices): the ranks' choice, the
+    """``runtime.worker.all_reduce.OneShotAllReduce`` on a group of one rank (one GPU suffices): the ranks' choice, the
     symmetric buffer's rendezvous and the operator on this host's torch, eager and replayed in a CUDA graph (a
     group of one sums to its own rows). The sums across two GPUs: the TP=2 test above."""
     import subprocess

@@ -353,7 +353,7 @@ def test_a_broken_row_in_a_graphed_greedy_step_fails_that_request_alone(wide_tar
 
 
 def test_a_verify_graphs_verdicts_equal_eager_verification_faults_included(wide_target, make_drafter, tmp_path):
-    """Greedy verify steps read the verify graph's own verification (``runtime.verify.block_verdicts``): with a
+    """Greedy verify steps read the verify graph's own verification (``runtime.sampling.verify.block_verdicts``): with a
     token whose embedding is NaN in some prompts (so some anchors or drafts break their rows), the graphed engine's
     tokens and failed requests equal the eager engine's, which verifies with torch kernels after the forward."""
     import shutil
@@ -600,7 +600,7 @@ def test_a_separate_drafters_process_graphs_its_block_drafts(wide_target, make_d
     drafts as CUDA graphs (``Worker.drafter_uses_cuda_graphs``): over a context appended eagerly, as the draft server
     appends the states it receives, a graphed block of two requests equals the eager one."""
     from configs import LLMConfig
-    from runtime.worker import Worker, WorkerPlan
+    from runtime.worker.worker import Worker, WorkerPlan
 
     config = LLMConfig(model=str(wide_target), speculative_config=DSparkDecodingConfig(
         speculative_model=str(make_drafter(wide_target, 4))), device="cuda", max_model_len=256, **ENGINE)

@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs (``runtime.piecewise``): the steps no whole-step graph serves (a prompt arriving while others
+"""Piecewise CUDA graphs (``runtime.worker.piecewise``): the steps no whole-step graph serves (a prompt arriving while others
 decode, so its chunk rides beside their decodes or verifies) replay per-layer graphs around eager attention and give
 the tokens the same engine gives with those steps eager. head_dim 64, the trained pairs' (FlashInfer's kernels for it
 are in the GPU host's JIT cache). Skipped without a GPU, flashinfer and triton."""
@@ -7,7 +7,7 @@ import pytest
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.graph_layout import bucket_of
+from runtime.worker.graph_layout import bucket_of
 from tests import builders
 
 pytestmark = pytest.mark.gpu

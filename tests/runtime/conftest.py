@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from runtime.llm import LLM
+from runtime.engine.llm import LLM
 from runtime.training.distill import regenerate
 
 TRAINING_ENGINE = dict(dtype="float32", device="cpu", num_pages=512, page_size=8)

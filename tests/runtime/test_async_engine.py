@@ -7,7 +7,7 @@ import time
 import pytest
 
 from runtime import LLM, SamplingParams
-from runtime.async_engine import AsyncEngine
+from runtime.engine.async_engine import AsyncEngine
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_a_caller_that_goes_away_aborts_and_frees_pages(llm):
 
 
 def test_a_serving_engine_keeps_the_collector_off_its_startup_objects(llm):
-    """Once serving starts, full garbage collections skip the models, graphs and tokenizer (runtime.heap): they
+    """Once serving starts, full garbage collections skip the models, graphs and tokenizer (runtime.engine.heap): they
     walk only what the loop made since; shutting down hands them back, so a dropped engine's cycles can go."""
     import gc
 
@@ -133,7 +133,7 @@ def test_a_grammar_slow_to_compile_delays_only_its_own_request(llm, monkeypatch)
     compile that outlasts ``grammar_timeout_s`` fails its own request with a message naming the limit."""
     import threading
 
-    from runtime.sampling_params import StructuredOutputs
+    from runtime.sampling.sampling_params import StructuredOutputs
 
     began = threading.Event()
 

@@ -5,7 +5,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from runtime import LLM, SamplingParams
-from runtime.bad_words import row_bans, token_sequences
+from runtime.sampling.bad_words import row_bans, token_sequences
 
 ENGINE = dict(dtype="float32", device="cpu", num_pages=128, page_size=4)
 

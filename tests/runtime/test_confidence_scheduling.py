@@ -10,9 +10,9 @@ import torch
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.pages import PageAllocator
-from runtime.scheduler import Scheduler, SchedulerLimits
-from runtime.sequence import Sequence
+from runtime.scheduling.pages import PageAllocator
+from runtime.scheduling.scheduler import Scheduler, SchedulerLimits
+from runtime.scheduling.sequence import Sequence
 from runtime.spec.confidence import EXPLORE_EVERY, PLAIN_MIXED_MIN, ConfidenceScheduler, packed_draft_len, top_drafts
 from runtime.spec.history import HISTORY_NONE, history_classes, next_history
 from runtime.spec.hold import HOLD_FIRST, DraftingHold
@@ -21,7 +21,7 @@ from runtime.spec.stats import TRACE_FIELDS, TRACE_STEPS, ConfidenceStats
 from runtime.spec.step_costs import StepCostTable
 from runtime.spec.survival import (FIT_WINDOW, FOLD_DEFERRED_MOST, FOLD_EVERY, REFIT_FOLDS, SurvivalCorrection,
                                    SurvivalSkill, read_calibration)
-from runtime.transfer import HostWork
+from runtime.worker.transfer import HostWork
 from tests import builders
 from tests.runtime.test_sampling_distribution import FILTERS, N, empirical_tv, exact_joint, tv_bound
 
@@ -609,7 +609,7 @@ def test_a_mixed_step_decides_its_rest_while_the_device_computes(tmp_path, monke
     verifies applies the cap at once and leaves the rest of its decision, and the learning of its time, to the
     executor's host work, which the runner runs while the step computes; steps that verify alone decide at once.
     Greedy outputs stay the target's; every decision is recorded once."""
-    from runtime import engine as engine_module
+    from runtime.engine import core as engine_module
 
     monkeypatch.setattr(engine_module, "HOST_WORK_SHARE", 1e3)  # (no budget runs out on a slow CI host)
     path = tmp_path / "table.json"
@@ -840,7 +840,7 @@ def test_graphed_steps_are_priced_at_the_graph_they_replay(layout, requests):
 
 def test_the_table_learns_whole_steps_as_the_startup_profile_times_them(tmp_path, near_bigram_target,
                                                                          confident_drafter, monkeypatch):
-    """A served step is observed schedule to commit, as ``runtime.step_profile`` times a step: host work outside the
+    """A served step is observed schedule to commit, as ``runtime.worker.step_profile`` times a step: host work outside the
     executor (here a commit made 30 ms slower) is in the observed time. Observing the executor alone made the cells the
     scheduler served look cheaper than the profiled ones it did not serve, so it kept trimming."""
     import time as time_module

@@ -67,7 +67,7 @@ def test_an_moe_target_drafts_with_its_own_moe_blocks(tmp_path, moe_target, make
 def test_missing_stages_and_a_bad_window_are_named(tmp_path, near_bigram_target, standalone):
     import json
 
-    from runtime.loader import CheckpointError
+    from runtime.models.loader import CheckpointError
 
     embedded = builders.save_embedded_target(tmp_path / "bad", near_bigram_target, standalone)
     config = json.loads((embedded / "config.json").read_text())

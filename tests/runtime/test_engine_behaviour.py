@@ -267,8 +267,8 @@ def test_pages_are_allotted_a_token_ahead_only_where_every_target_rank_plans_ahe
     target ranks all plan ahead, and not otherwise."""
     from benchmarks.engine_host import CannedExecutor, model_dir
     from configs import LLMConfig
-    from runtime.engine import Engine
-    from runtime.executor import plans_ahead
+    from runtime.engine.core import Engine
+    from runtime.engine.executor import plans_ahead
 
     ranks = [{"role": "target", "plan_ahead": True}, {"role": "target", "plan_ahead": True}]
     assert plans_ahead(ranks) and plans_ahead([*ranks, {"role": "drafter", "plan_ahead": False}])

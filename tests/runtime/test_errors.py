@@ -7,7 +7,7 @@ import pytest
 from configs import ConfigError, DSparkDecodingConfig
 from runtime import LLM, SamplingParams
 from runtime.kernels import KernelBackendUnavailable
-from runtime.loader import CheckpointError
+from runtime.models.loader import CheckpointError
 from tests import builders
 
 

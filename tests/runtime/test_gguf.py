@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.gguf_checkpoint import GGUFError, converted_dir
-from runtime.hub import resolve_checkpoint
+from runtime.models.gguf_checkpoint import GGUFError, converted_dir
+from runtime.models.hub import resolve_checkpoint
 from tests.builders import CHAT_TEMPLATE, greedy_generate, hf_greedy, save_target
 
 gguf = pytest.importorskip("gguf")

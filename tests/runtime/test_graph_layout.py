@@ -1,13 +1,13 @@
-"""The host layout of a graphed step (``runtime.graphs``): ragged requests padded to the graph's Q tokens.
+"""The host layout of a graphed step (``runtime.worker.graphs``): ragged requests padded to the graph's Q tokens.
 
 The graphs themselves need CUDA (``tests/gpu``); how their inputs are laid out is plain host work, checked here."""
 
 import torch
 
-from runtime.graph_layout import worth_padding
-from runtime.graphs import GraphedTargetForward, GraphOutputs
-from runtime.sampling_params import SamplingParams
-from runtime.step_io import ScheduledRequest
+from runtime.sampling.sampling_params import SamplingParams
+from runtime.scheduling.step_io import ScheduledRequest
+from runtime.worker.graph_layout import worth_padding
+from runtime.worker.graphs import GraphedTargetForward, GraphOutputs
 
 PS, SCRATCH = 4, 99
 
@@ -58,7 +58,7 @@ def test_the_vectorized_layout_equals_the_token_by_token_one():
     """Random steps (ragged or full blocks, owned pages or not, padding requests) laid out both ways."""
     import random
 
-    from runtime.graph_layout import graph_inputs
+    from runtime.worker.graph_layout import graph_inputs
 
     rng = random.Random(0)
     for trial in range(300):
@@ -81,7 +81,7 @@ def test_the_next_decode_layout_is_the_one_the_next_step_lays_out():
     """Planning ahead: after a one-token step, the layout of the step where every request decodes one more token
     (the pages the scheduler allotted a token ahead) is what that step's own layout will be; a request whose pages
     do not cover its next key yet gives no prediction."""
-    from runtime.graph_layout import next_decode_layout
+    from runtime.worker.graph_layout import next_decode_layout
 
     pages = {"a": [7, 8, 9], "b": [3]}
     now = [request("a", [10], start=7, pages=pages["a"]), request("b", [20], start=2, pages=pages["b"])]
@@ -98,7 +98,7 @@ def test_the_next_verify_layout_is_the_one_the_next_verify_step_lays_out():
     which each request verifies a block as long from its next position (pages allotted a block ahead) is what that
     step's own layout will be, padding requests and pages past a request's own (the scratch page) included; an
     invalid count (a faulted row) gives no prediction."""
-    from runtime.graph_layout import next_verify_layout
+    from runtime.worker.graph_layout import next_verify_layout
 
     pages = {"a": [7, 8, 9, 10], "b": [3, 4, 5]}
     now = [request("a", [10, 11, 12, 13], start=5, pages=pages["a"], drafts=3),
@@ -130,7 +130,7 @@ def test_a_verify_graphs_greedy_verdicts_equal_the_eager_verification():
     and 0 drafts in a Q = 4 graph of 4 requests. Its accepted counts equal ``commit_by_match`` over each request's
     own drafts, its candidates are the rows' argmax, and a NaN row faults its request only where the row is
     verified (a padding row's NaN is not that request's)."""
-    from runtime.verify import block_verdicts, commit_by_match
+    from runtime.sampling.verify import block_verdicts, commit_by_match
 
     reqs = [request("a", [10, 11, 12, 13], start=8, pages=[5, 6, 7], drafts=3),
             request("b", [20, 21], start=3, pages=[2, 3], drafts=1),
@@ -163,8 +163,8 @@ def test_the_read_back_parses_graph_packed_rows_as_it_parses_eager_ones():
     drafter's packed block (drafts, length, confidences as c * 2^24): each request's committed tokens, next drafts
     and confidences equal those of the eager path's separate tensors, and a faulted request commits nothing."""
     from runtime.spec.wire import confidence_as_ints
-    from runtime.draft_channel import Proposal
-    from runtime.runner import ModelRunner, Verified
+    from runtime.worker.draft_channel import Proposal
+    from runtime.worker.runner import ModelRunner, Verified
 
     reqs = [request("a", [10, 11, 12, 13], start=8, pages=[5, 6, 7], drafts=3),
             request("b", [20, 21], start=3, pages=[2, 3], drafts=1)]
@@ -193,7 +193,7 @@ def test_which_graph_a_step_replays_prefill_chunks_included():
     """A step replays the graph of the smallest captured length holding its longest request: a verify length (every
     bucket), else a prefill chunk length whose bucket x length is within the cap; never one padded past
     ``worth_padding``, nor a batch past the largest bucket."""
-    from runtime.graph_layout import PREFILL_Q_LENS, graphed_q_len
+    from runtime.worker.graph_layout import PREFILL_Q_LENS, graphed_q_len
 
     verify, cap = [1, 8], 512
     assert graphed_q_len([1, 1], verify, 64) == 1 and graphed_q_len([8, 3], verify, 64) == 8
@@ -210,7 +210,7 @@ def test_which_graph_a_step_replays_prefill_chunks_included():
 def test_a_length_goes_to_a_longer_graph_only_where_it_replays_faster():
     """One run's verify graphs at 64 requests (an H200, a 2.7B target): 5 and 7 tokens a request replay slower than
     6 and 8. Each goes to the fastest longer graph, past a margin; none where no longer graph is faster enough."""
-    from runtime.graph_layout import faster_lengths
+    from runtime.worker.graph_layout import faster_lengths
 
     measured = {2: 3.50, 3: 4.22, 4: 4.30, 5: 6.10, 6: 5.56, 7: 7.95, 8: 6.63}
     times = {(64, q): ms for q, ms in measured.items()} | {(16, q): 1.0 + 0.01 * q for q in measured}
@@ -222,8 +222,8 @@ def test_a_length_goes_to_a_longer_graph_only_where_it_replays_faster():
 def test_piecewise_token_buckets_end_at_the_step_budget():
     import pytest
 
-    from runtime.graph_layout import bucket_of
-    from runtime.piecewise import PIECEWISE_MAX_TOKENS, token_buckets
+    from runtime.worker.graph_layout import bucket_of
+    from runtime.worker.piecewise import PIECEWISE_MAX_TOKENS, token_buckets
 
     assert token_buckets(2048)[-1] == 2048 and token_buckets(2048)[:4] == [16, 32, 64, 128]
     assert token_buckets(500) == [16, 32, 64, 128, 192, 256, 320, 384, 448, 500]  # the budget itself is the last

@@ -10,7 +10,7 @@ import pytest
 
 from configs import LLMConfig
 from runtime import LLM, SamplingParams
-from runtime.hub import HubResolutionError, is_hub_id, resolve_checkpoint, resolve_hub_ids
+from runtime.models.hub import HubResolutionError, is_hub_id, resolve_checkpoint, resolve_hub_ids
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -82,8 +82,8 @@ def test_the_cli_resolves_on_the_head_node_and_names_a_missing_id(offline_cache,
 
 
 def test_known_names_resolve_to_their_files_or_say_how_to_install_them(monkeypatch, tmp_path):
-    from runtime import named_models
-    from runtime.named_models import NamedCheckpoint, NamedCheckpointError, named_checkpoint
+    from runtime.models import named_models
+    from runtime.models.named_models import NamedCheckpoint, NamedCheckpointError, named_checkpoint
 
     assert named_checkpoint("acme/other", "model") is None  # not a known name: the Hub's turn
     absent = NamedCheckpoint("a model", distribution="no-such-dspark-package", file="x/model.gguf",

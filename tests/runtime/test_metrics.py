@@ -1,6 +1,6 @@
 """Counters and the acceptance gate."""
 
-from runtime.metrics import AcceptanceGate, SpecMetrics
+from runtime.engine.metrics import AcceptanceGate, SpecMetrics
 
 
 def test_spec_metrics():

@@ -7,11 +7,11 @@ from transformers import AutoModelForCausalLM
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.devices import resolve_moe_backend
 from runtime.kernels import get_backend
 from runtime.kernels.moe import experts_grouped_gemm, experts_vanilla, tile_pairs_by_expert
-from runtime.loader import load_target
+from runtime.models.loader import load_target
 from runtime.models.moe import SparseMoeBlock, sparse_layer_ids
+from runtime.worker.devices import resolve_moe_backend
 from tests import builders
 from tests.runtime.test_target_parity import run_paged
 

@@ -1,4 +1,4 @@
-"""Packed verification (``runtime.packed_verify``): the device-side selection matches the host scheduler's, and a
+"""Packed verification (``runtime.worker.packed_verify``): the device-side selection matches the host scheduler's, and a
 packed verify of full blocks equals verifying each request's chosen drafts alone (fp32, the torch kernels)."""
 
 import dataclasses
@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.packed_verify import (history_after, pack_index, packed_verify, select_lengths, survivals,
-                                   verify_positions)
+from runtime.sampling.verify import accept_by_match
+from runtime.scheduling.step_io import ScheduledRequest
 from runtime.spec.confidence import ConfidenceScheduler, top_drafts
 from runtime.spec.history import history_classes, next_history
-from runtime.step_io import ScheduledRequest
-from runtime.step_tensors import build_step_tensors, build_uniform_step_tensors
-from runtime.verify import accept_by_match
+from runtime.worker.packed_verify import (history_after, pack_index, packed_verify, select_lengths, survivals,
+                                   verify_positions)
+from runtime.worker.step_tensors import build_step_tensors, build_uniform_step_tensors
 from tests.runtime.test_confidence_scheduling import flat_table
 
 

@@ -2,10 +2,10 @@
 
 import pytest
 
-from runtime.pages import PageAllocator
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerLimits
-from runtime.sequence import Sequence, Status
+from runtime.sampling.sampling_params import SamplingParams
+from runtime.scheduling.pages import PageAllocator
+from runtime.scheduling.scheduler import Scheduler, SchedulerLimits
+from runtime.scheduling.sequence import Sequence, Status
 
 
 def seq(rid, prompt_len, arrival, max_tokens=50):

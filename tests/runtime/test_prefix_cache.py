@@ -5,7 +5,7 @@ and without a drafter, across preemption."""
 import pytest
 
 from runtime import LLM, SamplingParams
-from runtime.pages import PageAllocator, page_key
+from runtime.scheduling.pages import PageAllocator, page_key
 
 PS = 4
 SYSTEM = list(range(40, 58))  # 18 tokens: four full pages of 4 shared by every prompt below

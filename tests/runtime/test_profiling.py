@@ -1,9 +1,9 @@
-"""Step regions (``runtime.profiling.region``): named in a torch.profiler trace, no-ops otherwise."""
+"""Step regions (``runtime.engine.profiling.region``): named in a torch.profiler trace, no-ops otherwise."""
 
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.profiling import region
+from runtime.engine.profiling import region
 
 
 def test_a_step_names_its_regions_only_while_a_profiler_records(bigram_target):

@@ -6,7 +6,8 @@ drafter, with its prefix in the cache (computed again: the cache holds no logits
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams, runner
+from runtime import LLM, SamplingParams
+from runtime.worker import runner
 
 ENGINE = dict(dtype="float32", device="cpu", num_pages=128, page_size=4)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [9, 10], [11, 12, 13, 14, 15, 16, 17], [3]]

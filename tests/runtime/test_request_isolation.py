@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime import LLM, SamplingParams
-from runtime.engine import Engine
-from runtime.pages import page_key
-from runtime.stops import StopCriteria
+from runtime.engine.core import Engine
+from runtime.sampling.stops import StopCriteria
+from runtime.scheduling.pages import page_key
 
 POISON = 7  # the token whose embedding is NaN in the poisoned target
 CLEAN = [[5, 9, 11, 13], [20, 21, 22, 23, 24, 25], [40, 41, 42]]
@@ -73,7 +73,7 @@ def test_faulted_pages_are_scrubbed_before_reuse(poisoned_target, monkeypatch):
     poisoned = [[3, 4, POISON, 6, 8, 10]]
     assert llm.generate(poisoned, params)[0].finish_reason == "error"
     assert outputs(llm, batch, params) == expected
-    monkeypatch.setattr("runtime.runner.scrub_pages", lambda *args: None)
+    monkeypatch.setattr("runtime.worker.runner.scrub_pages", lambda *args: None)
     assert llm.generate(poisoned, params)[0].finish_reason == "error"
     assert outputs(llm, batch, params) != expected
 
@@ -158,7 +158,7 @@ def test_a_fault_in_a_plain_greedy_decode_step_fails_that_request_alone(qwen3_ta
 
 
 def test_greedy_verdicts_mark_every_broken_row():
-    from runtime.verify import greedy_verdicts
+    from runtime.sampling.verify import greedy_verdicts
 
     top = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), -3.0])
     argmax = torch.tensor([4, 5, 6, 7, 8])

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from configs import LLMConfig
-from runtime.engine import Engine
-from runtime.executor import ExecutorBase
-from runtime.sampling_params import SamplingParams
+from runtime.engine.core import Engine
+from runtime.engine.executor import ExecutorBase
+from runtime.sampling.sampling_params import SamplingParams
+from runtime.scheduling.step_io import RequestStepResult, ScheduledBatch
 from runtime.spec.history import next_history
-from runtime.step_io import RequestStepResult, ScheduledBatch
-from runtime.transfer import HostWork
+from runtime.worker.transfer import HostWork
 
 
 class RecordingExecutor(ExecutorBase):
@@ -118,7 +118,7 @@ def test_sampled_requests_never_run_ahead(tmp_path, drafter):
 # ---- the worker's side, on the CPU: GraphedTargetForward.decode_greedy over a fake one-token graph ---------------
 
 class _Read:
-    """``runtime.transfer.PinnedReadBack`` on the CPU: the copy happens when queued (the CPU's order is the
+    """``runtime.worker.transfer.PinnedReadBack`` on the CPU: the copy happens when queued (the CPU's order is the
     stream's)."""
 
     def queue(self, tensor: torch.Tensor) -> None:
@@ -145,7 +145,7 @@ class _FakeGraph:
 
 
 def _forward(batch: int, page_size: int = 4):
-    from runtime.graphs import GraphedTargetForward
+    from runtime.worker.graphs import GraphedTargetForward
 
     forward = object.__new__(GraphedTargetForward)  # the decode path's state only: no CUDA graphs captured
     forward.buckets, forward.page_size, forward.scratch_page = [batch], page_size, 99
@@ -167,8 +167,8 @@ def _forward(batch: int, page_size: int = 4):
 def _runner(rank: int, world: int, appends_context: bool):
     """A ``ModelRunner``'s step-path choice only (``_decodes_greedy``): graphs of one bucket of 4, a drafter (every
     rank of a replica has its spec; its context graph, if any, is rank 0's)."""
-    from runtime.parallel import ParallelContext
-    from runtime.runner import ModelRunner
+    from runtime.worker.parallel import ParallelContext
+    from runtime.worker.runner import ModelRunner
 
     runner = object.__new__(ModelRunner)
     runner.parallel, runner.has_drafter = ParallelContext(rank=rank, world_size=world), True
@@ -191,7 +191,7 @@ def test_tensor_parallel_ranks_choose_the_decode_path_alike_from_the_batch_alone
 
 
 def _decode(rid: str, token: int, position: int, pages: list[int]):
-    from runtime.step_io import ScheduledRequest
+    from runtime.scheduling.step_io import ScheduledRequest
 
     return ScheduledRequest(rid, [token], position, pages, 0, True, greedy(100), 0)
 
@@ -234,7 +234,7 @@ def test_host_work_told_the_device_is_done_starts_no_task_until_too_many_wait():
     """A step not launched ahead runs the host work while the device computes it, asking whether its read-back has
     landed: once it has, no task starts (the device would wait for it: the tasks wait for a step with room), unless
     more than ``QUEUED_MOST`` are queued; without ``done`` every call runs one task at least."""
-    from runtime.transfer import QUEUED_MOST
+    from runtime.worker.transfer import QUEUED_MOST
 
     work, ran, device = HostWork(), [], {"done": False}
     for i in range(3):
@@ -312,7 +312,7 @@ class _FakeVerifyGraph:
 
 def _verify_forward(batch: int, q_len: int, page_size: int = 4, shorter: int | None = None):
     """A forward with a fake verify graph of ``batch`` x ``q_len`` (and of ``batch`` x ``shorter``, if given)."""
-    from runtime.graphs import GraphedTargetForward
+    from runtime.worker.graphs import GraphedTargetForward
 
     forward = object.__new__(GraphedTargetForward)  # the verify path's host state only: no CUDA graphs captured
     forward.buckets, forward.page_size, forward.scratch_page = [batch], page_size, 99
@@ -334,7 +334,7 @@ def _verify_forward(batch: int, q_len: int, page_size: int = 4, shorter: int | N
 
 
 def _verify(rid: str, tokens: list[int], start: int, pages: list[int]):
-    from runtime.step_io import ScheduledRequest
+    from runtime.scheduling.step_io import ScheduledRequest
 
     return ScheduledRequest(rid, tokens, start, pages, len(tokens) - 1, True, greedy(100), 0)
 
@@ -400,7 +400,7 @@ def test_a_packed_verify_launched_ahead_ranks_the_block_drafted_and_is_used_only
     block's confidences copied on the device and the ranking the engine sent; taken by ``run_packed`` when scheduled
     as launched at the same columns, else dropped (and run from the host's confidences). Each request's history
     class is updated on the device from the step before's verdicts (``next_history``)."""
-    from runtime.step_io import PackedAhead
+    from runtime.scheduling.step_io import PackedAhead
 
     forward, uniform = _verify_forward(batch=2, q_len=3)
     packed = _with_packed_graph(forward, batch=2, q_len=3, columns=1)
@@ -446,7 +446,7 @@ def test_a_packed_verify_of_a_shorter_block_is_launched_ahead_padded_to_the_pack
     """A packed step's block drafted shorter than K (``ConfidenceScheduler.packed_draft_len``) is launched ahead
     into the packed graph of K + 1 rows a request: the block's drafts, then padding (token 0 at the last real
     position, proposing nothing: confidence 0), its pages needed only under the block; taken when scheduled so."""
-    from runtime.step_io import PackedAhead
+    from runtime.scheduling.step_io import PackedAhead
 
     forward, uniform = _verify_forward(batch=2, q_len=4, shorter=3)  # K = 3; blocks of 2 drafted
     packed = _with_packed_graph(forward, batch=2, q_len=4, columns=1)
@@ -690,11 +690,11 @@ class PackingExecutor(DraftingExecutor):
 
 class AcceptingExecutor(PackingExecutor):
     """A drafter the target always agrees with: every verified draft is accepted; a packed step verifies what the
-    device would choose (``runtime.packed_verify``) from the ranking it was given. Confidences vary by request, so a
+    device would choose (``runtime.worker.packed_verify``) from the ranking it was given. Confidences vary by request, so a
     ranking by them would give the surest request more than its share."""
 
     def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
-        from runtime.packed_verify import select_lengths, survivals
+        from runtime.worker.packed_verify import select_lengths, survivals
 
         self.batches.append(batch)
         k, verified = batch.num_next_drafts, [r.num_drafts for r in batch.requests]
@@ -715,11 +715,11 @@ class AcceptingExecutor(PackingExecutor):
 
 
 def test_the_step_profile_never_lets_a_request_finish_even_when_every_draft_is_accepted(tmp_path):
-    """The profile's requests are sized to what its steps can commit (``runtime.step_profile``); a request that
+    """The profile's requests are sized to what its steps can commit (``runtime.worker.step_profile``); a request that
     finished mid-profile was a KeyError at startup (packed steps ranked by confidence gave the surest
     request every draft of its block at any budget). While profiling, a packed step of c columns verifies c drafts
     of every request, and the requests drafted first verify none while the rest prefill."""
-    from runtime.step_profile import profile_step_costs
+    from runtime.worker.step_profile import profile_step_costs
 
     eng, ex = spark_engine(tmp_path)  # block 4
     accepting = AcceptingExecutor(ex.num_pages)
@@ -807,7 +807,7 @@ def test_the_step_profile_plans_and_launches_each_verify_length_as_served(tmp_pa
     short of the block dropped a verify launched ahead at the full block and ran it again (1.5-3 ms a step too slow
     on the GPU, and the scheduler never trimmed). Now only the first step of a new length (untimed) finds the step
     before it launched at the old one."""
-    from runtime.step_profile import profile_step_costs
+    from runtime.worker.step_profile import profile_step_costs
 
     eng, ex = spark_engine(tmp_path)  # block 4
     eng._graph_q_lens = ex.describe()[0]["graph_q_lens"]  # (as Engine._confidence_scheduler reads it, then profiles)
@@ -836,7 +836,7 @@ def test_the_step_profile_times_packed_steps_where_packed_graphs_serve_them(tmp_
     """With packed graphs (from 2 requests here), the profile's steps of that many requests verify columns 1..K-1
     packed, as the packed layout serves them (whole blocks fed, the budget columns x requests), launched ahead like
     any other length; one request's steps are trimmed (padded) as before, and 0 and K are uniform steps."""
-    from runtime.step_profile import profile_step_costs
+    from runtime.worker.step_profile import profile_step_costs
 
     eng, ex = spark_engine(tmp_path)  # block 4
     packing = PackingExecutor(ex.num_pages)

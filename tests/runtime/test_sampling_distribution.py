@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import runtime.runner
+import runtime.worker.runner
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
 
@@ -22,7 +22,7 @@ PROMPT = [5, 17, 33, 2, 90, 41]
 
 
 def reference_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Straightforward per-row filter, written independently of runtime.sampler."""
+    """Straightforward per-row filter, written independently of runtime.sampling.sampler."""
     probs = torch.softmax(logits / temperature, dim=-1)
     out = torch.zeros_like(probs)
     for row in range(probs.shape[0]):
@@ -114,15 +114,15 @@ def test_seeded_exact_match_equals_plain_sampling(near_bigram_target, make_draft
 def test_a_wrong_sampler_fails_the_same_test(near_bigram_target, drafter, joints, monkeypatch, wrong):
     """The top-k=5 case (25 cells, the tightest bound): each wrong sampler lands well outside it."""
     if wrong == "rejection: accept everything":
-        monkeypatch.setattr(runtime.runner, "accept_by_rejection", lambda drafts, num_drafts, *a: num_drafts)
+        monkeypatch.setattr(runtime.worker.runner, "accept_by_rejection", lambda drafts, num_drafts, *a: num_drafts)
     elif wrong == "rejection: no residual":
-        monkeypatch.setattr(runtime.runner, "residual_distribution", lambda p, q: p)
+        monkeypatch.setattr(runtime.worker.runner, "residual_distribution", lambda p, q: p)
     else:
         def commit_drafts_unchecked(drafts, num_drafts, target_tokens):
             committed = torch.cat([drafts, target_tokens[:, -1:]], dim=1)
             return committed.scatter(1, num_drafts[:, None], target_tokens.gather(1, num_drafts[:, None])), num_drafts
 
-        monkeypatch.setattr(runtime.runner, "commit_by_match", commit_drafts_unchecked)
+        monkeypatch.setattr(runtime.worker.runner, "commit_by_match", commit_drafts_unchecked)
     llm = speculative_llm(near_bigram_target, drafter, wrong.startswith("rejection"))
     name = "top-k=5"
     tv, bound = empirical_tv(llm, joints[name], FILTERS[name]), tv_bound(joints[name], N)

@@ -1,4 +1,4 @@
-"""The small-batch GEMM dispatch (runtime.small_gemm) on the CPU: which rows go where, what is swapped, what is
+"""The small-batch GEMM dispatch (runtime.worker.small_gemm) on the CPU: which rows go where, what is swapped, what is
 left alone. The Triton kernel itself is checked against cuBLAS on a GPU (tests/gpu/test_small_gemm.py) and, where
 triton is installed, under Triton's CPU interpreter here."""
 
@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime import small_gemm
-from runtime.loader import load_target
 from runtime.kernels import get_backend
-from runtime.parallel import ParallelContext, RowParallelLinear
-from runtime.small_gemm import ROW_BUCKETS, GemmChoice, SmallBatchLinear, linear
+from runtime.models.loader import load_target
+from runtime.worker import small_gemm
+from runtime.worker.parallel import ParallelContext, RowParallelLinear
+from runtime.worker.small_gemm import ROW_BUCKETS, GemmChoice, SmallBatchLinear, linear
 from tests.runtime.interpreter import run_interpreted
 
 

@@ -5,9 +5,9 @@ import random
 import pytest
 
 from runtime import LLM
-from runtime.sampling_params import SamplingParams
-from runtime.sequence import Sequence
-from runtime.stops import StopCriteria
+from runtime.sampling.sampling_params import SamplingParams
+from runtime.sampling.stops import StopCriteria
+from runtime.scheduling.sequence import Sequence
 
 
 def one_by_one(stops: StopCriteria, seq: Sequence, tokens: list[int]) -> tuple[int, str | None]:

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests import builders
 from runtime.kernels import PagedAttentionMeta, get_backend
-from runtime.loader import CheckpointError, load_target
-from runtime.kv_cache import allocate_caches
+from runtime.models.loader import CheckpointError, load_target
+from runtime.scheduling.kv_cache import allocate_caches
+from tests import builders
 
 
 def run_paged(model, prompts, page_size=4):

@@ -5,8 +5,8 @@ import torch
 from safetensors import safe_open
 
 from runtime.kernels import get_backend
-from runtime.loader import load_target
-from runtime.parallel import ParallelContext, shard_range
+from runtime.models.loader import load_target
+from runtime.worker.parallel import ParallelContext, shard_range
 
 
 def full_weights(path):
@@ -40,7 +40,7 @@ def test_heads_must_divide(qwen3_target):
         load_target(str(qwen3_target), get_backend("torch"), torch.float32, torch.device("cpu"),
                     ParallelContext(rank=0, world_size=3))
     from runtime.models.target import TargetModel
-    from runtime.parallel import apply_tensor_parallel
+    from runtime.worker.parallel import apply_tensor_parallel
     from tests import builders
 
     odd = TargetModel(builders.target_config("qwen3", num_attention_heads=6, num_key_value_heads=3),
@@ -79,7 +79,7 @@ def test_each_rank_loads_its_slice_of_every_expert_and_the_whole_router(moe_targ
     assert torch.equal(torch.cat([p[0] for p in parts]), full["model.layers.0.mlp.experts.3.up_proj.weight"])
     assert torch.equal(torch.cat([p[1] for p in parts], dim=1), full["model.layers.0.mlp.experts.3.down_proj.weight"])
     from runtime.models.target import TargetModel
-    from runtime.parallel import apply_tensor_parallel
+    from runtime.worker.parallel import apply_tensor_parallel
     from tests import builders
 
     odd = TargetModel(builders.target_config("qwen3_moe", moe_intermediate_size=33), get_backend("torch"), "VANILLA")
@@ -91,7 +91,7 @@ def _top_argmax_rank(rank: int, world: int, port: int, x, weight, queue) -> None
     import torch.distributed as dist
     from torch import nn
 
-    from runtime.parallel import ParallelLMHead
+    from runtime.worker.parallel import ParallelLMHead
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -162,7 +162,7 @@ class _MarkingReducer:
 def _choose_rank(rank: int, world: int, port: int, queue) -> None:
     import torch.distributed as dist
 
-    from runtime.all_reduce import choose_reducer
+    from runtime.worker.all_reduce import choose_reducer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -181,7 +181,7 @@ def _choose_rank(rank: int, world: int, port: int, queue) -> None:
 
 
 def test_the_ranks_choose_how_they_sum_together_and_a_one_shot_reducer_takes_the_messages_it_serves():
-    """``runtime.all_reduce.choose_reducer`` over gloo (two CPU ranks): NCCL is the process group's all-reduce;
+    """``runtime.worker.all_reduce.choose_reducer`` over gloo (two CPU ranks): NCCL is the process group's all-reduce;
     AUTO takes it on every rank and says why; ONESHOT is an error naming the rank. ``ParallelContext.all_reduce``
     sends the messages a reducer serves through it, the rest through the process group."""
     import socket

@@ -7,7 +7,7 @@ import torch
 
 from configs import DSparkDecodingConfig
 from configs.training import DrafterTrainConfig
-from runtime.llm import LLM
+from runtime.engine.llm import LLM
 from runtime.training.blocks import attention_mask, block_inputs, block_labels, sample_anchors
 from runtime.training.distill import evaluate
 from runtime.training.drafter_trainer import default_layer_ids, train_drafter
@@ -147,11 +147,11 @@ def test_serving_drafter_proposes_the_training_forwards_block(qwen3_target, make
     gives the same block states and the same greedy chain of draft tokens."""
     from transformers import AutoModelForCausalLM
 
-    import runtime.draft_runner
+    import runtime.worker.draft_runner
     from configs import DSparkDecodingConfig
     from runtime.kernels import get_backend
-    from runtime.loader import load_drafter
-    from runtime.sampling_params import SamplingParams
+    from runtime.models.loader import load_drafter
+    from runtime.sampling.sampling_params import SamplingParams
     from runtime.training.forward import block_hidden
 
     block = 4
@@ -159,7 +159,7 @@ def test_serving_drafter_proposes_the_training_forwards_block(qwen3_target, make
     spec = DSparkDecodingConfig(speculative_model=str(drafter_dir), max_draft_len=block)
     prompt = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(5)).tolist()
     drafted = []  # (anchor position, drafted tokens [K], block states [K, d]) of each engine draft
-    serving_draft = runtime.draft_runner.DraftRunner.draft
+    serving_draft = runtime.worker.draft_runner.DraftRunner.draft
 
     def recording_draft(self, entries, committed, accepted, page_table, k_next):
         out = serving_draft(self, entries, committed, accepted, page_table, k_next)
@@ -167,7 +167,7 @@ def test_serving_drafter_proposes_the_training_forwards_block(qwen3_target, make
         drafted.append((anchor_pos, out.tokens[0].tolist(), out.hidden[0].clone()))
         return out
 
-    monkeypatch.setattr(runtime.draft_runner.DraftRunner, "draft", recording_draft)
+    monkeypatch.setattr(runtime.worker.draft_runner.DraftRunner, "draft", recording_draft)
     llm = LLM(str(qwen3_target), speculative_config=spec, **ENGINE)
     sequence = prompt + llm.generate([prompt], [SamplingParams(max_tokens=24, temperature=0.0)])[0].token_ids
     assert len(drafted) >= 3

@@ -2,10 +2,10 @@
 
 import torch
 
-from runtime.noise import Stream, exponentials, uniform
-from runtime.sampler import RowParams, apply_penalties, filtered_probs
-from runtime.sampling_params import SamplingParams
-from runtime.verify import accept_by_match, accept_by_rejection, residual_distribution
+from runtime.sampling.noise import Stream, exponentials, uniform
+from runtime.sampling.sampler import RowParams, apply_penalties, filtered_probs
+from runtime.sampling.sampling_params import SamplingParams
+from runtime.sampling.verify import accept_by_match, accept_by_rejection, residual_distribution
 
 
 def test_accept_by_match_is_the_leading_agreement():
