@@ -16,7 +16,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -513,7 +513,7 @@ class DSparkServer:
                    for p, prompt in enumerate(prompts) for i, sample in enumerate(samples)]
         try:
             # validation errors surface here, before any byte is sent
-            firsts = list(await asyncio.gather(*(anext(s) for s in streams)))
+            firsts = list(await gather_or_cancel(anext(s) for s in streams))
         except BaseException as exc:
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             if isinstance(exc, ValueError):
@@ -526,8 +526,13 @@ class DSparkServer:
             raise
         timing = {"arrival": arrival, "first": first_token_time(firsts)}
         if body.stream:
-            return StreamingResponse(self._stream(body, rid, prompts, firsts, streams, chat, timing, echoes,
-                                                  params.skip_special_tokens), media_type="text/event-stream")
+            chunks = self._stream(body, rid, prompts, firsts, streams, chat, timing, echoes, params.skip_special_tokens)
+
+            async def close() -> None:
+                await chunks.aclose()
+                await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+
+            return ClosingStreamingResponse(chunks, close, media_type="text/event-stream")
 
         async def last_of(first: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
             last = first
@@ -536,7 +541,7 @@ class DSparkServer:
             return last
 
         try:
-            lasts = await asyncio.gather(*(last_of(f, s) for f, s in zip(firsts, streams)))
+            lasts = await gather_or_cancel(last_of(f, s) for f, s in zip(firsts, streams))
         except Exception as exc:
             raise failure(exc) from None
         finally:  # a cancelled handler (client gone) aborts its requests now, not at GC
@@ -684,6 +689,37 @@ class DSparkServer:
         if body.include_usage:
             yield sse(protocol.usage_chunk(rid, body.model, kind, protocol.usage(prompt_tokens, lasts, generated)))
         yield "data: [DONE]\n\n"
+
+
+async def gather_or_cancel(awaitables: Iterable[Awaitable]) -> list:
+    """``asyncio.gather`` of ``awaitables`` as tasks; when one fails, or the caller is cancelled, the others are
+    cancelled and awaited before the error propagates: none is left running a request's sample stream (a stream still
+    running cannot be closed, and its request would generate on until garbage collection)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A streamed response that closes its request's sample streams however it ends: finished, failed, or cut by a
+    client gone before or while its body was sent. (Starlette cancels the send of a client that disconnected
+    without closing a body iterator it never started: that request's samples would generate on until garbage
+    collection.)"""
+
+    def __init__(self, content: AsyncIterator[str], close: Callable[[], Awaitable[None]], **kwargs):
+        super().__init__(content, **kwargs)
+        self._close = close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
 
 
 def first_token_time(outputs: list[RequestOutput]) -> float | None:

@@ -27,7 +27,9 @@ class EngineCollector:
                           ("num_accepted_tokens", "Draft tokens the target accepted.")):
             yield CounterMetricFamily(f"{PREFIX}:spec_decode_{name}", doc, value=m[name])
         for name, doc in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM's name)."),
-                          ("prefix_cache_hits", "Of those, tokens whose KV pages were found cached.")):
+                          ("prefix_cache_hits", "Of those, tokens whose KV pages were found cached."),
+                          ("num_aborted_requests", "Requests aborted before they finished: their client went "
+                           "away (or the server stopped), their pages freed.")):
             yield CounterMetricFamily(f"{PREFIX}:{name}", doc, value=m[name])
         per_pos = CounterMetricFamily(f"{PREFIX}:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted draft tokens by position in the block.", labels=["position"])

@@ -156,6 +156,7 @@ class Engine:
         self.pipeline_min_batch = int(self.executor.pipeline_min_batch)
         self._turn = 0  # the group the next pipelined step serves
         self.pipelined_steps = 0  # steps that were pipelined (get_metrics)
+        self.num_aborted = 0  # requests aborted before they finished (a caller gone, a shutdown)
         self._host_work = None  # the executor's HostWork where confidence scheduling defers its learning there
         self._deferred = False  # the step's decision was deferred (allot_deferred)
         self._judged_bucket = 0  # the batch bucket of the last judgement of drafting (its hold's, _record_decision)
@@ -351,6 +352,7 @@ class Engine:
         seq = self.sequences.pop(request_id, None)
         if seq is not None and seq.finish_reason is None:
             self.scheduler.finish(seq, "abort")
+            self.num_aborted += 1
 
     def abort_all(self) -> int:
         """Abort every request in flight (their pages are freed); returns how many there were."""
@@ -1003,7 +1005,8 @@ class Engine:
 
     def get_metrics(self) -> dict:
         return {**self.metrics.as_dict(), "speculation_disabled": self.gate.closed,
-                "num_preemptions": self.scheduler.num_preemptions, "num_kv_pages_used": self.pages.num_used,
+                "num_preemptions": self.scheduler.num_preemptions, "num_aborted_requests": self.num_aborted,
+                "num_kv_pages_used": self.pages.num_used,
                 "num_kv_pages": self.pages.num_pages, "prefix_cache_queries": self.pages.num_queried_tokens,
                 "prefix_cache_hits": self.pages.num_hit_tokens, "num_kv_pages_cached": self.pages.num_cached,
                 **({"confidence_scheduling": self.confidence_stats.as_dict(self.confidence)}

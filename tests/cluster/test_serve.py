@@ -1096,3 +1096,45 @@ def test_asking_for_more_tokens_than_the_context_leaves_is_a_400_not_a_silent_cu
     del chat["max_completion_tokens"]
     r = post(server, "/v1/chat/completions", {**chat, "temperature": 0})
     assert r.status_code == 200, r.text
+
+
+def test_clients_gone_at_any_moment_abort_every_sample_of_their_requests(server):
+    """Streamed n=4 completions whose clients reset the connection right after sending, after the headers or mid
+    stream: every sample that started is aborted (counted in dspark:num_aborted_requests, not run to max_tokens),
+    the pages come back, and the server goes on answering."""
+    import concurrent.futures
+    import socket
+    import struct
+    from urllib.parse import urlparse
+
+    url = urlparse(server["base"])
+    body = json.dumps({"model": "tiny", "prompt": "def fib(n):", "max_tokens": 240, "n": 4, "stream": True,
+                       "ignore_eos": True, "temperature": 0.8, "seed": 3})
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.hostname}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n{body}").encode()
+    before = metrics(server)["dspark:num_aborted_requests_total"]
+
+    def client(moment: str) -> bool:
+        """One client that resets its connection at ``moment``; whether its request had started streaming."""
+        conn = socket.create_connection((url.hostname, url.port), timeout=30)
+        conn.sendall(request)
+        seen = b""
+        while moment != "sent" and (b"\r\n\r\n" not in seen if moment == "headers" else seen.count(b"data:") < 6):
+            seen += conn.recv(4096)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, not a FIN
+        conn.close()
+        return moment != "sent"
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:  # (together: the race is between them and the steps)
+        streamed = sum(pool.map(client, ("sent", "headers", "chunks") * 4))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        if m["dspark:num_requests_running"] == m["dspark:num_requests_waiting"] == m["dspark:kv_pages_used"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["dspark:num_requests_running"] == m["dspark:num_requests_waiting"] == m["dspark:kv_pages_used"] == 0
+    # (240 tokens take the tiny model far longer than a reset takes to arrive: a sample that was not aborted ran on)
+    assert m["dspark:num_aborted_requests_total"] - before >= 4 * streamed
+    out = server["client"].completions.create(model="tiny", prompt="def fib(n):", max_tokens=4, temperature=0)
+    assert out.choices[0].finish_reason == "length"
