@@ -1,0 +1,23 @@
+"""``dspark bench``: our autoregressive baseline and DSpark side by side, same engine and kernels (the whole method
+in ``sweep``'s docstring and ``dspark bench --help``).
+
+- ``shapes``: model shapes built with random weights; ``measure``: step times, workloads, bytes, peers;
+  ``profiling``: where a step's time goes; ``stats``: paired rounds, ratios, spreads, bounds; ``sweep``: the sweep,
+  tuning and the record; ``report``: its summary; ``cli``: the arguments and entry point.
+"""
+
+from cluster.bench.cli import add_parser, main
+from cluster.bench.measure import (agreement, copy_bandwidth, end_to_end, expert_bytes, mixed_workload, routing_stats,
+                                   time_steps, weight_bytes)
+from cluster.bench.profiling import AllocatorEvents, GcPauses, StepWindowProfile, local_worker, profile_step, replay_ms
+from cluster.bench.report import summary, variant_summary
+from cluster.bench.shapes import MODEL_SHAPES, write_shape
+from cluster.bench.stats import (confidence_bounds, mixed_noise_floor, paired_ratio, piecewise_ratios,
+                                 prefill_apart_ratios, round_spread, schedule_cap, step_spread)
+from cluster.bench.sweep import read_schedule, run
+
+__all__ = ["MODEL_SHAPES", "AllocatorEvents", "GcPauses", "StepWindowProfile", "add_parser", "agreement",
+           "confidence_bounds", "copy_bandwidth", "end_to_end", "expert_bytes", "local_worker", "main",
+           "mixed_noise_floor", "mixed_workload", "paired_ratio", "piecewise_ratios", "prefill_apart_ratios",
+           "profile_step", "read_schedule", "replay_ms", "round_spread", "routing_stats", "run", "schedule_cap", "step_spread", "summary",
+           "time_steps", "variant_summary", "weight_bytes", "write_shape"]

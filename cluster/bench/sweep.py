@@ -1,0 +1,690 @@
+"""``dspark bench``: our autoregressive baseline and DSpark side by side, same engine and kernels.
+
+For each concurrency ``c`` of the sweep, ``c`` requests decode together and the engine's steps are timed
+(host and device, what a client sees between tokens): ``ar_step_ms`` without a drafter, ``dspark_step_ms``
+with one, their tokens/s, TTFT and TPOT, acceptance (mean and per position), and the decode step against the
+bandwidth roofline (bytes the step must read: every weight once plus the cached keys and values, over the
+device copy bandwidth measured in the same run). With CUDA graphs, the last step's graphs are also replayed
+alone: the device time of the forward (``ar_forward_ms``; ``verify_step_ms`` with a drafter), of the drafter's
+context append (``context_ms``) and of its draft block (``draft_ms``); the rest of a step is host work and eager
+kernels (``ar_outside_forward_ms``). ``--model-shape qwen3-8b`` (or ``qwen3-30b-a3b``, an MoE target: each step
+also counts the distinct experts its routers wake, ``moe_experts_woken``, and a K+1-token verify's against one
+token's, ``verify_experts_vs_decode``; its roofline reads only the experts woken) builds random-weight models of
+real shapes (``load_format="dummy"``): step times and roofline only, since random drafters accept nothing
+(``--projected-tau`` adds a projected speedup from a trained pair's acceptance); a trained pair
+(``--model``/``--speculative-model``) gives acceptance and end-to-end speedup. Peers: Hugging Face ``generate``
+on the same target, eager and compiled (static cache).
+``--tune-schedule FILE`` times every shorter draft length too, writes the fastest ``draft_len_schedule``
+(``cluster.schedule_tuning``) and sweeps an engine with it (``tuned_*`` fields). ``--confidence-scheduling`` sweeps
+an engine whose verify lengths the confidence scheduler chooses (``confidence_*`` fields; its startup profile is
+``confidence_cost_table``, ``--profile-steps FILE`` saves it, and ``confidence_cost_table_served`` is the table as
+the sweep left it, ``confidence_mixed_step_costs_served`` the mixed steps' excess over it
+(``runtime.spec.mixed_step_costs``), from the sweep's ramps and prefills): within the tuned schedule when both are given (the schedule caps the block it
+drafts; ``--confidence-draft-len max``: up to max_draft_len, as its scheduler chooses, beside the tuned schedule; ``both``: the two in the same rounds, the second's figures as ``confidence-max_*``; ``confidence_vs_tuned`` compares the two engines measured in this run, the median rounds' tokens/s, and
+``confidence_vs_tuned_paired`` the median of the per-round ratios, each round's two figures taken back to back, so
+the host's drift between rounds cancels), else within ``max_draft_len``. Beside them: what any schedule could gain
+there over whole blocks, priced on the startup table from the fixed engine's acceptance (``confidence_oracle_bound``,
+``confidence_padded_bound``: ``runtime.spec.schedule_bounds``), what the scheduler's own model promised at the steps it
+decided (``confidence_predicted_gain``), and the tuned engine against the fixed one
+(``tuned_vs_dspark_paired``): where the two ran the same draft length (``tuned_same_as_fixed``) they are one
+configuration built twice, and that ratio is the run's noise floor. ``confidence_drafting_off_steps``: the timed steps
+on which the confidence-scheduled engine drafted nothing because no verify beat plain decoding (its drafting holds;
+the mixed workload's ``drafting_off_step_share``).
+``--e2e-prompts N`` decodes N prompts one at a time through ``LLM.generate`` with both engines: the end-to-end
+speedup against what the step times allow at the measured tau, and the share of prompts whose greedy outputs
+are identical (bf16 verify batches reorder sums, so near-ties may part).
+``--tensor-parallel-size N`` (and ``--drafter separate``) run every engine as a Ray replica through
+``cluster.LLM`` (N target shards, a separate drafter on a GPU of its own), the same sweep in the same format
+(``tensor_parallel_size``, ``drafter``; the separate layout also measures the colocated replica:
+``throughput_vs_colocated``; with ``--pipeline-drafter`` also the separate drafter without the pipeline:
+``throughput_vs_serial``); a replica's models live on its actors, so its record has step times, tokens/s and
+acceptance but no roofline, graph replays or host breakdown. ``--beside-single-process`` measures the AR and DSpark
+replicas each beside the same engine in this process on the same GPU, in alternating rounds (``single_ar_*``,
+``single_dspark_*``): ``ray_vs_single_process_{ar,dspark}_step`` (and ``_paired``, the median of the per-round
+ratios) is what the process boundary and the step's dispatch cost, free of the host's drift between separate runs;
+with ``--e2e-prompts`` also how the replica's greedy outputs agree with one process's
+(``end_to_end.replica_vs_single_process``: the share identical, where each first differs).
+``--profile`` profiles every engine's batch-1 decode steps (``--profile-batches``: other batch sizes too, each once
+every request has its first token; a replica's on every rank: ``*_profile_batch1.ranks``) after all the figures are
+taken, on the engine built again: a process the
+profiler has run in launches CUDA graphs several times slower.
+On one process every engine compared is alive at once and measured in alternating rounds (``--rounds``, three per
+concurrency, the order flipped each round, the median round kept; the end-to-end prompts alternate per prompt;
+the tuning candidates are timed against the DSpark engine and read in its terms; with ``--tune-schedule`` the AR and
+DSpark engines are measured again in one set of rounds with the tuned and confidence-scheduled engines, and those
+rows replace the sweep's): the host's speed drifts by tens of percent over tens of seconds on a shared machine, so
+figures timed minutes apart do not compare.
+``--sequential`` (and every replica) measures each engine alone, one after another.
+``--device cpu`` runs the plumbing on a CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+from cluster.bench.measure import (agreement, copy_bandwidth, end_to_end, end_to_end_prompts, expert_bytes,
+                                   hf_generate_tokens_per_s, kv_bytes, mixed_workload, time_steps, weight_bytes)
+from cluster.bench.profiling import local_worker, profile_step
+from cluster.bench.shapes import write_shape
+from cluster.bench.stats import (APART, BESIDE_SINGLE_PROCESS, CONFIDENCE_MAX, EAGER, SINGLE, against_single_process,
+                                 alternating_rounds, confidence_bounds, confidence_predicted_gain,
+                                 fixed_schedules_spread, median_round, mixed_against_tuned, mixed_noise_floor,
+                                 piecewise_ratios, prefill_apart_ratios, round_spread, row_against_tuned)
+
+
+def trace_path(args, kind: str, batch: int) -> str | None:
+    return str(Path(args.profile_trace) / f"{kind}-batch{batch}.trace.json.gz") if args.profile_trace else None
+
+
+def run(args) -> dict:
+    import torch
+    from tqdm.auto import tqdm
+
+    from runtime import LLM
+    from runtime.engine.heap import freeze_long_lived, unfreeze_long_lived
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    replica = args.tensor_parallel_size is not None or args.drafter == "separate"
+    tp = args.tensor_parallel_size or 1
+    work = Path(tempfile.mkdtemp(prefix="dspark-bench-"))
+    shape = args.model_shape is not None
+    if shape:
+        target, drafter = write_shape(work, args.model_shape, args.draft_layers, args.max_draft_len)
+    else:
+        target, drafter = Path(args.model), Path(args.speculative_model)
+    from transformers import AutoConfig, AutoTokenizer
+
+    from runtime.training.distill import dataset_prompts
+
+    vocab = AutoConfig.from_pretrained(str(target)).vocab_size
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    common = dict(dtype="bfloat16" if device.type == "cuda" else "float32", device=args.device,
+                  kernel_backend=args.kernel_backend, enforce_eager=args.enforce_eager, moe_backend=args.moe_backend,
+                  piecewise_cuda_graphs=args.piecewise_cuda_graphs,
+                  max_num_seqs=max(args.concurrency), max_model_len=args.prompt_len + 2048,
+                  kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=max(2048, args.prompt_len * 2),
+                  load_format="dummy" if shape else "auto")
+    if replica:  # through cluster.LLM: the target's shards (and a separate drafter) on Ray actors
+        from cluster.llm import LLM as ReplicaLLM
+
+        def engine_class(model, speculative_config=None, drafter=args.drafter, pipeline=args.pipeline_drafter,
+                         single_process=False, **kwargs):
+            if single_process:  # --beside-single-process: the same engine in this process, beside the replica's
+                return LLM(model, speculative_config=speculative_config, **kwargs)
+            place = drafter if speculative_config is not None else "colocated"  # AR: no drafter to place
+            pipelined = bool(pipeline) and place == "separate"
+            return ReplicaLLM(model, speculative_config, tensor_parallel_size=tp, drafter=place,
+                              pipeline_drafter=pipelined, allreduce_strategy=args.allreduce_strategy,
+                              ray_address=args.ray_address, **({"pipeline_drafter_min_batch": args.pipeline_drafter_min_batch}
+                                                               if pipelined and args.pipeline_drafter_min_batch else {}),
+                              **kwargs)
+    else:
+        engine_class = LLM
+    spec = {"speculative_model": str(drafter), "max_draft_len": args.max_draft_len,
+            "speculation_guard": args.speculation_guard, **({"load_format": "dummy"} if shape else {})}
+    rows = {c: {"concurrency": c} for c in args.concurrency}
+    command = "dspark bench " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" \
+        else shlex.join(sys.argv)
+    record = {"hardware": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "command": command, "date": str(date.today()),
+              "host": platform.node(), "torch": torch.__version__, "model": args.model_shape or str(target),
+              "kind": "random-shape" if shape else "trained", "tensor_parallel_size": tp,
+              "drafter": args.drafter, "pipeline_drafter": bool(args.pipeline_drafter) and args.drafter == "separate",
+              "pipeline_min_batch": (args.pipeline_drafter_min_batch or _default_pipeline_min_batch())
+              if args.pipeline_drafter else None,
+              "allreduce_strategy": args.allreduce_strategy if replica else None,
+              "replica": "ray" if replica else "single-process", "speculation_guard": args.speculation_guard,
+              "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
+              "step_outputs": "delta",  # the sweep's requests' output_kind (as the server streams; since 2026-12-01)
+              "runs": []}
+    sweep_prompts = dataset_prompts(args.prompts, AutoTokenizer.from_pretrained(str(target))) if args.prompts \
+        else None  # the sweep's too: a trained pair's acceptance on its own kind of text
+    e2e_prompts = end_to_end_prompts(args, sweep_prompts, vocab) if args.e2e_prompts else None
+    e2e = {}
+    engines = [("ar", None, {}), ("dspark", spec, {})]
+    if replica and args.drafter == "separate":  # the same replica with its drafter colocated: what a GPU more buys
+        engines.append(("colocated", spec, {"drafter": "colocated"}))
+        if args.pipeline_drafter:  # and the separate drafter without the pipeline: what the overlap buys
+            engines.append(("serial", spec, {"pipeline": False}))
+    # with --tune-schedule the scheduler runs within the tuned schedule (its draft length cap), after it, beside a
+    # sweep of that schedule alone: both measured in this run; without, within the fixed max_draft_len
+    confidence_after_tuning = args.confidence_scheduling and bool(args.tune_schedule or args.schedule)
+    if args.confidence_scheduling and not confidence_after_tuning:
+        engines.append(("confidence", {**spec, "enable_confidence_scheduling": True}, {}))
+    # single-process engines are measured side by side in alternating rounds (a host's speed drifts: on the H200
+    # hosts measured by up to 1.6x over tens of seconds, benchmarks/draft_len_steps.py);
+    # a replica's engines one after another (two replicas would need twice the GPUs), as with --sequential
+    alternate = not replica and not args.sequential
+    record["measurement"] = "alternating rounds" if alternate else "sequential"
+    if args.beside_single_process:
+        record["measurement"] = ("sequential; the AR and DSpark replicas each beside the same engine in one process "
+                                 "(single_*), in alternating rounds")
+    record["rounds"] = args.rounds  # also the paired tuned / confidence engines' under --sequential
+    mixed_rounds = args.mixed_rounds or args.rounds  # the mixed workload's, in alternating rounds
+    if args.mixed_rate and alternate:
+        record["mixed_rounds"] = mixed_rounds
+    record["schedules"] = {"dspark": "fixed" if spec.get("draft_len_schedule") is None else "tuned",
+                           **({"confidence": "confidence"} if args.confidence_scheduling else {})}
+
+    def build(kind: str, speculative: dict | None, layout: dict):
+        """One engine of the run, its startup time and rank info recorded, first-call costs paid."""
+        start = time.perf_counter()
+        llm = engine_class(str(target), speculative_config=speculative, **common, **layout)
+        record[f"{kind}_startup_s"] = time.perf_counter() - start
+        record[f"{kind}_rank_info"] = llm.rank_info()
+        if kind == "confidence":  # the step-time table it profiled at startup
+            record["confidence_cost_table"] = llm.engine.confidence.costs.to_json()
+            if args.profile_steps:
+                llm.engine.confidence.costs.save(args.profile_steps)
+        if kind == "ar":
+            if local_worker(llm) is not None:  # a replica's weights are on its actors
+                record["weight_bytes"] = weight_bytes(llm)
+                record["expert_bytes"] = expert_bytes(llm)
+            record["moe_backend"] = next(info.get("moe_backend") for info in llm.rank_info()
+                                         if info.get("role") == "target")  # rank 0's (every target rank's alike)
+        # untimed: first-call costs stay out of TTFT. On the sweep's prompts where it has them: a confidence-scheduled
+        # engine learns from these steps (its survival fit, its drafting holds), and random tokens, which no drafter
+        # predicts, teach a fit where nothing survives, which can start a hold (16 plain steps) that outlasts the
+        # warm-up: the likely cause of one run's one-request sweep running a third of its steps plain while it
+        # accepted every draft it verified (its step trace was not recorded yet)
+        time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0, prompts=sweep_prompts)
+        freeze_long_lived(f"bench engine {kind}")  # as a server does once started (runtime.engine.heap)
+        return llm
+
+    def reset_stats(kind: str, llm) -> None:
+        if kind in ("confidence", CONFIDENCE_MAX):  # its figures per concurrency
+            from runtime.spec.stats import ConfidenceStats
+
+            llm.engine.confidence_stats = ConfidenceStats()
+            llm.engine.confidence.correction.reset_skill()
+
+    def measure(llm, c: int) -> dict:
+        return time_steps(llm, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c, prompts=sweep_prompts)
+
+    def record_row(kind: str, llm, c: int, timing: dict) -> None:
+        rows[c].update({f"{kind}_{name}": timing[name]
+                        for name in ("step_ms", "tokens_per_s", "ttft_ms", "tpot_ms")})
+        rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("host_")})
+        rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("moe_")})
+        if "pipelined_step_fraction" in timing:
+            rows[c][f"{kind}_pipelined_step_fraction"] = timing["pipelined_step_fraction"]
+        if kind == "ar" and bandwidth and "weight_bytes" in record:
+            woken = timing.get("moe_experts_woken", 0.0) * record["expert_bytes"]  # MoE: the experts read
+            floor = (record["weight_bytes"] + woken + kv_bytes(llm, c, timing["context"])) / bandwidth
+            rows[c].update(roofline_ms=1e3 * floor, roofline_fraction=1e3 * floor / timing["step_ms"])
+            if "forward_ms" in timing:  # the device time of the graphed forward; the rest is outside it
+                rows[c].update(ar_forward_ms=timing["forward_ms"],
+                               ar_outside_forward_ms=timing["step_ms"] - timing["forward_ms"])
+        elif kind == "confidence":
+            stats = llm.get_metrics()["confidence_scheduling"]
+            rows[c].update(confidence_mean_acceptance_length=timing["mean_acceptance_length"],
+                           confidence_acceptance_per_position=timing["acceptance_per_position"],
+                           confidence_verify_budget_per_request=stats["mean_verify_budget_per_request"],
+                           # the drafts each deciding request proposed: the block it drafted (padded and packed
+                           # steps draft what the step verifying them can use, Engine.drafts_follow_cap / _columns)
+                           confidence_offered_per_request=stats["mean_offered_per_request"],
+                           confidence_predicted_step_ms=stats["mean_predicted_step_ms"],
+                           confidence_measured_step_ms=stats["mean_measured_step_ms"],
+                           # the decided steps alone: what confidence_predicted_step_ms predicted
+                           confidence_measured_decided_step_ms=stats["mean_measured_decided_step_ms"],
+                           confidence_expected_tokens_per_request=stats["mean_expected_tokens_per_request"],
+                           confidence_committed_tokens_per_request=stats["mean_committed_tokens_per_request"],
+                           confidence_cost_ms_per_context_token=stats["cost_table_ms_per_context_token"],
+                           # what whole blocks were predicted at the same steps (the tuned engine measures them)
+                           confidence_whole_block_expected_tokens_per_request=stats[
+                               "mean_whole_block_expected_tokens_per_request"],
+                           confidence_whole_block_predicted_step_ms=stats["mean_whole_block_predicted_step_ms"],
+                           confidence_survival_correction=stats["survival_correction"],
+                           # the online fit the survivals were ranked by (slope per position, bias per history class)
+                           confidence_survival_fit=stats["survival_fit"],
+                           # how much its survivals told this concurrency's drafts apart (Brier skill, per position)
+                           confidence_survival_skill_per_position=stats["survival_skill_per_position"],
+                           # against the tuned engine's acceptance per position (whole blocks: the true survival)
+                           confidence_predicted_survival_per_position=stats["mean_predicted_survival_per_position"],
+                           confidence_explored_decisions=stats["explored_decisions"],
+                           confidence_unpacked_steps=stats["unpacked_steps"], confidence_layout=stats["layout"],
+                           # steps that drafted nothing since drafting did not pay (point 6), holds since startup
+                           confidence_drafting_off_steps=stats["drafting_off_steps"],
+                           confidence_drafting_holds=stats["drafting_holds"],
+                           # of the judgements that began them, those the refit after their step reversed
+                           confidence_drafting_judgements_reversed=stats["drafting_judgements_reversed"],
+                           # and the holds a mixed step began that the first decode step after them ended
+                           confidence_drafting_mixed_holds_ended=stats["drafting_mixed_holds_ended"],
+                           # timed steps not launched ahead (priced and learned with the serial excess)
+                           confidence_serial_steps=stats["serial_steps"],
+                           # the timed steps one by one (what each chose, predicted and measured), and by kind
+                           confidence_trace=timing["confidence_trace"],
+                           # the untimed steps before them (prefill, warm-up): where a hold the window shows began
+                           confidence_trace_untimed=timing["confidence_trace_untimed"])
+        elif kind == CONFIDENCE_MAX:  # (--confidence-draft-len both) what it chose, beside the engine above
+            stats = llm.get_metrics()["confidence_scheduling"]
+            rows[c].update({f"{kind}_{name}": value for name, value in (
+                ("mean_acceptance_length", timing["mean_acceptance_length"]),
+                ("verify_budget_per_request", stats["mean_verify_budget_per_request"]),
+                ("offered_per_request", stats["mean_offered_per_request"]),
+                ("expected_tokens_per_request", stats["mean_expected_tokens_per_request"]),
+                ("committed_tokens_per_request", stats["mean_committed_tokens_per_request"]),
+                ("predicted_step_ms", stats["mean_predicted_step_ms"]),
+                ("measured_decided_step_ms", stats["mean_measured_decided_step_ms"]),
+                ("drafting_off_steps", stats["drafting_off_steps"]))})
+        elif kind == "tuned":
+            rows[c].update(tuned_mean_acceptance_length=timing["mean_acceptance_length"])
+        elif kind == "dspark":
+            rows[c].update(mean_acceptance_length=timing["mean_acceptance_length"],
+                           acceptance_per_position=timing["acceptance_per_position"])
+            if "forward_ms" in timing:
+                rows[c].update(verify_step_ms=timing["forward_ms"], draft_ms=timing.get("draft_ms"),
+                               context_ms=timing.get("context_ms"))
+        print(f"dspark bench: {kind} concurrency {c}: {timing}", file=sys.stderr, flush=True)
+
+    def mixed(llm, mixed_prefill: bool = True, piecewise: bool = True, requests: int | None = None,
+              profile: tuple[int, int] | None = None) -> dict:
+        requests = requests or args.mixed_requests
+        mixed_prompts = sweep_prompts or end_to_end_prompts(args, None, vocab, requests)
+        return mixed_workload(llm, [mixed_prompts[i % len(mixed_prompts)][:args.prompt_len]
+                                    for i in range(requests)], args.mixed_rate, args.e2e_tokens,
+                              mixed_prefill=mixed_prefill, piecewise=piecewise, profile=profile)
+
+    def profile_mixed(variants: dict) -> None:
+        """--profile-mixed N: each variant's mixed workload once more, untimed, with a torch profile of N steps from
+        the middle of its timed run's steps on (where the batch has ramped up) -> ``mixed_workload[NAME]["profile"]``
+        (the kernels, the device's busy and idle time, the host's regions per step)."""
+        if not args.profile_mixed:
+            return
+        for name, variant in variants.items():
+            middle = record["mixed_workload"][name]["steps"] // 2
+            profiled = mixed(*variant, profile=(middle, args.profile_mixed))
+            record["mixed_workload"][name]["profile"] = profiled.get("profile")
+
+    def warm_mixed(variants: dict) -> None:
+        """``--mixed-warmup`` requests through each variant's mixed workload, untimed: the first run of an engine's
+        eager mixed steps meets shapes the sweep never fed (kernel variants compiled or chosen for them, memory the
+        allocator has not cached), first-use costs the first timed round would otherwise pay alone."""
+        requests = min(args.mixed_warmup, args.mixed_requests)
+        if requests:
+            record["mixed_warmup_requests"] = requests
+            for variant in variants.values():
+                mixed(*variant, requests=requests)
+
+    def mixed_variants(llms: dict) -> dict:
+        """name -> (engine, mixed_prefill, piecewise): each engine as built, with --mixed-prefill-apart each one again
+        with prefill apart (``KIND-apart``), with --mixed-eager each one again with the steps no whole-step graph
+        serves eager (``KIND-eager``)."""
+        variants = {kind: (llm, True, True) for kind, llm in llms.items()}
+        if args.mixed_prefill_apart:
+            variants.update({f"{kind}{APART}": (llm, False, True) for kind, llm in llms.items()})
+        if args.mixed_eager:
+            variants.update({f"{kind}{EAGER}": (llm, True, False) for kind, llm in llms.items()})
+        return variants
+
+    def report_e2e(results: dict) -> None:
+        for kind, result in results.items():
+            e2e[kind] = result
+            print(f"dspark bench: {kind} end to end: {result['tokens']} tokens in {result['seconds']:.2f} s",
+                  file=sys.stderr, flush=True)
+
+    def finish(kind: str, llm, with_mixed: bool = True, with_e2e: bool = True) -> None:
+        """The mixed workload and end to end where asked for, then the engine's memory freed (a confidence-
+        scheduled engine's step-time table, as serving left it, recorded first)."""
+        if kind == "confidence":  # the startup profile is confidence_cost_table; this one learned from the sweep
+            record["confidence_cost_table_served"] = llm.engine.confidence.costs.to_json()
+            # the mixed steps' excess over that table (prefill chunks beside the verifies), learned from them
+            record["confidence_mixed_step_costs_served"] = llm.engine.confidence.mixed_costs.to_json()
+        if args.mixed_rate and with_mixed:
+            variants = mixed_variants({kind: llm})
+            warm_mixed(variants)
+            for name, variant in variants.items():
+                record.setdefault("mixed_workload", {})[name] = mixed(*variant)
+                confidence = getattr(getattr(variant[0], "engine", None), "confidence", None)
+                if confidence is not None:  # what its mixed steps and their plain alternative cost, as learned
+                    record["mixed_workload"][name]["mixed_step_costs"] = confidence.mixed_costs.to_json()
+                    if confidence.plain_mixed is not None:
+                        record["mixed_workload"][name]["plain_mixed_step_costs"] = confidence.plain_mixed.to_json()
+                print(f"dspark bench: {name} mixed workload: {record['mixed_workload'][name]}", file=sys.stderr,
+                      flush=True)
+            profile_mixed(variants)
+        if e2e_prompts is not None and with_e2e:
+            report_e2e(end_to_end({kind: llm}, e2e_prompts, args.e2e_tokens))
+        release(llm)
+
+    def release(llm) -> None:
+        """Shut an engine down and free its memory before the next one is built."""
+        llm.engine.executor.shutdown()
+        del llm
+        unfreeze_long_lived()
+        gc.collect()  # engines hold reference cycles (graphs, caches): free their memory before the next
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        save_partial(args, record, rows)
+
+    # --profile: each engine's batch-1 steps, profiled once every figure of the run is taken, on the engine rebuilt.
+    # torch.profiler leaves CUPTI attached to the process (and to a replica's actors) once it has run, and from
+    # then on every CUDA graph launch costs the host several times more (Qwen3-8B shape on an H200, AR batch 1:
+    # 0.13 ms of replay() a step in the run profiled first, 0.02 ms without), so a profile taken before a sweep
+    # slows every figure after it.
+    profiled: dict[str, tuple[dict | None, dict]] = {}  # kind -> how to build it again (each kind once)
+
+    def profile_later(kind: str, speculative: dict | None, layout: dict) -> None:
+        if args.profile and kind in ("ar", "dspark", "tuned", "confidence", CONFIDENCE_MAX):
+            profiled[kind] = (speculative, layout)
+
+    def profile_all() -> None:
+        for kind, (speculative, layout) in profiled.items():
+            llm = engine_class(str(target), speculative_config=speculative, **common, **layout)
+            # first-call costs stay out of the profile (on the sweep's prompts, as the engines' builds warm up)
+            time_steps(llm, 1, args.prompt_len, 2, 1, vocab, seed=0, prompts=sweep_prompts)
+            for batch in args.profile_batches:
+                record[f"{kind}_profile_batch{batch}"] = summary_ = profile_step(
+                    llm, batch, args.prompt_len, vocab, trace_path(args, kind, batch))
+                print(f"dspark bench: {kind} batch-{batch} profile: {json.dumps(summary_)}", file=sys.stderr,
+                      flush=True)
+            release(llm)
+
+    def sweep(kind: str, speculative: dict | None, layout: dict) -> None:
+        """Build one engine, run the concurrency sweep (and the mixed workload, end to end) on it."""
+        llm = build(kind, speculative, layout)
+        for c in tqdm(args.concurrency, desc=f"{kind} sweep", disable=None):
+            reset_stats(kind, llm)
+            record_row(kind, llm, c, measure(llm, c))
+        finish(kind, llm)
+        profile_later(kind, speculative, layout)
+
+    def build_together(kind: str, speculative: dict | None, layout: dict):
+        try:
+            return build(kind, speculative, layout)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise SystemExit(f"dspark bench: the {kind} engine does not fit beside the engines it is measured "
+                             f"against ({exc}); pass --sequential to measure each engine alone, one after "
+                             "another, or lower --kv-cache-memory") from None
+
+    def paired(engines_: list[tuple[str, dict | None, dict]], with_e2e: bool = False,
+               keep: frozenset = frozenset(), alive: dict | None = None, with_mixed: bool = True) -> dict:
+        """Engines alive together, measured in alternating rounds (``--rounds`` per concurrency, the order
+        flipped each round; the mixed workload too, and with ``with_e2e`` the end-to-end prompts, alternating per
+        prompt): each figure is the round with the median tokens/s, so host drift and jitter fall on all alike.
+        The record keeps every round's tokens/s. ``alive``: engines of ``engines_`` already built (kind -> engine;
+        measured again, their rows replaced). ``with_mixed`` False: no mixed workload in this phase (a later one
+        measures every engine's again). -> the engines named in ``keep``, still alive (the rest freed)."""
+        alive = alive or {}
+        llms = {kind: alive[kind] if kind in alive else build_together(kind, speculative, layout)
+                for kind, speculative, layout in engines_}
+        for c in tqdm(args.concurrency, desc="paired sweep", disable=None):
+            timings = {kind: [] for kind in llms}
+            for kind, llm in llms.items():
+                reset_stats(kind, llm)
+            for kind, result in alternating_rounds(llms, lambda llm: measure(llm, c), args.rounds):
+                timings[kind].append(result)
+            for kind, llm in llms.items():
+                record_row(kind, llm, c, median_round(timings[kind]))
+                rows[c][f"{kind}_tokens_per_s_rounds"] = [t["tokens_per_s"] for t in timings[kind]]
+            save_partial(args, record, rows)  # the sweep's rows so far, and before the mixed workload (a run cut
+            # there keeps them)
+        if args.mixed_rate and with_mixed:
+            variants = mixed_variants(llms)
+            warm_mixed(variants)
+            runs = {name: [] for name in variants}
+            for name, result in alternating_rounds(variants, lambda variant: mixed(*variant), mixed_rounds):
+                runs[name].append(result)
+            for kind, results in runs.items():
+                record.setdefault("mixed_workload", {})[kind] = {
+                    **median_round(results), "tokens_per_s_rounds": [m["tokens_per_s"] for m in results],
+                    "rounds_spread": [round_spread(m) for m in results]}
+                print(f"dspark bench: {kind} mixed workload: {record['mixed_workload'][kind]}", file=sys.stderr,
+                      flush=True)
+            profile_mixed(variants)
+        if with_e2e and e2e_prompts is not None:
+            report_e2e(end_to_end(llms, e2e_prompts, args.e2e_tokens))
+        kept = {}
+        for kind, speculative, layout in engines_:
+            profile_later(kind, speculative, layout)
+            if kind in keep:
+                kept[kind] = llms.pop(kind)
+            else:
+                finish(kind, llms.pop(kind), with_mixed=False, with_e2e=False)
+        save_partial(args, record, rows)  # engines kept alive write nothing yet: a later phase may not fit beside them
+        return kept
+
+    kept = {}  # with --tune-schedule in alternating rounds: the sweep's engines, alive for the tuned ones' rounds
+    if not alternate:
+        for kind, speculative, layout in engines:
+            if args.beside_single_process and kind in BESIDE_SINGLE_PROCESS:  # paired with its one-process twin
+                paired([(kind, speculative, layout), (SINGLE + kind, speculative, {"single_process": True})],
+                       with_e2e=True)
+            else:
+                sweep(kind, speculative, layout)
+    elif not args.schedule:  # every engine of the sweep alive at once, in alternating rounds (with --schedule, a
+        # schedule tuned before: no first phase, the sweep's engines measured beside the schedule's below)
+        # (with --tune-schedule the second phase measures every engine's mixed workload again, beside the tuned
+        # ones: this phase's would be replaced unread, ~1.5 minutes of one run's ten)
+        kept = paired(engines, with_e2e=True, keep=frozenset(kind for kind, _, _ in engines)
+                      if args.tune_schedule else frozenset(), with_mixed=not args.tune_schedule)
+    if args.tune_schedule or args.schedule:
+        if args.schedule:
+            tuned = {"schedule": read_schedule(args.schedule, args.max_draft_len), "from": args.schedule}
+        else:
+            tuned = tune(args, engine_class, target, spec, common, rows, vocab, shape, sweep_prompts,
+                         kept.get("dspark"))
+        record["tuned_schedule"] = tuned
+        capped = {"draft_len_schedule": tuned["schedule"]}
+        after = [("tuned", {**spec, **capped}, {})]  # the tuned schedule as an engine
+        record["schedules"]["tuned"] = "tuned"
+        if confidence_after_tuning:  # beside the scheduler within it (or, asked, drafting max_draft_len; or both)
+            within = {} if args.confidence_draft_len == "max" else capped
+            record["confidence_draft_len"] = args.confidence_draft_len
+            after.append(("confidence", {**spec, **within, "enable_confidence_scheduling": True}, {}))
+            record["schedules"]["confidence"] = ("confidence within the tuned schedule" if within else
+                                                 "confidence within max_draft_len, beside the tuned schedule")
+            if args.confidence_draft_len == "both":  # the scheduler alone choosing how much to draft, beside
+                after.append((CONFIDENCE_MAX, {**spec, "enable_confidence_scheduling": True}, {}))
+                record["schedules"][CONFIDENCE_MAX] = "confidence within max_draft_len, beside the tuned schedule"
+        if alternate and args.schedule:  # one phase: every engine of the sweep beside the schedule's
+            paired(engines + after, with_e2e=True)
+            record["measurement"] = "alternating rounds; the sweep beside a schedule tuned before (--schedule)"
+            record["measured_together"] = [kind for kind, _, _ in engines + after]
+        elif alternate:  # in alternating rounds with the sweep's engines again: every schedule and the AR baseline
+            # measured together (the sweep's figures, minutes earlier, are replaced; the host's speed drifts)
+            paired([(kind, speculative, layout) for kind, speculative, layout in engines if kind in kept] + after,
+                   alive=kept)
+            record["measurement"] = "alternating rounds; the sweep measured again beside the tuned engines"
+            record["measured_together"] = [kind for kind, _, _ in engines if kind in kept] + [k for k, _, _ in after]
+        else:  # one at a time: two replicas would need twice the GPUs, and --sequential said two do not fit
+            for kind, speculative, layout in after:
+                sweep(kind, speculative, layout)
+    profile_all()
+    mixed_runs = record.get("mixed_workload", {})
+    if "confidence" in mixed_runs and "tuned" in mixed_runs:  # measured in alternating rounds, median each
+        record.update(mixed_against_tuned(mixed_runs, "confidence", alternate))
+        # below saturation both keep up with the arrivals (tokens/s near equal): then the time per token differs
+        record["mixed_confidence_vs_tuned_tpot"] = mixed_runs["confidence"]["mean_tpot_ms"] / mixed_runs["tuned"][
+            "mean_tpot_ms"]
+        record.update(mixed_noise_floor(record, list(rows.values()), max(args.concurrency)))
+    if CONFIDENCE_MAX in mixed_runs and "tuned" in mixed_runs:
+        record.update(mixed_against_tuned(mixed_runs, CONFIDENCE_MAX, alternate))
+    record.update(prefill_apart_ratios(record.get("mixed_workload", {})))
+    record.update(piecewise_ratios(record.get("mixed_workload", {})))
+    for row in rows.values():
+        row["dspark_step_vs_ar"] = row["dspark_step_ms"] / row["ar_step_ms"]
+        if "tuned_tokens_per_s" in row:
+            row["tuned_speedup"] = row["tuned_tokens_per_s"] / row["ar_tokens_per_s"]
+        if "confidence_tokens_per_s" in row:
+            row["confidence_speedup"] = row["confidence_tokens_per_s"] / row["ar_tokens_per_s"]
+            row["confidence_vs_dspark"] = row["confidence_tokens_per_s"] / row["dspark_tokens_per_s"]
+            if "tuned_tokens_per_s" in row:  # both measured in this run, the scheduler inside the tuned schedule
+                row.update(row_against_tuned(row, "confidence", alternate))
+            row.update(confidence_bounds(row, record))
+            row.update(confidence_predicted_gain(row))
+        if f"{CONFIDENCE_MAX}_tokens_per_s" in row and "tuned_tokens_per_s" in row:
+            row.update(row_against_tuned(row, CONFIDENCE_MAX, alternate))
+        if "tuned_tokens_per_s" in row:
+            row.update(fixed_schedules_spread(row, record, alternate))
+        row["speedup"] = row["dspark_tokens_per_s"] / row["ar_tokens_per_s"]
+        if "colocated_tokens_per_s" in row:  # a separate drafter against the same replica with it colocated
+            row["throughput_vs_colocated"] = row["dspark_tokens_per_s"] / row["colocated_tokens_per_s"]
+            row["step_vs_colocated"] = row["dspark_step_ms"] / row["colocated_step_ms"]
+        for kind in BESIDE_SINGLE_PROCESS:  # a replica engine against its one-process twin, measured in the same run
+            if f"{SINGLE}{kind}_step_ms" in row:
+                row.update(against_single_process(row, kind))
+        if "serial_tokens_per_s" in row:  # pipelined against the same separate drafter without the pipeline
+            row["throughput_vs_serial"] = row["dspark_tokens_per_s"] / row["serial_tokens_per_s"]
+        if "verify_step_ms" in row and "ar_forward_ms" in row:  # device time against device time
+            row["verify_vs_ar_forward"] = row["verify_step_ms"] / row["ar_forward_ms"]
+        if row.get("ar_moe_experts_woken"):  # what a K+1-token verify wakes against one token per request
+            row["verify_experts_vs_decode"] = row["dspark_moe_experts_woken"] / row["ar_moe_experts_woken"]
+    first = rows[min(rows)]
+    if e2e:
+        ar, ds = e2e["ar"], e2e["dspark"]
+        speedup = ar["seconds"] / ds["seconds"]
+        tau = ds["mean_acceptance_length"]
+        expected = tau / first["dspark_step_vs_ar"] if tau else None  # what the step times allow at this tau
+        record["end_to_end"] = {
+            "prompts": len(e2e_prompts), "max_tokens": args.e2e_tokens, "concurrency": 1, "temperature": 0.0,
+            "prompt_source": args.prompts or f"random token ids ({args.prompt_len} per prompt)",
+            "ar_tokens_per_s": ar["tokens"] / ar["seconds"], "dspark_tokens_per_s": ds["tokens"] / ds["seconds"],
+            "speedup": speedup, "mean_acceptance_length": tau, "speedup_allowed_by_steps": expected,
+            "efficiency": speedup / expected if expected else None, **agreement(ar["outputs"], ds["outputs"])}
+        if all(SINGLE + kind in e2e for kind in BESIDE_SINGLE_PROCESS):  # --beside-single-process: the same prompts
+            # through the replica and through one process, greedy: in bf16 a layout's sums (TP's all-reduces) may
+            # part a near-tie, so the share identical and where each first differs (fp32 equality: tests/gpu)
+            record["end_to_end"]["replica_vs_single_process"] = {
+                kind: agreement(e2e[kind]["outputs"], e2e[SINGLE + kind]["outputs"]) for kind in BESIDE_SINGLE_PROCESS}
+    if args.projected_tau is not None:
+        for row in rows.values():
+            row["projected_speedup"] = args.projected_tau * row["ar_step_ms"] / row["dspark_step_ms"]
+        record["projected_tau"] = {"tau": args.projected_tau, "source": args.projected_tau_source}
+    if args.hf_tokens:
+        for peer, compiled in (("hf_generate", False), ("hf_compiled", True)):
+            result = hf_generate_tokens_per_s(target, shape, args.hf_tokens, device, compiled)
+            first[f"{peer}_tokens_per_s"] = result["tokens_per_s"]
+            first[f"ar_vs_{peer}"] = first["ar_tokens_per_s"] / result["tokens_per_s"]
+            record[f"{peer}_warmup_s"] = result["warmup_s"]
+            print(f"dspark bench: {peer}: {result}", file=sys.stderr, flush=True)
+    record["runs"] = list(rows.values())
+    return record
+
+
+def _default_pipeline_min_batch() -> int:
+    from configs.cluster import ParallelConfig
+
+    return ParallelConfig.model_fields["pipeline_drafter_min_batch"].default
+
+
+def save_partial(args, record: dict, rows: dict) -> None:
+    """Write what is measured so far to ``--out`` (marked ``partial``), so a run cut short keeps its figures; the
+    finished record replaces it."""
+    if args.out:
+        Path(args.out).write_text(json.dumps({**record, "runs": list(rows.values()), "partial": True}, indent=1) + "\n")
+
+
+def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict, vocab: int, shape: bool,
+         prompts: list[list[int]] | None = None, reference=None) -> dict:
+    """``--tune-schedule``: DSpark step times at every shorter draft length k (an engine whose schedule drafts k above
+    one request), the fastest length per concurrency (``cluster.schedule_tuning``), the schedule written to
+    ``args.tune_schedule`` as a config fragment ``dspark serve --config`` reads. -> the record's ``tuned_schedule``.
+
+    With ``reference`` (the sweep's DSpark engine, still alive) each candidate is timed against it in alternating
+    rounds and its step read in the sweep's terms: the median over rounds of candidate / reference step time, times
+    the sweep's ``dspark_step_ms``, so the candidates of different lengths, timed minutes apart, compare as if timed
+    together (the host's speed drifts). Without it, each candidate's own step time."""
+    import torch
+
+    from cluster.schedule_tuning import Candidate, accepted_schedule, best_draft_lengths, projected_tau
+    from runtime.engine.heap import freeze_long_lived, unfreeze_long_lived
+
+    top = args.max_draft_len
+    accept = args.acceptance_per_position
+
+    def tau(c: int, k: int, measured: float | None) -> float:
+        if k == 0:
+            return 1.0
+        return projected_tau(accept, k) if shape else measured
+
+    candidates = []
+    for c, row in rows.items():
+        candidates += [Candidate(c, 0, row["ar_step_ms"], 1.0),
+                       Candidate(c, top, row["dspark_step_ms"], tau(c, top, row["mean_acceptance_length"]))]
+    top_c = max(rows)
+    # (a sweep of one request alone has nothing to tune: one request drafts max_draft_len, the schedule's start)
+    for k in range(1, top) if top_c > 1 else ():
+        llm = engine_class(str(target), speculative_config={**spec, "draft_len_schedule": {1: top, top_c: k}},
+                           **common)
+        freeze_long_lived(f"bench engine k={k}")
+        for c in sorted(rows):
+            if c == 1:
+                continue  # one request drafts max_draft_len: the engine's schedule starts there
+            def measure(llm_):
+                return time_steps(llm_, c, args.prompt_len, args.steps, args.warmup, vocab, seed=c, prompts=prompts)
+
+            if reference is None:
+                timing = measure(llm)
+                step = timing["step_ms"]
+            else:
+                rounds = {"candidate": [], "reference": []}
+                for kind, result in alternating_rounds({"candidate": llm, "reference": reference}, measure,
+                                                       args.rounds):
+                    rounds[kind].append(result)
+                ratios = sorted(a["step_ms"] / b["step_ms"] for a, b in zip(rounds["candidate"], rounds["reference"]))
+                step = ratios[len(ratios) // 2] * rows[c]["dspark_step_ms"]
+                timing = median_round(rounds["candidate"])
+            candidates.append(Candidate(c, k, step, tau(c, k, timing["mean_acceptance_length"])))
+            print(f"dspark bench: tune k={k} concurrency {c}: {step:.2f} ms", file=sys.stderr, flush=True)
+        llm.engine.executor.shutdown()
+        del llm
+        unfreeze_long_lived()
+        gc.collect()  # engines hold reference cycles (graphs, caches): free their memory before the next
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    best = best_draft_lengths(candidates)
+    result = {"tau": "projected from --acceptance-per-position" if shape else "measured",
+              "step_ms": "candidate / reference in alternating rounds x the sweep's dspark_step_ms"
+              if reference is not None else "each candidate timed alone",
+              "acceptance_per_position": accept if shape else None,
+              "candidates": [{"concurrency": c.concurrency, "draft_len": c.draft_len, "step_ms": c.step_ms,
+                              "tau": c.tau, "tokens_per_s": c.tokens_per_s} for c in candidates],
+              "best": {c: {"draft_len": b.draft_len, "tokens_per_s": b.tokens_per_s,
+                           "vs_autoregressive": b.tokens_per_s / next(
+                               x.tokens_per_s for x in candidates if x.concurrency == c and x.draft_len == 0)}
+                       for c, b in best.items()}}
+    schedule, finding = accepted_schedule(best, candidates, top)
+    if finding is not None:  # the best schedule the engine accepts, with what its first entry costs
+        result["finding"] = finding
+        print(f"dspark bench: --tune-schedule: {finding}", file=sys.stderr)
+    speculative = {"max_draft_len": top, "draft_len_schedule": schedule}
+    engine = {"speculative_config": speculative}
+    if not shape:
+        engine = {"model": str(target), "speculative_config": {**speculative, "speculative_model": spec[
+            "speculative_model"]}}
+    Path(args.tune_schedule).write_text(json.dumps({"engine": engine}, indent=1) + "\n")
+    result["schedule"] = schedule
+    print(f"dspark bench: draft_len_schedule {schedule} -> {args.tune_schedule}", file=sys.stderr)
+    return result
+
+
+def read_schedule(path: str, max_draft_len: int) -> dict[int, int]:
+    """``--schedule FILE``: the ``draft_len_schedule`` of a config fragment ``--tune-schedule`` wrote (``{"engine":
+    {"speculative_config": {"draft_len_schedule": {batch size: draft length}}}}``) or of a bare ``{batch size: draft
+    length}`` -> {int: int}; anything else is a ValueError naming the flag and what it needs."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--schedule {path}: not a readable JSON file ({error})") from error
+    if isinstance(data, dict) and "engine" in data:
+        data = (data["engine"].get("speculative_config") or {}).get("draft_len_schedule") \
+            if isinstance(data["engine"], dict) else None
+    try:
+        schedule = {int(batch): int(length) for batch, length in data.items()}
+    except (AttributeError, TypeError, ValueError):
+        schedule = None
+    if not schedule or any(batch < 1 or not 0 <= length <= max_draft_len for batch, length in schedule.items()):
+        raise ValueError(f"--schedule {path}: needs a draft_len_schedule of batch sizes >= 1 to draft lengths 0.."
+                         f"{max_draft_len} (max_draft_len), as --tune-schedule writes it; got {data!r}")
+    return schedule
