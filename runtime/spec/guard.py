@@ -14,7 +14,9 @@ sides while the engine serves and decides, step by step:
 The prices come from the engine's own steps, per batch bucket (powers of two): a plain step's time (``plain_s``) and
 a drafting step's time as a function of its verified drafts (``drafting_s + verify_s x drafts``, a ridge fit that
 forgets old steps). Where a price is missing the guard drafts (the engine was given a drafter) and, now and then,
-runs two plain steps in a row to time one (``exploration``).
+runs two plain steps in a row to time one (``exploration``); unless the requests' expected extra tokens together do
+not beat the margin: a drafting step never costs less than a plain one, so then drafting cannot pay at any price
+(an untrained drafter at a batch size not seen before decodes plain from its first step).
 
 Learning needs observations, and a request or a batch that stopped drafting shows none. So it is probed again at a
 bounded cost: a request left out verifies its block at its next probe (after 8 steps, then 16, 32, ... 512 while it
@@ -267,18 +269,23 @@ class SpeculationGuard:
                 self.stats.explorations += 1
             self._explore_left -= 1
             return self._record(GuardPlan(step, False, frozenset(), "explore"))
-        fit = costs.drafting_fit(tuning.ridge)
-        if costs.plain_s is None or fit is None:
-            return self._record(GuardPlan(step, True, None, "unpriced"))
         gains = sorted(((self.gain(r), r) for r in request_ids), reverse=True)  # [batch] best first
-        base, per_draft = fit
-        drafts_each = self.max_draft_len * self.verified_share
-        best_m, best_rate, tokens = 0, batch / costs.plain_s * (1 + tuning.margin), float(batch)
-        for m, (gain, _) in enumerate(gains, start=1):
-            tokens += gain
-            rate = tokens / (base + per_draft * drafts_each * m)
-            if rate > best_rate:
-                best_m, best_rate = m, rate
+        fit = costs.drafting_fit(tuning.ridge)
+        # a drafting step never costs less than a plain one, so where everyone's expected extra tokens together do
+        # not beat the margin drafting cannot pay at any price: decide so before this bucket's prices are known
+        hopeless = sum(max(gain, 0.0) for gain, _ in gains) <= tuning.margin * batch
+        if (costs.plain_s is None or fit is None) and not hopeless:
+            return self._record(GuardPlan(step, True, None, "unpriced"))
+        best_m = 0
+        if not hopeless:
+            base, per_draft = fit
+            drafts_each = self.max_draft_len * self.verified_share
+            best_rate, tokens = batch / costs.plain_s * (1 + tuning.margin), float(batch)
+            for m, (gain, _) in enumerate(gains, start=1):
+                tokens += gain
+                rate = tokens / (base + per_draft * drafts_each * m)
+                if rate > best_rate:
+                    best_m, best_rate = m, rate
         if best_m == 0 and pinned:
             return self._record(GuardPlan(step, True, None if len(pinned) == batch else frozenset(pinned), "pinned"))
         if best_m == 0:

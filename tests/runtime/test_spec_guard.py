@@ -201,3 +201,19 @@ def test_with_confidence_scheduling_greedy_output_is_unchanged(near_bigram_targe
     outputs = llm.generate(batch, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outputs] == hf_greedy(near_bigram_target, batch, 64)
     assert llm.get_metrics()["speculation_guard"]["plain_steps"] > 0
+
+
+def test_where_nobody_is_expected_to_accept_a_new_batch_size_decodes_plain_before_it_is_priced():
+    """A drafting step never costs less than a plain one: with the population accepting nothing, a bucket the guard
+    has no prices for decodes plain at once (and is probed on the doubling schedule), instead of drafting to learn
+    what drafting costs there."""
+    guard = SpeculationGuard(K)
+    teach(guard, "old", 0, verifies=64)  # the population's gain falls to ~0
+    running = [f"r{i}" for i in range(16)]
+    for r in running:
+        teach(guard, r, 0)
+    plans = [guard.plan(step, running) for step in range(40)]
+    assert plans[0].reason == "plain" and not plans[0].drafts
+    assert sum(p.drafts for p in plans) <= 4 and all(p.reason in ("plain", "probe") for p in plans)
+    teach(guard, "good", K, verifies=8)  # one request that accepts everything: worth pricing again
+    assert guard.plan(40, [*running, "good"]).reason == "unpriced"
