@@ -2,7 +2,7 @@
 
 A decision of each layout (``ConfidenceScheduler``: ``padded``, what a graphed engine runs; ``ragged``, an eager
 engine's) and its learning are timed two ways, each with the plain-Python path for small steps on and off
-(``SMALL_STEP``):
+(``TUNING.small_step``):
 
 - ``after_step_us``: the median over ``--steps`` engine steps of the time of one decision + learn made right after
   a step of a tiny engine on this host (numpy's code is cold then: the first use of each numpy call costs
@@ -17,6 +17,7 @@ usage: python3 benchmarks/scheduler_host.py --out FILE.json [--batches 1,4,8,16]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -35,6 +36,7 @@ from cluster.bench import write_shape  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 from runtime.spec import confidence as confidence_scheduler  # noqa: E402
 from runtime.spec.confidence import ConfidenceScheduler  # noqa: E402
+from runtime.spec.tuning import TUNING
 
 K = 7
 
@@ -67,7 +69,8 @@ def main() -> None:
     for _ in range(10):
         engine.step()
     block = list(engine.scheduler.running[0].draft_confidence or [0.5] * K)
-    default = confidence_scheduler.SMALL_STEP
+    default_tuning = confidence_scheduler.TUNING
+    default = default_tuning.small_step
     rows = []
     try:
         for layout, batch in ((layout, int(b)) for layout in ("padded", "ragged") for b in args.batches.split(",")):
@@ -80,7 +83,7 @@ def main() -> None:
 
             row = {"layout": layout, "batch": batch}
             for name, small in (("python", 1 << 30), ("numpy", 0)):
-                confidence_scheduler.SMALL_STEP = small
+                confidence_scheduler.TUNING = dataclasses.replace(default_tuning, small_step=small)
                 row[f"{name}_after_step_us"] = round(median_us(decide, args.steps, engine.step), 1)
                 row[f"{name}_in_loop_us"] = round(median_us(decide, 5 * args.steps), 1)
             row["numpy_over_python_after_step"] = round(row["numpy_after_step_us"] / row["python_after_step_us"], 2)
@@ -88,7 +91,7 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
     finally:
-        confidence_scheduler.SMALL_STEP = default
+        confidence_scheduler.TUNING = default_tuning
         engine.executor.shutdown()
     record = {"benchmark": "scheduler_host", "date": str(date.today()), "command": "python3 " + shlex.join(sys.argv),
               "hardware": f"cpu ({os.cpu_count()} cores)", "torch": torch.__version__, "max_draft_len": K,

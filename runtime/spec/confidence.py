@@ -45,7 +45,7 @@ tokens fed)``. The scheduler, in either of two step layouts:
    leaves a bias the scheduler pays for (earlier runs on an H200: the late drafts' survivals predicted 10-25%
    low, so it trimmed drafts that would have paid, 0.89-0.96 of the tuned schedule's throughput at 16-256
    requests). The fit reads only steps already committed, so, like the lag of point 2, it never looks at the
-   tokens being verified. A draft position is only learned where it is reached, so every ``EXPLORE_EVERY``-th
+   tokens being verified. A draft position is only learned where it is reached, so every ``TUNING.explore_every``-th
    decision below whole blocks verifies whole blocks (~3% of steps): a cap that under-predicted survivals put
    below the drafts that pay would otherwise never see the evidence that lifts it. Whole blocks, not one draft
    more: where the cost curve has a step past the cap (a GEMM tile, a graph bucket) one more column does not pay
@@ -85,7 +85,7 @@ tokens fed)``. The scheduler, in either of two step layouts:
 The first step (no earlier confidences) verifies whole blocks. The host work is a few numpy operations over the
 batch's ``S x K`` confidences (numpy, not torch: a CPU torch op costs several microseconds of dispatch, and at
 batch 1 on a small target the scheduler's forty-odd ops cost a third of the step). A step of at most
-``SMALL_STEP`` proposed drafts is decided in plain Python instead (the same arithmetic in the same order): between
+``TUNING.small_step`` proposed drafts is decided in plain Python instead (the same arithmetic in the same order): between
 two engine steps numpy's code is cold, and each distinct numpy call's first use after a step costs microseconds
 (a 2-core CPU host: a 7-element sum 23 us first, 1 us after), so at a few requests the calls, not the arithmetic,
 were the cost: a padded decision and its learning right after a step 247 / 254 / 314 / 255 us with numpy at 1 / 4 /
@@ -107,15 +107,7 @@ from runtime.spec.mixed_step_costs import MixedStepCosts
 from runtime.spec.step_costs import StepCostTable
 from runtime.spec.survival import SurvivalCorrection
 from runtime.worker.graph_layout import bucket_of
-
-
-EXPLORE_EVERY = 32  # every this many decisions below whole blocks, the next step verifies whole blocks
-
-
-PLAIN_MIXED_MIN = 16  # plain mixed steps served before their own excess prices a mixed step's plain alternative
-
-
-SMALL_STEP = 128  # a step of at most this many drafts (requests x max_draft_len) is decided in plain Python
+from runtime.spec.tuning import TUNING
 
 
 @dataclass
@@ -163,7 +155,7 @@ class ConfidenceScheduler:
         self.mixed_costs = MixedStepCosts(costs)
         # plain steps that feed prompt chunks beside their decodes (a drafting hold's mixed steps, nothing drafted):
         # the plain table plus an excess of their own, learned from those steps; what a mixed step's drafting is
-        # judged against once PLAIN_MIXED_MIN of them were served (before: the drafting steps' excess read per
+        # judged against once TUNING.plain_mixed_min of them were served (before: the drafting steps' excess read per
         # verify row, MixedStepCosts.plain_excess_ms)
         self.plain_mixed = MixedStepCosts(costs.plain) if costs.plain is not None else None
         # whether the steps being priced run serially: on an engine that launches steps ahead (the startup profile
@@ -195,7 +187,7 @@ class ConfidenceScheduler:
         self.reversals = 0  # judgements that drafting did not pay which the refit after them reversed (learn)
         self._judged: tuple | None = None  # the last judgement's step: requests, others, their tokens, context, plain
         self.decisions = 0  # budgets (or caps) chosen
-        self.explored = 0  # of them, raised to whole blocks to gather evidence (EXPLORE_EVERY)
+        self.explored = 0  # of them, raised to whole blocks to gather evidence (TUNING.explore_every)
         # the last allot's (confidences [S, K] padded with 0, lengths, history), to learn (arrays or lists)
         self._pending: tuple | None = None
         self._unsettled = None  # a deferred decision's rest, until it ran (allot_deferred, settle)
@@ -237,7 +229,7 @@ class ConfidenceScheduler:
     def observe_plain_mixed_step(self, batch: int, seconds: float, context: int, other_tokens: int) -> None:
         """A served plain step of ``batch`` requests that fed ``other_tokens`` (prompt chunks) beside its one-token
         decodes, nothing drafted: into ``plain_mixed`` (the plain table at its batch, a token a request, plus their
-        excess), which prices a mixed step's plain alternative once it has seen ``PLAIN_MIXED_MIN``."""
+        excess), which prices a mixed step's plain alternative once it has seen ``TUNING.plain_mixed_min``."""
         if self.plain_mixed is not None:
             self.plain_mixed.observe(batch, batch, seconds, context, other_tokens)
 
@@ -283,7 +275,7 @@ class ConfidenceScheduler:
         of verifies alone, the step that verifies nothing (``none_ms``) less the drafter's cost at this batch (the
         verify-nothing step against the plain step of ``StepCostTable.plain`` at its graph's rows); for a mixed step
         (``other_tokens`` besides the verifies), the plain table at its batch (a token a request) plus the excess
-        learned from plain mixed steps (``plain_mixed``, once ``PLAIN_MIXED_MIN`` were served: a drafting hold's), or
+        learned from plain mixed steps (``plain_mixed``, once ``TUNING.plain_mixed_min`` were served: a drafting hold's), or
         before that the plain excess of ``MixedStepCosts.plain_excess_ms``: the mixed excess was learned from
         drafting steps, whose
         requests fed K + 1 rows each, and read whole beside a plain step it priced one run's plain alternative at
@@ -298,7 +290,7 @@ class ConfidenceScheduler:
         plain = self.costs.plain
         if other_tokens:
             batch = num + other_requests
-            if self.plain_mixed is not None and self.plain_mixed.observations >= PLAIN_MIXED_MIN:  # measured
+            if self.plain_mixed is not None and self.plain_mixed.observations >= TUNING.plain_mixed_min:  # measured
                 return max(self.plain_mixed.predict_ms_list(batch, (batch,), context, other_tokens)[0], 1e-6)
             return max(plain.predict_ms_list(batch, (batch,), context)[0]
                        + self.mixed_costs.plain_excess_ms(batch, other_tokens), 1e-6)
@@ -328,7 +320,7 @@ class ConfidenceScheduler:
         self.settle()
         num = len(confidences)
         padded = self.layout != "ragged"  # the packed layout's steps below packed_from are padded
-        if num * self.max_draft_len <= SMALL_STEP:
+        if num * self.max_draft_len <= TUNING.small_step:
             if padded:
                 return self._allot_padded_small(confidences, other_requests, other_tokens, context, history)
             return self._allot_ragged_small(confidences, other_requests, other_tokens, context, history)
@@ -435,10 +427,10 @@ class ConfidenceScheduler:
         classes; packing or ranking picks drafts at least as good, so this is the least it gives), chosen as a
         decision chooses (``_best``), commits as much per predicted ms, at that step's prices (its requests, what
         else it fed, its context), as plain decoding of them. A judgement is made on the fit as it stood, which
-        folds evidence every ``FOLD_EVERY`` steps: after a change of load it can be a fit of other requests (one run
+        folds evidence every ``TUNING.fold_every`` steps: after a change of load it can be a fit of other requests (one run
         on an H200: concurrency 1's one request rejected every draft; the four requests after it accepted 5.2
         tokens a request a step, and the first judgement, on a fit of that one request, held drafting off for 16 of
-        their steps); the hold it reverses costs a step, not ``HOLD_FIRST``. Chosen by the decision's own rule (its
+        their steps); the hold it reverses costs a step, not ``TUNING.hold_first``. Chosen by the decision's own rule (its
         ``min_gain`` margins), the next judgement, on the same fit and prices, pays too, so a reversal is not undone
         by the evidence it was made on (a hold begun and reversed every step)."""
         if self._judged is None:
@@ -470,7 +462,7 @@ class ConfidenceScheduler:
 
     def _allot_ragged_small(self, confidences: list[list[float]], other_requests: int, other_tokens: int,
                             context: int, history: list[int] | None) -> list[int]:
-        """The ragged decision of ``allot`` in plain Python for a small step (``SMALL_STEP``): the same budget, the
+        """The ragged decision of ``allot`` in plain Python for a small step (``TUNING.small_step``): the same budget, the
         same drafts (``top_drafts``'s ranking: survival, then the earlier position, then the earlier request)."""
         step = self._small_step(confidences, history)
         if step is None:
@@ -504,7 +496,7 @@ class ConfidenceScheduler:
 
     def _allot_padded_small(self, confidences: list[list[float]], other_requests: int, other_tokens: int,
                             context: int, history: list[int] | None) -> list[int]:
-        """``_allot_padded`` in plain Python for a small step (``SMALL_STEP``): the same decision."""
+        """``_allot_padded`` in plain Python for a small step (``TUNING.small_step``): the same decision."""
         step = self._small_step(confidences, history)
         if step is None:
             return [0] * len(confidences)
@@ -590,12 +582,12 @@ class ConfidenceScheduler:
 
     def _explores(self, below_whole_blocks: bool, best: int = -1) -> bool:
         """Count a decision; whether it verifies whole blocks instead of the choice ``best``, so that every position
-        past the choice keeps being learned: every ``EXPLORE_EVERY``-th decision that is below whole blocks, and one
+        past the choice keeps being learned: every ``TUNING.explore_every``-th decision that is below whole blocks, and one
         that verifies nothing where drafting did not pay (``drafting_pays`` False: the next verify is the look after
         a drafting hold, and verifying nothing there would teach the fit nothing, so a belief that nothing pays
         could never be proved wrong)."""
         self.decisions += 1
-        if below_whole_blocks and (self.decisions % EXPLORE_EVERY == 0 or (best == 0 and self.drafting_pays is False)):
+        if below_whole_blocks and (self.decisions % TUNING.explore_every == 0 or (best == 0 and self.drafting_pays is False)):
             self.explored += 1
             if self.last is not None:  # (made just before, by the same decision: the step trace shows it)
                 self.last.explores = True

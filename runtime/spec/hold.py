@@ -2,19 +2,14 @@
 (``runtime.spec.confidence``, point 6)."""
 
 from __future__ import annotations
-
-
-HOLD_FIRST = 16  # steps the engine drafts nothing at a batch size after drafting did not pay there (DraftingHold)
-
-
-HOLD_MOST = 512  # the hold doubles each time it did not pay again, up to this: one look costs a block's drafting
+from runtime.spec.tuning import TUNING
 
 
 class DraftingHold:
     """Point 6 of the module doc, the engine's side: per batch size (``ConfidenceScheduler.bucket``), the steps on
     which it drafts nothing after drafting did not pay there. ``record`` each judgement at the step it was made:
-    one that did not pay stops the drafting from that step for the hold (``HOLD_FIRST`` steps, doubling each time
-    it did not pay again, up to ``HOLD_MOST``); one that paid resets it. After a hold the engine drafts a block (the
+    one that did not pay stops the drafting from that step for the hold (``TUNING.hold_first`` steps, doubling each time
+    it did not pay again, up to ``TUNING.hold_most``); one that paid resets it. After a hold the engine drafts a block (the
     look); the judgement at the step that verifies it was made before its outcome was known (the choice is taken from
     the drafts' confidences, not their verdicts), so it cannot start a hold: the drafting goes on one step more, and
     the next judgement, made once the look's outcome is learned (``ConfidenceScheduler.learn`` refits after a step
@@ -29,7 +24,7 @@ class DraftingHold:
     judgements favouring drafting, and held the decode steps after them, where drafting paid 1.4x); its length (the
     next hold's) is kept. A judgement of a decode step made while such a hold is on makes it a hold of every step."""
 
-    def __init__(self, first: int = HOLD_FIRST, most: int = HOLD_MOST):
+    def __init__(self, first: int = TUNING.hold_first, most: int = TUNING.hold_most):
         self.first, self.most = first, most
         self.until: dict[int, int] = {}  # bucket -> the first step it drafts again
         self.hold: dict[int, int] = {}  # bucket -> the next hold's length

@@ -6,9 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from runtime.spec.confidence import ConfidenceScheduler, Decision
-
-
-TRACE_STEPS = 4096  # the step trace keeps the newest this many steps (ConfidenceStats.trace)
+from runtime.spec.tuning import TUNING
 
 
 # one step of the trace: its number (ConfidenceStats.steps once it was counted), the requests it scheduled, whether
@@ -49,10 +47,10 @@ class ConfidenceStats:
     drafting_off_steps: int = 0  # steps that drafted nothing because drafting did not pay (DraftingHold)
     serial_steps: int = 0  # timed steps an engine that runs ahead did not launch ahead (priced with the excess)
     last: dict = field(default_factory=dict)
-    # the newest TRACE_STEPS steps, one tuple of TRACE_FIELDS each (``record_step``): what the means above average
+    # the newest TUNING.trace_steps steps, one tuple of TRACE_FIELDS each (``record_step``): what the means above average
     # over, so a run's figures can be taken apart step by step (``trace_since``); a snapshot made with
     # ``dataclasses.replace`` starts an empty one (its counters are what a snapshot compares)
-    trace: deque = field(default_factory=lambda: deque(maxlen=TRACE_STEPS), init=False, repr=False)
+    trace: deque = field(default_factory=lambda: deque(maxlen=TUNING.trace_steps), init=False, repr=False)
 
     def record_decision(self, decision: Decision, requests: int) -> None:
         self.decisions += 1

@@ -10,48 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.spec.history import HISTORY_NONE, history_classes, history_rows
-
-
-CORRECTION_PRIOR = 32.0  # the diagnostic ratio's pseudo-drafts per position at ratio 1
-
-
-CORRECTION_WINDOW = 4096.0  # verified drafts per position the diagnostic ratio weighs (older ones fade)
-
-
-FIT_PRIOR = 1.0  # the fit's ridge precision around the calibration: the weight of a draft (see SurvivalCorrection)
-
-
-FIT_WINDOW = 2048  # reached drafts per position the fit weighs (the newest)
-
-
-FIT_EVERY = 2048  # reached drafts gathered before the fit is redone (checked when evidence is folded in)
-
-
-REFIT_FOLDS = 8  # or after this many folds (FOLD_EVERY steps each) with any new evidence: a small batch learns too
-
-
-REFIT_GROWTH = 0.25  # or once the new reached drafts are this share of those the window holds (a young fit moves)
-
-
-FIT_LIMIT = 30.0  # the fit's parameters stay within +-this (the slope within [0, this])
-
-
-NEWTON_STEPS = 2  # per refit, from the parameters before (warm: the fit moves little between refits)
-
-
-HALVINGS = 12  # a Newton step that does not lower a position's penalized loss is halved up to this many times
-
-
-DAMPED_STEPS = 8  # while a step had to be halved (far from the optimum), up to this many steps a refit
-
-
-TRUSTED_STEP = 0.5  # a Newton step moving no parameter by more than this is taken without checking the loss
-
-
-FOLD_EVERY = 8  # steps of evidence the correction gathers before it folds them in (its numpy work, once for all)
-
-
-FOLD_DEFERRED_MOST = 32  # a fold deferred to the device's wait (SurvivalCorrection.defer_to) runs at once past this
+from runtime.spec.tuning import TUNING
 
 
 class SurvivalSkill:
@@ -94,9 +53,9 @@ class SurvivalCorrection:
     is ``sigmoid(a_k logit(c_k) + b_k + d_{h,k})`` for a request of verify-history class h, its survival the
     cumulative product along the block (so non-increasing). Per position, ``a_k`` (the slope), ``b_k`` and the class
     offsets ``d_{h,k}`` are a logistic regression on the drafts of that position the engine reached (verified, its
-    prefix accepted) and whether each was accepted: the last ``FIT_WINDOW`` of them, a ridge prior of precision
-    ``FIT_PRIOR`` at the offline calibration (``a_k = 1 / T_k``, no bias: with no evidence the survivals are STS's),
-    redone by ``NEWTON_STEPS`` Newton steps once ``FIT_EVERY`` new drafts were reached. Where the head tells drafts
+    prefix accepted) and whether each was accepted: the last ``TUNING.fit_window`` of them, a ridge prior of precision
+    ``TUNING.fit_prior`` at the offline calibration (``a_k = 1 / T_k``, no bias: with no evidence the survivals are STS's),
+    redone by ``TUNING.newton_steps`` Newton steps once ``TUNING.fit_every`` new drafts were reached. Where the head tells drafts
     apart the slope keeps that; where it does not (a drafter trained briefly: one run) the slope falls and each
     class's bias carries what the requests' histories tell; a bias of the whole position is what the ratio
     correction of earlier runs learned (the offline temperature, fitted on other text, left the late drafts' survivals
@@ -105,17 +64,17 @@ class SurvivalCorrection:
     of 3 on 1e-6 is still nothing, where a fitted slope of 0.2 brings them to the class's rate.
 
     **The diagnostic** ``ratio`` [K] (metrics only): of the drafts verified at position k, how many survived over the
-    survival the offline calibration predicted for them, with a prior of ``CORRECTION_PRIOR`` drafts at ratio 1 (at
-    the position's mean prediction) and a window of ``CORRECTION_WINDOW`` verified drafts.
+    survival the offline calibration predicted for them, with a prior of ``TUNING.correction_prior`` drafts at ratio 1 (at
+    the position's mean prediction) and a window of ``TUNING.correction_window`` verified drafts.
 
-    A position is learned only where drafts reach it (see ``EXPLORE_EVERY``). Evidence is folded in every
-    ``FOLD_EVERY`` steps, the fit made at the first fold with evidence, then redone once ``FIT_EVERY`` new drafts were
-    reached, the new ones are ``REFIT_GROWTH`` of the window's, or ``REFIT_FOLDS`` folds went by (a refit costs ~0.7
+    A position is learned only where drafts reach it (see ``TUNING.explore_every``). Evidence is folded in every
+    ``TUNING.fold_every`` steps, the fit made at the first fold with evidence, then redone once ``TUNING.fit_every`` new drafts were
+    reached, the new ones are ``TUNING.refit_growth`` of the window's, or ``TUNING.refit_folds`` folds went by (a refit costs ~0.7
     ms of numpy: at 64 requests once per ~8 steps; at a few requests each time the evidence grew by a quarter while
     the window fills, at least once per 64 steps); an engine whose executor runs host work while the device computes
     (``defer_to``) folds there, off the step's path, and refits there a slice at a time within its budget.
 
-    The ridge is light (``FIT_PRIOR``: the weight of one draft per parameter): a Gaussian prior on the logit weighs
+    The ridge is light (``TUNING.fit_prior``: the weight of one draft per parameter): a Gaussian prior on the logit weighs
     most in the tails, and at 4 (the weight of a few drafts) a request whose drafter accepted nothing was still
     believed to keep 7% of its first drafts after 80 rejections (1.17 tokens a step expected where 1.0 came), so
     drafting still looked as if it paid against plain decoding (one run at one request: 0.97 of the tuned
@@ -136,9 +95,9 @@ class SurvivalCorrection:
         self.prior = np.zeros((k, 2 + classes))
         self.prior[:, 0] = self.inverse_temperatures
         self.theta = self.prior.copy()  # [K, 2 + H]
-        self._x = np.zeros((k, FIT_WINDOW))  # [K, W] logit(c) of the reached drafts (a ring per position)
-        self._h = np.zeros((k, FIT_WINDOW), dtype=np.int64)  # [K, W] their requests' classes
-        self._y = np.zeros((k, FIT_WINDOW))  # [K, W] 1 where accepted
+        self._x = np.zeros((k, TUNING.fit_window))  # [K, W] logit(c) of the reached drafts (a ring per position)
+        self._h = np.zeros((k, TUNING.fit_window), dtype=np.int64)  # [K, W] their requests' classes
+        self._y = np.zeros((k, TUNING.fit_window))  # [K, W] 1 where accepted
         self._filled = np.zeros(k, dtype=np.int64)  # [K] ring entries in use
         self._next = np.zeros(k, dtype=np.int64)  # [K] where the next one goes
         self._new = 0  # reached drafts since the last fit
@@ -201,17 +160,17 @@ class SurvivalCorrection:
         S lists of one length), ``allotted`` [S] the drafts each was allotted and ``verified`` [S] how many it
         verified (the lesser counts), ``accepted`` [S] how many of them it accepted (-1: unknown, left out),
         ``history`` [S] each one's class when the step was decided (None: all ``HISTORY_NONE``); converted when
-        folded in with the steps before it, once ``FOLD_EVERY`` have gathered: at once, or with ``defer_to`` set, by a
+        folded in with the steps before it, once ``TUNING.fold_every`` have gathered: at once, or with ``defer_to`` set, by a
         task queued there (the fold and the refit it may bring, ~3 ms of numpy per 8 steps at 256 requests on a
         2-core host, then run while the device computes the next step instead of between steps; the decisions it
-        would have moved read it a step later: the fit lags ``FOLD_EVERY`` steps anyway). Deferred folds that do
-        not get to run (no step waits on the device) run here once ``FOLD_DEFERRED_MOST`` steps gathered."""
+        would have moved read it a step later: the fit lags ``TUNING.fold_every`` steps anyway). Deferred folds that do
+        not get to run (no step waits on the device) run here once ``TUNING.fold_deferred_most`` steps gathered."""
         with self._lock:
             self._evidence.append((confidence, allotted, verified, accepted, history))
             gathered = len(self._evidence)
-            if gathered < FOLD_EVERY:
+            if gathered < TUNING.fold_every:
                 return
-            if self.defer_to is None or gathered >= FOLD_DEFERRED_MOST:
+            if self.defer_to is None or gathered >= TUNING.fold_deferred_most:
                 self._fold()
                 return
             if self._fold_queued:
@@ -268,12 +227,12 @@ class SurvivalCorrection:
                 self._append(j, logit[reached, j], history[reached], (accepted[reached] > j).astype(np.float64))
                 self._new += count
         self._folds += 1
-        # the first fit at the first fold with evidence, then again whenever the evidence grew by REFIT_GROWTH: a
-        # small batch would otherwise believe the calibration, then its first few drafts' fit, for REFIT_FOLDS x
-        # FOLD_EVERY steps (64 at one request; those runs' drafters accepted nothing there, and the engine
-        # kept drafting for 0.93-0.97 of the tuned throughput). Refits grow geometric, then every REFIT_FOLDS folds.
-        if self._new >= FIT_EVERY or (self._new and (self._folds >= REFIT_FOLDS or not self.learned
-                                                     or self._new >= REFIT_GROWTH * int(self._filled.sum()))):
+        # the first fit at the first fold with evidence, then again whenever the evidence grew by TUNING.refit_growth: a
+        # small batch would otherwise believe the calibration, then its first few drafts' fit, for TUNING.refit_folds x
+        # TUNING.fold_every steps (64 at one request; those runs' drafters accepted nothing there, and the engine
+        # kept drafting for 0.93-0.97 of the tuned throughput). Refits grow geometric, then every TUNING.refit_folds folds.
+        if self._new >= TUNING.fit_every or (self._new and (self._folds >= TUNING.refit_folds or not self.learned
+                                                     or self._new >= TUNING.refit_growth * int(self._filled.sum()))):
             if self.defer_to is None:
                 self.refit()
             elif self._refit is None:  # in slices, in the host work's budget (a refit already running: it goes on)
@@ -298,24 +257,24 @@ class SurvivalCorrection:
         self.verified[:k] += np.bincount(lengths, minlength=k + 1)[::-1].cumsum()[::-1][1:]
         self.survived[:k] += np.bincount(accepted, minlength=k + 1)[::-1].cumsum()[::-1][1:]
         self.predicted[:k] += (survival * (np.arange(k)[None, :] < lengths[:, None])).sum(axis=0)
-        if self.verified.max() > CORRECTION_WINDOW:  # the oldest evidence fades past the window
-            scale = np.minimum(1.0, CORRECTION_WINDOW / np.maximum(self.verified, 1.0))  # [K]
+        if self.verified.max() > TUNING.correction_window:  # the oldest evidence fades past the window
+            scale = np.minimum(1.0, TUNING.correction_window / np.maximum(self.verified, 1.0))  # [K]
             self.predicted *= scale
             self.survived *= scale
             self.verified *= scale
-        # the prior: CORRECTION_PRIOR drafts at the position's mean prediction, all surviving as predicted
-        prior = CORRECTION_PRIOR * self.predicted / np.maximum(self.verified, 1e-12)  # [K]
+        # the prior: TUNING.correction_prior drafts at the position's mean prediction, all surviving as predicted
+        prior = TUNING.correction_prior * self.predicted / np.maximum(self.verified, 1e-12)  # [K]
         positive = self.predicted + prior > 0  # a position never verified, or predicted 0 throughout: ratio 1
         self.ratio = np.where(positive, (self.survived + prior) / np.where(positive, self.predicted + prior, 1.0),
                               1.0)
 
     def _append(self, j: int, x: np.ndarray, h: np.ndarray, y: np.ndarray) -> None:
-        """Position ``j``'s reached drafts into its ring (the newest ``FIT_WINDOW`` kept)."""
-        x, h, y = x[-FIT_WINDOW:], h[-FIT_WINDOW:], y[-FIT_WINDOW:]
-        slots = (self._next[j] + np.arange(len(x))) % FIT_WINDOW
+        """Position ``j``'s reached drafts into its ring (the newest ``TUNING.fit_window`` kept)."""
+        x, h, y = x[-TUNING.fit_window:], h[-TUNING.fit_window:], y[-TUNING.fit_window:]
+        slots = (self._next[j] + np.arange(len(x))) % TUNING.fit_window
         self._x[j, slots], self._h[j, slots], self._y[j, slots] = x, h, y
-        self._next[j] = (self._next[j] + len(x)) % FIT_WINDOW
-        self._filled[j] = min(FIT_WINDOW, self._filled[j] + len(x))
+        self._next[j] = (self._next[j] + len(x)) % TUNING.fit_window
+        self._filled[j] = min(TUNING.fit_window, self._filled[j] + len(x))
 
     def refit(self) -> None:
         """Refit at once (``_refit_slices`` run to the end): see there."""
@@ -323,16 +282,16 @@ class SurvivalCorrection:
             pass
 
     def _refit_slices(self):
-        """``NEWTON_STEPS`` Newton steps of every position's ridge logistic regression, from the current parameters.
+        """``TUNING.newton_steps`` Newton steps of every position's ridge logistic regression, from the current parameters.
         The features are logit(c), 1 and the class's one-hot, so the gradient and Hessian are sums per position and
         class of a few weighted terms: one ``bincount`` each over the window (a refit of 7 x 2048 drafts ~0.7 ms on a
         2-core CPU host, where dense [K, W, F] products of 7 x 4096 and four steps cost 5). A step that moves a
-        parameter by more than ``TRUSTED_STEP`` is damped: a position whose penalized loss it does not lower takes
-        half of it, and so on (``HALVINGS``), else none of it; while steps are being halved (the fit far from its
-        optimum), up to ``DAMPED_STEPS`` steps a refit.
+        parameter by more than ``TUNING.trusted_step`` is damped: a position whose penalized loss it does not lower takes
+        half of it, and so on (``TUNING.halvings``), else none of it; while steps are being halved (the fit far from its
+        optimum), up to ``TUNING.damped_steps`` steps a refit.
         A full Newton step from saturated probabilities (a head whose logits spread over tens, read at a slope of 10:
         a calibration temperature of 0.1) has a Hessian near the ridge alone and jumps to the parameters' limits:
-        one run at 256 requests fitted position 0 at slope 30 and bias 30 (``FIT_LIMIT``), believed a survival of 0.85
+        one run at 256 requests fitted position 0 at slope 30 and bias 30 (``TUNING.fit_limit``), believed a survival of 0.85
         where 0.57 survived (Brier skill -0.34) and verified drafts that did not pay.
         A generator: it yields after taking its copy, within each Newton step and before each loss it evaluates
         (slices of ~0.1-0.4 ms of numpy on a 2-core host; a whole refit 1.3 ms typically, up to 4.3 while steps are
@@ -342,7 +301,7 @@ class SurvivalCorrection:
         self._new = self._folds = 0
         k, classes = self._x.shape[0], len(self.history_names)
         # the rings fill from their first slot: until one wraps, no slot past the fullest holds a draft, and a young
-        # window (refitted the most often: REFIT_GROWTH) costs its size, not FIT_WINDOW's
+        # window (refitted the most often: TUNING.refit_growth) costs its size, not TUNING.fit_window's
         width = int(self._filled.max())
         used = (np.arange(width)[None, :] < self._filled[:, None]).astype(np.float64)  # [K, W]
         member = self._h[:, :width].copy()  # [K, W] each draft's class
@@ -359,19 +318,19 @@ class SurvivalCorrection:
         def loss(theta: np.ndarray) -> np.ndarray:  # [K, F] -> [K] each position's penalized negative log-likelihood
             eta = linear(theta)
             return (used * (np.logaddexp(0.0, eta) - y * eta)).sum(1) \
-                + 0.5 * FIT_PRIOR * ((theta - self.prior) ** 2).sum(1)
+                + 0.5 * TUNING.fit_prior * ((theta - self.prior) ** 2).sum(1)
 
         def bounded(theta: np.ndarray) -> np.ndarray:
             theta = theta.copy()
-            theta[:, 0] = np.clip(theta[:, 0], 0.0, FIT_LIMIT)  # the head's order is kept (or ignored), never reversed
-            theta[:, 1:] = np.clip(theta[:, 1:], -FIT_LIMIT, FIT_LIMIT)
+            theta[:, 0] = np.clip(theta[:, 0], 0.0, TUNING.fit_limit)  # the head's order is kept (or ignored), never reversed
+            theta[:, 1:] = np.clip(theta[:, 1:], -TUNING.fit_limit, TUNING.fit_limit)
             return theta
 
         theta = self.theta.copy()
-        ridge = FIT_PRIOR * np.eye(2 + classes)
+        ridge = TUNING.fit_prior * np.eye(2 + classes)
         damped = False
-        for step_index in range(DAMPED_STEPS):
-            if step_index >= NEWTON_STEPS and not damped:
+        for step_index in range(TUNING.damped_steps):
+            if step_index >= TUNING.newton_steps and not damped:
                 break
             eta = linear(theta)  # [K, W]
             p = 0.5 * (1.0 + np.tanh(0.5 * eta))  # sigmoid, without exp's overflow
@@ -380,7 +339,7 @@ class SurvivalCorrection:
             yield
             w, wx, wxx = per_class(weight), per_class(weight * x), per_class(weight * x * x)
             gradient = np.concatenate([rx.sum(1, keepdims=True), r.sum(1, keepdims=True), r], axis=1) \
-                + FIT_PRIOR * (theta - self.prior)  # [K, F]
+                + TUNING.fit_prior * (theta - self.prior)  # [K, F]
             hessian = np.zeros((k, 2 + classes, 2 + classes))
             hessian[:, 0, 0], hessian[:, 0, 1], hessian[:, 1, 1] = wxx.sum(1), wx.sum(1), w.sum(1)
             hessian[:, 1, 0] = hessian[:, 0, 1]
@@ -402,11 +361,11 @@ class SurvivalCorrection:
                 step[pinned] = np.concatenate([moved[:, None], rest], axis=1)
             scale, worse = np.ones(k), np.zeros(k, dtype=bool)
             candidate = bounded(theta - step)
-            searched = np.abs(step).max(axis=1) > TRUSTED_STEP  # near the optimum a Newton step is taken as is
+            searched = np.abs(step).max(axis=1) > TUNING.trusted_step  # near the optimum a Newton step is taken as is
             if searched.any():
                 before = loss(theta)
                 slack = 1e-9 * (1.0 + np.abs(before))  # rounding: at the optimum a step changes nothing
-                for _ in range(HALVINGS + 1):
+                for _ in range(TUNING.halvings + 1):
                     yield
                     worse = searched & (loss(candidate) > before + slack)
                     if not worse.any():

@@ -1,6 +1,7 @@
 """Confidence scheduling: the step-time table, the budget and allocation rules, and the engine with it on
 (greedy outputs unchanged, sampled outputs still the target's distribution, its files and refusals)."""
 
+import dataclasses
 import json
 import math
 
@@ -13,15 +14,15 @@ from runtime import LLM, SamplingParams
 from runtime.scheduling.pages import PageAllocator
 from runtime.scheduling.scheduler import Scheduler, SchedulerLimits
 from runtime.scheduling.sequence import Sequence
-from runtime.spec.confidence import EXPLORE_EVERY, PLAIN_MIXED_MIN, ConfidenceScheduler, packed_draft_len, top_drafts
+from runtime.spec.confidence import ConfidenceScheduler, packed_draft_len, top_drafts
 from runtime.spec.history import HISTORY_NONE, history_classes, next_history
-from runtime.spec.hold import HOLD_FIRST, DraftingHold
+from runtime.spec.hold import DraftingHold
 from runtime.spec.mixed_step_costs import MixedStepCosts
-from runtime.spec.stats import TRACE_FIELDS, TRACE_STEPS, ConfidenceStats
+from runtime.spec.stats import TRACE_FIELDS, ConfidenceStats
 from runtime.spec.step_costs import StepCostTable
-from runtime.spec.survival import (FIT_WINDOW, FOLD_DEFERRED_MOST, FOLD_EVERY, REFIT_FOLDS, SurvivalCorrection,
-                                   SurvivalSkill, read_calibration)
+from runtime.spec.survival import SurvivalCorrection, SurvivalSkill, read_calibration
 from runtime.worker.transfer import HostWork
+from runtime.spec.tuning import TUNING
 from tests import builders
 from tests.runtime.test_sampling_distribution import FILTERS, N, empirical_tv, exact_joint, tv_bound
 
@@ -40,7 +41,7 @@ def trace_agrees_with_the_stats(stats: ConfidenceStats) -> list[dict]:
     decision is attributed to exactly the step it chose the verifies of (a decision counted twice, or another's,
     moves a sum). -> the steps as dicts."""
     steps = [dict(zip(TRACE_FIELDS, row)) for row in stats.trace_since()["steps"]]
-    assert len(steps) == stats.steps < TRACE_STEPS and [s["step"] for s in steps] == list(range(1, stats.steps + 1))
+    assert len(steps) == stats.steps < TUNING.trace_steps and [s["step"] for s in steps] == list(range(1, stats.steps + 1))
     decided = [s for s in steps if s["budget"] is not None]
     assert len(decided) == stats.decided_steps == stats.decisions
     assert sum(s["budget"] for s in decided) == stats.budget and sum(s["offered"] for s in decided) == stats.offered
@@ -246,12 +247,12 @@ def test_exploration_learns_every_position_past_a_cost_step(layout):
 def test_a_deferred_fold_waits_for_the_host_work_and_runs_once():
     """With ``defer_learning`` (the engine, where its executor offers host work) a due fold is one task queued on
     the host work (run while the device computes the next step), not done in ``learn``; the same evidence gives
-    the same fit. Past ``FOLD_DEFERRED_MOST`` gathered steps (no step waited on the device) ``learn`` folds itself;
+    the same fit. Past ``TUNING.fold_deferred_most`` gathered steps (no step waited on the device) ``learn`` folds itself;
     ``refit_now`` folds whatever is gathered at once."""
     work = HostWork()
     deferred, direct = ConfidenceScheduler(3, flat_table(0.001)), ConfidenceScheduler(3, flat_table(0.001))
     deferred.defer_learning(work)
-    for step in range(FOLD_EVERY):
+    for step in range(TUNING.fold_every):
         for scheduler in (deferred, direct):
             scheduler.allot([[0.9, 0.6, 0.3]] * 4)
             scheduler.learn([3, 3, 3, 3], [step % 4, 3, 1, 0])
@@ -259,10 +260,10 @@ def test_a_deferred_fold_waits_for_the_host_work_and_runs_once():
     work.run()
     assert len(work) == 0 and deferred.correction.verified.tolist() == direct.correction.verified.tolist()
     assert deferred.correction.ratio.tolist() == direct.correction.ratio.tolist()
-    for step in range(FOLD_DEFERRED_MOST):  # nothing runs the host work: learn folds once it gathered that many
+    for step in range(TUNING.fold_deferred_most):  # nothing runs the host work: learn folds once it gathered that many
         deferred.allot([[0.9, 0.6, 0.3]] * 4)
         deferred.learn([3, 3, 3, 3], [0, 0, 0, 0])
-        assert len(deferred.correction._evidence) < FOLD_DEFERRED_MOST
+        assert len(deferred.correction._evidence) < TUNING.fold_deferred_most
     assert len(work) == 2  # one fold queued (whatever came due after it), and the refit the inline fold started
     deferred.allot([[0.9, 0.6, 0.3]] * 4)
     deferred.learn([3, 3, 3, 3], [0, 0, 0, 0])
@@ -281,7 +282,7 @@ def test_a_deferred_refit_runs_in_slices_within_the_host_works_budget():
     deferred, direct = ConfidenceScheduler(3, flat_table(0.001)), ConfidenceScheduler(3, flat_table(0.001))
     deferred.defer_learning(work)
     rng = np.random.default_rng(0)
-    steps = [(rng.uniform(0.2, 0.95, (4, 3)).tolist(), rng.integers(0, 4, 4).tolist()) for _ in range(FOLD_EVERY)]
+    steps = [(rng.uniform(0.2, 0.95, (4, 3)).tolist(), rng.integers(0, 4, 4).tolist()) for _ in range(TUNING.fold_every)]
     for confidences, accepted in steps:
         for scheduler in (deferred, direct):
             scheduler.allot(confidences)
@@ -292,7 +293,7 @@ def test_a_deferred_refit_runs_in_slices_within_the_host_works_budget():
     slices = 0
     while len(work):
         if slices == 2:  # more evidence arrives mid-refit, its fold queued between two slices: the refit goes on
-            for _ in range(FOLD_EVERY):
+            for _ in range(TUNING.fold_every):
                 deferred.allot([[0.9, 0.9, 0.9]] * 4)
                 deferred.learn([3, 3, 3, 3], [3, 3, 3, 3])
         work.run()
@@ -303,12 +304,12 @@ def test_a_deferred_refit_runs_in_slices_within_the_host_works_budget():
 
 
 def test_one_request_is_fitted_at_its_first_fold_then_as_its_evidence_grows():
-    """A drafter that accepts nothing, one request: the fit leaves the calibration at the first fold (FOLD_EVERY
-    steps), not after REFIT_FOLDS folds, and believes the first draft's survival low from then on; it is refitted
-    each time its evidence grew by a quarter (folds ever further apart, never more than REFIT_FOLDS), not only every
-    REFIT_FOLDS folds, so that after a few dozen rejections it believes the first draft all but dead."""
+    """A drafter that accepts nothing, one request: the fit leaves the calibration at the first fold (TUNING.fold_every
+    steps), not after TUNING.refit_folds folds, and believes the first draft's survival low from then on; it is refitted
+    each time its evidence grew by a quarter (folds ever further apart, never more than TUNING.refit_folds), not only every
+    TUNING.refit_folds folds, so that after a few dozen rejections it believes the first draft all but dead."""
     scheduler = ConfidenceScheduler(4, flat_table(0.001))
-    for step in range(FOLD_EVERY):
+    for step in range(TUNING.fold_every):
         assert not scheduler.correction.learned
         scheduler.allot([[0.9, 0.9, 0.9, 0.9]])
         scheduler.learn([4], [0])
@@ -318,12 +319,12 @@ def test_one_request_is_fitted_at_its_first_fold_then_as_its_evidence_grows():
     refit, fold = scheduler.correction.refit, scheduler.correction._fold
     scheduler.correction.refit = lambda: (refits.append(folds[0]), refit())
     scheduler.correction._fold = lambda: (folds.__setitem__(0, folds[0] + 1), fold())
-    for step in range(FOLD_EVERY * 3 * REFIT_FOLDS):
+    for step in range(TUNING.fold_every * 3 * TUNING.refit_folds):
         scheduler.allot([[0.9, 0.9, 0.9, 0.9]])
         scheduler.learn([4], [0])
     gaps = np.diff([0] + refits)
-    assert refits[:3] == [1, 2, 3] and (np.diff(gaps) >= 0).all() and gaps.max() <= REFIT_FOLDS
-    assert len(refits) < 3 * REFIT_FOLDS  # not every fold
+    assert refits[:3] == [1, 2, 3] and (np.diff(gaps) >= 0).all() and gaps.max() <= TUNING.refit_folds
+    assert len(refits) < 3 * TUNING.refit_folds  # not every fold
     assert scheduler.survival(np.array([[0.9, 0.9, 0.9, 0.9]]))[0, 0] < 0.05
 
 
@@ -339,7 +340,7 @@ def test_a_drafter_that_accepts_nothing_is_believed_so_and_drafting_stops():
     scheduler = ConfidenceScheduler(7, table, temperatures=[10.0] * 5 + [2.98, 0.71], layout="padded",
                                     graph_batches=[1, 2, 4])
     pays = []
-    for step in range(6 * FOLD_EVERY):
+    for step in range(6 * TUNING.fold_every):
         lengths = scheduler.allot([[0.9, 0.85, 0.8, 0.8, 0.7, 0.6, 0.5]])
         scheduler.learn(lengths, [0])
         pays.append(scheduler.drafting_pays)
@@ -352,7 +353,7 @@ def test_the_correction_learns_only_what_was_verified_and_keeps_survivals_ordere
     # the first request left the step; the second verified 2 of its 3 (a token limit), accepting both
     scheduler.learn([-1, 2, 3], [-1, 2, 0])
     correction = scheduler.correction
-    assert not correction.learned  # gathered, folded in every FOLD_EVERY steps
+    assert not correction.learned  # gathered, folded in every TUNING.fold_every steps
     correction.fold()
     assert correction.verified.tolist() == pytest.approx([2.0, 2.0, 1.0])
     assert correction.survived.tolist() == pytest.approx([1.0, 1.0, 0.0])
@@ -537,7 +538,7 @@ def test_an_engine_whose_executor_offers_host_work_folds_there(tmp_path, near_bi
     assert correction.defer_to is engine_.executor.host_work
     fold = correction._deferred_fold
     correction._deferred_fold = lambda: (ran.append(len(engine_.executor.host_work)), fold())
-    llm.generate(PROMPTS, SamplingParams(max_tokens=6 * FOLD_EVERY, temperature=0.0, ignore_eos=True))
+    llm.generate(PROMPTS, SamplingParams(max_tokens=6 * TUNING.fold_every, temperature=0.0, ignore_eos=True))
     assert ran and correction.verified.sum() > 0  # folded by a task the runner ran at a read-back
 
 
@@ -960,9 +961,9 @@ def test_a_plain_mixed_step_pays_the_per_request_excess_per_verify_row():
     assert scheduler.drafting_pays is True  # ~4.9 tokens a request
     scheduler.allot(weak)  # verifies alone: the verify-nothing step less the drafter, as before
     assert scheduler.last.plain_ms == pytest.approx(table.predict_ms(32, 32) - (table.predict_ms(32, 32) - 4.0))
-    # plain mixed steps served (a drafting hold's): once PLAIN_MIXED_MIN were, their own excess prices the plain
+    # plain mixed steps served (a drafting hold's): once TUNING.plain_mixed_min were, their own excess prices the plain
     # alternative (here 2.5 ms beyond the plain table: drafting the strong block still pays, at a measured price)
-    for step in range(PLAIN_MIXED_MIN):
+    for step in range(TUNING.plain_mixed_min):
         assert scheduler.plain_mixed.observations == step
         scheduler.allot(strong, 1, 64, 0)
         assert scheduler.last.plain_ms == pytest.approx(4.0 + mixed.plain_excess_ms(33, 64))  # not yet
@@ -1172,9 +1173,9 @@ def test_a_small_step_decides_in_plain_python_exactly_as_numpy(monkeypatch, cali
             confidences.append(block)
         others = (int(rng.integers(0, 3)), int(rng.integers(0, 40)), int(rng.integers(0, 4000)))
         history = rng.integers(0, 2 * k + 1, size=num).tolist()
-        monkeypatch.setattr(confidence_scheduler, "SMALL_STEP", 64)
+        monkeypatch.setattr(confidence_scheduler, "TUNING", dataclasses.replace(TUNING, small_step=64))
         got = python.allot(confidences, *others, history)
-        monkeypatch.setattr(confidence_scheduler, "SMALL_STEP", 0)
+        monkeypatch.setattr(confidence_scheduler, "TUNING", dataclasses.replace(TUNING, small_step=0))
         want = vectorized.allot(confidences, *others, history)
         assert got == want and python.cap == vectorized.cap
         assert python.budget_per_request == vectorized.budget_per_request
@@ -1237,7 +1238,7 @@ def test_the_measured_step_time_beside_the_prediction_is_the_decided_steps_alone
 
 
 def test_the_step_trace_keeps_each_steps_decision_beside_its_time_and_sums_it_by_kind():
-    """``ConfidenceStats.trace``: one entry per timed step (the newest ``TRACE_STEPS``), the decision's figures on
+    """``ConfidenceStats.trace``: one entry per timed step (the newest ``TUNING.trace_steps``), the decision's figures on
     decided steps only; ``trace_since`` takes a window by step number; the summary splits decided steps launched
     ahead from serial ones, and held steps from the rest (one run's whole-block price, 8.46 ms against the table's
     7.91, was a mean over both kinds)."""
@@ -1267,17 +1268,17 @@ def test_the_step_trace_keeps_each_steps_decision_beside_its_time_and_sums_it_by
     import dataclasses
 
     assert not dataclasses.replace(stats).trace and len(stats.trace) == 5
-    for _ in range(TRACE_STEPS):
+    for _ in range(TUNING.trace_steps):
         stats.record_step(1.0, decided=False)
-    assert len(stats.trace) == TRACE_STEPS and stats.trace[0][0] == 6
+    assert len(stats.trace) == TUNING.trace_steps and stats.trace[0][0] == 6
 
 
 def test_a_decision_that_raises_the_next_budget_to_whole_blocks_says_so():
-    """Every ``EXPLORE_EVERY``-th decision below whole blocks verifies whole blocks next: its ``Decision`` (and so
+    """Every ``TUNING.explore_every``-th decision below whole blocks verifies whole blocks next: its ``Decision`` (and so
     the step trace) marks it."""
     scheduler = ConfidenceScheduler(4, flat_table(3.0), layout="padded")  # caps below whole blocks pay
     marks = []
-    for _ in range(2 * EXPLORE_EVERY):
+    for _ in range(2 * TUNING.explore_every):
         scheduler.allot([[0.9, 0.5, 0.2, 0.1]] * 2)
         marks.append(scheduler.last.explores)
         if scheduler.last.explores:
@@ -1484,7 +1485,7 @@ def test_a_hold_the_refit_reverses_ends_at_once(tmp_path, near_bigram_target, co
 def test_where_drafting_does_not_pay_the_engine_decodes_plainly_for_a_hold_then_looks_again(
         tmp_path, near_bigram_target, confident_drafter):
     """Plain steps far cheaper than any drafting step: after the first decision the engine drafts nothing for
-    ``HOLD_FIRST`` steps (plain decode steps, learned into the plain table), drafts to look again, holds twice as
+    ``TUNING.hold_first`` steps (plain decode steps, learned into the plain table), drafts to look again, holds twice as
     long, and so on; the outputs are the target's greedy tokens all along."""
     path = tmp_path / "table.json"
     with_plain(flat_table(1.0, base=50.0), 1.0).save(path)
@@ -1499,21 +1500,21 @@ def test_where_drafting_does_not_pay_the_engine_decodes_plainly_for_a_hold_then_
         near_bigram_target, PROMPTS[:1], 90)
     drafting = [b.num_next_drafts > 0 for b in batches]
     first_off = drafting.index(False)
-    assert drafting[first_off:first_off + HOLD_FIRST] == [False] * HOLD_FIRST
-    look = first_off + HOLD_FIRST
+    assert drafting[first_off:first_off + TUNING.hold_first] == [False] * TUNING.hold_first
+    look = first_off + TUNING.hold_first
     # a look: a block drafted; the step verifying it drafts on (its judgement was made before its outcome), and the
     # next one, judging with the look learned, holds twice as long
     assert drafting[look] and drafting[look + 1]
-    assert drafting[look + 2:look + 2 + 2 * HOLD_FIRST] == [False] * (2 * HOLD_FIRST)
-    assert drafting[look + 2 + 2 * HOLD_FIRST]
+    assert drafting[look + 2:look + 2 + 2 * TUNING.hold_first] == [False] * (2 * TUNING.hold_first)
+    assert drafting[look + 2 + 2 * TUNING.hold_first]
     stats = llm.get_metrics()["confidence_scheduling"]
-    assert stats["drafting_holds"] >= 2 and stats["drafting_off_steps"] >= 3 * HOLD_FIRST - 2
+    assert stats["drafting_holds"] >= 2 and stats["drafting_off_steps"] >= 3 * TUNING.hold_first - 2
     steps = trace_agrees_with_the_stats(llm.engine.confidence_stats)
     # the held steps are the plain ones, and each hold began after a decision that judged drafting to lose
     assert sum(s["held"] for s in steps) == stats["drafting_off_steps"]
     judged = [s["drafting_pays"] for s in steps if s["budget"] is not None]
     assert False in judged and all(s["plain_ms"] > 0 for s in steps if s["budget"] is not None)
-    assert stats["plain_cost_table_observations"] >= 3 * HOLD_FIRST - 4
+    assert stats["plain_cost_table_observations"] >= 3 * TUNING.hold_first - 4
     assert llm.engine.confidence.plain_mixed.observations == 0  # one request: no prompt beside a plain decode
 
 
@@ -1551,8 +1552,8 @@ def test_the_survival_fit_does_not_diverge_from_saturated_probabilities():
     rng = np.random.default_rng(0)
     correction = SurvivalCorrection(2, np.array([1.0, 10.0]))
     for j in range(2):
-        x = rng.normal(0.0, 15.0, FIT_WINDOW)
-        correction._append(j, x, np.zeros(FIT_WINDOW, dtype=np.int64), (rng.random(FIT_WINDOW) < 0.3) * 1.0)
+        x = rng.normal(0.0, 15.0, TUNING.fit_window)
+        correction._append(j, x, np.zeros(TUNING.fit_window, dtype=np.int64), (rng.random(TUNING.fit_window) < 0.3) * 1.0)
     for _ in range(3):
         correction.refit()
     slope, intercept = correction.theta[1, 0], correction.theta[1, 1] + correction.theta[1, 2]
