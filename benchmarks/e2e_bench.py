@@ -76,6 +76,16 @@ def closed_loop(engine, prompts: list[list[int]], concurrency: int, params) -> d
             "tpot_ms_median": 1000 * statistics.median(tpot) if tpot else None}
 
 
+def left_padded(batch: list[list[int]], pad: int, device):
+    """[B, W] token ids left-padded with ``pad`` to the longest prompt, and [B, W] their attention mask."""
+    import torch
+
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+    return ids, mask
+
+
 def hf_generate(model, tokenizer, prompts: list[list[int]], concurrency: int, max_tokens: int, compile_: bool) -> dict:
     """transformers ``generate`` over batches of ``concurrency`` prompts (left-padded, greedy, stop at EOS); with
     ``compile_`` a static cache and torch.compile, compiled by an untimed call on the first batch."""
@@ -88,19 +98,15 @@ def hf_generate(model, tokenizer, prompts: list[list[int]], concurrency: int, ma
 
         extra = {"cache_implementation": "static",
                  "compile_config": CompileConfig(fullgraph=True, mode="reduce-overhead")}
-        warm = prompts[:concurrency]
-        width = max(len(p) for p in warm)
-        ids = torch.tensor([[eos] * (width - len(p)) + p for p in warm], device=model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in warm], device=model.device)
+        ids, mask = left_padded(prompts[:concurrency], eos, model.device)
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=eos,
                        eos_token_id=eos, **extra)
     tokens, tpots = 0, []
     start = time.perf_counter()
     for lo in range(0, len(prompts), concurrency):
         batch = prompts[lo:lo + concurrency]
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[eos] * (width - len(p)) + p for p in batch], device=model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
+        ids, mask = left_padded(batch, eos, model.device)
+        width = ids.shape[1]
         t0 = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
                              pad_token_id=eos, eos_token_id=eos, **extra)

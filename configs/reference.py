@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import enum
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def type_name(annotation) -> str:
     args = typing.get_args(annotation)
     if origin is typing.Literal:
         return " | ".join(repr(a) for a in args)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in args)
     if origin is typing.Annotated:
         return type_name(args[0])

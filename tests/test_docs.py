@@ -47,9 +47,3 @@ def test_every_benchmark_record_is_cited_and_every_citation_exists():
     assert not (cited - kept), f"cited but missing: {sorted(cited - kept)}"
     assert not (kept - cited), f"records no page cites (drop them, or cite them): {sorted(kept - cited)}"
 
-
-def test_no_page_speaks_of_how_the_project_is_developed():
-    words = re.compile(r"\b(?:run \d+|runs \d+|session|issue \d+|lent)\b|shared/", re.I)
-    for page in PAGES:
-        hits = [m.group(0) for m in words.finditer(page.read_text())]
-        assert not hits, (page.name, hits[:5])
