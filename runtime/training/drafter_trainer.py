@@ -4,8 +4,9 @@ Per step: the target (transformers, frozen) runs the batch once, giving the capt
 and its final hidden states, whose LM-head outputs at the labelled positions are its distributions (or both come
 from a cache the target filled once: ``target_cache``); random anchors on supervised tokens open blocks ``[anchor, MASK...]``;
 the drafter predicts every block in one pass (embedding and LM head are the target's, frozen); the
-Markov head is teacher-forced; the loss is DeepSpec's. Checkpoints (drafter + optimizer + step) are
-written every ``save_every`` steps, at ``max_seconds`` and at the end; a rerun resumes from them.
+Markov head is teacher-forced; the loss is DeepSpec's. Checkpoints (drafter + optimizer + step + seconds trained)
+are written every ``save_every`` steps, at ``max_seconds`` and at the end; a rerun resumes from them. With
+``time_budget_s`` the learning-rate schedule runs over whichever of ``steps`` and the budget ends first.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from runtime.models.target import validate_capture_layers
 from runtime.training.blocks import attention_mask, block_inputs, block_labels, sample_anchors
 from runtime.training.checkpoint import draft_config, save_drafter
 from runtime.training.data import batches, read_rows, tokenize
-from runtime.training.data_parallel import STATS_FILE, average_gradients, everyone_agrees, rank_and_world
+from runtime.training.data_parallel import STATS_FILE, agreed_max, average_gradients, everyone_agrees, rank_and_world
 from runtime.training.forward import block_hidden, confidence_logits, teacher_forced_logits
 from runtime.training.loss import LossWeights, dspark_loss
 from runtime.training.precision import autocast
@@ -80,9 +81,27 @@ def build_drafter(config: dict, device: torch.device, dtype: torch.dtype, seed: 
     return drafter.to(dtype)
 
 
-def lr_lambda(steps: int, warmup_ratio: float) -> Callable[[int], float]:
+@dataclass
+class Clock:
+    """Seconds trained, summed over resumed runs of one ``--out``. ``time_fraction`` (the share of the time budget
+    used, 0 without one) is set by the training loop from the value every data-parallel rank agrees on, so all
+    ranks follow the same learning rate."""
+
+    budget_s: float | None
+    before_s: float = 0.0  # trained by earlier runs of the same --out
+    started: float = field(default_factory=time.monotonic)
+    time_fraction: float = 0.0
+
+    def run_seconds(self) -> float:
+        return time.monotonic() - self.started
+
+    def seconds(self) -> float:
+        return self.before_s + self.run_seconds()
+
+
+def lr_lambda(steps: int, warmup_ratio: float, clock: Clock) -> Callable[[int], float]:
     warmup = max(int(steps * warmup_ratio), 1)
-    return lambda s: warmup_cosine(s, steps, warmup)
+    return lambda s: warmup_cosine(s, steps, warmup, clock.time_fraction)
 
 
 @dataclass
@@ -95,6 +114,7 @@ class Run:
     config: dict  # the drafter's config.json
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    clock: Clock
     step: int
     data: Iterator
     generator: torch.Generator
@@ -119,8 +139,9 @@ def prepare(cfg: DrafterTrainConfig, rank: int) -> Run:
         num_anchors=cfg.num_anchors)
     drafter = build_drafter(config, device, DTYPES[cfg.dtype], cfg.seed)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.steps, cfg.warmup_ratio))
-    step = resume(Path(cfg.out), drafter, optimizer, scheduler, config)
+    clock = Clock(cfg.time_budget_s)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.steps, cfg.warmup_ratio, clock))
+    step, clock.before_s = resume(Path(cfg.out), drafter, optimizer, scheduler, config)
     examples = tokenize(read_rows(cfg.data), tokenizer, cfg.max_len, tokenizer.eos_token_id)
     if not examples:
         raise ValueError(f"data: {cfg.data} gave no sequence with two supervised tokens")
@@ -130,7 +151,9 @@ def prepare(cfg: DrafterTrainConfig, rank: int) -> Run:
         states = open_state_cache(states, examples, Path(cfg.target_cache), target_dir, device,
                                   next(drafter.parameters()).dtype, progress=rank == 0)
     data = batches(examples, min(cfg.batch_size, len(examples)), seed, tokenizer.pad_token_id or 0)
-    return Run(target, states, drafter, config, optimizer, scheduler, step, data,
+    clock.started = time.monotonic()  # loading and the state cache are not training time
+    clock.time_fraction = 0.0 if cfg.time_budget_s is None else clock.before_s / cfg.time_budget_s
+    return Run(target, states, drafter, config, optimizer, scheduler, clock, step, data,
                torch.Generator(device="cpu").manual_seed(seed))
 
 
@@ -144,9 +167,9 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
     run, out = prepare(cfg, rank), Path(cfg.out)
     weights = LossWeights(cfg.ce_weight, cfg.l1_weight, cfg.confidence_weight, cfg.loss_decay)
     device = next(run.drafter.parameters()).device
-    start, stats, step_stats = time.monotonic(), {}, {}
+    stats, step_stats = {}, {}
     bar = tqdm(total=cfg.steps, initial=run.step, desc="train-drafter", disable=not progress or rank != 0)
-    while run.step < cfg.steps:
+    while run.step < cfg.steps and run.clock.time_fraction < 1:
         ids, loss_mask, attn, rows = next(run.data)  # on the host
         anchors, keep = sample_anchors(loss_mask * attn, cfg.num_anchors, run.generator)  # host RNG, no device sync
         ids, loss_mask, attn, anchors, keep = (t.to(device) for t in (ids, loss_mask, attn, anchors, keep))
@@ -159,6 +182,8 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
         average_gradients(run.drafter, world)
         torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), cfg.grad_clip)
         run.optimizer.step()
+        if cfg.time_budget_s is not None:
+            run.clock.time_fraction = agreed_max(run.clock.seconds(), world, device) / cfg.time_budget_s
         run.scheduler.step()
         run.step += 1
         bar.update(1)
@@ -166,15 +191,18 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True) -> dict:
             stats = {name: float(value) for name, value in step_stats.items()}  # the only device sync of a step
             bar.set_postfix(loss=f"{stats['loss']:.3f}", accept=f"{stats['accept_len']:.2f}")
             log.info("step %d %s", run.step, json.dumps({k: round(v, 4) for k, v in stats.items()}))
-        timed_out = everyone_agrees(cfg.max_seconds is not None and time.monotonic() - start > cfg.max_seconds,
+        timed_out = everyone_agrees(cfg.max_seconds is not None and run.clock.run_seconds() > cfg.max_seconds,
                                     world, device)
-        if rank == 0 and (run.step % cfg.save_every == 0 or run.step == cfg.steps or timed_out):
-            save(out, run.drafter, run.optimizer, run.scheduler, run.config, run.step)
-        if timed_out:
+        spent = run.clock.time_fraction >= 1  # the time budget is used up: the schedule has annealed to 0
+        if rank == 0 and (run.step % cfg.save_every == 0 or run.step == cfg.steps or timed_out or spent):
+            save(out, run.drafter, run.optimizer, run.scheduler, run.config, run.step, run.clock.seconds())
+        if timed_out or spent:
             break
     bar.close()
     last = stats or {name: float(value) for name, value in step_stats.items()}
-    result = {**last, "step": run.step, "seconds": time.monotonic() - start}
+    result = {**last, "step": run.step, "seconds": run.clock.run_seconds(), "seconds_in_all": run.clock.seconds(),
+              "finished": run.step >= cfg.steps or run.clock.time_fraction >= 1,
+              "last_lr": run.optimizer.param_groups[0]["lr"]}
     if rank == 0 and cfg.calibration_data is not None:
         result["calibration"] = calibrate(cfg, device)
         log.info("calibration %s", json.dumps(result["calibration"]))
@@ -221,17 +249,18 @@ def drafter_step(target, drafter: DSparkDrafter, ids, loss_mask, attn, anchors, 
     return dspark_loss(draft_logits, target_logits, labels, mask, confidence_logits(drafter, hidden4, prev), weights)
 
 
-def save(out: Path, drafter, optimizer, scheduler, config: dict, step: int) -> None:
+def save(out: Path, drafter, optimizer, scheduler, config: dict, step: int, seconds: float) -> None:
     save_drafter(out, drafter, config)
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-               out / STATE_FILE)
+    torch.save({"step": step, "seconds": seconds, "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict()}, out / STATE_FILE)
 
 
-def resume(out: Path, drafter, optimizer, scheduler, config: dict) -> int:
-    """Load a previous run's weights and optimizer from ``out``; returns its step (0 without one)."""
+def resume(out: Path, drafter, optimizer, scheduler, config: dict) -> tuple[int, float]:
+    """Load a previous run's weights and optimizer from ``out``; returns its step and seconds trained (0, 0.0
+    without one)."""
     state_path = out / STATE_FILE
     if not state_path.is_file():
-        return 0
+        return 0, 0.0
     saved = json.loads((out / "config.json").read_text())
     changed = {k for k in ("block_size", "target_layer_ids", "markov_rank", "markov_head_type", "num_hidden_layers",
                            "enable_confidence_head") if saved.get(k) != config.get(k)}
@@ -241,4 +270,4 @@ def resume(out: Path, drafter, optimizer, scheduler, config: dict) -> int:
     state = torch.load(state_path, map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    return int(state["step"])
+    return int(state["step"]), float(state.get("seconds", 0.0))

@@ -116,6 +116,18 @@ def test_bfloat16_autocast_and_target_train_and_keep_float32_weights(near_bigram
     assert {t.dtype for t in load_file(str(tmp_path / "b" / "model.safetensors")).values()} == {torch.float32}
 
 
+def test_a_drafter_run_its_time_budget_ends_has_annealed_and_a_rerun_adds_nothing(near_bigram_target, distilled,
+                                                                                      tmp_path):
+    out = tmp_path / "budget"
+    first = train_drafter(config(near_bigram_target, distilled, out, steps=10**6, time_budget_s=2.0), progress=False)
+    # the budget stopped it (a loaded 2-core host runs a few steps in 2 s; an idle one dozens)
+    assert 1 <= first["step"] < 10**6 and first["finished"]
+    assert first["last_lr"] < 0.02 * 3e-3  # the last steps ran at the end of the cosine, not at the peak
+    assert torch.load(out / "trainer_state.pt", weights_only=True)["seconds"] >= 2.0
+    again = train_drafter(config(near_bigram_target, distilled, out, steps=10**6, time_budget_s=2.0), progress=False)
+    assert again["step"] == first["step"] and again["finished"]  # the budget counts over resumed runs
+
+
 def test_autocast_names_its_allowed_values(tmp_path):
     with pytest.raises(ValueError, match="autocast"):
         DrafterTrainConfig(target="t", data="d", out="o", autocast="float8")
