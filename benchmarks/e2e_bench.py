@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
               "command": "python benchmarks/e2e_bench.py " + shlex.join(sys.argv[1:] if argv is None else argv),
               "hf_peer": {"none": None, "eager": "dynamic cache, eager",
                           "compile": "static cache + torch.compile (reduce-overhead, fullgraph)"}[args.hf],
-              "engine_rank_info": ar.rank_info(), "rows": rows}
+              "engine_rank_info": ar.rank_info(), "dspark_rank_info": None if spec is None else spec.rank_info(),
+              "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for c in levels:
         prompts = real_prompts(ar.tokenizer, args.requests or max(2 * c, 16))
@@ -195,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             row.update(dspark_tokens_per_s=statistics.median(x["dspark"]["tokens_per_s"] for x in rounds),
                        dspark_over_ar_paired=statistics.median(x["ratio"] for x in rounds),
                        dspark_tpot_ms=statistics.median(x["dspark"]["tpot_ms_median"] for x in rounds),
-                       tau=statistics.median(x["tau"] for x in rounds))
+                       tau=statistics.median(x["tau"] for x in rounds),
+                       # the guard's counters and per-batch-size prices so far: why it drafted or not at this level
+                       speculation_guard=spec.get_metrics().get("speculation_guard"))
         if hf_model is not None and c in hf_levels:
             hf = hf_generate(hf_model, ar.tokenizer, prompts[:max(c, args.hf_requests)], c, args.max_tokens,
                              args.hf == "compile")
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                        ar_over_hf=row["ar_tokens_per_s"] / hf["tokens_per_s"], hf=hf)
         rows.append(row)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k not in
-                          ("rounds", "hf")}), flush=True)
+                          ("rounds", "hf", "speculation_guard")}), flush=True)
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
