@@ -16,11 +16,12 @@
 #                                                  host, with .whl-fi: the drafter recipe's prompts and answers
 #                                                  (benchmarks/smollm2_drafter.py --scale gpu), no new chunk of answers
 #                                                  after SECONDS; FlashInfer's JIT cache and the stage records to OUT
-#   bash benchmarks/smollm2_gpu.sh train WORK SECONDS VARIANTS
-#                                                  host: train the variants (comma-separated) side by side, each its
-#                                                  own process in its own session (it outlives the command; the host
-#                                                  keeps it while warm), each for SECONDS (its schedule fitted to them);
-#                                                  each variant takes ~27 GiB: two fit an 80 GB GPU, three do not
+#   bash benchmarks/smollm2_gpu.sh train WORK SECONDS VARIANTS [LANES]
+#                                                  host: train the variants (comma-separated), each for SECONDS (its
+#                                                  schedule fitted to them), in LANES (default 2) side by side, a lane's
+#                                                  variants one after another; each lane a process session of its own
+#                                                  (it outlives the command; the host keeps it while warm). A variant
+#                                                  takes ~27 GiB: two lanes fit an 80 GB GPU, three do not
 #   bash benchmarks/smollm2_gpu.sh wait WORK SECONDS  host: wait up to SECONDS for the variants' training to end
 #   bash benchmarks/smollm2_gpu.sh acceptance WORK OUT LIMIT
 #                                                  host: tau of every trained variant (benchmarks/acceptance.py, the
@@ -40,7 +41,7 @@
 # Every step after the parts needs FlashInfer (the CUDA-graphed path; the torch kernels run eagerly). On one warm host,
 # the tree without runtime/pretrained or benchmarks/results: (1) .smollm2-part-1: stash; (2) .smollm2-part-2 and
 # .whl-min (gguf, pyyaml): stash; (3) .whl-fi (scripts/gpu-wheels.sh, xgrammar left out) and .fi-cache if kept:
-# answers WORK OUT S, then train WORK S2 dspark-1,dflash-1 (two at a time on 80 GB); (4) wait, acceptance, collect; (5) e2e OUT
+# answers WORK OUT S, then train WORK S2 dspark-1,dflash-1,dspark-3; (4) wait, acceptance, collect; (5) e2e OUT
 # WORK/bf16/dspark-1.
 set -euo pipefail
 site=${SITE:-$HOME/.cache/dspark-site}
@@ -98,18 +99,24 @@ case "${1:-}" in
     tail -c 3000 "$work/answers.log" >&2
     ;;
   train)
-    work=${2:?give a work folder} seconds=${3:?give the seconds} variants=${4:?give the variants}
+    work=${2:?give a work folder} seconds=${3:?give the seconds} variants=${4:?give the variants} lanes=${5:-2}
     eval "$(bash benchmarks/gpu_host.sh install)"
-    for v in ${variants//,/ }; do
-      setsid nohup python3 -u benchmarks/smollm2_drafter.py --work "$work" --scale gpu --stages train --variants "$v" \
-        --train-budget "$seconds" > "$work/train-$v.log" 2>&1 < /dev/null &
+    read -r -a names <<< "${variants//,/ }"
+    for ((lane = 0; lane < lanes && lane < ${#names[@]}; lane++)); do
+      queue=()
+      for ((i = lane; i < ${#names[@]}; i += lanes)); do queue+=("${names[i]}"); done
+      # one detached session a lane: its variants train one after another, the lanes side by side
+      setsid nohup bash -c 'work=$1 seconds=$2; shift 2; for v in "$@"; do
+          python3 -u benchmarks/smollm2_drafter.py --work "$work" --scale gpu --stages train --variants "$v" \
+            --train-budget "$seconds" > "$work/train-$v.log" 2>&1; done' lane "$work" "$seconds" "${queue[@]}" \
+        < /dev/null > /dev/null 2>&1 &
     done
     sleep 20 && tail -n 3 "$work"/train-*.log >&2
     ;;
   wait)
     work=${2:?give a work folder} seconds=${3:?give the seconds}
     end=$((SECONDS + seconds))
-    while pgrep -f "smollm2_drafter.py --work $work" >/dev/null && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
+    while pgrep -f "lane $work " >/dev/null && [ "$SECONDS" -lt "$end" ]; do sleep 5; done  # the train lanes
     for f in "$work"/train-*.log; do echo "== $f" >&2; grep -a "step [0-9]* {" "$f" | tail -n 2 >&2 || true; done
     ls "$work"/stage-train* >&2 || true
     ;;
