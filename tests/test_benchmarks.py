@@ -1,4 +1,5 @@
-"""The GPU recipe script: argument plumbing for its child processes, and a CPU smoke run that chains."""
+"""The benchmark scripts: the GPU recipe's argument plumbing and a CPU smoke run that chains, and CPU smoke runs of the
+others (their records' fields)."""
 
 import importlib.util
 import json
@@ -263,3 +264,22 @@ def test_the_device_scripts_parse_and_refuse_an_unknown_step(tmp_path):
     done = subprocess.run(["bash", "benchmarks/cluster_fast_path.sh", "bogus", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "usage:" in done.stderr and not any(tmp_path.iterdir())
+
+
+def test_e2e_bench_pairs_our_two_engines_on_real_prompts_and_runs_our_ar_alone(tmp_path, make_drafter):
+    from tests import builders
+
+    spec = importlib.util.spec_from_file_location("e2e_bench", ROOT / "benchmarks" / "e2e_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    target = builders.save_target(tmp_path / "target", "qwen3", seed=1, max_position_embeddings=4096)
+    drafter = make_drafter(target, 3)
+    common = ["--model", str(target), "--concurrency", "2", "--requests", "2", "--max-tokens", "6", "--rounds", "1",
+              "--max-draft-len", "3", "--device", "cpu", "--kv-cache-gib", "0.1"]
+    assert module.main([*common, "--drafter", str(drafter), "--out", str(tmp_path / "pair.json")]) == 0
+    row = json.loads((tmp_path / "pair.json").read_text())["rows"][0]
+    assert row["concurrency"] == 2 and row["ar_tokens_per_s"] > 0 and row["dspark_tokens_per_s"] > 0
+    assert row["tau"] >= 1 and "plain_steps" in row["speculation_guard"]  # the guard's decisions at this level
+    assert module.main([*common, "--drafter", "none", "--out", str(tmp_path / "ar.json")]) == 0
+    alone = json.loads((tmp_path / "ar.json").read_text())
+    assert alone["dspark_rank_info"] is None and "dspark_tokens_per_s" not in alone["rows"][0]
