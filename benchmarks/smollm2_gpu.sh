@@ -19,8 +19,8 @@
 #   bash benchmarks/smollm2_gpu.sh train WORK SECONDS VARIANTS [LANES]
 #                                                  host: train the variants (comma-separated), each for SECONDS (its
 #                                                  schedule fitted to them), in LANES (default 2) side by side, a lane's
-#                                                  variants one after another; each lane a process session of its own
-#                                                  (it outlives the command; the host keeps it while warm). A variant
+#                                                  variants one after another; each lane detached by setsid (it
+#                                                  outlives the command; the host keeps it while warm). A variant
 #                                                  takes ~27 GiB: two lanes fit an 80 GB GPU, three do not
 #   bash benchmarks/smollm2_gpu.sh wait WORK SECONDS  host: wait up to SECONDS for the variants' training to end
 #   bash benchmarks/smollm2_gpu.sh acceptance WORK OUT LIMIT
@@ -105,7 +105,7 @@ case "${1:-}" in
     for ((lane = 0; lane < lanes && lane < ${#names[@]}; lane++)); do
       queue=()
       for ((i = lane; i < ${#names[@]}; i += lanes)); do queue+=("${names[i]}"); done
-      # one detached session a lane: its variants train one after another, the lanes side by side
+      # each lane detached by setsid (it outlives the command); its variants train one after another
       setsid nohup bash -c 'work=$1 seconds=$2; shift 2; for v in "$@"; do
           python3 -u benchmarks/smollm2_drafter.py --work "$work" --scale gpu --stages train --variants "$v" \
             --train-budget "$seconds" > "$work/train-$v.log" 2>&1; done' lane "$work" "$seconds" "${queue[@]}" \
