@@ -13,6 +13,11 @@ prompts (left-padded, greedy) once, at the ``--hf-concurrency`` levels, over the
 (its decoding is slow: its tokens/s is over fewer prompts than ours). The record is rewritten after every level, so a
 run cut short keeps what it measured.
 
+``--profile-steps N`` first profiles N decode steps of each of our engines at each ``--profile-concurrency`` level
+(torch profiler over ``Engine.step``, host and device: kernels per step, GPU busy and idle time, the largest idle
+gaps, host time per region, the top kernels; ``runtime.engine.profiling.summarize``) into the record's ``profiles``,
+with each step's wall time, and a Chrome trace beside the record (``--trace``).
+
 usage: python benchmarks/e2e_bench.py --drafter smollm2-dspark --out benchmarks/results/e2e.json
 """
 
@@ -74,6 +79,38 @@ def closed_loop(engine, prompts: list[list[int]], concurrency: int, params) -> d
     tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in counts if counts[r] > 1]
     return {"tokens_per_s": tokens / seconds, "output_tokens": tokens, "seconds": seconds,
             "tpot_ms_median": 1000 * statistics.median(tpot) if tpot else None}
+
+
+def profile_steps(engine, prompts: list[list[int]], concurrency: int, steps: int, trace: str | None) -> dict:
+    """``steps`` decode steps of ``concurrency`` requests under the torch profiler (after their prompts are in and a few
+    steps have warmed the step's shape) -> ``summarize``'s dict with the median wall time of a step; the requests are
+    aborted after it."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from runtime import SamplingParams
+    from runtime.engine.profiling import summarize
+
+    params = SamplingParams(max_tokens=4 * steps + 64, temperature=0, ignore_eos=True, output_kind="delta")
+    for prompt in prompts[:concurrency]:
+        engine.add_request(prompt, params)
+    for _ in range(16):  # prompts in, then steady decode steps
+        engine.step()
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    walls = []
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            if cuda:
+                torch.cuda.synchronize()
+            walls.append(1000 * (time.perf_counter() - t0))
+    engine.abort_all()
+    while engine.has_unfinished():
+        engine.step()
+    return {"concurrency": concurrency, "steps": steps, "step_ms_median": statistics.median(walls),
+            **summarize(prof, steps, trace)}
 
 
 def left_padded(batch: list[list[int]], pad: int, device):
@@ -140,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-concurrency", help="levels at which transformers runs (default every level)")
     parser.add_argument("--hf-requests", type=int, default=8, help="prompts transformers answers at each level "
                         "(at least c; default 8)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="profile this many decode steps of each engine first (default 0: none)")
+    parser.add_argument("--profile-concurrency", default="1", help="levels profiled (default 1)")
+    parser.add_argument("--trace", action="store_true", help="with --profile-steps: Chrome traces beside --out")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -176,6 +217,16 @@ def main(argv: list[str] | None = None) -> int:
               "engine_rank_info": ar.rank_info(), "dspark_rank_info": None if spec is None else spec.rank_info(),
               "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    if args.profile_steps:
+        record["profiles"] = profiles = []
+        for c in (int(x) for x in args.profile_concurrency.split(",")):
+            for name, llm in engines:
+                trace = str(Path(args.out).with_suffix(f".{name}-c{c}.trace.json.gz")) if args.trace else None
+                profiles.append({"engine": name, **profile_steps(llm.engine, real_prompts(ar.tokenizer, c), c,
+                                                                 args.profile_steps, trace)})
+                print(json.dumps({k: v for k, v in profiles[-1].items() if k not in ("top_kernels",
+                                                                                     "largest_gpu_gaps")}), flush=True)
+                Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     for c in levels:
         prompts = real_prompts(ar.tokenizer, args.requests or max(2 * c, 16))
         rounds = []

@@ -32,12 +32,15 @@
 #                                                  every trained one) in bfloat16 (tar, in parts), with `answers` the
 #                                                  answers too (xz, in parts)
 #   bash benchmarks/smollm2_gpu.sh unpack DIR DEST  here: join what collect wrote into DEST
-#   bash benchmarks/smollm2_gpu.sh e2e OUT [DRAFTER] host, once every part and .whl-fi are there: install them, run the
-#                                                  end-to-end table (benchmarks/e2e_bench.py: our AR and DSpark at
-#                                                  c = 1..256, then transformers with a static cache and
-#                                                  torch.compile at c = 1) into OUT, and pack FlashInfer's JIT cache
-#                                                  there unless one was carried (bring it back as .fi-cache/: later
-#                                                  runs skip the compiles). DRAFTER: default the shipped one
+#   bash benchmarks/smollm2_gpu.sh e2e OUT [DRAFTER] [hf]
+#                                                  host, once every part and .whl-fi are there: install them, run the
+#                                                  end-to-end table (benchmarks/e2e_bench.py: a torch profile of 20
+#                                                  decode steps of our AR and DSpark at c = 1 and 64, with Chrome
+#                                                  traces, then both at c = 1..256; with `hf` also transformers with a
+#                                                  static cache and torch.compile at c = 1) into OUT, and pack
+#                                                  FlashInfer's JIT cache there unless one was carried (bring it back
+#                                                  as .fi-cache/: later runs skip the compiles). DRAFTER: default the
+#                                                  shipped one
 # Every step after the parts needs FlashInfer (the CUDA-graphed path; the torch kernels run eagerly). On one warm host,
 # the tree without runtime/pretrained or benchmarks/results: (1) .smollm2-part-1: stash; (2) .smollm2-part-2 and
 # .whl-min (gguf, pyyaml): stash; (3) .whl-fi (scripts/gpu-wheels.sh, xgrammar left out) and .fi-cache if kept:
@@ -158,7 +161,7 @@ PY
     ls -la "$dest" >&2
     ;;
   e2e)
-    out=${2:?give the output folder} drafter=${3:-}
+    out=${2:?give the output folder} drafter=${3:-} hf=${4:-}
     eval "$(bash benchmarks/gpu_host.sh install)"
     eval "$(bash "$0" install)"
     if [ -z "$drafter" ]; then
@@ -169,14 +172,17 @@ PY
     python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 4 --requests 4 --max-tokens 16 --rounds 1 \
       --hf none --out "$out/warm.json" > "$out/warm.log" 2>&1 || echo "warm-up: exit $?" >&2
     compgen -G ".fi-cache/*.part-*" >/dev/null || bash benchmarks/gpu_host.sh save-cache "$out"
-    timeout 330 python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 1,4,16,64,256 --hf none \
-      --out "$out/e2e-smollm2-gpu.json" > "$out/e2e.log" 2>&1 || echo "e2e: exit $?" >&2
-    timeout 150 python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 1 --requests 8 --rounds 1 \
-      --hf compile --hf-requests 4 --out "$out/e2e-smollm2-hf-gpu.json" > "$out/e2e-hf.log" 2>&1 ||
-      echo "e2e (transformers): exit $?" >&2
+    timeout 360 python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 1,4,16,64,256 --hf none \
+      --profile-steps 20 --profile-concurrency 1,64 --trace --out "$out/e2e-smollm2-gpu.json" > "$out/e2e.log" 2>&1 ||
+      echo "e2e: exit $?" >&2
+    if [ "$hf" = hf ]; then
+      timeout 150 python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 1 --requests 8 --rounds 1 \
+        --hf compile --hf-requests 4 --out "$out/e2e-smollm2-hf-gpu.json" > "$out/e2e-hf.log" 2>&1 ||
+        echo "e2e (transformers): exit $?" >&2
+    fi
     grep -h '^{' "$out"/e2e*.log >&2 || true
     ;;
   *) echo "usage: $0 split [MiB] | stash | deps | install | answers WORK OUT SECONDS | train WORK SECONDS VARIANTS |" \
        "wait WORK SECONDS | acceptance WORK OUT LIMIT | collect WORK OUT [VARIANTS] [answers] | unpack DIR DEST |" \
-       "e2e OUT [DRAFTER]" >&2; exit 2 ;;
+       "e2e OUT [DRAFTER] [hf]" >&2; exit 2 ;;
 esac
