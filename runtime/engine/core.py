@@ -31,6 +31,7 @@ from runtime.models.loader import load_hf_config
 from runtime.sampling.bad_words import token_sequences
 from runtime.sampling.generation_defaults import model_sampling_defaults
 from runtime.sampling.grammar import GrammarBackend
+from runtime.sampling.grammar_masks import IDLE_WAIT_S, STEP_WAIT_S, GrammarMaskJobs
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.sampling.stops import StopCriteria
 from runtime.scheduling.pages import PageAllocator
@@ -162,6 +163,7 @@ class Engine:
         self._judged_bucket = 0  # the batch bucket of the last judgement of drafting (its hold's, _record_decision)
         self._grammar_backend: GrammarBackend | None = None  # structured outputs' compiler (_grammars)
         self._grammar_lock = threading.Lock()  # (compile_grammar runs on other threads too)
+        self._mask_jobs: GrammarMaskJobs | None = None  # their token masks, computed off this thread (_grammars)
         self._structured: set[str] = set()  # ids of structured requests, pruned to live ones each step (_mask_grammars)
         # whether speculating pays, per request and per batch (runtime.spec.guard); not while drafting is pipelined
         # (two groups alternate steps: each step drafts the other group's blocks)
@@ -249,6 +251,7 @@ class Engine:
         if params.structured_outputs is not None:  # (a schema xgrammar refuses: ValueError, nothing queued)
             seq.grammar = self._grammars().matcher(params.structured_outputs, grammar)
             self._structured.add(request_id)
+            self._mask_jobs.prepare(seq)  # (its first rows: ready by the time its prompt is computed)
         if params.bad_words:  # (a word the tokenizer cannot make ids of this model from: ValueError, nothing queued)
             seq.bad_words = token_sequences(self.tokenizer, params.bad_words, self.vocab_size)
         leader = self.sequences.get(follows) if follows is not None else None
@@ -270,20 +273,43 @@ class Engine:
             if self._grammar_backend is None:
                 self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size,
                                                        sorted(self.stops.eos_token_ids))
+            if self._mask_jobs is None:
+                self._mask_jobs = GrammarMaskJobs(self._grammar_backend)
             return self._grammar_backend
 
-    def _mask_grammars(self, scheduled: list[ScheduledRequest]) -> None:
-        """Each structured request's token masks for the rows it commits this step (``runtime.sampling.grammar``). Once no
-        structured request is left, a step looks at none of its entries (the set of them, pruned to the live ones,
-        is empty)."""
+    def _masks_not_ready(self) -> frozenset[str]:
+        """The structured requests this step passes over: their token masks (``runtime.sampling.grammar_masks``) are
+        still being computed after a bounded wait, so that a grammar slow to mask delays only its own request. When
+        no other request could run, the wait is for the first of them (bounded too: the step may then run none).
+        Once no structured request is left, a step looks at none (the set of them, pruned to the live ones, is
+        empty)."""
         self._structured.intersection_update(self.sequences)
+        if self._mask_jobs is None:
+            return frozenset()
+        self._mask_jobs.keep_only(self._structured)
         if not self._structured:
-            return
+            return frozenset()
+        seqs = [self.sequences[r] for r in self._structured if self.sequences[r].finish_reason is None]
+        late = self._mask_jobs.not_ready(seqs, STEP_WAIT_S)
+        if late and len(late) == len(self.scheduler.running) + len(self.scheduler.waiting):
+            late = self._mask_jobs.not_ready(seqs, IDLE_WAIT_S, first=True)
+        return frozenset(late)
+
+    def _mask_grammars(self, scheduled: list[ScheduledRequest]) -> None:
+        """Each scheduled structured request's token masks for the rows it commits this step
+        (``runtime.sampling.grammar``), ready (``_masks_not_ready``)."""
         for entry in scheduled:
             seq = self.sequences.get(entry.request_id)
             if entry.sample and seq is not None and seq.grammar is not None:
-                drafts = entry.token_ids[len(entry.token_ids) - entry.num_drafts:] if entry.num_drafts else []
-                entry.token_mask = self._grammar_backend.row_masks(seq.grammar, drafts)
+                entry.token_mask = self._mask_jobs.take(seq, entry.num_drafts)
+
+    def _prepare_masks(self) -> None:
+        """After a commit: start computing every live structured request's next rows (its tokens and drafts are
+        known now), so that they are ready when the next step is planned."""
+        for request_id in self._structured:
+            seq = self.sequences.get(request_id)
+            if seq is not None and seq.finish_reason is None:
+                self._mask_jobs.prepare(seq)
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request that sets nothing samples with: the model's defaults (``sampling_defaults``) over the
@@ -431,6 +457,8 @@ class Engine:
             outputs = self._commit_step(plan.scheduled, results)
             if self.pipelined:
                 self._take_late_drafts()
+            if self._structured:
+                self._prepare_masks()
         self._learn_step(plan, decided, held, time.perf_counter() - began)
         self._step_index += 1
         return outputs
@@ -464,7 +492,8 @@ class Engine:
         elif self.confidence is not None:
             self.confidence.serial = serial  # (the next step is priced as running as this one does)
             self._allot_verify_lengths(group, kind)
-        scheduled = self.scheduler.schedule(group, admit, kind)
+        late = self._masks_not_ready() if self._grammar_backend is not None else frozenset()
+        scheduled = self.scheduler.schedule(group, admit, kind, skip=late)
         if guarded and self.scheduler.running:  # this step's drafting, and whose blocks the next step verifies
             running = self.scheduler.running
             self.guard.plan(self._step_index, [s.request_id for s in running],

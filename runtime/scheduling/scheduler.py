@@ -129,21 +129,22 @@ class Scheduler:
         arriving = admit and self.may_admit() and any(not self._waits_for_prefill(s) for s in self.waiting)
         return "prefill" if prefilling or arriving else "decode"
 
-    def schedule(self, group: int | None = None, admit: bool = True,
-                 kind: str | None = None) -> list[ScheduledRequest]:
+    def schedule(self, group: int | None = None, admit: bool = True, kind: str | None = None,
+                 skip: frozenset[str] = frozenset()) -> list[ScheduledRequest]:
         """This step's entries. ``group`` (pipelined drafting): only the requests of that group (0 or 1), a waiting
         request joining the group with fewer requests when it is first considered (it is admitted in its group's
         steps); the limits still count both groups. ``admit`` False: no waiting request joins this step (the step
         was launched ahead as the running requests' decode; they join the next). With prefill apart, the step is
-        of ``next_step_kind`` (``kind``: as the caller read it with the same arguments just before)."""
+        of ``next_step_kind`` (``kind``: as the caller read it with the same arguments just before). ``skip``: ids of
+        requests, running or waiting, this step passes over (their grammar's token masks are not ready)."""
         kind = kind or self.next_step_kind(group, admit)
-        scheduled = self._schedule(group, admit and kind != "decode", kind)
+        scheduled = self._schedule(group, admit and kind != "decode", kind, skip)
         if kind == "prefill" and not scheduled:  # nobody could be admitted: decode instead
-            kind, scheduled = "decode", self._schedule(group, False, "decode")
+            kind, scheduled = "decode", self._schedule(group, False, "decode", skip)
         self._prefilled_last = kind == "prefill"
         return scheduled
 
-    def _schedule(self, group: int | None, admit: bool, kind: str) -> list[ScheduledRequest]:
+    def _schedule(self, group: int | None, admit: bool, kind: str, skip: frozenset[str]) -> list[ScheduledRequest]:
         budget = self.limits.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         sizes = self._group_sizes() if group is not None else None
@@ -155,6 +156,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or the other group's turn
             if kind != "mixed" and seq.is_decoding != (kind == "decode"):
                 continue  # prefill apart: not this kind of step
+            if seq.request_id in skip:
+                continue
             tokens, num_drafts, sample = self._plan(seq, budget)
             end_position = seq.num_computed + len(tokens)
             held = len(seq.page_ids) * page_size
@@ -176,7 +179,7 @@ class Scheduler:
         for seq in list(self.waiting) if admit else ():
             if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
                 break
-            if self._waits_for_prefill(seq):
+            if self._waits_for_prefill(seq) or seq.request_id in skip:
                 continue
             if group is not None:
                 if seq.group is None:  # joins the smaller group (ties: this step's)

@@ -249,8 +249,8 @@ def test_a_pipelined_separate_drafter_matches_the_single_process_engine(ray_clus
         scheduler, served = llm.engine.scheduler, []
         schedule = scheduler.schedule
 
-        def spy(group=None, admit=True, kind=None):
-            entries = schedule(group, admit, kind)
+        def spy(group=None, admit=True, kind=None, skip=frozenset()):
+            entries = schedule(group, admit, kind, skip)
             served.append((group, {e.request_id for e in entries}))
             return entries
 

@@ -52,7 +52,8 @@ def server(near_bigram_target, make_drafter, tmp_path_factory):
                              "tool_call_parser": "hermes"}), name="main", route_prefix="/")
         serve.run(build_app({"engine": engine_args(near_bigram_target, drafter, max_num_seqs=1),
                              "served_model_name": "tiny", "api_key": "sesame", "max_body_bytes": 65536,
-                             "deployment": {"max_waiting_requests": 1}}), name="small", route_prefix="/small")
+                             "stall_timeout_s": 3, "deployment": {"max_waiting_requests": 1}}),
+                  name="small", route_prefix="/small")
     except BaseException:  # a failed start must not leave its cluster to every later test's ray.init
         stop_cluster(saved)
         raise
@@ -1138,3 +1139,112 @@ def test_clients_gone_at_any_moment_abort_every_sample_of_their_requests(server)
     assert m["dspark:num_aborted_requests_total"] - before >= 4 * streamed
     out = server["client"].completions.create(model="tiny", prompt="def fib(n):", max_tokens=4, temperature=0)
     assert out.choices[0].finish_reason == "length"
+
+
+def reset_clients(server, body: dict, count: int) -> None:
+    """``count`` raw clients that send ``body`` as a streamed completion and reset their connections as soon as the
+    first chunks arrive (a disconnect storm)."""
+    import concurrent.futures
+    import socket
+    import struct
+    from urllib.parse import urlparse
+
+    url = urlparse(server["base"])
+    raw = json.dumps(body)
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.hostname}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(raw)}\r\n\r\n{raw}").encode()
+
+    def client(_):
+        with socket.create_connection((url.hostname, url.port), timeout=30) as conn:
+            conn.sendall(request)
+            seen = b""
+            while seen.count(b"data:") < 2 and len(seen) < 1 << 16:
+                seen += conn.recv(4096) or b"x" * (1 << 16)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, not a FIN
+
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        list(pool.map(client, range(count)))
+
+
+def test_chaos_a_grammar_bomb_a_huge_body_and_a_disconnect_storm_never_stall_a_greedy_stream(server):
+    """While a greedy stream runs: a regex whose token masks cost twice as much every second token (for the tiny
+    tokenizer ~0.03 s at the start, ~1 s ten tokens on; a verify step masks 5 rows), a 5 MB prompt, 16 clients
+    resetting their streams. The stream's longest gap between chunks stays
+    under 1 s and its text is the one it has alone; the bomb finishes on its own (its grammar holds its output); the
+    server goes on answering."""
+    pytest.importorskip("xgrammar")
+    client = openai.AsyncOpenAI(base_url=f"{server['base']}/v1", api_key="unused", max_retries=0)
+    expected = server["local"].generate(["def fib(n):"], SamplingParams(max_tokens=160, temperature=0,
+                                                                        ignore_eos=True))[0].text
+    bomb = {"model": "tiny", "prompt": "aaaa", "max_tokens": 10, "temperature": 0,
+            "guided_regex": "((.{0,100}){0,100}){0,100}x"}
+
+    async def stream():
+        await asyncio.sleep(0.5)  # (the bomb is running)
+        chunks, gaps, last = [], [], None
+        s = await client.completions.create(model="tiny", prompt="def fib(n):", max_tokens=160, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+        async for c in s:
+            now = time.monotonic()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            chunks.extend(x.text for x in c.choices)
+        return "".join(chunks), max(gaps)
+
+    async def attacks():
+        async with httpx.AsyncClient(timeout=120) as http:
+            bombed = asyncio.ensure_future(http.post(f"{server['base']}/v1/completions", json=bomb))
+            await asyncio.sleep(0.8)
+            huge = await http.post(f"{server['base']}/v1/completions",
+                                   json={"model": "tiny", "prompt": "x " * 2_500_000, "max_tokens": 1})
+            await asyncio.to_thread(reset_clients, server, {"model": "tiny", "prompt": "def fib(n):", "n": 4,
+                                                            "max_tokens": 200, "stream": True, "ignore_eos": True,
+                                                            "temperature": 0.8}, 16)
+            return await bombed, huge
+
+    async def together():
+        return await asyncio.gather(stream(), attacks())
+
+    (text, longest), (bombed, huge) = asyncio.run(together())
+    assert text == expected
+    assert longest < 1.0, longest
+    assert huge.status_code == 400 and huge.json()["error"]["code"] == "context_length_exceeded", huge.text
+    assert bombed.status_code == 200, bombed.text
+    out = bombed.json()["choices"][0]
+    assert out["finish_reason"] in ("stop", "length")
+    assert len(out["text"]) > 0
+    assert server["client"].completions.create(model="tiny", prompt="y", max_tokens=2, temperature=0).choices
+
+
+def test_a_frozen_engine_turns_health_unhealthy_within_seconds_and_healthy_when_it_steps_again(server):
+    """The small app (stall_timeout_s 3): its target shard stopped (SIGSTOP) mid-stream, /health answers 503 within
+    seconds; continued (SIGCONT), the stream finishes as it would have and /health is 200 again."""
+    import signal
+
+    auth = {"authorization": "Bearer sesame"}
+    health = httpx.get(f"{server['base']}/small/health", timeout=30).json()
+    target = next(r for r in health["ranks"] if r["role"] == "target")
+    small = openai.OpenAI(base_url=f"{server['base']}/small/v1", api_key="sesame", max_retries=0)
+    expected = server["local"].generate(["def fib(n):"], SamplingParams(max_tokens=120, temperature=0,
+                                                                        ignore_eos=True))[0].text
+    s = small.completions.create(model="tiny", prompt="def fib(n):", max_tokens=120, temperature=0, stream=True,
+                                 extra_body={"ignore_eos": True})
+    chunks = iter(s)
+    text = next(chunks).choices[0].text
+    os.kill(target["pid"], signal.SIGSTOP)
+    try:
+        deadline, status = time.monotonic() + 20, 200
+        while status == 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            r = httpx.get(f"{server['base']}/small/health", headers=auth, timeout=30)
+            status = r.status_code
+        assert status == 503 and r.json()["error"]["code"] in ("stalled", "unhealthy"), r.text
+    finally:
+        os.kill(target["pid"], signal.SIGCONT)
+    text += "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server['base']}/small/health", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, "the small app did not turn healthy again"
+        time.sleep(0.5)

@@ -3,7 +3,9 @@ that fits the schema, greedy and sampled; a drafter changes no token (its drafts
 rows, so a draft the grammar refuses is rejected); bad schemas are refused naming the field."""
 
 import json
+import time
 
+import numpy as np
 import pytest
 
 from runtime import LLM, SamplingParams, StructuredOutputs
@@ -125,3 +127,56 @@ def test_a_grammar_compiled_beforehand_decodes_as_one_compiled_in_place(near_big
 def test_a_structured_output_too_large_to_compile_is_refused_naming_the_limit(field, value):
     with pytest.raises(ValueError, match=rf"structured_outputs\.{field} is [\d,]+ characters; at most 65,536"):
         StructuredOutputs(**{field: value})
+
+
+class _SlowRowsBackend:
+    """A grammar backend allowing every token whose rows take ``seconds`` for matchers marked slow (a stand-in for a
+    grammar slow to mask; ``time.sleep`` releases the GIL as xgrammar's mask filling does)."""
+
+    def __init__(self, vocab: int, seconds: float):
+        self.words, self.seconds = (vocab + 31) // 32, seconds
+
+    def matcher(self, wanted, compiled=None):
+        return {"slow": wanted.regex == "slow"}
+
+    def row_masks(self, matcher, drafts):
+        if matcher["slow"]:
+            time.sleep(self.seconds)
+        return np.full((1 + len(drafts), self.words), -1, dtype=np.int32)
+
+    @staticmethod
+    def accepted(matcher, tokens):
+        return len(tokens), False
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_grammar_slow_to_mask_delays_only_its_own_request(near_bigram_target, make_drafter, speculative):
+    """A structured request whose token masks take 0.4 s a step sits steps out while the others go on at their own
+    pace (masks are computed off the engine's thread, a step waits for them a bounded time); every output is the
+    one it has alone."""
+    from runtime.sampling.grammar_masks import GrammarMaskJobs
+
+    spec = {"speculative_config": {"speculative_model": str(make_drafter(near_bigram_target, 3, "vanilla"))}} \
+        if speculative else {}
+    llm = LLM(str(near_bigram_target), **ENGINE, **spec)
+    engine = llm.engine
+    backend = _SlowRowsBackend(engine.vocab_size, 0.4)
+    engine._grammar_backend, engine._mask_jobs = backend, GrammarMaskJobs(backend)
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    alone = [o.token_ids for o in llm.generate(PROMPTS[:2], SamplingParams(max_tokens=24, temperature=0))]
+    slow = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0,
+                                                         structured_outputs=StructuredOutputs(regex="slow")))
+    fast = engine.add_request(PROMPTS[1], greedy)
+    tokens, longest, fast_done_at = {}, 0.0, None
+    began = time.perf_counter()
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        for out in engine.step():
+            tokens[out.request_id] = out.token_ids
+            if out.request_id == fast and out.finished:
+                fast_done_at = time.perf_counter() - began
+        if fast_done_at is None:
+            longest = max(longest, time.perf_counter() - t)
+    assert tokens[fast] == alone[1] and tokens[slow] == alone[0][:3]
+    assert longest < 0.2, longest  # no step of the fast request waited for the slow grammar's 0.4 s
+    assert fast_done_at < 1.2, fast_done_at  # (the slow request needs at least 3 x 0.4 s)
