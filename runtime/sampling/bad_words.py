@@ -5,7 +5,7 @@ the middle of text), the second form kept only where it is a different word of a
 sequence of one token bans that token everywhere; a longer one bans its last token at every row whose context (the
 tokens generated before that row: the request's committed output, then the drafts the step verifies before the row)
 ends with the rest of it. Only generated tokens count, as in vLLM: a prompt ending with a word's prefix bans nothing.
-The bans are the rows' logits set to -inf (``runtime.worker.runner.ban_tokens``), so a draft that would complete a word is
+The bans are the rows' logits set to -inf (``runtime.worker.logit_constraints.ban_tokens``), so a draft that would complete a word is
 rejected like any other and speculation stays exact.
 """
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -23,27 +22,37 @@ from runtime.engine.outputs import TokenLogprob
 from runtime.engine.profiling import region
 from runtime.kernels import AttentionGeometry, KernelBackend
 from runtime.models.target import TargetModel
-from runtime.sampling.grammar import unpack_masks
 from runtime.sampling.logprobs import LogprobSource
 from runtime.sampling.noise import Stream, exponentials, uniform
 from runtime.sampling.sampler import RowParams, apply_penalties, filtered_probs, occurrence_counts
-from runtime.sampling.verify import accept_by_rejection, commit_by_match, gather_rows, greedy_verdicts, residual_distribution
+from runtime.sampling.verify import (
+    accept_by_rejection,
+    commit_by_match,
+    gather_rows,
+    greedy_verdicts,
+    residual_distribution,
+)
 from runtime.scheduling.kv_cache import KVCaches, scrub_pages
 from runtime.scheduling.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.spec.wire import CONFIDENCE_SCALE, confidence_from_ints
 from runtime.worker.draft_channel import DraftChannel, Proposal, receive_features, send_features
 from runtime.worker.graphs import GraphedTargetForward, GraphOutputs
+from runtime.worker.logit_constraints import ban_tokens, logit_bias_rows, mask_by_grammar
 from runtime.worker.packed_verify import packed_verify, survivals
 from runtime.worker.parallel import SINGLE, ParallelContext
 from runtime.worker.piecewise import PiecewiseTargetForward
-from runtime.worker.step_tensors import (StepTensors, build_step_tensors, build_uniform_step_tensors, greedy_only,
-                                  padded_page_table, plain_greedy, sampled_entries, uses_rejection)
+from runtime.worker.prompt_logprobs import NON_FINITE_LOGITS, chunk_prompt_logprobs, with_prompt_logprobs
+from runtime.worker.step_tensors import (
+    StepTensors,
+    build_step_tensors,
+    build_uniform_step_tensors,
+    greedy_only,
+    padded_page_table,
+    plain_greedy,
+    sampled_entries,
+    uses_rejection,
+)
 from runtime.worker.transfer import HostWork, PinnedReadBack, to_device
-
-NON_FINITE_LOGITS = "the target produced non-finite logits (NaN/inf) for this request; it was stopped"
-# rows of a step's prompt logprobs computed at once: a slice's logits [rows, V] float32 (and their log-softmax) bound
-# the memory a long prompt chunk takes (512 rows of a 151,936-token vocabulary: 311 MB each)
-PROMPT_LOGPROB_ROWS = 512
 
 
 def attention_geometry(target: TargetModel) -> AttentionGeometry:
@@ -131,7 +140,8 @@ class ModelRunner:
         if drafting and self.is_leader and not appended and not (graphed is not None and graphed.context_appended):
             with region("dspark.context"):
                 self.channel.send_context(captured, t)
-        prompt_logprobs = self._prompt_logprobs(reqs, hidden, t.row_ends)  # (prefill chunks that asked for them)
+        # (the prefill chunks that asked for them)
+        prompt_logprobs = chunk_prompt_logprobs(self.target, reqs, hidden, t.row_ends, self.device, self.is_leader)
         results = self._verify_and_draft(batch, reqs, hidden, t, graphed, drafting)
         return with_prompt_logprobs(results, prompt_logprobs) if prompt_logprobs else results
 
@@ -157,47 +167,6 @@ class ModelRunner:
         table = t.page_table if len(sampled) == len(reqs) or not k_next else t.page_table[
             to_device(sampled, self.device)]
         return self._draft_and_finish(batch, reqs, entries, verified, table, graphed is not None)
-
-    def _prompt_logprobs(self, reqs: list[ScheduledRequest], hidden: torch.Tensor,
-                         row_ends: list[int]) -> dict[int, list[TokenLogprob] | None] | None:
-        """The prompt logprobs of the step's prefill chunks that asked for them (``ScheduledRequest.prompt_rows``):
-        batch index -> one ``TokenLogprob`` per target token (None where a row's logits are not finite: that request
-        fails alone), on rank 0; None when no chunk asked (every rank computes the logits: under tensor parallelism
-        their gather is a collective). The raw distribution, the chunk's rows read from ``hidden`` [T, d]."""
-        wanted = [(b, r) for b, r in enumerate(reqs) if r.prompt_rows is not None]
-        if not wanted:
-            return None
-        index, targets = [], []
-        for b, r in wanted:
-            offset, tokens = r.prompt_rows
-            first = row_ends[b] - len(r.token_ids) + offset  # a request's fed rows end at row_ends[b]
-            index.extend(range(first, first + len(tokens)))
-            targets.extend(tokens)
-        states = hidden[to_device(index, self.device, torch.int64)]  # [R, d]
-        wanted_ids = to_device(targets, self.device, torch.int64)  # [R]
-        top = max(max(r.params.prompt_logprobs for _, r in wanted), 1)
-        parts = []  # per slice of PROMPT_LOGPROB_ROWS rows: a long chunk's [R, V] logits never exist at once
-        for start in range(0, len(index), PROMPT_LOGPROB_ROWS):
-            logits = self.target.compute_logits(states[start:start + PROMPT_LOGPROB_ROWS])  # [r, V] float32
-            if not self.is_leader:
-                continue
-            logp = torch.log_softmax(logits, dim=-1)  # [r, V]
-            chosen = logp.gather(-1, wanted_ids[start:start + PROMPT_LOGPROB_ROWS, None]).squeeze(-1)  # [r]
-            top_lp, top_ids = logp.topk(top, dim=-1)  # [r, N]
-            rank = (logp > chosen[:, None]).sum(dim=-1) + 1  # [r] the prompt token's place (1: the most likely)
-            finite = torch.isfinite(logits.amax(dim=-1))  # [r]: NaN propagates into the max, +inf is the max
-            parts.append((chosen, top_ids, top_lp, rank, finite))
-        if not self.is_leader:
-            return None
-        chosen_h, ids_h, lp_h, rank_h, finite_h = (torch.cat(column).tolist() for column in zip(*parts))
-        out, row = {}, 0
-        for b, r in wanted:
-            n, count = r.params.prompt_logprobs, len(r.prompt_rows[1])
-            span = range(row, row + count)
-            out[b] = [TokenLogprob(targets[i], chosen_h[i], tuple(zip(ids_h[i][:n], lp_h[i][:n])), rank_h[i])
-                      for i in span] if all(finite_h[i] for i in span) else None
-            row += count
-        return out
 
     def _execute_packed(self, batch: ScheduledBatch) -> list[RequestStepResult]:
         """A packed verify step (``runtime.worker.packed_verify``; every request a greedy block, ``batch.packed``): the
@@ -604,78 +573,3 @@ class ModelRunner:
         flat = apply_penalties(logits.view(-1, vocab), row_counts.view(-1, vocab), row_seen.view(-1, vocab),
                                row_params)
         return flat.view_as(logits)
-
-
-def with_prompt_logprobs(results: list[RequestStepResult],
-                         prompt_logprobs: dict[int, list[TokenLogprob] | None]) -> list[RequestStepResult]:
-    """``results`` (batch order) with each prefill chunk's prompt logprobs; a chunk whose prompt rows' logits were
-    not finite fails its request (as a broken sampled row does)."""
-    for b, logprobs in prompt_logprobs.items():
-        if logprobs is None:
-            results[b] = RequestStepResult(results[b].request_id, [], 0, [], NON_FINITE_LOGITS)
-        elif results[b].error is None:
-            results[b].prompt_logprobs = logprobs
-    return results
-
-
-def logit_bias_rows(entries: list[ScheduledRequest], vocab: int, device: torch.device) -> torch.Tensor:
-    """[S, V] float32: each entry's ``SamplingParams.logit_bias`` at its tokens, 0 elsewhere; with
-    ``allowed_token_ids``, -inf at every token not listed."""
-    rows, tokens, values = [], [], []
-    for i, e in enumerate(entries):
-        for token, value in e.params.logit_bias:
-            rows.append(i)
-            tokens.append(token)
-            values.append(value)
-    bias = torch.zeros(len(entries), vocab, device=device)
-    if rows:
-        bias[to_device(rows, device, torch.int64), to_device(tokens, device, torch.int64)] = to_device(
-            values, device, torch.float32)
-    limited = [(i, e.params.allowed_token_ids) for i, e in enumerate(entries) if e.params.allowed_token_ids]
-    if limited:
-        keep = torch.zeros(len(entries), vocab, dtype=torch.bool, device=device)
-        at = ([i for i, ids in limited for _ in ids], [t for _, ids in limited for t in ids])
-        keep[tuple(to_device(x, device, torch.int64) for x in at)] = True
-        listed = to_device([i for i, _ in limited], device, torch.int64)
-        bias[listed] = bias[listed].masked_fill(~keep[listed], float("-inf"))
-    return bias
-
-
-def ban_tokens(logits: torch.Tensor, entries: list[ScheduledRequest]) -> torch.Tensor:
-    """logits [S, K+1, V] float32 with -inf at each entry's banned tokens: the stop tokens in its first banned rows
-    (``ScheduledRequest.banned``: min_tokens not reached) and the tokens that would complete a bad word at each row
-    (``ScheduledRequest.row_bans``)."""
-    at = ([], [], [])  # (entry, row, token) of every banned logit: one index_put for the step, not one per entry
-    for i, e in enumerate(entries):
-        if e.banned is not None:
-            rows, ids = e.banned
-            for r in range(min(rows, logits.shape[1])):
-                at[0].extend([i] * len(ids))
-                at[1].extend([r] * len(ids))
-                at[2].extend(ids)
-        if e.row_bans is not None:
-            for r, ids in enumerate(e.row_bans[:logits.shape[1]]):
-                at[0].extend([i] * len(ids))
-                at[1].extend([r] * len(ids))
-                at[2].extend(ids)
-    if at[0]:
-        logits[tuple(to_device(x, logits.device, torch.int64) for x in at)] = float("-inf")
-    return logits
-
-
-def mask_by_grammar(logits: torch.Tensor, entries: list[ScheduledRequest]) -> torch.Tensor:
-    """logits [S, K+1, V] float32 with -inf where each structured entry's grammar refuses a token, at the rows its
-    ``token_mask`` covers (``runtime.sampling.grammar``): one host-to-device copy and one masked write for the step."""
-    owners, rows, words = [], [], []
-    for i, e in enumerate(entries):
-        if e.token_mask is not None:
-            n = min(len(e.token_mask), logits.shape[1])
-            owners.extend([i] * n)
-            rows.extend(range(n))
-            words.append(e.token_mask[:n])
-    if not owners:
-        return logits
-    allowed = unpack_masks(torch.from_numpy(np.concatenate(words)).to(logits.device), logits.shape[-1])  # [R, V]
-    at = (to_device(owners, logits.device, torch.int64), to_device(rows, logits.device, torch.int64))
-    logits[at] = logits[at].masked_fill(~allowed, float("-inf"))
-    return logits

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.worker import runner
+from runtime.worker import prompt_logprobs as prompt_logprobs_module
 
 ENGINE = dict(dtype="float32", device="cpu", num_pages=128, page_size=4)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [9, 10], [11, 12, 13, 14, 15, 16, 17], [3]]
@@ -44,7 +44,7 @@ def test_prompt_logprobs_are_the_models_log_softmax_in_chunks_and_beside_decodes
     # chunks of at most 5 tokens: the long prompts are computed over several steps, beside the others' decodes
     llm = LLM(str(near_bigram_target), speculative_config=spec, max_num_batched_tokens=5, **ENGINE)
     if drafted:  # rows computed in slices of 3 (a long chunk's logits are never all in memory at once)
-        monkeypatch.setattr(runner, "PROMPT_LOGPROB_ROWS", 3)
+        monkeypatch.setattr(prompt_logprobs_module, "PROMPT_LOGPROB_ROWS", 3)
     params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=3)
     outs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs):
