@@ -120,8 +120,8 @@ class GcPauses:
 
 def replay_ms(graph, repeats: int = 20) -> float:
     """Device time of one replay of ``graph`` (a ``torch.cuda.CUDAGraph``), the median of ``repeats``
-    (``runtime.worker.graphs.replay_ms``; imported here when called: this module loads without torch)."""
-    from runtime.worker.graphs import replay_ms as device_replay_ms
+    (``runtime.worker.graph_buffers.replay_ms``; imported here when called: this module loads without torch)."""
+    from runtime.worker.graph_buffers import replay_ms as device_replay_ms
 
     return device_replay_ms(graph, repeats)
 

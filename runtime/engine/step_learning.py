@@ -4,7 +4,7 @@ the speculation guard's prices) and its verdicts (acceptance per request and per
 from __future__ import annotations
 
 from runtime.scheduling.step_io import RequestStepResult, ScheduledRequest
-from runtime.spec.confidence import Decision
+from runtime.spec.decision import Decision
 from runtime.worker.graph_layout import graphed_q_len
 
 

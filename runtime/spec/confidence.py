@@ -97,40 +97,17 @@ when it folds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from runtime.spec.decision import Decision
 from runtime.spec.history import HISTORY_NONE, history_list, history_rows
 from runtime.spec.hold import DraftingHold
 from runtime.spec.mixed_step_costs import MixedStepCosts
+from runtime.spec.packed_layout import packed_draft_len, top_drafts
 from runtime.spec.step_costs import StepCostTable
 from runtime.spec.survival import SurvivalCorrection
-from runtime.worker.graph_layout import bucket_of
 from runtime.spec.tuning import TUNING
-
-
-@dataclass
-class Decision:
-    """One step's verify budget and what it was predicted to give (for metrics)."""
-
-    budget: int  # drafts verified over the batch
-    offered: int  # drafts proposed over the batch
-    expected_tokens: float  # committed tokens the survivals predict for the step
-    predicted_ms: float  # the step time the table predicts
-    whole_expected_tokens: float  # the same two, had the step verified whole blocks (what the choice was against)
-    whole_predicted_ms: float
-    # [K'] each position's corrected survival summed over the step's requests (0 where nothing was proposed): what
-    # the scheduler believed of every draft, verified or not (a whole-block engine's acceptance per position is
-    # what it should be)
-    position_survival: list[float]
-    # the drafting judgement's plain alternative (point 6): the ms it priced a plain step of the same requests at (a
-    # token each, nothing drafted), and whether drafting paid against it (None: no plain steps profiled)
-    plain_ms: float | None = None
-    drafting_pays: bool | None = None
-    # whether this decision raised the next one's budget to whole blocks to gather evidence (``_explores``)
-    explores: bool = False
-
+from runtime.worker.graph_layout import bucket_of
 
 LAYOUTS = ("ragged", "padded", "packed")
 
@@ -619,35 +596,3 @@ def confidence_table(confidences: list[list[float]], sizes, k: int) -> np.ndarra
     for i, c in enumerate(confidences):
         table[i, :len(c)] = c
     return table
-
-
-def packed_draft_len(survival: np.ndarray, sizes: list[int], columns: int, max_draft_len: int) -> int | None:
-    """How long a block the engine drafts for a packed step of ``columns`` columns, chosen (as ``columns``) before
-    that block exists: from this step's ``survival`` [S, k] of blocks of ``sizes`` [S] drafts, the drafts the device
-    would pick at those columns (``top_drafts``: the top ``S x columns`` survivals, as ``select_lengths`` ranks
-    them), one past the longest share a request took; None (the whole block) for ``columns`` of whole blocks. A draft
-    past the block proposes nothing (confidence 0, survival 0): the device never picks one while ``columns`` is
-    shorter than the block, which it is (the longest share is at least the mean, ``columns``). So the block grows
-    by one a step while some request takes all of it, and shrinks as soon as none does: on a pair whose acceptance
-    falls along the block (0.55 / 0.17 / 0.15 ... at 64 requests) the packed steps stop drafting the
-    positions no verify reaches, which cost the drafter as much as the ones it does (a block of 7 at 64 requests:
-    0.9 ms of the drafter's, one run, beside a 6.7-ms trimmed step)."""
-    num, k = survival.shape
-    if columns >= max_draft_len or num == 0 or k == 0:
-        return None
-    if columns <= 0:
-        return 1  # (nothing verified next step: the first draft keeps that position's confidence in view)
-    proposed = np.arange(k)[None, :] < np.asarray(sizes)[:, None]  # [S, k]
-    shares = top_drafts(survival, proposed, min(num * columns, int(proposed.sum())))
-    return min(max_draft_len, int(shares.max()) + 1)
-
-
-def top_drafts(survival: np.ndarray, proposed: np.ndarray, budget: int) -> np.ndarray:
-    """The lengths [S] that verify the ``budget`` proposed drafts of highest survival (ties: the earlier position,
-    then the earlier request), each request's a prefix of its block."""
-    survival, proposed = np.asarray(survival, dtype=np.float64), np.asarray(proposed, dtype=bool)
-    num = survival.shape[0]
-    # position-major order (all first drafts, then all second drafts, ...), then a stable sort by survival
-    values = np.where(proposed, survival, -1.0).T.reshape(-1)
-    order = np.argsort(-values, kind="stable")[:budget]
-    return np.bincount(order % num, minlength=num).astype(np.int64)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.spec.confidence import ConfidenceScheduler, Decision
+from runtime.spec.confidence import ConfidenceScheduler
+from runtime.spec.decision import Decision
 from runtime.spec.tuning import TUNING
-
 
 # one step of the trace: its number (ConfidenceStats.steps once it was counted), the requests it scheduled, whether
 # a drafting hold kept it from drafting a next block (a decided step too, where the hold begins), whether it ran

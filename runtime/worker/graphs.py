@@ -19,13 +19,12 @@ arithmetic (weight 0), so a NaN in the scratch page would spread: the runner zer
 request faulted. Prefill chunks longer than a verify block are graphed too at small batches (``PREFILL_Q_LENS``,
 captured for the buckets whose batch x Q stays within ``PREFILL_GRAPH_TOKENS``): a request's first token then
 costs a replay, not an eager forward that launches every kernel from the host (9.3 ms for a 64-token prompt on a
-0.8B target at one request on an H200, one run; ~13% of a 128-token DSpark request's time). Other steps (longer
-prefill chunks, larger batches of them, mixes too ragged to pad) run eagerly.
+0.8B target at one request on an H200). Other steps (longer prefill chunks, larger batches of them, mixes too
+ragged to pad) run eagerly.
 
-Engines plan ahead (``plan_ahead``): right after a one-token step is launched, FlashInfer is
-planned for the step in which every request decodes one more token (the scheduler allots each request's pages a
-token ahead, ``Scheduler.lookahead``), while the GPU runs; when that step comes with exactly that layout, its plan
-(~0.24 ms of host time on the Qwen3-8B shape) is skipped. Any other layout is planned as usual.
+Engines plan ahead (``plan_ahead``): right after a one-token step is launched, FlashInfer is planned for the step
+in which every request decodes one more token (pages are allotted a token ahead, ``Scheduler.lookahead``) while the
+GPU runs; that step's plan is skipped when it comes with exactly that layout.
 
 A DSpark engine plans its next verify step while the drafter drafts (``read_accepted``, ``plan_next_verify``):
 the verification's accepted counts are copied into pinned memory before the draft is launched, the host waits for
@@ -53,10 +52,9 @@ ahead (``launch_verify_ahead`` with ``packed``: the confidences copied on the de
 as the host reads them back) like a uniform verify; ``run_packed`` takes it when the engine schedules exactly it at
 those columns, and a uniform step never takes a packed one (nor the reverse).
 
-A verify step's device time is not monotone in its tokens (the GEMMs' tiling: one run, a 2.7B target at 64 requests,
-7 tokens a request 7.95 ms against 6.63 for 8), so on a single rank the verify graphs are timed once captured, and
-a step of Q tokens a request replays a longer graph where that one is faster (``served_by``, ``served_length``;
-padded as any shorter request is, launched and planned ahead at that length).
+A verify step's device time is not monotone in its tokens (the GEMMs' tiling), so on a single rank the verify
+graphs are timed once captured, and a step of Q tokens a request replays a longer graph where that one is faster
+(``served_by``, ``served_length``; padded as any shorter request is, launched and planned ahead at that length).
 
 Plain greedy decode steps go further (``decode_greedy``, when the engine says the next step is expected to be the
 same requests decoding one token more: ``ScheduledBatch.run_ahead``): right after this step's graph, its verdicts
@@ -66,8 +64,8 @@ and schedules, the GPU already runs the next step; when the engine schedules exa
 in the same order, each feeding the token this step decided, at the next position, on the same pages), its
 verdicts are read back without a launch. Otherwise it is dropped: it only wrote cache slots at positions no later
 step has used yet, and every later step runs after it in stream order, so whatever they write there wins. (A
-read-back with ``.tolist()`` would be queued behind the step launched ahead and wait for it too: then the GPU idles
-while the host commits, as 2026-12-01's first run-ahead measured; ``benchmarks/graph_launch.py --readback``.)
+read-back with ``.tolist()`` would be queued behind the step launched ahead and wait for it too, and the GPU would
+idle while the host commits: ``benchmarks/graph_launch.py --readback``.)
 """
 
 from __future__ import annotations
@@ -75,7 +73,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -86,93 +83,17 @@ from runtime.sampling.verify import block_verdicts, greedy_verdicts
 from runtime.scheduling.kv_cache import KVCaches
 from runtime.scheduling.step_io import PackedAhead, ScheduledRequest
 from runtime.spec.history import history_classes
+from runtime.worker.graph_buffers import CapturedGraph, CapturedPackedGraph, GraphOutputs, PackedGraphOutputs, replay_ms
 from runtime.worker.graph_layout import (LaunchedDecode, LaunchedVerify, batch_buckets, bucket_of, faster_lengths,
-                                  graph_inputs, graphed_q_len, next_anchor_position, next_decode_layout,
-                                  next_verify_layout)
+                                         graph_inputs, graphed_q_len, next_anchor_position, next_decode_layout,
+                                         next_verify_layout)
 from runtime.worker.packed_verify import history_after, packed_verify, survivals
-from runtime.worker.step_tensors import StepTensors, padded_page_table
 from runtime.worker.transfer import HostWork, PinnedReadBack
 
 log = logging.getLogger(__name__)
-@dataclass
-class GraphOutputs:
-    """One replay's results for its T real rows (views of the graph's buffers, valid until its next replay)."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    slots: torch.Tensor  # [T]
-    hidden: torch.Tensor  # [T, d] final-normed states
-    captured: torch.Tensor | None  # [T, m*d]
-    logits: torch.Tensor | None  # [T, V] in the model dtype (None under tensor parallelism: computed on demand)
-    top: torch.Tensor  # [T] max logit (NaN when the row has one)
-    argmax: torch.Tensor  # [T]
-    context_appended: bool  # the drafter's context graph ran: the captured states are in its cache
-    q_len: int  # Q: request b's i-th fed token is row b*Q + i (rows past its real tokens are padding)
-    verdict: torch.Tensor | None = None  # [T] one-token graphs: greedy_verdicts(top, argmax) (-1: a broken row)
-    block_verdict: torch.Tensor | None = None  # [requests, Q+2] verify graphs: block_verdicts (greedy verification)
-
-    def step_tensors(self, reqs: list[ScheduledRequest], page_size: int, device: torch.device,
-                     with_page_table: bool) -> StepTensors:
-        """The step's tensors for verification and drafting: the graph's inputs (padding rows included), the page
-        table if asked for."""
-        table = padded_page_table(reqs, device) if with_page_table else None
-        row_ends = [b * self.q_len + len(r.token_ids) for b, r in enumerate(reqs)]
-        return StepTensors(self.input_ids, self.positions, self.slots, None, table, row_ends)
-
-
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    wrapper: object  # the FlashInfer wrapper whose buffers the graph reads
-    hidden: torch.Tensor  # [B*Q, d] final-normed states
-    captured: torch.Tensor | None  # [B*Q, m*d]
-    logits: torch.Tensor | None  # [B*Q, V] model dtype (None under tensor parallelism: not gathered)
-    top: torch.Tensor  # [B*Q]
-    argmax: torch.Tensor  # [B*Q]
-    context: torch.cuda.CUDAGraph | None  # appends captured [B*Q, m*d] at the step's positions and slots
-    verdict: torch.Tensor | None  # [B] Q = 1: the greedy token of each row, -1 where the row's logits are broken
-    block_verdict: torch.Tensor | None  # [B, Q+2] Q > 1: each request's greedy verification (block_verdicts)
-
-
-@dataclass
-class _PackedGraph:
-    """A packed verify graph (``runtime.worker.packed_verify``) of B requests x Q = K+1 tokens fed, ``columns`` x B drafts
-    verified: B x (columns + 1) rows through the target."""
-
-    graph: torch.cuda.CUDAGraph
-    wrapper: object  # the FlashInfer wrapper (planned for the uniform B x Q layout)
-    lengths: torch.Tensor  # [B] drafts each request verified
-    captured: torch.Tensor | None  # [B*Q, m*d] (0 on rows not fed)
-    block_verdict: torch.Tensor  # [B, Q+2]
-    context: torch.cuda.CUDAGraph | None
-
-
-@dataclass
-class PackedGraphOutputs:
-    """One packed replay's results for its S real requests (views of the graph's buffers)."""
-
-    lengths: torch.Tensor  # [S]
-    block_verdict: torch.Tensor  # [S, Q+2]
-    captured: torch.Tensor | None  # [S*Q, m*d]
-    context_appended: bool
-
-
 PACKED_MIN_BATCH = 16  # packed graphs from this batch bucket up (below, a step's cost hardly depends on its tokens)
 FASTER_BY = 0.03  # a longer verify graph serves a step where it replays at least this much faster (timing noise)
 TIMED_REPLAYS = 5  # replays timed per verify graph at capture (the median), after one untimed
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> float:
-    """Device time of one replay of ``graph``, the median of ``repeats``, milliseconds."""
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 # A colocated drafter's context append: captured [N, m*d], positions [N], slots [N] -> writes its cache.
@@ -212,7 +133,7 @@ class GraphedTargetForward:
         self.inputs = torch.zeros(3, width, dtype=torch.int64, device=device)  # ids, positions, slots
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # unused by FlashInfer's plan
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, int], CapturedGraph] = {}
         # run-ahead of plain greedy decode steps (decode_greedy): the pinned read-back rows (two: the step being
         # read and the one launched ahead), their events, the step launched ahead and how often it paid
         self._verdict_reads = [PinnedReadBack(max_batch), PinnedReadBack(max_batch)]
@@ -240,7 +161,7 @@ class GraphedTargetForward:
         self.packed_bias = torch.zeros(len(history_classes(max(k, 1))), max(k, 1), dtype=torch.float32,
                                        device=device)  # [H, K]
         self.packed_history = torch.zeros(max_batch, dtype=torch.int64, device=device)  # [B] each request's class
-        self.packed_graphs: dict[tuple[int, int], _PackedGraph] = {}
+        self.packed_graphs: dict[tuple[int, int], CapturedPackedGraph] = {}
         # the fewest requests whose bucket has packed graphs (0: none)
         self.packed_from = next((1 + max([b for b in self.buckets if b < batch], default=0)
                                  for batch in self.buckets if batch >= PACKED_MIN_BATCH), 0) \
@@ -522,14 +443,14 @@ class GraphedTargetForward:
             self._ahead.tokens = tuple(verdicts)
         return verdicts
 
-    def _read_back(self, g: _Graph, num: int) -> int:
+    def _read_back(self, g: CapturedGraph, num: int) -> int:
         """Queue the copy of a replay's first ``num`` verdicts into a pinned row (right behind the replay, before
         anything launched after it) and the event that marks it. -> the row."""
         slot, self._next_slot = self._next_slot, 1 - self._next_slot
         self._verdict_reads[slot].queue(g.verdict[:num])
         return slot
 
-    def _launch_ahead(self, reqs: list[ScheduledRequest], batch: int, g: _Graph, inputs: np.ndarray,
+    def _launch_ahead(self, reqs: list[ScheduledRequest], batch: int, g: CapturedGraph, inputs: np.ndarray,
                       layout: HostLayout, append_context: bool = False) -> None:
         """Launch the step in which every request of ``reqs`` decodes the token the step just launched decides
         (read on the device; a broken row's -1 becomes token 0, and that request fails, so the step is dropped),
@@ -552,7 +473,7 @@ class GraphedTargetForward:
         self._ahead = LaunchedDecode(tuple(r.request_id for r in reqs), tuple(positions.tolist()), upcoming, nxt,
                                      slot, append_context)
 
-    def _plan_and_replay(self, g: _Graph | _PackedGraph, layout: HostLayout, batch: int, q_len: int,
+    def _plan_and_replay(self, g: CapturedGraph | CapturedPackedGraph, layout: HostLayout, batch: int, q_len: int,
                          columns: int = 0) -> None:
         """Plan the (batch, q_len) graph's wrapper (the packed graph's of ``columns``, if given) for ``layout``
         unless it already is (planned ahead), then replay the graph (its inputs already written)."""
@@ -617,7 +538,7 @@ class GraphedTargetForward:
         logits = self.target.lm_head(hidden)
         return logits, logits.max(dim=-1)
 
-    def _capture_packed(self, batch: int, columns: int) -> _PackedGraph:
+    def _capture_packed(self, batch: int, columns: int) -> CapturedPackedGraph:
         q_len = self.q_lens[-1]
         wrapper = self.backend.graph_wrapper(self.device, batch, batch * self.pages_per_seq, q_len)
         layout = self._write_inputs([], batch, q_len)
@@ -645,9 +566,9 @@ class GraphedTargetForward:
             context = torch.cuda.CUDAGraph()
             with torch.cuda.graph(context, pool=self.pool):
                 self.append_context(out.captured, positions, slots)
-        return _PackedGraph(graph, wrapper, out.lengths, out.captured, out.block_verdict, context)
+        return CapturedPackedGraph(graph, wrapper, out.lengths, out.captured, out.block_verdict, context)
 
-    def _capture(self, batch: int, q_len: int) -> _Graph:
+    def _capture(self, batch: int, q_len: int) -> CapturedGraph:
         wrapper = self.backend.graph_wrapper(self.device, batch, batch * self.pages_per_seq, q_len)
         layout = self._write_inputs([], batch, q_len)
         meta = self.backend.plan_attention(self._meta(layout, batch, q_len), wrapper)
@@ -674,4 +595,4 @@ class GraphedTargetForward:
             context = torch.cuda.CUDAGraph()
             with torch.cuda.graph(context, pool=self.pool):
                 self.append_context(captured, positions, slots)
-        return _Graph(graph, wrapper, hidden, captured, logits, top, argmax, context, verdict, block_verdict)
+        return CapturedGraph(graph, wrapper, hidden, captured, logits, top, argmax, context, verdict, block_verdict)

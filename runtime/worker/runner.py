@@ -25,33 +25,21 @@ from runtime.models.target import TargetModel
 from runtime.sampling.logprobs import LogprobSource
 from runtime.sampling.noise import Stream, exponentials, uniform
 from runtime.sampling.sampler import RowParams, apply_penalties, filtered_probs, occurrence_counts
-from runtime.sampling.verify import (
-    accept_by_rejection,
-    commit_by_match,
-    gather_rows,
-    greedy_verdicts,
-    residual_distribution,
-)
+from runtime.sampling.verify import (accept_by_rejection, commit_by_match, gather_rows, greedy_verdicts,
+                                     residual_distribution)
 from runtime.scheduling.kv_cache import KVCaches, scrub_pages
 from runtime.scheduling.step_io import RequestStepResult, ScheduledBatch, ScheduledRequest
 from runtime.spec.wire import CONFIDENCE_SCALE, confidence_from_ints
 from runtime.worker.draft_channel import DraftChannel, Proposal, receive_features, send_features
-from runtime.worker.graphs import GraphedTargetForward, GraphOutputs
+from runtime.worker.graph_buffers import GraphOutputs
+from runtime.worker.graphs import GraphedTargetForward
 from runtime.worker.logit_constraints import ban_tokens, logit_bias_rows, mask_by_grammar
 from runtime.worker.packed_verify import packed_verify, survivals
 from runtime.worker.parallel import SINGLE, ParallelContext
 from runtime.worker.piecewise import PiecewiseTargetForward
 from runtime.worker.prompt_logprobs import NON_FINITE_LOGITS, chunk_prompt_logprobs, with_prompt_logprobs
-from runtime.worker.step_tensors import (
-    StepTensors,
-    build_step_tensors,
-    build_uniform_step_tensors,
-    greedy_only,
-    padded_page_table,
-    plain_greedy,
-    sampled_entries,
-    uses_rejection,
-)
+from runtime.worker.step_tensors import (StepTensors, build_step_tensors, build_uniform_step_tensors, greedy_only,
+                                         padded_page_table, plain_greedy, sampled_entries, uses_rejection)
 from runtime.worker.transfer import HostWork, PinnedReadBack, to_device
 
 

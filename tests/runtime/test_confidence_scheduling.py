@@ -14,15 +14,16 @@ from runtime import LLM, SamplingParams
 from runtime.scheduling.pages import PageAllocator
 from runtime.scheduling.scheduler import Scheduler, SchedulerLimits
 from runtime.scheduling.sequence import Sequence
-from runtime.spec.confidence import ConfidenceScheduler, packed_draft_len, top_drafts
+from runtime.spec.confidence import ConfidenceScheduler
 from runtime.spec.history import HISTORY_NONE, history_classes, next_history
 from runtime.spec.hold import DraftingHold
 from runtime.spec.mixed_step_costs import MixedStepCosts
+from runtime.spec.packed_layout import packed_draft_len, top_drafts
 from runtime.spec.stats import TRACE_FIELDS, ConfidenceStats
 from runtime.spec.step_costs import StepCostTable
 from runtime.spec.survival import SurvivalCorrection, SurvivalSkill, read_calibration
-from runtime.worker.transfer import HostWork
 from runtime.spec.tuning import TUNING
+from runtime.worker.transfer import HostWork
 from tests import builders
 from tests.runtime.test_sampling_distribution import FILTERS, N, empirical_tv, exact_joint, tv_bound
 

@@ -6,8 +6,9 @@ import torch
 
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.scheduling.step_io import ScheduledRequest
+from runtime.worker.graph_buffers import GraphOutputs
 from runtime.worker.graph_layout import worth_padding
-from runtime.worker.graphs import GraphedTargetForward, GraphOutputs
+from runtime.worker.graphs import GraphedTargetForward
 
 PS, SCRATCH = 4, 99
 

@@ -10,10 +10,11 @@ import torch
 from runtime import LLM, SamplingParams
 from runtime.sampling.verify import accept_by_match
 from runtime.scheduling.step_io import ScheduledRequest
-from runtime.spec.confidence import ConfidenceScheduler, top_drafts
+from runtime.spec.confidence import ConfidenceScheduler
 from runtime.spec.history import history_classes, next_history
+from runtime.spec.packed_layout import top_drafts
 from runtime.worker.packed_verify import (history_after, pack_index, packed_verify, select_lengths, survivals,
-                                   verify_positions)
+                                          verify_positions)
 from runtime.worker.step_tensors import build_step_tensors, build_uniform_step_tensors
 from tests.runtime.test_confidence_scheduling import flat_table
 
