@@ -14,7 +14,8 @@ from cluster.bench.report import summary, variant_summary
 from cluster.bench.shapes import MODEL_SHAPES, write_shape
 from cluster.bench.stats import (confidence_bounds, mixed_noise_floor, paired_ratio, piecewise_ratios,
                                  prefill_apart_ratios, round_spread, schedule_cap, step_spread)
-from cluster.bench.sweep import read_schedule, run
+from cluster.bench.sweep import run
+from cluster.bench.tuning import read_schedule
 
 __all__ = ["MODEL_SHAPES", "AllocatorEvents", "GcPauses", "StepWindowProfile", "add_parser", "agreement",
            "confidence_bounds", "copy_bandwidth", "end_to_end", "expert_bytes", "local_worker", "main",

@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 from cluster.arg_types import SIZE_FORMS, device_name, gib, integer, memory_size, moe_backend, number
+from cluster.bench import sweep
 from cluster.bench.report import summary
 from cluster.bench.shapes import MODEL_SHAPES
 from cluster.bench.stats import PAIRED_ROUNDS
-from cluster.bench import sweep
-from cluster.bench.sweep import read_schedule, run
+from cluster.bench.sweep import run
+from cluster.bench.tuning import read_schedule
 from cluster.bench_plot import plot, require_matplotlib
 
 

@@ -9,52 +9,42 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import importlib.metadata
-import json
-import os
-import re
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-import ray
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.executor import ReplicaFailure
 from cluster.llm import LLM as ReplicaLLM
 from cluster.placement import groups
-from cluster.placement.plan import NodeResources, PlacementError, PlacementPlan, plan_placement
-from cluster.serve import drain, protocol
+from cluster.placement.serving import serve_plan
+from cluster.serve import drain, protocol, responses
+from cluster.serve.access import OPEN_ROUTES, BodyLimit, bearer_matches, default_body_limit, route_of
+from cluster.serve.errors import (DRAIN_RETRY_AFTER_S, ApiError, check_unicode, error_param, failure, private_paths,
+                                  request_error)
 from cluster.serve.metrics import ServerMetrics
+from cluster.serve.streaming import ClosingStreamingResponse, first_token_time, gather_or_cancel, sse
 from cluster.serve.text import TextStream
 from cluster.serve.tool_parsers import PARSER_KINDS
 from configs import ReplicaConfig, ServeArgs, validate
-from runtime.engine.async_engine import AsyncEngine, Overloaded, RequestFailed, StepFailed, Stopping
+from runtime.engine.async_engine import AsyncEngine, Overloaded
 from runtime.engine.chat import chat_template_of, chat_token_ids, template_options_error
 from runtime.engine.llm import best_samples, sample_params
 from runtime.engine.outputs import RequestOutput
 from runtime.sampling.sampling_params import SamplingParams
 
 app = FastAPI(title="dspark", description="DSpark speculative decoding, OpenAI-compatible API")
-SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
 HEALTH_PROBE_TIMEOUT_S = 10.0  # an actor silent this long counts as lost
-DRAIN_RETRY_AFTER_S = 5
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(protocol.error_body(err.status, redact(err.message), err.param, err.code),
+    return JSONResponse(responses.error_body(err.status, redact(err.message), err.param, err.code),
                         status_code=err.status, headers=err.headers)
 
 
@@ -66,30 +56,9 @@ def redact(message: str) -> str:
     return message
 
 
-def private_paths(engine_config) -> list[tuple[str, str]]:
-    """(directory, what an error shows instead), longest first (a cache inside a model directory goes first)."""
-    spec = engine_config.speculative_config
-    named = [(engine_config.model, "<model>"), (spec.speculative_model if spec is not None else None, "<drafter>"),
-             (os.environ.get("HF_HOME"), "<cache>"), (os.environ.get("HF_HUB_CACHE"), "<cache>")]
-    out = set()
-    for path, name in named:
-        if path and os.path.isabs(os.path.expanduser(str(path))) and len(str(path)) > 1:
-            for form in {str(path), os.path.realpath(os.path.expanduser(str(path)))}:
-                out.add((form.rstrip("/"), name))
-    return sorted(out, key=lambda item: -len(item[0]))
-
-
 @app.exception_handler(ApiError)
 async def _api_error(request: Request, err: ApiError) -> JSONResponse:
     return error_response(err)
-
-
-UNION_BRANCHES = re.compile(r"^(constrained-)?(str|int|float|bool|list|dict|none)$|\[")  # pydantic's union tags
-
-
-def error_param(loc) -> str | None:
-    """The parameter a validation error names: its field path without 'body' or union-branch tags."""
-    return ".".join(str(p) for p in loc if p != "body" and not UNION_BRANCHES.search(str(p))) or None
 
 
 @app.exception_handler(RequestValidationError)
@@ -101,20 +70,6 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
     return error_response(ApiError(400, message, error_param(errors[0].get("loc", ())), "invalid_value"))
 
 
-def failure(exc: BaseException) -> ApiError:
-    """The OpenAI-shaped error for a request that failed after admission: 500 when it failed alone, 503 when the
-    replica failed (every request in flight failed and the replica is rebuilt)."""
-    if isinstance(exc, RequestFailed) and exc.code == "unsatisfiable_constraints":  # the client's own options
-        return ApiError(400, str(exc), code=exc.code)
-    if isinstance(exc, RequestFailed):
-        return ApiError(500, f"this request failed: {exc}", code="request_failed")
-    if isinstance(exc, Stopping):
-        return ApiError(503, str(exc), code="shutting_down", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
-    if isinstance(exc, (ReplicaFailure, StepFailed)):
-        return ApiError(503, f"the replica failed: {exc}", code="replica_failure")
-    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
-
-
 def sampling_params(body: protocol.SamplingFields, max_tokens: int, defaults: dict) -> SamplingParams:
     """The request's SamplingParams, the model's ``defaults`` where it set nothing; a 400 for a bad value."""
     try:
@@ -123,99 +78,11 @@ def sampling_params(body: protocol.SamplingFields, max_tokens: int, defaults: di
         raise request_error(exc, "prompt", body.structured_field()) from None
 
 
-def check_unicode(text: str, param: str) -> None:
-    """Refuse text that is not valid Unicode (a lone surrogate such as "\\ud800"), naming where it is."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ApiError(400, f"{param} is not valid Unicode: {exc.reason} at character {exc.start}", param) from None
+def max_body_bytes() -> int | None:
+    return getattr(app.state, "max_body_bytes", None)
 
 
-def request_error(exc: ValueError, prompt_field: str, structured_field: str = "response_format") -> ApiError:
-    """A request the engine refuses: 400 naming the parameter (``structured_field``: the API's name for what asked
-    for structured outputs, ``response_format`` or, for tool calls, ``tool_choice``)."""
-    text = str(exc)
-    field = SAMPLING_FIELD.search(text)
-    param = field.group(1) if field else (prompt_field if text.startswith("prompt") else None)
-    param = {"structured_outputs": structured_field}.get(param, param)  # (the API's name for it)
-    return ApiError(400, text, param, "context_length_exceeded" if "max_model_len" in text else "invalid_value")
-
-
-def bearer_matches(header: str | None, key: str) -> bool:
-    """``Authorization: Bearer <key>`` (scheme case-insensitive), compared in constant time."""
-    scheme, _, token = (header or "").strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
-
-
-OPEN_ROUTES = frozenset({"/health", "/metrics"})  # what a balancer and a scraper read: no key
-
-
-def default_body_limit(max_model_len: int) -> int:
-    """The largest request body a server takes by default: 16 MiB, or more for a long context (a prompt of
-    max_model_len tokens as JSON, ~64 bytes a token with escapes, twice over for messages and tools)."""
-    return max(16 << 20, 128 * max_model_len)
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over ``app.state.max_body_bytes`` gets a 413 (OpenAI's error shape) before the
-    route reads it, by its Content-Length or, for a chunked body, as soon as the bytes received pass the limit."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    async def __call__(self, scope, receive, send):
-        limit = getattr(app.state, "max_body_bytes", None)
-        if scope["type"] != "http" or limit is None:
-            return await self.inner(scope, receive, send)
-        declared = dict(scope.get("headers", ())).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return await self._refuse(scope, receive, send, limit)
-        received, over = 0, False
-
-        async def counted():
-            nonlocal received, over
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:  # the route's body parsing fails on this; its answer becomes the 413
-                    over = True
-                    raise BodyTooLarge
-            return message
-
-        refused = False
-
-        async def answered(message):
-            nonlocal refused
-            if not over:
-                await send(message)
-            elif not refused:
-                refused = True
-                await self._refuse(scope, receive, send, limit)
-
-        try:
-            await self.inner(scope, counted, answered)
-        except BodyTooLarge:
-            if not refused:
-                await self._refuse(scope, receive, send, limit)
-
-    @staticmethod
-    async def _refuse(scope, receive, send, limit: int) -> None:
-        response = error_response(ApiError(413, f"the request body is larger than this server takes ({limit} bytes, "
-                                           "max_body_bytes)", code="request_too_large"))
-        await response(scope, receive, send)
-
-
-app.add_middleware(BodyLimit)
-
-
-def route_of(request: Request) -> str:
-    """The request's path within the app (without the prefix the application is served under)."""
-    path, prefix = request.url.path, request.scope.get("root_path", "")
-    return path[len(prefix):] or "/" if prefix and path.startswith(prefix) else path
+app.add_middleware(BodyLimit, limit=max_body_bytes, respond=error_response)
 
 
 @app.middleware("http")
@@ -480,7 +347,7 @@ class DSparkServer:
     def _prompt_text(self, prompt: list[int]) -> str:
         """Token ids as text (without a tokenizer, each token's ``token_text``)."""
         if self.tokenizer is None:
-            return "".join(protocol.token_text(None, t) for t in prompt)
+            return "".join(responses.token_text(None, t) for t in prompt)
         return self.tokenizer.decode(prompt)
 
     async def _respond(self, body, prompts: list[list[int]], params, prompt_field: str, chat: bool,
@@ -500,7 +367,7 @@ class DSparkServer:
             raise ApiError(400, f"{len(prompts)} prompts x {len(samples)} samples exceed the {most} requests this "
                            f"server queues (deployment.max_waiting_requests): send fewer prompts a request",
                            prompt_field)
-        rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+        rid = responses.new_id("chatcmpl" if chat else "cmpl")
         arrival = time.monotonic()
         # n samples: n engine requests with their own seeds; the later ones wait for the first to compute the
         # prompt and start from its cached pages. A stream's outputs carry only each step's new tokens and logprobs;
@@ -550,8 +417,8 @@ class DSparkServer:
         for last in lasts:
             self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), len(last.token_ids))
         # every sample drawn counts, best_of's discarded ones too
-        usage = protocol.usage(sum(len(p) for p in prompts), lasts)
-        choice = protocol.chat_choice if chat else protocol.completion_choice
+        usage = responses.usage(sum(len(p) for p in prompts), lasts)
+        choice = responses.chat_choice if chat else responses.completion_choice
         choices, drawn, shown = [], len(samples), body.prompt_logprobs
         for p, prompt in enumerate(prompts):
             for out in best_samples(lasts[p * drawn:(p + 1) * drawn], params):
@@ -559,15 +426,15 @@ class DSparkServer:
                 choices.append(choice(p * params.n + out.index, out.text if echoes is None else echoes[p] + out.text,
                                       out.finish_reason, self._logprobs(entries, chat)))
                 if shown is not None and not chat:  # vLLM's: each choice its prompt's
-                    choices[-1]["prompt_logprobs"] = protocol.prompt_logprobs_body(self.tokenizer,
+                    choices[-1]["prompt_logprobs"] = responses.prompt_logprobs_body(self.tokenizer,
                                                                                    out.prompt_logprobs, shown)
                 if tool_mode is not None:
-                    choices[-1]["message"], choices[-1]["finish_reason"] = protocol.tool_message(
+                    choices[-1]["message"], choices[-1]["finish_reason"] = responses.tool_message(
                         tool_mode, self._called(body), out.text, out.finish_reason, self._tool_parser()[0])
-        build = protocol.chat_body if chat else protocol.completion_body
+        build = responses.chat_body if chat else responses.completion_body
         response = build(rid, body.model, choices, usage)
         if shown is not None and chat:  # vLLM's: the chat's one prompt, beside the choices
-            response["prompt_logprobs"] = protocol.prompt_logprobs_body(self.tokenizer, lasts[0].prompt_logprobs, shown)
+            response["prompt_logprobs"] = responses.prompt_logprobs_body(self.tokenizer, lasts[0].prompt_logprobs, shown)
         return response
 
     def _tool_parser(self) -> tuple:
@@ -587,15 +454,15 @@ class DSparkServer:
         request asked for no logprobs)."""
         if entries is None:
             return None
-        return protocol.echoed_prompt(prompt, out.prompt_logprobs, top) + entries
+        return responses.echoed_prompt(prompt, out.prompt_logprobs, top) + entries
 
     def _logprobs(self, entries, chat: bool, text_offset: int = 0) -> dict | None:
         """The response's ``logprobs`` for ``entries`` (None when the request asked for none)."""
         if entries is None:
             return None
         if chat:
-            return protocol.chat_logprobs(self.tokenizer, entries)
-        return protocol.completion_logprobs(self.tokenizer, entries, text_offset)
+            return responses.chat_logprobs(self.tokenizer, entries)
+        return responses.completion_logprobs(self.tokenizer, entries, text_offset)
 
     async def _stream(self, body, rid: str, prompts: list[list[int]], firsts: list[RequestOutput],
                       streams: list[AsyncIterator[RequestOutput]], chat: bool, timing: dict,
@@ -624,7 +491,7 @@ class DSparkServer:
 
         # a chat answer that may call tools streams as tool calls (ChatCompletionRequest.tool_call_mode)
         tool_mode = body.tool_call_mode() if chat else None
-        calls = [protocol.ToolCallDeltas(tool_mode, self._called(body),
+        calls = [responses.ToolCallDeltas(tool_mode, self._called(body),
                                          self._tool_parser()[1]() if tool_mode == "auto" else None)
                  for _ in range(n)] if tool_mode is not None else None
 
@@ -650,17 +517,17 @@ class DSparkServer:
             says = bool(message.get("content")) if "content" in message else bool(message)  # (text, or calls)
             if not (says or reason or logprobs):
                 return None
-            payload = protocol.chat_chunk(rid, body.model, message, reason, logprobs, i) if chat \
-                else protocol.completion_chunk(rid, body.model, delta, reason, logprobs, i)
+            payload = responses.chat_chunk(rid, body.model, message, reason, logprobs, i) if chat \
+                else responses.completion_chunk(rid, body.model, delta, reason, logprobs, i)
             if body.continuous_usage:
-                payload["usage"] = protocol.usage(prompt_tokens, lasts, generated)
+                payload["usage"] = responses.usage(prompt_tokens, lasts, generated)
             return sse(payload)
 
         pumps = [asyncio.create_task(pump(i)) for i in range(n) if not firsts[i].finished]
         try:
             if chat:
                 for i in range(n):
-                    yield sse(protocol.chat_chunk(rid, body.model, {"role": "assistant", "content": ""}, None,
+                    yield sse(responses.chat_chunk(rid, body.model, {"role": "assistant", "content": ""}, None,
                                                   index=i))
             for i, first in enumerate(firsts):
                 text = chunk(i, first)
@@ -676,7 +543,7 @@ class DSparkServer:
                     yield text
         except Exception as exc:  # an error event and [DONE]: a stream never just stops
             err = failure(exc)
-            yield sse(protocol.error_body(err.status, redact(err.message), err.param, err.code))
+            yield sse(responses.error_body(err.status, redact(err.message), err.param, err.code))
             yield "data: [DONE]\n\n"
             return
         finally:  # a client that disconnected aborts its requests (frees their pages) right away
@@ -687,69 +554,11 @@ class DSparkServer:
         for count in generated:
             self.metrics.observe(timing["arrival"], timing["first"], time.monotonic(), count)
         if body.include_usage:
-            yield sse(protocol.usage_chunk(rid, body.model, kind, protocol.usage(prompt_tokens, lasts, generated)))
+            yield sse(responses.usage_chunk(rid, body.model, kind, responses.usage(prompt_tokens, lasts, generated)))
         yield "data: [DONE]\n\n"
 
 
-async def gather_or_cancel(awaitables: Iterable[Awaitable]) -> list:
-    """``asyncio.gather`` of ``awaitables`` as tasks; when one fails, or the caller is cancelled, the others are
-    cancelled and awaited before the error propagates: none is left running a request's sample stream (a stream still
-    running cannot be closed, and its request would generate on until garbage collection)."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """A streamed response that closes its request's sample streams however it ends: finished, failed, or cut by a
-    client gone before or while its body was sent. (Starlette cancels the send of a client that disconnected
-    without closing a body iterator it never started: that request's samples would generate on until garbage
-    collection.)"""
-
-    def __init__(self, content: AsyncIterator[str], close: Callable[[], Awaitable[None]], **kwargs):
-        super().__init__(content, **kwargs)
-        self._close = close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._close()
-
-
-def first_token_time(outputs: list[RequestOutput]) -> float | None:
-    """When the engine committed the first token of any of a request's samples (time.monotonic), if it has."""
-    times = [out.first_token_time for out in outputs if out.first_token_time is not None]
-    return min(times) if times else None
-
-
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
 DSparkDeployment = serve.deployment(name="dspark")(serve.ingress(app)(DSparkServer))
-
-
-def serve_plan(parsed: ServeArgs) -> PlacementPlan:
-    """The placement of each Serve replica's shards and drafter, decided where the app is built. A ``cuda``
-    engine declares GPU bundles even when the cluster shows no GPUs yet (workers still starting, or autoscaling
-    from zero): Serve then holds the replica until the cluster grants them (PACK unless a strategy is set)."""
-    engine, speculative = parsed.engine, parsed.engine.speculative_config is not None
-    use_gpus = engine.device.startswith("cuda") or (
-        engine.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-    try:
-        return plan_placement(parsed.parallel, speculative, use_gpus, groups.cluster_nodes())
-    except PlacementError:
-        if not engine.device.startswith("cuda"):
-            raise
-        strategy = parsed.parallel.placement_strategy or "PACK"
-        pending = parsed.parallel.model_copy(update={"placement_strategy": strategy})
-        return plan_placement(pending, speculative, True, [NodeResources("pending", float("inf"), float("inf"))])
 
 
 def build_app(args: dict | ServeArgs):

@@ -414,7 +414,7 @@ def test_auto_tool_choice_answers_in_text_or_calls_through_the_hermes_parser(ser
     """``tool_choice: auto`` (the default with tools) on a server with ``tool_call_parser: hermes``: the answer is
     the engine's (special tokens kept: the parser reads tags), as text where it makes no call (this random model
     makes none), streamed too; an answer with <tool_call> blocks becomes OpenAI's calls (``tool_message``)."""
-    from cluster.serve import protocol
+    from cluster.serve import responses
     from cluster.serve.tool_parsers import parse_hermes
 
     client, local, tokenizer = server["client"], server["local"], server["local"].tokenizer
@@ -429,11 +429,11 @@ def test_auto_tool_choice_answers_in_text_or_calls_through_the_hermes_parser(ser
                                                  tools=[WEATHER], stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
     text = 'Checking. <tool_call>{"name": "weather", "arguments": {"city": "Oslo", "days": 1}}</tool_call>'
-    message, finish = protocol.tool_message("auto", None, text, "stop", parse_hermes)
+    message, finish = responses.tool_message("auto", None, text, "stop", parse_hermes)
     assert finish == "tool_calls" and message["content"] == "Checking."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
         ("weather", {"city": "Oslo", "days": 1})]
-    assert protocol.tool_message("auto", None, "just text", "length", parse_hermes) == (
+    assert responses.tool_message("auto", None, "just text", "length", parse_hermes) == (
         {"role": "assistant", "content": "just text"}, "length")
 
 
@@ -852,7 +852,7 @@ def test_two_serve_replicas_behind_one_route_in_serves_placement_groups(server, 
 def test_a_cuda_engine_declares_gpu_bundles_before_the_gpus_arrive(server, near_bigram_target):
     """On this CPU-only cluster a cuda engine still declares GPU bundles (workers may still be starting, or
     autoscale from zero): Serve holds the replica until they come, instead of placing it on CPUs."""
-    from cluster.serve.app import serve_plan
+    from cluster.placement.serving import serve_plan
     from configs import ServeArgs
 
     def plan(device, **parallel):

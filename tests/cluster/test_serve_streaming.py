@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from cluster.serve.app import ClosingStreamingResponse, gather_or_cancel
+from cluster.serve.streaming import ClosingStreamingResponse, gather_or_cancel
 
 
 def body(started: list):
