@@ -1,27 +1,5 @@
-"""Speculation that never costs: DSpark with the engine's defaults (the speculation guard on) against our AR engine
-and against DSpark with every block verified (``speculation_guard: false``), per drafter kind and concurrency.
-
-The pairs are built here so that what a drafter is worth is known and reproducible (a pure bigram target, ``tests.
-builders``; its greedy next token is ``f(x) = argmax table[x]``):
-
-- ``untrained``: a random drafter (almost nothing accepted);
-- ``weak``: the oracle drafter (it proposes ``f``'s chain) with 30% of its table's rows wrong (acceptance in between);
-- ``good``: the oracle drafter (every draft accepted);
-- ``mixed``: the oracle drafter with the rows of every token outside one basin of ``f`` wrong, and half the requests
-  prompted into that basin (they accept every draft: the chain never leaves it), half outside (they accept none).
-
-A fourth engine, ``undrafted``, is DSpark that never drafts (``Engine.forced_draft_len`` 0): what a
-DSpark engine's plain step costs beside AR's, the floor of what the guard can reach (a plain step still extends the
-drafter's context, so that a probe or a return to drafting finds it whole).
-
-Each engine serves a steady load (``SteadyLoad``): ``c`` greedy requests of ``--tokens`` tokens (end of sequence
-ignored), each replaced by a new one of its class when it finishes. Each (kind, concurrency) runs an untimed warmup
-of ``--seconds`` per engine (allocations; the guard learns, as a long-lived serving engine has), then ``--rounds``
-rounds, each the four engines back to back for ``--seconds`` each, each round in another order. Ratios are per
-round (paired), reported as the median with the rounds' range.
-
-On a CPU this measures the decisions, not a GPU's step costs: a tiny model's steps are mostly host time, so the
-drafting step's relative cost differs from a GPU's. Absolute tokens/s count only from a GPU run (``--device cuda``).
+"""Speculation that never costs, on pairs of known worth: ``dspark bench --drafter-kinds`` (``cluster.bench.drafter_kinds``,
+whose docstring says what each kind is and how it is measured), runnable without installing the package.
 
 usage: python3 benchmarks/speculation_guard.py --out FILE.json [--kinds untrained,weak,good,mixed]
            [--concurrency 1,4,16,64] [--tokens 64] [--rounds 6] [--seconds 1] [--device cpu]
@@ -30,98 +8,13 @@ usage: python3 benchmarks/speculation_guard.py --out FILE.json [--kinds untraine
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import shlex
-import statistics
 import sys
-import tempfile
-import time
-from datetime import date
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime import LLM, SamplingParams  # noqa: E402
-from tests import builders  # noqa: E402
-
-BLOCK = 7  # K = 7 drafts a block (block_size = max_draft_len)
-KINDS = ("untrained", "weak", "good", "mixed")
-
-
-def basins(successor: list[int]) -> list[int]:
-    """[V] the cycle each token's chain under ``successor`` ends in, named by the cycle's smallest token."""
-    found: dict[int, int] = {}
-    for start in range(len(successor)):
-        path, x = [], start
-        while x not in found and x not in path:
-            path.append(x)
-            x = successor[x]
-        if x in found:
-            name = found[x]
-        else:  # a new cycle: from x around back to x
-            cycle, y = [x], successor[x]
-            while y != x:
-                cycle.append(y)
-                y = successor[y]
-            name = min(cycle)
-        for token in path:
-            found[token] = name
-    return [found[x] for x in range(len(successor))]
-
-
-def build(root: Path, kind: str, target: Path, table: torch.Tensor, good_tokens: set[int]) -> Path:
-    """The drafter of ``kind`` for ``target`` (``table``: its bigram logits [V, V])."""
-    config = builders.drafter_config(target, block_size=BLOCK, markov_rank=builders.VOCAB if kind != "untrained"
-                                     else 16, head_type="vanilla", confidence=True)
-    tensors = builders.drafter_tensors(config, seed=1)
-    if kind != "untrained":
-        drafted = table.clone()
-        if kind == "weak":
-            wrong = torch.rand(len(table), generator=torch.Generator().manual_seed(3)) < 0.3
-        elif kind == "mixed":
-            wrong = torch.tensor([x not in good_tokens for x in range(len(table))])
-        else:
-            wrong = torch.zeros(len(table), dtype=torch.bool)
-        rows = wrong.nonzero().flatten()
-        drafted[rows, table[rows].argmax(-1)] = -1e4  # those rows propose their second best: never the target's
-        builders.make_oracle(tensors, config, drafted)
-    return builders.save_drafter(root / f"drafter-{kind}", config, tensors)
-
-
-class SteadyLoad:
-    """``c`` requests decoding at all times: one that finishes (``tokens`` tokens) is replaced by a new request of its
-    class (for ``mixed``: the same basin), so the batch's mix stays as set, as under a steady serving load."""
-
-    def __init__(self, llm: LLM, kind: str, c: int, tokens: int, good: list[int], bad: list[int], seed: int):
-        self.engine, self.kind, self.good, self.bad = llm.engine, kind, good, bad
-        self.params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, output_kind="delta")
-        self.generator = torch.Generator().manual_seed(seed)
-        self.classes: dict[str, int] = {}
-        for i in range(c):
-            self.add(i % 2)
-
-    def add(self, klass: int) -> None:
-        pool = (self.good if klass == 0 else self.bad) if self.kind == "mixed" else self.good + self.bad
-        body = torch.randint(3, builders.VOCAB - 1, (15,), generator=self.generator).tolist()
-        last = pool[int(torch.randint(len(pool), (1,), generator=self.generator))]
-        self.classes[self.engine.add_request(body + [last], self.params)] = klass
-
-    def run(self, seconds: float) -> float:
-        """Steps for ``seconds`` of wall time -> output tokens per second."""
-        tokens, began = 0, time.perf_counter()
-        while time.perf_counter() - began < seconds:
-            for out in self.engine.step():
-                tokens += len(out.new_token_ids)
-                if out.finish_reason is not None:
-                    self.add(self.classes.pop(out.request_id))
-        return tokens / (time.perf_counter() - began)
-
-    def close(self) -> None:
-        self.engine.abort_all()
+from cluster.bench.drafter_kinds import KINDS, measure_kinds  # noqa: E402
 
 
 def main() -> None:
@@ -138,69 +31,8 @@ def main() -> None:
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         parser.error(f"--kinds: unknown {unknown}; choose from {', '.join(KINDS)}")
-    concurrency = [int(c) for c in args.concurrency.split(",")]
-    root = Path(tempfile.mkdtemp())
-    target = builders.save_target(root / "target", "qwen3", seed=5, residual_scale=0.0)
-    table = builders.bigram_table(target)  # [V, V]
-    successor = table.argmax(-1).tolist()
-    named = basins(successor)
-    largest = max(set(named), key=named.count)
-    good = [x for x in range(3, builders.VOCAB - 1) if named[x] == largest]
-    bad = [x for x in range(3, builders.VOCAB - 1) if named[x] != largest]
-    dtype = "float32" if args.device == "cpu" else "bfloat16"
-    engine = {"dtype": dtype, "device": args.device, "max_num_seqs": max(concurrency),
-              "max_model_len": 16 + args.tokens + 2 * BLOCK, "kv_cache_memory": 1 << 30}
-    ar = LLM(str(target), **engine)
-    rows = []
-    hardware = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
-    record = {"benchmark": "speculation_guard", "date": str(date.today()), "hardware": hardware,
-              "host": platform.node(), "torch": torch.__version__, "command": "python3 " + shlex.join(sys.argv),
-              "max_draft_len": BLOCK, "tokens": args.tokens, "rounds": args.rounds, "seconds": args.seconds,
-              "target": "pure bigram (tests.builders, residual 0)",
-              "engine": {k: ar.rank_info()[0][k] for k in ("device", "dtype", "kernel_backend", "cuda_graphs")},
-              "rows": rows}
-    for kind in kinds:
-        drafter = build(root, kind, target, table, set(good))
-        spec = {"speculative_model": str(drafter), "max_draft_len": BLOCK}
-        engines = {"ar": ar, "guarded": LLM(str(target), speculative_config=spec, **engine),
-                   "fixed": LLM(str(target), speculative_config={**spec, "speculation_guard": False}, **engine),
-                   "undrafted": LLM(str(target), speculative_config={**spec, "speculation_guard": False}, **engine)}
-        # the guard's floor: a DSpark engine that never drafts (the engine's profiling knob: a block of 0 every
-        # step) still keeps the drafter's context, step by step
-        engines["undrafted"].engine.forced_draft_len = 0
-        for c in concurrency:
-            loads = {name: SteadyLoad(llm, kind, c, args.tokens, good, bad, seed=c) for name, llm in engines.items()}
-            for load in loads.values():  # warmup: allocations, and the guard learns (a serving engine is long-lived)
-                load.run(args.seconds)
-            rounds = {name: [] for name in engines}
-            names = list(loads)
-            for r in range(args.rounds):  # each round in another order (a host's drift favours no engine)
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    rounds[name].append(loads[name].run(args.seconds))
-            for load in loads.values():
-                load.close()
-            guarded = [g / a for g, a in zip(rounds["guarded"], rounds["ar"])]
-            fixed = [f / a for f, a in zip(rounds["fixed"], rounds["ar"])]
-            undrafted = [u / a for u, a in zip(rounds["undrafted"], rounds["ar"])]
-            row = {"drafter_kind": kind, "concurrency": c,
-                   "ar_tokens_per_s": round(statistics.median(rounds["ar"]), 1),
-                   "dspark_tokens_per_s": round(statistics.median(rounds["guarded"]), 1),
-                   "dspark_fixed_tokens_per_s": round(statistics.median(rounds["fixed"]), 1),
-                   "dspark_vs_ar": round(statistics.median(guarded), 3),
-                   "dspark_vs_ar_range": [round(min(guarded), 3), round(max(guarded), 3)],
-                   "fixed_vs_ar": round(statistics.median(fixed), 3),
-                   "fixed_vs_ar_range": [round(min(fixed), 3), round(max(fixed), 3)],
-                   "undrafted_vs_ar": round(statistics.median(undrafted), 3),
-                   "fixed_mean_acceptance_length": engines["fixed"].get_metrics()["mean_acceptance_length"],
-                   "guard": {k: v for k, v in engines["guarded"].get_metrics()["speculation_guard"].items()
-                             if k != "buckets"}}
-            rows.append(row)
-            print(json.dumps({k: row[k] for k in ("drafter_kind", "concurrency", "dspark_vs_ar", "fixed_vs_ar",
-                                                  "undrafted_vs_ar")}),
-                  flush=True)
-            Path(args.out).write_text(json.dumps(record, indent=1) + "\n")  # (a run cut short keeps its rows)
-        for name in ("guarded", "fixed", "undrafted"):
-            engines[name].engine.executor.shutdown()
+    measure_kinds(kinds, [int(c) for c in args.concurrency.split(",")], args.tokens, args.rounds, args.seconds,
+                  args.device, "python3 " + shlex.join(sys.argv), args.out)
 
 
 if __name__ == "__main__":

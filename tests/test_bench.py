@@ -669,3 +669,33 @@ def test_a_profile_takes_decode_steps_after_every_prefill_chunk(tmp_path, monkey
     assert sum(prefilling for _, prefilling in steps) >= 5
     profiled = [prefilling for inside, prefilling in steps if inside]
     assert len(profiled) == 5 and not any(profiled)
+
+
+def test_drafter_kinds_measure_dspark_against_ar_on_pairs_of_known_worth(tmp_path):
+    """``dspark bench --drafter-kinds``: every row names its kind and concurrency with both engines' tokens/s and
+    the guard's counters; the oracle drafter's blocks are accepted, the random one's hardly ever; a kind not offered
+    is refused naming the allowed ones."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "kinds.json"
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--drafter-kinds", "good,untrained",
+                           "--concurrency", "2", "--rounds", "1", "--kind-seconds", "0.2", "--kind-tokens", "12",
+                           "--device", "cpu", "--out", str(out)], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["command"].startswith("dspark bench --drafter-kinds good,untrained")
+    rows = {row["drafter_kind"]: row for row in record["rows"]}
+    assert set(rows) == {"good", "untrained"}
+    for row in rows.values():
+        assert row["concurrency"] == 2 and row["ar_tokens_per_s"] > 0 and row["dspark_tokens_per_s"] > 0
+        assert {"plain_steps", "drafting_steps"} <= set(row["guard"])
+    # (a request's 12 tokens cut its last block: 1 from the prompt, a whole block of 8, then what is left)
+    assert rows["good"]["fixed_mean_acceptance_length"] > 4
+    assert rows["untrained"]["fixed_mean_acceptance_length"] < 1.5
+    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--drafter-kinds", "good,perfect"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "untrained, weak, good, mixed" in bad.stderr and "'good,perfect'" in bad.stderr

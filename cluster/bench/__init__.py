@@ -2,8 +2,9 @@
 in ``sweep``'s docstring and ``dspark bench --help``).
 
 - ``shapes``: model shapes built with random weights; ``measure``: step times, workloads, bytes, peers;
-  ``profiling``: where a step's time goes; ``stats``: paired rounds, ratios, spreads, bounds; ``sweep``: the sweep,
-  tuning and the record; ``report``: its summary; ``cli``: the arguments and entry point.
+  ``profiling``: where a step's time goes; ``stats``: paired rounds, ratios, spreads, bounds; ``sweep``: the sweep
+  and the record; ``tuning``: the fastest draft length per concurrency; ``report``: its summary;
+  ``drafter_kinds``: speculation against AR on pairs of known worth; ``cli``: the arguments and entry point.
 """
 
 from cluster.bench.cli import add_parser, main

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
 from cluster.arg_types import SIZE_FORMS, device_name, gib, integer, memory_size, moe_backend, number
 from cluster.bench import sweep
+from cluster.bench.drafter_kinds import KINDS, measure_kinds
 from cluster.bench.report import summary
 from cluster.bench.shapes import MODEL_SHAPES
 from cluster.bench.stats import PAIRED_ROUNDS
@@ -55,6 +57,11 @@ def add_parser(commands) -> None:
     which = bench.add_mutually_exclusive_group(required=True)
     which.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), help="random weights of this shape")
     which.add_argument("--model", help="a trained target (needs --speculative-model)")
+    which.add_argument("--drafter-kinds", type=kind_list, metavar="KINDS",
+                       help=f"pairs whose worth is known by construction, comma-separated from {','.join(KINDS)}: "
+                       "DSpark with the engine's defaults against our AR per kind and --concurrency, in --rounds "
+                       "alternating rounds (cluster.bench.drafter_kinds; with --kind-seconds, --kind-tokens, "
+                       "--device, --out)")
     bench.add_argument("--speculative-model", help="the trained drafter of --model")
     bench.add_argument("--concurrency", type=concurrency_list, default=[1, 4, 16, 64, 256],
                        help="comma-separated request counts, each >= 1 (default 1,4,16,64,256)")
@@ -188,11 +195,29 @@ def add_parser(commands) -> None:
                        "--concurrency), one record field *_profile_batch{N} each")
     bench.add_argument("--profile-trace", help="with --profile: also write each profile's timeline (Chrome trace, "
                        "gzip) into this folder")
+    kinds = bench.add_argument_group("drafter kinds (--drafter-kinds)")
+    kinds.add_argument("--kind-seconds", type=number(0.1), default=1.0, help="wall time of each engine's run in a "
+                       "round, and of its warmup (default 1)")
+    kinds.add_argument("--kind-tokens", type=integer(1), default=64, help="tokens each request generates before a new "
+                       "one of its class replaces it (default 64)")
     bench.add_argument("--out", help="write the JSON record here (default: print it)")
     bench.set_defaults(handler=main)
 
 
+def kind_list(text: str) -> list[str]:
+    import argparse
+
+    kinds = [k for k in text.split(",") if k]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if not kinds or unknown:
+        raise argparse.ArgumentTypeError(f"wants drafter kinds from {', '.join(KINDS)} separated by commas, got "
+                                         f"{text!r}")
+    return kinds
+
+
 def main(args) -> int:
+    if args.drafter_kinds is not None:
+        return drafter_kinds_main(args)
     if args.model is not None and args.speculative_model is None:
         print("dspark bench: --model needs --speculative-model", file=sys.stderr)
         return 2
@@ -284,4 +309,17 @@ def main(args) -> int:
     print(summary(record), file=sys.stderr)
     if args.plot:
         print(f"dspark bench: plot {plot(record, args.plot)}", file=sys.stderr)
+    return 0
+
+
+def drafter_kinds_main(args) -> int:
+    """``--drafter-kinds``: the record of ``cluster.bench.drafter_kinds`` (the sweep's other flags do not apply)."""
+    if args.rounds < 1 or args.rounds % 2 == 0:
+        print(f"dspark bench: --rounds must be an odd number >= 1 (the median round is kept), got {args.rounds}",
+              file=sys.stderr)
+        return 2
+    record = measure_kinds(args.drafter_kinds, args.concurrency, args.kind_tokens, args.rounds, args.kind_seconds,
+                           args.device, "dspark bench " + shlex.join(sys.argv[2:]), args.out)
+    if not args.out:
+        print(json.dumps(record, indent=1))
     return 0
