@@ -31,6 +31,7 @@ from runtime.engine.profiling import region
 from runtime.engine.requests import RequestIntake
 from runtime.engine.speculation_plan import SpeculationPlanning
 from runtime.engine.step_learning import StepLearning
+from runtime.engine.step_profile import profile_step_costs
 from runtime.models.loader import load_hf_config
 from runtime.sampling.generation_defaults import model_sampling_defaults
 from runtime.sampling.grammar import GrammarBackend
@@ -45,7 +46,6 @@ from runtime.spec.guard import SpeculationGuard
 from runtime.spec.stats import ConfidenceStats
 from runtime.spec.step_costs import StepCostTable
 from runtime.spec.survival import read_calibration
-from runtime.worker.step_profile import profile_step_costs
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,8 @@ class Engine(RequestIntake, SpeculationPlanning, StepLearning, StepCommit):
         self._packed_from = 0  # the fewest requests the target's packed graphs serve (0: none captured)
         self._graph_q_lens: list[int] = []  # tokens per request of the target's graphs (none: eager steps)
         self._graph_prefill = ([], 0)  # the prefill chunk graphs' lengths and token cap (graph_layout.graphed_q_len)
-        # profiling (runtime.worker.step_profile): every decoding request verifies at most this many drafts, and the steps
-        # are planned and launched ahead at that length as a confidence-scheduled engine's are at its cap
+        # profiling (runtime.engine.step_profile): every decoding request verifies at most this many drafts, and the
+        # steps are planned and launched ahead at that length as a confidence-scheduled engine's are at its cap
         self.forced_verify_len: int | None = None
         # profiling: the block every step drafts, whatever the schedule (0: plain decoding, the drafter idle)
         self.forced_draft_len: int | None = None

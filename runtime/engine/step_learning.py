@@ -29,7 +29,7 @@ class StepLearning:
                          drafted: bool = True, serial: bool = False, packed_columns: int | None = None,
                          other_tokens: int = 0, held: bool = False, committed: int | None = None,
                          decision: Decision | None = None, verified: int | None = None) -> None:
-        """The step's wall time, schedule to commit (what the startup profile times: ``runtime.worker.step_profile``), into
+        """The step's wall time, schedule to commit (what the startup profile times: ``runtime.engine.step_profile``), into
         the cost table at the rows the model computed: a graphed verify step at its graph's cell (the batch bucket
         x Q, padding requests included: one run's steps of 60 and 72 requests, timed as the 64 and 96 graphs they
         replayed, sat in the 64 row at 480 and 576 tokens, 11.6 and 15.7 ms, and through the row's non-decreasing

@@ -842,8 +842,8 @@ def test_graphed_steps_are_priced_at_the_graph_they_replay(layout, requests):
 
 def test_the_table_learns_whole_steps_as_the_startup_profile_times_them(tmp_path, near_bigram_target,
                                                                          confident_drafter, monkeypatch):
-    """A served step is observed schedule to commit, as ``runtime.worker.step_profile`` times a step: host work outside the
-    executor (here a commit made 30 ms slower) is in the observed time. Observing the executor alone made the cells the
+    """A served step is observed schedule to commit, as ``runtime.engine.step_profile`` times a step: host work outside
+    the executor (here a commit made 30 ms slower) is in the observed time. Observing the executor alone made the cells the
     scheduler served look cheaper than the profiled ones it did not serve, so it kept trimming."""
     import time as time_module
 

@@ -715,11 +715,11 @@ class AcceptingExecutor(PackingExecutor):
 
 
 def test_the_step_profile_never_lets_a_request_finish_even_when_every_draft_is_accepted(tmp_path):
-    """The profile's requests are sized to what its steps can commit (``runtime.worker.step_profile``); a request that
+    """The profile's requests are sized to what its steps can commit (``runtime.engine.step_profile``); a request that
     finished mid-profile was a KeyError at startup (packed steps ranked by confidence gave the surest
     request every draft of its block at any budget). While profiling, a packed step of c columns verifies c drafts
     of every request, and the requests drafted first verify none while the rest prefill."""
-    from runtime.worker.step_profile import profile_step_costs
+    from runtime.engine.step_profile import profile_step_costs
 
     eng, ex = spark_engine(tmp_path)  # block 4
     accepting = AcceptingExecutor(ex.num_pages)
@@ -807,7 +807,7 @@ def test_the_step_profile_plans_and_launches_each_verify_length_as_served(tmp_pa
     short of the block dropped a verify launched ahead at the full block and ran it again (1.5-3 ms a step too slow
     on the GPU, and the scheduler never trimmed). Now only the first step of a new length (untimed) finds the step
     before it launched at the old one."""
-    from runtime.worker.step_profile import profile_step_costs
+    from runtime.engine.step_profile import profile_step_costs
 
     eng, ex = spark_engine(tmp_path)  # block 4
     eng._graph_q_lens = ex.describe()[0]["graph_q_lens"]  # (as Engine._confidence_scheduler reads it, then profiles)
@@ -836,7 +836,7 @@ def test_the_step_profile_times_packed_steps_where_packed_graphs_serve_them(tmp_
     """With packed graphs (from 2 requests here), the profile's steps of that many requests verify columns 1..K-1
     packed, as the packed layout serves them (whole blocks fed, the budget columns x requests), launched ahead like
     any other length; one request's steps are trimmed (padded) as before, and 0 and K are uniform steps."""
-    from runtime.worker.step_profile import profile_step_costs
+    from runtime.engine.step_profile import profile_step_costs
 
     eng, ex = spark_engine(tmp_path)  # block 4
     packing = PackingExecutor(ex.num_pages)
