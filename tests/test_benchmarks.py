@@ -276,8 +276,13 @@ def test_e2e_bench_pairs_our_two_engines_on_real_prompts_and_runs_our_ar_alone(t
     drafter = make_drafter(target, 3)
     common = ["--model", str(target), "--concurrency", "2", "--requests", "2", "--max-tokens", "6", "--rounds", "1",
               "--max-draft-len", "3", "--device", "cpu", "--kv-cache-gib", "0.1"]
-    assert module.main([*common, "--drafter", str(drafter), "--out", str(tmp_path / "pair.json")]) == 0
-    row = json.loads((tmp_path / "pair.json").read_text())["rows"][0]
+    assert module.main([*common, "--drafter", str(drafter), "--profile-steps", "2", "--profile-concurrency", "2",
+                        "--out", str(tmp_path / "pair.json")]) == 0
+    record = json.loads((tmp_path / "pair.json").read_text())
+    # both engines' decode steps profiled first (host regions and the step's median wall time), then measured
+    assert [p["engine"] for p in record["profiles"]] == ["ar", "dspark"]
+    assert all(p["steps"] == 2 and p["step_ms_median"] > 0 for p in record["profiles"])
+    row = record["rows"][0]
     assert row["concurrency"] == 2 and row["ar_tokens_per_s"] > 0 and row["dspark_tokens_per_s"] > 0
     assert row["tau"] >= 1 and "plain_steps" in row["speculation_guard"]  # the guard's decisions at this level
     assert module.main([*common, "--drafter", "none", "--out", str(tmp_path / "ar.json")]) == 0
