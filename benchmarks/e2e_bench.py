@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-draft-len", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of our two engines (default 2)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--kv-cache-gib", type=float, default=16)
+    parser.add_argument("--kv-cache-gib", type=float, help="KV cache of each engine (default 16 on a GPU, 1 on the CPU: "
+                        "both engines hold theirs at once)")
     parser.add_argument("--hf", choices=("none", "eager", "compile"), default="none",
                         help="also time transformers generate: eager (dynamic cache) or compile (static cache + "
                         "torch.compile); default none")
@@ -189,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     from runtime import LLM, SamplingParams
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    engine = dict(device=args.device, max_num_seqs=max(levels), kv_cache_memory=int(args.kv_cache_gib * 2**30),
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else 1.0 if on_cpu else 16.0
+    engine = dict(device=args.device, max_num_seqs=max(levels), kv_cache_memory=int(kv_gib * 2**30),
                   max_model_len=4096)
     ar = LLM(args.model, **engine)
     spec = None if args.drafter == "none" else LLM(
