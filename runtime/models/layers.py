@@ -199,12 +199,6 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
 
-    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, d] -> q [T, Hq, D], k, v [T, Hkv, D]; q and k normed and rotated at their positions."""
-        q, k, v = self._qkv(x)
-        q, k = self.kernels.qk_norm_rope(q, k, *self._weights(), self.eps, cos, sin)
-        return q, k, v
-
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, d] -> (k, v) [T, Hkv, D], k normed and rotated at its own positions (no q is computed)."""
         if self.qkv_proj is not None:
