@@ -216,8 +216,6 @@ def kind_list(text: str) -> list[str]:
 
 
 def main(args) -> int:
-    if args.drafter_kinds is not None:
-        return drafter_kinds_main(args)
     if args.model is not None and args.speculative_model is None:
         print("dspark bench: --model needs --speculative-model", file=sys.stderr)
         return 2
@@ -273,6 +271,8 @@ def main(args) -> int:
             print(f"dspark bench: {flag} must be an odd number >= 1 (the median round is kept), got {rounds}",
                   file=sys.stderr)
             return 2
+    if args.drafter_kinds is not None:
+        return drafter_kinds_main(args)
     needs_mixed = [flag for flag, given in (("--mixed-prefill-apart", args.mixed_prefill_apart),
                                             ("--mixed-eager", args.mixed_eager), ("--profile-mixed", args.profile_mixed))
                    if given]
@@ -314,10 +314,6 @@ def main(args) -> int:
 
 def drafter_kinds_main(args) -> int:
     """``--drafter-kinds``: the record of ``cluster.bench.drafter_kinds`` (the sweep's other flags do not apply)."""
-    if args.rounds < 1 or args.rounds % 2 == 0:
-        print(f"dspark bench: --rounds must be an odd number >= 1 (the median round is kept), got {args.rounds}",
-              file=sys.stderr)
-        return 2
     record = measure_kinds(args.drafter_kinds, args.concurrency, args.kind_tokens, args.rounds, args.kind_seconds,
                            args.device, "dspark bench " + shlex.join(sys.argv[2:]), args.out)
     if not args.out:

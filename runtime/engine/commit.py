@@ -43,6 +43,9 @@ class StepCommit:
                     and result.error is None:
                 self.verification_log.append((seq.draft_confidence[:entry.num_drafts], result.num_accepted))
             try:
+                fault = self._mask_faults.pop(entry.request_id, None)
+                if fault is not None:
+                    raise RequestFault(f"its grammar's token masks failed: {type(fault).__name__}: {fault}")
                 if result.error is not None:
                     constraints = constraints_of(seq.params)
                     if constraints:  # every token masked: (-inf logits everywhere) the request asked the impossible

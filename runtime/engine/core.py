@@ -146,6 +146,7 @@ class Engine(RequestIntake, SpeculationPlanning, StepLearning, StepCommit):
         self._grammar_backend: GrammarBackend | None = None  # structured outputs' compiler (_grammars)
         self._grammar_lock = threading.Lock()  # (compile_grammar runs on other threads too)
         self._mask_jobs: GrammarMaskJobs | None = None  # their token masks, computed off this thread (_grammars)
+        self._mask_faults: dict[str, Exception] = {}  # this step's requests whose mask job failed: they fail alone
         self._structured: set[str] = set()  # ids of structured requests, pruned to live ones each step (_mask_grammars)
         # whether speculating pays, per request and per batch (runtime.spec.guard); not while drafting is pipelined
         # (two groups alternate steps: each step drafts the other group's blocks)

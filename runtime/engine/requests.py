@@ -81,11 +81,16 @@ class RequestIntake:
 
     def _mask_grammars(self, scheduled: list[ScheduledRequest]) -> None:
         """Each scheduled structured request's token masks for the rows it commits this step
-        (``runtime.sampling.grammar``), ready (``_masks_not_ready``)."""
+        (``runtime.sampling.grammar``), ready (``_masks_not_ready``). A request whose mask job failed is noted in
+        ``_mask_faults``: its commit fails it alone (nothing of the step is kept for it)."""
+        self._mask_faults.clear()  # (a step that never committed leaves none behind)
         for entry in scheduled:
             seq = self.sequences.get(entry.request_id)
             if entry.sample and seq is not None and seq.grammar is not None:
-                entry.token_mask = self._mask_jobs.take(seq, entry.num_drafts)
+                try:
+                    entry.token_mask = self._mask_jobs.take(seq, entry.num_drafts)
+                except Exception as exc:  # (the grammar library's own failure, on this request's matcher)
+                    self._mask_faults[entry.request_id] = exc
 
     def _prepare_masks(self) -> None:
         """After a commit: start computing every live structured request's next rows (its tokens and drafts are

@@ -97,7 +97,3 @@ class GrammarMaskJobs:
         live = set(live)
         for request_id in [r for r in self._jobs if r not in live]:
             del self._jobs[request_id]
-
-    def shutdown(self) -> None:
-        """Cancel the jobs not started; those running end on their own (each is one step's rows)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -137,9 +137,11 @@ class _SlowRowsBackend:
         self.words, self.seconds = (vocab + 31) // 32, seconds
 
     def matcher(self, wanted, compiled=None):
-        return {"slow": wanted.regex == "slow"}
+        return {"slow": wanted.regex == "slow", "broken": wanted.regex == "broken"}
 
     def row_masks(self, matcher, drafts):
+        if matcher["broken"]:
+            raise RuntimeError("the matcher is corrupt")
         if matcher["slow"]:
             time.sleep(self.seconds)
         return np.full((1 + len(drafts), self.words), -1, dtype=np.int32)
@@ -180,3 +182,25 @@ def test_a_grammar_slow_to_mask_delays_only_its_own_request(near_bigram_target, 
     assert tokens[fast] == alone[1] and tokens[slow] == alone[0][:3]
     assert longest < 0.2, longest  # no step of the fast request waited for the slow grammar's 0.4 s
     assert fast_done_at < 1.2, fast_done_at  # (the slow request needs at least 3 x 0.4 s)
+
+
+def test_a_grammar_whose_masks_fail_fails_its_request_alone(near_bigram_target):
+    """A mask job that raises (the grammar library's fault on one matcher) ends that request with an error naming
+    it; the other requests of its steps decode as they do alone."""
+    from runtime.sampling.grammar_masks import GrammarMaskJobs
+
+    llm = LLM(str(near_bigram_target), **ENGINE)
+    engine = llm.engine
+    alone = llm.generate(PROMPTS[1:3], SamplingParams(max_tokens=12, temperature=0))
+    backend = _SlowRowsBackend(engine.vocab_size, 0.0)
+    engine._grammar_backend, engine._mask_jobs = backend, GrammarMaskJobs(backend)
+    broken = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0,
+                                                           structured_outputs=StructuredOutputs(regex="broken")))
+    others = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=0)) for p in PROMPTS[1:3]]
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished[broken].finish_reason == "error" and "the matcher is corrupt" in finished[broken].error
+    assert [finished[r].token_ids for r in others] == [o.token_ids for o in alone]
