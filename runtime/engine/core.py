@@ -150,7 +150,7 @@ class Engine(RequestIntake, SpeculationPlanning, StepLearning, StepCommit):
         self._structured: set[str] = set()  # ids of structured requests, pruned to live ones each step (_mask_grammars)
         # whether speculating pays, per request and per batch (runtime.spec.guard); not while drafting is pipelined
         # (two groups alternate steps: each step drafts the other group's blocks)
-        self.guard = SpeculationGuard(int(self.spec.max_draft_len or 0)) \
+        self.guard = SpeculationGuard(int(self.spec.max_draft_len or 0), runs_ahead=self._runs_ahead) \
             if self.spec is not None and self.spec.speculation_guard and not self.pipelined else None
         if self.spec is not None and self.spec.enable_confidence_scheduling:
             self.confidence = self._confidence_scheduler()
@@ -328,7 +328,10 @@ class Engine(RequestIntake, SpeculationPlanning, StepLearning, StepCommit):
         confidence scheduler's step-time model (deferred with its decision, on a mixed step)."""
         scheduled = plan.scheduled
         if plan.guarded and scheduled and not any(e.feeds_prompt for e in scheduled):
-            self.guard.observe_step(len(scheduled), plan.drafted, sum(e.num_drafts for e in scheduled), seconds)
+            # (steady: as a run of plain steps runs, each launched ahead by the one before: see the guard's prices)
+            steady = not self._runs_ahead or (not plan.serial and plan.batch.run_ahead)
+            self.guard.observe_step(len(scheduled), plan.drafted, sum(e.num_drafts for e in scheduled), seconds,
+                                    steady)
         if self.confidence is None or not scheduled:
             return
         step = (scheduled, seconds, decided, plan.drafted, plan.serial,

@@ -13,10 +13,15 @@ sides while the engine serves and decides, step by step:
 
 The prices come from the engine's own steps, per batch bucket (powers of two): a plain step's time (``plain_s``) and
 a drafting step's time as a function of its verified drafts (``drafting_s + verify_s x drafts``, a ridge fit that
-forgets old steps). Where a price is missing the guard drafts (the engine was given a drafter) and, now and then,
-runs two plain steps in a row to time one (``exploration``); unless the requests' expected extra tokens together do
-not beat the margin: a drafting step never costs less than a plain one, so then drafting cannot pay at any price
-(an untrained drafter at a batch size not seen before decodes plain from its first step).
+forgets old steps). A plain step is priced as a run of plain steps runs, since that is what a batch that stops
+drafting does: on an engine that launches each plain step while the host still finishes the one before
+(``runs_ahead``), only a *steady* plain step is timed, one launched ahead and launching the next ahead; a plain step
+between drafting steps also pays the host's work that the overlap hides (on a GPU 15-60% more than a steady step).
+Where a price is missing the guard drafts (the engine was given a drafter) and, now and then, runs plain steps in a
+row to time one (``exploration``: two, the second clean of the block verified at the first; with ``runs_ahead``
+four, the third steady); unless the requests' expected extra tokens together do not beat the margin: a drafting step
+never costs less than a plain one, so then drafting cannot pay at any price (an untrained drafter at a batch size
+not seen before decodes plain from its first step).
 
 Learning needs observations, and a request or a batch that stopped drafting shows none. So it is probed again at a
 bounded cost: a request left out verifies its block at its next probe (after 8 steps, then 16, 32, ... 512 while it
@@ -167,16 +172,20 @@ def bucket_of(batch: int) -> int:
 class SpeculationGuard:
     """Decides per step whether the batch drafts and whose drafts are verified (see the module docstring)."""
 
-    def __init__(self, max_draft_len: int, tuning: GuardTuning | None = None):
+    def __init__(self, max_draft_len: int, tuning: GuardTuning | None = None, runs_ahead: bool = False):
         self.max_draft_len = int(max_draft_len)
         self.tuning = tuning or GuardTuning()
+        # the engine launches a plain step ahead when it expects the next to be one too: an exploration is then four
+        # plain plans (the block verified at the first; the second serial; the third launched ahead and launching
+        # the fourth: steady, the one timed), else two (the second timed)
+        self.exploration_len = 4 if runs_ahead else 2
         self.population_gain: float | None = None  # accepted drafts a verify over every request seen
         self.verified_share = 1.0  # drafts a verifying request verified, over its block (confidence trims it)
         self.requests: dict[str, _RequestState] = {}
         self.buckets: dict[int, _BucketCosts] = {}
         self.plan_now: GuardPlan | None = None
         self.stats = GuardStats()
-        self._explore_left = 0  # plain plans left of an exploration (two in a row: the second step is clean)
+        self._explore_left = 0  # plain plans left of an exploration (exploration_len in a row)
         self._bucket = 0  # the bucket of the last plan
 
     # ---- learning ---------------------------------------------------------------------------------
@@ -194,15 +203,18 @@ class SpeculationGuard:
         state.weight = tuning.memory * state.weight + 1.0
         state.verifies += 1
 
-    def observe_step(self, batch: int, drafted: bool, verified_drafts: int, seconds: float) -> None:
+    def observe_step(self, batch: int, drafted: bool, verified_drafts: int, seconds: float,
+                     steady: bool = True) -> None:
         """A pure decode step's wall time (no prompt fed): ``batch`` requests, whether it drafted, the drafts it
-        verified. A plain step (drafted nothing, verified nothing) times the plain price; a drafting step the
-        drafting fit; a step that only verified (the one after drafting stopped) neither."""
+        verified, whether it ran as a run of plain steps runs (``steady``: launched ahead by the step before it and
+        launching the next one ahead; every step of an engine that launches none ahead). A steady plain step
+        (drafted nothing, verified nothing) times the plain price; a drafting step the drafting fit; a step that
+        only verified (the one after drafting stopped) or a plain step that is not steady neither."""
         costs = self.buckets.setdefault(bucket_of(batch), _BucketCosts())
         step = self.plan_now.step if self.plan_now is not None else 0
         if drafted:
             costs.observe_drafting(verified_drafts, seconds, step, self.tuning.forget, self.tuning.ridge)
-        elif verified_drafts == 0:
+        elif verified_drafts == 0 and steady:
             costs.observe_plain(seconds, step, 1.0 - self.tuning.plain_weight)
 
     # ---- deciding ---------------------------------------------------------------------------------
@@ -263,8 +275,8 @@ class SpeculationGuard:
             self._explore_left = max(self._explore_left - 1, 0)
             return self._record(GuardPlan(step, False, frozenset(), "ahead"))
         if not pinned and (self._explore_left or self._exploration_due(costs)):
-            if self._explore_left == 0:  # two plain steps: the second verifies nothing either, a clean plain step
-                self._explore_left, costs.since_exploration = 2, 0
+            if self._explore_left == 0:  # plain steps in a row until one is clean and steady (exploration_len)
+                self._explore_left, costs.since_exploration = self.exploration_len, 0
                 costs.explorations += 1
                 self.stats.explorations += 1
             self._explore_left -= 1

@@ -110,7 +110,8 @@ def drafter_config(target_dir: Path, *, block_size: int, layer_ids=(0, 2), num_l
                   target_layer_ids=list(layer_ids), markov_rank=markov_rank, markov_head_type=head_type,
                   enable_confidence_head=confidence, confidence_head_with_markov=with_markov and markov_rank > 0,
                   num_anchors=512, layer_types=["full_attention"] * num_layers, tie_word_embeddings=False,
-                  head_dim=16, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+                  head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
     return config
 
 

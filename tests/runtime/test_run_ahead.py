@@ -499,10 +499,10 @@ class DraftingExecutor(RecordingExecutor):
 
 
 def spark_engine(tmp_path, block: int = 4, confidence: bool = False, schedule: dict[int, int] | None = None,
-                 executor_class: type = DraftingExecutor) -> tuple[Engine, DraftingExecutor]:
+                 executor_class: type = DraftingExecutor, guard: bool = False) -> tuple[Engine, DraftingExecutor]:
     """A DSpark engine over ``DraftingExecutor`` (or ``executor_class``); ``confidence``: confidence scheduling, a
     step costing 2 ms plus 0.5 ms a token fed (the executor sleeps as much): of drafts of confidence 0.9, 0.1, ...
-    only the first pays; ``schedule``: its ``draft_len_schedule``."""
+    only the first pays; ``schedule``: its ``draft_len_schedule``; ``guard``: the speculation guard on."""
     from configs import DSparkDecodingConfig
     from runtime.spec.step_costs import StepCostTable
     from tests import builders
@@ -515,9 +515,9 @@ def spark_engine(tmp_path, block: int = 4, confidence: bool = False, schedule: d
         tokens = [1, 64, 512]
         StepCostTable([1, 64], tokens, [[2.0 + 0.5 * t for t in tokens]] * 2).save(tmp_path / "costs.json")
         spec = {"enable_confidence_scheduling": True, "confidence_cost_table_path": str(tmp_path / "costs.json")}
-    # the launch-ahead mechanics of a fixed schedule: the speculation guard off (it would learn the fake timings)
+    # the launch-ahead mechanics of a fixed schedule: the speculation guard off unless asked (it learns the timings)
     config = LLMConfig(model=str(target), speculative_config=DSparkDecodingConfig(speculative_model=str(drafter),
-                                                                                  speculation_guard=False, **spec),
+                                                                                  speculation_guard=guard, **spec),
                        num_pages=256, page_size=16, max_num_seqs=8, device="cpu", dtype="float32")
     executor = executor_class(config.num_pages, timed=confidence)
     eng = Engine(config, executor)
@@ -861,3 +861,25 @@ def test_the_step_profile_times_packed_steps_where_packed_graphs_serve_them(tmp_
     assert ahead == {1, 2, 3}  # each packed length planned and launched ahead as served
     row = dict(zip(table.token_counts, table.to_json()["step_ms"][1]))
     assert table.batch_sizes == [1, 2] and all(row[2 * (length + 1)] is not None for length in range(5))
+
+
+def test_the_guard_prices_plain_decoding_only_on_steady_steps_launched_ahead_and_launching_ahead(tmp_path):
+    """On an engine that launches plain steps ahead, a plain step between drafting steps pays the host's work a run
+    of plain steps hides: the guard's plain price takes only steps launched ahead that launch the next ahead, and
+    its exploration is four plain plans so that one of them is."""
+    eng, ex = spark_engine(tmp_path, guard=True)
+    seen = []
+    observe = eng.guard.observe_step
+
+    def record(batch, drafted, verified_drafts, seconds, steady=True):
+        seen.append((len(ex.batches) - 1, drafted, verified_drafts, steady))
+        observe(batch, drafted, verified_drafts, 1.0 if not drafted else 2.0, steady)
+
+    eng.guard.observe_step = record
+    serve(eng, (list(range(10, 30)), greedy(60)), (list(range(40, 45)), greedy(60)))
+    assert eng.guard.exploration_len == 4 and eng.guard.stats.explorations >= 1
+    plain = [(i, steady) for i, drafted, verified, steady in seen if not drafted and not verified]
+    assert any(steady for _, steady in plain) and not all(steady for _, steady in plain)
+    for i, steady in plain:  # steady: launched ahead by the step before, launching the next one ahead
+        assert steady == (ex.batches[i - 1].run_ahead and ex.batches[i].run_ahead), i
+    assert eng.guard.buckets[2].plain_s == 1.0

@@ -48,6 +48,24 @@ def test_unpriced_it_drafts_then_times_two_plain_steps_until_one_is_priced():
     assert guard.buckets[1].plain_s == 1.0
 
 
+def test_where_steps_run_ahead_an_exploration_is_four_plain_plans_and_only_a_steady_plain_step_is_a_price():
+    guard = SpeculationGuard(K, runs_ahead=True)
+    for step in range(4):
+        guard.plan(step, ["a"])
+        guard.observe_step(1, True, K, 1.2)
+    # the block drafted at 3 verified at 4; 5 in its turn, launching 6 ahead; 6 launching 7 ahead: the steady one
+    assert guard.plan(4, ["a"]).reason == "explore" and guard.drafts(5) is False
+    assert guard.plan(5, ["a"]).reason == "explore" and guard.drafts(6) is False
+    assert guard.plan(6, ["a"], ahead=True).reason == "ahead" and guard.drafts(7) is False
+    assert guard.plan(7, ["a"], ahead=True).reason == "ahead" and guard.drafts(8) is True
+    for _ in range(3):
+        guard.observe_step(1, False, 0, 5.0, steady=False)  # between drafting steps: no price
+    assert guard.buckets[1].plain_s is None and guard.buckets[1].plain_seen == 0
+    guard.observe_step(1, False, 0, 1.0)
+    guard.observe_step(1, False, 0, 1.0)  # (the first one timed at a bucket is left out)
+    assert guard.buckets[1].plain_s == 1.0
+
+
 def test_a_pause_of_the_host_is_no_price():
     guard = SpeculationGuard(K)
     priced(guard, 1)
@@ -153,8 +171,9 @@ def synthetic_prices(llm: LLM, plain: float = 1.0, drafting: float = 1.5, per_dr
     guard = llm.engine.guard
     observe = guard.observe_step
 
-    def fixed(batch, drafted, verified_drafts, seconds):
-        observe(batch, drafted, verified_drafts, (drafting + per_draft * verified_drafts) if drafted else plain)
+    def fixed(batch, drafted, verified_drafts, seconds, steady=True):
+        observe(batch, drafted, verified_drafts, (drafting + per_draft * verified_drafts) if drafted else plain,
+                steady)
 
     guard.observe_step = fixed
 
