@@ -377,9 +377,10 @@ def agreement(first: list[list[int]], second: list[list[int]]) -> dict:
 
 def hf_generate_tokens_per_s(target_dir: Path, shape: bool, tokens: int, device, compiled: bool = False) -> dict:
     """transformers ``generate`` at batch 1, greedy, on the same target: eager with its dynamic cache, or
-    (``compiled``) with a static cache and ``torch.compile`` (its ``CompileConfig``, mode reduce-overhead),
-    compiled by an untimed generation of the same length first. -> tokens_per_s and the untimed warmup's
-    seconds (the compile time, when compiled)."""
+    (``compiled``) as its documentation recommends: a static cache and ``CompileConfig(fullgraph=True,
+    mode="reduce-overhead")`` (transformers' default ``fullgraph=False`` lets graph breaks split the forward into
+    several CUDA graphs with Python between them), compiled by untimed generations of the same length first. ->
+    tokens_per_s and the untimed warmup's seconds (the compile time, when compiled)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig
 
@@ -393,7 +394,8 @@ def hf_generate_tokens_per_s(target_dir: Path, shape: bool, tokens: int, device,
     ids = torch.randint(3, config.vocab_size - 1, (1, 128), device=device)
     options = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
     if compiled:
-        options.update(cache_implementation="static", compile_config=CompileConfig(mode="reduce-overhead"))
+        options.update(cache_implementation="static",
+                       compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
     start = time.perf_counter()
     for _ in range(3 if compiled else 1):  # reduce-overhead records its CUDA graphs on the second call
         model.generate(ids, **options)
