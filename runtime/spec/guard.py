@@ -340,9 +340,14 @@ class SpeculationGuard:
 
     def _exploration_due(self, costs: _BucketCosts) -> bool:
         """Time a plain step at this bucket: none timed yet (after 4 drafting steps), or ``explore_every``
-        drafting steps since the last."""
-        if costs.plain_steps == 0:  # (again every 4 drafting steps until one is timed: the first is left out)
-            return costs.drafting_seen >= 4 and costs.since_exploration >= 4
+        drafting steps since the last. Before a price exists, an exploration that timed nothing (a request
+        finished or arrived in it: a step that feeds a prompt is no price, and under a steady load with short
+        requests most steps do) doubles the wait for the next, up to ``explore_every``: plain steps that never
+        price anything must not become a fixed share of the steps."""
+        if costs.plain_steps == 0:  # (the first plain step timed is left out: two explorations at least)
+            misses = max(costs.explorations - costs.plain_seen, 0)  # explorations that timed no plain step
+            wait = min(4 << min(misses, 16), self.tuning.explore_every)
+            return costs.drafting_seen >= 4 and costs.since_exploration >= wait
         return costs.since_exploration >= self.tuning.explore_every
 
     def _record(self, plan: GuardPlan) -> GuardPlan:

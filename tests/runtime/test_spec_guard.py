@@ -66,6 +66,24 @@ def test_where_steps_run_ahead_an_exploration_is_four_plain_plans_and_only_a_ste
     assert guard.buckets[1].plain_s == 1.0
 
 
+def test_explorations_that_time_nothing_come_ever_more_rarely():
+    """Under a steady load of short requests a step often feeds a prompt (no price): an exploration that timed no
+    plain step doubles the wait for the next (4, 8, 16 ... drafting steps, at most explore_every)."""
+    guard = SpeculationGuard(K)
+    starts, step = [], 0
+    while step < 600:
+        plan = guard.plan(step, ["a"])
+        if plan.reason == "explore":
+            if not starts or starts[-1][1] != step - 1:
+                starts.append((len(starts), step))
+        else:
+            guard.observe_step(1, True, K, 1.2)
+        step += 1  # (the plain steps feed a prompt: never observed)
+    waits = [b - a - 2 for (_, a), (_, b) in zip(starts, starts[1:])]
+    assert waits[:6] == [8, 16, 32, 64, 128, 256] and set(waits[6:]) <= {256}
+    assert guard.buckets[1].plain_s is None
+
+
 def test_a_pause_of_the_host_is_no_price():
     guard = SpeculationGuard(K)
     priced(guard, 1)
