@@ -521,6 +521,12 @@ class GraphedTargetForward:
         self._plan_copied.record()
         self.planned[self._key(batch, q_len, columns)] = layout
 
+    def _max_pages(self, batch: int, q_len: int) -> int:
+        """The page-table entries a step of ``batch`` requests of ``q_len`` tokens can hold: each request's own pages
+        and, past them, the scratch pages its padding reaches (``graph_inputs``: a request padded to ``q_len``
+        tokens near the end of its context, or a padding request, addresses up to ``q_len`` more positions)."""
+        return batch * (self.pages_per_seq + -(-q_len // self.page_size))
+
     def _meta(self, layout: HostLayout, batch: int, q_len: int) -> PagedAttentionMeta:
         # Only the host layout and geometry matter to FlashInfer; the device fields are placeholders.
         seq_lens = self.seq_lens[:batch]
@@ -540,7 +546,7 @@ class GraphedTargetForward:
 
     def _capture_packed(self, batch: int, columns: int) -> CapturedPackedGraph:
         q_len = self.q_lens[-1]
-        wrapper = self.backend.graph_wrapper(self.device, batch, batch * self.pages_per_seq, q_len)
+        wrapper = self.backend.graph_wrapper(self.device, batch, self._max_pages(batch, q_len), q_len)
         layout = self._write_inputs([], batch, q_len)
         meta = self.backend.plan_attention(self._meta(layout, batch, q_len), wrapper)
         ids, positions, slots = (t[:batch * q_len] for t in self.inputs)
@@ -569,7 +575,7 @@ class GraphedTargetForward:
         return CapturedPackedGraph(graph, wrapper, out.lengths, out.captured, out.block_verdict, context)
 
     def _capture(self, batch: int, q_len: int) -> CapturedGraph:
-        wrapper = self.backend.graph_wrapper(self.device, batch, batch * self.pages_per_seq, q_len)
+        wrapper = self.backend.graph_wrapper(self.device, batch, self._max_pages(batch, q_len), q_len)
         layout = self._write_inputs([], batch, q_len)
         meta = self.backend.plan_attention(self._meta(layout, batch, q_len), wrapper)
         ids, positions, slots = (t[:batch * q_len] for t in self.inputs)

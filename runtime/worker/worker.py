@@ -223,8 +223,11 @@ class Worker:
 
     @property
     def prefill_q_lens(self) -> list[int]:
-        """The tokens a request of the prefill graphs feeds: ``PREFILL_Q_LENS`` a step's token budget allows."""
-        return [q for q in PREFILL_Q_LENS if q <= self.config.max_num_batched_tokens]
+        """The tokens a request of the prefill graphs feeds: ``PREFILL_Q_LENS`` a step's token budget allows, up to
+        the first that holds a whole ``max_model_len`` (a longer chunk than that is never fed)."""
+        max_len = self.config.max_model_len or int(self.target.config.max_position_embeddings)
+        fits = [q for q in PREFILL_Q_LENS if q <= self.config.max_num_batched_tokens]
+        return [q for i, q in enumerate(fits) if i == 0 or fits[i - 1] < max_len]
 
     def graph_gemm_rows(self) -> set[int]:
         """The row counts this worker's graphs feed their GEMMs (``install_small_gemms`` pads some): every batch

@@ -503,6 +503,17 @@ def test_a_short_prefill_replays_a_graph_and_decodes_as_the_eager_one(wide_targe
     assert tokens == eager.generate([prompt], GREEDY)[0].token_ids and first.token_ids == tokens[:1]
 
 
+def test_a_short_context_engine_captures_its_graphs_and_decodes_as_the_eager_one(wide_target):
+    """max_model_len 48 with pages of 16: the prefill graphs stop at the first length holding a whole context, and
+    every graph's page table holds a request padded past its own pages (a 30-token prompt replays the 32 graph)."""
+    prompt = list(range(40, 70))
+    graphed = LLM(str(wide_target), **{**ENGINE, "max_model_len": 48})
+    assert graphed.rank_info()[0]["graph_prefill_q_lens"] == [16, 24, 32, 48]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eager = LLM(str(wide_target), **{**ENGINE, "max_model_len": 48, "enforce_eager": True})
+    assert graphed.generate([prompt], params)[0].token_ids == eager.generate([prompt], params)[0].token_ids
+
+
 def drive(llm, lengths: tuple[int, ...], late_at: int, late_tokens: int, abort_at: int) -> list[list[int]]:
     """Step ``llm``'s engine over PROMPTS (greedy, ``lengths`` tokens each), a late request of ``late_tokens``
     arriving after step ``late_at`` and the third prompt aborted after step ``abort_at`` -> each one's tokens."""

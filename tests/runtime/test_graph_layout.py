@@ -235,3 +235,28 @@ def test_piecewise_token_buckets_end_at_the_step_budget():
     assert bucket_of(buckets, 513) == 640 and bucket_of(buckets, 2049) is None
     with pytest.raises(ValueError, match="max_tokens must be positive"):
         token_buckets(0)
+
+
+def test_a_graphs_page_table_holds_the_padding_of_a_request_at_the_end_of_its_context():
+    """A request near its context's end padded to a long prefill graph's Q addresses scratch pages past its own
+    (as does a padding request): the graph's page table holds them (here max_model_len 10, pages of 4: 4 pages a
+    request, a 16-token graph's padding reaches 3 more)."""
+    forward = object.__new__(GraphedTargetForward)
+    forward.page_size, forward.scratch_page, forward.pages_per_seq = PS, SCRATCH, -(-(10 + 1) // PS) + 1
+    late = request("a", [5], start=9, pages=[1, 2, 3])  # its 10th token, padded to 16
+    layout, _ = layout_of([late], batch=2, q_len=16)
+    assert sum(len(pages) for pages in layout.page_ids) == 7 + 4  # its 7, the padding request's 4
+    assert sum(len(pages) for pages in layout.page_ids) <= forward._max_pages(2, 16)
+
+
+def test_prefill_graphs_stop_at_the_first_length_that_holds_a_whole_context():
+    from types import SimpleNamespace
+
+    from runtime.worker.worker import Worker
+
+    worker = object.__new__(Worker)
+    worker.target = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4096))
+    worker.config = SimpleNamespace(max_model_len=94, max_num_batched_tokens=512)
+    assert worker.prefill_q_lens == [16, 24, 32, 48, 64, 96]  # (a chunk is at most 94 tokens)
+    worker.config = SimpleNamespace(max_model_len=None, max_num_batched_tokens=100)
+    assert worker.prefill_q_lens == [16, 24, 32, 48, 64, 96]  # (the step's budget)
