@@ -64,7 +64,7 @@ class GuardTuning:
 OUTLIER = 4.0  # a step's time is taken as at most this many times the price learned so far
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestState:
     accepted: float = 0.0  # its verifies' accepted drafts, older ones weighed down (GuardTuning.memory)
     weight: float = 0.0  # those verifies' weight
@@ -198,9 +198,12 @@ class SpeculationGuard:
         pop = self.population_gain
         self.population_gain = accepted if pop is None else pop + tuning.population_weight * (accepted - pop)
         self.verified_share += 0.05 * (min(verified / max(self.max_draft_len, 1), 1.0) - self.verified_share)
-        state = self.requests.setdefault(request_id, _RequestState())
-        state.accepted = tuning.memory * state.accepted + accepted
-        state.weight = tuning.memory * state.weight + 1.0
+        state = self.requests.get(request_id)  # (every verify of every request: no state built to be thrown away)
+        if state is None:
+            state = self.requests[request_id] = _RequestState()
+        memory = tuning.memory
+        state.accepted = memory * state.accepted + accepted
+        state.weight = memory * state.weight + 1.0
         state.verifies += 1
 
     def observe_step(self, batch: int, drafted: bool, verified_drafts: int, seconds: float,
@@ -281,11 +284,11 @@ class SpeculationGuard:
                 self.stats.explorations += 1
             self._explore_left -= 1
             return self._record(GuardPlan(step, False, frozenset(), "explore"))
-        gains = sorted(((self.gain(r), r) for r in request_ids), reverse=True)  # [batch] best first
+        gains = sorted(self._gains(request_ids), reverse=True)  # [batch] (gain, request) best first
         fit = costs.drafting_fit(tuning.ridge)
         # a drafting step never costs less than a plain one, so where everyone's expected extra tokens together do
         # not beat the margin drafting cannot pay at any price: decide so before this bucket's prices are known
-        hopeless = sum(max(gain, 0.0) for gain, _ in gains) <= tuning.margin * batch
+        hopeless = sum(gain for gain, _ in gains) <= tuning.margin * batch  # (gains are means of counts: >= 0)
         if (costs.plain_s is None or fit is None) and not hopeless:
             return self._record(GuardPlan(step, True, None, "unpriced"))
         best_m = 0
@@ -293,11 +296,15 @@ class SpeculationGuard:
             base, per_draft = fit
             drafts_each = self.max_draft_len * self.verified_share
             best_rate, tokens = batch / costs.plain_s * (1 + tuning.margin), float(batch)
+            last = 0.0
             for m, (gain, _) in enumerate(gains, start=1):
                 tokens += gain
                 rate = tokens / (base + per_draft * drafts_each * m)
                 if rate > best_rate:
                     best_m, best_rate = m, rate
+                elif m > 1 and rate < last:  # (gains fall with m, the cost grows linearly: the rate only falls on)
+                    break
+                last = rate
         if best_m == 0 and pinned:
             return self._record(GuardPlan(step, True, None if len(pinned) == batch else frozenset(pinned), "pinned"))
         if best_m == 0:
@@ -317,14 +324,17 @@ class SpeculationGuard:
                 return self._record(GuardPlan(step, True, None, "probe"))
             return self._record(GuardPlan(step, False, frozenset(), "plain"))
         costs.probe_interval, costs.next_probe, costs.arrival_interval, costs.next_arrival_probe = 0, 0, 0, 0
+        requests = self.requests
         chosen = set(pinned)
-        for _, request_id in gains[:best_m]:
-            chosen.add(request_id)
-            state = self.requests.get(request_id)
-            if state is not None:
+        chosen.update(request_id for _, request_id in gains[:best_m])
+        for _, request_id in gains[:best_m]:  # chosen: a left-out request's probe interval starts over
+            state = requests.get(request_id)
+            if state is not None and state.probe_interval:
                 state.probe_interval = 0
         for _, request_id in gains[best_m:]:  # left out: probed after probe_first steps, then twice as long
-            state = self.requests.setdefault(request_id, _RequestState())
+            state = requests.get(request_id)
+            if state is None:
+                state = requests[request_id] = _RequestState()
             if state.probe_interval == 0:
                 state.probe_interval, state.next_probe = tuning.probe_first, step + tuning.probe_first
             elif step >= state.next_probe:
@@ -333,6 +343,16 @@ class SpeculationGuard:
                 state.probe_interval = min(2 * state.probe_interval, tuning.probe_max)
                 state.next_probe = step + state.probe_interval
         return self._record(GuardPlan(step, True, None if len(chosen) == batch else frozenset(chosen), "pays"))
+
+    def _gains(self, request_ids: list[str]) -> list[tuple[float, str]]:
+        """[(gain, request)] for ``request_ids``: ``gain`` of each, in one pass (the plan's per-step host work)."""
+        prior = self.population_gain if self.population_gain is not None else float(self.max_draft_len)
+        n, requests, out = self.tuning.prior_verifies, self.requests, []
+        for request_id in request_ids:
+            state = requests.get(request_id)
+            out.append((prior if state is None or not state.verifies
+                        else (n * prior + state.accepted) / (n + state.weight), request_id))
+        return out
 
     def _unseen(self, request_id: str) -> bool:
         state = self.requests.get(request_id)

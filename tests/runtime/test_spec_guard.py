@@ -152,6 +152,31 @@ def test_a_mixed_batch_verifies_the_good_requests_and_probes_the_others():
     assert all(steps == [8, 24, 56, 120] for steps in probes.values()), probes
 
 
+def test_the_batch_verifies_the_best_number_of_blocks():
+    """The plan's ``m`` (the top requests by gain whose blocks are verified) maximizes expected tokens per second over
+    every m, plain decoding (m = 0, with the margin) included: brute force over random gains and prices."""
+    import random
+
+    rng = random.Random(3)
+    for trial in range(200):
+        batch = rng.randint(1, 24)
+        guard = SpeculationGuard(K)
+        plain = rng.uniform(0.5, 2)  # (a drafting step never costs less than a plain one)
+        drafting, per_draft = plain * rng.uniform(1, 3), rng.choice([0.0, rng.uniform(0, 0.2)])
+        priced(guard, batch, plain, drafting, per_draft)
+        ids = [f"r{i}" for i in range(batch)]
+        for request_id in ids:
+            teach(guard, request_id, rng.randint(0, K), verifies=rng.randint(1, 6))
+        plan = guard.plan(100, ids)
+        base, slope = guard.buckets[bucket_of(batch)].drafting_fit(guard.tuning.ridge)
+        gains = sorted((guard.gain(r) for r in ids), reverse=True)
+        rates = [batch / guard.buckets[bucket_of(batch)].plain_s * (1 + guard.tuning.margin)]
+        rates += [(batch + sum(gains[:m])) / (base + slope * K * guard.verified_share * m) for m in range(1, batch + 1)]
+        best = max(range(batch + 1), key=lambda m: (rates[m], -m))  # (the first of equal rates)
+        chosen = 0 if not plan.drafts else batch if plan.verifiers is None else len(plan.verifiers)
+        assert chosen == best or plan.reason == "probe", (trial, chosen, best, plan.reason)
+
+
 def test_a_request_that_pays_again_after_its_probe_is_verified_again():
     guard = SpeculationGuard(K, GuardTuning(probe_first=4))
     priced(guard, 2, plain=1.0, drafting=1.05, per_draft=0.05)
