@@ -452,7 +452,7 @@ class Bench:
     def release(self, llm) -> None:
         """Shut an engine down and free its memory before the next one is built."""
         import torch
-        
+
         from runtime.engine.heap import unfreeze_long_lived
 
         llm.engine.executor.shutdown()
