@@ -207,4 +207,4 @@ def _measure(engines: dict, kind: str, c: int, tokens: int, rounds: int, seconds
             "undrafted_vs_ar": round(statistics.median(undrafted), 3),
             "fixed_mean_acceptance_length": engines["fixed"].get_metrics()["mean_acceptance_length"],
             "guard": {k: v for k, v in engines["guarded"].get_metrics()["speculation_guard"].items()
-                      if k != "buckets"}}
+                      if k not in ("buckets", "prompt_buckets")}}

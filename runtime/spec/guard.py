@@ -182,7 +182,8 @@ class SpeculationGuard:
         self.population_gain: float | None = None  # accepted drafts a verify over every request seen
         self.verified_share = 1.0  # drafts a verifying request verified, over its block (confidence trims it)
         self.requests: dict[str, _RequestState] = {}
-        self.buckets: dict[int, _BucketCosts] = {}
+        self.buckets: dict[int, _BucketCosts] = {}  # pure decode steps' prices
+        self.prompt_buckets: dict[int, _BucketCosts] = {}  # prices of decode steps that also fed a prompt chunk
         self.plan_now: GuardPlan | None = None
         self.stats = GuardStats()
         self._explore_left = 0  # plain plans left of an exploration (exploration_len in a row)
@@ -207,17 +208,19 @@ class SpeculationGuard:
         state.verifies += 1
 
     def observe_step(self, batch: int, drafted: bool, verified_drafts: int, seconds: float,
-                     steady: bool = True) -> None:
-        """A pure decode step's wall time (no prompt fed): ``batch`` requests, whether it drafted, the drafts it
-        verified, whether it ran as a run of plain steps runs (``steady``: launched ahead by the step before it and
-        launching the next one ahead; every step of an engine that launches none ahead). A steady plain step
-        (drafted nothing, verified nothing) times the plain price; a drafting step the drafting fit; a step that
-        only verified (the one after drafting stopped) or a plain step that is not steady neither."""
-        costs = self.buckets.setdefault(bucket_of(batch), _BucketCosts())
+                     steady: bool = True, prompt: bool = False) -> None:
+        """A decode step's wall time: ``batch`` requests, whether it drafted, the drafts it verified, whether it ran
+        as a run of plain steps runs (``steady``: launched ahead by the step before it and launching the next one
+        ahead; every step of an engine that launches none ahead), whether it also fed a prompt chunk (``prompt``:
+        its prices are kept apart, ``prompt_buckets``; such a step is never launched ahead). A plain step (drafted
+        nothing, verified nothing), steady or feeding a prompt, times the plain price; a drafting step the drafting
+        fit; a step that only verified (the one after drafting stopped) or a plain step that is neither, nothing."""
+        table = self.prompt_buckets if prompt else self.buckets
+        costs = table.setdefault(bucket_of(batch), _BucketCosts())
         step = self.plan_now.step if self.plan_now is not None else 0
         if drafted:
             costs.observe_drafting(verified_drafts, seconds, step, self.tuning.forget, self.tuning.ridge)
-        elif verified_drafts == 0 and steady:
+        elif verified_drafts == 0 and (steady or prompt):
             costs.observe_plain(seconds, step, 1.0 - self.tuning.plain_weight)
 
     # ---- deciding ---------------------------------------------------------------------------------
@@ -285,17 +288,18 @@ class SpeculationGuard:
             self._explore_left -= 1
             return self._record(GuardPlan(step, False, frozenset(), "explore"))
         gains = sorted(self._gains(request_ids), reverse=True)  # [batch] (gain, request) best first
-        fit = costs.drafting_fit(tuning.ridge)
+        prices = self._prices(costs)
+        fit = prices.drafting_fit(tuning.ridge)
         # a drafting step never costs less than a plain one, so where everyone's expected extra tokens together do
         # not beat the margin drafting cannot pay at any price: decide so before this bucket's prices are known
         hopeless = sum(gain for gain, _ in gains) <= tuning.margin * batch  # (gains are means of counts: >= 0)
-        if (costs.plain_s is None or fit is None) and not hopeless:
+        if (prices.plain_s is None or fit is None) and not hopeless:
             return self._record(GuardPlan(step, True, None, "unpriced"))
         best_m = 0
         if not hopeless:
             base, per_draft = fit
             drafts_each = self.max_draft_len * self.verified_share
-            best_rate, tokens = batch / costs.plain_s * (1 + tuning.margin), float(batch)
+            best_rate, tokens = batch / prices.plain_s * (1 + tuning.margin), float(batch)
             last = 0.0
             for m, (gain, _) in enumerate(gains, start=1):
                 tokens += gain
@@ -344,6 +348,16 @@ class SpeculationGuard:
                 state.next_probe = step + state.probe_interval
         return self._record(GuardPlan(step, True, None if len(chosen) == batch else frozenset(chosen), "pays"))
 
+    def _prices(self, costs: _BucketCosts) -> _BucketCosts:
+        """The prices a plan at this bucket compares: its pure decode steps' where both are known, else its steps
+        that also fed a prompt (``prompt_buckets``), where both of those are: under a steady load of short requests
+        nearly every step feeds one, and the plan's choice is then between such steps (the prompt's share the same
+        either way)."""
+        if costs.plain_s is not None and costs.sw:
+            return costs
+        mixed = self.prompt_buckets.get(self._bucket)
+        return mixed if mixed is not None and mixed.plain_s is not None and mixed.sw else costs
+
     def _gains(self, request_ids: list[str]) -> list[tuple[float, str]]:
         """[(gain, request)] for ``request_ids``: ``gain`` of each, in one pass (the plan's per-step host work)."""
         prior = self.population_gain if self.population_gain is not None else float(self.max_draft_len)
@@ -380,18 +394,23 @@ class SpeculationGuard:
 
     def as_dict(self) -> dict:
         """The guard's counters and prices (``Engine.get_metrics()["speculation_guard"]``)."""
-        buckets = {}
-        for bucket, costs in sorted(self.buckets.items()):
-            fit = costs.drafting_fit(self.tuning.ridge)
-            buckets[bucket] = {
-                "plain_ms": None if costs.plain_s is None else round(1e3 * costs.plain_s, 4),
-                "drafting_ms": None if fit is None else round(1e3 * fit[0], 4),
-                "ms_per_verified_draft": None if fit is None else round(1e3 * fit[1], 5),
-                "plain_steps": costs.plain_steps, "drafting_steps": costs.drafting_steps}
+        def priced(table: dict[int, _BucketCosts]) -> dict:
+            out = {}
+            for bucket, costs in sorted(table.items()):
+                fit = costs.drafting_fit(self.tuning.ridge)
+                out[bucket] = {
+                    "plain_ms": None if costs.plain_s is None else round(1e3 * costs.plain_s, 4),
+                    "drafting_ms": None if fit is None else round(1e3 * fit[0], 4),
+                    "ms_per_verified_draft": None if fit is None else round(1e3 * fit[1], 5),
+                    "plain_steps": costs.plain_steps, "drafting_steps": costs.drafting_steps}
+            return out
+
+        buckets, prompt_buckets = priced(self.buckets), priced(self.prompt_buckets)
         stats = self.stats
         return {"plain_steps": stats.plain_steps, "drafting_steps": stats.drafting_steps,
                 "batch_probes": stats.batch_probes, "request_probes": stats.request_probes,
                 "explorations": stats.explorations, "trimmed_blocks": stats.trimmed_blocks,
                 "population_gain": None if self.population_gain is None else round(self.population_gain, 4),
-                "last_plan": None if self.plan_now is None else self.plan_now.reason, "buckets": buckets}
+                "last_plan": None if self.plan_now is None else self.plan_now.reason, "buckets": buckets,
+                "prompt_buckets": prompt_buckets}
 

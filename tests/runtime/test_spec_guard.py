@@ -84,6 +84,27 @@ def test_explorations_that_time_nothing_come_ever_more_rarely():
     assert guard.buckets[1].plain_s is None
 
 
+def test_where_every_step_feeds_a_prompt_the_guard_prices_and_decides_on_such_steps():
+    """Under a steady load of short requests nearly every step feeds a prompt chunk: those steps are priced apart
+    (``prompt_buckets``) and, while the pure steps are unpriced, the plan compares them: a batch whose half never
+    accepts verifies the good half only."""
+    guard = SpeculationGuard(K)
+    good, bad = [f"g{i}" for i in range(4)], [f"b{i}" for i in range(4)]
+    for request_id in good:
+        teach(guard, request_id, K)
+    for request_id in bad:
+        teach(guard, request_id, 0)
+    assert guard.plan(0, good + bad).reason == "unpriced"
+    for drafts in (0, 8 * K) * 4:
+        guard.observe_step(8, True, drafts, 1.3 + 0.01 * drafts, steady=False, prompt=True)
+    for _ in range(4):
+        guard.observe_step(8, False, 0, 1.0, steady=False, prompt=True)
+    assert guard.buckets[8].plain_s is None and guard.prompt_buckets[8].plain_s == 1.0
+    plan = guard.plan(1, good + bad)
+    assert plan.reason == "pays" and plan.verifiers == frozenset(good)
+    assert guard.as_dict()["prompt_buckets"][8]["plain_ms"] == 1000.0
+
+
 def test_a_pause_of_the_host_is_no_price():
     guard = SpeculationGuard(K)
     priced(guard, 1)
@@ -214,9 +235,9 @@ def synthetic_prices(llm: LLM, plain: float = 1.0, drafting: float = 1.5, per_dr
     guard = llm.engine.guard
     observe = guard.observe_step
 
-    def fixed(batch, drafted, verified_drafts, seconds, steady=True):
+    def fixed(batch, drafted, verified_drafts, seconds, steady=True, prompt=False):
         observe(batch, drafted, verified_drafts, (drafting + per_draft * verified_drafts) if drafted else plain,
-                steady)
+                steady, prompt)
 
     guard.observe_step = fixed
 
