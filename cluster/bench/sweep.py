@@ -83,6 +83,40 @@ from cluster.bench.stats import (APART, BESIDE_SINGLE_PROCESS, CONFIDENCE_MAX, E
 from cluster.bench.tuning import read_schedule, tune
 
 
+# a confidence-scheduled engine's row: its field (after "confidence_") <- get_metrics()["confidence_scheduling"][metric]
+CONFIDENCE_FIGURES = {
+    "verify_budget_per_request": "mean_verify_budget_per_request",
+    # the drafts each deciding request proposed: the block it drafted (padded and packed steps draft what the step
+    # verifying them can use, Engine.drafts_follow_cap / _columns)
+    "offered_per_request": "mean_offered_per_request",
+    "predicted_step_ms": "mean_predicted_step_ms",
+    "measured_step_ms": "mean_measured_step_ms",
+    "measured_decided_step_ms": "mean_measured_decided_step_ms",  # the decided steps alone: what was predicted
+    "expected_tokens_per_request": "mean_expected_tokens_per_request",
+    "committed_tokens_per_request": "mean_committed_tokens_per_request",
+    "cost_ms_per_context_token": "cost_table_ms_per_context_token",
+    # what whole blocks were predicted at the same steps (the tuned engine measures them)
+    "whole_block_expected_tokens_per_request": "mean_whole_block_expected_tokens_per_request",
+    "whole_block_predicted_step_ms": "mean_whole_block_predicted_step_ms",
+    "survival_correction": "survival_correction",
+    "survival_fit": "survival_fit",  # the online fit the survivals were ranked by (slope a position, bias a class)
+    # how much its survivals told this concurrency's drafts apart (Brier skill a position)
+    "survival_skill_per_position": "survival_skill_per_position",
+    # against the tuned engine's acceptance per position (whole blocks: the true survival)
+    "predicted_survival_per_position": "mean_predicted_survival_per_position",
+    "explored_decisions": "explored_decisions",
+    "unpacked_steps": "unpacked_steps",
+    "layout": "layout",
+    "drafting_off_steps": "drafting_off_steps",  # steps that drafted nothing since drafting did not pay
+    "drafting_holds": "drafting_holds",  # holds since startup
+    # of the judgements that began them, those the refit after their step reversed
+    "drafting_judgements_reversed": "drafting_judgements_reversed",
+    # and the holds a mixed step began that the first decode step after them ended
+    "drafting_mixed_holds_ended": "drafting_mixed_holds_ended",
+    "serial_steps": "serial_steps",  # timed steps not launched ahead (priced and learned with the serial excess)
+}
+
+
 def trace_path(args, kind: str, batch: int) -> str | None:
     return str(Path(args.profile_trace) / f"{kind}-batch{batch}.trace.json.gz") if args.profile_trace else None
 
@@ -321,43 +355,11 @@ class Bench:
             stats = llm.get_metrics()["confidence_scheduling"]
             self.rows[c].update(confidence_mean_acceptance_length=timing["mean_acceptance_length"],
                                 confidence_acceptance_per_position=timing["acceptance_per_position"],
-                                confidence_verify_budget_per_request=stats["mean_verify_budget_per_request"],
-                                # the drafts each deciding request proposed: the block it drafted (padded and packed
-                                # steps draft what the step verifying them can use, Engine.drafts_follow_cap / _columns)
-                                confidence_offered_per_request=stats["mean_offered_per_request"],
-                                confidence_predicted_step_ms=stats["mean_predicted_step_ms"],
-                                confidence_measured_step_ms=stats["mean_measured_step_ms"],
-                                # the decided steps alone: what confidence_predicted_step_ms predicted
-                                confidence_measured_decided_step_ms=stats["mean_measured_decided_step_ms"],
-                                confidence_expected_tokens_per_request=stats["mean_expected_tokens_per_request"],
-                                confidence_committed_tokens_per_request=stats["mean_committed_tokens_per_request"],
-                                confidence_cost_ms_per_context_token=stats["cost_table_ms_per_context_token"],
-                                # what whole blocks were predicted at the same steps (the tuned engine measures them)
-                                confidence_whole_block_expected_tokens_per_request=stats[
-                               "mean_whole_block_expected_tokens_per_request"],
-                           confidence_whole_block_predicted_step_ms=stats["mean_whole_block_predicted_step_ms"],
-                           confidence_survival_correction=stats["survival_correction"],
-                           # the online fit the survivals were ranked by (slope per position, bias per history class)
-                           confidence_survival_fit=stats["survival_fit"],
-                           # how much its survivals told this concurrency's drafts apart (Brier skill, per position)
-                           confidence_survival_skill_per_position=stats["survival_skill_per_position"],
-                           # against the tuned engine's acceptance per position (whole blocks: the true survival)
-                           confidence_predicted_survival_per_position=stats["mean_predicted_survival_per_position"],
-                           confidence_explored_decisions=stats["explored_decisions"],
-                           confidence_unpacked_steps=stats["unpacked_steps"], confidence_layout=stats["layout"],
-                           # steps that drafted nothing since drafting did not pay (point 6), holds since startup
-                           confidence_drafting_off_steps=stats["drafting_off_steps"],
-                           confidence_drafting_holds=stats["drafting_holds"],
-                           # of the judgements that began them, those the refit after their step reversed
-                           confidence_drafting_judgements_reversed=stats["drafting_judgements_reversed"],
-                           # and the holds a mixed step began that the first decode step after them ended
-                           confidence_drafting_mixed_holds_ended=stats["drafting_mixed_holds_ended"],
-                           # timed steps not launched ahead (priced and learned with the serial excess)
-                           confidence_serial_steps=stats["serial_steps"],
-                           # the timed steps one by one (what each chose, predicted and measured), and by kind
-                           confidence_trace=timing["confidence_trace"],
-                           # the untimed steps before them (prefill, warm-up): where a hold the window shows began
-                           confidence_trace_untimed=timing["confidence_trace_untimed"])
+                                # the timed steps one by one (what each chose, predicted and measured), and by kind
+                                confidence_trace=timing["confidence_trace"],
+                                # the untimed steps before them (prefill, warm-up): where a hold the window shows began
+                                confidence_trace_untimed=timing["confidence_trace_untimed"])
+            self.rows[c].update({f"confidence_{field}": stats[metric] for field, metric in CONFIDENCE_FIGURES.items()})
         elif kind == CONFIDENCE_MAX:  # (--confidence-draft-len both) what it chose, beside the engine above
             stats = llm.get_metrics()["confidence_scheduling"]
             self.rows[c].update({f"{kind}_{name}": value for name, value in (
