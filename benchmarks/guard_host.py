@@ -1,0 +1,69 @@
+"""The speculation guard's own host work per step, without an engine: ``python benchmarks/guard_host.py``.
+
+For each batch size a ``SpeculationGuard`` is taught prices and every request's acceptance (each verifies 7 drafts,
+6 accepted: drafting pays, every block verified), then one step's work is timed: the plan (``plan``: gains ranked,
+the best number of blocks chosen) and the bookkeeping of every request's verify (``observe_verify`` per request),
+median of ``--rounds`` rounds of ``--steps`` steps. On a GPU this work adds to every DSpark step whose host work is
+not hidden behind the device's. Runs on any CPU; ``--tree DIR`` times another checkout's guard (before/after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+
+def measure(batch: int, steps: int) -> tuple[float, float]:
+    from runtime.spec.guard import SpeculationGuard
+
+    guard = SpeculationGuard(7)
+    ids = [f"r{i}" for i in range(batch)]
+    for step in range(20):
+        guard.plan(step, ids)
+        for request_id in ids:
+            guard.observe_verify(request_id, 7, 6)
+        guard.observe_step(batch, True, 7 * batch, 0.003)
+    for _ in range(6):
+        guard.observe_step(batch, False, 0, 0.001)
+    start = time.perf_counter()
+    for step in range(100, 100 + steps):
+        guard.plan(step, ids)
+    plan_s = (time.perf_counter() - start) / steps
+    start = time.perf_counter()
+    for _ in range(steps):
+        for request_id in ids:
+            guard.observe_verify(request_id, 7, 6)
+    return plan_s, (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", default="1,64,256")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]), help="the checkout to time")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    sys.path.insert(0, args.tree)
+    rows = []
+    for batch in (int(b) for b in args.requests.split(",")):
+        runs = [measure(batch, args.steps) for _ in range(args.rounds)]
+        rows.append({"requests": batch, "plan_us": round(1e6 * statistics.median(r[0] for r in runs), 1),
+                     "observe_verifies_us": round(1e6 * statistics.median(r[1] for r in runs), 1)})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "benchmark": "guard_host", "date": str(date.today()), "hardware": f"cpu ({platform.processor() or 'x86'})",
+            "host": platform.node(), "command": "python3 benchmarks/guard_host.py " + shlex.join(sys.argv[1:]),
+            "tree": args.tree, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
