@@ -162,6 +162,15 @@ def test_scheduler_host_benchmark_smoke(tmp_path):
                                                                                                      "in_loop"))
 
 
+def test_guard_host_benchmark_smoke(tmp_path):
+    out = tmp_path / "guard.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "guard_host.py"), "--requests", "1,8", "--steps", "5",
+                    "--rounds", "1", "--out", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["requests"] for r in rows] == [1, 8] and all(r["plan_us"] > 0 and r["observe_verifies_us"] > 0
+                                                          for r in rows)
+
+
 def test_confidence_host_path_benchmark_smoke(tmp_path):
     """The scheduler's work on a step's path is timed, and its folds run off the path (the executor's host work)."""
     out = tmp_path / "path.json"
