@@ -308,9 +308,10 @@ class Bench:
         self.record[f"{kind}_startup_s"] = time.perf_counter() - start
         self.record[f"{kind}_rank_info"] = llm.rank_info()
         if kind == "confidence":  # the step-time table it profiled at startup
-            self.record["confidence_cost_table"] = llm.engine.confidence.costs.to_json()
+            self.record["confidence_cost_table"] = llm.engine.confidence_tables()["costs"]
             if self.args.profile_steps:
-                llm.engine.confidence.costs.save(self.args.profile_steps)
+                Path(self.args.profile_steps).write_text(json.dumps(self.record["confidence_cost_table"], indent=1)
+                                                         + "\n")
         if kind == "ar":
             if local_worker(llm) is not None:  # a replica's weights are on its actors
                 self.record["weight_bytes"] = weight_bytes(llm)
@@ -328,10 +329,7 @@ class Bench:
 
     def reset_stats(self, kind: str, llm) -> None:
         if kind in ("confidence", CONFIDENCE_MAX):  # its figures per concurrency
-            from runtime.spec.stats import ConfidenceStats
-
-            llm.engine.confidence_stats = ConfidenceStats()
-            llm.engine.confidence.correction.reset_skill()
+            llm.engine.reset_speculation_stats()
 
     def measure(self, llm, c: int) -> dict:
         return time_steps(llm, c, self.args.prompt_len, self.args.steps, self.args.warmup, self.vocab, seed=c,
@@ -431,19 +429,20 @@ class Bench:
         """The mixed workload and end to end where asked for, then the engine's memory freed (a confidence-
         scheduled engine's step-time table, as serving left it, recorded first)."""
         if kind == "confidence":  # the startup profile is confidence_cost_table; this one learned from the sweep
-            self.record["confidence_cost_table_served"] = llm.engine.confidence.costs.to_json()
+            tables = llm.engine.confidence_tables()
+            self.record["confidence_cost_table_served"] = tables["costs"]
             # the mixed steps' excess over that table (prefill chunks beside the verifies), learned from them
-            self.record["confidence_mixed_step_costs_served"] = llm.engine.confidence.mixed_costs.to_json()
+            self.record["confidence_mixed_step_costs_served"] = tables["mixed"]
         if self.args.mixed_rate and with_mixed:
             variants = self.mixed_variants({kind: llm})
             self.warm_mixed(variants)
             for name, variant in variants.items():
                 self.record.setdefault("mixed_workload", {})[name] = self.mixed(*variant)
-                confidence = getattr(getattr(variant[0], "engine", None), "confidence", None)
-                if confidence is not None:  # what its mixed steps and their plain alternative cost, as learned
-                    self.record["mixed_workload"][name]["mixed_step_costs"] = confidence.mixed_costs.to_json()
-                    if confidence.plain_mixed is not None:
-                        self.record["mixed_workload"][name]["plain_mixed_step_costs"] = confidence.plain_mixed.to_json()
+                tables = variant[0].engine.confidence_tables()
+                if tables:  # what its mixed steps and their plain alternative cost, as learned
+                    self.record["mixed_workload"][name]["mixed_step_costs"] = tables["mixed"]
+                    if tables["plain_mixed"] is not None:
+                        self.record["mixed_workload"][name]["plain_mixed_step_costs"] = tables["plain_mixed"]
                 print(f"dspark bench: {name} mixed workload: {self.record['mixed_workload'][name]}", file=sys.stderr,
                       flush=True)
             self.profile_mixed(variants)

@@ -356,6 +356,23 @@ class Engine(RequestIntake, SpeculationPlanning, StepLearning, StepCommit):
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    def confidence_tables(self) -> dict:
+        """Confidence scheduling's learned step-time tables as JSON ({} without it): ``costs`` (a step's time by batch
+        size and tokens fed, ``runtime.spec.step_costs``), ``mixed`` (mixed steps' excess over it), ``plain_mixed``
+        (a plain mixed step's, or None)."""
+        confidence = self.confidence
+        if confidence is None:
+            return {}
+        return {"costs": confidence.costs.to_json(), "mixed": confidence.mixed_costs.to_json(),
+                "plain_mixed": None if confidence.plain_mixed is None else confidence.plain_mixed.to_json()}
+
+    def reset_speculation_stats(self) -> None:
+        """Start confidence scheduling's statistics over (``get_metrics()["confidence_scheduling"]``, the survival
+        fit's skill), keeping everything it learned: a benchmark's figures per load."""
+        if self.confidence is not None:
+            self.confidence_stats = ConfidenceStats()
+            self.confidence.correction.reset_skill()
+
     def get_metrics(self) -> dict:
         return {**self.metrics.as_dict(), "speculation_disabled": self.gate.closed,
                 "num_preemptions": self.scheduler.num_preemptions, "num_aborted_requests": self.num_aborted,
