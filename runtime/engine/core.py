@@ -63,6 +63,7 @@ class StepPlan:
     batch: ScheduledBatch  # what the executor runs
     serial: bool  # an engine that launches steps ahead ran this one in its turn (its time holds the host's work)
     guarded: bool  # the speculation guard planned it (no forced length)
+    whole: bool = True  # it verifies every block drafted for it (the guard left nobody out)
 
     @property
     def drafted(self) -> bool:
@@ -279,6 +280,7 @@ class Engine(RequestIntake, SpeculationPlanning, StepLearning, StepCommit):
         serial = self._runs_ahead and not self._ran_ahead
         kind = self.scheduler.next_step_kind(group, admit)  # (prefill apart: prefill or decode; else mixed)
         guarded = self.guard is not None and self.forced_verify_len is None and self.forced_draft_len is None
+        whole = not guarded or self.guard.verifies_all()  # (the last plan's choice: whose blocks this step verifies)
         if guarded and not self._ran_ahead:
             self._guard_verifiers()
         if self.forced_verify_len is not None:
@@ -310,7 +312,7 @@ class Engine(RequestIntake, SpeculationPlanning, StepLearning, StepCommit):
                                released_request_ids=released, scrub_page_ids=scrub, run_ahead=self._ran_ahead,
                                next_verify_len=next_verify_len, packed=self._packed, next_packed=next_packed,
                                pipelined=pipelined)
-        return StepPlan(scheduled, batch, serial, guarded)
+        return StepPlan(scheduled, batch, serial, guarded, whole)
 
     def _before_commit(self, plan: StepPlan) -> tuple[bool, bool]:
         """What the commit clears or changes, kept for learning: (whether the scheduler decided this step's verify
@@ -332,7 +334,7 @@ class Engine(RequestIntake, SpeculationPlanning, StepLearning, StepCommit):
             # (steady: as a run of plain steps runs, each launched ahead by the one before: see the guard's prices)
             steady = not self._runs_ahead or (not plan.serial and plan.batch.run_ahead)
             self.guard.observe_step(len(scheduled), plan.drafted, sum(e.num_drafts for e in scheduled), seconds,
-                                    steady, prompt)
+                                    steady, prompt, plan.whole)
         if self.confidence is None or not scheduled:
             return
         step = (scheduled, seconds, decided, plan.drafted, plan.serial,

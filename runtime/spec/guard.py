@@ -11,9 +11,10 @@ sides while the engine serves and decides, step by step:
 - **whether the batch drafts at all**: when the best ``m`` is 0 (nobody's drafts pay for their verify and the
   drafter's forward), the step drafts nothing and the next one is the plain decode step.
 
-The prices come from the engine's own steps, per batch bucket (powers of two): a plain step's time (``plain_s``) and
-a drafting step's time as a function of its verified drafts (``drafting_s + verify_s x drafts``, a ridge fit that
-forgets old steps). A plain step is priced as a run of plain steps runs, since that is what a batch that stops
+The prices come from the engine's own steps, per batch bucket (powers of two): a plain step's time (``plain_s``), a
+drafting step's time as a function of its verified drafts (``drafting_s + verify_s x drafts``, a ridge fit that
+forgets old steps) and, for verifying everyone's block, the time of the drafting steps that did (``whole_s``: a step
+that leaves some out is ragged, which on a GPU can cost more than a uniform step verifying more). A plain step is priced as a run of plain steps runs, since that is what a batch that stops
 drafting does: on an engine that launches each plain step while the host still finishes the one before
 (``runs_ahead``), only a *steady* plain step is timed, one launched ahead and launching the next ahead; a plain step
 between drafting steps also pays the host's work that the overlap hides (on a GPU 15-60% more than a steady step).
@@ -96,6 +97,12 @@ class _BucketCosts:
     next_arrival_probe: int = 0
     plain_at: int = 0  # the step of the last plain observation (drafting_at: drafting)
     drafting_at: int = 0
+    # drafting steps that verified every request's block (none left out): their own mean, the price of verifying
+    # everyone. A step that verifies a few blocks beside others' single tokens is ragged: on a GPU no whole-step
+    # graph serves it from ~32 requests on, and the fit over both kinds would price a uniform step by it
+    whole_s: float | None = None
+    whole_steps: int = 0
+    whole_at: int = 0
 
     def observe_plain(self, seconds: float, step: int, forget: float) -> None:
         """A plain step's time: the first at this bucket is left out (a first step at a shape pays warm-ups), the
@@ -129,6 +136,19 @@ class _BucketCosts:
         self.drafting_at = step
         self.sw, self.sx, self.sy = decay * self.sw + 1, decay * self.sx + drafts, decay * self.sy + seconds
         self.sxx, self.sxy = decay * self.sxx + drafts * drafts, decay * self.sxy + drafts * seconds
+
+    def observe_whole(self, seconds: float, step: int, forget: float) -> None:
+        """A drafting step that verified every block: averaged as plain steps are (``observe_plain``), after the
+        drafting fit has left out the bucket's first drafting step."""
+        if self.drafting_steps == 0:
+            return
+        self.whole_steps += 1
+        weight = max(1.0 / self.whole_steps, 1.0 - forget ** max(step - self.whole_at, 1))
+        self.whole_at = step
+        if self.whole_s is None:
+            self.whole_s = seconds
+        else:
+            self.whole_s += weight * (min(seconds, OUTLIER * self.whole_s) - self.whole_s)
 
     def drafting_fit(self, ridge: float) -> tuple[float, float] | None:
         """(seconds of a drafting step verifying nothing, seconds a verified draft), or None before any drafting
@@ -208,18 +228,22 @@ class SpeculationGuard:
         state.verifies += 1
 
     def observe_step(self, batch: int, drafted: bool, verified_drafts: int, seconds: float,
-                     steady: bool = True, prompt: bool = False) -> None:
+                     steady: bool = True, prompt: bool = False, whole: bool = True) -> None:
         """A decode step's wall time: ``batch`` requests, whether it drafted, the drafts it verified, whether it ran
         as a run of plain steps runs (``steady``: launched ahead by the step before it and launching the next one
         ahead; every step of an engine that launches none ahead), whether it also fed a prompt chunk (``prompt``:
-        its prices are kept apart, ``prompt_buckets``; such a step is never launched ahead). A plain step (drafted
-        nothing, verified nothing), steady or feeding a prompt, times the plain price; a drafting step the drafting
-        fit; a step that only verified (the one after drafting stopped) or a plain step that is neither, nothing."""
+        its prices are kept apart, ``prompt_buckets``; such a step is never launched ahead), whether every block
+        drafted for it was verified (``whole``: nobody left out). A plain step (drafted nothing, verified nothing),
+        steady or feeding a prompt, times the plain price; a drafting step the drafting fit, and one that verified
+        every block also the whole price; a step that only verified (the one after drafting stopped) or a plain step
+        that is neither, nothing."""
         table = self.prompt_buckets if prompt else self.buckets
         costs = table.setdefault(bucket_of(batch), _BucketCosts())
         step = self.plan_now.step if self.plan_now is not None else 0
         if drafted:
             costs.observe_drafting(verified_drafts, seconds, step, self.tuning.forget, self.tuning.ridge)
+            if whole and verified_drafts:
+                costs.observe_whole(seconds, step, 1.0 - self.tuning.plain_weight)
         elif verified_drafts == 0 and (steady or prompt):
             costs.observe_plain(seconds, step, 1.0 - self.tuning.plain_weight)
 
@@ -301,7 +325,7 @@ class SpeculationGuard:
             drafts_each = self.max_draft_len * self.verified_share
             best_rate, tokens = batch / prices.plain_s * (1 + tuning.margin), float(batch)
             last = 0.0
-            for m, (gain, _) in enumerate(gains, start=1):
+            for m, (gain, _) in enumerate(gains[:-1], start=1):  # some left out: priced by the fit
                 tokens += gain
                 rate = tokens / (base + per_draft * drafts_each * m)
                 if rate > best_rate:
@@ -309,6 +333,10 @@ class SpeculationGuard:
                 elif m > 1 and rate < last:  # (gains fall with m, the cost grows linearly: the rate only falls on)
                     break
                 last = rate
+            # everyone: the whole price where known (a uniform step), else the fit
+            everyone = prices.whole_s if prices.whole_s is not None else base + per_draft * drafts_each * batch
+            if (batch + sum(gain for gain, _ in gains)) / everyone > best_rate:
+                best_m = batch
         if best_m == 0 and pinned:
             return self._record(GuardPlan(step, True, None if len(pinned) == batch else frozenset(pinned), "pinned"))
         if best_m == 0:
@@ -402,6 +430,7 @@ class SpeculationGuard:
                     "plain_ms": None if costs.plain_s is None else round(1e3 * costs.plain_s, 4),
                     "drafting_ms": None if fit is None else round(1e3 * fit[0], 4),
                     "ms_per_verified_draft": None if fit is None else round(1e3 * fit[1], 5),
+                    "whole_ms": None if costs.whole_s is None else round(1e3 * costs.whole_s, 4),
                     "plain_steps": costs.plain_steps, "drafting_steps": costs.drafting_steps}
             return out
 

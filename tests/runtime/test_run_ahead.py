@@ -871,10 +871,10 @@ def test_the_guard_prices_plain_decoding_only_on_steady_steps_launched_ahead_and
     seen = []
     observe = eng.guard.observe_step
 
-    def record(batch, drafted, verified_drafts, seconds, steady=True, prompt=False):
+    def record(batch, drafted, verified_drafts, seconds, steady=True, prompt=False, whole=True):
         if not prompt:
             seen.append((len(ex.batches) - 1, drafted, verified_drafts, steady))
-        observe(batch, drafted, verified_drafts, 1.0 if not drafted else 2.0, steady, prompt)
+        observe(batch, drafted, verified_drafts, 1.0 if not drafted else 2.0, steady, prompt, whole)
 
     eng.guard.observe_step = record
     serve(eng, (list(range(10, 30)), greedy(60)), (list(range(40, 45)), greedy(60)))

@@ -105,6 +105,27 @@ def test_where_every_step_feeds_a_prompt_the_guard_prices_and_decides_on_such_st
     assert guard.as_dict()["prompt_buckets"][8]["plain_ms"] == 1000.0
 
 
+def test_verifying_everyone_is_priced_by_the_steps_that_did():
+    """Ragged steps (a few blocks verified beside single tokens) cost more than their drafts say where no whole-step
+    graph serves them: the batch verifies everyone at the price whole steps took, not the fit over both kinds."""
+    guard = SpeculationGuard(K)
+    batch = 8
+    for _ in range(6):  # ragged steps: 2 blocks, 3.0 s; whole steps: 8 blocks, 1.5 s
+        guard.observe_step(batch, True, 2 * K, 3.0, whole=False)
+        guard.observe_step(batch, True, batch * K, 1.5)
+    for _ in range(4):
+        guard.observe_step(batch, False, 0, 1.0)
+    ids = [f"r{i}" for i in range(batch)]
+    for request_id in ids:
+        teach(guard, request_id, 1)
+    assert guard.buckets[batch].whole_s == 1.5
+    # by the fit (slope clipped at 0, ~2.25 s a step) 8 + 8 tokens in 2.25 s lose to 8 plain tokens a second with the
+    # margin; at the whole price (1.5 s) they win
+    plan = guard.plan(100, ids)
+    assert plan.drafts and plan.verifiers is None and plan.reason == "pays"
+    assert guard.as_dict()["buckets"][batch]["whole_ms"] == 1500.0
+
+
 def test_a_pause_of_the_host_is_no_price():
     guard = SpeculationGuard(K)
     priced(guard, 1)
@@ -192,7 +213,8 @@ def test_the_batch_verifies_the_best_number_of_blocks():
         base, slope = guard.buckets[bucket_of(batch)].drafting_fit(guard.tuning.ridge)
         gains = sorted((guard.gain(r) for r in ids), reverse=True)
         rates = [batch / guard.buckets[bucket_of(batch)].plain_s * (1 + guard.tuning.margin)]
-        rates += [(batch + sum(gains[:m])) / (base + slope * K * guard.verified_share * m) for m in range(1, batch + 1)]
+        rates += [(batch + sum(gains[:m])) / (base + slope * K * guard.verified_share * m) for m in range(1, batch)]
+        rates.append((batch + sum(gains)) / guard.buckets[bucket_of(batch)].whole_s)  # everyone: the whole price
         best = max(range(batch + 1), key=lambda m: (rates[m], -m))  # (the first of equal rates)
         chosen = 0 if not plan.drafts else batch if plan.verifiers is None else len(plan.verifiers)
         assert chosen == best or plan.reason == "probe", (trial, chosen, best, plan.reason)
@@ -235,9 +257,9 @@ def synthetic_prices(llm: LLM, plain: float = 1.0, drafting: float = 1.5, per_dr
     guard = llm.engine.guard
     observe = guard.observe_step
 
-    def fixed(batch, drafted, verified_drafts, seconds, steady=True, prompt=False):
+    def fixed(batch, drafted, verified_drafts, seconds, steady=True, prompt=False, whole=True):
         observe(batch, drafted, verified_drafts, (drafting + per_draft * verified_drafts) if drafted else plain,
-                steady, prompt)
+                steady, prompt, whole)
 
     guard.observe_step = fixed
 
