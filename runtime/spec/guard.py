@@ -14,7 +14,8 @@ sides while the engine serves and decides, step by step:
 The prices come from the engine's own steps, per batch bucket (powers of two): a plain step's time (``plain_s``), a
 drafting step's time as a function of its verified drafts (``drafting_s + verify_s x drafts``, a ridge fit that
 forgets old steps) and, for verifying everyone's block, the time of the drafting steps that did (``whole_s``: a step
-that leaves some out is ragged, which on a GPU can cost more than a uniform step verifying more). A plain step is priced as a run of plain steps runs, since that is what a batch that stops
+that leaves some out is ragged, which on a GPU can cost more than a uniform step verifying more). Steps that decode
+beside a prompt chunk are priced apart (``prompt_buckets``) and compared where a bucket's pure steps are unpriced. A plain step is priced as a run of plain steps runs, since that is what a batch that stops
 drafting does: on an engine that launches each plain step while the host still finishes the one before
 (``runs_ahead``), only a *steady* plain step is timed, one launched ahead and launching the next ahead; a plain step
 between drafting steps also pays the host's work that the overlap hides (on a GPU 15-60% more than a steady step).
