@@ -329,12 +329,11 @@ class Engine(RequestIntake, SpeculationPlanning, StepLearning, StepCommit):
         """The step's time and outcome into the speculation policy: the guard's prices (pure decode steps) and the
         confidence scheduler's step-time model (deferred with its decision, on a mixed step)."""
         scheduled = plan.scheduled
-        prompt = any(e.feeds_prompt for e in scheduled)
         if plan.guarded and scheduled and not all(e.feeds_prompt for e in scheduled):  # (a step that decodes)
             # (steady: as a run of plain steps runs, each launched ahead by the one before: see the guard's prices)
             steady = not self._runs_ahead or (not plan.serial and plan.batch.run_ahead)
             self.guard.observe_step(len(scheduled), plan.drafted, sum(e.num_drafts for e in scheduled), seconds,
-                                    steady, prompt, plan.whole)
+                                    steady, any(e.feeds_prompt for e in scheduled), plan.whole)
         if self.confidence is None or not scheduled:
             return
         step = (scheduled, seconds, decided, plan.drafted, plan.serial,

@@ -66,6 +66,16 @@ class GuardTuning:
 OUTLIER = 4.0  # a step's time is taken as at most this many times the price learned so far
 
 
+def forgetting_mean(mean: float | None, count: int, since: int, seconds: float, forget: float) -> float:
+    """``mean`` (of ``count - 1`` times, the last ``since`` steps ago) with ``seconds`` folded in: at most 4x the mean
+    (a pause of the host is not a price), weighed 1/count or, where steps passed since, what ``forget`` a step leaves
+    the older ones (a price timed long ago gives way to a new one)."""
+    if mean is None:
+        return seconds
+    weight = max(1.0 / count, 1.0 - forget ** max(since, 1))
+    return mean + weight * (min(seconds, OUTLIER * mean) - mean)
+
+
 @dataclass(slots=True)
 class _RequestState:
     accepted: float = 0.0  # its verifies' accepted drafts, older ones weighed down (GuardTuning.memory)
@@ -114,12 +124,8 @@ class _BucketCosts:
         if self.plain_seen == 1:
             return
         self.plain_steps += 1
-        weight = max(1.0 / self.plain_steps, 1.0 - forget ** max(step - self.plain_at, 1))
+        self.plain_s = forgetting_mean(self.plain_s, self.plain_steps, step - self.plain_at, seconds, forget)
         self.plain_at = step
-        if self.plain_s is None:
-            self.plain_s = seconds
-        else:
-            self.plain_s += weight * (min(seconds, OUTLIER * self.plain_s) - self.plain_s)
 
     def observe_drafting(self, drafts: int, seconds: float, step: int, forget: float, ridge: float) -> None:
         """A drafting step's time, fitted on its verified drafts: the first at this bucket left out, the others at
@@ -144,12 +150,8 @@ class _BucketCosts:
         if self.drafting_steps == 0:
             return
         self.whole_steps += 1
-        weight = max(1.0 / self.whole_steps, 1.0 - forget ** max(step - self.whole_at, 1))
+        self.whole_s = forgetting_mean(self.whole_s, self.whole_steps, step - self.whole_at, seconds, forget)
         self.whole_at = step
-        if self.whole_s is None:
-            self.whole_s = seconds
-        else:
-            self.whole_s += weight * (min(seconds, OUTLIER * self.whole_s) - self.whole_s)
 
     def drafting_fit(self, ridge: float) -> tuple[float, float] | None:
         """(seconds of a drafting step verifying nothing, seconds a verified draft), or None before any drafting
@@ -255,12 +257,7 @@ class SpeculationGuard:
         the population's (worth ``prior_verifies`` verifies: one unlucky block does not drop a request the drafter
         serves well, nor one lucky block keep one it does not); before any verify at all, a whole block (the
         drafter is presumed to work until it shows otherwise)."""
-        prior = self.population_gain if self.population_gain is not None else float(self.max_draft_len)
-        state = self.requests.get(request_id)
-        if state is None or not state.verifies:
-            return prior
-        n = self.tuning.prior_verifies
-        return (n * prior + state.accepted) / (n + state.weight)
+        return self._gains([request_id])[0][0]
 
     def drafts(self, step: int) -> bool:
         """Whether step ``step`` drafts: the plan made at it, or (the next step, before its plan) a prediction: an
@@ -388,7 +385,7 @@ class SpeculationGuard:
         return mixed if mixed is not None and mixed.plain_s is not None and mixed.sw else costs
 
     def _gains(self, request_ids: list[str]) -> list[tuple[float, str]]:
-        """[(gain, request)] for ``request_ids``: ``gain`` of each, in one pass (the plan's per-step host work)."""
+        """[(gain, request)] for ``request_ids`` (see ``gain``), in one pass: the plan's per-step host work."""
         prior = self.population_gain if self.population_gain is not None else float(self.max_draft_len)
         n, requests, out = self.tuning.prior_verifies, self.requests, []
         for request_id in request_ids:
