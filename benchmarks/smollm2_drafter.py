@@ -17,7 +17,7 @@ One command reproduces the shipped checkpoint, on a GPU or on a CPU (``--scale``
 Stages already done in ``--work`` are skipped (``--stages`` picks some), so a run can be split over several calls.
 
 usage: python benchmarks/smollm2_drafter.py --work /tmp/smollm2 [--scale auto|gpu|cpu] [--variants dspark-1,...]
-       [--export runtime/pretrained/smollm2-dspark --export-variant dspark-1]
+       [--seed N] [--init-from DRAFTER] [--export runtime/pretrained/smollm2-dspark --export-variant dspark-1]
 """
 
 from __future__ import annotations
@@ -119,9 +119,10 @@ def stage(work: Path, name: str, wanted: set[str], run) -> dict:
     return result
 
 
-def train_variant(name: str, scale: Scale, work: Path, rows: int, seed: int, budget: float | None) -> dict:
+def train_variant(name: str, scale: Scale, work: Path, rows: int, seed: int, budget: float | None,
+                  init_from: Path | None = None) -> dict:
     """Train (or resume) one variant for ``scale.epochs`` over the answers or, if sooner, ``budget`` seconds in all
-    (its learning-rate schedule fitted to whichever ends first)."""
+    (its learning-rate schedule fitted to whichever ends first), from ``init_from``'s weights where given."""
     from configs.training import DrafterTrainConfig
     from runtime.training.drafter_trainer import train_drafter
 
@@ -129,7 +130,8 @@ def train_variant(name: str, scale: Scale, work: Path, rows: int, seed: int, bud
     cache = {"target_cache": str(work / "target-states")} if scale.train["device"] == "cpu" else {}
     cfg = DrafterTrainConfig(target="smollm2", data=str(work / "answers.jsonl"), out=str(work / name),
                              block_size=BLOCK, target_layer_ids=LAYER_IDS, mask_token_id=MASK_TOKEN_ID, steps=steps,
-                             seed=seed, log_every=100, save_every=max(steps // 4, 100), time_budget_s=budget, **cache,
+                             seed=seed, log_every=100, save_every=max(steps // 4, 100), time_budget_s=budget,
+                             init_from=None if init_from is None else str(init_from), **cache,
                              **scale.train, **VARIANTS[name])
     stats = train_drafter(cfg)
     return {"config": cfg.model_dump(), "finished": stats["finished"],
@@ -176,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                         "same --work answers the rest")
     parser.add_argument("--train-budget", type=float, help="train each variant for at most this many seconds in "
                         "all (summed over reruns with the same --work): its learning-rate schedule anneals by then")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-from", type=Path, help="start every variant from this trained drafter of its shape "
+                        "(e.g. the shipped smollm2-dspark, trained further on answers of another --seed)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts the target writes, the sampled "
+                        "answers and the training")
     args = parser.parse_args(argv)
     started = time.monotonic()
 
@@ -248,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = sum(1 for _ in (work / "answers.jsonl").open())
         for name in variants:
             records[name] = stage(work, f"train:{name}", wanted, lambda n=name: train_variant(
-                n, scale, work, rows, args.seed, args.train_budget))
+                n, scale, work, rows, args.seed, args.train_budget, args.init_from))
     if args.export is not None:
         records["export"] = export(work, args.export_variant, args.export)
     (work / "recipe.json").write_text(json.dumps(records, indent=2))

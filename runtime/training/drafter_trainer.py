@@ -142,6 +142,8 @@ def prepare(cfg: DrafterTrainConfig, rank: int) -> Run:
     clock = Clock(cfg.time_budget_s)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.steps, cfg.warmup_ratio, clock))
     step, clock.before_s = resume(Path(cfg.out), drafter, optimizer, scheduler, config)
+    if step == 0 and cfg.init_from is not None:
+        initialize_from(Path(cfg.init_from), drafter, config)
     examples = tokenize(read_rows(cfg.data), tokenizer, cfg.max_len, tokenizer.eos_token_id)
     if not examples:
         raise ValueError(f"data: {cfg.data} gave no sequence with two supervised tokens")
@@ -255,6 +257,26 @@ def save(out: Path, drafter, optimizer, scheduler, config: dict, step: int, seco
                 "scheduler": scheduler.state_dict()}, out / STATE_FILE)
 
 
+STRUCTURE_KEYS = ("block_size", "target_layer_ids", "markov_rank", "markov_head_type", "num_hidden_layers",
+                  "enable_confidence_head", "hidden_size", "vocab_size")
+
+
+def initialize_from(source: Path, drafter: DSparkDrafter, config: dict) -> None:
+    """The weights of the trained drafter in ``source`` (any dtype) into ``drafter``; its config must describe the
+    same structure (a drafter of other block size, capture layers, heads or target is an error naming the keys)."""
+    config_path, weights = source / "config.json", source / "model.safetensors"
+    if not (config_path.is_file() and weights.is_file()):
+        raise ValueError(f"init_from: {source} holds no drafter (config.json and model.safetensors)")
+    saved = json.loads(config_path.read_text())
+    changed = sorted(k for k in STRUCTURE_KEYS if saved.get(k) != config.get(k))
+    if changed:
+        raise ValueError(f"init_from: {source} is a drafter with different {changed} "
+                         f"({', '.join(f'{k}={saved.get(k)!r}, not {config.get(k)!r}' for k in changed)})")
+    param = next(drafter.parameters())
+    state = {k: v.to(param.dtype) for k, v in load_file(str(weights), device=str(param.device)).items()}
+    drafter.load_state_dict(state)
+
+
 def resume(out: Path, drafter, optimizer, scheduler, config: dict) -> tuple[int, float]:
     """Load a previous run's weights and optimizer from ``out``; returns its step and seconds trained (0, 0.0
     without one)."""
@@ -262,8 +284,7 @@ def resume(out: Path, drafter, optimizer, scheduler, config: dict) -> tuple[int,
     if not state_path.is_file():
         return 0, 0.0
     saved = json.loads((out / "config.json").read_text())
-    changed = {k for k in ("block_size", "target_layer_ids", "markov_rank", "markov_head_type", "num_hidden_layers",
-                           "enable_confidence_head") if saved.get(k) != config.get(k)}
+    changed = {k for k in STRUCTURE_KEYS if saved.get(k) != config.get(k)}
     if changed:
         raise ValueError(f"out: {out} holds a run with different {sorted(changed)}; use another --out")
     drafter.load_state_dict(load_file(str(out / "model.safetensors"), device=str(next(drafter.parameters()).device)))

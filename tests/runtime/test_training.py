@@ -128,6 +128,27 @@ def test_a_drafter_run_its_time_budget_ends_has_annealed_and_a_rerun_adds_nothin
     assert again["step"] == first["step"] and again["finished"]  # the budget counts over resumed runs
 
 
+def test_a_drafter_initialized_from_a_trained_one_starts_where_it_ended(near_bigram_target, distilled, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    trained = train_drafter(config(near_bigram_target, distilled, tmp_path / "a", steps=40), progress=False)
+    bf16 = tmp_path / "a-bf16"  # a shipped drafter is bfloat16; training goes on in float32
+    bf16.mkdir()
+    (bf16 / "config.json").write_text((tmp_path / "a" / "config.json").read_text())
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(tmp_path / "a" / "model.safetensors")).items()},
+              str(bf16 / "model.safetensors"))
+    fresh = train_drafter(config(near_bigram_target, distilled, tmp_path / "b", steps=1, seed=1), progress=False)
+    warm = train_drafter(config(near_bigram_target, distilled, tmp_path / "c", steps=1, seed=1, init_from=str(bf16)),
+                         progress=False)
+    assert warm["loss"] < 0.8 * fresh["loss"] and warm["loss"] < 1.2 * trained["loss"]
+    with pytest.raises(ValueError, match=r"init_from: .* different \['markov_rank'\]"):
+        train_drafter(config(near_bigram_target, distilled, tmp_path / "d", steps=1, init_from=str(bf16))
+                      .model_copy(update={"markov_rank": 8}), progress=False)
+    with pytest.raises(ValueError, match="init_from: .* holds no drafter"):
+        train_drafter(config(near_bigram_target, distilled, tmp_path / "e", steps=1, init_from=str(tmp_path)),
+                      progress=False)
+
+
 def test_autocast_names_its_allowed_values(tmp_path):
     with pytest.raises(ValueError, match="autocast"):
         DrafterTrainConfig(target="t", data="d", out="o", autocast="float8")
