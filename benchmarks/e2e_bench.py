@@ -13,8 +13,9 @@ prompts (left-padded, greedy) once, at the ``--hf-concurrency`` levels, over the
 (its decoding is slow: its tokens/s is over fewer prompts than ours). The record is rewritten after every level, so a
 run cut short keeps what it measured.
 
-``--undrafted`` adds a third engine, DSpark that never drafts (``Engine.forced_draft_len`` 0, the guard off): its
-ratio to our AR is the floor a DSpark engine's plain step sets, the least the speculation guard can cost.
+``--undrafted`` adds DSpark that never drafts (``Engine.forced_draft_len`` 0, the guard off): its ratio to our AR is
+the floor a DSpark engine's plain step sets, the least the speculation guard can cost. ``--fixed`` adds DSpark with
+every block verified (``speculation_guard: false``): what the guard's choices win or lose against fixed K.
 
 ``--profile-steps N`` first profiles N decode steps of each of our engines at each ``--profile-concurrency`` level
 (torch profiler over ``Engine.step``, host and device: kernels per step, GPU busy and idle time, the largest idle
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-concurrency", default="1", help="levels profiled (default 1)")
     parser.add_argument("--trace", action="store_true", help="with --profile-steps: Chrome traces beside --out")
     parser.add_argument("--undrafted", action="store_true", help="also DSpark that never drafts (the plain-step floor)")
+    parser.add_argument("--fixed", action="store_true", help="also DSpark with every block verified (the guard off)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -202,9 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = None if args.drafter == "none" else LLM(
         args.model, speculative_config={"speculative_model": args.drafter, "max_draft_len": args.max_draft_len}, **engine)
     engines = [("ar", ar)] + ([] if spec is None else [("dspark", spec)])
+    unguarded = {"speculative_model": args.drafter, "max_draft_len": args.max_draft_len, "speculation_guard": False}
+    if args.fixed and spec is not None:
+        engines.append(("fixed", LLM(args.model, speculative_config=unguarded, **engine)))
     if args.undrafted and spec is not None:
-        undrafted = LLM(args.model, speculative_config={"speculative_model": args.drafter, "max_draft_len":
-                                                         args.max_draft_len, "speculation_guard": False}, **engine)
+        undrafted = LLM(args.model, speculative_config=unguarded, **engine)
         undrafted.engine.forced_draft_len = 0  # (the profiling knob: a block of 0 every step, the context kept)
         engines.append(("undrafted", undrafted))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
@@ -251,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                 drafts = after["num_drafts"] - before["num_drafts"]
                 result["tau"] = 1 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / max(drafts, 1)
                 result["ratio"] = result["dspark"]["tokens_per_s"] / result["ar"]["tokens_per_s"]
-            if "undrafted" in result:
-                result["undrafted_ratio"] = result["undrafted"]["tokens_per_s"] / result["ar"]["tokens_per_s"]
+            for other in ("fixed", "undrafted"):
+                if other in result:
+                    result[f"{other}_ratio"] = result[other]["tokens_per_s"] / result["ar"]["tokens_per_s"]
             rounds.append(result)
         row = {"concurrency": c, "requests": len(prompts),
                "ar_tokens_per_s": statistics.median(x["ar"]["tokens_per_s"] for x in rounds),
@@ -264,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                        tau=statistics.median(x["tau"] for x in rounds),
                        # the guard's counters and per-batch-size prices so far: why it drafted or not at this level
                        speculation_guard=spec.get_metrics().get("speculation_guard"))
-        if any("undrafted_ratio" in x for x in rounds):
-            row.update(undrafted_over_ar_paired=statistics.median(x["undrafted_ratio"] for x in rounds))
+        for other in ("fixed", "undrafted"):
+            if any(f"{other}_ratio" in x for x in rounds):
+                row[f"{other}_over_ar_paired"] = statistics.median(x[f"{other}_ratio"] for x in rounds)
         if hf_model is not None and c in hf_levels:
             hf = hf_generate(hf_model, ar.tokenizer, prompts[:max(c, args.hf_requests)], c, args.max_tokens,
                              args.hf == "compile")

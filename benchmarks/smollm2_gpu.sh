@@ -37,9 +37,9 @@
 #   bash benchmarks/smollm2_gpu.sh e2e OUT [DRAFTER] [hf]
 #                                                  host, once every part and .whl-fi are there: install them, run the
 #                                                  end-to-end table (benchmarks/e2e_bench.py: a torch profile of 20
-#                                                  decode steps of our AR, our DSpark and DSpark that never drafts
-#                                                  (the plain-step floor) at c = 1 and 64, with Chrome traces, then the
-#                                                  three at c = 1..256; with `hf` also transformers with a
+#                                                  decode steps of our AR, our DSpark, DSpark with every block verified
+#                                                  and DSpark that never drafts (the plain-step floor) at c = 1 and 64,
+#                                                  with Chrome traces, then the four at c = 1..256; with `hf` also transformers with a
 #                                                  static cache and torch.compile at c = 1) into OUT, and pack
 #                                                  FlashInfer's JIT cache there unless one was carried (bring it back
 #                                                  as .fi-cache/: later runs skip the compiles). DRAFTER: default the
@@ -178,7 +178,7 @@ PY
       --hf none --out "$out/warm.json" > "$out/warm.log" 2>&1 || echo "warm-up: exit $?" >&2
     compgen -G ".fi-cache/*.part-*" >/dev/null || bash benchmarks/gpu_host.sh save-cache "$out"
     timeout 360 python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 1,4,16,64,256 --hf none \
-      --undrafted --profile-steps 20 --profile-concurrency 1,64 --trace --out "$out/e2e-smollm2-gpu.json" > "$out/e2e.log" 2>&1 ||
+      --undrafted --fixed --profile-steps 20 --profile-concurrency 1,64 --trace --out "$out/e2e-smollm2-gpu.json" > "$out/e2e.log" 2>&1 ||
       echo "e2e: exit $?" >&2
     if [ "$hf" = hf ]; then
       timeout 150 python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 1 --requests 8 --rounds 1 \

@@ -299,8 +299,9 @@ def test_e2e_bench_pairs_our_two_engines_on_real_prompts_and_runs_our_ar_alone(t
     assert alone["dspark_rank_info"] is None and "dspark_tokens_per_s" not in alone["rows"][0]
 
 
-def test_e2e_bench_times_dspark_that_never_drafts_beside_the_pair(tmp_path, make_drafter):
-    """``--undrafted``: a third engine, DSpark with a block of 0 every step, in the same rounds (the guard's floor)."""
+def test_e2e_bench_times_dspark_that_never_drafts_and_fixed_k_beside_the_pair(tmp_path, make_drafter):
+    """``--undrafted``: DSpark with a block of 0 every step (the guard's floor); ``--fixed``: every block verified (the
+    guard off); both in the same rounds."""
     from tests import builders
 
     spec = importlib.util.spec_from_file_location("e2e_bench", ROOT / "benchmarks" / "e2e_bench.py")
@@ -310,6 +311,7 @@ def test_e2e_bench_times_dspark_that_never_drafts_beside_the_pair(tmp_path, make
     drafter = make_drafter(target, 3)
     assert module.main(["--model", str(target), "--drafter", str(drafter), "--concurrency", "2", "--requests", "2",
                         "--max-tokens", "6", "--rounds", "1", "--max-draft-len", "3", "--device", "cpu",
-                        "--kv-cache-gib", "0.1", "--undrafted", "--out", str(tmp_path / "floor.json")]) == 0
+                        "--kv-cache-gib", "0.1", "--undrafted", "--fixed", "--out", str(tmp_path / "floor.json")]) == 0
     row = json.loads((tmp_path / "floor.json").read_text())["rows"][0]
     assert row["undrafted_over_ar_paired"] > 0 and row["rounds"][0]["undrafted"]["tokens_per_s"] > 0
+    assert row["fixed_over_ar_paired"] > 0 and row["rounds"][0]["fixed"]["tokens_per_s"] > 0

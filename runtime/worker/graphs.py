@@ -56,16 +56,7 @@ A verify step's device time is not monotone in its tokens (the GEMMs' tiling), s
 graphs are timed once captured, and a step of Q tokens a request replays a longer graph where that one is faster
 (``served_by``, ``served_length``; padded as any shorter request is, launched and planned ahead at that length).
 
-Plain greedy decode steps go further (``decode_greedy``, when the engine says the next step is expected to be the
-same requests decoding one token more: ``ScheduledBatch.run_ahead``): right after this step's graph, its verdicts
-are copied into pinned host memory (an event marks them), copied on the device into the next step's input ids,
-and the next step is launched; only then does the host wait, for this step's verdicts alone. While it commits them
-and schedules, the GPU already runs the next step; when the engine schedules exactly that step (the same requests
-in the same order, each feeding the token this step decided, at the next position, on the same pages), its
-verdicts are read back without a launch. Otherwise it is dropped: it only wrote cache slots at positions no later
-step has used yet, and every later step runs after it in stream order, so whatever they write there wins. (A
-read-back with ``.tolist()`` would be queued behind the step launched ahead and wait for it too, and the GPU would
-idle while the host commits: ``benchmarks/graph_launch.py --readback``.)
+Plain greedy decode steps launch the next one ahead too (``decode_greedy``, whose docstring says how).
 """
 
 from __future__ import annotations
@@ -407,9 +398,13 @@ class GraphedTargetForward:
         -1 where its row broke), read back through pinned memory; replayed now, or taken from the step launched
         ahead when ``reqs`` is exactly that step. ``run_ahead`` (the engine expects the next step to be these
         requests decoding one token more; the scheduler allots pages a token ahead): launch that step before
-        waiting for this one. ``append_context`` (a drafter whose schedule drafts nothing at this concurrency, its
-        context kept for when it drafts again; ``appends_context``): the drafter's context graph follows each
-        replay, the one launched ahead too."""
+        waiting for this one: this step's verdicts are copied into pinned memory (an event marks them) and on the
+        device into the next step's input ids, the next step launched, and only then does the host wait, for these
+        verdicts alone (a ``.tolist()`` would queue behind the step launched ahead: ``benchmarks/graph_launch.py
+        --readback``). A step launched ahead that the engine does not schedule exactly is dropped: it wrote only cache
+        slots no later step has used yet, and every later step runs after it in stream order. ``append_context`` (a
+        drafter whose schedule drafts nothing at this concurrency, its context kept for when it drafts again;
+        ``appends_context``): the drafter's context graph follows each replay, the one launched ahead too."""
         batch = bucket_of(self.buckets, len(reqs))
         g = self.graphs[(batch, 1)]
         if append_context and g.context is None:
