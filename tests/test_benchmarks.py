@@ -315,3 +315,22 @@ def test_e2e_bench_times_dspark_that_never_drafts_and_fixed_k_beside_the_pair(tm
     row = json.loads((tmp_path / "floor.json").read_text())["rows"][0]
     assert row["undrafted_over_ar_paired"] > 0 and row["rounds"][0]["undrafted"]["tokens_per_s"] > 0
     assert row["fixed_over_ar_paired"] > 0 and row["rounds"][0]["fixed"]["tokens_per_s"] > 0
+
+
+def test_guard_replay_prices_fixed_k_and_the_guard_on_recorded_outcomes():
+    """The offline replay drives the engine's own guard: where every draft is accepted it drafts as fixed K does;
+    where none is, fixed K pays the drafting price for nothing and the guard decodes plain."""
+    spec = importlib.util.spec_from_file_location("guard_replay", ROOT / "benchmarks" / "guard_replay.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    prices = {"plain_ms": 1.0, "drafting_ms": 1.5, "whole_ms": 1.5, "ms_per_verified_draft": 0.0}
+    accepting = [module.Stream([[7, 7]] * 20) for _ in range(8)]
+    rejecting = [module.Stream([[7, 0]] * 80) for _ in range(8)]
+    for batch in (1, 4):
+        fixed = module.replay(accepting, batch, prices, 7, guarded=False)
+        guard = module.replay(accepting, batch, prices, 7)
+        assert fixed["over_ar"] > 4 and guard["over_ar"] > 0.9 * fixed["over_ar"] and guard["drafting_share"] > 0.9
+        fixed = module.replay(rejecting, batch, prices, 7, guarded=False)
+        guard = module.replay(rejecting, batch, prices, 7)
+        assert fixed["over_ar"] < 0.7 and guard["over_ar"] > 0.95 and guard["drafting_share"] < 0.05
+    assert module.Stream([[7, 3], [7, 0]]).accepted_at(1) == 2  # inside a verify's accepted run: what remains of it
