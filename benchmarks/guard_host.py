@@ -3,7 +3,9 @@
 For each batch size a ``SpeculationGuard`` is taught prices and every request's acceptance (each verifies 7 drafts,
 6 accepted: drafting pays, every block verified), then one step's work is timed: the plan (``plan``: gains ranked,
 the best number of blocks chosen) and the bookkeeping of every request's verify (``observe_verify`` per request),
-median of ``--rounds`` rounds of ``--steps`` steps. On a GPU this work adds to every DSpark step whose host work is
+median of ``--rounds`` rounds of ``--steps`` steps. A second guard is taught that nobody accepts a draft, and its
+plan with the step's price (``observe_step``) is timed while the batch decodes plain (``plain_batch_us``: an engine
+that launches no step ahead plans every plain step). On a GPU this work adds to every DSpark step whose host work is
 not hidden behind the device's. Runs on any CPU; ``--tree DIR`` times another checkout's guard (before/after).
 """
 
@@ -43,6 +45,26 @@ def measure(batch: int, steps: int) -> tuple[float, float]:
     return plan_s, (time.perf_counter() - start) / steps
 
 
+def measure_plain(batch: int, steps: int) -> float:
+    """Seconds a plan and its step's price take while a batch nobody's drafts pay for decodes plain."""
+    from runtime.spec.guard import SpeculationGuard
+
+    guard = SpeculationGuard(7)
+    ids = [f"r{i}" for i in range(batch)]
+    for step in range(20):
+        guard.plan(step, ids)
+        for request_id in ids:
+            guard.observe_verify(request_id, 7, 0)
+        guard.observe_step(batch, True, 7 * batch, 0.003)
+    for _ in range(6):
+        guard.observe_step(batch, False, 0, 0.001)
+    start = time.perf_counter()
+    for step in range(100, 100 + steps):
+        plan = guard.plan(step, list(ids))  # (the engine passes a new list each step)
+        guard.observe_step(batch, plan.drafts, 0, 0.003 if plan.drafts else 0.001)
+    return (time.perf_counter() - start) / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", default="1,64,256")
@@ -55,8 +77,10 @@ def main() -> None:
     rows = []
     for batch in (int(b) for b in args.requests.split(",")):
         runs = [measure(batch, args.steps) for _ in range(args.rounds)]
+        plain = [measure_plain(batch, args.steps) for _ in range(args.rounds)]
         rows.append({"requests": batch, "plan_us": round(1e6 * statistics.median(r[0] for r in runs), 1),
-                     "observe_verifies_us": round(1e6 * statistics.median(r[1] for r in runs), 1)})
+                     "observe_verifies_us": round(1e6 * statistics.median(r[1] for r in runs), 1),
+                     "plain_batch_us": round(1e6 * statistics.median(plain), 1)})
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({

@@ -25,6 +25,10 @@ four, the third steady); unless the requests' expected extra tokens together do 
 never costs less than a plain one, so then drafting cannot pay at any price (an untrained drafter at a batch size
 not seen before decodes plain from its first step).
 
+A plain decision stands, without ranking the gains and pricing every ``m`` again, until a request arrives or
+leaves, a verify is observed, a probe is due or ``probe_first`` steps pass (only the prices' drift goes unweighed
+that long): on an engine that launches no step ahead, a batch decoding plain otherwise pays the whole plan each step.
+
 Learning needs observations, and a request or a batch that stopped drafting shows none. So it is probed again at a
 bounded cost: a request left out verifies its block at its next probe (after 8 steps, then 16, 32, ... 512 while it
 keeps not paying), a batch that stopped drafting drafts one step for everyone after 8 steps, then 16, ... 512
@@ -211,6 +215,9 @@ class SpeculationGuard:
         self.stats = GuardStats()
         self._explore_left = 0  # plain plans left of an exploration (exploration_len in a row)
         self._bucket = 0  # the bucket of the last plan
+        self._verifies_seen = 0  # every verify observed (a plan that decided plain stands until one comes)
+        # a plain decision that stands: (the step it lapses at, verifies seen then, the requests it was made for)
+        self._plain_standing: tuple[int, int, list[str]] | None = None
 
     # ---- learning ---------------------------------------------------------------------------------
 
@@ -225,6 +232,7 @@ class SpeculationGuard:
         state = self.requests.get(request_id)  # (every verify of every request: no state built to be thrown away)
         if state is None:
             state = self.requests[request_id] = _RequestState()
+        self._verifies_seen += 1
         memory = tuning.memory
         state.accepted = memory * state.accepted + accepted
         state.weight = memory * state.weight + 1.0
@@ -309,6 +317,12 @@ class SpeculationGuard:
                 self.stats.explorations += 1
             self._explore_left -= 1
             return self._record(GuardPlan(step, False, frozenset(), "explore"))
+        standing = self._plain_standing
+        if standing is not None and not pinned and step < standing[0] and self._verifies_seen == standing[1] \
+                and request_ids == standing[2]:
+            # nothing the last plain plan weighed has changed but the prices' drift (bounded: it lapses at the next
+            # probe or after probe_first steps): plain again, without ranking gains and pricing every m each step
+            return self._record(GuardPlan(step, False, frozenset(), "plain"))
         gains = sorted(self._gains(request_ids), reverse=True)  # [batch] (gain, request) best first
         prices = self._prices(costs)
         fit = prices.drafting_fit(tuning.ridge)
@@ -352,6 +366,10 @@ class SpeculationGuard:
                 costs.next_probe = step + costs.probe_interval
                 self.stats.batch_probes += 1
                 return self._record(GuardPlan(step, True, None, "probe"))
+            lapses = min(costs.next_probe, step + tuning.probe_first)
+            if arrivals:
+                lapses = min(lapses, costs.next_arrival_probe)
+            self._plain_standing = (lapses, self._verifies_seen, list(request_ids))
             return self._record(GuardPlan(step, False, frozenset(), "plain"))
         costs.probe_interval, costs.next_probe, costs.arrival_interval, costs.next_arrival_probe = 0, 0, 0, 0
         requests = self.requests

@@ -173,6 +173,41 @@ def test_in_a_plain_batch_a_new_request_is_probed_on_a_doubling_schedule():
     assert len(probes) <= 5
 
 
+def test_a_plain_decision_stands_until_something_it_weighed_changes():
+    """A batch that decodes plain is not re-planned from scratch every step: the decision stands until a request
+    arrives or leaves, a verify is observed, a probe is due or probe_first steps pass; the plans it gives are those a
+    full plan gives (the same random scenario through a guard whose standing decision is dropped before every plan)."""
+    import random
+
+    def run(fresh: bool) -> list[tuple]:
+        rng = random.Random(3)
+        guard = SpeculationGuard(K, GuardTuning(probe_first=8, probe_max=64))
+        priced(guard, 4)
+        ids, plans, full, pending = ["a", "b", "c", "d"], [], 0, None
+        for request_id in ids:
+            guard.observe_verify(request_id, K, 0)
+        for step in range(600):
+            if rng.random() < 0.03:  # a request leaves, another arrives
+                ids = ids[1:] + [f"r{step}"]
+            if fresh:
+                guard._plain_standing = None
+            before = guard._plain_standing
+            plan = guard.plan(step, ids)
+            full += plan.reason != "plain" or guard._plain_standing is not before
+            plans.append((plan.drafts, plan.reason, plan.verifiers))
+            if pending is not None:  # this step verifies the blocks drafted at the one before (after its plan)
+                for request_id in ids if pending is None or pending.verifiers is None else pending.verifiers:
+                    guard.observe_verify(request_id, K, rng.choice((0, 0, 0, 0, 0, 0, 4)))
+            pending = plan if plan.drafts else None
+            guard.observe_step(len(ids), plan.drafts, 0, 1.3 if plan.drafts else 1.0)
+        return plans, full
+
+    standing, full_plans = run(False)
+    fresh, every_step = run(True)
+    assert standing == fresh
+    assert sum(not p[0] for p in standing) > 400 and full_plans < 0.6 * every_step  # mostly plain, re-planned less
+
+
 def test_a_mixed_batch_verifies_the_good_requests_and_probes_the_others():
     guard = SpeculationGuard(K, GuardTuning(probe_first=8, probe_max=512))
     priced(guard, 8, plain=1.0, drafting=1.1, per_draft=0.02)
