@@ -22,7 +22,9 @@ from datetime import date
 from pathlib import Path
 
 
-def measure(batch: int, steps: int) -> tuple[float, float]:
+def taught(batch: int, accepted: int):
+    """A guard priced at ``batch`` requests (drafting steps 3 ms, plain 1 ms) whose requests each verified 20 blocks
+    accepting ``accepted`` of 7 drafts -> (guard, request ids)."""
     from runtime.spec.guard import SpeculationGuard
 
     guard = SpeculationGuard(7)
@@ -30,10 +32,15 @@ def measure(batch: int, steps: int) -> tuple[float, float]:
     for step in range(20):
         guard.plan(step, ids)
         for request_id in ids:
-            guard.observe_verify(request_id, 7, 6)
+            guard.observe_verify(request_id, 7, accepted)
         guard.observe_step(batch, True, 7 * batch, 0.003)
     for _ in range(6):
         guard.observe_step(batch, False, 0, 0.001)
+    return guard, ids
+
+
+def measure(batch: int, steps: int) -> tuple[float, float]:
+    guard, ids = taught(batch, 6)
     start = time.perf_counter()
     for step in range(100, 100 + steps):
         guard.plan(step, ids)
@@ -47,17 +54,7 @@ def measure(batch: int, steps: int) -> tuple[float, float]:
 
 def measure_plain(batch: int, steps: int) -> float:
     """Seconds a plan and its step's price take while a batch nobody's drafts pay for decodes plain."""
-    from runtime.spec.guard import SpeculationGuard
-
-    guard = SpeculationGuard(7)
-    ids = [f"r{i}" for i in range(batch)]
-    for step in range(20):
-        guard.plan(step, ids)
-        for request_id in ids:
-            guard.observe_verify(request_id, 7, 0)
-        guard.observe_step(batch, True, 7 * batch, 0.003)
-    for _ in range(6):
-        guard.observe_step(batch, False, 0, 0.001)
+    guard, ids = taught(batch, 0)
     start = time.perf_counter()
     for step in range(100, 100 + steps):
         plan = guard.plan(step, list(ids))  # (the engine passes a new list each step)
