@@ -17,6 +17,9 @@
 #                                                  (benchmarks/smollm2_drafter.py --scale gpu --seed SEED, default 0),
 #                                                  no new chunk of answers after SECONDS; FlashInfer's JIT cache and the
 #                                                  stage records to OUT
+#   bash benchmarks/smollm2_gpu.sh carried WORK     host: answers brought back by an earlier `collect ... answers`
+#                                                  (their parts carried in .smollm2-answers/, ignored) into WORK as
+#                                                  the recipe's answers, so training starts without answering again
 #   bash benchmarks/smollm2_gpu.sh train WORK SECONDS VARIANTS [LANES] [INIT]
 #                                                  host: train the variants (comma-separated), each for SECONDS (its
 #                                                  schedule fitted to them; from the drafter INIT's weights where given,
@@ -47,7 +50,7 @@
 # Every step after the parts needs FlashInfer (the CUDA-graphed path; the torch kernels run eagerly). On one warm host,
 # the tree without runtime/pretrained or benchmarks/results: (1) .smollm2-part-1: stash; (2) .smollm2-part-2 and
 # .whl-min (gguf, pyyaml): stash; (3) .whl-fi (scripts/gpu-wheels.sh, xgrammar left out) and .fi-cache if kept:
-# answers WORK OUT S, then train WORK S2 dspark-1,dflash-1,dspark-3; (4) wait, acceptance, collect; (5) e2e OUT
+# answers WORK OUT S (or carried WORK with .smollm2-answers), then train WORK S2 dspark-1,dflash-1,dspark-3; (4) wait, acceptance, collect; (5) e2e OUT
 # WORK/bf16/dspark-1.
 set -euo pipefail
 site=${SITE:-$HOME/.cache/dspark-site}
@@ -103,6 +106,17 @@ case "${1:-}" in
     compgen -G ".fi-cache/*.part-*" >/dev/null || bash benchmarks/gpu_host.sh save-cache "$out"
     cp "$work"/stage-*.json "$out/" 2>/dev/null || true
     tail -c 3000 "$work/answers.log" >&2
+    ;;
+  carried)
+    work=${2:?give a work folder}
+    compgen -G ".smollm2-answers/answers.jsonl.xz.part-*" >/dev/null || { echo "no .smollm2-answers/ parts" >&2; exit 2; }
+    mkdir -p "$work"
+    cat .smollm2-answers/answers.jsonl.xz.part-* | xz -d > "$work/answers.jsonl"
+    # the recipe's stage records: its prompts and answers stages are done (a rerun trains on these answers)
+    for stage in prompts answers; do
+      echo "{\"carried\": \".smollm2-answers\", \"rows\": $(wc -l < "$work/answers.jsonl")}" > "$work/stage-$stage.json"
+    done
+    wc -l "$work/answers.jsonl" >&2
     ;;
   train)
     work=${2:?give a work folder} seconds=${3:?give the seconds} variants=${4:?give the variants} lanes=${5:-2}
@@ -187,7 +201,7 @@ PY
     fi
     grep -h '^{' "$out"/e2e*.log >&2 || true
     ;;
-  *) echo "usage: $0 split [MiB] | stash | deps | install | answers WORK OUT SECONDS [SEED] |" \
+  *) echo "usage: $0 split [MiB] | stash | deps | install | answers WORK OUT SECONDS [SEED] | carried WORK |" \
        "train WORK SECONDS VARIANTS [LANES] [INIT] |" \
        "wait WORK SECONDS | acceptance WORK OUT LIMIT | collect WORK OUT [VARIANTS] [answers] | unpack DIR DEST |" \
        "e2e OUT [DRAFTER] [hf]" >&2; exit 2 ;;
