@@ -19,7 +19,8 @@
 #                                                  stage records to OUT
 #   bash benchmarks/smollm2_gpu.sh carried WORK     host: answers brought back by an earlier `collect ... answers`
 #                                                  (their parts carried in .smollm2-answers/, ignored) into WORK as
-#                                                  the recipe's answers, so training starts without answering again
+#                                                  the recipe's answers, so training starts without answering again;
+#                                                  after `answers` in WORK, appended to the answers written there
 #   bash benchmarks/smollm2_gpu.sh train WORK SECONDS VARIANTS [LANES] [INIT]
 #                                                  host: train the variants (comma-separated), each for SECONDS (its
 #                                                  schedule fitted to them; from the drafter INIT's weights where given,
@@ -111,12 +112,17 @@ case "${1:-}" in
     work=${2:?give a work folder}
     compgen -G ".smollm2-answers/answers.jsonl.xz.part-*" >/dev/null || { echo "no .smollm2-answers/ parts" >&2; exit 2; }
     mkdir -p "$work"
-    cat .smollm2-answers/answers.jsonl.xz.part-* | xz -d > "$work/answers.jsonl"
+    # beside answers this host's recipe already wrote (`answers` first): both sets train together
+    answered=0
+    [ -f "$work/answers.jsonl" ] && [ -f "$work/stage-answers.json" ] && answered=$(wc -l < "$work/answers.jsonl")
+    [ "$answered" -gt 0 ] || : > "$work/answers.jsonl"
+    cat .smollm2-answers/answers.jsonl.xz.part-* | xz -d >> "$work/answers.jsonl"
+    rows=$(wc -l < "$work/answers.jsonl")
     # the recipe's stage records: its prompts and answers stages are done (a rerun trains on these answers)
     for stage in prompts answers; do
-      echo "{\"carried\": \".smollm2-answers\", \"rows\": $(wc -l < "$work/answers.jsonl")}" > "$work/stage-$stage.json"
+      echo "{\"carried\": \".smollm2-answers\", \"rows\": $rows, \"answered_here\": $answered}" > "$work/stage-$stage.json"
     done
-    wc -l "$work/answers.jsonl" >&2
+    echo "answers: $answered answered here, $((rows - answered)) carried" >&2
     ;;
   train)
     work=${2:?give a work folder} seconds=${3:?give the seconds} variants=${4:?give the variants} lanes=${5:-2}
