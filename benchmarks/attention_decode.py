@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.bench import replay_ms  # noqa: E402
+from bench import replay_ms  # noqa: E402
 
 LAYERS, HQ, HKV, D, PAGE = 36, 32, 8, 128, 16
 

@@ -61,7 +61,7 @@ METHODS = ("_allot_verify_lengths", "_note_other_fed", "_learn_step_time", "_com
 @contextlib.contextmanager
 def timed(owner, name: str, totals: dict, key) -> Iterator[None]:
     """Within the block, ``owner.name`` (if it has one) adds the host seconds of each call to ``totals[key]`` (``key``:
-    a string, or a callable naming it when the call ends: where it ran). Here, not ``cluster.bench.profiling.timed``, so that
+    a string, or a callable naming it when the call ends: where it ran). Here, not ``bench.profiling.timed``, so that
     the script runs unchanged at an earlier checkout."""
     original = getattr(owner, name, None)
     if original is None:

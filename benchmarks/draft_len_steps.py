@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.bench import time_steps  # noqa: E402
+from bench import time_steps  # noqa: E402
 from runtime import LLM  # noqa: E402
 
 PAIR_SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,

@@ -205,7 +205,7 @@ def engine_graph(shape: str) -> dict:
     import tempfile
     from pathlib import Path
 
-    from cluster.bench import write_shape
+    from bench import write_shape
     from runtime import LLM
 
     target, _ = write_shape(Path(tempfile.mkdtemp(prefix="graph-launch-")), shape, 1, 8)

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.bench import copy_bandwidth  # noqa: E402
-
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+from bench import copy_bandwidth  # noqa: E402
 
 BLOCK = 128  # rows one program prefetches
 ALIGN = 16  # cp.async.bulk needs 16-byte aligned addresses and sizes

@@ -47,7 +47,6 @@ from pathlib import Path
 import numpy as np
 
 from runtime.spec.confidence import ConfidenceScheduler
-
 from runtime.spec.history import HISTORY_NONE, next_history
 from runtime.spec.step_costs import StepCostTable
 

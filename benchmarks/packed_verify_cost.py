@@ -99,7 +99,7 @@ def main() -> int:
         return 2
     batches = [int(b) for b in args.batches.split(",")]
 
-    from cluster.bench import local_worker, replay_ms
+    from bench import local_worker, replay_ms
     from configs import DSparkDecodingConfig
     from runtime import LLM
     from runtime.spec.step_costs import StepCostTable

@@ -31,7 +31,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.bench import copy_bandwidth  # noqa: E402
+from bench import copy_bandwidth  # noqa: E402
 
 LAYERS, HIDDEN, WIDE = 36, 4096, 12288
 BLOCK_N, BLOCK_K = 32, 256

@@ -1,6 +1,6 @@
 """What planning the next decode step's attention ahead buys an autoregressive engine: the same engine (one
 ``runtime.LLM`` on a random-weight shape, CUDA graphs, FlashInfer) timed with its graphs' ``plan_ahead`` off and
-on, in alternating rounds of ``cluster.bench.time_steps`` at each concurrency; the median round of each is kept
+on, in alternating rounds of ``bench.time_steps`` at each concurrency; the median round of each is kept
 with every round's step time. ``plans_made_ahead``: the steps of the last round that skipped their plan.
 ``--toggle run_ahead``: planning ahead in both modes, launching steady greedy decode steps ahead
 (``GraphedTargetForward.run_ahead``) off and on; ``steps_run_ahead`` / ``steps_ahead_dropped`` of the last round.
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench import MODEL_SHAPES, copy_bandwidth, profile_step, time_steps, write_shape
+from bench import MODEL_SHAPES, copy_bandwidth, profile_step, time_steps, write_shape
 from runtime import LLM
 
 
@@ -46,8 +46,8 @@ def build(target: Path, args, concurrency: list[int], pdl: bool = True, drafter:
           prenorm: bool = True) -> LLM:
     """The engine under test; ``pdl=False``: its graphs captured with every Triton kernel launched plainly;
     ``prenorm=False``: no projection measured (so none run) with the norm before it fused in."""
-    from runtime.worker import small_gemm
     from runtime.kernels import pdl as pdl_module
+    from runtime.worker import small_gemm
 
     supported, prenorm_linears = pdl_module.supported, small_gemm.PRENORM_LINEARS
     if not pdl:

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.bench import write_shape  # noqa: E402
+from bench import write_shape  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 from runtime.spec import confidence as confidence_scheduler  # noqa: E402
 from runtime.spec.confidence import ConfidenceScheduler  # noqa: E402

@@ -1,4 +1,4 @@
-"""Speculation that never costs, on pairs of known worth: ``dspark bench --drafter-kinds`` (``cluster.bench.drafter_kinds``,
+"""Speculation that never costs, on pairs of known worth: ``dspark bench --drafter-kinds`` (``bench.drafter_kinds``,
 whose docstring says what each kind is and how it is measured), runnable without installing the package.
 
 usage: python3 benchmarks/speculation_guard.py --out FILE.json [--kinds untrained,weak,good,mixed]
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.bench.drafter_kinds import KINDS, measure_kinds  # noqa: E402
+from bench.drafter_kinds import KINDS, measure_kinds  # noqa: E402
 
 
 def main() -> None:

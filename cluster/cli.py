@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster import bench, bench_plot
-from cluster.arg_types import NEVER, SIZE_FORMS, device_name, fraction, integer, memory_size, moe_backend, number, \
-    number_or_never
+from cluster import bench_cli
+from cluster.arg_types import (NEVER, SIZE_FORMS, device_name, fraction, integer, memory_size, moe_backend, number,
+                               number_or_never)
 from configs import ConfigError, LLMConfig, ParallelConfig, ReplicaConfig, ServeArgs, validate
 from configs.files import read_mapping
 from configs.training import DrafterTrainConfig, TargetTrainConfig
@@ -229,8 +229,8 @@ def add_training_commands(commands) -> None:
     add_kv_budget_flags(regen)
     regen.set_defaults(handler=run_regenerate)
 
-    bench.add_parser(commands)
-    bench_plot.add_parser(commands)
+    bench_cli.add_parser(commands)
+    bench_cli.add_plot_parser(commands)
 
 
 def add_trainer_command(commands, kind: str, model, help: str, description: str) -> None:

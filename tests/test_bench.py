@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from cluster.bench import (MODEL_SHAPES, confidence_bounds, mixed_noise_floor, paired_ratio, piecewise_ratios,
-                           prefill_apart_ratios, schedule_cap, write_shape)
+from bench import (MODEL_SHAPES, confidence_bounds, mixed_noise_floor, paired_ratio, piecewise_ratios,
+                   prefill_apart_ratios, schedule_cap, write_shape)
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
 
@@ -50,7 +50,7 @@ def test_bench_plot_draws_a_record_and_rejects_a_non_record(tmp_path):
 
 def test_end_to_end_decodes_each_prompt_alone_and_compares_outputs(tmp_path):
     """Each prompt alone on every engine, alternating, greedy outputs compared."""
-    from cluster.bench import agreement, end_to_end
+    from bench import agreement, end_to_end
 
     target, drafter = write_shape(tmp_path, "tiny", draft_layers=1, block_size=3)
     engine = dict(load_format="dummy", dtype="float32", device="cpu", num_pages=64, page_size=16)
@@ -75,7 +75,7 @@ def test_end_to_end_decodes_each_prompt_alone_and_compares_outputs(tmp_path):
 
 
 def test_an_moe_shape_decodes_and_counts_the_experts_a_step_wakes(tmp_path):
-    from cluster.bench import expert_bytes, routing_stats, weight_bytes
+    from bench import expert_bytes, routing_stats, weight_bytes
 
     target, drafter = write_shape(tmp_path, "tiny-moe", draft_layers=1, block_size=3)
     engine = dict(load_format="dummy", dtype="float32", device="cpu", num_pages=64, page_size=16)
@@ -100,7 +100,7 @@ def test_an_moe_shape_decodes_and_counts_the_experts_a_step_wakes(tmp_path):
 
 
 def test_a_mixed_workload_submits_while_others_decode(tmp_path):
-    from cluster.bench import mixed_workload
+    from bench import mixed_workload
 
     target, drafter = write_shape(tmp_path, "tiny", draft_layers=1, block_size=3)
     spec = DSparkDecodingConfig(speculative_model=str(drafter), load_format="dummy")
@@ -137,7 +137,7 @@ def test_a_mixed_workload_submits_while_others_decode(tmp_path):
 def test_the_step_spread_reads_quantiles_quarters_and_slow_steps_and_the_collector_pauses_are_counted():
     import gc
 
-    from cluster.bench import AllocatorEvents, GcPauses, round_spread, step_spread
+    from bench import AllocatorEvents, GcPauses, round_spread, step_spread
 
     spread = step_spread([0.001] * 6 + [0.002, 0.010])  # six 1-ms steps, then a 2-ms and a 10-ms one
     assert spread["step_ms_quantiles"]["p50"] == pytest.approx(1.0) and spread["step_ms_quantiles"]["max"] == 10.0
@@ -358,7 +358,7 @@ def test_both_confidence_engines_are_measured_in_the_same_rounds_beside_the_tune
     import sys
     from pathlib import Path
 
-    from cluster.bench import schedule_cap
+    from bench import schedule_cap
 
     out, schedule = tmp_path / "bench.json", tmp_path / "schedule.json"
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--model-shape", "tiny", "--device", "cpu",
@@ -413,7 +413,7 @@ def test_a_schedule_tuned_before_is_measured_in_one_phase_beside_the_sweep(tmp_p
 
 
 def test_a_schedule_file_is_read_in_either_form_and_a_bad_one_names_the_flag(tmp_path):
-    from cluster.bench import read_schedule
+    from bench import read_schedule
 
     fragment, bare = tmp_path / "fragment.json", tmp_path / "bare.json"
     fragment.write_text(json.dumps({"engine": {"speculative_config": {"draft_len_schedule": {"64": 7, "256": 2}}}}))
@@ -563,7 +563,7 @@ def test_piecewise_ratios_pair_each_engine_with_its_eager_self():
 
 
 def test_a_step_window_profile_covers_its_steps_or_the_loops_end():
-    from cluster.bench import StepWindowProfile
+    from bench import StepWindowProfile
 
     def loop(window: StepWindowProfile, steps: int) -> None:
         import torch
@@ -587,7 +587,7 @@ def test_a_step_window_profile_covers_its_steps_or_the_loops_end():
 
 
 def test_the_summary_reads_each_variants_ratios():
-    from cluster.bench import variant_summary
+    from bench import variant_summary
 
     record = piecewise_ratios(variant_runs("-eager"))
     lines = variant_summary(record, "mixed_piecewise_vs_eager", "through piecewise graphs / eager",
@@ -641,7 +641,7 @@ def test_a_profile_takes_decode_steps_after_every_prefill_chunk(tmp_path, monkey
 
     import torch.profiler
 
-    from cluster.bench import profile_step
+    from bench import profile_step
     from runtime import LLM
 
     target, _ = write_shape(tmp_path, "tiny", draft_layers=1, block_size=3)

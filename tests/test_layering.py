@@ -1,4 +1,4 @@
-"""Imports flow one way: configs <- runtime.kernels <- runtime <- cluster."""
+"""Imports flow one way: configs <- runtime.kernels <- runtime <- bench <- cluster."""
 
 import ast
 import subprocess

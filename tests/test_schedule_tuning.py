@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.schedule_tuning import Candidate, accepted_schedule, best_draft_lengths, projected_tau, schedule_from
+from bench.schedule_tuning import Candidate, accepted_schedule, best_draft_lengths, projected_tau, schedule_from
 from configs import DSparkDecodingConfig
 
 ACCEPT = [0.69, 0.48, 0.34, 0.25, 0.18, 0.13, 0.10]

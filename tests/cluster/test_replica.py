@@ -345,7 +345,7 @@ def test_a_pipelined_drafter_pipelines_only_while_enough_requests_run(ray_cluste
 def test_bench_profile_traces_one_step_on_every_rank(ray_cluster, near_bigram_target, drafter, tmp_path):
     """``dspark bench --profile`` on a replica: each rank profiles the same batch-1 steps in its own process and
     returns its summary (the driver only dispatches), and leaves its timeline where asked, named by rank."""
-    from cluster.bench import profile_step
+    from bench import profile_step
 
     spec = DSparkDecodingConfig(speculative_model=str(drafter))
     with LLM(str(near_bigram_target), speculative_config=spec, tensor_parallel_size=2, drafter="separate",

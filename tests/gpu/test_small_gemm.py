@@ -94,7 +94,7 @@ def test_the_measurement_is_reported_in_rank_info(mid_target):
     gemms = llm.rank_info()[0]["small_gemms"]
     assert gemms["calibration_s"] >= 0 and "8192x1024" in gemms["shapes"]
     rows = gemms["shapes"]["8192x1024"]["rows"]
-    from cluster.bench import local_worker
+    from bench import local_worker
 
     padded = small_gemm.pad_candidates(local_worker(llm).graph_gemm_rows())  # the graphs' off-tile row counts
     assert padded and set(rows) == {str(r) for r in (*small_gemm.ROW_BUCKETS, *padded)}

@@ -1,4 +1,5 @@
-"""``dspark bench``'s arguments and entry point."""
+"""``dspark bench`` and ``dspark bench-plot``: their arguments and entry points (the measuring is the ``bench``
+package's; a Ray replica's engine, ``cluster.LLM``, is handed to it from here)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,16 @@ import shlex
 import sys
 from pathlib import Path
 
+from bench import plot as plot_module
+from bench import sweep
+from bench.drafter_kinds import KINDS, measure_kinds
+from bench.plot import plot, require_matplotlib
+from bench.report import summary
+from bench.shapes import MODEL_SHAPES
+from bench.stats import PAIRED_ROUNDS
+from bench.sweep import run
+from bench.tuning import read_schedule
 from cluster.arg_types import SIZE_FORMS, device_name, gib, integer, memory_size, moe_backend, number
-from cluster.bench import sweep
-from cluster.bench.drafter_kinds import KINDS, measure_kinds
-from cluster.bench.report import summary
-from cluster.bench.shapes import MODEL_SHAPES
-from cluster.bench.stats import PAIRED_ROUNDS
-from cluster.bench.sweep import run
-from cluster.bench.tuning import read_schedule
-from cluster.bench_plot import plot, require_matplotlib
 
 
 def batch_list(flag: str):
@@ -60,7 +62,7 @@ def add_parser(commands) -> None:
     which.add_argument("--drafter-kinds", type=kind_list, metavar="KINDS",
                        help=f"pairs whose worth is known by construction, comma-separated from {','.join(KINDS)}: "
                        "DSpark with the engine's defaults against our AR per kind and --concurrency, in --rounds "
-                       "alternating rounds (cluster.bench.drafter_kinds; with --kind-seconds, --kind-tokens, "
+                       "alternating rounds (bench.drafter_kinds; with --kind-seconds, --kind-tokens, "
                        "--device, --out)")
     bench.add_argument("--speculative-model", help="the trained drafter of --model")
     bench.add_argument("--concurrency", type=concurrency_list, default=[1, 4, 16, 64, 256],
@@ -300,7 +302,9 @@ def main(args) -> int:
         if problem:
             print(f"dspark bench: {problem}", file=sys.stderr)
             return 2
-    record = run(args)
+    from cluster.llm import LLM as ReplicaLLM
+
+    record = run(args, replica_engine=ReplicaLLM)
     text = json.dumps(record, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
@@ -313,9 +317,33 @@ def main(args) -> int:
 
 
 def drafter_kinds_main(args) -> int:
-    """``--drafter-kinds``: the record of ``cluster.bench.drafter_kinds`` (the sweep's other flags do not apply)."""
+    """``--drafter-kinds``: the record of ``bench.drafter_kinds`` (the sweep's other flags do not apply)."""
     record = measure_kinds(args.drafter_kinds, args.concurrency, args.kind_tokens, args.rounds, args.kind_seconds,
                            args.device, "dspark bench " + shlex.join(sys.argv[2:]), args.out)
     if not args.out:
         print(json.dumps(record, indent=1))
+    return 0
+
+
+def add_plot_parser(commands) -> None:
+    cmd = commands.add_parser("bench-plot", help="draw a dspark bench record as a PNG",
+                              description=plot_module.__doc__)
+    cmd.add_argument("record", help="a dspark bench JSON record")
+    cmd.add_argument("--out", help="the PNG to write (default: the record's path with .png)")
+    cmd.set_defaults(handler=plot_main)
+
+
+def plot_main(args) -> int:
+    require_matplotlib("bench-plot")
+    source = Path(args.record)
+    try:
+        record = json.loads(source.read_text())
+        runs = record["runs"]
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"dspark bench-plot: {source} is not a dspark bench record: {exc}", file=sys.stderr)
+        return 2
+    if not runs:
+        print(f"dspark bench-plot: {source} has no runs", file=sys.stderr)
+        return 2
+    print(plot(record, args.out or source.with_suffix(".png")))
     return 0

@@ -8,14 +8,14 @@ import json
 import sys
 from pathlib import Path
 
-from cluster.bench.measure import time_steps
-from cluster.bench.stats import alternating_rounds, median_round
+from bench.measure import time_steps
+from bench.stats import alternating_rounds, median_round
 
 
 def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict, vocab: int, shape: bool,
          prompts: list[list[int]] | None = None, reference=None) -> dict:
     """``--tune-schedule``: DSpark step times at every shorter draft length k (an engine whose schedule drafts k above
-    one request), the fastest length per concurrency (``cluster.schedule_tuning``), the schedule written to
+    one request), the fastest length per concurrency (``bench.schedule_tuning``), the schedule written to
     ``args.tune_schedule`` as a config fragment ``dspark serve --config`` reads. -> the record's ``tuned_schedule``.
 
     With ``reference`` (the sweep's DSpark engine, still alive) each candidate is timed against it in alternating
@@ -24,7 +24,7 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
     together (the host's speed drifts). Without it, each candidate's own step time."""
     import torch
 
-    from cluster.schedule_tuning import Candidate, accepted_schedule, best_draft_lengths, projected_tau
+    from bench.schedule_tuning import Candidate, accepted_schedule, best_draft_lengths, projected_tau
     from runtime.engine.heap import freeze_long_lived, unfreeze_long_lived
 
     top = args.max_draft_len

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.bench.stats import CONFIDENCE_MAX, mean_skill
+from bench.stats import CONFIDENCE_MAX, mean_skill
 
 
 def trace_line(summary: dict) -> str:

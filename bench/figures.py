@@ -3,11 +3,10 @@ the ones measured beside it, device time against device time), over the mixed wo
 
 from __future__ import annotations
 
-from cluster.bench.measure import agreement
-from cluster.bench.stats import (BESIDE_SINGLE_PROCESS, CONFIDENCE_MAX, SINGLE, against_single_process,
-                                 confidence_bounds, confidence_predicted_gain, fixed_schedules_spread,
-                                 mixed_against_tuned, mixed_noise_floor, piecewise_ratios, prefill_apart_ratios,
-                                 row_against_tuned)
+from bench.measure import agreement
+from bench.stats import (BESIDE_SINGLE_PROCESS, CONFIDENCE_MAX, SINGLE, against_single_process, confidence_bounds,
+                         confidence_predicted_gain, fixed_schedules_spread, mixed_against_tuned, mixed_noise_floor,
+                         piecewise_ratios, prefill_apart_ratios, row_against_tuned)
 
 
 def derive_figures(record: dict, rows: dict, args, alternate: bool) -> None:

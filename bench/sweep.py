@@ -15,7 +15,7 @@ real shapes (``load_format="dummy"``): step times and roofline only, since rando
 (``--model``/``--speculative-model``) gives acceptance and end-to-end speedup. Peers: Hugging Face ``generate``
 on the same target, eager and compiled (static cache).
 ``--tune-schedule FILE`` times every shorter draft length too, writes the fastest ``draft_len_schedule``
-(``cluster.schedule_tuning``) and sweeps an engine with it (``tuned_*`` fields). ``--confidence-scheduling`` sweeps
+(``bench.schedule_tuning``) and sweeps an engine with it (``tuned_*`` fields). ``--confidence-scheduling`` sweeps
 an engine whose verify lengths the confidence scheduler chooses (``confidence_*`` fields; its startup profile is
 ``confidence_cost_table``, ``--profile-steps FILE`` saves it, and ``confidence_cost_table_served`` is the table as
 the sweep left it, ``confidence_mixed_step_costs_served`` the mixed steps' excess over it
@@ -73,15 +73,14 @@ import time
 from datetime import date
 from pathlib import Path
 
-from cluster.bench.figures import derive_figures, end_to_end_figures
-from cluster.bench.measure import (copy_bandwidth, end_to_end, end_to_end_prompts, expert_bytes,
-                                   hf_generate_tokens_per_s, kv_bytes, mixed_workload, time_steps, weight_bytes)
-from cluster.bench.profiling import local_worker, profile_step
-from cluster.bench.shapes import write_shape
-from cluster.bench.stats import (APART, BESIDE_SINGLE_PROCESS, CONFIDENCE_MAX, EAGER, SINGLE, alternating_rounds,
-                                 median_round, round_spread)
-from cluster.bench.tuning import read_schedule, tune
-
+from bench.figures import derive_figures, end_to_end_figures
+from bench.measure import (copy_bandwidth, end_to_end, end_to_end_prompts, expert_bytes, hf_generate_tokens_per_s,
+                           kv_bytes, mixed_workload, time_steps, weight_bytes)
+from bench.profiling import local_worker, profile_step
+from bench.shapes import write_shape
+from bench.stats import (APART, BESIDE_SINGLE_PROCESS, CONFIDENCE_MAX, EAGER, SINGLE, alternating_rounds, median_round,
+                         round_spread)
+from bench.tuning import read_schedule, tune
 
 # a confidence-scheduled engine's row: its field (after "confidence_") <- get_metrics()["confidence_scheduling"][metric]
 CONFIDENCE_FIGURES = {
@@ -127,7 +126,7 @@ class Bench:
     sweep in alternating rounds or one engine after another, a tuned schedule beside it, the profiles last) and
     derives the ratios; the other methods are its steps."""
 
-    def __init__(self, args):
+    def __init__(self, args, replica_engine=None):
         import torch
         from transformers import AutoConfig, AutoTokenizer
 
@@ -138,6 +137,10 @@ class Bench:
         self.args = args
         self.device = device = torch.device(args.device)
         self.replica = replica = args.tensor_parallel_size is not None or args.drafter == "separate"
+        if replica and replica_engine is None:
+            raise ValueError("--tensor-parallel-size / --drafter separate: this run was given no replica engine class "
+                             "(the dspark command passes cluster.LLM)")
+        self.replica_engine = replica_engine  # (model, speculative_config, **kwargs) -> an LLM of a Ray replica
         self.tp = tp = args.tensor_parallel_size or 1
         self.shape = shape = args.model_shape is not None
         if shape:
@@ -210,7 +213,7 @@ class Bench:
     def engine_class(self, model, speculative_config=None, drafter: str | None = None, pipeline: bool | None = None,
                      single_process: bool = False, **kwargs):
         """One engine of the run: in this process, or (``--tensor-parallel-size``, ``--drafter separate``) a Ray
-        replica through ``cluster.LLM`` (the target's shards and a separate drafter on actors). ``drafter``,
+        replica through ``replica_engine`` (``cluster.LLM``: the target's shards and a separate drafter on actors). ``drafter``,
         ``pipeline``: a replica's drafter placement and pipelining (default: the run's); ``single_process``: the
         same engine in this process, beside the replica's (``--beside-single-process``)."""
         from runtime import LLM
@@ -218,11 +221,9 @@ class Bench:
         args = self.args
         if not self.replica or single_process:
             return LLM(model, speculative_config=speculative_config, **kwargs)
-        from cluster.llm import LLM as ReplicaLLM
-
         place = (drafter or args.drafter) if speculative_config is not None else "colocated"  # AR: no drafter
         pipelined = bool(args.pipeline_drafter if pipeline is None else pipeline) and place == "separate"
-        return ReplicaLLM(model, speculative_config, tensor_parallel_size=self.tp, drafter=place,
+        return self.replica_engine(model, speculative_config, tensor_parallel_size=self.tp, drafter=place,
                           pipeline_drafter=pipelined, allreduce_strategy=args.allreduce_strategy,
                           ray_address=args.ray_address,
                           **({"pipeline_drafter_min_batch": args.pipeline_drafter_min_batch}
@@ -554,10 +555,11 @@ class Bench:
         return kept
 
 
-def run(args) -> dict:
-    """``dspark bench`` with parsed ``args`` (``cluster.bench.cli``) -> the record (see the module docstring)."""
-    return Bench(args).run()
-
+def run(args, replica_engine=None) -> dict:
+    """``dspark bench`` with parsed ``args`` (``cluster.bench_cli``) -> the record (see the module docstring).
+    ``replica_engine``: the LLM class of a Ray replica (``cluster.LLM``), which ``--tensor-parallel-size`` and
+    ``--drafter separate`` need; this package imports no Ray."""
+    return Bench(args, replica_engine).run()
 
 
 def _default_pipeline_min_batch() -> int:

@@ -8,9 +8,8 @@ import dataclasses
 import time
 from pathlib import Path
 
-from cluster.bench.profiling import (AllocatorEvents, GcPauses, StepWindowProfile, device_times, host_times,
-                                     local_worker, timed)
-from cluster.bench.stats import step_spread
+from bench.profiling import AllocatorEvents, GcPauses, StepWindowProfile, device_times, host_times, local_worker, timed
+from bench.stats import step_spread
 
 HOST_TIMED_STEPS = 10  # steps after the timed ones whose host work is broken down (host_times)
 

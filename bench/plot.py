@@ -1,4 +1,4 @@
-"""``dspark bench-plot``: a bench record's speedup and tokens/s against concurrency, as a PNG.
+"""A bench record's speedup and tokens/s against concurrency, as a PNG.
 
 Two panels sharing a log2 concurrency axis: output tokens/s of our autoregressive baseline and of DSpark
 (measured), and DSpark's speedup over the baseline (measured, and projected where the record has a
@@ -8,8 +8,6 @@ Two panels sharing a log2 concurrency axis: output tokens/s of our autoregressiv
 from __future__ import annotations
 
 import importlib.util
-import json
-import sys
 from pathlib import Path
 
 
@@ -60,26 +58,3 @@ def plot(record: dict, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def add_parser(commands) -> None:
-    cmd = commands.add_parser("bench-plot", help="draw a dspark bench record as a PNG", description=__doc__)
-    cmd.add_argument("record", help="a dspark bench JSON record")
-    cmd.add_argument("--out", help="the PNG to write (default: the record's path with .png)")
-    cmd.set_defaults(handler=main)
-
-
-def main(args) -> int:
-    require_matplotlib("bench-plot")
-    source = Path(args.record)
-    try:
-        record = json.loads(source.read_text())
-        runs = record["runs"]
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"dspark bench-plot: {source} is not a dspark bench record: {exc}", file=sys.stderr)
-        return 2
-    if not runs:
-        print(f"dspark bench-plot: {source} has no runs", file=sys.stderr)
-        return 2
-    print(plot(record, args.out or source.with_suffix(".png")))
-    return 0
