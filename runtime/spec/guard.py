@@ -14,7 +14,9 @@ sides while the engine serves and decides, step by step:
 The prices come from the engine's own steps, per batch bucket (powers of two): a plain step's time (``plain_s``), a
 drafting step's time as a function of its verified drafts (``drafting_s + verify_s x drafts``, a ridge fit that
 forgets old steps) and, for verifying everyone's block, the time of the drafting steps that did (``whole_s``: a step
-that leaves some out is ragged, which on a GPU can cost more than a uniform step verifying more). Steps that decode
+that leaves some out is ragged, which on a GPU can cost more than a uniform step verifying more; it is priced no
+lower than a plain step plus its drafts, nor than the whole price less the drafts it leaves out: the fit only
+interpolates, and where every step verifies whole blocks its drafts barely vary). Steps that decode
 beside a prompt chunk are priced apart (``prompt_buckets``) and compared where a bucket's pure steps are unpriced. A plain step is priced as a run of plain steps runs, since that is what a batch that stops
 drafting does: on an engine that launches each plain step while the host still finishes the one before
 (``runs_ahead``), only a *steady* plain step is timed, one launched ahead and launching the next ahead; a plain step
@@ -335,6 +337,14 @@ class SpeculationGuard:
         if not hopeless:
             base, per_draft = fit
             drafts_each = self.max_draft_len * self.verified_share
+            # the fit only interpolates where its drafts varied (every step verifying whole blocks, or all but one,
+            # they barely do: its line can then run through zero or below the whole price), so a step verifying
+            # some blocks is priced no lower than a plain step plus its drafts (a drafting step runs the drafter
+            # besides), nor than the whole price less the drafts left out (leaving blocks out saves at most their
+            # verify: the drafter's forward and the step's fixed work remain)
+            base = max(base, prices.plain_s)
+            if prices.whole_s is not None:
+                base = max(base, prices.whole_s - per_draft * drafts_each * batch)
             best_rate, tokens = batch / prices.plain_s * (1 + tuning.margin), float(batch)
             last = 0.0
             for m, (gain, _) in enumerate(gains[:-1], start=1):  # some left out: priced by the fit

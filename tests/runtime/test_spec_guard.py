@@ -126,6 +126,29 @@ def test_verifying_everyone_is_priced_by_the_steps_that_did():
     assert guard.as_dict()["buckets"][batch]["whole_ms"] == 1500.0
 
 
+def test_where_everyone_accepts_alike_leaving_a_block_out_never_looks_cheaper():
+    """The drafting fit extrapolates from the drafts its steps verified; where they barely varied (whole blocks, or
+    all but one) its line is noise far from them. Leaving blocks out saves only their drafts: a step verifying
+    fewer is priced no lower than a plain step plus its drafts, nor than the whole price less the drafts left out,
+    so a batch whose requests all accept alike verifies everyone (a step leaving one out is ragged: on a GPU it is
+    not launched ahead)."""
+    guard = SpeculationGuard(K)
+    batch = 8
+    for _ in range(6):  # whole steps 1.5 s; one block left out 1.2 s: 0.06 s a draft, through zero at 1 block
+        guard.observe_step(batch, True, batch * K, 1.5)
+        guard.observe_step(batch, True, (batch - 1) * K, 1.2, whole=False)
+    for _ in range(4):
+        guard.observe_step(batch, False, 0, 1.0)
+    ids = [f"r{i}" for i in range(batch)]
+    for request_id in ids:
+        teach(guard, request_id, K)
+    base, slope = guard.buckets[batch].drafting_fit(guard.tuning.ridge)
+    assert base == 0.0 and slope > 0.05  # (by the fit alone, one block verified would cost 0.25 s)
+    for step in range(100, 110):
+        plan = guard.plan(step, ids)
+        assert plan.drafts and plan.verifiers is None and plan.reason == "pays", (step, plan)
+
+
 def test_a_pause_of_the_host_is_no_price():
     guard = SpeculationGuard(K)
     priced(guard, 1)
@@ -246,6 +269,9 @@ def test_the_batch_verifies_the_best_number_of_blocks():
             teach(guard, request_id, rng.randint(0, K), verifies=rng.randint(1, 6))
         plan = guard.plan(100, ids)
         base, slope = guard.buckets[bucket_of(batch)].drafting_fit(guard.tuning.ridge)
+        whole = guard.buckets[bucket_of(batch)].whole_s
+        # (never below a plain step, and leaving blocks out saves only their drafts)
+        base = max(base, guard.buckets[bucket_of(batch)].plain_s, whole - slope * K * guard.verified_share * batch)
         gains = sorted((guard.gain(r) for r in ids), reverse=True)
         rates = [batch / guard.buckets[bucket_of(batch)].plain_s * (1 + guard.tuning.margin)]
         rates += [(batch + sum(gains[:m])) / (base + slope * K * guard.verified_share * m) for m in range(1, batch)]
