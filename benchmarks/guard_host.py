@@ -2,7 +2,8 @@
 
 For each batch size a ``SpeculationGuard`` is taught prices and every request's acceptance (each verifies 7 drafts,
 6 accepted: drafting pays, every block verified), then one step's work is timed: the plan (``plan``: gains ranked,
-the best number of blocks chosen) and the bookkeeping of every request's verify (``observe_verify`` per request),
+the best number of blocks chosen, or a choice that everyone verifies standing) and the bookkeeping of every
+request's verify (``observe_verifies``, one call a step as the engine makes it),
 median of ``--rounds`` rounds of ``--steps`` steps. A second guard is taught that nobody accepts a draft, and its
 plan with the step's price (``observe_step``) is timed while the batch decodes plain (``plain_batch_us``: an engine
 that launches no step ahead plans every plain step). On a GPU this work adds to every DSpark step whose host work is
@@ -45,10 +46,15 @@ def measure(batch: int, steps: int) -> tuple[float, float]:
     for step in range(100, 100 + steps):
         guard.plan(step, ids)
     plan_s = (time.perf_counter() - start) / steps
+    outcomes = [(request_id, 7, 6) for request_id in ids]
+    batched = getattr(guard, "observe_verifies", None)  # (one call a step; a checkout without it: one a request)
     start = time.perf_counter()
     for _ in range(steps):
-        for request_id in ids:
-            guard.observe_verify(request_id, 7, 6)
+        if batched is not None:
+            batched(outcomes)
+        else:
+            for request_id in ids:
+                guard.observe_verify(request_id, 7, 6)
     return plan_s, (time.perf_counter() - start) / steps
 
 

@@ -37,6 +37,7 @@ class StepCommit:
 
     def _commit_step(self, scheduled: list[ScheduledRequest], results: list[RequestStepResult]) -> list[RequestOutput]:
         outputs, drafted, accepted = [], 0, 0
+        verifies = [] if self.guard is not None else None  # (request, verified, accepted) for the guard, in order
         for entry, result in zip(scheduled, results):
             seq = self.sequences[entry.request_id]
             if self.verification_log is not None and entry.num_drafts and seq.draft_confidence is not None \
@@ -54,9 +55,9 @@ class StepCommit:
                                            "tokens", code="unsatisfiable_constraints")
                     raise RequestFault(result.error)
                 kept = self._commit(seq, entry, result)
-                if self.guard is not None and entry.sample and entry.num_drafts:
-                    self.guard.observe_verify(seq.request_id, entry.num_drafts if result.num_verified is None
-                                              else result.num_verified, result.num_accepted)
+                if verifies is not None and entry.sample and entry.num_drafts:
+                    verifies.append((seq.request_id, entry.num_drafts if result.num_verified is None
+                                     else result.num_verified, result.num_accepted))
                 if self.confidence is not None and entry.sample and entry.num_drafts:  # (the device's rule too)
                     verified = entry.num_drafts if result.num_verified is None else result.num_verified
                     seq.verify_history = next_history(seq.verify_history, verified, result.num_accepted,
@@ -77,6 +78,8 @@ class StepCommit:
                 outputs.append(out)
             if seq.finish_reason is not None:
                 del self.sequences[seq.request_id]
+        if verifies:
+            self.guard.observe_verifies(verifies)
         self.gate.record(drafted, accepted)
         if self.confidence is not None and self._decided:
             self._learn_acceptance(scheduled, results)

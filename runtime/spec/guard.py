@@ -67,6 +67,7 @@ class GuardTuning:
     probe_first: int = 8  # steps before a left-out request (or a plain batch) is probed again
     probe_max: int = 512  # the longest such interval (it doubles each probe that did not pay)
     explore_every: int = 256  # drafting steps between two plain steps timed at a bucket (first: after 4)
+    replan_every: int = 4  # steps a decision that everyone verifies stands while the batch stays the same
 
 
 OUTLIER = 4.0  # a step's time is taken as at most this many times the price learned so far
@@ -220,25 +221,34 @@ class SpeculationGuard:
         self._verifies_seen = 0  # every verify observed (a plan that decided plain stands until one comes)
         # a plain decision that stands: (the step it lapses at, verifies seen then, the requests it was made for)
         self._plain_standing: tuple[int, int, list[str]] | None = None
+        # a decision that everyone verifies, standing: (the step it lapses at, the requests it was made for)
+        self._whole_standing: tuple[int, list[str]] | None = None
 
     # ---- learning ---------------------------------------------------------------------------------
 
     def observe_verify(self, request_id: str, verified: int, accepted: int) -> None:
         """A request verified ``verified`` drafts and ``accepted`` of them were accepted."""
-        if verified <= 0:
-            return
-        tuning = self.tuning
-        pop = self.population_gain
-        self.population_gain = accepted if pop is None else pop + tuning.population_weight * (accepted - pop)
-        self.verified_share += 0.05 * (min(verified / max(self.max_draft_len, 1), 1.0) - self.verified_share)
-        state = self.requests.get(request_id)  # (every verify of every request: no state built to be thrown away)
-        if state is None:
-            state = self.requests[request_id] = _RequestState()
-        self._verifies_seen += 1
-        memory = tuning.memory
-        state.accepted = memory * state.accepted + accepted
-        state.weight = memory * state.weight + 1.0
-        state.verifies += 1
+        self.observe_verifies([(request_id, verified, accepted)])
+
+    def observe_verifies(self, outcomes: list[tuple[str, int, int]]) -> None:
+        """A step's verifies, in order: (request, drafts verified, drafts accepted) each (one call a step: this is
+        per-request host work on every drafting step)."""
+        tuning, requests = self.tuning, self.requests
+        memory, weight, k = tuning.memory, tuning.population_weight, max(self.max_draft_len, 1)
+        pop, share, seen = self.population_gain, self.verified_share, self._verifies_seen
+        for request_id, verified, accepted in outcomes:
+            if verified <= 0:
+                continue
+            pop = accepted if pop is None else pop + weight * (accepted - pop)
+            share += 0.05 * (min(verified / k, 1.0) - share)
+            state = requests.get(request_id)  # (every verify of every request: no state built to be thrown away)
+            if state is None:
+                state = requests[request_id] = _RequestState()
+            seen += 1
+            state.accepted = memory * state.accepted + accepted
+            state.weight = memory * state.weight + 1.0
+            state.verifies += 1
+        self.population_gain, self.verified_share, self._verifies_seen = pop, share, seen
 
     def observe_step(self, batch: int, drafted: bool, verified_drafts: int, seconds: float,
                      steady: bool = True, prompt: bool = False, whole: bool = True) -> None:
@@ -325,6 +335,13 @@ class SpeculationGuard:
             # nothing the last plain plan weighed has changed but the prices' drift (bounded: it lapses at the next
             # probe or after probe_first steps): plain again, without ranking gains and pricing every m each step
             return self._record(GuardPlan(step, False, frozenset(), "plain"))
+        standing = self._whole_standing
+        if standing is not None and not pinned and step < standing[0] and request_ids == standing[1]:
+            # everyone verified a step ago and the batch is the same: gains and prices move by a verify's weight a
+            # step, so the choice is made again every replan_every steps (a request whose drafts stopped paying is
+            # left out that much later), not every step
+            return self._record(GuardPlan(step, True, None, "pays"))
+        self._whole_standing = None
         gains = sorted(self._gains(request_ids), reverse=True)  # [batch] (gain, request) best first
         prices = self._prices(costs)
         fit = prices.drafting_fit(tuning.ridge)
@@ -400,6 +417,8 @@ class SpeculationGuard:
                 self.stats.request_probes += 1
                 state.probe_interval = min(2 * state.probe_interval, tuning.probe_max)
                 state.next_probe = step + state.probe_interval
+        if best_m == batch and not pinned:  # (everyone pays: not a batch whose left-out requests are all probed)
+            self._whole_standing = (step + tuning.replan_every, list(request_ids))
         return self._record(GuardPlan(step, True, None if len(chosen) == batch else frozenset(chosen), "pays"))
 
     def _prices(self, costs: _BucketCosts) -> _BucketCosts:

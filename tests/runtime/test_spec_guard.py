@@ -149,6 +149,29 @@ def test_where_everyone_accepts_alike_leaving_a_block_out_never_looks_cheaper():
         assert plan.drafts and plan.verifiers is None and plan.reason == "pays", (step, plan)
 
 
+def test_a_decision_that_everyone_verifies_stands_a_few_steps_while_the_batch_is_the_same():
+    """Where everyone's drafts pay, the choice is made again every replan_every steps (not every step: gains and
+    prices move by one verify's weight a step); a request whose drafts stopped paying is left out that much later,
+    and a batch that changed is planned at once."""
+    guard = SpeculationGuard(K, GuardTuning(replan_every=4))
+    batch = 8
+    priced(guard, batch, plain=1.0, drafting=1.1, per_draft=0.05)
+    ids = [f"r{i}" for i in range(batch)]
+    for request_id in ids:
+        teach(guard, request_id, K)
+    assert guard.plan(100, ids).verifiers is None
+    teach(guard, "r0", 0, verifies=20)  # r0's drafts stop paying
+    assert [guard.plan(step, ids).verifiers for step in (101, 102, 103)] == [None] * 3
+    assert guard.plan(104, ids).verifiers == frozenset(ids[1:])
+    fresh = SpeculationGuard(K, GuardTuning(replan_every=4))  # the same knowledge, planned from scratch
+    priced(fresh, batch, plain=1.0, drafting=1.1, per_draft=0.05)
+    for request_id in ids:
+        teach(fresh, request_id, K)
+    assert fresh.plan(100, ids).verifiers is None
+    teach(fresh, "r0", 0, verifies=20)
+    assert fresh.plan(101, ids[:-1]).verifiers == frozenset(ids[1:-1])  # a request left: planned at once
+
+
 def test_a_pause_of_the_host_is_no_price():
     guard = SpeculationGuard(K)
     priced(guard, 1)
