@@ -16,16 +16,17 @@ drafting step's time as a function of its verified drafts (``drafting_s + verify
 forgets old steps) and, for verifying everyone's block, the time of the drafting steps that did (``whole_s``: a step
 that leaves some out is ragged, which on a GPU can cost more than a uniform step verifying more; it is priced no
 lower than a plain step plus its drafts, nor than the whole price less the drafts it leaves out: the fit only
-interpolates, and where every step verifies whole blocks its drafts barely vary). Steps that decode
-beside a prompt chunk are priced apart (``prompt_buckets``) and compared where a bucket's pure steps are unpriced. A plain step is priced as a run of plain steps runs, since that is what a batch that stops
-drafting does: on an engine that launches each plain step while the host still finishes the one before
-(``runs_ahead``), only a *steady* plain step is timed, one launched ahead and launching the next ahead; a plain step
-between drafting steps also pays the host's work that the overlap hides (on a GPU 15-60% more than a steady step).
-Where a price is missing the guard drafts (the engine was given a drafter) and, now and then, runs plain steps in a
-row to time one (``exploration``: two, the second clean of the block verified at the first; with ``runs_ahead``
-four, the third steady); unless the requests' expected extra tokens together do not beat the margin: a drafting step
-never costs less than a plain one, so then drafting cannot pay at any price (an untrained drafter at a batch size
-not seen before decodes plain from its first step).
+interpolates, and where every step verifies whole blocks its drafts barely vary). Steps that decode beside a prompt
+chunk are priced apart (``prompt_buckets``) and compared where a bucket's pure steps are unpriced. A plain step is
+priced as a run of plain steps runs, since that is what a batch that stops drafting does: on an engine that launches
+each plain step while the host still finishes the one before (``runs_ahead``), only a *steady* plain step is timed,
+one launched ahead and launching the next ahead; a plain step between drafting steps also pays the host's work that
+the overlap hides (on a GPU 15-60% more than a steady step). Where a price is missing the guard drafts (the engine
+was given a drafter) and, now and then, runs plain steps in a row to time one (``exploration``: two, the second clean
+of the block verified at the first; with ``runs_ahead`` four, the third steady; ever more rarely while drafting
+clearly beats plain decoding); unless the requests' expected extra tokens together do not beat the margin: a drafting
+step never costs less than a plain one, so then drafting cannot pay at any price (an untrained drafter at a batch
+size not seen before decodes plain from its first step).
 
 A plain decision stands, without ranking the gains and pricing every ``m`` again, until a request arrives or
 leaves, a verify is observed, a probe is due or ``probe_first`` steps pass (only the prices' drift goes unweighed
@@ -67,6 +68,8 @@ class GuardTuning:
     probe_first: int = 8  # steps before a left-out request (or a plain batch) is probed again
     probe_max: int = 512  # the longest such interval (it doubles each probe that did not pay)
     explore_every: int = 256  # drafting steps between two plain steps timed at a bucket (first: after 4)
+    explore_max: int = 4096  # the longest such wait: it doubles while drafting beats plain by clear_advantage
+    clear_advantage: float = 1.5  # drafting's expected tokens/s over plain decoding's past which a price is not news
     replan_every: int = 4  # steps a decision that everyone verifies stands while the batch stays the same
 
 
@@ -108,6 +111,8 @@ class _BucketCosts:
     sxy: float = 0.0
     drafting_steps: int = 0
     since_exploration: int = 0
+    explore_wait: int = 0  # drafting steps from one exploration to the next, once priced (0: explore_every)
+    advantage: float = 0.0  # the last drafting plan's expected tokens/s over plain decoding's
     explorations: int = 0
     probe_interval: int = 0  # steps between batch probes while the bucket decodes plain (0: not yet)
     next_probe: int = 0
@@ -325,6 +330,10 @@ class SpeculationGuard:
         if not pinned and (self._explore_left or self._exploration_due(costs)):
             if self._explore_left == 0:  # plain steps in a row until one is clean and steady (exploration_len)
                 self._explore_left, costs.since_exploration = self.exploration_len, 0
+                # where drafting clearly pays, a fresh plain price changes no decision: the next wait doubles
+                clear = costs.plain_steps and costs.advantage >= tuning.clear_advantage
+                costs.explore_wait = min(2 * (costs.explore_wait or tuning.explore_every), tuning.explore_max) \
+                    if clear else tuning.explore_every
                 costs.explorations += 1
                 self.stats.explorations += 1
             self._explore_left -= 1
@@ -374,8 +383,10 @@ class SpeculationGuard:
                 last = rate
             # everyone: the whole price where known (a uniform step), else the fit
             everyone = prices.whole_s if prices.whole_s is not None else base + per_draft * drafts_each * batch
-            if (batch + sum(gain for gain, _ in gains)) / everyone > best_rate:
-                best_m = batch
+            everyone_rate = (batch + sum(gain for gain, _ in gains)) / everyone
+            if everyone_rate > best_rate:
+                best_m, best_rate = batch, everyone_rate
+            costs.advantage = best_rate * prices.plain_s / batch if best_m else 0.0
         if best_m == 0 and pinned:
             return self._record(GuardPlan(step, True, None if len(pinned) == batch else frozenset(pinned), "pinned"))
         if best_m == 0:
@@ -447,15 +458,16 @@ class SpeculationGuard:
 
     def _exploration_due(self, costs: _BucketCosts) -> bool:
         """Time a plain step at this bucket: none timed yet (after 4 drafting steps), or ``explore_every``
-        drafting steps since the last. Before a price exists, an exploration that timed nothing (a request
-        finished or arrived in it: a step that feeds a prompt is no price, and under a steady load with short
-        requests most steps do) doubles the wait for the next, up to ``explore_every``: plain steps that never
-        price anything must not become a fixed share of the steps."""
+        drafting steps since the last (twice as many after each exploration begun while drafting beat plain
+        decoding by ``clear_advantage``, up to ``explore_max``). Before a price exists, an exploration that timed
+        nothing (a request finished or arrived in it: a step that feeds a prompt is no price, and under a steady
+        load with short requests most steps do) doubles the wait for the next, up to ``explore_every``: plain steps
+        that never price anything must not become a fixed share of the steps."""
         if costs.plain_steps == 0:  # (the first plain step timed is left out: two explorations at least)
             misses = max(costs.explorations - costs.plain_seen, 0)  # explorations that timed no plain step
             wait = min(4 << min(misses, 16), self.tuning.explore_every)
             return costs.drafting_seen >= 4 and costs.since_exploration >= wait
-        return costs.since_exploration >= self.tuning.explore_every
+        return costs.since_exploration >= (costs.explore_wait or self.tuning.explore_every)
 
     def _record(self, plan: GuardPlan) -> GuardPlan:
         self.plan_now = plan

@@ -172,6 +172,33 @@ def test_a_decision_that_everyone_verifies_stands_a_few_steps_while_the_batch_is
     assert fresh.plan(101, ids[:-1]).verifiers == frozenset(ids[1:-1])  # a request left: planned at once
 
 
+def test_where_drafting_clearly_pays_the_plain_price_is_timed_ever_more_rarely():
+    """An exploration (plain steps timed at a bucket) costs the drafts those steps do not make; where drafting beats
+    plain decoding by clear_advantage or more a fresh plain price changes no decision, so each such exploration
+    doubles the wait for the next (up to explore_max); where drafting pays narrowly the wait stays explore_every."""
+    def starts(drafting_s: float, accepted: int) -> list[int]:
+        guard = SpeculationGuard(K, GuardTuning(explore_every=16, explore_max=64))
+        batch, ids = 4, ["a", "b", "c", "d"]
+        begun, last = [], None
+        for step in range(600):
+            plan = guard.plan(step, ids)
+            if plan.reason == "explore" and last != "explore":
+                begun.append(step)
+            last = plan.reason
+            if plan.drafts:
+                guard.observe_step(batch, True, batch * K, drafting_s)
+                for request_id in ids:
+                    guard.observe_verify(request_id, K, accepted)
+            else:
+                guard.observe_step(batch, False, 0, 1.0)
+        return [b - a for a, b in zip(begun, begun[1:])]
+
+    clear = starts(1.3, K)  # 5 tokens a request in 1.3 s against 1 in 1 s: 3.8x
+    assert clear[:4] == [18, 34, 66, 66], clear  # (each wait counts drafting steps; an exploration is 2 plain)
+    narrow = starts(2.9, 3)  # ~4 tokens in 2.9 s: 1.3x
+    assert set(narrow[1:]) == {18}, narrow
+
+
 def test_a_pause_of_the_host_is_no_price():
     guard = SpeculationGuard(K)
     priced(guard, 1)
