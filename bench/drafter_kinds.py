@@ -176,7 +176,7 @@ def measure_kinds(kinds: list[str], concurrency: list[int], tokens: int = 64, ro
             if out:
                 Path(out).write_text(json.dumps(record, indent=1) + "\n")
         for name in ("guarded", "fixed", "undrafted"):
-            engines[name].engine.executor.shutdown()
+            engines[name].shutdown()
     return record
 
 

@@ -46,7 +46,7 @@ def sync(llm) -> None:
 def weight_bytes(llm) -> int:
     """Bytes of every weight matrix one decode step reads (the embedding reads only its rows: left out), MoE
     experts excluded: a step reads only the experts its tokens wake (``expert_bytes``)."""
-    target = llm.engine.executor.worker.target
+    target = local_worker(llm).target
     return sum(p.numel() * p.element_size() for n, p in target.named_parameters()
                if "embed_tokens" not in n and ".w13" not in n and ".w2" not in n)
 
@@ -54,7 +54,7 @@ def weight_bytes(llm) -> int:
 def moe_blocks(llm) -> list:
     from runtime.models.moe import SparseMoeBlock
 
-    return [m for m in llm.engine.executor.worker.target.modules() if isinstance(m, SparseMoeBlock)]
+    return [m for m in local_worker(llm).target.modules() if isinstance(m, SparseMoeBlock)]
 
 
 def expert_bytes(llm) -> int:
@@ -78,7 +78,7 @@ def routing_stats(llm, steps: int = 2) -> dict:
         routed.append(ids.shape[0])
 
     hooks = [b.register_forward_pre_hook(record) for b in blocks]
-    runner = llm.engine.executor.worker.engine_part
+    runner = local_worker(llm).engine_part
     graphs, runner.graphs = runner.graphs, None
     try:
         for _ in range(steps):
@@ -92,7 +92,7 @@ def routing_stats(llm, steps: int = 2) -> dict:
 
 
 def kv_bytes(llm, batch: int, context: int) -> int:
-    target = llm.engine.executor.worker.target
+    target = local_worker(llm).target
     layer = target.model.layers[0].self_attn
     itemsize = next(target.parameters()).element_size()
     return batch * context * 2 * layer.kv_width * itemsize * len(target.model.layers)

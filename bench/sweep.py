@@ -457,7 +457,7 @@ class Bench:
 
         from runtime.engine.heap import unfreeze_long_lived
 
-        llm.engine.executor.shutdown()
+        llm.shutdown()
         del llm
         unfreeze_long_lived()
         gc.collect()  # engines hold reference cycles (graphs, caches): free their memory before the next

@@ -64,7 +64,7 @@ def tune(args, engine_class, target: Path, spec: dict, common: dict, rows: dict,
                 timing = median_round(rounds["candidate"])
             candidates.append(Candidate(c, k, step, tau(c, k, timing["mean_acceptance_length"])))
             print(f"dspark bench: tune k={k} concurrency {c}: {step:.2f} ms", file=sys.stderr, flush=True)
-        llm.engine.executor.shutdown()
+        llm.shutdown()
         del llm
         unfreeze_long_lived()
         gc.collect()  # engines hold reference cycles (graphs, caches): free their memory before the next
