@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
-import shlex
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 ACCEPTED = {"all": 7, "some": 3, "none": 0, "mixed": None}  # drafts of 7 accepted per verify (mixed: 7 or 0)
@@ -102,6 +99,7 @@ def main() -> None:
         parser.error(f"--acceptance: unknown {unknown}; choose from {', '.join(ACCEPTED)}")
     sys.path[:0] = [args.tree, str(Path(__file__).resolve().parent)]
     from engine_host import model_dir
+    from guard_host import write_record
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,10 +113,7 @@ def main() -> None:
                     rows.append(run(root, mode, acceptance, batch, args.steps, args.jitter_us))
                     print(json.dumps(rows[-1]), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({
-            "benchmark": "guard_ahead", "date": str(date.today()), "hardware": f"cpu ({platform.processor() or 'x86'})",
-            "host": platform.node(), "command": "python3 benchmarks/guard_ahead.py " + shlex.join(sys.argv[1:]),
-            "tree": args.tree, "rows": rows}, indent=1) + "\n")
+        write_record(args.out, "guard_ahead", args.tree, rows)
 
 
 if __name__ == "__main__":

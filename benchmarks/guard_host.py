@@ -86,10 +86,16 @@ def main() -> None:
                      "plain_batch_us": round(1e6 * statistics.median(plain), 1)})
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({
-            "benchmark": "guard_host", "date": str(date.today()), "hardware": f"cpu ({platform.processor() or 'x86'})",
-            "host": platform.node(), "command": "python3 benchmarks/guard_host.py " + shlex.join(sys.argv[1:]),
-            "tree": args.tree, "rows": rows}, indent=1) + "\n")
+        write_record(args.out, "guard_host", args.tree, rows)
+
+
+def write_record(path: str, benchmark: str, tree: str, rows: list[dict]) -> None:
+    """A CPU benchmark's JSON record: its rows, the command that made them (this script's name is ``benchmark``),
+    the host and the checkout timed."""
+    Path(path).write_text(json.dumps({
+        "benchmark": benchmark, "date": str(date.today()), "hardware": f"cpu ({platform.processor() or 'x86'})",
+        "host": platform.node(), "command": f"python3 benchmarks/{benchmark}.py " + shlex.join(sys.argv[1:]),
+        "tree": tree, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
