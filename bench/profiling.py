@@ -4,6 +4,7 @@ and GC pauses."""
 from __future__ import annotations
 
 import gc
+import inspect
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -128,15 +129,30 @@ def replay_ms(graph, repeats: int = 20) -> float:
 
 @contextmanager
 def timed(owner, name: str, totals: dict, key: str) -> Iterator[None]:
-    """Within the block, ``owner.name`` adds the host seconds of each call to ``totals[key]``."""
+    """Within the block, ``owner.name`` adds the host seconds of each call to ``totals[key]``; a call that returns a
+    generator (an executor's step with device waits) counts until the generator is done."""
     original = getattr(owner, name)
+
+    def add(start: float) -> None:
+        totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+
+    def finished(run, start: float):
+        try:
+            return (yield from run)
+        finally:
+            add(start)
 
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return original(*args, **kwargs)
-        finally:
-            totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+            result = original(*args, **kwargs)
+        except BaseException:
+            add(start)
+            raise
+        if inspect.isgenerator(result):
+            return finished(result, start)
+        add(start)
+        return result
 
     setattr(owner, name, wrapper)
     try:

@@ -8,7 +8,7 @@ of the engine's methods the scheduler adds to a step is timed (``timed``): the d
 (``_commit_step``, both engines; the confidence engine's holds ``_learn_acceptance``), the survival fit's folds and
 refits (``SurvivalCorrection._fold``: ``fold``) and a deferred decision's rest (``ConfidenceScheduler.settle``:
 ``rest``), each under its own name where it ran on the path between a step's read-back and the next launch, and as
-``NAME@wait`` where it ran as the executor's host work (``runtime.worker.transfer.HostWork``: where the runner waits for the
+``NAME@wait`` where it ran as the executor's host work (``runtime.engine.host_work.HostWork``: where the runner waits for the
 device). ``path_ms``: each engine's step less its executor's ``execute`` (the host work between read-back and
 launch, the decision included); ``on_path_ms``: the confidence engine's ``path_ms`` less the fixed engine's (what
 scheduling adds to that path); ``off_path_ms``: its host work in the device's wait. The scheduler prices steps by a
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -68,13 +69,27 @@ def timed(owner, name: str, totals: dict, key) -> Iterator[None]:
         yield
         return
 
+    def add(start: float) -> None:
+        named = key if isinstance(key, str) else key()
+        totals[named] = totals.get(named, 0.0) + time.perf_counter() - start
+
+    def finished(run, start: float):  # a step with device waits: timed until it is done
+        try:
+            return (yield from run)
+        finally:
+            add(start)
+
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return original(*args, **kwargs)
-        finally:
-            named = key if isinstance(key, str) else key()
-            totals[named] = totals.get(named, 0.0) + time.perf_counter() - start
+            result = original(*args, **kwargs)
+        except BaseException:
+            add(start)
+            raise
+        if inspect.isgenerator(result):
+            return finished(result, start)
+        add(start)
+        return result
 
     setattr(owner, name, wrapper)
     try:
@@ -138,19 +153,21 @@ def measure(target: Path, drafter: Path, costs: Path, batch: int, steps: int, co
                 stack.enter_context(timed(engine, name, totals, where(name)))
         stack.enter_context(timed(engine, "step", totals, "step"))
         stack.enter_context(timed(engine.executor, "execute", totals, "execute"))
-        work = engine.executor.host_work
-        run = work.run
+        # the engine's deferred work (earlier checkouts: the executor's), run at the steps' device waits
+        work = getattr(engine, "host_work", None) or getattr(engine.executor, "host_work", None)
+        if work is not None:  # (none without confidence scheduling: nothing is deferred)
+            run = work.run
 
-        def run_marked(**kwargs):
-            began, waiting["now"] = time.perf_counter(), True
-            try:
-                run(**kwargs)
-            finally:
-                waiting["now"] = False
-                totals["host_work"] = totals.get("host_work", 0.0) + time.perf_counter() - began
+            def run_marked(**kwargs):
+                began, waiting["now"] = time.perf_counter(), True
+                try:
+                    run(**kwargs)
+                finally:
+                    waiting["now"] = False
+                    totals["host_work"] = totals.get("host_work", 0.0) + time.perf_counter() - began
 
-        work.run = run_marked
-        stack.callback(setattr, work, "run", run)
+            work.run = run_marked
+            stack.callback(setattr, work, "run", run)
         if confidence:  # the folds and a deferred decision's rest, by where they ran
             stack.enter_context(timed(engine.confidence.correction, "_fold", totals, where("fold")))
             stack.enter_context(timed(engine.confidence, "settle", totals, where("rest")))

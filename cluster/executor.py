@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 import uuid
+from typing import Generator
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -40,9 +41,8 @@ from cluster.placement.plan import plan_placement
 from configs import ReplicaConfig
 from runtime.engine.executor import ExecutorBase, plans_ahead, replica_pages
 from runtime.scheduling.step_io import RequestStepResult, ScheduledBatch
-from runtime.worker.transfer import HostWork
+from runtime.worker.transfer import DeviceWait
 from runtime.worker.worker import WorkerPlan
-
 
 log = logging.getLogger(__name__)
 # Ray logs every compiled graph's teardown step by step at INFO on the driver's stderr: keep its warnings only
@@ -104,7 +104,7 @@ class RayExecutor(ExecutorBase):
         self._parker: threading.Thread | None = None
         self.parks = 0  # times the graph was torn down after idle_park_s without a step
         self.encoder = BatchEncoder()
-        self.host_work = HostWork()  # the engine's deferred host work: run while the actors compute a step
+        self.yields_device_waits = True  # one wait a step, while the actors compute it: the engine's host work
         try:
             self._start_actors(speculative)
             self.num_pages = replica_pages(engine, self._call_all("load"))
@@ -189,11 +189,11 @@ class RayExecutor(ExecutorBase):
             _raise_from(exc, f"rank {rank} ({self.plan.roles[rank]})" if rank is not None else "a replica actor",
                         method)
 
-    def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
+    def execute(self, batch: ScheduledBatch) -> Generator[DeviceWait, None, list[RequestStepResult]]:
         """One step: the batch's delta (``cluster.dispatch``) through the compiled graph; rank 0's results, with a
-        separate drafter's proposals merged in."""
+        separate drafter's proposals merged in. A generator: it yields once, while the actors compute the step."""
         try:
-            results = self._run_step(self.encoder.encode(batch))
+            results = yield from self._run_step(self.encoder.encode(batch))
         except BaseException:
             self.encoder.reset()  # what the actors applied is unknown: the next step starts over
             raise
@@ -214,10 +214,10 @@ class RayExecutor(ExecutorBase):
         drafts, self._late_drafts = self._late_drafts, {}
         return drafts
 
-    def _run_step(self, wire) -> list:
+    def _run_step(self, wire) -> Generator[DeviceWait, None, list]:
         with self._graph_lock:
             try:
-                return self._run_armed_step(wire)
+                return (yield from self._run_armed_step(wire))
             finally:
                 self._last_step = time.monotonic()
 
@@ -237,26 +237,19 @@ class RayExecutor(ExecutorBase):
             finally:
                 self._last_step = time.monotonic()  # (not parked again before the step comes)
 
-    def _run_armed_step(self, wire) -> list:
+    def _run_armed_step(self, wire) -> Generator[DeviceWait, None, list]:
         self._arm_graph()  # (parked between the engine's arm() and now: rare)
         try:
             ref = self.step_graph.execute(wire)
         except Exception as exc:  # noqa: BLE001 - translated (or re-raised) by _raise_from
             _raise_from(exc, "a replica actor", "execute")
-        # the engine's deferred host work while the actors compute the step: its error is the engine's own, not an
-        # actor's, and raised once the step's results are collected (a compiled graph's result is always read)
+        # a device wait: the engine's deferred host work runs while the actors compute the step (an error of it is
+        # the engine's own, raised once the step's results are collected: runtime.engine.host_work.run_step)
+        yield None
         try:
-            self.host_work.run()
-            failed = None
-        except Exception as exc:  # noqa: BLE001 - re-raised below
-            failed = exc
-        try:
-            results = ray.get(ref, timeout=self.config.parallel.step_timeout_s)
+            return ray.get(ref, timeout=self.config.parallel.step_timeout_s)
         except Exception as exc:  # noqa: BLE001 - translated (or re-raised) by _raise_from
             _raise_from(exc, "a replica actor", "execute")
-        if failed is not None:
-            raise failed
-        return results
 
     def describe(self) -> list[dict]:
         return self._call_all("info")

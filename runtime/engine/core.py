@@ -25,6 +25,7 @@ from configs import LLMConfig
 from configs.checkpoint import read_model_config
 from runtime.engine.commit import StepCommit
 from runtime.engine.executor import Executor, LocalExecutor
+from runtime.engine.host_work import HostWork, run_step
 from runtime.engine.metrics import AcceptanceGate, SpecMetrics
 from runtime.engine.outputs import RequestOutput
 from runtime.engine.profiling import region
@@ -49,7 +50,7 @@ from runtime.spec.survival import read_calibration
 
 log = logging.getLogger(__name__)
 
-# the share of its last step's wall time the host may spend on deferred work (``runtime.worker.transfer.HostWork``) while
+# the share of its last step's wall time the host may spend on deferred work (``runtime.engine.host_work``) while
 # the device computes the step launched ahead: the rest is the engine's own commit, schedule and launch (about a
 # third of a 3-ms step at one to four requests, one run's profiles)
 HOST_WORK_SHARE = 0.15
@@ -141,7 +142,7 @@ class Engine(RequestIntake, SpeculationPlanning, StepLearning, StepCommit):
         self._turn = 0  # the group the next pipelined step serves
         self.pipelined_steps = 0  # steps that were pipelined (get_metrics)
         self.num_aborted = 0  # requests aborted before they finished (a caller gone, a shutdown)
-        self._host_work = None  # the executor's HostWork where confidence scheduling defers its learning there
+        self.host_work: HostWork | None = None  # deferred work, run at the steps' device waits (confidence scheduling)
         self._deferred = False  # the step's decision was deferred (allot_deferred)
         self._judged_bucket = 0  # the batch bucket of the last judgement of drafting (its hold's, _record_decision)
         self._grammar_backend: GrammarBackend | None = None  # structured outputs' compiler (_grammars)
@@ -155,10 +156,9 @@ class Engine(RequestIntake, SpeculationPlanning, StepLearning, StepCommit):
             if self.spec is not None and self.spec.speculation_guard and not self.pipelined else None
         if self.spec is not None and self.spec.enable_confidence_scheduling:
             self.confidence = self._confidence_scheduler()
-            host_work = self.executor.host_work
-            if host_work is not None:  # the survival fit learns while the device computes the next step
-                self.confidence.defer_learning(host_work)
-                self._host_work = host_work  # (its budget follows the steps: step)
+            if self.executor.yields_device_waits:  # the survival fit learns while the device computes the next step
+                self.host_work = HostWork()  # (its budget follows the steps: _learn_step)
+                self.confidence.defer_learning(self.host_work)
 
     # ---- setup --------------------------------------------------------------------------------
 
@@ -246,7 +246,7 @@ class Engine(RequestIntake, SpeculationPlanning, StepLearning, StepCommit):
         with region("dspark.schedule"):
             plan = self._plan_step(group, pipelined)
         with region("dspark.execute"):
-            results = self.executor.execute(plan.batch)
+            results = run_step(self.executor.execute(plan.batch), self.host_work)
         decided, held = self._before_commit(plan)
         with region("dspark.commit"):
             outputs = self._commit_step(plan.scheduled, results)
@@ -343,11 +343,11 @@ class Engine(RequestIntake, SpeculationPlanning, StepLearning, StepCommit):
                 self.confidence.last if decided else None,
                 self.confidence_stats.last.get("verified_drafts") if decided else None)
         if self._deferred:  # the step's decision was deferred (a mixed step): so is learning its time
-            self._host_work.add(functools.partial(self._learn_step_time, *step))
+            self.host_work.add(functools.partial(self._learn_step_time, *step))
         else:
             self._learn_step_time(*step)
-        if self._host_work is not None:  # the next step's deferred work: what its device time leaves the host
-            self._host_work.budget_s = HOST_WORK_SHARE * seconds
+        if self.host_work is not None:  # the next step's deferred work: what its device time leaves the host
+            self.host_work.budget_s = HOST_WORK_SHARE * seconds
 
     @property
     def num_waiting(self) -> int:

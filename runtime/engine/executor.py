@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from configs import LLMConfig
-from runtime.scheduling.step_io import RequestStepResult, ScheduledBatch
-from runtime.worker.transfer import HostWork
+from runtime.engine.host_work import StepRun
+from runtime.scheduling.step_io import ScheduledBatch
 from runtime.worker.worker import Worker, WorkerPlan
 
 
@@ -24,9 +24,14 @@ class Executor(Protocol):
     verifies_ahead: bool  # and the next greedy verify of the blocks drafted now (ScheduledBatch.next_verify_len)
     pipelined_drafting: bool  # a separate drafter drafts one request group while the target verifies the other
     pipeline_min_batch: int  # the requests from which those steps are pipelined
-    host_work: HostWork | None  # host tasks the engine defers, run while the next step's device work is in flight
+    # its steps wait on a device: ``execute`` returns a generator that yields at each point where the host is about to
+    # wait (``runtime.worker.transfer.DeviceWait``) and returns the results; the engine defers host work to those waits
+    # (``runtime.engine.host_work``). Otherwise ``execute`` returns the results and the engine's work runs where it arises
+    yields_device_waits: bool
 
-    def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]: ...
+    def execute(self, batch: ScheduledBatch) -> StepRun:
+        """Run one step: the ``RequestStepResult`` of each of its requests, or (``yields_device_waits``) a generator
+        of its device waits that returns them."""
 
     def arm(self) -> None:
         """Called first thing in every step, before it is timed (a parked Ray replica compiles its step graph)."""
@@ -45,14 +50,14 @@ class Executor(Protocol):
 
 class ExecutorBase:
     """The defaults of an executor's optional members: no planning or launching ahead, no pipelined drafter, no
-    deferred host work (the engine's deferrable work then runs where it arises), nothing to arm, no counters."""
+    device waits (the engine's deferrable work then runs where it arises), nothing to arm, no counters."""
 
     plans_ahead = False
     runs_ahead = False
     verifies_ahead = False
     pipelined_drafting = False
     pipeline_min_batch = 1
-    host_work: HostWork | None = None
+    yields_device_waits = False
 
     def arm(self) -> None:
         pass
@@ -95,10 +100,10 @@ class LocalExecutor(ExecutorBase):
         # steady greedy decode step ahead of its turn when the engine says so (ScheduledBatch.run_ahead)
         self.plans_ahead = plans_ahead([self.worker.info()])
         self.runs_ahead = self.verifies_ahead = self.plans_ahead
-        self.host_work = self.worker.engine_part.host_work  # run where the runner waits for a step's read-back
+        self.yields_device_waits = True  # (where the runner waits for a step's read-back)
 
-    def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
-        return self.worker.execute(batch)
+    def execute(self, batch: ScheduledBatch) -> StepRun:
+        return self.worker.execute_steps(batch)
 
     def describe(self) -> list[dict]:
         return [self.worker.info()]

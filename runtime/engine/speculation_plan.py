@@ -207,13 +207,13 @@ class SpeculationPlanning:
             if self._packed_columns == 0:  # no draft pays: every request verifies none (its anchor only)
                 for seq in seqs:
                     seq.trim_drafts(0)
-        elif mixed and self._host_work is not None and self.confidence.layout != "ragged":
+        elif mixed and self.host_work is not None and self.confidence.layout != "ragged":
             # a mixed step is neither packed nor launched ahead: the device waits for the host's work between steps,
             # so only the cap chosen earlier is applied now, the rest of the decision runs while it computes
             num, bucket, step = len(seqs), self.confidence.bucket(len(self.scheduler.running)), self._step_index
             lengths = self.confidence.allot_deferred(
                 confidences, others, other_tokens, context, [s.verify_history for s in seqs],
-                self._host_work, then=lambda: self._record_decision(num, bucket, step, mixed=True))
+                self.host_work, then=lambda: self._record_decision(num, bucket, step, mixed=True))
             for seq, length in zip(seqs, lengths):
                 seq.trim_drafts(length)
             self._deferred = True

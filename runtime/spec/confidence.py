@@ -170,7 +170,7 @@ class ConfidenceScheduler:
         self._unsettled = None  # a deferred decision's rest, until it ran (allot_deferred, settle)
 
     def defer_learning(self, host_work) -> None:
-        """Fold the survival fit's evidence (and refit) in tasks queued on ``host_work`` (``runtime.worker.transfer.HostWork``:
+        """Fold the survival fit's evidence (and refit) in tasks queued on ``host_work`` (``runtime.engine.host_work.HostWork``:
         run while the device computes a step) instead of in ``learn``, which the engine calls between steps."""
         self.correction.defer_to = host_work
 
@@ -342,7 +342,7 @@ class ConfidenceScheduler:
         """``allot``'s padded decision with what does not decide this step deferred: each request verifies
         ``min(proposed, cap)`` drafts at once (the cap an earlier step chose: what ``allot`` returns), and the rest
         of ``allot`` (this step's survivals, its ``last`` Decision, the next cap, whether drafting pays), then
-        ``then()``, runs as a task on ``host_work`` (``runtime.worker.transfer.HostWork``: while the device computes this
+        ``then()``, runs as a task on ``host_work`` (``runtime.engine.host_work.HostWork``: while the device computes this
         step), or, if that has not run it, when the next decision or ``learn`` calls ``settle``. The same choices
         as ``allot`` made at once, in the same order; what moves is when ``last``, ``cap`` and ``drafting_pays``
         become current: the block drafted during this step follows the cap as it stood

@@ -107,7 +107,7 @@ class SurvivalCorrection:
         self.learned = False  # no fit yet: the survivals are the calibration's
         self._evidence: list[tuple] = []  # steps not yet folded in: (confidence, allotted, verified, accepted, history)
         # where a due fold waits to run while the device computes the next step (the engine's executor's host work,
-        # ``runtime.worker.transfer.HostWork``); None: at once, in ``learn``
+        # ``runtime.engine.host_work.HostWork``); None: at once, in ``learn``
         self.defer_to = None
         self._fold_queued = False
         self._refit = None  # a deferred refit under way (its slices: _refit_slices), or None

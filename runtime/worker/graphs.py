@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import numpy as np
 import torch
@@ -79,7 +79,7 @@ from runtime.worker.graph_layout import (LaunchedDecode, LaunchedVerify, batch_b
                                          graph_inputs, graphed_q_len, next_anchor_position, next_decode_layout,
                                          next_verify_layout)
 from runtime.worker.packed_verify import history_after, packed_verify, survivals
-from runtime.worker.transfer import HostWork, PinnedReadBack
+from runtime.worker.transfer import DeviceWait, PinnedReadBack
 
 log = logging.getLogger(__name__)
 PACKED_MIN_BATCH = 16  # packed graphs from this batch bucket up (below, a step's cost hardly depends on its tokens)
@@ -98,7 +98,6 @@ class GraphedTargetForward:
                  prefill_q_lens: list[int] | tuple = (), prefill_tokens: int = 0,
                  packed_columns: list[int] | tuple = (), time_lengths: bool = False):
         self.target, self.caches, self.backend, self.geometry = target, caches, backend, geometry
-        self.host_work = HostWork()  # the engine's deferred host work, run where a step waits for its read-back
         # plan_ahead: after a one-token step is launched, FlashInfer is planned for the step that follows if every
         # request decodes one token more, and while the drafter drafts for the next verify step (pages are
         # allotted ahead, Scheduler.lookahead); that step then skips its plan, which ran while the GPU was busy
@@ -393,8 +392,9 @@ class GraphedTargetForward:
         batch = bucket_of(self.buckets, num)
         return batch is not None and (batch, 1) in self.graphs and self.graphs[(batch, 1)].context is not None
 
-    def decode_greedy(self, reqs: list[ScheduledRequest], run_ahead: bool, append_context: bool = False) -> list[int]:
-        """A plain greedy decode step (one token per request): its verdicts [len(reqs)] (each request's greedy token,
+    def decode_greedy(self, reqs: list[ScheduledRequest], run_ahead: bool,
+                      append_context: bool = False) -> Generator[DeviceWait, None, list[int]]:
+        """A plain greedy decode step (a generator: it yields where the host is about to wait for the device) (one token per request): its verdicts [len(reqs)] (each request's greedy token,
         -1 where its row broke), read back through pinned memory; replayed now, or taken from the step launched
         ahead when ``reqs`` is exactly that step. ``run_ahead`` (the engine expects the next step to be these
         requests decoding one token more; the scheduler allots pages a token ahead): launch that step before
@@ -432,7 +432,7 @@ class GraphedTargetForward:
             upcoming = next_decode_layout(layout, [r.page_ids for r in reqs], self.page_size)
             if upcoming is not None:
                 self._plan(upcoming, batch, 1)
-        self.host_work.run()
+        yield None
         verdicts = self._verdict_reads[slot].wait().tolist()  # this step's only: the one launched ahead still runs
         if self._ahead is not None:
             self._ahead.tokens = tuple(verdicts)

@@ -12,7 +12,7 @@ logit gathers, the broadcast of draft features) and return nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Generator, NamedTuple
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from runtime.worker.piecewise import PiecewiseTargetForward
 from runtime.worker.prompt_logprobs import NON_FINITE_LOGITS, chunk_prompt_logprobs, with_prompt_logprobs
 from runtime.worker.step_tensors import (StepTensors, build_step_tensors, build_uniform_step_tensors, greedy_only,
                                          padded_page_table, plain_greedy, sampled_entries, uses_rejection)
-from runtime.worker.transfer import HostWork, PinnedReadBack, to_device
+from runtime.worker.transfer import DeviceWait, PinnedReadBack, to_device
 
 
 def attention_geometry(target: TargetModel) -> AttentionGeometry:
@@ -77,8 +77,6 @@ class ModelRunner:
         self.channel = channel  # rank 0 only
         self.has_drafter = spec is not None
         self._rows_read = PinnedReadBack()  # a step's read-back rows when the next step runs ahead of it
-        # host work the engine defers to where a step waits for the device (shared with the graphs' waits)
-        self.host_work = graphs.host_work if graphs is not None else HostWork()
         self.use_rejection = bool(spec and spec.use_rejection_sampling)
         self.draft_w2 = draft_w2  # Markov W2 [V, r], to rebuild draft logits (None: rank 0 head or no rejection)
         self.vocab_size = target.config.vocab_size
@@ -92,7 +90,9 @@ class ModelRunner:
         return self.parallel.rank == 0
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[RequestStepResult]:
+    def execute(self, batch: ScheduledBatch) -> Generator[DeviceWait, None, list[RequestStepResult]]:
+        """Run one step: a generator that yields at each point where the host is about to wait for the device (its
+        caller may work there: ``runtime.engine.host_work``) and returns the step's results (rank 0's; [] on others)."""
         for request_id in batch.released_request_ids:
             self.pending.pop(request_id, None)
         scrub_pages(self.caches, batch.scrub_page_ids, self.device)
@@ -102,10 +102,10 @@ class ModelRunner:
         if not reqs:
             return []
         if batch.packed is not None:  # confidence scheduling's packed layout: the device picks the drafts verified
-            return self._execute_packed(batch)
+            return (yield from self._execute_packed(batch))
         if self._decodes_greedy(batch):  # a graphed plain greedy decode step, read back through pinned memory
             with region("dspark.forward"):
-                verdicts = self.graphs.decode_greedy(reqs, batch.run_ahead,
+                verdicts = yield from self.graphs.decode_greedy(reqs, batch.run_ahead,
                                                      append_context=self.has_drafter and batch.maintain_draft_context)
             return self._verdict_results(reqs, reqs, verdicts)
         q_len = self.graphs.tokens_per_request(reqs) if self.graphs is not None else None
@@ -130,11 +130,12 @@ class ModelRunner:
                 self.channel.send_context(captured, t)
         # (the prefill chunks that asked for them)
         prompt_logprobs = chunk_prompt_logprobs(self.target, reqs, hidden, t.row_ends, self.device, self.is_leader)
-        results = self._verify_and_draft(batch, reqs, hidden, t, graphed, drafting)
+        results = yield from self._verify_and_draft(batch, reqs, hidden, t, graphed, drafting)
         return with_prompt_logprobs(results, prompt_logprobs) if prompt_logprobs else results
 
     def _verify_and_draft(self, batch: ScheduledBatch, reqs: list[ScheduledRequest], hidden: torch.Tensor,
-                          t: StepTensors, graphed: GraphOutputs | None, drafting: bool) -> list[RequestStepResult]:
+                          t: StepTensors, graphed: GraphOutputs | None,
+                          drafting: bool) -> Generator[DeviceWait, None, list[RequestStepResult]]:
         """After the step's forward: verify (or decode) what it sampled, draft the next blocks, read back."""
         sampled = sampled_entries(reqs)
         if not sampled:
@@ -147,16 +148,16 @@ class ModelRunner:
             if not self.is_leader:
                 return []
             with region("dspark.results"):
-                self.host_work.run()
+                yield None  # (the host waits for the verdicts next)
                 return self._verdict_results(reqs, entries, verdicts.tolist())  # the step's one transfer
         with region("dspark.verify"):
             verified = self._verify(entries, hidden, t.row_ends, sampled, graphed)
         # a list index would copy it to the device synchronously: decode steps sample every request anyway
         table = t.page_table if len(sampled) == len(reqs) or not k_next else t.page_table[
             to_device(sampled, self.device)]
-        return self._draft_and_finish(batch, reqs, entries, verified, table, graphed is not None)
+        return (yield from self._draft_and_finish(batch, reqs, entries, verified, table, graphed is not None))
 
-    def _execute_packed(self, batch: ScheduledBatch) -> list[RequestStepResult]:
+    def _execute_packed(self, batch: ScheduledBatch) -> Generator[DeviceWait, None, list[RequestStepResult]]:
         """A packed verify step (``runtime.worker.packed_verify``; every request a greedy block, ``batch.packed``): the
         blocks are fed as a uniform step (shorter ones padded to the longest), the ``budget`` drafts of highest
         survival over the step verified, the target run on those rows only; each result says how many of its drafts
@@ -213,11 +214,12 @@ class ModelRunner:
         # the grid, the selection may take its padding once every proposed draft is in (``runtime.worker.packed_verify``)
         if ragged:  # (read back, and a step launched ahead ranks by them)
             counts = torch.minimum(counts, to_device([r.num_drafts for r in reqs], dev))
-        return self._draft_and_finish(batch, reqs, reqs, verified, t.page_table, graphed, counts)
+        return (yield from self._draft_and_finish(batch, reqs, reqs, verified, t.page_table, graphed, counts))
 
     def _draft_and_finish(self, batch: ScheduledBatch, reqs: list[ScheduledRequest], entries: list[ScheduledRequest],
                           verified: Verified, table: torch.Tensor | None, graphed: bool,
-                          verified_counts: torch.Tensor | None = None) -> list[RequestStepResult]:
+                          verified_counts: torch.Tensor | None = None
+                          ) -> Generator[DeviceWait, None, list[RequestStepResult]]:
         """After a verification (of ``entries``, the step's sampled requests): draft the next block; on a single
         rank's graphed step, plan the next verify's attention while the drafter drafts and, when the engine expects
         that step (``batch.run_ahead``), launch it before this one is read back (a packed verify's packed graph if
@@ -236,10 +238,10 @@ class ModelRunner:
         accepted_host = None
         if plan_next:
             with region("dspark.plan_next"):
-                # the engine's deferred host work: here while the device still verifies and drafts, unless the next
-                # step is to be launched ahead (then after that launch: nothing delays it)
+                # a device wait (the caller's host work): here while the device still verifies and drafts, unless
+                # the next step is to be launched ahead (then after that launch: nothing delays it)
                 if not batch.run_ahead:
-                    self.host_work.run()
+                    yield None
                 accepted_host = self.graphs.plan_next_verify(n + 1 if n else None, ahead.columns if ahead else 0)
         if not self.is_leader:
             return []
@@ -251,7 +253,7 @@ class ModelRunner:
                     accepted_host, verified.committed, verified.accepted, proposal.tokens[:, :n], drafting, ahead,
                     self._block_confidence(proposal) if ahead is not None else None, verified_counts)
             with region("dspark.results"):
-                self.host_work.run()
+                yield None
                 host = self._rows_read.wait().tolist()
                 results = self._results(reqs, entries, verified, proposal, host=host)
                 self._note_verified(results, host, verified_counts)
@@ -262,12 +264,12 @@ class ModelRunner:
                     else None for r in results])
             return results
         with region("dspark.results"):
-            # the rows' copy queued first (pinned, behind the step's last kernel), the host work while it computes
+            # the rows' copy queued first (pinned, behind the step's last kernel), the device wait while it computes
             rows = self._read_back_rows(verified, proposal, verified_counts)  # [S, W]
             if rows.is_cuda:
                 self._rows_read.queue(rows)
-            # (no task starts once the rows landed: the next step waits for this one's, nothing runs ahead of it)
-            self.host_work.run(done=self._rows_read.landed if rows.is_cuda else None)
+            # (its callable says once the rows landed: then the next step waits for this one's, nothing runs ahead)
+            yield self._rows_read.landed if rows.is_cuda else None
             logprobs = verified.source.top(verified.committed) if verified.source is not None else None
             host = (self._rows_read.wait() if rows.is_cuda else rows).tolist()
             # a faulted request's pages, and the graphs' scratch page its padding rows may have filled with NaN, are

@@ -1,14 +1,28 @@
-"""Host lists to device tensors without waiting for the device (the step's one sync is its result transfer),
-device results to the host without waiting for work launched after them (``PinnedReadBack``), and host work that
-waits for the host's next wait on the device (``HostWork``)."""
+"""Host lists to device tensors without waiting for the device (the step's one sync is its result transfer), and
+device results to the host without waiting for work launched after them (``PinnedReadBack``); what a step yields
+where the host is about to wait for the device (``DeviceWait``)."""
 
 from __future__ import annotations
 
-import time
-from collections import deque
+from typing import Any, Callable, Generator, Union
 
 import numpy as np
 import torch
+
+# A step's generator (``ModelRunner.execute``) yields one where the host is about to wait for the device, so that its
+# caller may do host work while the device computes: None, or a callable saying whether the device has already
+# finished what the host waits for (then no further work should start: it would delay the step)
+DeviceWait = Union[Callable[[], bool], None]
+
+
+def finish(run: Generator[DeviceWait, None, Any]) -> Any:
+    """Drive a step's generator through its device waits, doing nothing at them (a process where no engine runs:
+    a Ray actor); its return value (the step's results)."""
+    while True:
+        try:
+            next(run)
+        except StopIteration as stop:
+            return stop.value
 
 
 def host_tensor(values, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -66,49 +80,3 @@ class PinnedReadBack:
     def landed(self) -> bool:
         """Whether the last queued copy has landed (the device has finished everything queued before it)."""
         return self._event is None or self._event.query()
-
-
-QUEUED_MOST = 16  # tasks past this many run whether the device is done or not (HostWork.run)
-
-
-class HostWork:
-    """Host work that can wait for the device: tasks queued between steps (``add``) run in order, once, at the next
-    point where the host would block on the device anyway (``run``, called by the runner and the graphs right
-    before a step's read-back, or before planning the next verify while the drafter drafts; never between reading
-    the verdicts and launching a step ahead), so while the device still computes they cost no step time. They run
-    in the engine's thread, between its own steps' work; the engine queues only work no decision needs before it
-    runs (the survival fit's folds: the fit lags a few steps anyway). On a CPU device the forward has
-    already run by then: the tasks still leave the scheduling path, but nothing overlaps them. A task that raises
-    fails the step that ran it (a bug, never swallowed).
-
-    ``budget_s`` bounds the host time one ``run`` spends (None: no bound): once it is spent no further task starts,
-    and the rest wait for the next step's. While the host works the device has at most a step to compute, so the
-    engine sets it to a share of its last step (``runtime.engine.core.HOST_WORK_SHARE``): a task longer than what the
-    device leaves delays the step launched ahead of it (a whole survival refit took 1.3-4.3 ms on a 2-core host,
-    against 3-ms steps at four requests), so long work is queued in slices (``SurvivalCorrection._advance_refit``).
-    A call runs one task at least, unless told the device is done (``run``'s ``done``)."""
-
-    def __init__(self):
-        self._tasks: deque = deque()
-        self.budget_s: float | None = None
-
-    def add(self, task) -> None:
-        """Queue ``task`` (a callable of no arguments)."""
-        self._tasks.append(task)
-
-    def run(self, done=None) -> None:
-        """Run the queued tasks, oldest first, while the budget lasts (tasks a task adds run too; after one that
-        raised, the rest stay queued). ``done``: a callable saying whether the device has finished what the host
-        is about to wait for (a step not launched ahead: its read-back has landed); once it says so no task starts
-        (the device would wait for it: the rest wait for a step that leaves room), unless more than
-        ``QUEUED_MOST`` are queued (then they run as without it: the queue never grows without bound)."""
-        budget, start = self.budget_s, time.perf_counter()
-        while self._tasks:
-            if done is not None and len(self._tasks) <= QUEUED_MOST and done():
-                break
-            self._tasks.popleft()()
-            if budget is not None and time.perf_counter() - start >= budget:
-                break
-
-    def __len__(self) -> int:
-        return len(self._tasks)

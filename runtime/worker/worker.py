@@ -9,22 +9,24 @@ page count, the minimum over its workers), then ``execute`` once per step.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from configs import LLMConfig
-from runtime.worker.all_reduce import choose_reducer
-from runtime.worker.devices import check_draft_attention_backend, kv_budget_bytes, resolve_device, resolve_dtype, \
-    resolve_kernel_backend, resolve_moe_backend
 from runtime.engine.profiling import StepProfiler
 from runtime.kernels import get_backend
 from runtime.kernels.moe import GRAPH_SAFE
-from runtime.models.loader import drafter_spec, load_drafter, load_hf_config, load_markov_w2, load_target, load_vocab_modules
+from runtime.models.loader import (drafter_spec, load_drafter, load_hf_config, load_markov_w2, load_target,
+                                   load_vocab_modules)
 from runtime.models.moe import sparse_layer_ids
 from runtime.scheduling.kv_cache import allocate_caches, bytes_per_page
 from runtime.scheduling.step_io import ScheduledBatch
+from runtime.worker.all_reduce import choose_reducer
+from runtime.worker.devices import (check_draft_attention_backend, kv_budget_bytes, resolve_device, resolve_dtype,
+                                    resolve_kernel_backend, resolve_moe_backend)
 from runtime.worker.draft_channel import LocalDraftChannel, RemoteDraftChannel
 from runtime.worker.draft_graphs import DraftGraphs
 from runtime.worker.draft_runner import DraftRunner
@@ -35,6 +37,7 @@ from runtime.worker.parallel import SINGLE, ParallelContext, init_distributed
 from runtime.worker.piecewise import PiecewiseTargetForward, token_buckets
 from runtime.worker.runner import ModelRunner, attention_geometry
 from runtime.worker.small_gemm import SmallGemmReport, install_small_gemms
+from runtime.worker.transfer import finish
 
 DRAFTER_MODES = ("colocated", "separate")
 log = logging.getLogger(__name__)
@@ -269,11 +272,19 @@ class Worker:
         return (self.plan.role == "drafter" and self.kernel_backend == "flashinfer" and not self.config.enforce_eager
                 and self.device.type == "cuda" and self.draft_moe_backend in (None, "none", *GRAPH_SAFE))
 
-    def execute(self, batch: ScheduledBatch):
+    def execute_steps(self, batch: ScheduledBatch):
+        """One step as a generator that yields at its device waits (``runtime.worker.transfer.DeviceWait``: the
+        engine in this process runs its deferred host work there) and returns its results (a target's
+        ``RequestStepResult`` list, a separate drafter's blocks)."""
         self.step_profiler.before_step()
-        results = self.engine_part.execute(batch)
+        run = self.engine_part.execute(batch)
+        results = (yield from run) if inspect.isgenerator(run) else run
         self.step_profiler.after_step()
         return results
+
+    def execute(self, batch: ScheduledBatch):
+        """One step, its device waits passed without host work (a Ray actor's: no engine runs in its process)."""
+        return finish(self.execute_steps(batch))
 
     def start_profile(self, steps: int, trace: str | None = None) -> None:
         """Profile this process's next ``steps`` steps (torch profiler; ``trace``: also a Chrome trace there)."""

@@ -88,33 +88,34 @@ def test_results_round_trip():
 
 
 def test_the_engines_host_work_runs_while_the_actors_compute_and_its_error_stays_its_own(monkeypatch):
-    """``RayExecutor._run_step``: the deferred host work runs between dispatching a step and collecting it; a task
-    that raises is the engine's error (not a replica actor's), raised once the step's result is read (a compiled
-    graph's result must be), and the tasks after it stay queued."""
+    """``RayExecutor._run_step`` yields its device wait between dispatching a step and collecting it, where the engine
+    runs its deferred host work (``run_step``); a task that raises is the engine's error (not a replica actor's),
+    raised once the step's result is read (a compiled graph's result must be), and the tasks after it stay queued."""
     import threading
     import types
 
     import cluster.executor as executor_module
-    from runtime.worker.transfer import HostWork
+    from runtime.engine.host_work import HostWork, run_step
 
     order = []
     executor = object.__new__(executor_module.RayExecutor)
     executor.config = types.SimpleNamespace(parallel=types.SimpleNamespace(step_timeout_s=5.0))
     executor.step_graph = types.SimpleNamespace(execute=lambda wire: (order.append("dispatched"), "ref")[1])
-    executor.host_work = HostWork()
+    work = HostWork()
     executor._graph_lock = threading.Lock()  # (idle parking's: the step path takes it)
     monkeypatch.setattr(executor_module.ray, "get", lambda ref, timeout: (order.append("collected"), [ref])[1])
-    executor.host_work.add(lambda: order.append("task"))
-    assert executor._run_step("wire") == ["ref"] and order == ["dispatched", "task", "collected"]
+    work.add(lambda: order.append("task"))
+    assert run_step(executor._run_step("wire"), work) == ["ref"] and order == ["dispatched", "task", "collected"]
 
     def broken():
         raise ZeroDivisionError("a fold's bug")
 
-    executor.host_work.add(broken)
-    executor.host_work.add(lambda: order.append("later"))
+    work.add(broken)
+    work.add(lambda: order.append("later"))
     order.clear()
     with pytest.raises(ZeroDivisionError, match="a fold's bug"):
-        executor._run_step("wire")
-    assert order == ["dispatched", "collected"] and len(executor.host_work) == 1  # "later" still queued
-    executor.host_work.run()
+        run_step(executor._run_step("wire"), work)
+    assert order == ["dispatched", "collected"] and len(work) == 1  # "later" still queued
+    assert not executor._graph_lock.locked()  # the step finished: nothing is left held
+    work.run()
     assert order[-1] == "later"

@@ -292,8 +292,8 @@ def test_decode_steps_that_draft_nothing_keep_the_drafters_context_in_their_grap
         llm = LLM(str(wide_target), speculative_config=config, **{**ENGINE, "enforce_eager": eager})
         executor, proposed = llm.engine.executor, []
 
-        def execute(batch, run=executor.execute, proposed=proposed):
-            results = run(batch)
+        def execute(batch, run=executor.execute, proposed=proposed):  # (a step's device waits passed on)
+            results = yield from run(batch)
             proposed.extend((r.request_id, tuple(r.next_draft_ids)) for r in results if r.next_draft_ids)
             return results
 

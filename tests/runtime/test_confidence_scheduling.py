@@ -23,7 +23,7 @@ from runtime.spec.stats import TRACE_FIELDS, ConfidenceStats
 from runtime.spec.step_costs import StepCostTable
 from runtime.spec.survival import SurvivalCorrection, SurvivalSkill, read_calibration
 from runtime.spec.tuning import TUNING
-from runtime.worker.transfer import HostWork
+from runtime.engine.host_work import HostWork
 from tests import builders
 from tests.runtime.test_sampling_distribution import FILTERS, N, empirical_tv, exact_joint, tv_bound
 
@@ -529,16 +529,16 @@ def test_a_cost_table_file_is_used_instead_of_profiling(tmp_path, near_bigram_ta
 
 
 def test_an_engine_whose_executor_offers_host_work_folds_there(tmp_path, near_bigram_target, confident_drafter):
-    """The local executor's runner runs the engine's deferred folds where a step waits for its read-back."""
+    """On the local executor the engine runs its deferred folds at the device waits its steps yield (a read-back)."""
     path = tmp_path / "table.json"
     flat_table(0.001).save(path)  # no plain steps in it: drafting is never held, every step decides and learns
     llm = engine(near_bigram_target, confident_drafter, enable_confidence_scheduling=True,
                  confidence_cost_table_path=str(path))
     engine_, ran = llm.engine, []
     correction = engine_.confidence.correction
-    assert correction.defer_to is engine_.executor.host_work
+    assert correction.defer_to is engine_.host_work
     fold = correction._deferred_fold
-    correction._deferred_fold = lambda: (ran.append(len(engine_.executor.host_work)), fold())
+    correction._deferred_fold = lambda: (ran.append(len(engine_.host_work)), fold())
     llm.generate(PROMPTS, SamplingParams(max_tokens=6 * TUNING.fold_every, temperature=0.0, ignore_eos=True))
     assert ran and correction.verified.sum() > 0  # folded by a task the runner ran at a read-back
 
@@ -620,7 +620,7 @@ def test_a_mixed_step_decides_its_rest_while_the_device_computes(tmp_path, monke
                  confidence_cost_table_path=str(path))
     eng = llm.engine
     eng.confidence.layout = "padded"
-    work, where, calls = eng.executor.host_work, {"device_wait": False}, []
+    work, where, calls = eng.host_work, {"device_wait": False}, []
     run, settle, deferred = work.run, eng.confidence.settle, eng.confidence.allot_deferred
 
     def run_marked(**kwargs):

@@ -15,10 +15,11 @@ import torch
 from configs import LLMConfig
 from runtime.engine.core import Engine
 from runtime.engine.executor import ExecutorBase
+from runtime.engine.host_work import HostWork, run_step
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.scheduling.step_io import RequestStepResult, ScheduledBatch
 from runtime.spec.history import next_history
-from runtime.worker.transfer import HostWork
+from runtime.worker.transfer import finish
 
 
 class RecordingExecutor(ExecutorBase):
@@ -149,7 +150,6 @@ def _forward(batch: int, page_size: int = 4):
 
     forward = object.__new__(GraphedTargetForward)  # the decode path's state only: no CUDA graphs captured
     forward.buckets, forward.page_size, forward.scratch_page = [batch], page_size, 99
-    forward.host_work = HostWork()
     forward.inputs = torch.zeros(3, batch, dtype=torch.int64)
     forward.plan_ahead = forward.run_ahead = True
     forward.planned, forward.plans_skipped, forward.replays = {}, 0, 0
@@ -200,17 +200,18 @@ def test_a_step_launched_ahead_feeds_the_tokens_decided_before_it_and_is_used_wh
     forward, g, planned = _forward(batch=2)
     pages = {"a": [5, 6, 7], "b": [8, 9, 10]}  # allotted ahead: a at position 7 (page 6) has page 7 for 8
     step = [_decode("a", 40, 7, pages["a"]), _decode("b", 41, 6, pages["b"])]
-    first = forward.decode_greedy(step, run_ahead=True)
+    first = finish(forward.decode_greedy(step, run_ahead=True))
     assert first == [(40 * 3 + 7) % 97, (41 * 3 + 6) % 97]
     # launched ahead: the ids decided on the device, the next positions, their slots on the allotted pages
     assert g.fed[-1] == (first, [8, 7], [7 * 4 + 0, 9 * 4 + 3]) and forward.replays == 2
     assert planned[-1].kv_lens == [9, 8]
     nxt = [_decode("a", first[0], 8, pages["a"]), _decode("b", first[1], 7, pages["b"])]
-    second = forward.decode_greedy(nxt, run_ahead=True)  # exactly the step launched ahead: no launch of its own
+    # exactly the step launched ahead: no launch of its own
+    second = finish(forward.decode_greedy(nxt, run_ahead=True))
     assert second == [(first[0] * 3 + 8) % 97, (first[1] * 3 + 7) % 97]
     assert forward.steps_run_ahead == 1 and forward.replays == 3  # one more: the step after, launched ahead
     # b finished (an end of sequence): the step launched ahead is dropped and this one replayed afresh
-    third = forward.decode_greedy([_decode("a", second[0], 9, pages["a"])], run_ahead=False)
+    third = finish(forward.decode_greedy([_decode("a", second[0], 9, pages["a"])], run_ahead=False))
     assert forward.steps_ahead_dropped == 1 and third == [(second[0] * 3 + 9) % 97]
     assert g.fed[-1][0][:1] == [second[0]] and forward._ahead is None  # run_ahead False: nothing launched
 
@@ -220,13 +221,13 @@ def test_host_work_queued_between_steps_runs_once_after_the_steps_launches_befor
     this step and the one launched ahead of it were replayed, before the host waits for this step's verdicts."""
     forward, g, _ = _forward(batch=1)
     reads = forward._verdict_reads
-    seen = []
-    forward.host_work.add(lambda: seen.append((forward.replays, [r.value is not None for r in reads])))
+    seen, work = [], HostWork()
+    work.add(lambda: seen.append((forward.replays, [r.value is not None for r in reads])))
     for r in reads:
         r.value = None
-    first = forward.decode_greedy([_decode("a", 7, 3, [1, 2])], run_ahead=True)
-    assert seen == [(2, [True, True])] and len(forward.host_work) == 0  # both launched and queued, not yet read
-    forward.decode_greedy([_decode("a", first[0], 4, [1, 2])], run_ahead=False)
+    first = run_step(forward.decode_greedy([_decode("a", 7, 3, [1, 2])], run_ahead=True), work)
+    assert seen == [(2, [True, True])] and len(work) == 0  # both launched and queued, not yet read
+    run_step(forward.decode_greedy([_decode("a", first[0], 4, [1, 2])], run_ahead=False), work)
     assert len(seen) == 1  # once
 
 
@@ -234,7 +235,7 @@ def test_host_work_told_the_device_is_done_starts_no_task_until_too_many_wait():
     """A step not launched ahead runs the host work while the device computes it, asking whether its read-back has
     landed: once it has, no task starts (the device would wait for it: the tasks wait for a step with room), unless
     more than ``QUEUED_MOST`` are queued; without ``done`` every call runs one task at least."""
-    from runtime.worker.transfer import QUEUED_MOST
+    from runtime.engine.host_work import QUEUED_MOST
 
     work, ran, device = HostWork(), [], {"done": False}
     for i in range(3):
@@ -254,12 +255,13 @@ def test_host_work_told_the_device_is_done_starts_no_task_until_too_many_wait():
 def test_a_step_launched_ahead_is_not_used_for_other_tokens_or_pages_and_a_broken_row_feeds_token_0():
     forward, g, _ = _forward(batch=1)
     step = [_decode("a", 13, 3, [1, 2])]  # token 13 breaks its row: verdict -1
-    assert forward.decode_greedy(step, run_ahead=True) == [-1]
+    assert finish(forward.decode_greedy(step, run_ahead=True)) == [-1]
     assert g.fed[-1][0] == [0]  # the step launched ahead fed token 0, not -1 (an embedding index)
-    again = forward.decode_greedy([_decode("a", 5, 4, [1, 2])], run_ahead=False)  # not the token it decided
+    again = finish(forward.decode_greedy([_decode("a", 5, 4, [1, 2])], run_ahead=False))  # not the token decided
     assert forward.steps_ahead_dropped == 1 and again == [(5 * 3 + 4) % 97]
-    forward.decode_greedy([_decode("a", 7, 5, [1, 2])], run_ahead=True)
-    moved = forward.decode_greedy([_decode("a", (7 * 3 + 5) % 97, 6, [3, 2])], run_ahead=False)  # other pages
+    finish(forward.decode_greedy([_decode("a", 7, 5, [1, 2])], run_ahead=True))
+    moved = finish(forward.decode_greedy([_decode("a", (7 * 3 + 5) % 97, 6, [3, 2])],  # other pages
+                                              run_ahead=False))
     assert forward.steps_ahead_dropped == 2 and forward.steps_run_ahead == 0 and len(moved) == 1
 
 
@@ -279,21 +281,22 @@ def test_a_decode_step_keeping_the_drafters_context_appends_it_and_so_does_the_s
     graph = forward.graphs[(1, 1)]
     assert not forward.appends_context(1)
     with pytest.raises(RuntimeError, match="no drafter context graph"):
-        forward.decode_greedy([_decode("a", 7, 3, [1, 2])], run_ahead=False, append_context=True)
+        finish(forward.decode_greedy([_decode("a", 7, 3, [1, 2])], run_ahead=False, append_context=True))
     graph.context = context = _FakeContextGraph(forward, 1)
     assert forward.appends_context(1) and not forward.appends_context(2)
-    first = forward.decode_greedy([_decode("a", 7, 3, [1, 2])], run_ahead=True, append_context=True)
+    first = finish(forward.decode_greedy([_decode("a", 7, 3, [1, 2])], run_ahead=True, append_context=True))
     assert context.appended == [[3], [4]]  # this step's, then the one launched ahead's (each behind its replay)
-    second = forward.decode_greedy([_decode("a", first[0], 4, [1, 2])], run_ahead=True, append_context=True)
+    second = finish(forward.decode_greedy([_decode("a", first[0], 4, [1, 2])], run_ahead=True,
+                                               append_context=True))
     assert forward.steps_run_ahead == 1 and context.appended == [[3], [4], [5]]
     # the step launched ahead appended the context: a step that must not append it is not that step
-    forward.decode_greedy([_decode("a", second[0], 5, [1, 2])], run_ahead=False)
+    finish(forward.decode_greedy([_decode("a", second[0], 5, [1, 2])], run_ahead=False))
     assert forward.steps_ahead_dropped == 1 and context.appended == [[3], [4], [5]] and g.fed[-1][1] == [5]
 
 
 def test_no_step_is_launched_ahead_before_the_scheduler_allots_its_page():
     forward, g, _ = _forward(batch=1)
-    forward.decode_greedy([_decode("a", 7, 7, [1, 2])], run_ahead=True)  # position 8 needs a third page
+    finish(forward.decode_greedy([_decode("a", 7, 7, [1, 2])], run_ahead=True))  # position 8 needs a third page
     assert forward._ahead is None and forward.replays == 1
 
 
@@ -316,7 +319,6 @@ def _verify_forward(batch: int, q_len: int, page_size: int = 4, shorter: int | N
 
     forward = object.__new__(GraphedTargetForward)  # the verify path's host state only: no CUDA graphs captured
     forward.buckets, forward.page_size, forward.scratch_page = [batch], page_size, 99
-    forward.host_work = HostWork()
     forward.inputs = torch.zeros(3, batch * q_len, dtype=torch.int64)
     forward.plan_ahead = forward.run_ahead = True
     forward.planned, forward.plans_skipped, forward.replays = {}, 0, 0
