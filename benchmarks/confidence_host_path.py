@@ -154,7 +154,9 @@ def measure(target: Path, drafter: Path, costs: Path, batch: int, steps: int, co
         stack.enter_context(timed(engine, "step", totals, "step"))
         stack.enter_context(timed(engine.executor, "execute", totals, "execute"))
         # the engine's deferred work (earlier checkouts: the executor's), run at the steps' device waits
-        work = getattr(engine, "host_work", None) or getattr(engine.executor, "host_work", None)
+        work = getattr(engine, "host_work", None)
+        if work is None:  # (an earlier checkout's engine: its executor's)
+            work = getattr(engine.executor, "host_work", None)
         if work is not None:  # (none without confidence scheduling: nothing is deferred)
             run = work.run
 

@@ -4,6 +4,7 @@ byte-level BPE tokenizer, DeepSpec drafters written by name from the checkpoint 
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -93,8 +94,9 @@ def record_packed_steps(llm) -> list[tuple[int, list[int]]]:
     steps: list[tuple[int, list[int]]] = []
     execute = llm.engine.executor.execute
 
-    def recorded(batch):
-        results = execute(batch)
+    def recorded(batch):  # (a step's device waits passed on to the engine)
+        run = execute(batch)
+        results = (yield from run) if inspect.isgenerator(run) else run
         if batch.packed is not None:
             steps.append((batch.packed.budget, [r.num_verified for r in results]))
         return results

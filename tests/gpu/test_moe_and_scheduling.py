@@ -135,7 +135,7 @@ def test_confidence_scheduling_keeps_greedy_outputs_on_the_graphed_path(wide_tar
         llm = LLM(str(wide_target), speculative_config=config, **{**ENGINE, "enforce_eager": eager})
         if name == "on":  # the survival fit's folds run as host work where a graphed step waits for the device
             correction = llm.engine.confidence.correction
-            assert correction.defer_to is llm.engine.executor.host_work
+            assert correction.defer_to is llm.engine.host_work
             fold = correction._deferred_fold
             correction._deferred_fold = lambda: (folds.append(1), fold())
         runs[name] = [o.token_ids for o in llm.generate(PROMPTS, longer)]
@@ -212,8 +212,8 @@ def test_packed_graphs_serve_steps_with_blocks_cut_at_their_token_limits(tmp_pat
         if name == "on":
             steps, execute = [], llm.engine.executor.execute
 
-            def spy(batch, execute=execute, steps=steps):
-                results = execute(batch)
+            def spy(batch, execute=execute, steps=steps):  # (a step's device waits passed on to the engine)
+                results = yield from execute(batch)
                 if batch.packed is not None:
                     steps.append([(r.num_drafts, res.num_verified) for r, res in zip(batch.requests, results)])
                 return results

@@ -358,8 +358,8 @@ def test_a_step_with_blocks_cut_at_their_token_limits_is_still_packed(tmp_path, 
     engine = llm.engine
     steps, fed, execute = [], [], engine.executor.execute
 
-    def spy(batch):
-        results = execute(batch)
+    def spy(batch):  # (a step's device waits passed on to the engine)
+        results = yield from execute(batch)
         if batch.packed is not None:
             steps.append([(r.num_drafts, res.num_verified) for r, res in zip(batch.requests, results)])
         if any(r.num_drafts for r in batch.requests):
