@@ -25,6 +25,7 @@ from runtime.models.moe import sparse_layer_ids
 from runtime.scheduling.kv_cache import allocate_caches, bytes_per_page
 from runtime.scheduling.step_io import ScheduledBatch
 from runtime.worker.all_reduce import choose_reducer
+from runtime.worker.cpu_gemm import CpuGemmReport, install_cpu_gemms
 from runtime.worker.devices import (check_draft_attention_backend, kv_budget_bytes, resolve_device, resolve_dtype,
                                     resolve_kernel_backend, resolve_moe_backend)
 from runtime.worker.draft_channel import LocalDraftChannel, RemoteDraftChannel
@@ -86,6 +87,7 @@ class Worker:
         self.draft_runner: DraftRunner | None = None  # this process's drafter (colocated or separate), once allocated
         self.moe_backend = self.draft_moe_backend = None
         self.small_gemms: SmallGemmReport | None = None
+        self.cpu_gemms: CpuGemmReport | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -143,6 +145,8 @@ class Worker:
             graphed = self.uses_cuda_graphs or self.drafter_uses_cuda_graphs
             self.small_gemms = install_small_gemms(models, self.device, self.dtype,
                                                    self.graph_gemm_rows() if graphed else ())
+        elif self.device.type == "cpu":  # few-row GEMMs: F.linear or (W @ x^T)^T, whichever MKL runs faster here
+            self.cpu_gemms = install_cpu_gemms([m for m in (self.target, self.drafter, self.vocab) if m is not None])
         per_page = bytes_per_page(layers, self.config.page_size, self.dtype)
         return max(kv_budget_bytes(self.config, self.device) // per_page, 0)
 
@@ -325,6 +329,7 @@ class Worker:
                 # steps no whole-step graph serves, replayed piece by piece around eager attention (one GPU)
                 "piecewise_graphs": self.piecewise.as_dict() if self.piecewise is not None else None,
                 "small_gemms": self.small_gemms.as_dict() if self.small_gemms is not None else None,
+                "cpu_gemms": self.cpu_gemms.as_dict() if self.cpu_gemms is not None else None,
                 "draft_graphs": self.draft_runner is not None and self.draft_runner.graphs is not None,
                 "holds_drafter": self.plan.holds_drafter and self.spec is not None,
                 "draft_confidence_head": bool(self.drafter is not None and self.drafter.confidence_head is not None),
