@@ -36,7 +36,9 @@ Learning needs observations, and a request or a batch that stopped drafting show
 bounded cost: a request left out verifies its block at its next probe (after 8 steps, then 16, 32, ... 512 while it
 keeps not paying), a batch that stopped drafting drafts one step for everyone after 8 steps, then 16, ... 512
 (``probe_first`` .. ``probe_max``), and requests that arrived since and never verified have theirs verified on the
-same doubling schedule; each interval starts over once drafting pays again. A step's time enters the prices at
+same doubling schedule; each interval starts over once drafting pays again. A batch's probes (and its arrivals')
+come no more often than keeps what a probe costs over a plain step within ``probe_budget`` (2%) of the plain steps'
+time between two probes: where a drafting step costs 4 plain ones, every 150 steps at least. A step's time enters the prices at
 most at 4x what was learned (a host's pause is no price), and the first of each kind at a bucket not at all.
 
 A seeded sampled request is pinned: its blocks are always verified and the batch drafts while it runs (which
@@ -51,6 +53,7 @@ requests verify the blocks drafted there (at step ``t + 1``); ``drafts(t + 1)`` 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -67,6 +70,9 @@ class GuardTuning:
     margin: float = 0.03  # drafting is chosen only where it beats plain decoding by this fraction
     probe_first: int = 8  # steps before a left-out request (or a plain batch) is probed again
     probe_max: int = 512  # the longest such interval (it doubles each probe that did not pay)
+    # a probe's price over a plain step's, spread over the steps until the next probe, is at most this share of their
+    # time: where a drafting step costs several plain ones (a CPU verifying 32 rows: 3.8x), probes wait longer
+    probe_budget: float = 0.02
     explore_every: int = 256  # drafting steps between two plain steps timed at a bucket (first: after 4)
     explore_max: int = 4096  # the longest such wait: it doubles while drafting beats plain by clear_advantage
     clear_advantage: float = 1.5  # drafting's expected tokens/s over plain decoding's past which a price is not news
@@ -393,15 +399,17 @@ class SpeculationGuard:
             arrivals = [r for _, r in gains if self._unseen(r)]
             if arrivals and step >= costs.next_arrival_probe:  # requests never verified: theirs, now and then
                 costs.arrival_interval = min(max(2 * costs.arrival_interval, tuning.probe_first), tuning.probe_max)
-                costs.next_arrival_probe = step + costs.arrival_interval
+                costs.next_arrival_probe = step + max(costs.arrival_interval,
+                                                      self._probe_spacing(prices, fit, len(arrivals), batch))
                 self.stats.request_probes += len(arrivals)
                 return self._record(GuardPlan(step, True, None if len(arrivals) == batch else frozenset(arrivals),
                                               "probe"))
+            spacing = self._probe_spacing(prices, fit, batch, batch)  # (0 where unpriced)
             if costs.probe_interval == 0:  # drafting just stopped paying here: the first probe after probe_first
-                costs.probe_interval, costs.next_probe = tuning.probe_first, step + tuning.probe_first
+                costs.probe_interval, costs.next_probe = tuning.probe_first, step + max(tuning.probe_first, spacing)
             elif step >= costs.next_probe:  # the whole batch verifies one block, then waits twice as long
                 costs.probe_interval = min(2 * costs.probe_interval, tuning.probe_max)
-                costs.next_probe = step + costs.probe_interval
+                costs.next_probe = step + max(costs.probe_interval, spacing)
                 self.stats.batch_probes += 1
                 return self._record(GuardPlan(step, True, None, "probe"))
             lapses = min(costs.next_probe, step + tuning.probe_first)
@@ -434,13 +442,20 @@ class SpeculationGuard:
 
     def _prices(self, costs: _BucketCosts) -> _BucketCosts:
         """The prices a plan at this bucket compares: its pure decode steps' where both are known, else its steps
-        that also fed a prompt (``prompt_buckets``), where both of those are: under a steady load of short requests
-        nearly every step feeds one, and the plan's choice is then between such steps (the prompt's share the same
-        either way)."""
+        that also fed a prompt (``prompt_buckets``), where both of those are (under a steady load of short requests
+        nearly every step feeds one, and the plan's choice is then between such steps, the prompt's share the same
+        either way), else the nearest bucket's pure steps' where both are known there."""
         if costs.plain_s is not None and costs.sw:
             return costs
         mixed = self.prompt_buckets.get(self._bucket)
-        return mixed if mixed is not None and mixed.plain_s is not None and mixed.sw else costs
+        if mixed is not None and mixed.plain_s is not None and mixed.sw:
+            return mixed
+        # else the nearest bucket whose pure steps are priced: a drafting step's price over a plain one's moves
+        # slowly with the batch, and is a far better guess than none (a CPU's drafting step cost 3.6 plain ones at
+        # one request and 3.8 at four: a batch size first met in a drain drafted every step until priced)
+        priced = [(abs(bucket.bit_length() - self._bucket.bit_length()), bucket) for bucket, other
+                  in self.buckets.items() if other.plain_s is not None and other.sw]
+        return self.buckets[min(priced)[1]] if priced else costs
 
     def _gains(self, request_ids: list[str]) -> list[tuple[float, str]]:
         """[(gain, request)] for ``request_ids`` (see ``gain``), in one pass: the plan's per-step host work."""
@@ -455,6 +470,22 @@ class SpeculationGuard:
     def _unseen(self, request_id: str) -> bool:
         state = self.requests.get(request_id)
         return state is None or state.verifies == 0
+
+    def _probe_spacing(self, prices: _BucketCosts, fit: tuple[float, float] | None, verified: int, batch: int) -> int:
+        """The fewest steps from one probe verifying ``verified`` of the batch's blocks to the next such that the
+        probe's price over a plain step's is at most ``probe_budget`` of the plain steps' time between: 0 where
+        either price is unknown (the doubling schedule alone)."""
+        plain = prices.plain_s
+        if plain is None:
+            return 0
+        if verified == batch and prices.whole_s is not None:
+            price = prices.whole_s
+        elif fit is not None:
+            base, per_draft = fit
+            price = max(base, plain) + per_draft * self.max_draft_len * self.verified_share * verified
+        else:
+            return 0
+        return math.ceil(max(price - plain, 0.0) / (self.tuning.probe_budget * plain))
 
     def _exploration_due(self, costs: _BucketCosts) -> bool:
         """Time a plain step at this bucket: none timed yet (after 4 drafting steps), or ``explore_every``

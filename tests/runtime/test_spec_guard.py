@@ -210,7 +210,7 @@ def test_a_pause_of_the_host_is_no_price():
 
 
 def test_a_drafter_that_never_pays_stops_and_the_batch_is_probed_ever_more_rarely():
-    guard = SpeculationGuard(K, GuardTuning(probe_first=8, probe_max=64))
+    guard = SpeculationGuard(K, GuardTuning(probe_first=8, probe_max=64, probe_budget=1.0))  # (cheap probes)
     priced(guard, 4)
     ids = ["a", "b", "c", "d"]
     for request_id in ids:
@@ -227,6 +227,37 @@ def test_a_drafter_that_never_pays_stops_and_the_batch_is_probed_ever_more_rarel
             assert guard.drafts(step) is False
     gaps = [b - a for a, b in zip(drafting, drafting[1:])]
     assert drafting[0] == 8 and gaps[:3] == [16, 32, 64] and set(gaps[3:]) == {64}
+
+
+@pytest.mark.parametrize("accepted,decision", [(1, "plain"), (K, "pays")])
+def test_a_batch_size_not_yet_priced_decides_by_the_nearest_priced_one(accepted, decision):
+    """Requests draining to one (bucket 1, never priced) after decoding four together (bucket 4 priced: a drafting
+    step costs 3.8 plain ones): where drafting did not pay at four it decodes plain from the first step, where it
+    pays it drafts; before, every step at a new batch size drafted until priced there."""
+    guard = SpeculationGuard(K)
+    priced(guard, 4, plain=1.0, drafting=3.5, per_draft=0.01)
+    teach(guard, "a", accepted)
+    plan = guard.plan(0, ["a"])
+    assert plan.reason == decision and plan.drafts == (decision == "pays")
+
+
+def test_probes_that_cost_several_plain_steps_wait_until_their_cost_is_a_small_share():
+    """Where verifying everyone's block costs 5 plain steps (a CPU verifying many rows), the batch's probes come no
+    more often than every (5 - 1) / probe_budget steps (the doubling schedule alone probes after 8, 24, 56 steps)."""
+    guard = SpeculationGuard(K, GuardTuning(probe_first=8, probe_max=64, probe_budget=0.02))
+    priced(guard, 4, plain=1.0, drafting=4.72, per_draft=0.01)  # everyone verifying: 4.72 + 0.01 x 28 = 5.0 s
+    ids = ["a", "b", "c", "d"]
+    for request_id in ids:
+        guard.observe_verify(request_id, K, 0)
+    probes = []
+    for step in range(1000):
+        plan = guard.plan(step, ids)
+        if plan.drafts:
+            assert plan.reason == "probe"
+            probes.append(step)
+            for request_id in ids:
+                guard.observe_verify(request_id, K, 0)
+    assert probes and probes[0] >= 190 and all(b - a >= 190 for a, b in zip(probes, probes[1:]))  # (~4 s over 1 s)
 
 
 def test_in_a_plain_batch_a_new_request_is_probed_on_a_doubling_schedule():
