@@ -12,21 +12,22 @@ sides while the engine serves and decides, step by step:
   drafter's forward), the step drafts nothing and the next one is the plain decode step.
 
 The prices come from the engine's own steps, per batch bucket (powers of two): a plain step's time (``plain_s``), a
-drafting step's time as a function of its verified drafts (``drafting_s + verify_s x drafts``, a ridge fit that
-forgets old steps) and, for verifying everyone's block, the time of the drafting steps that did (``whole_s``: a step
-that leaves some out is ragged, which on a GPU can cost more than a uniform step verifying more; it is priced no
-lower than a plain step plus its drafts, nor than the whole price less the drafts it leaves out: the fit only
-interpolates, and where every step verifies whole blocks its drafts barely vary). Steps that decode beside a prompt
-chunk are priced apart (``prompt_buckets``) and compared where a bucket's pure steps are unpriced. A plain step is
-priced as a run of plain steps runs, since that is what a batch that stops drafting does: on an engine that launches
-each plain step while the host still finishes the one before (``runs_ahead``), only a *steady* plain step is timed,
-one launched ahead and launching the next ahead; a plain step between drafting steps also pays the host's work that
-the overlap hides (on a GPU 15-60% more than a steady step). Where a price is missing the guard drafts (the engine
-was given a drafter) and, now and then, runs plain steps in a row to time one (``exploration``: two, the second clean
-of the block verified at the first; with ``runs_ahead`` four, the third steady; ever more rarely while drafting
-clearly beats plain decoding); unless the requests' expected extra tokens together do not beat the margin: a drafting
-step never costs less than a plain one, so then drafting cannot pay at any price (an untrained drafter at a batch
-size not seen before decodes plain from its first step).
+drafting step's time as a function of its verified drafts (``drafting_s + verify_s x drafts``, a ridge fit that forgets
+old steps) and, for verifying everyone's block, the time of the drafting steps that did (``whole_s``: a step that leaves
+some out is ragged, which on a GPU can cost more than a uniform step verifying more; it is priced no lower than a plain
+step plus its drafts, nor than the whole price less the drafts it leaves out: the fit only interpolates, and where every
+step verifies whole blocks its drafts barely vary). Steps that decode beside a prompt chunk are priced apart
+(``prompt_buckets``) and compared where a bucket's pure steps are unpriced. A plain step is priced as a run of plain
+steps runs, since that is what a batch that stops drafting does: on an engine that launches each plain step while the
+host still finishes the one before (``runs_ahead``), only a *steady* plain step is timed, one launched ahead and
+launching the next ahead; a plain step between drafting steps also pays the host's work that the overlap hides (on a GPU
+15-60% more than a steady step). A bucket not yet priced decides by the nearest priced bucket's prices (a drafting
+step's price over a plain one's moves slowly with the batch). Where no bucket is priced the guard drafts (the engine was
+given a drafter) and, now and then, runs plain steps in a row to time one (``exploration``: two, the second clean of the
+block verified at the first; with ``runs_ahead`` four, the third steady; ever more rarely while drafting clearly beats
+plain decoding); unless the requests' expected extra tokens together do not beat the margin: a drafting step never costs
+less than a plain one, so then drafting cannot pay at any price (an untrained drafter at a batch size not seen before
+decodes plain from its first step).
 
 A plain decision stands, without ranking the gains and pricing every ``m`` again, until a request arrives or
 leaves, a verify is observed, a probe is due or ``probe_first`` steps pass (only the prices' drift goes unweighed
@@ -35,11 +36,11 @@ that long): on an engine that launches no step ahead, a batch decoding plain oth
 Learning needs observations, and a request or a batch that stopped drafting shows none. So it is probed again at a
 bounded cost: a request left out verifies its block at its next probe (after 8 steps, then 16, 32, ... 512 while it
 keeps not paying), a batch that stopped drafting drafts one step for everyone after 8 steps, then 16, ... 512
-(``probe_first`` .. ``probe_max``), and requests that arrived since and never verified have theirs verified on the
-same doubling schedule; each interval starts over once drafting pays again. A batch's probes (and its arrivals')
-come no more often than keeps what a probe costs over a plain step within ``probe_budget`` (2%) of the plain steps'
-time between two probes: where a drafting step costs 4 plain ones, every 150 steps at least. A step's time enters the prices at
-most at 4x what was learned (a host's pause is no price), and the first of each kind at a bucket not at all.
+(``probe_first`` .. ``probe_max``), and requests that arrived since and never verified have theirs verified on the same
+doubling schedule; each interval starts over once drafting pays again. A batch's probes (and its arrivals') come no more
+often than keeps what a probe costs over a plain step within ``probe_budget`` (2%) of the plain steps' time between two
+probes: where a drafting step costs 4 plain ones, every 150 steps at least. A step's time enters the prices at most at
+4x what was learned (a host's pause is no price), and the first of each kind at a bucket not at all.
 
 A seeded sampled request is pinned: its blocks are always verified and the batch drafts while it runs (which
 steps verify drafts changes a sampled request's tokens, and a seed promises the same tokens whatever else runs).

@@ -9,12 +9,12 @@ the weight as the GEMM's left operand, ``(W @ x^T)^T`` (one row duplicated to tw
 reads them at ~26 GB/s up to about eight rows: 16-20 ms for the layers at one to three rows, 7 ms for the head at
 seven (``benchmarks/results/2026-12-07-cpu-gemm-smollm2.json`` has the engine's steps before and after).
 
-``install_cpu_gemms`` times both on this host, for every linear shape whose weights together are large enough to be
-read from memory (``MIN_GROUP_BYTES``), at each row count of ``ROWS``, the caches flushed before each pass over the
-shape's weights as a forward meets them; where ``(W @ x^T)^T`` takes at most ``MARGIN`` of ``F.linear``'s time the
-linear computes those row counts that way (``CpuLinear``); more rows take ``F.linear``. Both compute each output row from its own input row, the same sums
-in an order MKL picks: like a GPU's kernel choice, the way may change how a value rounds in the last bit, never what
-it depends on.
+``install_cpu_gemms`` times both on this host, for every linear shape whose weights together are large enough to be read
+from memory (``MIN_GROUP_BYTES``), at each row count of ``ROWS``, the caches flushed before each pass over the shape's
+weights as a forward meets them; where ``(W @ x^T)^T`` takes at most ``MARGIN`` of ``F.linear``'s time the linear
+computes those row counts that way (``CpuLinear``); more rows take ``F.linear``. Both compute each output row from its
+own input row, the same sums in an order MKL picks: like a GPU's kernel choice, the way may change how a value rounds in
+the last bit, never what it depends on.
 """
 
 from __future__ import annotations

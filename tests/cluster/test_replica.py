@@ -384,7 +384,8 @@ def test_packed_verify_steps_cross_the_wire(ray_cluster, tmp_path, near_bigram_t
     with LLM(str(near_bigram_target), speculative_config=spec, drafter=mode, **ENGINE) as llm:
         llm.engine.confidence.layout = "packed"
         # the survival fit folds while the actors compute a step (the engine's host work, at the step's device wait)
-        assert llm.engine.executor.yields_device_waits and llm.engine.confidence.correction.defer_to is llm.engine.host_work
+        assert llm.engine.executor.yields_device_waits
+        assert llm.engine.confidence.correction.defer_to is llm.engine.host_work
         counts = builders.record_packed_steps(llm)
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
         assert counts and all(sum(verified) == budget for budget, verified in counts)
