@@ -298,3 +298,6 @@ class FlashInferBackend:
                        q_rows=0):
         return self._ops.rope_and_cache(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots,
                                         q_index, q_rows)
+
+    def rope_and_cache_kv(self, k, v, k_weight, eps, cos, sin, k_cache, v_cache, slots):
+        self._ops.rope_and_cache_kv(k, v, k_weight, eps, cos, sin, k_cache, v_cache, slots)

@@ -101,6 +101,13 @@ class KernelBackend(Protocol):
         ``q_index[t]`` and zeros elsewhere (a packed verify's queries in the uniform layout attention is planned
         for, ``runtime.worker.packed_verify``)."""
 
+    def rope_and_cache_kv(self, k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor | None, eps: float,
+                          cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slots: torch.Tensor) -> None:
+        """``rope_and_cache`` without queries: k [T, Hkv, D] normed (``k_weight`` None: no norm) and rotated at
+        tables cos, sin [T, D], it and v [T, Hkv, D] written at ``slots`` [T] (a drafter's context append: one
+        kernel where the norm, the rotation and the two writes took nine)."""
+
     def sample_exponential_race(self, probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
         """Categorical sample per row of probs [R, V] given Exp(1) noise [R, V]: argmax(p / E)."""
 

@@ -122,6 +122,13 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: 
     return q.new_zeros((q_rows, *q.shape[1:])).index_copy_(0, q_index, q)
 
 
+def rope_and_cache_kv(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    if k_weight is not None:
+        k = rms_norm(k, k_weight, eps)
+    write_kv(k_cache, v_cache, slots, apply_rope(k, cos, sin), v)
+
+
 def sample_exponential_race(probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
     # probs, exponentials: [R, V] -> [R]; argmax(p_i / E_i) is an exact categorical draw.
     return (probs / exponentials).argmax(dim=-1)
@@ -144,5 +151,6 @@ class TorchReference:
     silu_and_mul = staticmethod(silu_and_mul)
     qk_norm_rope = staticmethod(qk_norm_rope)
     rope_and_cache = staticmethod(rope_and_cache)
+    rope_and_cache_kv = staticmethod(rope_and_cache_kv)
     sample_exponential_race = staticmethod(sample_exponential_race)
     markov_argmax = staticmethod(markov_argmax)

@@ -216,6 +216,26 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: 
     return q_out
 
 
+def rope_and_cache_kv(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """``rope_and_cache``'s kernel with no q blocks: k normed and rotated, it and v written to their cache slots."""
+    tokens, num_k, _ = k.shape
+    half = _check_heads(k, k, k_weight, k_weight)
+    if v.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rope_and_cache_kv (triton): v needs a contiguous last dim and the caches must be "
+                         "contiguous")
+    if tokens == 0:
+        return
+    cos, sin = cos.contiguous(), sin.contiguous()
+    norm = k_weight is not None
+    grid, block = _rope_grid(tokens, 0, num_k, half, with_v=True)
+    # (q's arguments stand in for a q of no heads; q_out's dtype, the cache's, is what k is rounded to)
+    _qk_norm_rope_kernel[grid](
+        k, k, v, k_weight if norm else cos, k_weight if norm else cos, cos, sin, k_cache, k_cache, v_cache, slots,
+        slots, k.stride(0), k.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), 0,
+        num_k, eps, HALF=half, NORM=norm, STORE=True, Q_INDEXED=False, **block, **launch_options(k))
+
+
 @triton.jit
 def _attend_tile(q, k, v, key_ok, m_i, l_i, acc, scale):
     """One online-softmax step: q [M, D] against the key tile k, v [N, D] (columns where key_ok) -> (m, l, acc)."""

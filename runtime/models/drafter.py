@@ -63,8 +63,7 @@ class DSparkDrafter(nn.Module):
         ctx = self.hidden_norm(self.fc(captured.to(self.fc.weight.dtype)))
         cos, sin = self.rotary(positions, ctx.dtype)
         for layer, cache in zip(self.layers, caches):
-            k, v = layer.self_attn.project_kv(ctx, cos, sin)
-            self.kernels.write_kv(cache[0], cache[1], slots, k, v)
+            layer.self_attn.append_kv(ctx, cos, sin, cache, slots)
 
     def forward_block(self, block_embeds: torch.Tensor, positions: torch.Tensor,
                       caches: list[tuple[torch.Tensor, torch.Tensor]], meta: PagedAttentionMeta) -> torch.Tensor:

@@ -199,18 +199,29 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
 
-    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, d] -> (k, v) [T, Hkv, D], k normed and rotated at its own positions (no q is computed)."""
+    def _kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, d] -> k, v [T, Hkv, D] as projected (no q is computed; views of one GEMM's output when fused)."""
         if self.qkv_proj is not None:
             kv = F.linear(x, self.qkv_proj.weight[self.q_size:],
                           self.qkv_proj.bias[self.q_size:] if self.qkv_proj.bias is not None else None)
             k, v = kv.split(self.kv_size, dim=-1)
         else:
             k, v = self.k_proj(x), self.v_proj(x)
-        k = k.reshape(x.shape[0], -1, self.head_dim)
+        return k.reshape(x.shape[0], -1, self.head_dim), v.reshape(x.shape[0], -1, self.head_dim)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training: x [T, d] -> (k, v) [T, Hkv, D], k normed and rotated at its own positions."""
+        k, v = self._kv(x)
         if self.k_norm is not None:
             k = self.kernels.rms_norm(k, self.k_norm.weight, self.eps)
-        return torch_ref.apply_rope(k, cos, sin), v.reshape(x.shape[0], -1, self.head_dim)
+        return torch_ref.apply_rope(k, cos, sin), v
+
+    def append_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+                  slots: torch.Tensor) -> None:
+        """x [T, d] at tables cos, sin [T, D] -> k (normed, rotated) and v written at ``slots`` [T] of ``cache``: the
+        projection and one kernel (``rope_and_cache_kv``)."""
+        k, v = self._kv(x)
+        self.kernels.rope_and_cache_kv(k, v, self._weights()[1], self.eps, cos, sin, cache[0], cache[1], slots)
 
     def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Training only (unfused): x [T, d] -> q [T, Hq, D] normed and rotated."""

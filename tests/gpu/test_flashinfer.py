@@ -75,6 +75,11 @@ def test_rope_and_cache_writes_the_rotated_keys(fi):
     close(got_q, want_q)
     close(caches[0][0], caches[1][0], 1e-2)
     assert torch.equal(caches[0][1], caches[1][1])  # v is copied as is
+    kv_only = [c.clone() for c in caches[0]]
+    kv_only[0].zero_()
+    fi.rope_and_cache_kv(k, v, kw, 1e-6, cos, sin, *kv_only, slots)  # a drafter's context append: no queries
+    assert torch.equal(kv_only[0].view(-1, hkv, d)[slots], caches[0][0].view(-1, hkv, d)[slots])
+    assert torch.equal(kv_only[1], caches[0][1])
 
 
 def mixed_batch_attention(backend):

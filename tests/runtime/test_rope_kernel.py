@@ -1,8 +1,9 @@
-"""The q/k norm + RoPE kernel (``triton_ops.qk_norm_rope`` and ``rope_and_cache``) under Triton's CPU interpreter,
-against the torch reference: strided q/k/v views of one fused projection, heads past one program's block (20 q heads
-in blocks of 16, a partial block after) and fewer (3 kv heads), with and without the q/k norm, the rotated keys and
-the values written to their cache slots and nothing else of the cache touched; q written to given rows of a larger
-zeroed layout (a packed verify's)."""
+"""The q/k norm + RoPE kernel (``triton_ops.qk_norm_rope``, ``rope_and_cache`` and ``rope_and_cache_kv``) under Triton's
+CPU interpreter, against the torch reference: strided q/k/v views of one fused projection, heads past one program's
+block (20 q heads in blocks of 16, a partial block after) and fewer (3 kv heads), with and without the q/k norm, the
+rotated keys and the values written to their cache slots and nothing else of the cache touched; q written to given rows
+of a larger zeroed layout (a packed verify's); with no queries (a drafter's context append), k and v written as with
+them."""
 
 from tests.runtime.interpreter import run_interpreted
 
@@ -36,6 +37,14 @@ for (qw, kw), heads in cases:  # 16 heads a program (the engine's), 1 (benchmark
     assert got.shape == (2 * t, hq, d) and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     assert torch.allclose(got[index], got_q, atol=1e-6) and not got[torch.ones(2 * t, dtype=torch.bool).index_fill_(
         0, index, False)].any()  # every other row zero
+    kv_only = [[torch.randn(6, page, hkv, d) for _ in range(2)]]
+    kv_only.append([c.clone() for c in kv_only[0]])
+    triton_ops.rope_and_cache_kv(k, v, kw, 1e-6, cos, sin, *kv_only[0], slots)
+    torch_ref.rope_and_cache_kv(k, v, kw, 1e-6, cos, sin, *kv_only[1], slots)
+    assert torch.allclose(kv_only[0][0], kv_only[1][0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(kv_only[0][1], kv_only[1][1])
+    assert torch.allclose(kv_only[0][0][slots // page, slots % page], caches[0][0][slots // page, slots % page],
+                          atol=1e-6)  # the keys rope_and_cache wrote with its queries
 print("rope ok")
 """
 
