@@ -302,9 +302,10 @@ def main(args) -> int:
         if problem:
             print(f"dspark bench: {problem}", file=sys.stderr)
             return 2
-    from cluster.llm import LLM as ReplicaLLM
-
-    record = run(args, replica_engine=ReplicaLLM)
+    replica_engine = None
+    if args.tensor_parallel_size is not None or args.drafter == "separate":  # a Ray replica (Ray imported only then)
+        from cluster.llm import LLM as replica_engine
+    record = run(args, replica_engine=replica_engine)
     text = json.dumps(record, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
