@@ -37,10 +37,10 @@ Learning needs observations, and a request or a batch that stopped drafting show
 bounded cost: a request left out verifies its block at its next probe (after 8 steps, then 16, 32, ... 512 while it
 keeps not paying), a batch that stopped drafting drafts one step for everyone after 8 steps, then 16, ... 512
 (``probe_first`` .. ``probe_max``), and requests that arrived since and never verified have theirs verified on the same
-doubling schedule; each interval starts over once drafting pays again. A batch's probes (and its arrivals') come no more
-often than keeps what a probe costs over a plain step within ``probe_budget`` (2%) of the plain steps' time between two
-probes: where a drafting step costs 4 plain ones, every 150 steps at least. A step's time enters the prices at most at
-4x what was learned (a host's pause is no price), and the first of each kind at a bucket not at all.
+doubling schedule; each interval starts over once drafting pays again. A batch's probes and its arrivals' together come
+no more often than keeps what a probe costs over a plain step within ``probe_budget`` (2%) of the plain steps' time
+after it: where a drafting step costs 4 plain ones, one every 150 steps at most. A step's time enters the prices at most
+at 4x what was learned (a host's pause is no price), and the first of each kind at a bucket not at all.
 
 A seeded sampled request is pinned: its blocks are always verified and the batch drafts while it runs (which
 steps verify drafts changes a sampled request's tokens, and a seed promises the same tokens whatever else runs).
@@ -125,6 +125,9 @@ class _BucketCosts:
     next_probe: int = 0
     arrival_interval: int = 0  # steps between probes of new requests while the bucket decodes plain
     next_arrival_probe: int = 0
+    # no probe of either kind before this step: each probe's price over a plain step's is spread over the plain steps
+    # after it (``probe_budget``), so the batch's probes and its arrivals' together stay within the budget
+    probe_quiet_until: int = 0
     plain_at: int = 0  # the step of the last plain observation (drafting_at: drafting)
     drafting_at: int = 0
     # drafting steps that verified every request's block (none left out): their own mean, the price of verifying
@@ -398,24 +401,27 @@ class SpeculationGuard:
             return self._record(GuardPlan(step, True, None if len(pinned) == batch else frozenset(pinned), "pinned"))
         if best_m == 0:
             arrivals = [r for _, r in gains if self._unseen(r)]
-            if arrivals and step >= costs.next_arrival_probe:  # requests never verified: theirs, now and then
-                costs.arrival_interval = min(max(2 * costs.arrival_interval, tuning.probe_first), tuning.probe_max)
-                costs.next_arrival_probe = step + max(costs.arrival_interval,
-                                                      self._probe_spacing(prices, fit, len(arrivals), batch))
-                self.stats.request_probes += len(arrivals)
-                return self._record(GuardPlan(step, True, None if len(arrivals) == batch else frozenset(arrivals),
-                                              "probe"))
+            quiet = costs.probe_quiet_until  # (a probe of either kind ran lately: its price is not yet spread)
             spacing = self._probe_spacing(prices, fit, batch, batch)  # (0 where unpriced)
             if costs.probe_interval == 0:  # drafting just stopped paying here: the first probe after probe_first
                 costs.probe_interval, costs.next_probe = tuning.probe_first, step + max(tuning.probe_first, spacing)
-            elif step >= costs.next_probe:  # the whole batch verifies one block, then waits twice as long
+            elif step >= max(costs.next_probe, quiet):  # the whole batch verifies one block (the arrivals' too), then
+                # waits twice as long; first, so that a stream of arrivals never keeps the batch from its probes
                 costs.probe_interval = min(2 * costs.probe_interval, tuning.probe_max)
-                costs.next_probe = step + max(costs.probe_interval, spacing)
+                costs.next_probe = step + costs.probe_interval
+                costs.probe_quiet_until = step + spacing
                 self.stats.batch_probes += 1
                 return self._record(GuardPlan(step, True, None, "probe"))
-            lapses = min(costs.next_probe, step + tuning.probe_first)
+            if arrivals and step >= max(costs.next_arrival_probe, quiet):  # requests never verified: now and then
+                costs.arrival_interval = min(max(2 * costs.arrival_interval, tuning.probe_first), tuning.probe_max)
+                costs.next_arrival_probe = step + costs.arrival_interval
+                costs.probe_quiet_until = step + self._probe_spacing(prices, fit, len(arrivals), batch)
+                self.stats.request_probes += len(arrivals)
+                return self._record(GuardPlan(step, True, None if len(arrivals) == batch else frozenset(arrivals),
+                                              "probe"))
+            lapses = min(max(costs.next_probe, quiet), step + tuning.probe_first)
             if arrivals:
-                lapses = min(lapses, costs.next_arrival_probe)
+                lapses = min(lapses, max(costs.next_arrival_probe, quiet))
             self._plain_standing = (lapses, self._verifies_seen, list(request_ids))
             return self._record(GuardPlan(step, False, frozenset(), "plain"))
         costs.probe_interval, costs.next_probe, costs.arrival_interval, costs.next_arrival_probe = 0, 0, 0, 0

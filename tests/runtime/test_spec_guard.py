@@ -260,6 +260,31 @@ def test_probes_that_cost_several_plain_steps_wait_until_their_cost_is_a_small_s
     assert probes and probes[0] >= 190 and all(b - a >= 190 for a, b in zip(probes, probes[1:]))  # (~4 s over 1 s)
 
 
+def test_a_batchs_probes_and_its_arrivals_share_one_probe_budget():
+    """Where a probe costs several plain steps, the batch's probes and its arrivals' probes together come no more often
+    than the budget allows after each (a probe's ~3.8 s over a 1 s plain step, at 2%: ~190 steps), though arrivals
+    keep coming and each kind's own schedule is due sooner; a stream of arrivals does not keep the batch from its own
+    probes."""
+    guard = SpeculationGuard(K, GuardTuning(probe_first=8, probe_max=64, probe_budget=0.02))
+    priced(guard, 4, plain=1.0, drafting=4.72, per_draft=0.01)
+    ids = ["a", "b", "c"]
+    for request_id in ids:
+        teach(guard, request_id, 0, verifies=1)
+    probes = []
+    for step in range(2000):
+        batch = ids + [f"new{step // 20}"]  # a new request every 20 steps, never accepting
+        plan = guard.plan(step, batch)
+        if plan.drafts:
+            assert plan.reason == "probe"
+            probes.append((step, "batch" if plan.verifiers is None else "arrival"))
+            for request_id in batch if plan.verifiers is None else plan.verifiers:
+                teach(guard, request_id, 0, verifies=1)
+    kinds = {kind for _, kind in probes}
+    assert kinds == {"batch", "arrival"}
+    gaps = [b - a for (a, _), (b, _) in zip(probes, probes[1:])]
+    assert gaps and min(gaps) >= 185, probes
+
+
 def test_in_a_plain_batch_a_new_request_is_probed_on_a_doubling_schedule():
     guard = SpeculationGuard(K, GuardTuning(probe_first=8, probe_max=32))
     priced(guard, 4)
