@@ -14,7 +14,9 @@ plain step costs beside AR's, the floor of what the guard can reach (a plain ste
 context, so that a probe or a return to drafting finds it whole).
 
 Each engine serves a steady load (``SteadyLoad``): ``c`` greedy requests of ``tokens`` tokens (end of sequence
-ignored), each replaced by a new one of its class when it finishes. Each (kind, concurrency) runs an untimed warmup
+ignored), each replaced by a new one of its class when it finishes, the first ones of staggered lengths so that
+requests finish one after another. A kind's engines freeze their long-lived objects out of the garbage collector's
+scans once built, as a server does (``runtime.engine.heap``). Each (kind, concurrency) runs an untimed warmup
 of ``seconds`` per engine (allocations; the guard learns, as a long-lived serving engine has), then ``rounds``
 rounds, each the four engines back to back for ``seconds`` each, each round in another order. Ratios are per
 round (paired), reported as the median with the rounds' range. Each row records ``drafter_kind``, ``concurrency``,
@@ -90,7 +92,10 @@ def build(root: Path, kind: str, target: Path, table: torch.Tensor, good_tokens:
 
 class SteadyLoad:
     """``c`` requests decoding at all times: one that finishes (``tokens`` tokens) is replaced by a new request of its
-    class (for ``mixed``: the same basin), so the batch's mix stays as set, as under a steady serving load."""
+    class (for ``mixed``: the same basin), so the batch's mix stays as set, as under a steady serving load. The first
+    ``c`` requests ask for ``tokens / c``, ``2 tokens / c``, ... ``tokens``: they finish one after another, so the
+    replacements' ages stay spread as a steady load's are (requests that all began together would finish together,
+    and a timed window would read a different share of prefill bursts at each phase)."""
 
     def __init__(self, llm, kind: str, c: int, tokens: int, good: list[int], bad: list[int], seed: int):
         import torch
@@ -102,9 +107,12 @@ class SteadyLoad:
         self.generator = torch.Generator().manual_seed(seed)
         self.classes: dict[str, int] = {}
         for i in range(c):
-            self.add(i % 2)
+            self.add(i % 2, max(1, -(-tokens * (i + 1) // c)))
 
-    def add(self, klass: int) -> None:
+    def add(self, klass: int, tokens: int | None = None) -> None:
+        """A new request of ``klass`` (``tokens``: its length, default the load's)."""
+        import dataclasses
+
         import torch
 
         from runtime.training import known_pairs
@@ -112,7 +120,8 @@ class SteadyLoad:
         pool = (self.good if klass == 0 else self.bad) if self.kind == "mixed" else self.good + self.bad
         body = torch.randint(3, known_pairs.VOCAB - 1, (15,), generator=self.generator).tolist()
         last = pool[int(torch.randint(len(pool), (1,), generator=self.generator))]
-        self.classes[self.engine.add_request(body + [last], self.params)] = klass
+        params = self.params if tokens is None else dataclasses.replace(self.params, max_tokens=tokens)
+        self.classes[self.engine.add_request(body + [last], params)] = klass
 
     def run(self, seconds: float) -> float:
         """Steps for ``seconds`` of wall time -> output tokens per second."""
@@ -135,6 +144,7 @@ def measure_kinds(kinds: list[str], concurrency: list[int], tokens: int = 64, ro
     import torch
 
     from runtime import LLM
+    from runtime.engine.heap import freeze_long_lived, unfreeze_long_lived
     from runtime.training import known_pairs
 
     unknown = sorted(set(kinds) - set(KINDS))
@@ -169,12 +179,16 @@ def measure_kinds(kinds: list[str], concurrency: list[int], tokens: int = 64, ro
         # the guard's floor: a DSpark engine that never drafts (the engine's profiling knob: a block of 0 every
         # step) still keeps the drafter's context, step by step
         engines["undrafted"].engine.forced_draft_len = 0
+        # as a server does once started: the collector's full scans skip the engines' long-lived objects, so no timed
+        # window holds a pause that walks them (runtime.engine.heap)
+        freeze_long_lived(f"the {kind} engines")
         for c in concurrency:
             rows.append(_measure(engines, kind, c, tokens, rounds, seconds, good, bad))
             print(json.dumps({k: rows[-1][k] for k in ("drafter_kind", "concurrency", "dspark_vs_ar", "fixed_vs_ar",
                                                        "undrafted_vs_ar")}), flush=True)
             if out:
                 Path(out).write_text(json.dumps(record, indent=1) + "\n")
+        unfreeze_long_lived()  # (the kind's engines' reference cycles can go)
         for name in ("guarded", "fixed", "undrafted"):
             engines[name].shutdown()
     return record

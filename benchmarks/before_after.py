@@ -37,7 +37,8 @@ def by_concurrency(record: dict) -> dict[int, dict]:
 
 
 def compare(found: dict[str, dict[int, dict]]) -> dict:
-    """Per concurrency and figure: the after / before ratio of each round pair, their mean, min and max."""
+    """Per concurrency and figure: the after / before ratio of each round pair, their mean, min and max; and the
+    later tree's own figures (``after_figures``)."""
     pairs = sorted(set(found["before"]) & set(found["after"]))
     if not pairs:
         raise SystemExit("no round has both a before and an after record")
@@ -53,7 +54,23 @@ def compare(found: dict[str, dict[int, dict]]) -> dict:
         for cell in cells.values():
             ratios = cell["ratios"]
             cell.update(mean=statistics.fmean(ratios), min=min(ratios), max=max(ratios))
-    return {"pairs": len(pairs), "after_over_before": {str(c): cells for c, cells in table.items()}}
+    return {"pairs": len(pairs), "after_over_before": {str(c): cells for c, cells in table.items()},
+            "after": after_figures([found["after"][n] for n in pairs])}
+
+
+def after_figures(records: list[dict]) -> dict:
+    """The later tree's own figures, each the mean over its rounds: per concurrency the step times, the AR step's
+    share of the bandwidth roofline (the bench's copy bandwidth) and tokens/s; and that copy bandwidth."""
+    rows: dict[str, dict[str, list[float]]] = {}
+    for record in records:
+        for c, row in by_concurrency(record).items():
+            for figure in (*FIGURES, "roofline_fraction"):
+                if row.get(figure) is not None:
+                    rows.setdefault(str(c), {}).setdefault(figure, []).append(row[figure])
+    bandwidth = [r["copy_bandwidth_gbs"] for r in records if r.get("copy_bandwidth_gbs")]
+    return {"copy_bandwidth_gbs": statistics.fmean(bandwidth) if bandwidth else None,
+            "by_concurrency": {c: {figure: statistics.fmean(v) for figure, v in cells.items()}
+                               for c, cells in rows.items()}}
 
 
 def main() -> None:
@@ -61,12 +78,15 @@ def main() -> None:
     parser.add_argument("records", nargs="+")
     parser.add_argument("--out", required=True)
     parser.add_argument("--revision", help="the earlier tree's revision (recorded)")
+    parser.add_argument("--after-revision", help="the later tree's revision (recorded)")
     args = parser.parse_args()
     found = rounds(args.records)
     first = found["after"][min(found["after"])]
     record = {"kind": "before-after", "date": date.today().isoformat(), "before_revision": args.revision,
+              "after_revision": args.after_revision,
               "hardware": first.get("hardware"), "bench_command": first.get("command"),
-              "command": "bash benchmarks/before_after.sh run OUT; python3 benchmarks/before_after.py OUT/*.json",
+              "command": "bash benchmarks/before_after.sh run OUT; python3 benchmarks/before_after.py OUT/*.json --out "
+                         "FILE --revision REV",
               **compare(found)}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     for c, cells in record["after_over_before"].items():

@@ -22,7 +22,7 @@ before=${BEFORE_DIR:-/tmp/dspark-before}
 if [ ! -d "$before" ]; then
   mkdir -p "$before" && tar xzf .before/tree.tar.gz -C "$before"
 fi
-args=${BENCH_ARGS:---model-shape qwen3-8b --concurrency 1,16,64 --steps 30 --no-speculation-guard --kv-cache-memory 16GiB}
+args=${BENCH_ARGS:---model-shape qwen3-8b --concurrency 1,16,64 --steps 30 --no-speculation-guard --kv-cache-memory 6GiB}
 site=$(python3 -c 'import sys; print(next(p for p in sys.path if p.endswith("dspark-site")))' 2>/dev/null \
   || echo "$HOME/.cache/dspark-site")
 for name in "${@:-before after}"; do

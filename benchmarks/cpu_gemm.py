@@ -58,10 +58,12 @@ def main() -> None:
     from e2e_bench import closed_loop, real_prompts
 
     from runtime import LLM, SamplingParams
+    from runtime.engine.heap import freeze_long_lived
 
     engines = {"ar": LLM(args.model, device="cpu", dtype="float32"),
                "dspark": LLM(args.model, device="cpu", dtype="float32",
                              speculative_config={"speculative_model": args.drafter})}
+    freeze_long_lived("the benchmark's engines")  # as a server does once started (runtime.engine.heap)
     prompts = real_prompts(engines["ar"].tokenizer, args.requests)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     linears = {name: cpu_linears(llm) for name, llm in engines.items()}
