@@ -190,8 +190,8 @@ def add_parser(commands) -> None:
     bench.add_argument("--profile", action="store_true", help="torch.profiler summary of batch-1 decode steps of "
                        "each engine (AR, DSpark, and the tuned and confidence-scheduled ones where swept): kernels "
                        "per step, GPU busy and idle time per step, the largest GPU gaps, host time per region; a "
-                       "replica's on every rank (its record's *_profile_batch1.ranks); taken after every figure of the run, on the "
-                       "engines built again (a profiled process launches CUDA graphs slower)")
+                       "replica's on every rank (its record's *_profile_batch1.ranks); taken after every figure of the "
+                       "run, on the engines built again (a profiled process launches CUDA graphs slower)")
     bench.add_argument("--profile-batches", type=batch_list("--profile-batches"), default=[1],
                        help="with --profile: the batch sizes profiled (default 1; each at most the largest "
                        "--concurrency), one record field *_profile_batch{N} each")
@@ -275,9 +275,9 @@ def main(args) -> int:
             return 2
     if args.drafter_kinds is not None:
         return drafter_kinds_main(args)
-    needs_mixed = [flag for flag, given in (("--mixed-prefill-apart", args.mixed_prefill_apart),
-                                            ("--mixed-eager", args.mixed_eager), ("--profile-mixed", args.profile_mixed))
-                   if given]
+    mixed_flags = (("--mixed-prefill-apart", args.mixed_prefill_apart), ("--mixed-eager", args.mixed_eager),
+                   ("--profile-mixed", args.profile_mixed))
+    needs_mixed = [flag for flag, given in mixed_flags if given]
     if needs_mixed and not args.mixed_rate:
         print(f"dspark bench: {', '.join(needs_mixed)} needs --mixed-rate (the mixed workload they run)",
               file=sys.stderr)

@@ -1,14 +1,15 @@
 """The ``flashinfer`` kernel backend (CUDA): FlashInfer paged attention, fused Triton norm/RoPE/activation kernels.
 
-Attention over the paged cache (prefill chunks, decode, the K+1-token verify) is FlashInfer's on the cache
-layout the engine already uses (``[pages, page_size, kv_heads, head_dim]``, FlashInfer's NHD), planned once per
-forward from the step's host-side layout (``PagedAttentionMeta.host``) and reused by every layer: its batch
-prefill kernel for eager forwards (any mix of query lengths), its tensor-core decode kernel for the CUDA graphs
-of uniform steps (``graph_wrapper``: Q tokens per request, the faster of the two there). A draft block (its context plus its own keys, the context
-length known only on the device) runs a Triton flash-attention kernel (``triton_ops.block_attention``) that needs no
-plan, so drafts can be graphed too.
+Attention over the paged cache (prefill chunks, decode, the K+1-token verify) is FlashInfer's on the cache layout the
+engine already uses (``[pages, page_size, kv_heads, head_dim]``, FlashInfer's NHD), planned once per forward from the
+step's host-side layout (``PagedAttentionMeta.host``) and reused by every layer: its batch prefill kernel for eager
+forwards (any mix of query lengths), its tensor-core decode kernel for the CUDA graphs of uniform steps
+(``graph_wrapper``: Q tokens per request, the faster of the two there). A draft block (its context plus its own keys,
+the context length known only on the device) runs a Triton flash-attention kernel (``triton_ops.block_attention``) that
+needs no plan, so drafts can be graphed too.
 RMSNorm (with the residual add fused), q/k norm + RoPE (fused with the KV-cache write), SiLU-and-mul and a greedy
-Markov-head step (its product, the add and the argmax in one launch) are the Triton kernels of ``triton_ops``; the exponential-race sampler is the torch reference's.
+Markov-head step (its product, the add and the argmax in one launch) are the Triton kernels of ``triton_ops``; the
+exponential-race sampler is the torch reference's.
 
 Loading this backend imports flashinfer and triton and needs a CUDA device; anything missing raises
 ``KernelBackendUnavailable`` naming it (the registry never substitutes another backend).

@@ -230,7 +230,8 @@ class Attention(nn.Module):
             q = self.q_norm(q)
         return torch_ref.apply_rope(q, cos, sin)
 
-    def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], inputs: AttentionInputs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+                inputs: AttentionInputs) -> torch.Tensor:
         # x: [T, d] -> [T, d]
         return self.attend(*self._qkv(x), cache, inputs)
 
