@@ -225,7 +225,7 @@ def mixed_workload(llm, prompts: list[list[int]], rate: float, max_tokens: int, 
     graph serves run eagerly for this run, not through the engine's piecewise graphs (``runtime.worker.piecewise``; a
     single-process engine's). ``piecewise_steps``: the steps its piecewise graphs served in the run. ``profile``
     (skip, steps): a torch profile of the run's steps from its ``skip``-th on, ``steps`` of them
-    (``runtime.engine.profiling.summarize``, in the record's ``profile``; the run's own figures then include its cost)."""
+    (``runtime.kernels.profiling.summarize``, in the record's ``profile``; the run's own figures then include its cost)."""
     import random
 
     from runtime import SamplingParams

@@ -19,7 +19,7 @@ def local_worker(llm):
 
 class StepWindowProfile:
     """A torch profile of ``steps`` consecutive steps of a loop, from its ``skip``-th step on: ``before(i)`` ahead of
-    step i, ``after(i)`` behind it; ``summary`` the profile's (``runtime.engine.profiling.summarize``), None until the window
+    step i, ``after(i)`` behind it; ``summary`` the profile's (``runtime.kernels.profiling.summarize``), None until the window
     closed (a loop shorter than ``skip + steps`` closes it early, at its ``last`` step)."""
 
     def __init__(self, skip: int, steps: int):
@@ -42,7 +42,7 @@ class StepWindowProfile:
         if self._profiled == self.steps or last:
             import torch
 
-            from runtime.engine.profiling import summarize
+            from runtime.kernels.profiling import summarize
 
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -225,13 +225,13 @@ def step_profiler():
 
 def profile_step(llm, batch: int, prompt_len: int, vocab: int, trace: str | None = None) -> dict:
     """torch.profiler over 5 decode steps of ``batch`` fresh requests, once each has its first token
-    (``runtime.engine.profiling.summarize``: CUDA kernels launched per step, GPU busy and idle time per step, host time per
+    (``runtime.kernels.profiling.summarize``: CUDA kernels launched per step, GPU busy and idle time per step, host time per
     region, the top kernels); ``trace``: also the timeline as a Chrome trace (gzip) there. A Ray replica's engine is
     profiled on every rank (``ranks``, one summary each: the driver only dispatches)."""
     import torch
 
     from runtime import SamplingParams
-    from runtime.engine.profiling import summarize
+    from runtime.kernels.profiling import summarize
 
     engine = llm.engine
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)

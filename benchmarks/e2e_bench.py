@@ -19,7 +19,7 @@ every block verified (``speculation_guard: false``): what the guard's choices wi
 
 ``--profile-steps N`` first profiles N decode steps of each of our engines at each ``--profile-concurrency`` level
 (torch profiler over ``Engine.step``, host and device: kernels per step, GPU busy and idle time, the largest idle
-gaps, host time per region, the top kernels; ``runtime.engine.profiling.summarize``) into the record's ``profiles``,
+gaps, host time per region, the top kernels; ``runtime.kernels.profiling.summarize``) into the record's ``profiles``,
 with each step's wall time, and a Chrome trace beside the record (``--trace``).
 
 usage: python benchmarks/e2e_bench.py --drafter smollm2-dspark --out benchmarks/results/e2e.json
@@ -93,7 +93,7 @@ def profile_steps(engine, prompts: list[list[int]], concurrency: int, steps: int
     from torch.profiler import ProfilerActivity, profile
 
     from runtime import SamplingParams
-    from runtime.engine.profiling import summarize
+    from runtime.kernels.profiling import summarize
 
     params = SamplingParams(max_tokens=4 * steps + 64, temperature=0, ignore_eos=True, output_kind="delta")
     for prompt in prompts[:concurrency]:

@@ -6,7 +6,7 @@ and with a zero bias (torch hands a bias-fused GEMM to cuBLASLt's epilogue kerne
 One run found the 2.7B trained pair's verify at 64
 requests dearer at 7 tokens a request than at 8 (7.95 against 6.63 ms) and at 5 than at 6: 448 and 320 rows to every
 GEMM against 512 and 384. This says which shapes, at which rows, and whether padding or the other BLAS library
-removes it (``runtime.worker.small_gemm`` would then choose it, measured, as it chooses its skinny GEMMs).
+removes it (``runtime.models.small_gemm`` would then choose it, measured, as it chooses its skinny GEMMs).
 
 Each figure: the median device time of a CUDA graph over ``--copies`` weights of the shape (as a forward meets a
 layer's weights: cold in L2, ``runtime.kernels.timing.graph_device_us``).
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.kernels.timing import graph_device_us  # noqa: E402
-from runtime.worker.small_gemm import padded_linear  # noqa: E402
+from runtime.models.small_gemm import padded_linear  # noqa: E402
 
 # per model shape, its linears' [N, K] (bias-free, as runtime/models fuses them: q/k/v into one, gate/up into one)
 SHAPES = {

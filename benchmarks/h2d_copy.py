@@ -1,5 +1,6 @@
 """How long the host spends handing a small list to the GPU while the GPU is busy (one H200 run decides
-``runtime.worker.transfer.to_device``): plain ``torch.tensor(device=)``, pinned + non_blocking, pageable + non_blocking.
+``runtime.kernels.transfer.to_device``): plain ``torch.tensor(device=)``, pinned + non_blocking, pageable +
+non_blocking.
 
 usage: python3 benchmarks/h2d_copy.py   (prints microseconds per call, host side, GPU kept busy by a large matmul)
 """

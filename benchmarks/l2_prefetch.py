@@ -115,7 +115,7 @@ def main() -> None:
 
     from runtime.kernels.skinny_gemm import SkinnyConfig, skinny_matmul
 
-    skinny = SkinnyConfig(32, 256, 1, 4, 4)  # what runtime.worker.small_gemm chose for o and down in one run
+    skinny = SkinnyConfig(32, 256, 1, 4, 4)  # what runtime.models.small_gemm chose for o and down in one run
     gemms = {"o_proj": "skinny", "qkv_proj": "cublas", "gate_up_proj": "cublas", "down_proj": "skinny"}
     bandwidth = copy_bandwidth("cuda") / 1e9
     cycles = spin_cycles_per_us()

@@ -147,7 +147,7 @@ def main() -> int:
               "graph_packed_columns": info.get("graph_packed_columns"),
               "graph_packed_from": info.get("graph_packed_from"),
               "graphs": {k: v for k, v in info.items() if k.startswith("graph")},
-              # per weight shape, the skinny GEMMs chosen and the graph row counts padded (runtime.worker.small_gemm)
+              # per weight shape, the skinny GEMMs chosen and the graph row counts padded (runtime.models.small_gemm)
               "small_gemms": info.get("small_gemms"), "rows": rows, "profile": profiled}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0

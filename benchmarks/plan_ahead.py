@@ -10,10 +10,10 @@ greedy verify of full blocks ahead (``GraphedTargetForward.launch_verify_ahead``
 Triton kernels launched plainly (``runtime.kernels.pdl.supported`` patched to False while its graphs are
 captured), the "on" one with programmatic dependent launch; only decode steps are timed, all of them replays.
 ``--toggle prenorm``: likewise, the "off" engine built without the norm fused into the q/k/v and gate/up GEMMs
-(``runtime.worker.small_gemm.PRENORM_LINEARS`` emptied while it measures its GEMMs), the "on" one where that measured
+(``runtime.models.small_gemm.PRENORM_LINEARS`` emptied while it measures its GEMMs), the "on" one where that measured
 faster; each engine's choice is in the record (``small_gemms``).
 
-``--profile``: each mode's GPU idle time per step and its largest gaps (``runtime.engine.profiling.gpu_gaps``).
+``--profile``: each mode's GPU idle time per step and its largest gaps (``runtime.kernels.profiling.gpu_gaps``).
 
 usage: python3 benchmarks/plan_ahead.py [--model-shape qwen3-8b] [--concurrency 1,16,64] [--steps 30]
                                         [--rounds 3] [--toggle plan_ahead|run_ahead|pdl|prenorm] [--speculative] [--profile] [--out FILE.json]
@@ -47,7 +47,7 @@ def build(target: Path, args, concurrency: list[int], pdl: bool = True, drafter:
     """The engine under test; ``pdl=False``: its graphs captured with every Triton kernel launched plainly;
     ``prenorm=False``: no projection measured (so none run) with the norm before it fused in."""
     from runtime.kernels import pdl as pdl_module
-    from runtime.worker import small_gemm
+    from runtime.models import small_gemm
 
     supported, prenorm_linears = pdl_module.supported, small_gemm.PRENORM_LINEARS
     if not pdl:

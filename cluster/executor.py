@@ -255,7 +255,7 @@ class RayExecutor(ExecutorBase):
         return self._call_all("info")
 
     def start_profile(self, steps: int, trace: str | None = None) -> None:
-        """Every rank profiles its next ``steps`` steps (``runtime.engine.profiling.StepProfiler``); ``trace`` (a path
+        """Every rank profiles its next ``steps`` steps (``runtime.kernels.profiling.StepProfiler``); ``trace`` (a path
         ending .json.gz): each rank also writes its timeline there on its own host, named by rank."""
         refs = [actor.start_profile.remote(steps, _rank_trace(trace, rank)) for rank, actor in enumerate(self.actors)]
         ray.get(refs, timeout=self.config.parallel.init_timeout_s)

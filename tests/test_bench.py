@@ -598,7 +598,7 @@ def test_the_summary_reads_each_variants_ratios():
 
 
 def test_gpu_gaps_sum_the_time_no_device_activity_covers():
-    from runtime.engine.profiling import gpu_gaps
+    from runtime.kernels.profiling import gpu_gaps
 
     # two steps: a graph's kernels overlapping, a copy, then 30 us of nothing before the next step's kernel
     spans = [(0, 10, "gemm"), (5, 12, "norm"), (12, 15, "memcpy"), (45, 60, "gemm"), (70, 71, "argmax")]
@@ -663,7 +663,7 @@ def test_a_profile_takes_decode_steps_after_every_prefill_chunk(tmp_path, monkey
         return step()
 
     monkeypatch.setattr(torch.profiler, "profile", fake_profile)
-    monkeypatch.setattr("runtime.engine.profiling.summarize", lambda prof, n, trace: {"steps": n})
+    monkeypatch.setattr("runtime.kernels.profiling.summarize", lambda prof, n, trace: {"steps": n})
     monkeypatch.setattr(engine, "step", recording_step)
     assert profile_step(llm, 8, 40, 500) == {"steps": 5}  # 8 prompts of 40 tokens: 5 steps of 64 to prefill
     assert sum(prefilling for _, prefilling in steps) >= 5

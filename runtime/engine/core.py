@@ -28,11 +28,11 @@ from runtime.engine.executor import Executor, LocalExecutor
 from runtime.engine.host_work import HostWork, run_step
 from runtime.engine.metrics import AcceptanceGate, SpecMetrics
 from runtime.engine.outputs import RequestOutput
-from runtime.engine.profiling import region
 from runtime.engine.requests import RequestIntake
 from runtime.engine.speculation_plan import SpeculationPlanning
 from runtime.engine.step_learning import StepLearning
 from runtime.engine.step_profile import profile_step_costs
+from runtime.kernels.profiling import region
 from runtime.models.loader import load_hf_config
 from runtime.sampling.generation_defaults import model_sampling_defaults
 from runtime.sampling.grammar import GrammarBackend

@@ -4,18 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """One generated (or prompt) token's log-probability and the most likely alternatives', best first (``top`` holds
-    ``SamplingParams.logprobs`` of them; the token itself may be among them or not). ``rank``: a prompt token's
-    place in its distribution (1: the most likely; ties share the best place), as vLLM reports prompt logprobs; None
-    for generated tokens."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-    rank: int | None = None
+from runtime.sampling.logprobs import TokenLogprob  # (what a token's logprobs are: the sampling package's type)
 
 
 @dataclass(frozen=True, slots=True)

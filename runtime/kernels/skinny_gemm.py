@@ -11,7 +11,7 @@ padded freely). Two operand prologues save the kernel before it: the SiLU-and-mu
 slice it loads), both rounding as the separate kernels store, their operands loaded one iteration ahead (one run
 measured both prologues 3-5x slower than the separate kernels with the loads in the iteration that used them).
 Which config, if any, beats cuBLAS (or the separate kernels) for a weight shape and row count is measured on the
-device (``runtime.worker.small_gemm``), not assumed. It launches with programmatic dependent launch on sm_90
+device (``runtime.models.small_gemm``), not assumed. It launches with programmatic dependent launch on sm_90
 (``runtime.kernels.pdl``). Importing this module needs triton; the kernel needs CUDA tensors (or Triton's
 interpreter).
 """
@@ -49,7 +49,7 @@ class SkinnyConfig:
         return k % (self.block_k * self.split_k) == 0 and (self.split_k == 1 or n <= 32768)
 
 
-# What the device chooses among (runtime.worker.small_gemm measures each against cuBLAS per weight shape and row count).
+# What the device chooses among (runtime.models.small_gemm measures each against cuBLAS per weight shape and row count).
 CANDIDATES = (
     SkinnyConfig(16, 256, 1, 4, 4),
     SkinnyConfig(16, 512, 1, 4, 3),

@@ -1,6 +1,6 @@
 """Device time of a piece of GPU work, as the engine runs it: captured in a CUDA graph and replayed.
 
-What the fast path measures to choose among kernels (``runtime.worker.small_gemm``'s GEMMs, a graph's attention kernel):
+What the fast path measures to choose among kernels (``runtime.models.small_gemm``'s GEMMs, a graph's attention kernel):
 the work is warmed up outside the graph (lazy initialization, Triton compilation), captured, and replayed
 ``reps`` times, each replay after ``flush`` is rewritten (a buffer larger than L2 evicts whatever the previous
 replay left there), and the median replay time is taken.

@@ -15,7 +15,7 @@ from torch import nn
 
 from runtime.kernels import KernelBackend, PagedAttentionMeta, torch_ref
 from runtime.models.moe import SparseMoeBlock
-from runtime.worker.small_gemm import norm_stream, prenorm_linear
+from runtime.models.small_gemm import norm_stream, prenorm_linear
 
 
 class RMSNorm(nn.Module):

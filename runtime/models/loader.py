@@ -9,16 +9,16 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tqdm.auto import tqdm
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from configs import DSparkDecodingConfig
 from configs.checkpoint import MTP_KEY, draft_metadata, read_model_config
 from runtime.kernels import KernelBackend
 from runtime.models.drafter import DrafterSpec, DSparkDrafter
+from runtime.models.parallel import SINGLE, ParallelContext, apply_tensor_parallel, slice_for
 from runtime.models.target import TARGET_FAMILIES, TargetModel, check_target_config, validate_capture_layers
-from runtime.worker.parallel import SINGLE, ParallelContext, apply_tensor_parallel, slice_for
 
 # Drafter tensors we never load: the target's embedding and LM head are used instead.
 DRAFTER_SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
@@ -98,7 +98,7 @@ class CheckpointReader:
 def load_parameters(module: nn.Module, reader: CheckpointReader, source: dict[str, str], what: str) -> None:
     """Fill every parameter of ``module`` from ``reader``; ``source`` maps parameter -> checkpoint name.
 
-    Sharded parameters (see ``runtime.worker.parallel``) read only their slice. Missing tensors, wrong
+    Sharded parameters (see ``runtime.models.parallel``) read only their slice. Missing tensors, wrong
     shapes and checkpoint tensors nothing reads are errors naming the tensor.
     """
     params = dict(module.named_parameters(remove_duplicate=False))

@@ -5,7 +5,7 @@ Which layers are sparse: ``num_experts > 0``, ``(layer + 1) % decoder_sparse_ste
 logits ``gate(x)`` in the model dtype, softmax in float32, the top ``num_experts_per_tok`` experts, their
 probabilities renormalized to sum 1 when ``norm_topk_prob``, cast back to the model dtype. Module names are the
 checkpoint's (``mlp.gate.weight``, ``mlp.experts.<e>.{gate,up,down}_proj.weight``), so weights load by name and
-tensor parallelism slices every expert's intermediate dimension (``runtime.worker.parallel``). ``fuse()`` (serving,
+tensor parallelism slices every expert's intermediate dimension (``runtime.models.parallel``). ``fuse()`` (serving,
 after weights load) stacks the experts into ``w13`` [E, 2I, H] and ``w2`` [E, H, I], the layout every expert
 kernel (``runtime.kernels.moe``) reads.
 """
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from runtime.kernels.moe import EXPERT_KERNELS
-from runtime.worker.parallel import SINGLE, ParallelContext
+from runtime.models.parallel import SINGLE, ParallelContext
 
 
 def sparse_layer_ids(config) -> list[int]:

@@ -8,10 +8,24 @@ the distribution plain decoding computes for that token, so logprobs are the sam
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from runtime.engine.outputs import TokenLogprob
-from runtime.worker.transfer import to_device
+from runtime.kernels.transfer import to_device
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated (or prompt) token's log-probability and the most likely alternatives', best first (``top`` holds
+    ``SamplingParams.logprobs`` of them; the token itself may be among them or not). ``rank``: a prompt token's
+    place in its distribution (1: the most likely; ties share the best place), as vLLM reports prompt logprobs; None
+    for generated tokens."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+    rank: int | None = None
 
 
 class LogprobSource:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.kernels.transfer import to_device
 from runtime.sampling.sampling_params import SamplingParams
-from runtime.worker.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.worker.transfer import to_device
+from runtime.kernels.transfer import to_device
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 

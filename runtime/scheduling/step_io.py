@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.engine.outputs import TokenLogprob
+from runtime.sampling.logprobs import TokenLogprob
 from runtime.sampling.sampling_params import SamplingParams
 
 

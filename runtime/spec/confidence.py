@@ -107,7 +107,6 @@ from runtime.spec.packed_layout import packed_draft_len, top_drafts
 from runtime.spec.step_costs import StepCostTable
 from runtime.spec.survival import SurvivalCorrection
 from runtime.spec.tuning import TUNING
-from runtime.worker.graph_layout import bucket_of
 
 LAYOUTS = ("ragged", "padded", "packed")
 
@@ -212,7 +211,7 @@ class ConfidenceScheduler:
 
     def graph_rows(self, num: int) -> int:
         """The requests a graphed step of ``num`` requests computes: its graph's batch (``num`` past the largest)."""
-        return bucket_of(self.graph_batches, num) or num
+        return next((b for b in self.graph_batches if b >= num), num)  # (the graphs' bucket)
 
     def _priced(self, num: int, other_requests: int, other_tokens: int, per_request: np.ndarray | tuple,
                 context: int) -> np.ndarray | list[float]:

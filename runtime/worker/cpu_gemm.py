@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.models.small_gemm import ChosenLinear, module_targets
+
 log = logging.getLogger(__name__)
 
 ROWS = tuple(range(1, 17))  # row counts measured, each apart (MKL's times are uneven in the row count); past, F.linear
@@ -55,14 +57,8 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight @ operand.T)[:, :rows].T.contiguous()
 
 
-class CpuLinear(nn.Linear):
-    """An ``nn.Linear`` (same parameters, same state-dict names) whose few-row products follow a ``CpuGemmChoice``."""
-
-    def __init__(self, base: nn.Linear, choice: CpuGemmChoice):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias
-        self.choice = choice
+class CpuLinear(ChosenLinear):
+    """A linear whose few-row products follow a ``CpuGemmChoice`` (CPU)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -125,21 +121,8 @@ _MEASURED: dict[tuple, tuple[CpuGemmChoice, dict]] = {}
 def _targets(modules: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, linear) for every plain ``nn.Linear`` large enough to be weight-streaming (each once:
     a tied head shares its embedding's weight, not its module)."""
-    found, seen = [], set()
-
-    def visit(parent: nn.Module) -> None:
-        for name, child in parent.named_children():
-            if type(child) is nn.Linear:
-                if id(child) not in seen and child.weight.numel() >= MIN_WEIGHT_ELEMENTS \
-                        and child.weight.is_contiguous():
-                    seen.add(id(child))
-                    found.append((parent, name, child))
-                continue
-            visit(child)
-
-    for module in modules:
-        visit(module)
-    return found
+    return module_targets(modules, lambda m: type(m) is nn.Linear,
+                          lambda m: m.weight.numel() >= MIN_WEIGHT_ELEMENTS and m.weight.is_contiguous())
 
 
 @torch.inference_mode()

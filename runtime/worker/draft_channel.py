@@ -16,10 +16,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from runtime.kernels.transfer import to_device
 from runtime.scheduling.step_io import ScheduledRequest
 from runtime.worker.draft_runner import DraftRunner
 from runtime.worker.step_tensors import StepTensors
-from runtime.worker.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)

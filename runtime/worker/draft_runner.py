@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 from runtime.kernels import KernelBackend, PagedAttentionMeta
+from runtime.kernels.transfer import to_device
 from runtime.models.drafter import DSparkDrafter
 from runtime.sampling.noise import Stream, exponentials
 from runtime.scheduling.kv_cache import scrub_pages
 from runtime.scheduling.step_io import ScheduledRequest
 from runtime.spec.wire import confidence_as_ints
 from runtime.worker.step_tensors import uses_rejection
-from runtime.worker.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from runtime.kernels.transfer import to_device
 from runtime.scheduling.step_io import ScheduledBatch
 from runtime.spec.wire import confidence_from_ints
 from runtime.worker.draft_channel import DraftFeatures, send_features
 from runtime.worker.draft_runner import DraftRunner
 from runtime.worker.step_tensors import build_step_tensors, sampled_entries, uses_rejection
-from runtime.worker.transfer import to_device
 
 TARGET_LEADER = 0
 

@@ -69,6 +69,7 @@ import numpy as np
 import torch
 
 from runtime.kernels import AttentionGeometry, HostLayout, PagedAttentionMeta
+from runtime.kernels.transfer import PinnedReadBack
 from runtime.models.target import TargetModel
 from runtime.sampling.verify import block_verdicts, greedy_verdicts
 from runtime.scheduling.kv_cache import KVCaches
@@ -79,7 +80,7 @@ from runtime.worker.graph_layout import (LaunchedDecode, LaunchedVerify, batch_b
                                          graph_inputs, graphed_q_len, next_anchor_position, next_decode_layout,
                                          next_verify_layout)
 from runtime.worker.packed_verify import history_after, packed_verify, survivals
-from runtime.worker.transfer import DeviceWait, PinnedReadBack
+from runtime.worker.transfer import DeviceWait
 
 log = logging.getLogger(__name__)
 PACKED_MIN_BATCH = 16  # packed graphs from this batch bucket up (below, a step's cost hardly depends on its tokens)
@@ -492,7 +493,7 @@ class GraphedTargetForward:
 
     def _write_inputs(self, reqs: list[ScheduledRequest], batch: int, q_len: int) -> HostLayout:
         """Copy the step's token ids, positions and slots (``graph_inputs``) into the graph's input buffer with one
-        non-blocking copy from pageable memory (``runtime.worker.transfer`` says why not pinned); returns the attention
+        non-blocking copy from pageable memory (``runtime.kernels.transfer`` says why not pinned); returns the attention
         layout to plan."""
         inputs, layout = graph_inputs(reqs, batch, q_len, self.page_size, self.scratch_page)
         self.inputs[:, :batch * q_len].copy_(torch.from_numpy(inputs), non_blocking=True)

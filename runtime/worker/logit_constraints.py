@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runtime.kernels.transfer import to_device
 from runtime.sampling.grammar import unpack_masks
 from runtime.scheduling.step_io import ScheduledRequest
-from runtime.worker.transfer import to_device
 
 
 def logit_bias_rows(entries: list[ScheduledRequest], vocab: int, device: torch.device) -> torch.Tensor:

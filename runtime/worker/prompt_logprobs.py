@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine.outputs import TokenLogprob
+from runtime.kernels.transfer import to_device
 from runtime.models.target import TargetModel
+from runtime.sampling.logprobs import TokenLogprob
 from runtime.scheduling.step_io import RequestStepResult, ScheduledRequest
-from runtime.worker.transfer import to_device
 
 NON_FINITE_LOGITS = "the target produced non-finite logits (NaN/inf) for this request; it was stopped"
 # rows of a step's prompt logprobs computed at once: a slice's logits [rows, V] float32 (and their log-softmax) bound

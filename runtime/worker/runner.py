@@ -18,11 +18,12 @@ import torch
 from torch import nn
 
 from configs import DSparkDecodingConfig
-from runtime.engine.outputs import TokenLogprob
-from runtime.engine.profiling import region
 from runtime.kernels import AttentionGeometry, KernelBackend
+from runtime.kernels.profiling import region
+from runtime.kernels.transfer import PinnedReadBack, to_device
+from runtime.models.parallel import SINGLE, ParallelContext
 from runtime.models.target import TargetModel
-from runtime.sampling.logprobs import LogprobSource
+from runtime.sampling.logprobs import LogprobSource, TokenLogprob
 from runtime.sampling.noise import Stream, exponentials, uniform
 from runtime.sampling.sampler import RowParams, apply_penalties, filtered_probs, occurrence_counts
 from runtime.sampling.verify import (accept_by_rejection, commit_by_match, gather_rows, greedy_verdicts,
@@ -35,12 +36,11 @@ from runtime.worker.graph_buffers import GraphOutputs
 from runtime.worker.graphs import GraphedTargetForward
 from runtime.worker.logit_constraints import ban_tokens, logit_bias_rows, mask_by_grammar
 from runtime.worker.packed_verify import packed_verify, survivals
-from runtime.worker.parallel import SINGLE, ParallelContext
 from runtime.worker.piecewise import PiecewiseTargetForward
 from runtime.worker.prompt_logprobs import NON_FINITE_LOGITS, chunk_prompt_logprobs, with_prompt_logprobs
 from runtime.worker.step_tensors import (StepTensors, build_step_tensors, build_uniform_step_tensors, greedy_only,
                                          padded_page_table, plain_greedy, sampled_entries, uses_rejection)
-from runtime.worker.transfer import DeviceWait, PinnedReadBack, to_device
+from runtime.worker.transfer import DeviceWait
 
 
 def attention_geometry(target: TargetModel) -> AttentionGeometry:

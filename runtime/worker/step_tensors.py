@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from runtime.kernels import AttentionGeometry, HostLayout, KernelBackend, PagedAttentionMeta
+from runtime.kernels.transfer import to_device
 from runtime.scheduling.step_io import ScheduledRequest
 from runtime.worker.graph_layout import graph_inputs
-from runtime.worker.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)

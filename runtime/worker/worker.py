@@ -16,12 +16,14 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from configs import LLMConfig
-from runtime.engine.profiling import StepProfiler
 from runtime.kernels import get_backend
 from runtime.kernels.moe import GRAPH_SAFE
+from runtime.kernels.profiling import StepProfiler
 from runtime.models.loader import (drafter_spec, load_drafter, load_hf_config, load_markov_w2, load_target,
                                    load_vocab_modules)
 from runtime.models.moe import sparse_layer_ids
+from runtime.models.parallel import SINGLE, ParallelContext, init_distributed
+from runtime.models.small_gemm import SmallGemmReport, install_small_gemms
 from runtime.scheduling.kv_cache import allocate_caches, bytes_per_page
 from runtime.scheduling.step_io import ScheduledBatch
 from runtime.worker.all_reduce import choose_reducer
@@ -34,10 +36,8 @@ from runtime.worker.draft_runner import DraftRunner
 from runtime.worker.draft_server import DraftServer
 from runtime.worker.graph_layout import PREFILL_GRAPH_TOKENS, PREFILL_Q_LENS, batch_buckets
 from runtime.worker.graphs import GraphedTargetForward
-from runtime.worker.parallel import SINGLE, ParallelContext, init_distributed
 from runtime.worker.piecewise import PiecewiseTargetForward, token_buckets
 from runtime.worker.runner import ModelRunner, attention_geometry
-from runtime.worker.small_gemm import SmallGemmReport, install_small_gemms
 from runtime.worker.transfer import finish
 
 DRAFTER_MODES = ("colocated", "separate")
@@ -295,7 +295,7 @@ class Worker:
         self.step_profiler.start(steps, trace)
 
     def profile_result(self) -> dict | None:
-        """The summary of the last profile this process finished (``runtime.engine.profiling.summarize``), or None."""
+        """The summary of the last profile this process finished (``runtime.kernels.profiling.summarize``), or None."""
         return self.step_profiler.result
 
     def info(self) -> dict:

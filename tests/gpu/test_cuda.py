@@ -165,9 +165,9 @@ def test_a_graphed_tp1_replica_runs_ahead_and_equals_one_process(ray_local, wide
 
 
 def test_a_pinned_read_back_waits_for_its_copy_alone():
-    """``runtime.worker.transfer.PinnedReadBack``: the rows land on the host as they were when queued, though the tensor
-    is overwritten by work queued after (a step launched ahead); the buffer grows for a larger copy."""
-    from runtime.worker.transfer import PinnedReadBack
+    """``runtime.kernels.transfer.PinnedReadBack``: the rows land on the host as they were when queued, though the
+    tensor is overwritten by work queued after (a step launched ahead); the buffer grows for a larger copy."""
+    from runtime.kernels.transfer import PinnedReadBack
 
     read = PinnedReadBack(4)
     rows = torch.arange(6, device="cuda").view(2, 3)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from configs import DSparkDecodingConfig
 from runtime import LLM, SamplingParams
-from runtime.worker import small_gemm
+from runtime.models import small_gemm
 from tests import builders
 from tests.gpu.test_flashinfer import ENGINE, PROMPTS  # the flashinfer engine tests' prompts and settings
 

@@ -1,9 +1,9 @@
-"""Step regions (``runtime.engine.profiling.region``): named in a torch.profiler trace, no-ops otherwise."""
+"""Step regions (``runtime.kernels.profiling.region``): named in a torch.profiler trace, no-ops otherwise."""
 
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.engine.profiling import region
+from runtime.kernels.profiling import region
 
 
 def test_a_step_names_its_regions_only_while_a_profiler_records(bigram_target):

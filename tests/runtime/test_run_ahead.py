@@ -119,7 +119,7 @@ def test_sampled_requests_never_run_ahead(tmp_path, drafter):
 # ---- the worker's side, on the CPU: GraphedTargetForward.decode_greedy over a fake one-token graph ---------------
 
 class _Read:
-    """``runtime.worker.transfer.PinnedReadBack`` on the CPU: the copy happens when queued (the CPU's order is the
+    """``runtime.kernels.transfer.PinnedReadBack`` on the CPU: the copy happens when queued (the CPU's order is the
     stream's)."""
 
     def queue(self, tensor: torch.Tensor) -> None:
@@ -167,7 +167,7 @@ def _forward(batch: int, page_size: int = 4):
 def _runner(rank: int, world: int, appends_context: bool):
     """A ``ModelRunner``'s step-path choice only (``_decodes_greedy``): graphs of one bucket of 4, a drafter (every
     rank of a replica has its spec; its context graph, if any, is rank 0's)."""
-    from runtime.worker.parallel import ParallelContext
+    from runtime.models.parallel import ParallelContext
     from runtime.worker.runner import ModelRunner
 
     runner = object.__new__(ModelRunner)

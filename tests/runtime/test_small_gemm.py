@@ -1,4 +1,4 @@
-"""The small-batch GEMM dispatch (runtime.worker.small_gemm) on the CPU: which rows go where, what is swapped, what is
+"""The small-batch GEMM dispatch (runtime.models.small_gemm) on the CPU: which rows go where, what is swapped, what is
 left alone. The Triton kernel itself is checked against cuBLAS on a GPU (tests/gpu/test_small_gemm.py) and, where
 triton is installed, under Triton's CPU interpreter here."""
 
@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.kernels import get_backend
+from runtime.models import small_gemm
 from runtime.models.loader import load_target
-from runtime.worker import small_gemm
-from runtime.worker.parallel import ParallelContext, RowParallelLinear
-from runtime.worker.small_gemm import ROW_BUCKETS, GemmChoice, SmallBatchLinear, linear
+from runtime.models.parallel import ParallelContext, RowParallelLinear
+from runtime.models.small_gemm import ROW_BUCKETS, GemmChoice, SmallBatchLinear, linear
 from tests.runtime.interpreter import run_interpreted
 
 

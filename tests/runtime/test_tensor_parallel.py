@@ -6,7 +6,7 @@ from safetensors import safe_open
 
 from runtime.kernels import get_backend
 from runtime.models.loader import load_target
-from runtime.worker.parallel import ParallelContext, shard_range
+from runtime.models.parallel import ParallelContext, shard_range
 
 
 def full_weights(path):
@@ -39,8 +39,8 @@ def test_heads_must_divide(qwen3_target):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the target's num_attention_heads"):
         load_target(str(qwen3_target), get_backend("torch"), torch.float32, torch.device("cpu"),
                     ParallelContext(rank=0, world_size=3))
+    from runtime.models.parallel import apply_tensor_parallel
     from runtime.models.target import TargetModel
-    from runtime.worker.parallel import apply_tensor_parallel
     from tests import builders
 
     odd = TargetModel(builders.target_config("qwen3", num_attention_heads=6, num_key_value_heads=3),
@@ -78,8 +78,8 @@ def test_each_rank_loads_its_slice_of_every_expert_and_the_whole_router(moe_targ
                       params["model.layers.0.mlp.experts.3.down_proj.weight"]))
     assert torch.equal(torch.cat([p[0] for p in parts]), full["model.layers.0.mlp.experts.3.up_proj.weight"])
     assert torch.equal(torch.cat([p[1] for p in parts], dim=1), full["model.layers.0.mlp.experts.3.down_proj.weight"])
+    from runtime.models.parallel import apply_tensor_parallel
     from runtime.models.target import TargetModel
-    from runtime.worker.parallel import apply_tensor_parallel
     from tests import builders
 
     odd = TargetModel(builders.target_config("qwen3_moe", moe_intermediate_size=33), get_backend("torch"), "VANILLA")
@@ -91,7 +91,7 @@ def _top_argmax_rank(rank: int, world: int, port: int, x, weight, queue) -> None
     import torch.distributed as dist
     from torch import nn
 
-    from runtime.worker.parallel import ParallelLMHead
+    from runtime.models.parallel import ParallelLMHead
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

@@ -155,14 +155,19 @@ def norm_stream(kernels, h: torch.Tensor, residual: torch.Tensor | None, norm_we
     return kernels.add_rms_norm(h, residual, norm_weight, eps)
 
 
-class SmallBatchLinear(nn.Linear):
-    """An ``nn.Linear`` (same parameters, same state-dict names) whose few-row products follow a ``GemmChoice``."""
+class ChosenLinear(nn.Linear):
+    """An ``nn.Linear`` (same parameters, same state-dict names) holding a measured ``choice`` of how to compute its
+    few-row products; a subclass's ``forward`` follows it."""
 
-    def __init__(self, base: nn.Linear, choice: GemmChoice):
+    def __init__(self, base: nn.Linear, choice):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
         self.choice = choice
+
+
+class SmallBatchLinear(ChosenLinear):
+    """A linear whose few-row products follow a ``GemmChoice`` (CUDA)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.choice)
@@ -185,24 +190,34 @@ class SmallGemmReport:
 
 
 _MEASURED: dict[tuple, tuple[GemmChoice, dict]] = {}  # (device, dtype, N, K, swiglu, norm) -> choice, report
-_PADDED: dict[tuple, tuple[int | None, dict]] = {}  # (device, dtype, N, K, rows) -> padded rows (None: as given), report
+# (device, dtype, N, K, rows) -> padded rows (None: as given), report
+_PADDED: dict[tuple, tuple[int | None, dict]] = {}
 
 
 def _targets(modules: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Module]]:
     """(parent, attribute, linear) for every linear the dispatch may serve: bias-free, large, not an MoE expert."""
     from runtime.models.moe import SparseMoeBlock
-    from runtime.worker.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+    from runtime.models.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
     kinds = (nn.Linear, ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+    return module_targets(modules, lambda m: isinstance(m, kinds) and not isinstance(m, SmallBatchLinear),
+                          lambda m: getattr(m, "bias", None) is None and m.weight.numel() >= MIN_WEIGHT_ELEMENTS
+                          and m.weight.stride(1) == 1, skip=(SparseMoeBlock,))
+
+
+def module_targets(modules: list[nn.Module], leaf: Callable[[nn.Module], bool], takes: Callable[[nn.Module], bool],
+                   skip: tuple[type, ...] = ()) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, module) for every ``leaf`` module under ``modules`` that ``takes`` accepts, each once (a
+    tied head shares its embedding's weight, not its module); a leaf's children and a ``skip`` module's subtree are
+    not visited."""
     found, seen = [], set()
 
     def visit(parent: nn.Module) -> None:
         for name, child in parent.named_children():
-            if isinstance(child, SparseMoeBlock):
+            if isinstance(child, skip):
                 continue
-            if isinstance(child, kinds) and not isinstance(child, SmallBatchLinear):
-                if id(child) not in seen and getattr(child, "bias", None) is None \
-                        and child.weight.numel() >= MIN_WEIGHT_ELEMENTS and child.weight.stride(1) == 1:
+            if leaf(child):
+                if id(child) not in seen and takes(child):
                     seen.add(id(child))
                     found.append((parent, name, child))
                 continue

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.worker.small_gemm import GemmChoice, linear, swiglu_linear
+from runtime.models.small_gemm import GemmChoice, linear, swiglu_linear
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(end - start))
             mark_shard(self.bias, 0, start, end)
 
-    small_gemm: GemmChoice | None = None  # runtime.worker.small_gemm.install_small_gemms
+    small_gemm: GemmChoice | None = None  # runtime.models.small_gemm.install_small_gemms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.small_gemm)
@@ -108,7 +108,7 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(full.out_features))
             mark_shard(self.bias, None, 0, full.out_features)
 
-    small_gemm: GemmChoice | None = None  # runtime.worker.small_gemm.install_small_gemms
+    small_gemm: GemmChoice | None = None  # runtime.models.small_gemm.install_small_gemms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.ctx.all_reduce(linear(x, self.weight, None, self.small_gemm))
@@ -116,7 +116,7 @@ class RowParallelLinear(nn.Module):
 
     def swiglu_forward(self, gate_up: torch.Tensor, silu_and_mul) -> torch.Tensor:
         """``forward(silu_and_mul(gate_up))`` (this rank's slice of the intermediate), the activation fused into
-        the GEMM where measured faster (``runtime.worker.small_gemm.swiglu_linear``)."""
+        the GEMM where measured faster (``runtime.models.small_gemm.swiglu_linear``)."""
         y = self.ctx.all_reduce(swiglu_linear(gate_up, self.weight, None, self.small_gemm, silu_and_mul))
         return y + self.bias if self.bias is not None else y
 
@@ -150,7 +150,7 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(shard, full.in_features))
         mark_shard(self.weight, 0, start, end, padded=shard)
 
-    small_gemm: GemmChoice | None = None  # runtime.worker.small_gemm.install_small_gemms
+    small_gemm: GemmChoice | None = None  # runtime.models.small_gemm.install_small_gemms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ctx.all_gather_last(linear(x, self.weight, None, self.small_gemm))[..., :self.vocab_size]
