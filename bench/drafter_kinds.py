@@ -28,6 +28,7 @@ drafting step's relative cost differs from a GPU's. Absolute tokens/s count only
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -111,8 +112,6 @@ class SteadyLoad:
 
     def add(self, klass: int, tokens: int | None = None) -> None:
         """A new request of ``klass`` (``tokens``: its length, default the load's)."""
-        import dataclasses
-
         import torch
 
         from runtime.training import known_pairs

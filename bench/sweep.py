@@ -136,7 +136,7 @@ class Bench:
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.args = args
         self.device = device = torch.device(args.device)
-        self.replica = replica = args.tensor_parallel_size is not None or args.drafter == "separate"
+        self.replica = replica = on_replica(args)
         if replica and replica_engine is None:
             raise ValueError("--tensor-parallel-size / --drafter separate: this run was given no replica engine class "
                              "(the dspark command passes cluster.LLM)")
@@ -553,6 +553,12 @@ class Bench:
         # engines kept alive write nothing yet: a later phase may not fit beside them
         save_partial(self.args, self.record, self.rows)
         return kept
+
+
+def on_replica(args) -> bool:
+    """Whether the run's engines are Ray replicas (``--tensor-parallel-size``, ``--drafter separate``): it then needs a
+    replica engine class."""
+    return args.tensor_parallel_size is not None or args.drafter == "separate"
 
 
 def run(args, replica_engine=None) -> dict:

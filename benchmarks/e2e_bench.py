@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     drafting = {"speculative_model": args.drafter, "max_draft_len": args.max_draft_len}
     spec = None if args.drafter == "none" else LLM(args.model, speculative_config=drafting, **engine)
     engines = [("ar", ar)] + ([] if spec is None else [("dspark", spec)])
-    unguarded = {"speculative_model": args.drafter, "max_draft_len": args.max_draft_len, "speculation_guard": False}
+    unguarded = {**drafting, "speculation_guard": False}
     if args.fixed and spec is not None:
         engines.append(("fixed", LLM(args.model, speculative_config=unguarded, **engine)))
     if args.undrafted and spec is not None:

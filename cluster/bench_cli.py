@@ -303,7 +303,7 @@ def main(args) -> int:
             print(f"dspark bench: {problem}", file=sys.stderr)
             return 2
     replica_engine = None
-    if args.tensor_parallel_size is not None or args.drafter == "separate":  # a Ray replica (Ray imported only then)
+    if sweep.on_replica(args):  # (Ray imported only then)
         from cluster.llm import LLM as replica_engine
     record = run(args, replica_engine=replica_engine)
     text = json.dumps(record, indent=1)
