@@ -699,3 +699,44 @@ def test_drafter_kinds_measure_dspark_against_ar_on_pairs_of_known_worth(tmp_pat
     bad = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--drafter-kinds", "good,perfect"], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "untrained, weak, good, mixed" in bad.stderr and "'good,perfect'" in bad.stderr
+
+
+def test_a_one_process_bench_runs_where_ray_is_not_installed(tmp_path):
+    """``dspark bench`` imports Ray only for a run on a Ray replica: with ``ray`` unimportable a one-process run
+    finishes and writes its record (GPU hosts may have no Ray)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "bench.json"
+    script = ("import sys; sys.modules['ray'] = None\n"  # (import ray now raises ImportError)
+              "from cluster.cli import main\n"
+              f"sys.exit(main(['bench', '--model-shape', 'tiny', '--device', 'cpu', '--concurrency', '1', "
+              f"'--max-draft-len', '2', '--prompt-len', '8', '--steps', '2', '--warmup', '1', '--kv-cache-memory', "
+              f"'50MiB', '--out', {str(out)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(out.read_text())["replica"] == "single-process"
+
+
+def test_the_steady_load_staggers_its_first_requests():
+    """``SteadyLoad``'s first ``c`` requests ask for tokens / c, 2 tokens / c, ... tokens (so they finish one after
+    another); a replacement asks for the load's full length."""
+    from bench.drafter_kinds import SteadyLoad
+
+    class Recorder:
+        def __init__(self):
+            self.lengths = []
+
+        def add_request(self, prompt, params):
+            self.lengths.append(params.max_tokens)
+            return f"r{len(self.lengths)}"
+
+    class Llm:
+        engine = Recorder()
+
+    load = SteadyLoad(Llm(), "untrained", 4, 64, [5, 6], [7, 8], seed=0)
+    assert Llm.engine.lengths == [16, 32, 48, 64]
+    load.add(0)
+    assert Llm.engine.lengths[-1] == 64
