@@ -341,8 +341,13 @@ class Bench:
                              for name in ("step_ms", "tokens_per_s", "ttft_ms", "tpot_ms")})
         self.rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("host_")})
         self.rows[c].update({f"{kind}_{name}": value for name, value in timing.items() if name.startswith("moe_")})
-        if "pipelined_step_fraction" in timing:
-            self.rows[c][f"{kind}_pipelined_step_fraction"] = timing["pipelined_step_fraction"]
+        for name in ("pipelined_step_fraction", "steps_run_ahead_fraction"):  # (steps launched ahead hide host work)
+            if name in timing:
+                self.rows[c][f"{kind}_{name}"] = timing[name]
+        guard = llm.get_metrics().get("speculation_guard")
+        if guard is not None:  # its decisions over the engine's life so far: plain and drafting steps, probes
+            self.rows[c][f"{kind}_speculation_guard"] = {k: v for k, v in guard.items()
+                                                         if k not in ("buckets", "prompt_buckets")}
         if kind == "ar" and self.bandwidth and "weight_bytes" in self.record:
             woken = timing.get("moe_experts_woken", 0.0) * self.record["expert_bytes"]  # MoE: the experts read
             floor = (self.record["weight_bytes"] + woken + kv_bytes(llm, c, timing["context"])) / self.bandwidth

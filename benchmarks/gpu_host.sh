@@ -7,6 +7,12 @@
 #                                                   and the hosts' NVLink-multicast-off variables
 #   bash benchmarks/gpu_host.sh save-cache DIR      pack ~/.cache/flashinfer into 15 MiB pieces under DIR (bring them
 #                                                   back as .fi-cache/ so the next run skips the JIT compiles)
+#   bash benchmarks/gpu_host.sh bench OUT NAME ARGS...
+#                                                   install, then `dspark bench ARGS --out OUT/NAME.json` (its log
+#                                                   OUT/NAME.log), and pack the JIT cache into OUT unless one was
+#                                                   carried; e.g. the speculation guard on the Qwen3-8B shape:
+#                                                   bench OUT guard --model-shape qwen3-8b --concurrency 1,16,64,256
+#                                                   --prompt-len 128 --steps 60 --warmup 20 --kv-cache-memory 12GiB
 set -euo pipefail
 site=${SITE:-$HOME/.cache/dspark-site}
 case "${1:-install}" in
@@ -30,5 +36,14 @@ case "${1:-install}" in
     tar czf - -C ~/.cache flashinfer | split -b 15m - "$dest/fi-cache.tgz.part-"
     ls -la "$dest" >&2
     ;;
-  *) echo "usage: $0 install | save-cache DIR" >&2; exit 2 ;;
+  bench)
+    out=${2:?give an output folder} name=${3:?give a name for the record}
+    shift 3
+    mkdir -p "$out"
+    eval "$(bash "$0" install)"
+    python3 -m cluster.cli bench "$@" --out "$out/$name.json" > "$out/$name.log" 2>&1 || echo "bench: exit $?" >&2
+    compgen -G ".fi-cache/*.part-*" >/dev/null || bash "$0" save-cache "$out"
+    grep -A6 "^ conc " "$out/$name.log" >&2 || tail -c 2000 "$out/$name.log" >&2
+    ;;
+  *) echo "usage: $0 install | save-cache DIR | bench OUT NAME ARGS..." >&2; exit 2 ;;
 esac

@@ -381,6 +381,9 @@ def test_both_confidence_engines_are_measured_in_the_same_rounds_beside_the_tune
         assert row["confidence-max_vs_tuned_paired"] == pytest.approx(row["confidence-max_vs_tuned"])  # (one round)
         assert row["confidence_offered_per_request"] <= cap  # within the tuned schedule; the other up to 3
         assert row["confidence-max_verify_budget_per_request"] <= row["confidence-max_offered_per_request"] <= 3
+        # the guard's decisions so far beside each guarded engine's figures (AR has none)
+        guard = row["dspark_speculation_guard"]
+        assert guard["plain_steps"] + guard["drafting_steps"] > 0 and "ar_speculation_guard" not in row
     assert record["mixed_confidence-max_vs_tuned"] > 0 and record["mixed_confidence_vs_tuned"] > 0
     assert "max/tuned" in proc.stderr and "mixed workload: confidence-max / tuned" in proc.stderr
 

@@ -39,8 +39,11 @@ keeps not paying), a batch that stopped drafting drafts one step for everyone af
 (``probe_first`` .. ``probe_max``), and requests that arrived since and never verified have theirs verified on the same
 doubling schedule; each interval starts over once drafting pays again. A batch's probes and its arrivals' together come
 no more often than keeps what a probe costs over a plain step within ``probe_budget`` (2%) of the plain steps' time
-after it: where a drafting step costs 4 plain ones, one every 150 steps at most. A step's time enters the prices at most
-at 4x what was learned (a host's pause is no price), and the first of each kind at a bucket not at all.
+after it: where a probe costs 4 plain steps, one every 150 steps at most. A probe costs its drafting step and, at the
+step after it, its blocks' verify: the verify is priced from the decode steps that verified drafts and drafted none (on
+a compute-bound batch, many requests verifying K + 1 tokens each, it is most of a probe's price). A step's time enters
+the prices at most at 4x what was learned (a host's pause is no price), and the first of each kind at a bucket not at
+all.
 
 A seeded sampled request is pinned: its blocks are always verified and the batch drafts while it runs (which
 steps verify drafts changes a sampled request's tokens, and a seed promises the same tokens whatever else runs).
@@ -136,6 +139,13 @@ class _BucketCosts:
     whole_s: float | None = None
     whole_steps: int = 0
     whole_at: int = 0
+    # a verified draft's price over a plain step, from the steps that verified drafts and drafted none (the step
+    # after a probe or after drafting stopped): a probe pays its blocks' verify there, which on a compute-bound step
+    # (many requests, K + 1 tokens each) costs several plain steps, while its drafting step alone costs little more
+    # than a plain one and a fit over probes alone, whose drafting steps verify nothing, cannot see it
+    verify_draft_s: float | None = None
+    verify_steps: int = 0
+    verify_at: int = 0
 
     def observe_plain(self, seconds: float, step: int, forget: float) -> None:
         """A plain step's time: the first at this bucket is left out (a first step at a shape pays warm-ups), the
@@ -174,6 +184,17 @@ class _BucketCosts:
         self.whole_steps += 1
         self.whole_s = forgetting_mean(self.whole_s, self.whole_steps, step - self.whole_at, seconds, forget)
         self.whole_at = step
+
+    def observe_verify_only(self, drafts: int, seconds: float, step: int, forget: float) -> None:
+        """A step that verified ``drafts`` drafts and drafted none: its time over the plain price, per verified draft,
+        averaged as plain steps are (``observe_plain``); nothing before a plain price exists."""
+        if self.plain_s is None or drafts <= 0:
+            return
+        self.verify_steps += 1
+        per_draft = max(seconds - self.plain_s, 0.0) / drafts
+        self.verify_draft_s = forgetting_mean(self.verify_draft_s, self.verify_steps, step - self.verify_at,
+                                              per_draft, forget)
+        self.verify_at = step
 
     def drafting_fit(self, ridge: float) -> tuple[float, float] | None:
         """(seconds of a drafting step verifying nothing, seconds a verified draft), or None before any drafting
@@ -236,6 +257,9 @@ class SpeculationGuard:
         self._verifies_seen = 0  # every verify observed (a plan that decided plain stands until one comes)
         # a plain decision that stands: (the step it lapses at, verifies seen then, the requests it was made for)
         self._plain_standing: tuple[int, int, list[str]] | None = None
+        # the step from which the last plain decision's batch probes (its own or its arrivals', whichever is due first,
+        # each no sooner than the probe budget allows): what ``drafts`` predicts for a plain batch's next steps
+        self._probe_due = 0
         # a decision that everyone verifies, standing: (the step it lapses at, the requests it was made for)
         self._whole_standing: tuple[int, list[str]] | None = None
 
@@ -273,8 +297,9 @@ class SpeculationGuard:
         its prices are kept apart, ``prompt_buckets``; such a step is never launched ahead), whether every block
         drafted for it was verified (``whole``: nobody left out). A plain step (drafted nothing, verified nothing),
         steady or feeding a prompt, times the plain price; a drafting step the drafting fit, and one that verified
-        every block also the whole price; a step that only verified (the one after drafting stopped) or a plain step
-        that is neither, nothing."""
+        every block also the whole price; a decode step that only verified (the one after a probe, or after drafting
+        stopped) the price of a verified draft over a plain step (``verify_draft_s``: what a probe's verify costs); a
+        plain step that is neither steady nor feeding a prompt, nothing."""
         table = self.prompt_buckets if prompt else self.buckets
         costs = table.setdefault(bucket_of(batch), _BucketCosts())
         step = self.plan_now.step if self.plan_now is not None else 0
@@ -284,6 +309,8 @@ class SpeculationGuard:
                 costs.observe_whole(seconds, step, 1.0 - self.tuning.plain_weight)
         elif verified_drafts == 0 and (steady or prompt):
             costs.observe_plain(seconds, step, 1.0 - self.tuning.plain_weight)
+        elif verified_drafts and not prompt:
+            costs.observe_verify_only(verified_drafts, seconds, step, 1.0 - self.tuning.plain_weight)
 
     # ---- deciding ---------------------------------------------------------------------------------
 
@@ -296,8 +323,10 @@ class SpeculationGuard:
 
     def drafts(self, step: int) -> bool:
         """Whether step ``step`` drafts: the plan made at it, or (the next step, before its plan) a prediction: an
-        exploration's second step decodes plain, a plain batch until its probe is due, a drafting batch drafts.
-        (An engine that launches the next plain decode ahead on a False prediction plans it with ``ahead``.)"""
+        exploration's second step decodes plain, a plain batch until a probe is due (its own or its arrivals', each
+        no sooner than the probe budget allows), a drafting batch drafts. (An engine that launches the next plain
+        decode ahead on a False prediction plans it with ``ahead``: a step predicted to draft is not launched ahead,
+        and its host work is then not hidden behind the device's.)"""
         plan = self.plan_now
         if plan is None:
             return True
@@ -307,8 +336,7 @@ class SpeculationGuard:
             return False
         if plan.drafts:
             return True
-        costs = self.buckets.get(self._bucket)
-        return costs is None or step >= costs.next_probe
+        return step >= self._probe_due
 
     def verifies(self, request_id: str) -> bool:
         """Whether ``request_id``'s block drafted at the last plan is verified (else it is dropped unverified)."""
@@ -419,10 +447,11 @@ class SpeculationGuard:
                 self.stats.request_probes += len(arrivals)
                 return self._record(GuardPlan(step, True, None if len(arrivals) == batch else frozenset(arrivals),
                                               "probe"))
-            lapses = min(max(costs.next_probe, quiet), step + tuning.probe_first)
+            due = max(costs.next_probe, quiet)
             if arrivals:
-                lapses = min(lapses, max(costs.next_arrival_probe, quiet))
-            self._plain_standing = (lapses, self._verifies_seen, list(request_ids))
+                due = min(due, max(costs.next_arrival_probe, quiet))
+            self._probe_due = due
+            self._plain_standing = (min(due, step + tuning.probe_first), self._verifies_seen, list(request_ids))
             return self._record(GuardPlan(step, False, frozenset(), "plain"))
         costs.probe_interval, costs.next_probe, costs.arrival_interval, costs.next_arrival_probe = 0, 0, 0, 0
         requests = self.requests
@@ -481,18 +510,34 @@ class SpeculationGuard:
     def _probe_spacing(self, prices: _BucketCosts, fit: tuple[float, float] | None, verified: int, batch: int) -> int:
         """The fewest steps from one probe verifying ``verified`` of the batch's blocks to the next such that the
         probe's price over a plain step's is at most ``probe_budget`` of the plain steps' time between: 0 where
-        either price is unknown (the doubling schedule alone)."""
+        no price of it is known (the doubling schedule alone). A probe drafts at one step and verifies at the next:
+        its price is the drafting step's (the fit's, verifying nothing) plus its drafts' verify, each draft priced
+        at the most of the fit's slope and of what the steps that only verified showed (``verify_draft_s``, this
+        bucket's or the nearest bucket's: a draft's verify moves slowly with the batch), and never below what a
+        drafting step that verified everyone cost (``whole_s``) where everyone is probed."""
         plain = prices.plain_s
         if plain is None:
             return 0
+        verify = self._verify_draft_s(prices)
+        candidates = []
+        if fit is not None or verify is not None:
+            base, slope = fit if fit is not None else (plain, 0.0)
+            per_draft = max(slope, verify or 0.0)
+            candidates.append(max(base, plain) + per_draft * self.max_draft_len * self.verified_share * verified)
         if verified == batch and prices.whole_s is not None:
-            price = prices.whole_s
-        elif fit is not None:
-            base, per_draft = fit
-            price = max(base, plain) + per_draft * self.max_draft_len * self.verified_share * verified
-        else:
+            candidates.append(prices.whole_s)
+        if not candidates:
             return 0
-        return math.ceil(max(price - plain, 0.0) / (self.tuning.probe_budget * plain))
+        return math.ceil(max(max(candidates) - plain, 0.0) / (self.tuning.probe_budget * plain))
+
+    def _verify_draft_s(self, prices: _BucketCosts) -> float | None:
+        """A verified draft's price over a plain step (``_BucketCosts.verify_draft_s``): the priced bucket's, else the
+        nearest bucket's that has one, else None."""
+        if prices.verify_draft_s is not None:
+            return prices.verify_draft_s
+        known = [(abs(bucket.bit_length() - self._bucket.bit_length()), bucket) for bucket, other
+                 in self.buckets.items() if other.verify_draft_s is not None]
+        return self.buckets[min(known)[1]].verify_draft_s if known else None
 
     def _exploration_due(self, costs: _BucketCosts) -> bool:
         """Time a plain step at this bucket: none timed yet (after 4 drafting steps), or ``explore_every``

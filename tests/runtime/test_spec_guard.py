@@ -260,6 +260,69 @@ def test_probes_that_cost_several_plain_steps_wait_until_their_cost_is_a_small_s
     assert probes and probes[0] >= 190 and all(b - a >= 190 for a, b in zip(probes, probes[1:]))  # (~4 s over 1 s)
 
 
+def never_accepting_plain_batch(probe_max: int, runs_ahead: bool = False) -> SpeculationGuard:
+    """A guard whose batch of four never accepts a draft and whose plain steps take 1 s (``compute_bound_step``
+    prices the rest), probing within a 2% budget."""
+    guard = SpeculationGuard(K, GuardTuning(probe_first=8, probe_max=probe_max, probe_budget=0.02),
+                             runs_ahead=runs_ahead)
+    for request_id in "abcd":
+        teach(guard, request_id, 0, verifies=1)
+    for _ in range(4):
+        guard.observe_step(4, False, 0, 1.0)
+    return guard
+
+
+def compute_bound_step(guard: SpeculationGuard, step: int, batch: list[str], verifying: int):
+    """One engine step, in the engine's order (plan; run: verify the last step's blocks, draft; learn) on a
+    compute-bound batch (many requests, K + 1 tokens each at a verify): a plain step 1 s, a drafting step 1.1 s, and
+    verifying every block of the batch 3 s more -> (the plan, the step's seconds, the drafts the next step verifies)."""
+    plan = guard.plan(step, batch)
+    blocks = len(batch) * K
+    seconds = 1.0 + 0.1 * plan.drafts + 3.0 * verifying / blocks
+    guard.observe_step(len(batch), plan.drafts, verifying, seconds)
+    for request_id in batch if verifying else ():
+        teach(guard, request_id, 0, verifies=1)
+    return plan, seconds, blocks if plan.drafts else 0
+
+
+def test_a_probes_price_counts_the_verify_of_its_blocks_in_the_step_after_it():
+    """A probe's drafting step costs little more than a plain one (1.1 s against 1 s), the step after it, verifying
+    everyone's block, 4 s. Priced by its drafting step alone (which verifies nothing) a probe looked nearly free and
+    the doubling schedule alone spaced the probes (every 64 steps here: ~5% of the time); timed from the steps that
+    only verified, probes come no more often than keeps their ~3.1 s within the 2% budget."""
+    guard = never_accepting_plain_batch(probe_max=64)
+    verifying, spent, probes = 0, 0.0, []
+    for step in range(4000):
+        plan, seconds, verifying = compute_bound_step(guard, step, list("abcd"), verifying)
+        if plan.drafts:
+            probes.append(step)
+        spent += seconds
+    assert probes and spent / 4000 - 1.0 <= 0.025, (probes, spent)
+    later = [b - a for a, b in zip(probes[2:], probes[3:])]  # (once a probe's verify was timed)
+    assert later and min(later) >= 150, probes
+
+
+def test_a_plain_batchs_next_step_is_predicted_as_its_plan_will_be():
+    """``drafts(t + 1)`` decides whether the engine launches step t + 1 ahead (a plain decode, its host work hidden
+    behind the device's). While a probe waits for the budget (its doubling schedule due, the budget not yet spent),
+    the next step is plain: predicting it drafting kept such steps from being launched ahead (on a batch whose probe
+    costs 4 plain steps, 8% of the steps); only the step after a probe, which verifies it, is predicted to draft and
+    does not. A due arrival probe is predicted too, so launching ahead never starves it. (The step an arrival joins
+    is not compared: it was predicted before the arrival, and an engine that admits a request launches nothing
+    ahead.)"""
+    guard = never_accepting_plain_batch(probe_max=512, runs_ahead=True)
+    verifying, after_probe, wrong = 0, 0, []
+    for step in range(3000):
+        after_probe += bool(verifying)
+        predicted = guard.drafts(step)
+        batch = list("abcd") + [f"new{step // 500}"]  # an arrival every 500 steps, never accepting
+        plan, _, verifying = compute_bound_step(guard, step, batch, verifying)
+        if predicted != plan.drafts and step % 500:
+            wrong.append((step, predicted, plan.reason))
+    assert all(predicted and reason == "plain" for _, predicted, reason in wrong), wrong
+    assert len(wrong) <= after_probe, wrong  # (the step after each probe)
+
+
 def test_a_batchs_probes_and_its_arrivals_share_one_probe_budget():
     """Where a probe costs several plain steps, the batch's probes and its arrivals' probes together come no more often
     than the budget allows after each (a probe's ~3.8 s over a 1 s plain step, at 2%: ~190 steps), though arrivals
