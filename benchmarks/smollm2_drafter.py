@@ -3,7 +3,9 @@
 One command reproduces the shipped checkpoint, on a GPU or on a CPU (``--scale``; auto picks by the device):
   1. prompts: the training prompt sets of ``benchmarks/data/train`` (arena-hard-v2, livecodebench, SWE-bench Lite;
      never the evaluation sets of ``benchmarks/data/eval``), arithmetic word problems filled from templates, and
-     math problems, Python exercises and assistant questions the target writes itself on random topics
+     math problems, Python exercises and assistant questions the target writes itself on random topics (their places
+     in the shuffled list are set here; the target writes each chunk's just before answering it, so a time-boxed
+     answers stage spends no time writing prompts it never answers)
   2. answers: the target answers every prompt through the engine (its chat template, non-thinking as DeepSpec
      regenerates answers): greedily, and on the GPU scale also sampled three times (temperature 0.7 and top-p 0.8
      twice, temperature 1 once). Prompt chunks
@@ -83,10 +85,10 @@ SCALES = {
 }
 
 
-def conversations(scale: Scale, llm, seed: int) -> list[dict]:
-    """Stage 1: every prompt as ``{"source", "messages"}``."""
+def conversations(scale: Scale, seed: int) -> list[dict]:
+    """Stage 1: every prompt as ``{"source", "messages"}``, or, for one the target is to write, ``{"source",
+    "write": kind}`` (``written_in``)."""
     from runtime.training.prompt_sets import read_turns, template_math_problems
-    from runtime.training.self_distill import write_prompts
 
     rows = []
     for name in TRAIN_SETS:
@@ -96,11 +98,32 @@ def conversations(scale: Scale, llm, seed: int) -> list[dict]:
         rows = random.Random(seed).sample(rows, min(scale.train_prompts, len(rows)))
     for text in template_math_problems(scale.template_math, seed):
         rows.append({"source": "template-math", "messages": [{"role": "user", "content": text}]})
-    for k, (kind, count) in enumerate(scale.written.items()):
-        for text in write_prompts(llm, kind, count, seed + 1000 * (k + 1)):
-            rows.append({"source": f"written-{kind}", "messages": [{"role": "user", "content": text}]})
+    for kind, count in scale.written.items():
+        rows.extend({"source": f"written-{kind}", "write": kind} for _ in range(count))
     random.Random(seed).shuffle(rows)
     return rows
+
+
+def written_in(llm, rows: list[dict], seed: int) -> list[dict]:
+    """``rows`` with each prompt the target is to write written (``write_prompts``, all of a kind in one batch, the
+    seed per kind and chunk); a written prompt that came out unusable (empty, too long, a repeat) is dropped."""
+    from runtime.training.self_distill import write_prompts
+
+    wanted: dict[str, int] = {}
+    for row in rows:
+        if "write" in row:
+            wanted[row["write"]] = wanted.get(row["write"], 0) + 1
+    written = {kind: iter(write_prompts(llm, kind, wanted[kind], seed + 1000 * (k + 1)))
+               for k, kind in enumerate(sorted(wanted))}
+    out = []
+    for row in rows:
+        if "write" not in row:
+            out.append(row)
+            continue
+        text = next(written[row["write"]], None)
+        if text is not None:
+            out.append({"source": row["source"], "messages": [{"role": "user", "content": text}]})
+    return out
 
 
 def stage(work: Path, name: str, wanted: set[str], run) -> dict:
@@ -211,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         return llm
 
     def make_prompts():
-        rows = conversations(scale, engine(), args.seed)
+        rows = conversations(scale, args.seed)
         with (work / "prompts.jsonl").open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         counts: dict[str, int] = {}
@@ -234,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
                 finished = False
                 continue
             if not done.is_file():
-                counts = answer_prompts(engine(), rows[lo:lo + ANSWER_CHUNK], samplings, scale.max_tokens,
-                                        scale.max_prompt_tokens, part, args.seed + lo * len(samplings), progress=True)
+                # (the chunk's own seeds for the prompts the target writes: 10,000 apart, past any kind's requests)
+                chunk = written_in(engine(), rows[lo:lo + ANSWER_CHUNK], args.seed + 10_000 * (c + 1))
+                counts = answer_prompts(engine(), chunk, samplings, scale.max_tokens, scale.max_prompt_tokens, part,
+                                        args.seed + lo * len(samplings), progress=True)
+                counts["written_dropped"] = len(rows[lo:lo + ANSWER_CHUNK]) - len(chunk)
                 done.write_text(json.dumps(counts))
             for k, v in json.loads(done.read_text()).items():
                 totals[k] = totals.get(k, 0) + v

@@ -334,3 +334,37 @@ def test_guard_replay_prices_fixed_k_and_the_guard_on_recorded_outcomes():
         guard = module.replay(rejecting, batch, prices, 7)
         assert fixed["over_ar"] < 0.7 and guard["over_ar"] > 0.95 and guard["drafting_share"] < 0.05
     assert module.Stream([[7, 3], [7, 0]]).accepted_at(1) == 2  # inside a verify's accepted run: what remains of it
+
+
+def test_the_smollm2_recipe_writes_only_the_prompts_a_chunk_answers(monkeypatch):
+    """The prompts stage only places the prompts the target is to write (no engine: it takes no time); each answers
+    chunk has its own written just before it is answered, in the places set, an unusable one dropped: a time-boxed
+    answers stage spent over half its time writing prompts it never answered."""
+    spec = importlib.util.spec_from_file_location("smollm2_drafter", ROOT / "benchmarks" / "smollm2_drafter.py")
+    recipe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "smollm2_drafter", recipe)  # (its dataclasses look their module up)
+    spec.loader.exec_module(recipe)
+    rows = recipe.conversations(recipe.SCALES["cpu"], seed=3)
+    assert rows == recipe.conversations(recipe.SCALES["cpu"], seed=3)  # (the same places for the same seed)
+    placed = [row for row in rows if "write" in row]
+    assert len(placed) == sum(recipe.SCALES["cpu"].written.values()) and all("messages" not in r for r in placed)
+    calls = []
+
+    def write_prompts(llm, kind, count, seed):  # the target's writing; every third comes out unusable
+        calls.append((kind, count, seed))
+        return [f"{kind} {seed} {i}" for i in range(count) if i % 3 != 2]
+
+    monkeypatch.setattr("runtime.training.self_distill.write_prompts", write_prompts)
+    chunk = rows[:64]
+    out = recipe.written_in(object(), chunk, seed=10_000)
+    wanted = {kind: sum(r.get("write") == kind for r in chunk) for kind in ("chat", "code", "math")}
+    assert sorted(calls) == [(kind, n, 10_000 + 1000 * (k + 1)) for k, (kind, n) in enumerate(sorted(wanted.items()))]
+    expected, seen = [], {kind: 0 for kind in wanted}  # the j-th place of a kind holds its j-th usable prompt
+    for row in chunk:
+        if "write" not in row:
+            expected.append(row)
+            continue
+        j, seen[row["write"]] = seen[row["write"]], seen[row["write"]] + 1
+        if j < wanted[row["write"]] - wanted[row["write"]] // 3:
+            expected.append({"source": row["source"], "messages": [{"role": "user", "content": None}]})
+    assert [r["source"] for r in out] == [r["source"] for r in expected] and all("messages" in r for r in out)
