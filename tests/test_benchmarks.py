@@ -171,6 +171,16 @@ def test_guard_host_benchmark_smoke(tmp_path):
                                                           for r in rows)
 
 
+def test_train_step_benchmark_times_both_variants_on_one_batch(tmp_path, qwen3_target):
+    out = tmp_path / "train-step.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--target", str(qwen3_target),
+                    "--seq-len", "32", "--anchors", "4", "--steps", "1", "--rounds", "1", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=300)
+    record = json.loads(out.read_text())
+    assert set(record["step_ms"]) == {"dspark-1", "dflash-1"} and record["dspark_over_dflash"] > 0
+    assert record["slots"] == 2 * 4 * 7 and "--target" in record["command"]
+
+
 def test_confidence_host_path_benchmark_smoke(tmp_path):
     """The scheduler's work on a step's path is timed, and its folds run off the path (the executor's host work)."""
     out = tmp_path / "path.json"

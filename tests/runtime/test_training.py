@@ -11,7 +11,7 @@ from runtime.engine.llm import LLM
 from runtime.training.blocks import attention_mask, block_inputs, block_labels, sample_anchors
 from runtime.training.distill import evaluate
 from runtime.training.drafter_trainer import default_layer_ids, train_drafter
-from runtime.training.forward import greedy_block
+from runtime.training.forward import greedy_block, teacher_forced_logits
 from tests.runtime.conftest import TRAINING_ENGINE
 
 ENGINE = TRAINING_ENGINE
@@ -223,6 +223,35 @@ def test_serving_drafter_proposes_the_training_forwards_block(qwen3_target, make
             torch.testing.assert_close(hidden, engine_hidden, atol=1e-4, rtol=1e-4)
             tokens = greedy_block(drafter, hf.lm_head, hidden, ids[0, anchor_pos:anchor_pos + 1])
             assert tokens == engine_tokens, f"anchor {anchor_pos}"
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "rnn"])
+def test_teacher_forced_logits_are_each_positions_markov_correction_with_the_true_previous_token(head_type):
+    """z_k = U_k + W2 low_rank(x_{k-1}), the recurrence unrolled over the block with the true previous tokens: the
+    trainer's batched form (W2 and the sum once over the block) gives the position-by-position values and gradients."""
+    from types import SimpleNamespace
+
+    from runtime.models.heads import MarkovHead
+
+    torch.manual_seed(0)
+    n, a, block, vocab, d = 2, 3, 4, 50, 8
+    head = MarkovHead(head_type, vocab, 5, d)
+    base = torch.randn(n, a, block, vocab, requires_grad=True)
+    hidden = torch.randn(n, a, block, d, requires_grad=True)
+    prev = torch.randint(0, vocab, (n, a, block))
+    batched = teacher_forced_logits(SimpleNamespace(markov_head=head), base, prev, hidden)
+    state, rows = head.initial_state(n * a, hidden), []
+    for k in range(block):
+        low, state = head.low_rank(prev[:, :, k].reshape(-1), hidden[:, :, k].reshape(n * a, -1), state)
+        rows.append(base[:, :, k] + head.markov_w2(low).view(n, a, -1))
+    reference = torch.stack(rows, dim=2)
+    torch.testing.assert_close(batched, reference)
+    weights = torch.randn(n, a, block, vocab)
+    grads = torch.autograd.grad((batched * weights).sum(), [base, hidden, head.markov_w2.weight], allow_unused=True)
+    expected = torch.autograd.grad((reference * weights).sum(), [base, hidden, head.markov_w2.weight],
+                                   allow_unused=True)
+    for got, want in zip(grads, expected):
+        assert (got is None) == (want is None) and (got is None or torch.allclose(got, want, atol=1e-5))
 
 
 def test_target_lr_warms_up_then_anneals_to_zero_by_its_steps_or_its_time_limit():

@@ -1,0 +1,112 @@
+"""A drafter training step's time, DSpark against the DFlash-style baseline: ``python benchmarks/train_step.py``.
+
+The SmolLM2 recipe's two 1-layer variants (``benchmarks/smollm2_drafter.py``: DSpark with its vanilla Markov head of
+rank 64, confidence head and DeepSpec's loss; DFlash-style with neither head, cross-entropy only) take the same batch
+(random token ids, every token supervised, random captured and final target states: the step's cost does not depend
+on their values) through ``drafter_step`` and its backward, alternating, the median of ``--rounds`` rounds of
+``--steps`` steps each. The target is only read (its embeddings and LM head); its forward is not timed.
+``--tree DIR`` times another checkout's trainer (before/after a change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+LAYER_IDS = [1, 8, 14, 21, 27]  # the recipe's capture layers of SmolLM2
+VARIANTS = {
+    "dspark-1": dict(markov_rank=64, confidence_head=True, weights=dict()),
+    "dflash-1": dict(markov_rank=0, confidence_head=False, weights=dict(ce=1.0, l1=0.0, confidence=0.0)),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="smollm2", help="a target by name or path (default smollm2)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=2, help="sequences a step")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--anchors", type=int, default=32, help="blocks a sequence")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps a round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]), help="the checkout to time")
+    parser.add_argument("--out", help="write the record here (JSON)")
+    args = parser.parse_args()
+    sys.path.insert(0, args.tree)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from configs.training import DrafterTrainConfig
+    from runtime.models.hub import resolve_checkpoint
+    from runtime.training import drafter_trainer
+    from runtime.training.loss import LossWeights
+
+    device = torch.device(args.device)
+    target_dir = resolve_checkpoint(args.target, "target")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    target.requires_grad_(False)
+    tconf = target.config.to_dict()
+    layer_ids = [i for i in LAYER_IDS if i < tconf["num_hidden_layers"] - 1] or [0]
+    generator = torch.Generator().manual_seed(0)
+    n, length, d = args.batch, args.seq_len, tconf["hidden_size"]
+    ids = torch.randint(3, tconf["vocab_size"], (n, length), generator=generator).to(device)
+    ones = torch.ones(n, length, device=device)
+    anchors, keep = drafter_trainer.sample_anchors(torch.ones(n, length), args.anchors, generator)
+    anchors, keep = anchors.to(device), keep.to(device)
+    captured = torch.randn(n, length, len(layer_ids) * d, generator=generator).to(device)
+    final = torch.randn(n, length, d, generator=generator).to(device)
+    built = {}
+    for name, variant in VARIANTS.items():
+        config = drafter_trainer.draft_config(
+            tconf, block_size=7, mask_token_id=0, target_layer_ids=layer_ids, num_draft_layers=1,
+            markov_rank=variant["markov_rank"], markov_head_type="vanilla", confidence_head=variant["confidence_head"],
+            confidence_head_with_markov=variant["confidence_head"], num_anchors=args.anchors)
+        cfg = DrafterTrainConfig(target=args.target, data="-", out="-", block_size=7, num_anchors=args.anchors,
+                                 markov_rank=variant["markov_rank"], confidence_head=variant["confidence_head"])
+        drafter = drafter_trainer.build_drafter(config, device, torch.float32, 0)
+        built[name] = (drafter, cfg, config, LossWeights(**variant["weights"]))
+
+    def steps(name: str) -> float:
+        """``--steps`` forward and backward passes of ``name`` -> seconds a step."""
+        drafter, cfg, config, weights = built[name]
+        began = time.perf_counter()
+        for _ in range(args.steps):
+            drafter.zero_grad(set_to_none=True)
+            loss, _ = drafter_trainer.drafter_step(target, drafter, ids, ones, ones, anchors, keep, captured, final,
+                                                   cfg, config, weights)
+            loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - began) / args.steps
+
+    for name in built:  # (warm-up: allocations)
+        steps(name)
+    timed = {name: [] for name in built}
+    names = list(built)
+    for r in range(args.rounds):  # each round in another order
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            timed[name].append(steps(name))
+    record = {"benchmark": "train_step", "date": str(date.today()), "command": "python " + shlex.join(sys.argv),
+              "hardware": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+              "host": platform.node(), "torch": torch.__version__, "target": args.target,
+              "slots": n * args.anchors * 7, "vocab_size": tconf["vocab_size"],
+              "step_ms": {name: round(1e3 * statistics.median(t), 1) for name, t in timed.items()},
+              "step_ms_rounds": {name: [round(1e3 * x, 1) for x in t] for name, t in timed.items()},
+              "dspark_over_dflash": round(statistics.median(a / b for a, b in zip(timed["dspark-1"],
+                                                                                   timed["dflash-1"])), 3)}
+    print(json.dumps({k: record[k] for k in ("step_ms", "dspark_over_dflash")}))
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
