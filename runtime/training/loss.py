@@ -28,9 +28,10 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels:
     w = slot_w * mask.float()  # [N, A, B]
     norm = w.sum().clamp_min(1e-6)
     ce = F.cross_entropy(draft_logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(w)
-    p_draft = torch.softmax(draft_logits.float(), dim=-1)
-    p_target = torch.softmax(target_logits.float(), dim=-1)
-    l1 = (p_draft - p_target).abs().sum(-1)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and weights.l1 != 0):  # (weighed 0: a statistic, no backward)
+        p_draft = torch.softmax(draft_logits.float(), dim=-1)
+        p_target = torch.softmax(target_logits.float(), dim=-1)
+        l1 = (p_draft - p_target).abs().sum(-1)
     per_slot = weights.ce * ce + weights.l1 * l1
     bce = torch.zeros_like(ce)
     if conf_logits is not None and weights.confidence:

@@ -254,6 +254,26 @@ def test_teacher_forced_logits_are_each_positions_markov_correction_with_the_tru
         assert (got is None) == (want is None) and (got is None or torch.allclose(got, want, atol=1e-5))
 
 
+def test_an_l1_weighed_zero_is_a_statistic_with_the_cross_entropys_gradient():
+    """The DFlash-style baseline (cross-entropy only): the loss and its gradient are the weighted cross-entropy's, and
+    the L1 is still reported, computed without a backward."""
+    from runtime.training.loss import LossWeights, dspark_loss
+
+    torch.manual_seed(0)
+    draft = torch.randn(2, 3, 4, 30, requires_grad=True)
+    target, labels = torch.randn(2, 3, 4, 30), torch.randint(0, 30, (2, 3, 4))
+    mask = torch.rand(2, 3, 4) > 0.3
+    loss, stats = dspark_loss(draft, target, labels, mask, None, LossWeights(ce=1.0, l1=0.0, confidence=0.0))
+    (grad,) = torch.autograd.grad(loss, draft)
+    w = torch.exp(-torch.arange(4.0) / 4.0) * mask
+    ce = torch.nn.functional.cross_entropy(draft.flatten(0, 2), labels.flatten(), reduction="none").view_as(w)
+    reference = (ce * w).sum() / w.sum()
+    torch.testing.assert_close(loss, reference)
+    torch.testing.assert_close(grad, torch.autograd.grad(reference, draft)[0])
+    l1 = (draft.softmax(-1) - target.softmax(-1)).abs().sum(-1)
+    torch.testing.assert_close(stats["l1"], ((l1 * w).sum() / w.sum()).detach())
+
+
 def test_target_lr_warms_up_then_anneals_to_zero_by_its_steps_or_its_time_limit():
     from runtime.training.target_trainer import lr_factor
 
