@@ -1,4 +1,8 @@
-"""The DeepSpec loss: 0.1 CE + 0.9 L1(p_draft - p_target) + 1.0 BCE(confidence, 1 - L1/2), slot weights exp(-k/4)."""
+"""The DeepSpec loss: 0.1 CE + 0.9 L1(p_draft - p_target) + 1.0 BCE(confidence, 1 - L1/2), slot weights exp(-k/4).
+
+The cross-entropy and the L1 run over the vocabulary a chunk of rows at a time (``cross_entropy_and_l1``): at 64
+blocks of 8 slots over SmolLM2's 49,152 tokens, every [slots, vocabulary] float32 tensor autograd would keep is 100 MB
+a sequence."""
 
 from __future__ import annotations
 
@@ -16,6 +20,64 @@ class LossWeights:
     decay: float = 4.0  # slot k (0-based) weighs exp(-k / decay)
 
 
+# bytes of [rows, V] float32 a chunk of the cross-entropy and L1 works on: on a CPU what its caches hold, on a GPU
+# enough rows that the chunks' kernels are few
+CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 512 << 20}
+
+
+class _CrossEntropyAndL1(torch.autograd.Function):
+    """Per row of draft logits d [R, V] (float32), target logits t [R, V] and labels [R]: the cross-entropy
+    ``logsumexp(d) - d[label]`` and ``L1 = sum |softmax(d) - softmax(t)|``, a chunk of rows at a time, both
+    softmaxes recomputed in the backward instead of kept: no [R, V] intermediate is held for the backward, and a
+    chunk's passes run over data its cache holds. Gradients: ``softmax(d) - onehot(label)`` for the cross-entropy,
+    ``p (s - <s, p>)`` with ``p = softmax(d)``, ``s = sign(p - softmax(t))`` for the L1 (autograd's, through abs and
+    softmax); the target and the labels get none."""
+
+    @staticmethod
+    def forward(ctx, draft: torch.Tensor, target: torch.Tensor, labels: torch.Tensor, rows: int):
+        ctx.set_materialize_grads(False)
+        ce, l1 = draft.new_empty(draft.shape[0]), draft.new_empty(draft.shape[0])
+        for lo in range(0, draft.shape[0], rows):
+            d, hi = draft[lo:lo + rows], lo + rows
+            lse = torch.logsumexp(d, dim=-1)  # [rows]
+            ce[lo:hi] = lse - d.gather(1, labels[lo:hi, None]).squeeze(1)
+            l1[lo:hi] = (torch.exp(d - lse[:, None]) - torch.softmax(target[lo:hi], dim=-1)).abs().sum(-1)
+        ctx.save_for_backward(draft, target, labels)
+        ctx.rows = rows
+        return ce, l1
+
+    @staticmethod
+    def backward(ctx, grad_ce: torch.Tensor | None, grad_l1: torch.Tensor | None):
+        if grad_ce is None and grad_l1 is None:
+            return None, None, None, None
+        draft, target, labels = ctx.saved_tensors
+        grad = torch.empty_like(draft)
+        for lo in range(0, draft.shape[0], ctx.rows):
+            hi = lo + ctx.rows
+            p = torch.softmax(draft[lo:hi], dim=-1)  # [rows, V]
+            g = None
+            if grad_l1 is not None:
+                s = torch.sign(p - torch.softmax(target[lo:hi], dim=-1))
+                g = p * (s - (s * p).sum(-1, keepdim=True)) * grad_l1[lo:hi, None]
+            if grad_ce is not None:
+                g = p * grad_ce[lo:hi, None] if g is None else g.addcmul_(p, grad_ce[lo:hi, None])
+                g.scatter_add_(1, labels[lo:hi, None], -grad_ce[lo:hi, None])
+            grad[lo:hi] = g
+        return grad, None, None, None
+
+
+def cross_entropy_and_l1(draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                         labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft_logits, target_logits [..., V]; labels [...] -> (cross-entropy, L1 between the softmaxes), each [...]
+    (``_CrossEntropyAndL1``, in float32)."""
+    shape, vocab = labels.shape, draft_logits.shape[-1]
+    draft = draft_logits.float().reshape(-1, vocab).contiguous()
+    target = target_logits.float().reshape(-1, vocab).contiguous()
+    rows = max(1, CHUNK_BYTES.get(draft.device.type, CHUNK_BYTES["cuda"]) // (4 * vocab))
+    ce, l1 = _CrossEntropyAndL1.apply(draft, target.detach(), labels.reshape(-1), rows)
+    return ce.view(shape), l1.view(shape)
+
+
 def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
                 conf_logits: torch.Tensor | None, weights: LossWeights) -> tuple[torch.Tensor, dict]:
     """draft_logits, target_logits [N, A, B, V]; labels, mask [N, A, B]; conf_logits [N, A, B] or None.
@@ -27,12 +89,8 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels:
     slot_w = torch.exp(-torch.arange(block, device=labels.device, dtype=torch.float32) / weights.decay)
     w = slot_w * mask.float()  # [N, A, B]
     norm = w.sum().clamp_min(1e-6)
-    ce = F.cross_entropy(draft_logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(w)
-    with torch.set_grad_enabled(torch.is_grad_enabled() and weights.l1 != 0):  # (weighed 0: a statistic, no backward)
-        p_draft = torch.softmax(draft_logits.float(), dim=-1)
-        p_target = torch.softmax(target_logits.float(), dim=-1)
-        l1 = (p_draft - p_target).abs().sum(-1)
-    per_slot = weights.ce * ce + weights.l1 * l1
+    ce, l1 = cross_entropy_and_l1(draft_logits, target_logits, labels)  # [N, A, B] each
+    per_slot = weights.ce * ce + (weights.l1 * l1 if weights.l1 else 0.0)  # (weighed 0: a statistic, no backward)
     bce = torch.zeros_like(ce)
     if conf_logits is not None and weights.confidence:
         target_conf = (1 - 0.5 * l1).detach().clamp(0, 1)

@@ -254,6 +254,30 @@ def test_teacher_forced_logits_are_each_positions_markov_correction_with_the_tru
         assert (got is None) == (want is None) and (got is None or torch.allclose(got, want, atol=1e-5))
 
 
+@pytest.mark.parametrize("ce_weight,l1_weight", [(0.1, 0.9), (1.0, 0.0), (0.0, 1.0)])
+def test_the_chunked_cross_entropy_and_l1_are_autograds_to_the_last_bit(monkeypatch, ce_weight, l1_weight):
+    """The loss's cross-entropy and L1 between the softmaxes, a chunk of rows at a time (5 here: the last chunk
+    short) with the softmaxes recomputed in the backward, give autograd's values and gradients through
+    ``F.cross_entropy``, ``softmax`` and ``abs``."""
+    import runtime.training.loss as loss_module
+
+    vocab = 30
+    monkeypatch.setitem(loss_module.CHUNK_BYTES, "cpu", 5 * 4 * vocab)
+    torch.manual_seed(1)
+    draft = (3 * torch.randn(2, 3, 4, vocab)).requires_grad_(True)
+    target, labels = 3 * torch.randn(2, 3, 4, vocab), torch.randint(0, vocab, (2, 3, 4))
+    weights = torch.rand(2, 3, 4)
+    ce, l1 = loss_module.cross_entropy_and_l1(draft, target, labels)
+    reference_ce = torch.nn.functional.cross_entropy(draft.flatten(0, 2), labels.flatten(), reduction="none")
+    reference_l1 = (draft.softmax(-1) - target.softmax(-1)).abs().sum(-1)
+    torch.testing.assert_close(ce, reference_ce.view_as(ce))
+    torch.testing.assert_close(l1, reference_l1)
+    got = torch.autograd.grad(((ce_weight * ce + l1_weight * l1) * weights).sum(), draft)[0]
+    want = torch.autograd.grad(((ce_weight * reference_ce.view_as(ce) + l1_weight * reference_l1) * weights).sum(),
+                               draft)[0]
+    torch.testing.assert_close(got, want)
+
+
 def test_an_l1_weighed_zero_is_a_statistic_with_the_cross_entropys_gradient():
     """The DFlash-style baseline (cross-entropy only): the loss and its gradient are the weighted cross-entropy's, and
     the L1 is still reported, computed without a backward."""
