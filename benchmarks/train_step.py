@@ -4,7 +4,8 @@ The SmolLM2 recipe's two 1-layer variants (``benchmarks/smollm2_drafter.py``: DS
 rank 64, confidence head and DeepSpec's loss; DFlash-style with neither head, cross-entropy only) take the same batch
 (random token ids, every token supervised, random captured and final target states: the step's cost does not depend
 on their values) through ``drafter_step`` and its backward, alternating, the median of ``--rounds`` rounds of
-``--steps`` steps each. The target is only read (its embeddings and LM head); its forward is not timed.
+``--steps`` steps each, in the recipe's precision (on a GPU: a bfloat16 target and bfloat16 autocast; on a CPU:
+float32). The target is only read (its embeddings and LM head); its forward is not timed.
 ``--tree DIR`` times another checkout's trainer (before/after a change).
 """
 
@@ -32,6 +33,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2", help="a target by name or path (default smollm2)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--autocast", choices=["auto", "off", "bfloat16"], default="auto",
+                        help="the step's autocast (auto: bfloat16 on a GPU, off on a CPU, as the recipe trains)")
     parser.add_argument("--batch", type=int, default=2, help="sequences a step")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--anchors", type=int, default=32, help="blocks a sequence")
@@ -49,10 +52,13 @@ def main() -> None:
     from runtime.models.hub import resolve_checkpoint
     from runtime.training import drafter_trainer
     from runtime.training.loss import LossWeights
+    from runtime.training.precision import autocast
 
     device = torch.device(args.device)
+    mode = args.autocast if args.autocast != "auto" else ("bfloat16" if device.type == "cuda" else "off")
     target_dir = resolve_checkpoint(args.target, "target")
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    target_dtype = torch.bfloat16 if mode == "bfloat16" else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=target_dtype).to(device).eval()
     target.requires_grad_(False)
     tconf = target.config.to_dict()
     layer_ids = [i for i in LAYER_IDS if i < tconf["num_hidden_layers"] - 1] or [0]
@@ -62,8 +68,8 @@ def main() -> None:
     ones = torch.ones(n, length, device=device)
     anchors, keep = drafter_trainer.sample_anchors(torch.ones(n, length), args.anchors, generator)
     anchors, keep = anchors.to(device), keep.to(device)
-    captured = torch.randn(n, length, len(layer_ids) * d, generator=generator).to(device)
-    final = torch.randn(n, length, d, generator=generator).to(device)
+    captured = torch.randn(n, length, len(layer_ids) * d, generator=generator).to(device, target_dtype)
+    final = torch.randn(n, length, d, generator=generator).to(device, target_dtype)
     built = {}
     for name, variant in VARIANTS.items():
         config = drafter_trainer.draft_config(
@@ -81,8 +87,9 @@ def main() -> None:
         began = time.perf_counter()
         for _ in range(args.steps):
             drafter.zero_grad(set_to_none=True)
-            loss, _ = drafter_trainer.drafter_step(target, drafter, ids, ones, ones, anchors, keep, captured, final,
-                                                   cfg, config, weights)
+            with autocast(mode, device):
+                loss, _ = drafter_trainer.drafter_step(target, drafter, ids, ones, ones, anchors, keep, captured,
+                                                       final, cfg, config, weights)
             loss.backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -97,7 +104,7 @@ def main() -> None:
             timed[name].append(steps(name))
     record = {"benchmark": "train_step", "date": str(date.today()), "command": "python " + shlex.join(sys.argv),
               "hardware": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
-              "host": platform.node(), "torch": torch.__version__, "target": args.target,
+              "host": platform.node(), "torch": torch.__version__, "target": args.target, "autocast": mode,
               "slots": n * args.anchors * 7, "vocab_size": tconf["vocab_size"],
               "step_ms": {name: round(1e3 * statistics.median(t), 1) for name, t in timed.items()},
               "step_ms_rounds": {name: [round(1e3 * x, 1) for x in t] for name, t in timed.items()},
