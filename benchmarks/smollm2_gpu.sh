@@ -49,10 +49,12 @@
 #                                                  as .fi-cache/: later runs skip the compiles). DRAFTER: default the
 #                                                  shipped one
 # Every step after the parts needs FlashInfer (the CUDA-graphed path; the torch kernels run eagerly). On one warm host,
-# the tree without runtime/pretrained or benchmarks/results: (1) .smollm2-part-1: stash; (2) .smollm2-part-2 and
-# .whl-min (gguf, pyyaml): stash; (3) .whl-fi (scripts/gpu-wheels.sh, xgrammar left out) and .fi-cache if kept:
-# answers WORK OUT S (or carried WORK with .smollm2-answers), then train WORK S2 dspark-1,dflash-1,dspark-3; (4) wait, acceptance, collect; (5) e2e OUT
-# WORK/bf16/dspark-1.
+# each command within the host's idle window of the one before (a carry holds at most 64 MiB with the tree; `split 33`
+# sizes the parts for it): (1) .smollm2-part-1 with the whole tree: stash (it keeps the shipped drafter); (2)
+# .smollm2-part-2, the tree without runtime/pretrained and benchmarks/results: stash; (3) .whl-fi
+# (scripts/gpu-wheels.sh, xgrammar left out), .whl-min and .fi-cache if kept, the same slim tree: answers WORK OUT S (or
+# carried WORK with .smollm2-answers), then train WORK S2 dspark-1,dflash-1,dspark-3; (4) wait, acceptance, collect; (5)
+# e2e OUT WORK/bf16/dspark-1.
 set -euo pipefail
 site=${SITE:-$HOME/.cache/dspark-site}
 parts=/tmp/smollm2-parts
