@@ -344,7 +344,8 @@ class Bench:
         for name in ("pipelined_step_fraction", "steps_run_ahead_fraction"):  # (steps launched ahead hide host work)
             if name in timing:
                 self.rows[c][f"{kind}_{name}"] = timing[name]
-        guard = llm.get_metrics().get("speculation_guard")
+        metrics = llm.get_metrics()  # (once: on a Ray replica each call is a round trip)
+        guard = metrics.get("speculation_guard")
         if guard is not None:  # its decisions over the engine's life so far: plain and drafting steps, probes
             self.rows[c][f"{kind}_speculation_guard"] = {k: v for k, v in guard.items()
                                                          if k not in ("buckets", "prompt_buckets")}
@@ -356,7 +357,7 @@ class Bench:
                 self.rows[c].update(ar_forward_ms=timing["forward_ms"],
                                     ar_outside_forward_ms=timing["step_ms"] - timing["forward_ms"])
         elif kind == "confidence":
-            stats = llm.get_metrics()["confidence_scheduling"]
+            stats = metrics["confidence_scheduling"]
             self.rows[c].update(confidence_mean_acceptance_length=timing["mean_acceptance_length"],
                                 confidence_acceptance_per_position=timing["acceptance_per_position"],
                                 # the timed steps one by one (what each chose, predicted and measured), and by kind
@@ -365,7 +366,7 @@ class Bench:
                                 confidence_trace_untimed=timing["confidence_trace_untimed"])
             self.rows[c].update({f"confidence_{field}": stats[metric] for field, metric in CONFIDENCE_FIGURES.items()})
         elif kind == CONFIDENCE_MAX:  # (--confidence-draft-len both) what it chose, beside the engine above
-            stats = llm.get_metrics()["confidence_scheduling"]
+            stats = metrics["confidence_scheduling"]
             self.rows[c].update({f"{kind}_{name}": value for name, value in (
                 ("mean_acceptance_length", timing["mean_acceptance_length"]),
                 ("verify_budget_per_request", stats["mean_verify_budget_per_request"]),

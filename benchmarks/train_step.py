@@ -22,11 +22,9 @@ import time
 from datetime import date
 from pathlib import Path
 
-LAYER_IDS = [1, 8, 14, 21, 27]  # the recipe's capture layers of SmolLM2
-VARIANTS = {
-    "dspark-1": dict(markov_rank=64, confidence_head=True, weights=dict()),
-    "dflash-1": dict(markov_rank=0, confidence_head=False, weights=dict(ce=1.0, l1=0.0, confidence=0.0)),
-}
+import smollm2_drafter as recipe  # (this folder: the variants, capture layers and block it trains)
+
+TIMED = ("dspark-1", "dflash-1")
 
 
 def main() -> None:
@@ -43,7 +41,7 @@ def main() -> None:
     parser.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]), help="the checkout to time")
     parser.add_argument("--out", help="write the record here (JSON)")
     args = parser.parse_args()
-    sys.path.insert(0, args.tree)
+    sys.path.insert(0, args.tree)  # (before the recipe's own checkout: the trainer timed is the tree's)
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -61,7 +59,7 @@ def main() -> None:
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=target_dtype).to(device).eval()
     target.requires_grad_(False)
     tconf = target.config.to_dict()
-    layer_ids = [i for i in LAYER_IDS if i < tconf["num_hidden_layers"] - 1] or [0]
+    layer_ids = [i for i in recipe.LAYER_IDS if i < tconf["num_hidden_layers"] - 1] or [0]
     generator = torch.Generator().manual_seed(0)
     n, length, d = args.batch, args.seq_len, tconf["hidden_size"]
     ids = torch.randint(3, tconf["vocab_size"], (n, length), generator=generator).to(device)
@@ -71,15 +69,17 @@ def main() -> None:
     captured = torch.randn(n, length, len(layer_ids) * d, generator=generator).to(device, target_dtype)
     final = torch.randn(n, length, d, generator=generator).to(device, target_dtype)
     built = {}
-    for name, variant in VARIANTS.items():
+    for name in TIMED:  # the drafter and loss weights as the trainer makes them from the recipe's variant
+        cfg = DrafterTrainConfig(target=args.target, data="-", out="-", block_size=recipe.BLOCK,
+                                 num_anchors=args.anchors, **recipe.VARIANTS[name])
         config = drafter_trainer.draft_config(
-            tconf, block_size=7, mask_token_id=0, target_layer_ids=layer_ids, num_draft_layers=1,
-            markov_rank=variant["markov_rank"], markov_head_type="vanilla", confidence_head=variant["confidence_head"],
-            confidence_head_with_markov=variant["confidence_head"], num_anchors=args.anchors)
-        cfg = DrafterTrainConfig(target=args.target, data="-", out="-", block_size=7, num_anchors=args.anchors,
-                                 markov_rank=variant["markov_rank"], confidence_head=variant["confidence_head"])
+            tconf, block_size=cfg.block_size, mask_token_id=0, target_layer_ids=layer_ids,
+            num_draft_layers=cfg.num_draft_layers, markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
+            confidence_head=cfg.confidence_head, confidence_head_with_markov=cfg.confidence_head_with_markov,
+            num_anchors=cfg.num_anchors)
         drafter = drafter_trainer.build_drafter(config, device, torch.float32, 0)
-        built[name] = (drafter, cfg, config, LossWeights(**variant["weights"]))
+        weights = LossWeights(cfg.ce_weight, cfg.l1_weight, cfg.confidence_weight, cfg.loss_decay)
+        built[name] = (drafter, cfg, config, weights)
 
     def steps(name: str) -> float:
         """``--steps`` forward and backward passes of ``name`` -> seconds a step."""
@@ -105,7 +105,7 @@ def main() -> None:
     record = {"benchmark": "train_step", "date": str(date.today()), "command": "python " + shlex.join(sys.argv),
               "hardware": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
               "host": platform.node(), "torch": torch.__version__, "target": args.target, "autocast": mode,
-              "slots": n * args.anchors * 7, "vocab_size": tconf["vocab_size"],
+              "slots": n * args.anchors * recipe.BLOCK, "vocab_size": tconf["vocab_size"],
               "step_ms": {name: round(1e3 * statistics.median(t), 1) for name, t in timed.items()},
               "step_ms_rounds": {name: [round(1e3 * x, 1) for x in t] for name, t in timed.items()},
               "dspark_over_dflash": round(statistics.median(a / b for a, b in zip(timed["dspark-1"],

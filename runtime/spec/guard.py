@@ -489,9 +489,14 @@ class SpeculationGuard:
         # else the nearest bucket whose pure steps are priced: a drafting step's price over a plain one's moves
         # slowly with the batch, and is a far better guess than none (a CPU's drafting step cost 3.6 plain ones at
         # one request and 3.8 at four: a batch size first met in a drain drafted every step until priced)
-        priced = [(abs(bucket.bit_length() - self._bucket.bit_length()), bucket) for bucket, other
-                  in self.buckets.items() if other.plain_s is not None and other.sw]
-        return self.buckets[min(priced)[1]] if priced else costs
+        nearest = self._nearest_bucket(lambda other: other.plain_s is not None and other.sw)
+        return nearest if nearest is not None else costs
+
+    def _nearest_bucket(self, has) -> _BucketCosts | None:
+        """The pure decode bucket nearest the last plan's (in powers of two) for which ``has(costs)`` holds, or None."""
+        known = [(abs(bucket.bit_length() - self._bucket.bit_length()), bucket) for bucket, other
+                 in self.buckets.items() if has(other)]
+        return self.buckets[min(known)[1]] if known else None
 
     def _gains(self, request_ids: list[str]) -> list[tuple[float, str]]:
         """[(gain, request)] for ``request_ids`` (see ``gain``), in one pass: the plan's per-step host work."""
@@ -535,9 +540,8 @@ class SpeculationGuard:
         nearest bucket's that has one, else None."""
         if prices.verify_draft_s is not None:
             return prices.verify_draft_s
-        known = [(abs(bucket.bit_length() - self._bucket.bit_length()), bucket) for bucket, other
-                 in self.buckets.items() if other.verify_draft_s is not None]
-        return self.buckets[min(known)[1]].verify_draft_s if known else None
+        nearest = self._nearest_bucket(lambda other: other.verify_draft_s is not None)
+        return nearest.verify_draft_s if nearest is not None else None
 
     def _exploration_due(self, costs: _BucketCosts) -> bool:
         """Time a plain step at this bucket: none timed yet (after 4 drafting steps), or ``explore_every``
