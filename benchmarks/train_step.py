@@ -5,8 +5,11 @@ rank 64, confidence head and DeepSpec's loss; DFlash-style with neither head, cr
 (random token ids, every token supervised, random captured and final target states: the step's cost does not depend
 on their values) through ``drafter_step`` and its backward, alternating, the median of ``--rounds`` rounds of
 ``--steps`` steps each, in the recipe's precision (on a GPU: a bfloat16 target and bfloat16 autocast; on a CPU:
-float32). The target is only read (its embeddings and LM head); its forward is not timed.
-``--tree DIR`` times another checkout's trainer (before/after a change).
+float32). The target is only read there (its embeddings and LM head); its forward over the same batch, which a
+training step without a state cache also runs (``LiveTarget``), is timed in the same rounds as ``target-forward``.
+``--profile`` adds a torch profile of one step of each (the operators with the most device time, or host time on a
+CPU). ``--tree DIR`` times another checkout's trainer (before/after a change). The recipe's GPU batch is
+``--batch 32 --seq-len 1536 --anchors 64``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps a round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]), help="the checkout to time")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step of each (torch.profiler; the top operators go in the record)")
     parser.add_argument("--out", help="write the record here (JSON)")
     args = parser.parse_args()
     sys.path.insert(0, args.tree)  # (before the recipe's own checkout: the trainer timed is the tree's)
@@ -51,6 +56,7 @@ def main() -> None:
     from runtime.training import drafter_trainer
     from runtime.training.loss import LossWeights
     from runtime.training.precision import autocast
+    from runtime.training.target_states import LiveTarget
 
     device = torch.device(args.device)
     mode = args.autocast if args.autocast != "auto" else ("bfloat16" if device.type == "cuda" else "off")
@@ -81,24 +87,35 @@ def main() -> None:
         weights = LossWeights(cfg.ce_weight, cfg.l1_weight, cfg.confidence_weight, cfg.loss_decay)
         built[name] = (drafter, cfg, config, weights)
 
-    def steps(name: str) -> float:
-        """``--steps`` forward and backward passes of ``name`` -> seconds a step."""
+    live = LiveTarget(target, layer_ids)
+    rows = torch.arange(n)
+
+    def one_step(name: str) -> None:
+        """One forward and backward pass of ``name`` (or the target's forward over the batch)."""
+        if name == "target-forward":
+            with autocast(mode, device):
+                live(ids, ones.long(), rows)
+            return
         drafter, cfg, config, weights = built[name]
+        drafter.zero_grad(set_to_none=True)
+        with autocast(mode, device):
+            loss, _ = drafter_trainer.drafter_step(target, drafter, ids, ones, ones, anchors, keep, captured,
+                                                   final, cfg, config, weights)
+        loss.backward()
+
+    def steps(name: str) -> float:
+        """``--steps`` steps of ``name`` -> seconds a step."""
         began = time.perf_counter()
         for _ in range(args.steps):
-            drafter.zero_grad(set_to_none=True)
-            with autocast(mode, device):
-                loss, _ = drafter_trainer.drafter_step(target, drafter, ids, ones, ones, anchors, keep, captured,
-                                                       final, cfg, config, weights)
-            loss.backward()
+            one_step(name)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return (time.perf_counter() - began) / args.steps
 
-    for name in built:  # (warm-up: allocations)
+    names = [*built, "target-forward"]
+    for name in names:  # (warm-up: allocations)
         steps(name)
-    timed = {name: [] for name in built}
-    names = list(built)
+    timed = {name: [] for name in names}
     for r in range(args.rounds):  # each round in another order
         for name in names[r % len(names):] + names[:r % len(names)]:
             timed[name].append(steps(name))
@@ -110,9 +127,31 @@ def main() -> None:
               "step_ms_rounds": {name: [round(1e3 * x, 1) for x in t] for name, t in timed.items()},
               "dspark_over_dflash": round(statistics.median(a / b for a, b in zip(timed["dspark-1"],
                                                                                    timed["dflash-1"])), 3)}
+    if args.profile:
+        record["profile"] = {name: profile(one_step, name, device) for name in names}
     print(json.dumps({k: record[k] for k in ("step_ms", "dspark_over_dflash")}))
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def profile(one_step, name: str, device, top: int = 12) -> list[dict]:
+    """One step of ``name`` under torch.profiler -> its ``top`` operators by self device time (host time on a CPU),
+    printed as the profiler's table too."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        one_step(name)
+        if on_gpu:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    print(f"== {name}", file=sys.stderr)
+    print(prof.key_averages().table(sort_by=key, row_limit=top), file=sys.stderr)
+    return [{"op": e.key, "calls": e.count, "self_ms": round(getattr(e, key) / 1e3, 3),
+             "host_self_ms": round(e.self_cpu_time_total / 1e3, 3)} for e in events]
 
 
 if __name__ == "__main__":
