@@ -247,7 +247,7 @@ def drafter_step(target, drafter: DSparkDrafter, ids, loss_mask, attn, anchors, 
     draft_logits = teacher_forced_logits(drafter, base, prev, hidden4)
     with torch.no_grad():
         at = final[torch.arange(n, device=ids.device)[:, None, None], target_index.clamp_min(0)]  # [N, A, B, d]
-        target_logits = target.lm_head(at.to(target.lm_head.weight.dtype)).float()
+        target_logits = target.lm_head(at.to(target.lm_head.weight.dtype))  # (the loss reads it as float32)
     return dspark_loss(draft_logits, target_logits, labels, mask, confidence_logits(drafter, hidden4, prev), weights)
 
 

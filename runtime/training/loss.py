@@ -1,8 +1,9 @@
 """The DeepSpec loss: 0.1 CE + 0.9 L1(p_draft - p_target) + 1.0 BCE(confidence, 1 - L1/2), slot weights exp(-k/4).
 
-The cross-entropy and the L1 run over the vocabulary a chunk of rows at a time (``cross_entropy_and_l1``): at 64
-blocks of 8 slots over SmolLM2's 49,152 tokens, every [slots, vocabulary] float32 tensor autograd would keep is 100 MB
-a sequence."""
+The cross-entropy and the L1 over the vocabulary (``cross_entropy_and_l1``) keep no [slots, vocabulary] intermediate
+for the backward (at 64 blocks of 8 slots over SmolLM2's 49,152 tokens, each such float32 tensor is 100 MB a
+sequence): on a GPU one Triton kernel each way (``runtime.kernels.triton_loss``), elsewhere torch a chunk of rows at a
+time."""
 
 from __future__ import annotations
 
@@ -20,9 +21,7 @@ class LossWeights:
     decay: float = 4.0  # slot k (0-based) weighs exp(-k / decay)
 
 
-# bytes of [rows, V] float32 a chunk of the cross-entropy and L1 works on: on a CPU what its caches hold, on a GPU
-# enough rows that the chunks' kernels are few
-CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 512 << 20}
+CHUNK_BYTES = 4 << 20  # bytes of [rows, V] float32 a chunk of the torch path works on: what a CPU's caches hold
 
 
 class _CrossEntropyAndL1(torch.autograd.Function):
@@ -66,14 +65,47 @@ class _CrossEntropyAndL1(torch.autograd.Function):
         return grad, None, None, None
 
 
+class _FusedCrossEntropyAndL1(torch.autograd.Function):
+    """``_CrossEntropyAndL1`` in two Triton kernels (``runtime.kernels.triton_loss``): the forward keeps each row's two
+    log-normalizers and ``<sign(p - q), p>`` ([R, 3]), the backward writes the gradient in one pass. The target logits
+    may be in any float dtype (read as float32)."""
+
+    @staticmethod
+    def forward(ctx, draft: torch.Tensor, target: torch.Tensor, labels: torch.Tensor):
+        from runtime.kernels import triton_loss
+
+        ctx.set_materialize_grads(False)
+        ce, l1, stats = triton_loss.cross_entropy_and_l1_forward(draft, target, labels)
+        ctx.save_for_backward(draft, target, labels, stats)
+        return ce, l1
+
+    @staticmethod
+    def backward(ctx, grad_ce: torch.Tensor | None, grad_l1: torch.Tensor | None):
+        from runtime.kernels import triton_loss
+
+        if grad_ce is None and grad_l1 is None:
+            return None, None, None
+        draft, target, labels, stats = ctx.saved_tensors
+        zeros = torch.zeros(draft.shape[0], dtype=torch.float32, device=draft.device)
+        grad = triton_loss.cross_entropy_and_l1_backward(draft, target, labels, stats,
+                                                         zeros if grad_ce is None else grad_ce,
+                                                         zeros if grad_l1 is None else grad_l1)
+        return grad, None, None
+
+
 def cross_entropy_and_l1(draft_logits: torch.Tensor, target_logits: torch.Tensor,
                          labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """draft_logits, target_logits [..., V]; labels [...] -> (cross-entropy, L1 between the softmaxes), each [...]
-    (``_CrossEntropyAndL1``, in float32)."""
+    """draft_logits, target_logits [..., V]; labels [...] -> (cross-entropy, L1 between the softmaxes), each [...],
+    in float32: on a GPU ``_FusedCrossEntropyAndL1`` (the target logits read in their own dtype), elsewhere
+    ``_CrossEntropyAndL1``."""
     shape, vocab = labels.shape, draft_logits.shape[-1]
     draft = draft_logits.float().reshape(-1, vocab).contiguous()
+    if draft.device.type == "cuda":
+        target = target_logits.reshape(-1, vocab).contiguous()
+        ce, l1 = _FusedCrossEntropyAndL1.apply(draft, target.detach(), labels.reshape(-1))
+        return ce.view(shape), l1.view(shape)
     target = target_logits.float().reshape(-1, vocab).contiguous()
-    rows = max(1, CHUNK_BYTES.get(draft.device.type, CHUNK_BYTES["cuda"]) // (4 * vocab))
+    rows = max(1, CHUNK_BYTES // (4 * vocab))
     ce, l1 = _CrossEntropyAndL1.apply(draft, target.detach(), labels.reshape(-1), rows)
     return ce.view(shape), l1.view(shape)
 

@@ -262,7 +262,7 @@ def test_the_chunked_cross_entropy_and_l1_are_autograds_to_the_last_bit(monkeypa
     import runtime.training.loss as loss_module
 
     vocab = 30
-    monkeypatch.setitem(loss_module.CHUNK_BYTES, "cpu", 5 * 4 * vocab)
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 5 * 4 * vocab)
     torch.manual_seed(1)
     draft = (3 * torch.randn(2, 3, 4, vocab)).requires_grad_(True)
     target, labels = 3 * torch.randn(2, 3, 4, vocab), torch.randint(0, vocab, (2, 3, 4))
