@@ -58,14 +58,18 @@ def answer_prompts(llm, conversations: list[dict], samplings: list[Sampling], ma
             continue
         prompts.append(ids)
         sources.append(conversation["source"])
+    # every sampling's requests in one call (sampling-major), so the engine keeps its batch full until the last
+    # answers of them all, rather than draining it at the end of each sampling's
+    params = [sampling.params(max_tokens, seed + k * len(prompts) + i)
+              for k, sampling in enumerate(samplings) for i in range(len(prompts))]
+    outputs = llm.generate(prompts * len(samplings), params, use_tqdm=progress) if prompts else []
     rows = tokens = 0
     with Path(out).open("w", encoding="utf-8") as f:
-        for k, sampling in enumerate(samplings):
-            params = [sampling.params(max_tokens, seed + k * len(prompts) + i) for i in range(len(prompts))]
-            for prompt, source, o in zip(prompts, sources, llm.generate(prompts, params, use_tqdm=progress)):
-                f.write(json.dumps({"prompt_ids": prompt, "response_ids": o.token_ids,
-                                    "finished": o.finish_reason == "stop", "source": source,
-                                    "temperature": sampling.temperature}) + "\n")
-                rows += 1
-                tokens += len(o.token_ids)
+        for j, o in enumerate(outputs):
+            i, sampling = j % len(prompts), samplings[j // len(prompts)]
+            f.write(json.dumps({"prompt_ids": prompts[i], "response_ids": o.token_ids,
+                                "finished": o.finish_reason == "stop", "source": sources[i],
+                                "temperature": sampling.temperature}) + "\n")
+            rows += 1
+            tokens += len(o.token_ids)
     return {"rows": rows, "response_tokens": tokens, "prompts": len(prompts), "skipped_long_prompts": skipped}
