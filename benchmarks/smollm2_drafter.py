@@ -143,14 +143,16 @@ def stage(work: Path, name: str, wanted: set[str], run) -> dict:
 
 
 def train_variant(name: str, scale: Scale, work: Path, rows: int, seed: int, budget: float | None,
-                  init_from: Path | None = None) -> dict:
+                  init_from: Path | None = None, states_in_memory: bool = False) -> dict:
     """Train (or resume) one variant for ``scale.epochs`` over the answers or, if sooner, ``budget`` seconds in all
-    (its learning-rate schedule fitted to whichever ends first), from ``init_from``'s weights where given."""
+    (its learning-rate schedule fitted to whichever ends first), from ``init_from``'s weights where given; the
+    target's states from a folder on a CPU, from the GPU's memory with ``states_in_memory``, else live."""
     from configs.training import DrafterTrainConfig
     from runtime.training.drafter_trainer import train_drafter
 
     steps = max(1, math.ceil(scale.epochs * rows / scale.train["batch_size"]))
-    cache = {"target_cache": str(work / "target-states")} if scale.train["device"] == "cpu" else {}
+    cache = {"target_cache": str(work / "target-states")} if scale.train["device"] == "cpu" else \
+        {"target_cache_in_memory": True} if states_in_memory else {}
     cfg = DrafterTrainConfig(target="smollm2", data=str(work / "answers.jsonl"), out=str(work / name),
                              block_size=BLOCK, target_layer_ids=LAYER_IDS, mask_token_id=MASK_TOKEN_ID, steps=steps,
                              seed=seed, log_every=100, save_every=max(steps // 4, 100), time_budget_s=budget,
@@ -205,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(e.g. the shipped smollm2-dspark, trained further on answers of another --seed)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts the target writes, the sampled "
                         "answers and the training")
+    parser.add_argument("--states-in-memory", action="store_true", help="gpu scale: hold the target's states of "
+                        "every answer in the GPU's memory (one pass of the target before training, then none a step; "
+                        "target_cache_in_memory) instead of running the target on every batch; for a variant that "
+                        "has the GPU alone (the cpu scale keeps them in a folder already)")
     args = parser.parse_args(argv)
     started = time.monotonic()
 
@@ -219,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
 
     scale_name = args.scale if args.scale != "auto" else ("gpu" if torch.cuda.is_available() else "cpu")
     scale = SCALES[scale_name]
+    if args.states_in_memory and scale.train["device"] == "cpu":
+        parser.error("--states-in-memory: the cpu scale keeps the target's states in a folder already")
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
@@ -279,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = sum(1 for _ in (work / "answers.jsonl").open())
         for name in variants:
             records[name] = stage(work, f"train:{name}", wanted, lambda n=name: train_variant(
-                n, scale, work, rows, args.seed, args.train_budget, args.init_from))
+                n, scale, work, rows, args.seed, args.train_budget, args.init_from, args.states_in_memory))
     if args.export is not None:
         records["export"] = export(work, args.export_variant, args.export)
     (work / "recipe.json").write_text(json.dumps(records, indent=2))

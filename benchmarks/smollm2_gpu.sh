@@ -27,7 +27,9 @@
 #                                                  e.g. /tmp/smollm2-dspark), in LANES (default 2) side by side, a lane's
 #                                                  variants one after another; each lane detached by setsid (it
 #                                                  outlives the command; the host keeps it while warm). A variant
-#                                                  takes ~27 GiB: two lanes fit an 80 GB GPU, three do not
+#                                                  takes ~27 GiB: two lanes fit an 80 GB GPU, three do not. One lane
+#                                                  has the GPU alone and holds the target's states of every answer
+#                                                  in its memory (--states-in-memory)
 #   bash benchmarks/smollm2_gpu.sh wait WORK SECONDS  host: wait up to SECONDS for the variants' training to end
 #   bash benchmarks/smollm2_gpu.sh acceptance WORK OUT LIMIT
 #                                                  host: tau of every trained variant (benchmarks/acceptance.py, the
@@ -135,10 +137,10 @@ case "${1:-}" in
       queue=()
       for ((i = lane; i < ${#names[@]}; i += lanes)); do queue+=("${names[i]}"); done
       # each lane detached by setsid (it outlives the command); its variants train one after another
-      setsid nohup bash -c 'work=$1 seconds=$2 init=$3; shift 3; for v in "$@"; do
+      setsid nohup bash -c 'work=$1 seconds=$2 init=$3 held=$4; shift 4; for v in "$@"; do
           python3 -u benchmarks/smollm2_drafter.py --work "$work" --scale gpu --stages train --variants "$v" \
-            --train-budget "$seconds" ${init:+--init-from "$init"} > "$work/train-$v.log" 2>&1; done' \
-        lane "$work" "$seconds" "$init" "${queue[@]}" \
+            --train-budget "$seconds" ${init:+--init-from "$init"} $held > "$work/train-$v.log" 2>&1; done' \
+        lane "$work" "$seconds" "$init" "$([ "$lanes" = 1 ] && echo --states-in-memory)" "${queue[@]}" \
         < /dev/null > /dev/null 2>&1 &
     done
     sleep 20 && tail -n 3 "$work"/train-*.log >&2

@@ -247,6 +247,7 @@ def add_field_flag(parser: argparse.ArgumentParser, name: str, field) -> None:
     """A --flag for a config field, typed from its annotation, documented by its description."""
     flag = "--" + name.replace("_", "-")
     text = f"{field.description} ({'required' if field.is_required() else f'default: {field.default}'})"
+    text = text.replace("%", "%%")  # (argparse formats help strings with %)
     kind = base_type(field.annotation)
     if kind is bool:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)

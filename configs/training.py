@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from configs.speculative import MarkovHeadType
 
@@ -65,7 +65,13 @@ class DrafterTrainConfig(BaseModel):
         "final hidden, bfloat16, about (m+1) x hidden x 2 bytes a token): filled by one pass of the target before the "
         "first step, reused by later runs on the same examples, layers and target; each step then reads the batch's "
         "states instead of running the target (for CPUs, where the target's forward dominates a step). None: the "
-        "target runs on every batch.")
+        "target runs on every batch (or target_cache_in_memory).")
+    target_cache_in_memory: bool = Field(
+        default=False, description="Hold the target's states of every training example in the training device's "
+        "memory instead of a folder (about (m+1) x hidden x 2 bytes a token there, at most 60% of what the device has "
+        "free before training; more is an error): filled by one pass of the target before the first step, then each "
+        "batch's states are a gather on the device (for GPUs, where it saves the target's forward of every epoch "
+        "after the first). Not with target_cache.")
     calibration_data: str | None = Field(
         default=None, description="Held-out JSONL prompts (prompt, messages or prompt_ids rows): after training, "
         "the drafter drafts greedily on them through the engine and a confidence temperature per position is "
@@ -75,6 +81,12 @@ class DrafterTrainConfig(BaseModel):
                                                               "calibration_data used.")
     calibration_tokens: Annotated[int, Field(gt=0)] = Field(default=64, description="Greedy tokens per "
                                                              "calibration prompt.")
+
+    @model_validator(mode="after")
+    def one_state_cache(self) -> DrafterTrainConfig:
+        if self.target_cache is not None and self.target_cache_in_memory:
+            raise ValueError("target_cache and target_cache_in_memory: give one (a folder, or the device's memory)")
+        return self
 
 
 class TargetTrainConfig(BaseModel):

@@ -19,6 +19,18 @@ def test_help_lists_the_commands(capsys):
     assert "check-config" in capsys.readouterr().out
 
 
+def test_every_commands_help_renders(capsys):
+    """Each command's --help, whose flags' texts come from the config fields' descriptions (a '%' in one is text)."""
+    from cluster.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for name in commands:
+        with pytest.raises(SystemExit) as exit_:
+            main([name, "--help"])
+        assert exit_.value.code == 0, name
+    assert "60% of what the device has" in " ".join(capsys.readouterr().out.split())
+
+
 def test_version(capsys):
     import importlib.metadata
 

@@ -1,12 +1,13 @@
 """``train_drafter``: the DeepSpec recipe on a frozen target.
 
-Per step: the target (transformers, frozen) runs the batch once, giving the captured layer outputs
-and its final hidden states, whose LM-head outputs at the labelled positions are its distributions (or both come
-from a cache the target filled once: ``target_cache``); random anchors on supervised tokens open blocks ``[anchor, MASK...]``;
-the drafter predicts every block in one pass (embedding and LM head are the target's, frozen); the
-Markov head is teacher-forced; the loss is DeepSpec's. Checkpoints (drafter + optimizer + step + seconds trained)
-are written every ``save_every`` steps, at ``max_seconds`` and at the end; a rerun resumes from them. With
-``time_budget_s`` the learning-rate schedule runs over whichever of ``steps`` and the budget ends first.
+Per step: the target (transformers, frozen) runs the batch once, giving the captured layer outputs and its final
+hidden states, whose LM-head outputs at the labelled positions are its distributions (or both come from a cache the
+target filled once: ``target_cache``, a folder, or ``target_cache_in_memory``); random anchors on supervised tokens
+open blocks ``[anchor, MASK...]``; the drafter predicts every block in one pass (embedding and LM head are the
+target's, frozen); the Markov head is teacher-forced; the loss is DeepSpec's. Checkpoints (drafter + optimizer +
+step + seconds trained) are written every ``save_every`` steps, at ``max_seconds`` and at the end; a rerun resumes
+from them. With ``time_budget_s`` the learning-rate schedule runs over whichever of ``steps`` and the budget ends
+first.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from runtime.training.forward import block_hidden, confidence_logits, teacher_fo
 from runtime.training.loss import LossWeights, dspark_loss
 from runtime.training.precision import autocast
 from runtime.training.schedule import warmup_cosine
-from runtime.training.target_states import CachedTarget, LiveTarget, open_state_cache
+from runtime.training.target_states import CachedTarget, DeviceTarget, LiveTarget, open_state_cache
 from runtime.worker.devices import resolve_device
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class Run:
     """Everything one training run holds."""
 
     target: torch.nn.Module
-    states: LiveTarget | CachedTarget  # the target's captured and final states of a batch
+    states: LiveTarget | CachedTarget | DeviceTarget  # the target's captured and final states of a batch
     drafter: DSparkDrafter
     config: dict  # the drafter's config.json
     optimizer: torch.optim.Optimizer
@@ -152,6 +153,9 @@ def prepare(cfg: DrafterTrainConfig, rank: int) -> Run:
     if cfg.target_cache is not None:
         states = open_state_cache(states, examples, Path(cfg.target_cache), target_dir, device,
                                   next(drafter.parameters()).dtype, progress=rank == 0)
+    elif cfg.target_cache_in_memory:
+        with autocast(cfg.autocast, device):  # (the target's forward as a live step runs it)
+            states = DeviceTarget(states, examples, progress=rank == 0)
     data = batches(examples, min(cfg.batch_size, len(examples)), seed, tokenizer.pad_token_id or 0)
     clock.started = time.monotonic()  # loading and the state cache are not training time
     clock.time_fraction = 0.0 if cfg.time_budget_s is None else clock.before_s / cfg.time_budget_s

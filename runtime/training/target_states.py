@@ -1,12 +1,14 @@
 """What the frozen target gives a drafter's training step: its captured layer outputs and its final hidden states.
 
-``LiveTarget`` runs the target on every batch (cheap on a GPU). ``CachedTarget`` reads them from a cache that
-``build_state_cache`` writes once, in one pass of the target over every training example, so a CPU run pays for the
-target once instead of every epoch (DeepSpec's target cache). Both return the same tensors for the same rows:
+``LiveTarget`` runs the target on every batch. ``CachedTarget`` reads them from a cache that ``build_state_cache``
+writes once, in one pass of the target over every training example, so a run pays for the target once instead of
+every epoch (DeepSpec's target cache); ``DeviceTarget`` holds that pass's states in the training device's memory
+instead (a GPU with room for them: a batch is then a gather on the device). All return the same tensors for the same
+rows (the caches' to bfloat16 rounding):
 captured [N, L, m*d] (decoder-layer outputs of ``target_layer_ids``, HF ``hidden_states[l + 1]``) and final
 [N, L, d] (after the target's final norm: the LM head's input, from which the target's distributions come).
 
-The cache holds bfloat16 rows in two flat files (``captured.bin``, ``final.bin``, read through numpy memory maps as
+The cache holds bfloat16 rows in two flat files (``captured.npy``, ``final.npy``, read through numpy memory maps as
 raw 16-bit words) and ``index.json``: each example's offset, the layer ids and what the cache was made from, so a
 cache of other examples, layers or target is rebuilt rather than misread.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -49,21 +52,14 @@ def cache_key(examples: list[Example], layer_ids: list[int], target: str) -> str
     return digest.hexdigest()
 
 
-def build_state_cache(live: LiveTarget, examples: list[Example], out: Path, key: str, batch_tokens: int = 8192,
-                      progress: bool = True) -> None:
-    """Run the target once over every example (longest first, about ``batch_tokens`` tokens a batch) and write
-    its captured and final states to ``out``. Writes ``index.json`` last, so an interrupted build is redone."""
-    out.mkdir(parents=True, exist_ok=True)
+def target_batches(live: LiveTarget, examples: list[Example], batch_tokens: int, progress: bool = True,
+                   ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """One pass of the target over every example, longest first, about ``batch_tokens`` tokens a batch (right-padded):
+    yields (the batch's example indices, captured [n, width, m*d], final [n, width, d]) on the target's device."""
     device = next(live.target.parameters()).device
-    d = live.target.config.hidden_size
-    m = len(live.layer_ids)
     lengths = [len(e.token_ids) for e in examples]
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    total = int(offsets[-1])
-    captured = np.lib.format.open_memmap(out / "captured.npy", mode="w+", dtype=np.uint16, shape=(total, m * d))
-    final = np.lib.format.open_memmap(out / "final.npy", mode="w+", dtype=np.uint16, shape=(total, d))
     order = sorted(range(len(examples)), key=lambda i: -lengths[i])
-    bar = tqdm(total=total, desc="target states", unit="tok", disable=not progress)
+    bar = tqdm(total=sum(lengths), desc="target states", unit="tok", disable=not progress)
     start = 0
     while start < len(order):
         width = lengths[order[start]]
@@ -75,13 +71,29 @@ def build_state_cache(live: LiveTarget, examples: list[Example], out: Path, key:
             ids[r, :lengths[i]] = torch.tensor(examples[i].token_ids)
             attn[r, :lengths[i]] = 1
         cap, fin = live(ids.to(device), attn.to(device), torch.tensor(rows))
+        yield rows, cap, fin
+        bar.update(sum(lengths[i] for i in rows))
+        start += count
+    bar.close()
+
+
+def build_state_cache(live: LiveTarget, examples: list[Example], out: Path, key: str, batch_tokens: int = 8192,
+                      progress: bool = True) -> None:
+    """Run the target once over every example (``target_batches``) and write its captured and final states to
+    ``out``. Writes ``index.json`` last, so an interrupted build is redone."""
+    out.mkdir(parents=True, exist_ok=True)
+    d = live.target.config.hidden_size
+    m = len(live.layer_ids)
+    lengths = [len(e.token_ids) for e in examples]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    total = int(offsets[-1])
+    captured = np.lib.format.open_memmap(out / "captured.npy", mode="w+", dtype=np.uint16, shape=(total, m * d))
+    final = np.lib.format.open_memmap(out / "final.npy", mode="w+", dtype=np.uint16, shape=(total, d))
+    for rows, cap, fin in target_batches(live, examples, batch_tokens, progress):
         cap, fin = _words(cap), _words(fin)
         for r, i in enumerate(rows):
             captured[offsets[i]:offsets[i + 1]] = cap[r, :lengths[i]]
             final[offsets[i]:offsets[i + 1]] = fin[r, :lengths[i]]
-        bar.update(sum(lengths[i] for i in rows))
-        start += count
-    bar.close()
     captured.flush()
     final.flush()
     (out / "index.json").write_text(json.dumps({"key": key, "offsets": offsets.tolist(), "captured_width": m * d,
@@ -119,6 +131,49 @@ class CachedTarget:
 
 def _tensor(words: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(words.view(np.int16)).view(torch.bfloat16).to(device=device, dtype=dtype)
+
+
+def state_bytes(examples: list[Example], num_layers: int, hidden_size: int) -> int:
+    """Bytes the target's states of ``examples`` take in bfloat16: (captured layers + final) x hidden a token."""
+    return sum(len(e.token_ids) for e in examples) * (num_layers + 1) * hidden_size * 2
+
+
+class DeviceTarget:
+    """The target's states of every example held in the training device's memory (bfloat16), filled by one pass of
+    the target: a batch's states are then a gather on the device (no forward, no host copy). Padding reads as zeros,
+    as ``CachedTarget``'s does."""
+
+    def __init__(self, live: LiveTarget, examples: list[Example], batch_tokens: int = 65536, progress: bool = True):
+        device = next(live.target.parameters()).device
+        d, m = live.target.config.hidden_size, len(live.layer_ids)
+        need = state_bytes(examples, m, d)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            if need > 0.6 * free:  # (the rest for the step's own tensors)
+                raise ValueError(f"target_cache_in_memory: the target's states of these examples take "
+                                 f"{need / 2**30:.1f} GiB, over 60% of the {free / 2**30:.1f} GiB free on {device}; "
+                                 "use target_cache (a folder) or fewer examples")
+        lengths = [len(e.token_ids) for e in examples]
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self.captured = torch.empty(int(offsets[-1]), m * d, dtype=torch.bfloat16, device=device)
+        self.final = torch.empty(int(offsets[-1]), d, dtype=torch.bfloat16, device=device)
+        for rows, cap, fin in target_batches(live, examples, batch_tokens, progress):
+            for r, i in enumerate(rows):
+                self.captured[offsets[i]:offsets[i + 1]] = cap[r, :lengths[i]]
+                self.final[offsets[i]:offsets[i + 1]] = fin[r, :lengths[i]]
+        self.offsets = torch.from_numpy(offsets).to(device)
+        self.lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
+
+    def __call__(self, ids: torch.Tensor, attn: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states of examples ``rows`` [N], padded with zeros to ids' length L -> [N, L, m*d], [N, L, d], in
+        bfloat16 (the step casts them as it does a live bfloat16 target's)."""
+        rows = rows.to(self.offsets.device)
+        pos = torch.arange(ids.shape[1], device=self.offsets.device)  # [L]
+        valid = pos[None, :] < self.lengths[rows][:, None]  # [N, L]
+        index = torch.where(valid, self.offsets[rows][:, None] + pos[None, :], 0)  # [N, L] rows of the flat states
+        captured = self.captured[index].masked_fill_(~valid[..., None], 0)
+        final = self.final[index].masked_fill_(~valid[..., None], 0)
+        return captured, final
 
 
 def open_state_cache(live: LiveTarget, examples: list[Example], out: Path, target: str, device: torch.device,

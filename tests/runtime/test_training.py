@@ -398,3 +398,42 @@ def test_self_distillation_answers_each_prompt_once_per_sampling(near_bigram_tar
     written = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
     assert [r["temperature"] for r in written] == [0.0, 0.0, 0.8, 0.8]
     assert written[0]["prompt_ids"] == written[2]["prompt_ids"] and all(len(r["response_ids"]) <= 6 for r in written)
+
+
+def test_states_held_in_memory_train_as_the_folder_cache_does(near_bigram_target, distilled, tmp_path):
+    """The target's states held in the device's memory (one pass of the target) give the same steps as the folder
+    cache, which holds the same bfloat16 states; asking for both caches is an error naming them."""
+    cached = train_drafter(config(near_bigram_target, distilled, tmp_path / "cached", steps=6,
+                                  target_cache=str(tmp_path / "states")), progress=False)
+    held = train_drafter(config(near_bigram_target, distilled, tmp_path / "held", steps=6,
+                                target_cache_in_memory=True), progress=False)
+    assert held["loss"] == pytest.approx(cached["loss"], rel=1e-5)
+    with pytest.raises(ValueError, match="target_cache and target_cache_in_memory"):
+        config(near_bigram_target, distilled, tmp_path / "both", steps=1, target_cache=str(tmp_path / "states"),
+               target_cache_in_memory=True)
+
+
+def test_held_states_are_the_examples_own_padded_with_zeros(near_bigram_target):
+    """``DeviceTarget`` gathers each example's states from one flat buffer: a batch of examples of other lengths, in
+    any order, reads what the target computed for each alone (to bfloat16), and zeros past each one's end."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.training.data import Example
+    from runtime.training.target_states import DeviceTarget, LiveTarget
+
+    target = AutoModelForCausalLM.from_pretrained(near_bigram_target).eval()
+    live = LiveTarget(target, [0, 1])
+    g = torch.Generator().manual_seed(0)
+    examples = [Example(torch.randint(3, 200, (n,), generator=g).tolist(), [1] * n) for n in (5, 9, 3)]
+    held = DeviceTarget(live, examples, batch_tokens=12, progress=False)
+    rows = torch.tensor([2, 0, 1])
+    ids = torch.zeros(3, 9, dtype=torch.long)
+    captured, final = held(ids, torch.ones_like(ids), rows)
+    assert captured.shape == (3, 9, 2 * target.config.hidden_size) and captured.dtype == torch.bfloat16
+    for r, i in enumerate(rows.tolist()):
+        n = len(examples[i].token_ids)
+        alone = torch.tensor([examples[i].token_ids])
+        want_captured, want_final = live(alone, torch.ones_like(alone), torch.tensor([i]))
+        torch.testing.assert_close(captured[r, :n].float(), want_captured[0].to(torch.bfloat16).float())
+        torch.testing.assert_close(final[r, :n].float(), want_final[0].to(torch.bfloat16).float())
+        assert not captured[r, n:].any() and not final[r, n:].any()
