@@ -172,13 +172,17 @@ def test_guard_host_benchmark_smoke(tmp_path):
 
 
 def test_train_step_benchmark_times_both_variants_on_one_batch(tmp_path, qwen3_target):
+    """Both variants' steps and the target's forward over the same batch, and with --profile the top operators of
+    one step of each."""
     out = tmp_path / "train-step.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--target", str(qwen3_target),
-                    "--seq-len", "32", "--anchors", "4", "--steps", "1", "--rounds", "1", "--out", str(out)],
-                   check=True, cwd=ROOT, capture_output=True, timeout=300)
+                    "--seq-len", "32", "--anchors", "4", "--steps", "1", "--rounds", "1", "--profile", "--out",
+                    str(out)], check=True, cwd=ROOT, capture_output=True, timeout=300)
     record = json.loads(out.read_text())
-    assert set(record["step_ms"]) == {"dspark-1", "dflash-1"} and record["dspark_over_dflash"] > 0
+    timed = {"dspark-1", "dflash-1", "target-forward"}
+    assert set(record["step_ms"]) == timed and record["dspark_over_dflash"] > 0
     assert record["slots"] == 2 * 4 * 7 and "--target" in record["command"]
+    assert set(record["profile"]) == timed and all(ops and ops[0]["self_ms"] > 0 for ops in record["profile"].values())
 
 
 def test_confidence_host_path_benchmark_smoke(tmp_path):

@@ -26,6 +26,15 @@ NUM_WARPS = 16
 
 
 @triton.jit
+def _tile(d_row, t_row, offs, mask, lse_d, lse_t):
+    """A tile of a row: the draft's softmax p, p - q (q the target's) and sign(p - q), in float32."""
+    p = tl.exp(tl.load(d_row + offs, mask=mask, other=float("-inf")).to(tl.float32) - lse_d)
+    q = tl.exp(tl.load(t_row + offs, mask=mask, other=float("-inf")).to(tl.float32) - lse_t)
+    diff = p - q
+    return p, diff, tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
+
+
+@triton.jit
 def _ce_l1_forward_kernel(d_ptr, t_ptr, labels_ptr, ce_ptr, l1_ptr, stats_ptr, vocab, d_stride, t_stride,
                           BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -53,10 +62,7 @@ def _ce_l1_forward_kernel(d_ptr, t_ptr, labels_ptr, ce_ptr, l1_ptr, stats_ptr, v
     for start in range(0, vocab, BLOCK_V):  # L1 and <sign(p - q), p>
         offs = start + cols
         mask = offs < vocab
-        p = tl.exp(tl.load(d_row + offs, mask=mask, other=float("-inf")).to(tl.float32) - lse_d)
-        q = tl.exp(tl.load(t_row + offs, mask=mask, other=float("-inf")).to(tl.float32) - lse_t)
-        diff = p - q
-        sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
+        p, diff, sign = _tile(d_row, t_row, offs, mask, lse_d, lse_t)
         l1 += tl.sum(tl.abs(diff), axis=0)
         sp += tl.sum(sign * p, axis=0)
     label = tl.load(labels_ptr + row)
@@ -82,10 +88,7 @@ def _ce_l1_backward_kernel(d_ptr, t_ptr, labels_ptr, stats_ptr, grad_ce_ptr, gra
     for start in range(0, vocab, BLOCK_V):
         offs = start + cols
         mask = offs < vocab
-        p = tl.exp(tl.load(d_row + offs, mask=mask, other=float("-inf")).to(tl.float32) - lse_d)
-        q = tl.exp(tl.load(t_row + offs, mask=mask, other=float("-inf")).to(tl.float32) - lse_t)
-        diff = p - q
-        sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
+        p, _, sign = _tile(d_row, t_row, offs, mask, lse_d, lse_t)
         grad = p * (g_l1 * (sign - sp) + g_ce)
         grad = tl.where(offs == label, grad - g_ce, grad)
         tl.store(g_row + offs, grad, mask=mask)
