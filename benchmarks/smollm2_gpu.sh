@@ -15,8 +15,8 @@
 #   bash benchmarks/smollm2_gpu.sh answers WORK OUT SECONDS [SEED]
 #                                                  host, with .whl-fi: the drafter recipe's prompts and answers
 #                                                  (benchmarks/smollm2_drafter.py --scale gpu --seed SEED, default 0),
-#                                                  no new chunk of answers after SECONDS; FlashInfer's JIT cache and the
-#                                                  stage records to OUT
+#                                                  no new chunk of answers after SECONDS; the kernel caches (gpu_host.sh
+#                                                  save-cache-unless-carried) and the stage records to OUT
 #   bash benchmarks/smollm2_gpu.sh carried WORK     host: answers brought back by an earlier `collect ... answers`
 #                                                  (their parts carried in .smollm2-answers/, ignored) into WORK as
 #                                                  the recipe's answers, so training starts without answering again;
@@ -46,10 +46,10 @@
 #                                                  decode steps of our AR, our DSpark, DSpark with every block verified
 #                                                  and DSpark that never drafts (the plain-step floor) at c = 1 and 64,
 #                                                  with Chrome traces, then the four at c = 1..256; with `hf` also transformers with a
-#                                                  static cache and torch.compile at c = 1) into OUT, and pack
-#                                                  FlashInfer's JIT cache there unless one was carried (bring it back
-#                                                  as .fi-cache/: later runs skip the compiles). DRAFTER: default the
-#                                                  shipped one
+#                                                  static cache and torch.compile at c = 1) into OUT, and pack the
+#                                                  kernel caches there unless both were carried (bring them back as
+#                                                  .fi-cache/ and .triton-cache/: later runs skip the compiles).
+#                                                  DRAFTER: default the shipped one
 # Every step after the parts needs FlashInfer (the CUDA-graphed path; the torch kernels run eagerly). On one warm host,
 # each command within the host's idle window of the one before (a carry holds at most 64 MiB with the tree; `split 33`
 # sizes the parts for it): (1) .smollm2-part-1 with the whole tree: stash (it keeps the shipped drafter); (2)
@@ -108,7 +108,7 @@ case "${1:-}" in
     mkdir -p "$work"
     python3 -u benchmarks/smollm2_drafter.py --work "$work" --scale gpu --stages prompts,answers --seed "$seed" \
       --answer-seconds "$seconds" > "$work/answers.log" 2>&1 || echo "answers: exit $?" >&2
-    compgen -G ".fi-cache/*.part-*" >/dev/null || bash benchmarks/gpu_host.sh save-cache "$out"
+    bash benchmarks/gpu_host.sh save-cache-unless-carried "$out"
     cp "$work"/stage-*.json "$out/" 2>/dev/null || true
     tail -c 3000 "$work/answers.log" >&2
     ;;
@@ -200,7 +200,7 @@ PY
     # compile FlashInfer's kernels once and keep them before measuring (a run cut short still brings them back)
     python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 4 --requests 4 --max-tokens 16 --rounds 1 \
       --hf none --out "$out/warm.json" > "$out/warm.log" 2>&1 || echo "warm-up: exit $?" >&2
-    compgen -G ".fi-cache/*.part-*" >/dev/null || bash benchmarks/gpu_host.sh save-cache "$out"
+    bash benchmarks/gpu_host.sh save-cache-unless-carried "$out"
     timeout 360 python3 -u benchmarks/e2e_bench.py --drafter "$drafter" --concurrency 1,4,16,64,256 --hf none \
       --undrafted --fixed --profile-steps 20 --profile-concurrency 1,64 --trace --out "$out/e2e-smollm2-gpu.json" > "$out/e2e.log" 2>&1 ||
       echo "e2e: exit $?" >&2
