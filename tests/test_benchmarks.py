@@ -382,3 +382,24 @@ def test_the_smollm2_recipe_writes_only_the_prompts_a_chunk_answers(monkeypatch)
         if j < wanted[row["write"]] - wanted[row["write"]] // 3:
             expected.append({"source": row["source"], "messages": [{"role": "user", "content": None}]})
     assert [r["source"] for r in out] == [r["source"] for r in expected] and all("messages" in r for r in out)
+
+
+def test_the_smollm2_recipe_holds_states_in_memory_only_where_asked(monkeypatch, tmp_path, capsys):
+    """``--states-in-memory`` gives the GPU scale's trainer ``target_cache_in_memory``; the CPU scale keeps its folder
+    cache and refuses the flag by name; without it the GPU scale runs the target live."""
+    import runtime.training.drafter_trainer as trainer
+
+    spec = importlib.util.spec_from_file_location("smollm2_drafter", ROOT / "benchmarks" / "smollm2_drafter.py")
+    recipe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "smollm2_drafter", recipe)
+    spec.loader.exec_module(recipe)
+    configs = []
+    monkeypatch.setattr(trainer, "train_drafter", lambda cfg: configs.append(cfg) or {"finished": True})
+    recipe.train_variant("dspark-1", recipe.SCALES["gpu"], tmp_path, 100, 0, None, states_in_memory=True)
+    recipe.train_variant("dspark-1", recipe.SCALES["gpu"], tmp_path, 100, 0, None)
+    recipe.train_variant("dspark-1", recipe.SCALES["cpu"], tmp_path, 100, 0, None)
+    assert [(c.target_cache_in_memory, c.target_cache) for c in configs] == [
+        (True, None), (False, None), (False, str(tmp_path / "target-states"))]
+    with pytest.raises(SystemExit):
+        recipe.main(["--work", str(tmp_path), "--scale", "cpu", "--states-in-memory"])
+    assert "--states-in-memory: the cpu scale keeps" in capsys.readouterr().err
