@@ -9,10 +9,10 @@ kernels, one program a row reading it in tiles of ``BLOCK_V``:
   ``<s, p>`` (``p``, ``q`` the draft's and target's softmaxes, ``s = sign(p - q)``), the label's logit once;
 - backward: one pass writing ``p (g_l1 (s - <s, p>) + g_ce) - g_ce onehot(label)``, the reference's gradient.
 
-So a step reads the [rows, V] logits five times and writes one gradient, where the torch reference runs a dozen
-element-wise passes and keeps float32 copies. The target logits are read in their own dtype (a bfloat16 LM head's
-output needs no float32 copy); all arithmetic is float32. Importing this module needs triton; the kernels need CUDA
-tensors (or Triton's CPU interpreter).
+So a step reads each [rows, V] logits tensor three times and writes one gradient, where the torch reference runs a
+dozen element-wise passes and keeps float32 copies. The target logits are read in their own dtype (a bfloat16 LM
+head's output needs no float32 copy); all arithmetic is float32. Importing this module needs triton; the kernels
+need CUDA tensors (or Triton's CPU interpreter).
 """
 
 from __future__ import annotations
