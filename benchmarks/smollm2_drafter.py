@@ -105,7 +105,7 @@ def conversations(scale: Scale, seed: int) -> list[dict]:
 
 
 def written_in(llm, rows: list[dict], seed: int) -> list[dict]:
-    """``rows`` with each prompt the target is to write written (``write_prompts``, all of a kind in one batch, the
+    """``rows`` with each prompt the target is to write written (``write_prompts``, every kind in one batch, the
     seed per kind and chunk); a written prompt that came out unusable (empty, too long, a repeat) is dropped."""
     from runtime.training.self_distill import write_prompts
 
@@ -113,8 +113,8 @@ def written_in(llm, rows: list[dict], seed: int) -> list[dict]:
     for row in rows:
         if "write" in row:
             wanted[row["write"]] = wanted.get(row["write"], 0) + 1
-    written = {kind: iter(write_prompts(llm, kind, wanted[kind], seed + 1000 * (k + 1)))
-               for k, kind in enumerate(sorted(wanted))}
+    kinds = {kind: (wanted[kind], seed + 1000 * (k + 1)) for k, kind in enumerate(sorted(wanted))}
+    written = {kind: iter(texts) for kind, texts in write_prompts(llm, kinds).items()}
     out = []
     for row in rows:
         if "write" not in row:

@@ -364,15 +364,16 @@ def test_the_smollm2_recipe_writes_only_the_prompts_a_chunk_answers(monkeypatch)
     assert len(placed) == sum(recipe.SCALES["cpu"].written.values()) and all("messages" not in r for r in placed)
     calls = []
 
-    def write_prompts(llm, kind, count, seed):  # the target's writing; every third comes out unusable
-        calls.append((kind, count, seed))
-        return [f"{kind} {seed} {i}" for i in range(count) if i % 3 != 2]
+    def write_prompts(llm, kinds):  # the target's writing, every kind in one call; every third comes out unusable
+        calls.append(kinds)
+        return {kind: [f"{kind} {seed} {i}" for i in range(count) if i % 3 != 2]
+                for kind, (count, seed) in kinds.items()}
 
     monkeypatch.setattr("runtime.training.self_distill.write_prompts", write_prompts)
     chunk = rows[:64]
     out = recipe.written_in(object(), chunk, seed=10_000)
     wanted = {kind: sum(r.get("write") == kind for r in chunk) for kind in ("chat", "code", "math")}
-    assert sorted(calls) == [(kind, n, 10_000 + 1000 * (k + 1)) for k, (kind, n) in enumerate(sorted(wanted.items()))]
+    assert calls == [{kind: (n, 10_000 + 1000 * (k + 1)) for k, (kind, n) in enumerate(sorted(wanted.items()))}]
     expected, seen = [], {kind: 0 for kind in wanted}  # the j-th place of a kind holds its j-th usable prompt
     for row in chunk:
         if "write" not in row:

@@ -29,18 +29,24 @@ class Sampling:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, seed=seed)
 
 
-def write_prompts(llm, kind: str, count: int, seed: int, sampling: Sampling = Sampling(0.7, 0.9),
-                  max_tokens: int = 160) -> list[str]:
-    """Up to ``count`` distinct prompts of ``kind`` (math, code, chat) written by the target itself."""
-    requests = write_requests(kind, count, seed)
-    prompts = [chat_token_ids(llm.tokenizer, [{"role": "user", "content": r}]) for r in requests]
-    outs = llm.generate(prompts, [sampling.params(max_tokens, seed + i) for i in range(count)])
-    written, seen = [], set()
-    for out in outs:
+def write_prompts(llm, kinds: dict[str, tuple[int, int]], sampling: Sampling = Sampling(0.7, 0.9),
+                  max_tokens: int = 160) -> dict[str, list[str]]:
+    """For each kind (math, code, chat) -> (count, seed): up to ``count`` distinct prompts of that kind written by the
+    target itself (its i-th request seeded ``seed + i``), every kind's requests in one generate call (the engine's
+    batch drains once, not once a kind)."""
+    prompts, params, owners = [], [], []
+    for kind, (count, seed) in kinds.items():
+        for i, request in enumerate(write_requests(kind, count, seed)):
+            prompts.append(chat_token_ids(llm.tokenizer, [{"role": "user", "content": request}]))
+            params.append(sampling.params(max_tokens, seed + i))
+            owners.append(kind)
+    written: dict[str, list[str]] = {kind: [] for kind in kinds}
+    seen: dict[str, set[str]] = {kind: set() for kind in kinds}
+    for kind, out in zip(owners, llm.generate(prompts, params) if prompts else []):
         text = usable_prompt(out.text) if out.finish_reason == "stop" else None
-        if text is not None and text not in seen:
-            seen.add(text)
-            written.append(text)
+        if text is not None and text not in seen[kind]:
+            seen[kind].add(text)
+            written[kind].append(text)
     return written
 
 

@@ -437,3 +437,27 @@ def test_held_states_are_the_examples_own_padded_with_zeros(near_bigram_target):
         torch.testing.assert_close(captured[r, :n].float(), want_captured[0].to(torch.bfloat16).float())
         torch.testing.assert_close(final[r, :n].float(), want_final[0].to(torch.bfloat16).float())
         assert not captured[r, n:].any() and not final[r, n:].any()
+
+
+def test_the_target_writes_every_kinds_prompts_in_one_call(near_bigram_target):
+    """``write_prompts``: one generate call for all kinds, each kind's i-th request seeded ``seed + i``; an unfinished
+    or unusable text is dropped and a repeat within a kind kept once (the same text in two kinds stays in both)."""
+    from types import SimpleNamespace
+
+    from runtime.training.self_distill import write_prompts
+
+    tokenizer = LLM(str(near_bigram_target), **ENGINE).tokenizer
+    calls = []
+
+    def generate(prompts, params):
+        calls.append([p.seed for p in params])
+        repeat = "A prompt that repeats."
+        texts = {100: "short", 101: repeat, 102: repeat, 200: repeat}
+        return [SimpleNamespace(text=texts.get(p.seed, f"Prompt written at seed {p.seed}."),
+                                finish_reason="length" if p.seed == 103 else "stop") for p in params]
+
+    llm = SimpleNamespace(tokenizer=tokenizer, generate=generate)
+    written = write_prompts(llm, {"math": (5, 100), "code": (2, 200)})
+    assert calls == [[100, 101, 102, 103, 104, 200, 201]]
+    assert written == {"math": ["A prompt that repeats.", "Prompt written at seed 104."],
+                       "code": ["A prompt that repeats.", "Prompt written at seed 201."]}
