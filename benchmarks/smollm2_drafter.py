@@ -151,8 +151,11 @@ def train_variant(name: str, scale: Scale, work: Path, rows: int, seed: int, bud
     from runtime.training.drafter_trainer import train_drafter
 
     steps = max(1, math.ceil(scale.epochs * rows / scale.train["batch_size"]))
-    cache = {"target_cache": str(work / "target-states")} if scale.train["device"] == "cpu" else \
-        {"target_cache_in_memory": True} if states_in_memory else {}
+    cache = {}
+    if scale.train["device"] == "cpu":
+        cache = {"target_cache": str(work / "target-states")}
+    elif states_in_memory:
+        cache = {"target_cache_in_memory": True}
     cfg = DrafterTrainConfig(target="smollm2", data=str(work / "answers.jsonl"), out=str(work / name),
                              block_size=BLOCK, target_layer_ids=LAYER_IDS, mask_token_id=MASK_TOKEN_ID, steps=steps,
                              seed=seed, log_every=100, save_every=max(steps // 4, 100), time_budget_s=budget,

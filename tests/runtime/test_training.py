@@ -461,3 +461,27 @@ def test_the_target_writes_every_kinds_prompts_in_one_call(near_bigram_target):
     assert calls == [[100, 101, 102, 103, 104, 200, 201]]
     assert written == {"math": ["A prompt that repeats.", "Prompt written at seed 104."],
                        "code": ["A prompt that repeats.", "Prompt written at seed 201."]}
+
+
+def test_every_samplings_answers_go_to_the_engine_in_one_call(near_bigram_target, tmp_path):
+    """``answer_prompts`` submits all samplings' requests at once (the engine's batch drains once), sampling-major,
+    request ``k * prompts + i`` seeded ``seed + k * prompts + i``; the rows come out in that order."""
+    import json
+    from types import SimpleNamespace
+
+    from runtime.training.self_distill import Sampling, answer_prompts
+
+    tokenizer = LLM(str(near_bigram_target), **ENGINE).tokenizer
+    calls = []
+
+    def generate(prompts, params, use_tqdm=False):
+        calls.append([(p.seed, p.temperature) for p in params])
+        return [SimpleNamespace(token_ids=[p.seed], finish_reason="stop") for p in params]
+
+    rows = [{"source": s, "messages": [{"role": "user", "content": f"question {s}"}]} for s in ("a", "b")]
+    answer_prompts(SimpleNamespace(tokenizer=tokenizer, generate=generate), rows, [Sampling(0.0), Sampling(0.8, 0.9)],
+                   max_tokens=4, max_prompt_tokens=64, out=tmp_path / "answers.jsonl", seed=10)
+    assert calls == [[(10, 0.0), (11, 0.0), (12, 0.8), (13, 0.8)]]
+    written = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert [(r["source"], r["temperature"], r["response_ids"]) for r in written] == [
+        ("a", 0.0, [10]), ("b", 0.0, [11]), ("a", 0.8, [12]), ("b", 0.8, [13])]
