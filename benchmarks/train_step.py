@@ -39,9 +39,10 @@ SHAPES = {"smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="smollm2", help="a target by name or path (default smollm2)")
-    parser.add_argument("--shape", choices=sorted(SHAPES),
-                        help="instead of --target: a target of this shape with random weights")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--target", default="smollm2", help="a target by name or path (default smollm2)")
+    which.add_argument("--shape", choices=sorted(SHAPES),
+                       help="instead of --target: a target of this shape with random weights")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--autocast", choices=["auto", "off", "bfloat16"], default="auto",
                         help="the step's autocast (auto: bfloat16 on a GPU, off on a CPU, as the recipe trains)")

@@ -194,6 +194,9 @@ def test_train_step_benchmark_builds_a_random_target_of_smollm2s_shape(tmp_path)
     record = json.loads(out.read_text())
     assert record["vocab_size"] == 49152 and record["target"] == "random weights, smollm2's shape"
     assert set(record["step_ms"]) == {"dspark-1", "dflash-1", "target-forward"}
+    both = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--shape", "smollm2",
+                           "--target", "smollm2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
 
 def test_confidence_host_path_benchmark_smoke(tmp_path):
