@@ -163,6 +163,22 @@ def hf_generate(model, tokenizer, prompts: list[list[int]], concurrency: int, ma
             "tpot_ms_median": statistics.median(tpots)}
 
 
+def cpu_name() -> str:
+    """This host's CPU as a record names it: its model (Linux), its cores and its bfloat16 instructions."""
+    import os
+    import platform
+
+    from runtime.worker.devices import cpu_bfloat16_flag
+
+    model = platform.processor() or "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, bfloat16 instructions: {cpu_bfloat16_flag() or 'none'}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -174,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-draft-len", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of our two engines (default 2)")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="our engines' dtype (default auto: bfloat16 on a GPU, float32 on the CPU)")
     parser.add_argument("--kv-cache-gib", type=float,
                         help="KV cache of each engine (default 16 on a GPU, 1 on the CPU: the engines hold theirs at "
                              "once)")
@@ -200,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else 1.0 if on_cpu else 16.0
-    engine = dict(device=args.device, max_num_seqs=max(levels), kv_cache_memory=int(kv_gib * 2**30),
+    engine = dict(device=args.device, dtype=args.dtype, max_num_seqs=max(levels), kv_cache_memory=int(kv_gib * 2**30),
                   max_model_len=4096)
     ar = LLM(args.model, **engine)
     drafting = {"speculative_model": args.drafter, "max_draft_len": args.max_draft_len}
@@ -228,10 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         hf_model = AutoModelForCausalLM.from_pretrained(ar.config.model, dtype=torch.bfloat16 if
                                                         torch.cuda.is_available() else torch.float32)
         hf_model = hf_model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and args.device != "cpu" else "CPU"
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and args.device != "cpu" else cpu_name()
     rows = []
     record = {"kind": "e2e", "model": args.model, "drafter": args.drafter, "max_draft_len": args.max_draft_len,
-              "max_tokens": args.max_tokens, "hardware": device, "date": datetime.date.today().isoformat(),
+              "max_tokens": args.max_tokens, "dtype": args.dtype, "hardware": device,
+              "date": datetime.date.today().isoformat(),
               "command": "python benchmarks/e2e_bench.py " + shlex.join(sys.argv[1:] if argv is None else argv),
               "hf_peer": {"none": None, "eager": "dynamic cache, eager",
                           "compile": "static cache + torch.compile (reduce-overhead, fullgraph)"}[args.hf],

@@ -96,7 +96,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-park-s", type=number_or_never(0, above=True), metavar="SECONDS|never",
                    help="seconds without a step after which a Ray replica parks its step graph (its actors stop "
                    "spinning a core each; the next step compiles it again); never: keep it armed (default 2)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="default auto (bf16 on GPU)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="default auto: bfloat16 on a "
+                   "GPU, float32 on a CPU; the demo (no --model) runs in bfloat16 on a CPU that multiplies it "
+                   "natively (AVX512-BF16, AMX, Arm BF16)")
     p.add_argument("--device", type=device_name, help=DEVICE_HELP)
     p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, help="requests decoding at once (default 64)")
@@ -169,7 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="stream one completion of PROMPT to the terminal",
                                    description="Run one request on a Ray replica and print the text as it is "
                                    "generated, then the speculative-decoding counters on stderr.")
-    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    generate.add_argument("--chat", action="store_true", help="send PROMPT as a user's message through the model's "
+                          "chat template, as instruction-tuned models (the demo's) expect; without it the text is "
+                          "continued as it is")
     add_model_flags(generate)
     generate.add_argument("--max-tokens", type=int, default=128, help="default 128")
     generate.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
@@ -345,6 +350,8 @@ def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
         data["api_key"] = key
     source = args.config or "command line"
     if "model" not in engine:
+        if "dtype" not in engine and (dtype := demo_dtype(engine.get("device", "auto"))) is not None:
+            engine["dtype"] = dtype
         data = with_demo(data, engine, speculative, sections, DEMO_MODEL, DEMO_DRAFTER)
     else:
         data = with_demo(data, engine, speculative, sections)
@@ -364,6 +371,29 @@ def serve_args(args: argparse.Namespace, flags: dict) -> ServeArgs:
     parallel = parsed.parallel.model_copy(update={"ray_address": address})
     return parsed.model_copy(update={"engine": resolve_hub_ids(parsed.engine, flags), "served_model_name": name,
                                      "parallel": parallel})
+
+
+def demo_dtype(device: str) -> str | None:
+    """The demo's dtype where none is given: bfloat16 where it runs on a CPU that multiplies bfloat16 natively (this
+    machine's: the demo serves where it is started), None (auto: float32 on a CPU, bfloat16 on a GPU) elsewhere.
+
+    On such a CPU a verify step's eight rows cost about what a decode step's one does in bfloat16 and twice as much in
+    float32, so speculation pays there in bfloat16 only (``docs/performance.md``, SmolLM2 on the CPU)."""
+    if device not in ("auto", "cpu"):
+        return None
+    if device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+    from runtime.worker.devices import cpu_bfloat16_flag
+
+    flag = cpu_bfloat16_flag()
+    if flag is None:
+        return None
+    print(f"dspark: the demo runs in bfloat16, which this CPU multiplies natively ({flag}); --dtype float32 for "
+          "float32", file=sys.stderr)
+    return "bfloat16"
 
 
 def with_demo(data: dict, engine: dict, speculative: dict, sections: dict, target: str | None = None,
@@ -505,7 +535,7 @@ def run_generate(args: argparse.Namespace) -> int:
     with LLM.from_config(ReplicaConfig(engine=parsed.engine, parallel=parsed.parallel)) as llm:
         text = TextStream(llm.tokenizer, None)
         last = None
-        for last in llm.stream(args.prompt, params):
+        for last in llm.stream(generate_prompt(llm.tokenizer, args.prompt, args.chat), params):
             print(text.delta(last), end="", flush=True)
         print()
         request = {"completion_tokens": len(last.token_ids), "draft_tokens": last.num_draft_tokens,
@@ -513,6 +543,14 @@ def run_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"request": request, **{k: v for k, v in llm.get_metrics().items()
                                                  if k.startswith(("num_", "mean_"))}}), file=sys.stderr)
     return 0
+
+
+def generate_prompt(tokenizer, prompt: str, chat: bool) -> str | list[int]:
+    """What ``dspark generate`` sends: the text as it is, or with ``chat`` the token ids of a conversation of one user
+    message through the tokenizer's chat template, ready for the assistant's turn (ValueError without a template)."""
+    from runtime.engine.chat import chat_token_ids
+
+    return chat_token_ids(tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt
 
 
 def run_check_config(args: argparse.Namespace) -> int:

@@ -263,3 +263,59 @@ def test_the_memory_flags_reach_the_engine_config():
     assert serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS}).engine.kv_cache_memory == 2 << 30
     args = build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.8"])
     assert serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS}).engine.gpu_memory_utilization == 0.8
+
+
+AVX512_BF16_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_vnni\n"
+AMX_CPU = "processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n"
+ARM_BF16_CPU = "processor\t: 0\nFeatures\t: fp asimd sve i8mm bf16\n"
+AVX512_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni\n"
+
+
+def test_the_cpus_bfloat16_instructions_are_read_from_cpuinfo():
+    from runtime.worker.devices import cpu_bfloat16_flag
+
+    assert cpu_bfloat16_flag(AVX512_BF16_CPU) == "avx512_bf16"
+    assert cpu_bfloat16_flag(AMX_CPU) == "amx_bf16"
+    assert cpu_bfloat16_flag(ARM_BF16_CPU) == "bf16"
+    assert cpu_bfloat16_flag(AVX512_CPU) is None
+    assert cpu_bfloat16_flag("") is None
+
+
+def test_the_demo_runs_in_bfloat16_on_a_cpu_that_multiplies_it_natively(qwen3_target, monkeypatch, capsys):
+    """Without a model (the demo) and without --dtype, a CPU with bfloat16 instructions serves in bfloat16 and says
+    so; any other CPU, a GPU, a given --dtype or a given model keep auto's choice."""
+    from cluster.cli import MODEL_FLAGS, SERVE_FLAGS, build_parser, serve_args
+    from runtime.worker import devices
+
+    monkeypatch.setattr("runtime.models.hub.resolve_hub_ids", lambda engine, flags: engine)  # (names stay names)
+    read = devices.cpu_bfloat16_flag
+
+    def dtype(cpuinfo, *argv, cuda=False):
+        monkeypatch.setattr(devices, "cpu_bfloat16_flag", lambda: read(cpuinfo))
+        monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
+        args = build_parser().parse_args(["serve", *argv])
+        return serve_args(args, {**MODEL_FLAGS, **SERVE_FLAGS}).engine.dtype
+
+    assert dtype(AVX512_BF16_CPU) == "bfloat16"
+    assert "the demo runs in bfloat16, which this CPU multiplies natively (avx512_bf16)" in capsys.readouterr().err
+    assert dtype(ARM_BF16_CPU, "--device", "cpu") == "bfloat16" and "natively (bf16)" in capsys.readouterr().err
+    assert dtype(AVX512_CPU) == "auto" and dtype(AVX512_CPU, "--device", "cpu") == "auto"
+    assert dtype(AVX512_BF16_CPU, cuda=True) == "auto"  # (a GPU: auto is bfloat16 there)
+    assert dtype(AVX512_BF16_CPU, "--dtype", "float32") == "float32"
+    assert dtype(AVX512_BF16_CPU, "--model", str(qwen3_target)) == "auto"
+    assert "bfloat16" not in capsys.readouterr().err
+
+
+def test_generate_sends_the_prompt_as_it_is_or_as_a_chat_turn(qwen3_target, tmp_path):
+    from transformers import AutoTokenizer
+
+    from cluster.cli import build_parser, generate_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(qwen3_target))
+    assert generate_prompt(tok, "def main():", chat=False) == "def main():"
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert generate_prompt(tok, "hi", chat=True) == tok(chat, add_special_tokens=False)["input_ids"]
+    assert build_parser().parse_args(["generate", "hi", "--chat"]).chat
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="this model has no chat template"):
+        generate_prompt(tok, "hi", chat=True)

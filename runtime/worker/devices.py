@@ -26,6 +26,33 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+# CPU feature flags of instructions that multiply bfloat16 natively: x86's in /proc/cpuinfo's "flags", aarch64's in
+# its "Features" (best first)
+BFLOAT16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+
+
+def cpu_bfloat16_flag(cpuinfo: str | None = None) -> str | None:
+    """The flag of this CPU's instructions that multiply bfloat16 natively (``BFLOAT16_CPU_FLAGS``), or None where it
+    has none or the platform does not say (``cpuinfo``: /proc/cpuinfo's text; read here when None, Linux only).
+
+    There a product of a few rows reads half the bytes of float32's and multiplies as fast, so that a verify step's
+    eight rows cost little more than a decode step's one (in float32 on a 2-core AVX512-BF16 host, about twice as
+    much: docs/performance.md, SmolLM2 on the CPU). Without such instructions torch converts bfloat16 to float32 to
+    multiply it."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return next((flag for flag in BFLOAT16_CPU_FLAGS if flag in flags), None)
+
+
 def kv_budget_bytes(config: LLMConfig, device: torch.device) -> int:
     """Bytes this process may give to KV pages (called once the weights are loaded): the config's
     ``kv_cache_memory``; else what ``gpu_memory_utilization`` of the device's total leaves beside the memory already
