@@ -170,13 +170,14 @@ def cpu_name() -> str:
 
     from runtime.worker.devices import cpu_bfloat16_flag
 
-    model = platform.processor() or "CPU"
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), model)
+            cpuinfo = f.read()
     except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, bfloat16 instructions: {cpu_bfloat16_flag() or 'none'}"
+        cpuinfo = ""
+    model = next((line.partition(":")[2].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 platform.processor() or "CPU")
+    return f"{model}, {os.cpu_count()} cores, bfloat16 instructions: {cpu_bfloat16_flag(cpuinfo) or 'none'}"
 
 
 def main(argv: list[str] | None = None) -> int:

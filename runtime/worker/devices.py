@@ -35,9 +35,9 @@ def cpu_bfloat16_flag(cpuinfo: str | None = None) -> str | None:
     """The flag of this CPU's instructions that multiply bfloat16 natively (``BFLOAT16_CPU_FLAGS``), or None where it
     has none or the platform does not say (``cpuinfo``: /proc/cpuinfo's text; read here when None, Linux only).
 
-    There a product of a few rows reads half the bytes of float32's and multiplies as fast, so that a verify step's
-    eight rows cost little more than a decode step's one (in float32 on a 2-core AVX512-BF16 host, about twice as
-    much: docs/performance.md, SmolLM2 on the CPU). Without such instructions torch converts bfloat16 to float32 to
+    There a product of a few rows reads half the bytes of float32's and multiplies as fast: on a 2-core AVX512-BF16
+    host a step verifying SmolLM2's blocks of seven drafts cost 1.49x a plain step in bfloat16, 4.5x in float32
+    (docs/performance.md, SmolLM2 on the CPU). Without such instructions torch converts bfloat16 to float32 to
     multiply it."""
     if cpuinfo is None:
         try:
