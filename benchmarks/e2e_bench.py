@@ -55,6 +55,16 @@ def real_prompts(tokenizer, count: int) -> list[list[int]]:
     return prompts
 
 
+GPU_KV_BUDGET_GIB = 40.0  # every engine alive at once holds its own cache: with weights and activations an 80 GB GPU
+
+
+def default_kv_cache_gib(on_cpu: bool, engines: int) -> float:
+    """Each engine's KV cache when ``--kv-cache-gib`` is not given: 1 GiB on the CPU; on a GPU ``GPU_KV_BUDGET_GIB``
+    shared by the ``engines`` alive together, at most 16 GiB each (four engines of 16 GiB ran an 80 GB H100 out of
+    memory at 256 requests; SmolLM2's 256 requests of ~700 tokens hold ~4 GiB)."""
+    return 1.0 if on_cpu else min(16.0, GPU_KV_BUDGET_GIB / max(engines, 1))
+
+
 def closed_loop(engine, prompts: list[list[int]], concurrency: int, params) -> dict:
     """Keep ``concurrency`` requests in flight until every prompt has finished; tokens/s and per-request TPOT."""
     import dataclasses
@@ -194,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="our engines' dtype (default auto: bfloat16 on a GPU, float32 on the CPU)")
     parser.add_argument("--kv-cache-gib", type=float,
-                        help="KV cache of each engine (default 16 on a GPU, 1 on the CPU: the engines hold theirs at "
-                             "once)")
+                        help="KV cache of each engine (default: on a GPU 40 GiB shared by the engines alive at once, "
+                             "at most 16 each; 1 on the CPU)")
     parser.add_argument("--hf", choices=("none", "eager", "compile"), default="none",
                         help="also time transformers generate: eager (dynamic cache) or compile (static cache + "
                         "torch.compile); default none")
@@ -218,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 
     levels = [int(c) for c in args.concurrency.split(",")]
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
-    kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else 1.0 if on_cpu else 16.0
+    engines_alive = 1 + (args.drafter != "none") * (1 + args.fixed + args.undrafted)
+    kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else default_kv_cache_gib(on_cpu, engines_alive)
     engine = dict(device=args.device, dtype=args.dtype, max_num_seqs=max(levels), kv_cache_memory=int(kv_gib * 2**30),
                   max_model_len=4096)
     ar = LLM(args.model, **engine)
@@ -250,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and args.device != "cpu" else cpu_name()
     rows = []
     record = {"kind": "e2e", "model": args.model, "drafter": args.drafter, "max_draft_len": args.max_draft_len,
-              "max_tokens": args.max_tokens, "dtype": args.dtype, "hardware": device,
+              "max_tokens": args.max_tokens, "dtype": args.dtype, "kv_cache_gib_each": kv_gib, "hardware": device,
               "date": datetime.date.today().isoformat(),
               "command": "python benchmarks/e2e_bench.py " + shlex.join(sys.argv[1:] if argv is None else argv),
               "hf_peer": {"none": None, "eager": "dynamic cache, eager",

@@ -327,6 +327,16 @@ def test_e2e_bench_pairs_our_two_engines_on_real_prompts_and_runs_our_ar_alone(t
     assert alone["dspark_rank_info"] is None and "dspark_tokens_per_s" not in alone["rows"][0]
 
 
+def test_e2e_bench_shares_a_gpu_kv_budget_among_the_engines_alive_together():
+    spec = importlib.util.spec_from_file_location("e2e_bench", ROOT / "benchmarks" / "e2e_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.default_kv_cache_gib(True, 4) == 1.0
+    assert module.default_kv_cache_gib(False, 1) == module.default_kv_cache_gib(False, 2) == 16.0
+    # AR, DSpark, fixed K and never drafting: 40 GiB among four, what fits an 80 GB GPU beside the weights
+    assert module.default_kv_cache_gib(False, 4) == 10.0
+
+
 def test_e2e_bench_times_dspark_that_never_drafts_and_fixed_k_beside_the_pair(tmp_path, make_drafter):
     """``--undrafted``: DSpark with a block of 0 every step (the guard's floor); ``--fixed``: every block verified (the
     guard off); both in the same rounds."""

@@ -21,13 +21,15 @@ step verifies whole blocks its drafts barely vary). Steps that decode beside a p
 steps runs, since that is what a batch that stops drafting does: on an engine that launches each plain step while the
 host still finishes the one before (``runs_ahead``), only a *steady* plain step is timed, one launched ahead and
 launching the next ahead; a plain step between drafting steps also pays the host's work that the overlap hides (on a GPU
-15-60% more than a steady step). A bucket not yet priced decides by the nearest priced bucket's prices (a drafting
-step's price over a plain one's moves slowly with the batch). Where no bucket is priced the guard drafts (the engine was
-given a drafter) and, now and then, runs plain steps in a row to time one (``exploration``: two, the second clean of the
-block verified at the first; with ``runs_ahead`` four, the third steady; ever more rarely while drafting clearly beats
-plain decoding); unless the requests' expected extra tokens together do not beat the margin: a drafting step never costs
-less than a plain one, so then drafting cannot pay at any price (an untrained drafter at a batch size not seen before
-decodes plain from its first step).
+15-60% more than a steady step). On such an engine a batch that keeps drafting for everyone launches each step ahead
+too, so the whole price is the steady whole steps' (``whole_s``), and the steps in their turn (a drafting run's first, a
+probe's) are priced apart (``whole_serial_s``: they price a probe and a ragged step). A bucket not yet priced decides by
+the nearest priced bucket's prices (a drafting step's price over a plain one's moves slowly with the batch). Where no
+bucket is priced the guard drafts (the engine was given a drafter) and, now and then, runs plain steps in a row to time
+one (``exploration``: two, the second clean of the block verified at the first; with ``runs_ahead`` four, the third
+steady; ever more rarely while drafting clearly beats plain decoding); unless the requests' expected extra tokens
+together do not beat the margin: a drafting step never costs less than a plain one, so then drafting cannot pay at any
+price (an untrained drafter at a batch size not seen before decodes plain from its first step).
 
 A plain decision stands, without ranking the gains and pricing every ``m`` again, until a request arrives or
 leaves, a verify is observed, a probe is due or ``probe_first`` steps pass (only the prices' drift goes unweighed
@@ -41,7 +43,9 @@ doubling schedule; each interval starts over once drafting pays again. A batch's
 no more often than keeps what a probe costs over a plain step within ``probe_budget`` (2%) of the plain steps' time
 after it: where a probe costs 4 plain steps, one every 150 steps at most. A probe costs its drafting step and, at the
 step after it, its blocks' verify: the verify is priced from the decode steps that verified drafts and drafted none (on
-a compute-bound batch, many requests verifying K + 1 tokens each, it is most of a probe's price). A step's time enters
+a compute-bound batch, many requests verifying K + 1 tokens each, it is most of a probe's price). Where steps run ahead
+a batch probe drafts two steps in a row (``probe_len``): the second, launched ahead and launching the next, is steady,
+so a batch that decodes plain still learns what a run of drafting steps costs. A step's time enters
 the prices at most at 4x what was learned (a host's pause is no price), and the first of each kind at a bucket not at
 all.
 
@@ -139,6 +143,13 @@ class _BucketCosts:
     whole_s: float | None = None
     whole_steps: int = 0
     whole_at: int = 0
+    # on an engine that launches steps ahead, such steps run in their turn (the first of a drafting run, after plain
+    # steps: a probe's) pay the host's work that a run of drafting steps, each launched ahead, overlaps: their mean is
+    # kept apart, ``whole_s`` the steady ones' (on an H100 at 16 requests of SmolLM2, verifying every block outran
+    # plain decoding by 1.08-1.17x while the mean over both kinds priced such a step at 2.5-2.7 plain ones)
+    whole_serial_s: float | None = None
+    whole_serial_steps: int = 0
+    whole_serial_at: int = 0
     # a verified draft's price over a plain step, from the steps that verified drafts and drafted none (the step
     # after a probe or after drafting stopped): a probe pays its blocks' verify there, which on a compute-bound step
     # (many requests, K + 1 tokens each) costs several plain steps, while its drafting step alone costs little more
@@ -176,14 +187,28 @@ class _BucketCosts:
         self.sw, self.sx, self.sy = decay * self.sw + 1, decay * self.sx + drafts, decay * self.sy + seconds
         self.sxx, self.sxy = decay * self.sxx + drafts * drafts, decay * self.sxy + drafts * seconds
 
-    def observe_whole(self, seconds: float, step: int, forget: float) -> None:
+    def observe_whole(self, seconds: float, step: int, forget: float, steady: bool = True) -> None:
         """A drafting step that verified every block: averaged as plain steps are (``observe_plain``), after the
-        drafting fit has left out the bucket's first drafting step."""
+        drafting fit has left out the bucket's first drafting step; a steady one (launched ahead and launching the
+        next ahead, or any on an engine that launches none ahead) into ``whole_s``, one that ran in its turn into
+        ``whole_serial_s``."""
         if self.drafting_steps == 0:
             return
-        self.whole_steps += 1
-        self.whole_s = forgetting_mean(self.whole_s, self.whole_steps, step - self.whole_at, seconds, forget)
-        self.whole_at = step
+        if steady:
+            self.whole_steps += 1
+            self.whole_s = forgetting_mean(self.whole_s, self.whole_steps, step - self.whole_at, seconds, forget)
+            self.whole_at = step
+        else:
+            self.whole_serial_steps += 1
+            self.whole_serial_s = forgetting_mean(self.whole_serial_s, self.whole_serial_steps,
+                                                  step - self.whole_serial_at, seconds, forget)
+            self.whole_serial_at = step
+
+    def whole_price(self, steady: bool = True) -> float | None:
+        """The price of a drafting step verifying every block: a run of them (``steady``: the steady steps' mean
+        where known) or one in its turn, a probe's (the serial steps' mean where known), else the other kind's."""
+        first, other = (self.whole_s, self.whole_serial_s) if steady else (self.whole_serial_s, self.whole_s)
+        return first if first is not None else other
 
     def observe_verify_only(self, drafts: int, seconds: float, step: int, forget: float) -> None:
         """A step that verified ``drafts`` drafts and drafted none: its time over the plain price, per verified draft,
@@ -245,6 +270,10 @@ class SpeculationGuard:
         # plain plans (the block verified at the first; the second serial; the third launched ahead and launching
         # the fourth: steady, the one timed), else two (the second timed)
         self.exploration_len = 4 if runs_ahead else 2
+        # a batch probe drafts this many steps in a row: there the second, launched ahead by the first and launching
+        # the step that verifies it, is steady, so a bucket that decodes plain still learns what a run of drafting
+        # steps costs (its probes' first steps, in their turn, pay the host's work besides)
+        self.probe_len = 2 if runs_ahead else 1
         self.population_gain: float | None = None  # accepted drafts a verify over every request seen
         self.verified_share = 1.0  # drafts a verifying request verified, over its block (confidence trims it)
         self.requests: dict[str, _RequestState] = {}
@@ -253,6 +282,7 @@ class SpeculationGuard:
         self.plan_now: GuardPlan | None = None
         self.stats = GuardStats()
         self._explore_left = 0  # plain plans left of an exploration (exploration_len in a row)
+        self._probe_left = 0  # drafting plans left of a batch probe (probe_len in a row)
         self._bucket = 0  # the bucket of the last plan
         self._verifies_seen = 0  # every verify observed (a plan that decided plain stands until one comes)
         # a plain decision that stands: (the step it lapses at, verifies seen then, the requests it was made for)
@@ -297,7 +327,8 @@ class SpeculationGuard:
         its prices are kept apart, ``prompt_buckets``; such a step is never launched ahead), whether every block
         drafted for it was verified (``whole``: nobody left out). A plain step (drafted nothing, verified nothing),
         steady or feeding a prompt, times the plain price; a drafting step the drafting fit, and one that verified
-        every block also the whole price; a decode step that only verified (the one after a probe, or after drafting
+        every block also the whole price (a steady one that of a run of drafting steps, else that of a step in its
+        turn); a decode step that only verified (the one after a probe, or after drafting
         stopped) the price of a verified draft over a plain step (``verify_draft_s``: what a probe's verify costs); a
         plain step that is neither steady nor feeding a prompt, nothing."""
         table = self.prompt_buckets if prompt else self.buckets
@@ -306,7 +337,7 @@ class SpeculationGuard:
         if drafted:
             costs.observe_drafting(verified_drafts, seconds, step, self.tuning.forget, self.tuning.ridge)
             if whole and verified_drafts:
-                costs.observe_whole(seconds, step, 1.0 - self.tuning.plain_weight)
+                costs.observe_whole(seconds, step, 1.0 - self.tuning.plain_weight, steady)
         elif verified_drafts == 0 and (steady or prompt):
             costs.observe_plain(seconds, step, 1.0 - self.tuning.plain_weight)
         elif verified_drafts and not prompt:
@@ -363,8 +394,11 @@ class SpeculationGuard:
             live = set(request_ids)
             self.requests = {r: s for r, s in self.requests.items() if r in live}
         if ahead:
-            self._explore_left = max(self._explore_left - 1, 0)
+            self._explore_left, self._probe_left = max(self._explore_left - 1, 0), 0
             return self._record(GuardPlan(step, False, frozenset(), "ahead"))
+        if self._probe_left:  # a batch probe's next drafting step, everyone verifying
+            self._probe_left -= 1
+            return self._record(GuardPlan(step, True, None, "probe"))
         if not pinned and (self._explore_left or self._exploration_due(costs)):
             if self._explore_left == 0:  # plain steps in a row until one is clean and steady (exploration_len)
                 self._explore_left, costs.since_exploration = self.exploration_len, 0
@@ -407,8 +441,9 @@ class SpeculationGuard:
             # besides), nor than the whole price less the drafts left out (leaving blocks out saves at most their
             # verify: the drafter's forward and the step's fixed work remain)
             base = max(base, prices.plain_s)
-            if prices.whole_s is not None:
-                base = max(base, prices.whole_s - per_draft * drafts_each * batch)
+            ragged_whole = prices.whole_price(steady=False)  # (a step leaving some out is not launched ahead)
+            if ragged_whole is not None:
+                base = max(base, ragged_whole - per_draft * drafts_each * batch)
             best_rate, tokens = batch / prices.plain_s * (1 + tuning.margin), float(batch)
             last = 0.0
             for m, (gain, _) in enumerate(gains[:-1], start=1):  # some left out: priced by the fit
@@ -420,7 +455,8 @@ class SpeculationGuard:
                     break
                 last = rate
             # everyone: the whole price where known (a uniform step), else the fit
-            everyone = prices.whole_s if prices.whole_s is not None else base + per_draft * drafts_each * batch
+            whole = prices.whole_price()  # (a batch that keeps drafting for everyone launches each step ahead)
+            everyone = whole if whole is not None else base + per_draft * drafts_each * batch
             everyone_rate = (batch + sum(gain for gain, _ in gains)) / everyone
             if everyone_rate > best_rate:
                 best_m, best_rate = batch, everyone_rate
@@ -430,7 +466,7 @@ class SpeculationGuard:
         if best_m == 0:
             arrivals = [r for _, r in gains if self._unseen(r)]
             quiet = costs.probe_quiet_until  # (a probe of either kind ran lately: its price is not yet spread)
-            spacing = self._probe_spacing(prices, fit, batch, batch)  # (0 where unpriced)
+            spacing = self._probe_spacing(prices, fit, batch, batch, self.probe_len)  # (0 where unpriced)
             if costs.probe_interval == 0:  # drafting just stopped paying here: the first probe after probe_first
                 costs.probe_interval, costs.next_probe = tuning.probe_first, step + max(tuning.probe_first, spacing)
             elif step >= max(costs.next_probe, quiet):  # the whole batch verifies one block (the arrivals' too), then
@@ -439,6 +475,7 @@ class SpeculationGuard:
                 costs.next_probe = step + costs.probe_interval
                 costs.probe_quiet_until = step + spacing
                 self.stats.batch_probes += 1
+                self._probe_left = self.probe_len - 1
                 return self._record(GuardPlan(step, True, None, "probe"))
             if arrivals and step >= max(costs.next_arrival_probe, quiet):  # requests never verified: now and then
                 costs.arrival_interval = min(max(2 * costs.arrival_interval, tuning.probe_first), tuning.probe_max)
@@ -512,14 +549,16 @@ class SpeculationGuard:
         state = self.requests.get(request_id)
         return state is None or state.verifies == 0
 
-    def _probe_spacing(self, prices: _BucketCosts, fit: tuple[float, float] | None, verified: int, batch: int) -> int:
+    def _probe_spacing(self, prices: _BucketCosts, fit: tuple[float, float] | None, verified: int, batch: int,
+                       steps: int = 1) -> int:
         """The fewest steps from one probe verifying ``verified`` of the batch's blocks to the next such that the
         probe's price over a plain step's is at most ``probe_budget`` of the plain steps' time between: 0 where
-        no price of it is known (the doubling schedule alone). A probe drafts at one step and verifies at the next:
-        its price is the drafting step's (the fit's, verifying nothing) plus its drafts' verify, each draft priced
-        at the most of the fit's slope and of what the steps that only verified showed (``verify_draft_s``, this
-        bucket's or the nearest bucket's: a draft's verify moves slowly with the batch), and never below what a
-        drafting step that verified everyone cost (``whole_s``) where everyone is probed."""
+        no price of it is known (the doubling schedule alone). A probe drafts at one step (``steps`` in a row: each
+        priced alike) and verifies at the next: a step's price is the drafting step's (the fit's, verifying nothing)
+        plus its drafts' verify, each draft priced at the most of the fit's slope and of what the steps that only
+        verified showed (``verify_draft_s``, this bucket's or the nearest bucket's: a draft's verify moves slowly
+        with the batch), and never below what a drafting step that verified everyone in its turn cost
+        (``whole_price(steady=False)``) where everyone is probed."""
         plain = prices.plain_s
         if plain is None:
             return 0
@@ -529,11 +568,12 @@ class SpeculationGuard:
             base, slope = fit if fit is not None else (plain, 0.0)
             per_draft = max(slope, verify or 0.0)
             candidates.append(max(base, plain) + per_draft * self.max_draft_len * self.verified_share * verified)
-        if verified == batch and prices.whole_s is not None:
-            candidates.append(prices.whole_s)
+        whole = prices.whole_price(steady=False)
+        if verified == batch and whole is not None:
+            candidates.append(whole)
         if not candidates:
             return 0
-        return math.ceil(max(max(candidates) - plain, 0.0) / (self.tuning.probe_budget * plain))
+        return math.ceil(steps * max(max(candidates) - plain, 0.0) / (self.tuning.probe_budget * plain))
 
     def _verify_draft_s(self, prices: _BucketCosts) -> float | None:
         """A verified draft's price over a plain step (``_BucketCosts.verify_draft_s``): the priced bucket's, else the
@@ -575,6 +615,7 @@ class SpeculationGuard:
                     "drafting_ms": None if fit is None else round(1e3 * fit[0], 4),
                     "ms_per_verified_draft": None if fit is None else round(1e3 * fit[1], 5),
                     "whole_ms": None if costs.whole_s is None else round(1e3 * costs.whole_s, 4),
+                    "whole_serial_ms": None if costs.whole_serial_s is None else round(1e3 * costs.whole_serial_s, 4),
                     "plain_steps": costs.plain_steps, "drafting_steps": costs.drafting_steps}
             return out
 

@@ -126,6 +126,63 @@ def test_verifying_everyone_is_priced_by_the_steps_that_did():
     assert guard.as_dict()["buckets"][batch]["whole_ms"] == 1500.0
 
 
+def test_where_steps_run_ahead_a_run_of_drafting_steps_is_priced_by_its_steady_steps():
+    """A drafting step in its turn (the first of a run, after plain steps) pays the host's work that a run of them,
+    each launched ahead, overlaps: a batch that keeps drafting is priced by the steady steps, not by the mean over
+    both kinds; the serial ones price what a step in its turn costs (a probe's)."""
+    guard = SpeculationGuard(K, runs_ahead=True)
+    batch = 8
+    for _ in range(6):  # every block verified: 3.0 s in its turn, 1.5 s launched ahead
+        guard.observe_step(batch, True, batch * K, 3.0, steady=False)
+        guard.observe_step(batch, True, batch * K, 1.5, steady=True)
+    for _ in range(4):
+        guard.observe_step(batch, False, 0, 1.0)
+    ids = [f"r{i}" for i in range(batch)]
+    for request_id in ids:
+        teach(guard, request_id, 1)
+    costs = guard.buckets[batch]
+    assert costs.whole_s == 1.5 and costs.whole_serial_s == 3.0
+    assert costs.whole_price() == 1.5 and costs.whole_price(steady=False) == 3.0
+    # 8 + 8 tokens in 1.5 s beat 8 plain tokens a second with the margin (in 3.0 s, or the ~2.25 s mean, they lose)
+    plan = guard.plan(100, ids)
+    assert plan.drafts and plan.verifiers is None and plan.reason == "pays"
+    priced_ms = guard.as_dict()["buckets"][batch]
+    assert priced_ms["whole_ms"] == 1500.0 and priced_ms["whole_serial_ms"] == 3000.0
+    # an engine that launches no step ahead: every step is steady, one price as before
+    alone = SpeculationGuard(K)
+    alone.observe_step(batch, True, 0, 1.0)
+    alone.observe_step(batch, True, batch * K, 2.0)
+    assert alone.buckets[batch].whole_s == 2.0 and alone.buckets[batch].whole_serial_s is None
+
+
+@pytest.mark.parametrize("runs_ahead,probe_steps", [(False, 1), (True, 2)])
+def test_where_steps_run_ahead_a_batch_probe_drafts_two_steps_so_its_second_is_steady(runs_ahead, probe_steps):
+    """A batch decoding plain learns drafting prices only from its probes; where steps run ahead a probe's first step
+    runs in its turn, so a probe drafts twice in a row (the second launched ahead: a steady price), everyone
+    verifying, and then waits as long again within the probe budget; a step launched ahead as a plain decode ends it."""
+    guard = SpeculationGuard(K, GuardTuning(probe_first=8, probe_max=64, probe_budget=1.0), runs_ahead=runs_ahead)
+    priced(guard, 4)
+    ids = ["a", "b", "c", "d"]
+    for request_id in ids:
+        guard.observe_verify(request_id, K, 0)
+    runs, run = [], []
+    for step in range(300):
+        plan = guard.plan(step, ids)
+        if plan.drafts:
+            assert plan.reason == "probe" and plan.verifiers is None
+            run.append(step)
+        elif run:
+            runs.append(run)
+            run = []
+            for request_id in ids:
+                guard.observe_verify(request_id, K, 0)
+    assert len(runs) >= 3 and all(len(r) == probe_steps and r == list(range(r[0], r[0] + probe_steps)) for r in runs)
+    assert guard.stats.batch_probes == len(runs)
+    if runs_ahead:  # the second step of a probe, launched ahead as a plain decode, drafts nothing
+        nxt = next(s for s in range(300, 600) if guard.plan(s, ids).drafts)
+        assert guard.plan(nxt + 1, ids, ahead=True).drafts is False and guard.plan(nxt + 2, ids).drafts is False
+
+
 def test_where_everyone_accepts_alike_leaving_a_block_out_never_looks_cheaper():
     """The drafting fit extrapolates from the drafts its steps verified; where they barely varied (whole blocks, or
     all but one) its line is noise far from them. Leaving blocks out saves only their drafts: a step verifying
