@@ -479,6 +479,31 @@ def test_a_mixed_batch_verifies_the_good_requests_and_probes_the_others():
     assert all(steps == [8, 24, 56, 120] for steps in probes.values()), probes
 
 
+def test_the_population_learns_only_from_steps_that_verified_everyones_blocks():
+    """A plan that leaves requests out verifies the better ones, a request's probe the worse: neither is a sample of
+    the population whose gain a new (or a left-out) request is shrunk toward; a step that verified every block is."""
+    guard = SpeculationGuard(K)
+    priced(guard, 8, plain=1.0, drafting=1.1, per_draft=0.02)
+    good, bad = [f"g{i}" for i in range(4)], [f"b{i}" for i in range(4)]
+    for request_id in good:
+        teach(guard, request_id, K)
+    for request_id in bad:
+        teach(guard, request_id, 0)
+    population = guard.population_gain
+    assert 0 < population < K
+    plan = guard.plan(100, good + bad)
+    assert plan.drafts and plan.verifiers == frozenset(good)  # the bad requests left out
+    guard.plan(101, good + bad)  # the next step verifies those blocks
+    guard.observe_verifies([(request_id, K, K) for request_id in good])
+    assert guard.population_gain == population and guard.gain("g0") > population  # the requests themselves learn
+    everyone = SpeculationGuard(K)  # before any plan, and after one verifying everyone, every verify counts
+    everyone.observe_verifies([("a", K, K)])
+    everyone.plan(0, ["a"])
+    everyone.plan(1, ["a"])
+    everyone.observe_verifies([("a", K, 0)])
+    assert everyone.population_gain < K
+
+
 def test_the_batch_verifies_the_best_number_of_blocks():
     """The plan's ``m`` (the top requests by gain whose blocks are verified) maximizes expected tokens per second over
     every m, plain decoding (m = 0, with the margin) included: brute force over random gains and prices."""
