@@ -5,12 +5,14 @@
 requests go through ``runtime.spec.guard.SpeculationGuard`` (the engine's own class, its default tuning unless
 ``--memory`` / ``--prior-verifies`` / ``--margin`` say otherwise) at a fixed batch size, a finished request replaced
 by the next; a step costs the plain price, or the drafting price (the whole price when everyone verifies, the fit's
-base plus its per-draft price otherwise); ``--unsteady F`` prices a plain step right after a drafting one at F times
-a plain step (it is not launched ahead). A request verifying a block at text position p accepts what the recorded
-verify covering p accepted from there on (the recorded run verified at other positions when the guard skips blocks).
-Prints and writes tokens per ms over AR's (batch / plain price) for fixed K and for the guard.
+base plus its per-draft price otherwise), and a drafting step right after a plain one what the record's whole steps in
+their turn cost over a run's (``whole_serial_ms``, where priced); ``--unsteady F`` prices a plain step right after a
+drafting one at F times a plain step (it is not launched ahead). A request verifying a block at text position p
+accepts what the recorded verify covering p accepted from there on (the recorded run verified at other positions when
+the guard skips blocks). Prints and writes tokens per ms over AR's (batch / plain price) for fixed K and for the
+guard.
 
-usage: python benchmarks/guard_replay.py record --out outcomes.json [--prompts 6] [--device cpu]
+usage: python benchmarks/guard_replay.py record --out outcomes.json [--prompts 6] [--device cpu] [--dtype bfloat16]
        python benchmarks/guard_replay.py replay outcomes.json --prices e2e-record.json [--batch 1,4]
 """
 
@@ -36,8 +38,9 @@ def record(args) -> dict:
     from runtime.training.prompt_sets import read_turns
 
     spec = {"speculative_model": args.drafter, "max_draft_len": args.max_draft_len, "speculation_guard": False}
-    llm = LLM(args.model, speculative_config=spec, device=args.device, max_num_seqs=32, max_model_len=2048,
-              **({"dtype": "float32"} if args.device == "cpu" else {}))
+    dtype = args.dtype if args.dtype != "auto" else "float32" if args.device == "cpu" else "auto"
+    llm = LLM(args.model, speculative_config=spec, device=args.device, dtype=dtype, max_num_seqs=32,
+              max_model_len=2048)
     engine, outcomes = llm.engine, {}
     commit = engine._commit_step
 
@@ -54,7 +57,7 @@ def record(args) -> dict:
              [SamplingParams(max_tokens=args.max_tokens, temperature=0.0) for _ in rows])
     return {"kind": "verify_outcomes", "model": args.model, "drafter": args.drafter,
             "max_draft_len": args.max_draft_len, "max_tokens": args.max_tokens, "prompts_per_set": args.prompts,
-            "device": args.device, "host": platform.node(), "date": datetime.date.today().isoformat(),
+            "device": args.device, "dtype": dtype, "host": platform.node(), "date": datetime.date.today().isoformat(),
             "command": "python benchmarks/guard_replay.py " + shlex.join(sys.argv[1:]),
             "requests": list(outcomes.values())}
 
@@ -85,6 +88,9 @@ def replay(streams: list[Stream], batch: int, prices: dict, max_draft_len: int, 
     guard = SpeculationGuard(max_draft_len, tuning, runs_ahead=False)
     plain, drafting, whole, per_draft = prices["plain_ms"], prices["drafting_ms"], prices["whole_ms"], \
         prices["ms_per_verified_draft"]
+    # a drafting step right after a plain one runs in its turn (not launched ahead): what such whole steps cost over
+    # a run's, where the record priced both (``whole_serial_ms``)
+    serial_extra = max(prices.get("whole_serial_ms") - whole, 0.0) if prices.get("whole_serial_ms") else 0.0
     served = 0
 
     def next_request():
@@ -112,6 +118,7 @@ def replay(streams: list[Stream], batch: int, prices: dict, max_draft_len: int, 
         everyone = last is not None and last[0] and last[1] is None
         if drafts:
             cost = whole if everyone else drafting + per_draft * verified
+            cost += serial_extra if last is not None and not last[0] else 0.0
         else:
             cost = (plain + per_draft * verified) * (unsteady if last is not None and last[0] else 1.0)
         ms += cost
@@ -134,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("--max-tokens", type=int, default=512)
     rec.add_argument("--prompts", type=int, default=6, help="first turns per evaluation set (default 6)")
     rec.add_argument("--device", default="cpu")
+    rec.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                     help="the engine's dtype (default auto: float32 on the CPU, the engine's default elsewhere; a GPU "
+                     "serves bfloat16, whose greedy answers and acceptance differ from float32's)")
     rec.add_argument("--out", required=True)
     rep = sub.add_parser("replay", help="the guard and fixed K on recorded outcomes at an e2e run's prices")
     rep.add_argument("outcomes")

@@ -355,6 +355,22 @@ def test_e2e_bench_times_dspark_that_never_drafts_and_fixed_k_beside_the_pair(tm
     assert row["fixed_over_ar_paired"] > 0 and row["rounds"][0]["fixed"]["tokens_per_s"] > 0
 
 
+def test_guard_replay_records_each_verify_in_the_dtype_asked(tmp_path, make_drafter):
+    from tests import builders
+
+    spec = importlib.util.spec_from_file_location("guard_replay", ROOT / "benchmarks" / "guard_replay.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    target = builders.save_target(tmp_path / "target", "qwen3", seed=1, max_position_embeddings=4096)
+    drafter = make_drafter(target, 3)
+    out = tmp_path / "outcomes.json"
+    assert module.main(["record", "--model", str(target), "--drafter", str(drafter), "--max-draft-len", "3",
+                        "--max-tokens", "6", "--prompts", "1", "--dtype", "bfloat16", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["dtype"] == "bfloat16" and len(record["requests"]) == 4  # a first turn of each evaluation set
+    assert all(1 <= drafts <= 3 and 0 <= accepted <= drafts for r in record["requests"] for drafts, accepted in r)
+
+
 def test_guard_replay_prices_fixed_k_and_the_guard_on_recorded_outcomes():
     """The offline replay drives the engine's own guard: where every draft is accepted it drafts as fixed K does;
     where none is, fixed K pays the drafting price for nothing and the guard decodes plain."""
@@ -372,6 +388,12 @@ def test_guard_replay_prices_fixed_k_and_the_guard_on_recorded_outcomes():
         guard = module.replay(rejecting, batch, prices, 7)
         assert fixed["over_ar"] < 0.7 and guard["over_ar"] > 0.95 and guard["drafting_share"] < 0.05
     assert module.Stream([[7, 3], [7, 0]]).accepted_at(1) == 2  # inside a verify's accepted run: what remains of it
+    # a drafting step right after a plain one costs what the record's whole steps in their turn cost over a run's
+    mixed = [module.Stream(([[7, 7]] * 3 + [[7, 0]] * 6) * 6) for _ in range(8)]
+    serial = {**prices, "whole_serial_ms": 2.5}
+    assert module.replay(mixed, 1, serial, 7)["over_ar"] < module.replay(mixed, 1, prices, 7)["over_ar"]
+    assert module.replay(accepting, 1, serial, 7, guarded=False) == module.replay(accepting, 1, prices, 7,
+                                                                                   guarded=False)
 
 
 def test_the_smollm2_recipe_writes_only_the_prompts_a_chunk_answers(monkeypatch):
