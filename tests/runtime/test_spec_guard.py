@@ -479,6 +479,32 @@ def test_a_mixed_batch_verifies_the_good_requests_and_probes_the_others():
     assert all(steps == [8, 24, 56, 120] for steps in probes.values()), probes
 
 
+def test_the_margin_is_a_band_a_drafting_batch_stops_only_where_plain_decoding_beats_it_by_as_much():
+    """Gains near break-even (drafting 1% ahead of plain decoding, within the 3% margin): a batch that drafted because
+    it paid keeps drafting; a batch decoding plain does not start."""
+    ids = ["a", "b", "c", "d"]
+
+    def near_break_even(guard: SpeculationGuard) -> None:
+        for _ in range(100):  # alternating 0 and 1 accepted, the last 1: a gain of ~0.54 each, the population's ~0.5
+            for accepted in (0, 1):
+                guard.observe_verifies([(request_id, K, accepted) for request_id in ids])
+
+    drafting = SpeculationGuard(K)
+    priced(drafting, 4, plain=1.0, drafting=1.52, per_draft=0.0)  # (4 + 4 x 0.54) / 1.52 s: 1.01x plain's 4 a second
+    for request_id in ids:
+        teach(drafting, request_id, K)
+    assert drafting.plan(100, ids).reason == "pays"
+    near_break_even(drafting)
+    assert 0.5 < drafting.gain("a") < 0.57
+    plan = drafting.plan(200, ids)
+    assert plan.drafts and plan.reason == "pays" and plan.verifiers is None
+    plain = SpeculationGuard(K)
+    priced(plain, 4, plain=1.0, drafting=1.52, per_draft=0.0)
+    near_break_even(plain)
+    assert abs(plain.gain("a") - drafting.gain("a")) < 0.01
+    assert plain.plan(200, ids).reason == "plain"
+
+
 def test_the_population_learns_only_from_steps_that_verified_everyones_blocks():
     """A plan that leaves requests out verifies the better ones, a request's probe the worse: neither is a sample of
     the population whose gain a new (or a left-out) request is shrunk toward; a step that verified every block is."""
