@@ -451,7 +451,8 @@ class SpeculationGuard:
             # besides), nor than the whole price less the drafts left out (leaving blocks out saves at most their
             # verify: the drafter's forward and the step's fixed work remain)
             base = max(base, prices.plain_s)
-            ragged_whole = prices.whole_price(steady=False)  # (a step leaving some out is not launched ahead)
+            # (a step leaving some out runs in its turn, and never costs less than one verifying everyone either way)
+            ragged_whole = max((w for w in (prices.whole_s, prices.whole_serial_s) if w is not None), default=None)
             if ragged_whole is not None:
                 base = max(base, ragged_whole - per_draft * drafts_each * batch)
             # the margin is a band: a batch that drafted because it paid keeps drafting until plain decoding beats it

@@ -206,6 +206,26 @@ def test_where_everyone_accepts_alike_leaving_a_block_out_never_looks_cheaper():
         assert plan.drafts and plan.verifiers is None and plan.reason == "pays", (step, plan)
 
 
+def test_where_steps_run_ahead_and_everyone_accepts_alike_leaving_a_block_out_never_looks_cheaper_either():
+    """A step leaving blocks out is priced no lower than the dearer of the whole prices (the steady and the serial:
+    where the host's timing puts the steady ones above the serial ones, a run launched ahead still costs no more than
+    a ragged step run in its turn) less the drafts left out."""
+    guard = SpeculationGuard(K, runs_ahead=True)
+    batch = 64  # (leaving one of 64 out saves a sliver: a price a few percent low tips it)
+    for _ in range(6):  # steady whole steps 0.85 s, serial ones 0.80 s, ragged ones 0.83 s (slope ~0: their fit 0.83 s)
+        guard.observe_step(batch, True, batch * K, 0.85, steady=True)
+        guard.observe_step(batch, True, batch * K, 0.80, steady=False)
+        guard.observe_step(batch, True, (batch - 1) * K, 0.83, steady=False, whole=False)
+    for _ in range(4):
+        guard.observe_step(batch, False, 0, 0.5)
+    ids = [f"r{i}" for i in range(batch)]
+    for request_id in ids:
+        teach(guard, request_id, 3)
+    for step in range(100, 110):
+        plan = guard.plan(step, ids)
+        assert plan.drafts and plan.verifiers is None and plan.reason == "pays", (step, plan)
+
+
 def test_a_decision_that_everyone_verifies_stands_a_few_steps_while_the_batch_is_the_same():
     """Where everyone's drafts pay, the choice is made again every replan_every steps (not every step: gains and
     prices move by one verify's weight a step); a request whose drafts stopped paying is left out that much later,
