@@ -23,13 +23,14 @@ host still finishes the one before (``runs_ahead``), only a *steady* plain step 
 launching the next ahead; a plain step between drafting steps also pays the host's work that the overlap hides (on a GPU
 15-60% more than a steady step). On such an engine a batch that keeps drafting for everyone launches each step ahead
 too, so the whole price is the steady whole steps' (``whole_s``), and the steps in their turn (a drafting run's first, a
-probe's) are priced apart (``whole_serial_s``: they price a probe and a ragged step). A bucket not yet priced decides by
-the nearest priced bucket's prices (a drafting step's price over a plain one's moves slowly with the batch). Where no
-bucket is priced the guard drafts (the engine was given a drafter) and, now and then, runs plain steps in a row to time
-one (``exploration``: two, the second clean of the block verified at the first; with ``runs_ahead`` four, the third
-steady; ever more rarely while drafting clearly beats plain decoding); unless the requests' expected extra tokens
-together do not beat the margin: a drafting step never costs less than a plain one, so then drafting cannot pay at any
-price (an untrained drafter at a batch size not seen before decodes plain from its first step).
+probe's) are priced apart (``whole_serial_s``: they price a probe, and a ragged step no lower than the dearer whole
+price). A bucket not yet priced decides by the nearest priced bucket's prices (a drafting step's price over a plain
+one's moves slowly with the batch). Where no bucket is priced the guard drafts (the engine was given a drafter) and, now
+and then, runs plain steps in a row to time one (``exploration``: two, the second clean of the block verified at the
+first; with ``runs_ahead`` four, the third steady; ever more rarely while drafting clearly beats plain decoding); unless
+the requests' expected extra tokens together do not beat the margin: a drafting step never costs less than a plain one,
+so then drafting cannot pay at any price (an untrained drafter at a batch size not seen before decodes plain from its
+first step).
 
 A plain decision stands, without ranking the gains and pricing every ``m`` again, until a request arrives or
 leaves, a verify is observed, a probe is due or ``probe_first`` steps pass (only the prices' drift goes unweighed
