@@ -13,11 +13,16 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "benchmarks" / "gpu_recipe.py"
 
 
-def load_recipe():
-    spec = importlib.util.spec_from_file_location("gpu_recipe", RECIPE)
+def load_benchmark(name: str):
+    """benchmarks/NAME.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_recipe():
+    return load_benchmark("gpu_recipe")
 
 
 def test_child_arguments_replace_and_drop_options_in_both_spellings():
@@ -129,9 +134,7 @@ def test_tp_scaling_ratios_pair_each_layout_with_its_reference_and_skip_what_the
 def test_schedule_bounds_price_the_best_cap_and_the_oracle_from_the_table(tmp_path):
     """benchmarks/schedule_bounds.py: on a table whose step costs 10 ms + 0.01 per token at 64 requests, with
     acceptance falling along the block, the best single cap is below whole blocks and the oracle feeds tau tokens."""
-    spec = importlib.util.spec_from_file_location("schedule_bounds", ROOT / "benchmarks" / "schedule_bounds.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("schedule_bounds")
     from runtime.spec.step_costs import StepCostTable
 
     tokens = [64 * (q + 1) for q in range(4)]
@@ -306,9 +309,7 @@ def test_the_device_scripts_parse_and_refuse_an_unknown_step(tmp_path):
 def test_e2e_bench_pairs_our_two_engines_on_real_prompts_and_runs_our_ar_alone(tmp_path, make_drafter):
     from tests import builders
 
-    spec = importlib.util.spec_from_file_location("e2e_bench", ROOT / "benchmarks" / "e2e_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("e2e_bench")
     target = builders.save_target(tmp_path / "target", "qwen3", seed=1, max_position_embeddings=4096)
     drafter = make_drafter(target, 3)
     common = ["--model", str(target), "--concurrency", "2", "--requests", "2", "--max-tokens", "6", "--rounds", "1",
@@ -328,9 +329,7 @@ def test_e2e_bench_pairs_our_two_engines_on_real_prompts_and_runs_our_ar_alone(t
 
 
 def test_e2e_bench_shares_a_gpu_kv_budget_among_the_engines_alive_together():
-    spec = importlib.util.spec_from_file_location("e2e_bench", ROOT / "benchmarks" / "e2e_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("e2e_bench")
     assert module.default_kv_cache_gib(True, 4) == 1.0
     assert module.default_kv_cache_gib(False, 1) == module.default_kv_cache_gib(False, 2) == 16.0
     # AR, DSpark, fixed K and never drafting: 40 GiB among four, what fits an 80 GB GPU beside the weights
@@ -342,9 +341,7 @@ def test_e2e_bench_times_dspark_that_never_drafts_and_fixed_k_beside_the_pair(tm
     guard off); both in the same rounds."""
     from tests import builders
 
-    spec = importlib.util.spec_from_file_location("e2e_bench", ROOT / "benchmarks" / "e2e_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("e2e_bench")
     target = builders.save_target(tmp_path / "target", "qwen3", seed=1, max_position_embeddings=4096)
     drafter = make_drafter(target, 3)
     assert module.main(["--model", str(target), "--drafter", str(drafter), "--concurrency", "2", "--requests", "2",
@@ -358,9 +355,7 @@ def test_e2e_bench_times_dspark_that_never_drafts_and_fixed_k_beside_the_pair(tm
 def test_guard_replay_records_each_verify_in_the_dtype_asked(tmp_path, make_drafter):
     from tests import builders
 
-    spec = importlib.util.spec_from_file_location("guard_replay", ROOT / "benchmarks" / "guard_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("guard_replay")
     target = builders.save_target(tmp_path / "target", "qwen3", seed=1, max_position_embeddings=4096)
     drafter = make_drafter(target, 3)
     out = tmp_path / "outcomes.json"
@@ -374,9 +369,7 @@ def test_guard_replay_records_each_verify_in_the_dtype_asked(tmp_path, make_draf
 def test_guard_replay_prices_fixed_k_and_the_guard_on_recorded_outcomes():
     """The offline replay drives the engine's own guard: where every draft is accepted it drafts as fixed K does;
     where none is, fixed K pays the drafting price for nothing and the guard decodes plain."""
-    spec = importlib.util.spec_from_file_location("guard_replay", ROOT / "benchmarks" / "guard_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("guard_replay")
     prices = {"plain_ms": 1.0, "drafting_ms": 1.5, "whole_ms": 1.5, "ms_per_verified_draft": 0.0}
     accepting = [module.Stream([[7, 7]] * 20) for _ in range(8)]
     rejecting = [module.Stream([[7, 0]] * 80) for _ in range(8)]

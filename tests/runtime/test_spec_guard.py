@@ -26,6 +26,16 @@ def teach(guard: SpeculationGuard, request_id: str, accepted: int, verifies: int
         guard.observe_verify(request_id, K, accepted)
 
 
+def good_and_bad(guard: SpeculationGuard) -> tuple[list[str], list[str]]:
+    """Four requests that accept every draft and four that accept none, taught to ``guard``."""
+    good, bad = [f"g{i}" for i in range(4)], [f"b{i}" for i in range(4)]
+    for request_id in good:
+        teach(guard, request_id, K)
+    for request_id in bad:
+        teach(guard, request_id, 0)
+    return good, bad
+
+
 def test_buckets_are_powers_of_two():
     assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
 
@@ -89,11 +99,7 @@ def test_where_every_step_feeds_a_prompt_the_guard_prices_and_decides_on_such_st
     (``prompt_buckets``) and, while the pure steps are unpriced, the plan compares them: a batch whose half never
     accepts verifies the good half only."""
     guard = SpeculationGuard(K)
-    good, bad = [f"g{i}" for i in range(4)], [f"b{i}" for i in range(4)]
-    for request_id in good:
-        teach(guard, request_id, K)
-    for request_id in bad:
-        teach(guard, request_id, 0)
+    good, bad = good_and_bad(guard)
     assert guard.plan(0, good + bad).reason == "unpriced"
     for drafts in (0, 8 * K) * 4:
         guard.observe_step(8, True, drafts, 1.3 + 0.01 * drafts, steady=False, prompt=True)
@@ -481,11 +487,7 @@ def test_a_plain_decision_stands_until_something_it_weighed_changes():
 def test_a_mixed_batch_verifies_the_good_requests_and_probes_the_others():
     guard = SpeculationGuard(K, GuardTuning(probe_first=8, probe_max=512))
     priced(guard, 8, plain=1.0, drafting=1.1, per_draft=0.02)
-    good, bad = [f"g{i}" for i in range(4)], [f"b{i}" for i in range(4)]
-    for request_id in good:
-        teach(guard, request_id, K)
-    for request_id in bad:
-        teach(guard, request_id, 0)
+    good, bad = good_and_bad(guard)
     probes = {request_id: [] for request_id in bad}
     for step in range(200):
         plan = guard.plan(step, good + bad)
@@ -530,11 +532,7 @@ def test_the_population_learns_only_from_steps_that_verified_everyones_blocks():
     the population whose gain a new (or a left-out) request is shrunk toward; a step that verified every block is."""
     guard = SpeculationGuard(K)
     priced(guard, 8, plain=1.0, drafting=1.1, per_draft=0.02)
-    good, bad = [f"g{i}" for i in range(4)], [f"b{i}" for i in range(4)]
-    for request_id in good:
-        teach(guard, request_id, K)
-    for request_id in bad:
-        teach(guard, request_id, 0)
+    good, bad = good_and_bad(guard)
     population = guard.population_gain
     assert 0 < population < K
     plan = guard.plan(100, good + bad)
