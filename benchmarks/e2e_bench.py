@@ -178,13 +178,9 @@ def cpu_name() -> str:
     import os
     import platform
 
-    from runtime.worker.devices import cpu_bfloat16_flag
+    from runtime.worker.devices import cpu_bfloat16_flag, read_cpuinfo
 
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpuinfo = f.read()
-    except OSError:
-        cpuinfo = ""
+    cpuinfo = read_cpuinfo()
     model = next((line.partition(":")[2].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
                  platform.processor() or "CPU")
     return f"{model}, {os.cpu_count()} cores, bfloat16 instructions: {cpu_bfloat16_flag(cpuinfo) or 'none'}"

@@ -461,7 +461,7 @@ class SpeculationGuard:
             # the gains near break-even sends the batch plain until its next probe, tens of steps later within the
             # probe budget (replayed on SmolLM2's recorded verifies at an H100's prices: 1.07x AR at 16 requests
             # against 1.12x with the band, fixed K 1.13x)
-            paying = self.plan_now is not None and self.plan_now.drafts and self.plan_now.reason == "pays"
+            paying = self.plan_now is not None and self.plan_now.reason == "pays"
             best_rate = batch / prices.plain_s * (1 - tuning.margin if paying else 1 + tuning.margin)
             tokens = float(batch)
             last = 0.0

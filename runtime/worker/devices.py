@@ -31,6 +31,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 BFLOAT16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 
 
+def read_cpuinfo() -> str:
+    """/proc/cpuinfo's text, or "" where the platform has none (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def cpu_bfloat16_flag(cpuinfo: str | None = None) -> str | None:
     """The flag of this CPU's instructions that multiply bfloat16 natively (``BFLOAT16_CPU_FLAGS``), or None where it
     has none or the platform does not say (``cpuinfo``: /proc/cpuinfo's text; read here when None, Linux only).
@@ -40,11 +49,7 @@ def cpu_bfloat16_flag(cpuinfo: str | None = None) -> str | None:
     (docs/performance.md, SmolLM2 on the CPU). Without such instructions torch converts bfloat16 to float32 to
     multiply it."""
     if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return None
+        cpuinfo = read_cpuinfo()
     flags: set[str] = set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
